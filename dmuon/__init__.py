@@ -1,0 +1,1 @@
+"""dmuon: owner-centric distributed Muon for PyTorch FSDP2."""
