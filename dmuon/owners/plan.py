@@ -1,0 +1,240 @@
+"""The owner plan: which rank owns which dedicated matrix.
+
+A plan is computed once from parameter shapes (they never change during training), is
+identical on every rank (ranks compare :meth:`OwnerPlan.digest` before the first step), and
+round-trips through JSON so that ``python -m dmuon.profile`` can solve it offline and
+``dedicate_params(model, mesh, plan="plan.json")`` can load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MatrixSpec:
+    """One dedicated matrix of the plan.
+
+    Attributes:
+        fqn: fully qualified parameter name, as ``model.named_parameters()`` gives it.
+        shape: ``(rows, cols)`` of the full (unsharded) matrix.
+        owner: rank (in the data-parallel mesh dimension) that holds the fp32 master and
+            momentum, receives the reduced gradient and runs Newton-Schulz.
+        cost: Newton-Schulz cost the balancer used (unit in ``OwnerPlan.cost_unit``).
+    """
+
+    fqn: str
+    shape: tuple[int, int]
+    owner: int
+    cost: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.fqn:
+            raise ValueError("dmuon: MatrixSpec.fqn must be a non-empty parameter name")
+        if len(self.shape) != 2 or any(int(s) < 0 for s in self.shape):
+            raise ValueError(
+                f"dmuon: MatrixSpec.shape for {self.fqn!r} must be (rows, cols) with "
+                f"non-negative sizes, got {self.shape!r}"
+            )
+        if self.owner < 0:
+            raise ValueError(f"dmuon: MatrixSpec.owner for {self.fqn!r} is {self.owner}; ranks are >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnerPlan:
+    """Owner assignment of every dedicated matrix.
+
+    Attributes:
+        world_size: number of ranks the owners are drawn from (the data-parallel group).
+        matrices: one :class:`MatrixSpec` per dedicated matrix, in model order.
+        method: how the owners were chosen (``"greedy"``, ``"milp"``, ``"file"``...).
+        cost_unit: unit of ``MatrixSpec.cost`` and of ``makespan``/``lower_bound``
+            (``"flops"`` from the FLOP model, ``"ms"`` when profiled).
+        makespan: cost on the most loaded rank.
+        lower_bound: ``max(total / world_size, largest cost)``; no plan can beat it.
+
+    Raises:
+        ValueError: on a non-positive world size, a duplicated name, or an owner out of
+            ``range(world_size)``.
+    """
+
+    world_size: int
+    matrices: tuple[MatrixSpec, ...]
+    method: str = "greedy"
+    cost_unit: str = "flops"
+    makespan: float = 0.0
+    lower_bound: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"dmuon: OwnerPlan.world_size must be >= 1, got {self.world_size}")
+        seen: set[str] = set()
+        for spec in self.matrices:
+            if spec.fqn in seen:
+                raise ValueError(f"dmuon: OwnerPlan lists parameter {spec.fqn!r} twice")
+            seen.add(spec.fqn)
+            if spec.owner >= self.world_size:
+                raise ValueError(
+                    f"dmuon: OwnerPlan assigns {spec.fqn!r} to rank {spec.owner}, but the "
+                    f"world size is {self.world_size} (ranks 0..{self.world_size - 1})"
+                )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def owner_by_fqn(self) -> dict[str, int]:
+        return {m.fqn: m.owner for m in self.matrices}
+
+    @property
+    def shape_by_fqn(self) -> dict[str, tuple[int, int]]:
+        return {m.fqn: m.shape for m in self.matrices}
+
+    def loads(self) -> list[float]:
+        """Per-rank sum of ``MatrixSpec.cost`` (unit ``cost_unit``)."""
+        loads = [0.0] * self.world_size
+        for m in self.matrices:
+            loads[m.owner] += m.cost
+        return loads
+
+    def owned_by(self, rank: int) -> list[MatrixSpec]:
+        return [m for m in self.matrices if m.owner == rank]
+
+    # ------------------------------------------------------------ identity / IO
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": PLAN_SCHEMA_VERSION,
+            "world_size": self.world_size,
+            "method": self.method,
+            "cost_unit": self.cost_unit,
+            "makespan": self.makespan,
+            "lower_bound": self.lower_bound,
+            "matrices": [
+                {"fqn": m.fqn, "shape": list(m.shape), "owner": m.owner, "cost": m.cost}
+                for m in self.matrices
+            ],
+            "extra": dict(self.extra),
+        }
+
+    def digest(self) -> str:
+        """SHA-256 over what every rank must agree on: world size, names, shapes, owners."""
+        canon = json.dumps(
+            [self.world_size, [(m.fqn, list(m.shape), m.owner) for m in self.matrices]],
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(canon.encode()).hexdigest()
+
+    def save(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "OwnerPlan":
+        version = data.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise ValueError(
+                f"dmuon: plan schema_version is {version!r}, this dmuon reads version "
+                f"{PLAN_SCHEMA_VERSION}; re-run `python -m dmuon.profile` to write a new plan"
+            )
+        try:
+            matrices = tuple(
+                MatrixSpec(fqn=m["fqn"], shape=tuple(int(s) for s in m["shape"]),
+                           owner=int(m["owner"]), cost=float(m.get("cost", 0.0)))
+                for m in data["matrices"]
+            )
+            return cls(
+                world_size=int(data["world_size"]), matrices=matrices,
+                method=str(data.get("method", "file")), cost_unit=str(data.get("cost_unit", "flops")),
+                makespan=float(data.get("makespan", 0.0)), lower_bound=float(data.get("lower_bound", 0.0)),
+                extra=dict(data.get("extra", {})),
+            )
+        except KeyError as e:
+            raise ValueError(f"dmuon: plan JSON is missing the field {e.args[0]!r}") from None
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "OwnerPlan":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    # ------------------------------------------------------------- validation
+    def check_matches(self, shape_by_fqn: Mapping[str, Sequence[int]], world_size: int) -> None:
+        """Check that this plan fits a model's dedicated matrices and a mesh.
+
+        Args:
+            shape_by_fqn: full shape of every dedicated matrix of the model, by FQN.
+            world_size: size of the data-parallel mesh the plan will run on.
+
+        Raises:
+            ValueError: naming the first mismatch (world size, missing or extra matrix, shape)
+                and how to fix it.
+        """
+        if world_size != self.world_size:
+            raise ValueError(
+                f"dmuon: the plan was solved for {self.world_size} ranks but the mesh has "
+                f"{world_size}; re-solve it with `python -m dmuon.profile --nodes N "
+                f"--gpus-per-node G` for this world size"
+            )
+        mine = self.shape_by_fqn
+        missing = [f for f in shape_by_fqn if f not in mine]
+        if missing:
+            raise ValueError(
+                f"dmuon: the plan assigns no owner to {len(missing)} dedicated matrices of this "
+                f"model, e.g. {missing[:3]}; it was solved for another model or predicate"
+            )
+        extra = [f for f in mine if f not in shape_by_fqn]
+        if extra:
+            raise ValueError(
+                f"dmuon: the plan names {len(extra)} matrices this model does not dedicate, "
+                f"e.g. {extra[:3]}; it was solved for another model or predicate"
+            )
+        for fqn, shape in shape_by_fqn.items():
+            if tuple(shape) != tuple(mine[fqn]):
+                raise ValueError(
+                    f"dmuon: parameter {fqn!r} has shape {tuple(shape)} but the plan was solved "
+                    f"for shape {tuple(mine[fqn])}; re-solve the plan for this model"
+                )
+
+
+def build_plan(
+    named_shapes: Iterable[tuple[str, tuple[int, int]]],
+    world_size: int,
+    *,
+    costs: Sequence[float] | None = None,
+    cost_unit: str = "flops",
+    method: str = "greedy",
+) -> OwnerPlan:
+    """Assign an owner to every matrix by balancing Newton-Schulz cost.
+
+    Args:
+        named_shapes: ``(fqn, (rows, cols))`` per dedicated matrix, in model order.
+        world_size: number of ranks to spread owners over.
+        costs: per-matrix cost; defaults to the Gram Newton-Schulz FLOP model
+            (:func:`dmuon.kernels.ns_flops`).
+        cost_unit: unit of ``costs``.
+        method: passed to :func:`dmuon.balance.solve` (``"greedy"``, ``"milp"``, ``"auto"``).
+
+    Returns:
+        The plan, with makespan and lower bound from the solver.
+    """
+    from dmuon.balance import solve
+    from dmuon.kernels import ns_flops
+
+    named_shapes = [(fqn, (int(s[0]), int(s[1]))) for fqn, s in named_shapes]
+    if costs is None:
+        costs = [float(ns_flops(*shape, method="gram")) for _, shape in named_shapes]
+    if not named_shapes:
+        return OwnerPlan(world_size=world_size, matrices=(), method=method, cost_unit=cost_unit)
+    result = solve(list(costs), world_size, method=method)
+    matrices = tuple(
+        MatrixSpec(fqn=fqn, shape=shape, owner=int(owner), cost=float(cost))
+        for (fqn, shape), owner, cost in zip(named_shapes, result.owners, costs)
+    )
+    return OwnerPlan(
+        world_size=world_size, matrices=matrices, method=result.method, cost_unit=cost_unit,
+        makespan=float(result.makespan), lower_bound=float(result.lower_bound),
+    )
