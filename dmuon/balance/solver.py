@@ -1,0 +1,306 @@
+"""Owner assignment as makespan minimization: greedy LPT, a PuLP/CBC MILP, and ``auto``.
+
+Every dedicated matrix needs one owner rank that runs its Newton-Schulz (NS). The step waits
+for the most loaded rank, so the objective is the *makespan* ``max_r load_r``: the classic
+identical-machines scheduling problem ``P || C_max`` (Graham 1969; NP-hard, Garey & Johnson
+1979). Two solvers:
+
+* ``"greedy"``: longest processing time first (LPT, Graham 1969): matrices by decreasing cost,
+  each to the least loaded rank (ties: lowest rank; equal costs: input order). Its makespan is
+  at most ``4/3 - 1/(3 D)`` times the optimum.
+* ``"milp"``: an exact mixed-integer program solved by CBC through PuLP (see
+  :mod:`dmuon.balance.milp`), time-limited, warm-started from the greedy plan, so it is never
+  worse than greedy.
+
+``"auto"`` runs the MILP when the model is small enough to solve quickly and greedy otherwise
+(threshold :data:`AUTO_MAX_INTEGER_VARS`). The result carries the trivial lower bound
+``max(total / D, largest cost)`` the design asks for and a stronger ``proven_bound``
+(:func:`dmuon.balance.bounds.makespan_lower_bound`), so the optimality gap is always known.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from dataclasses import dataclass
+from typing import Hashable, Mapping, Sequence
+
+from dmuon.balance.bounds import makespan_lower_bound
+
+logger = logging.getLogger(__name__)
+
+#: ``auto`` solves the MILP when (distinct matrix classes) x (ranks) is at most this. Measured
+#: on the 2-core dev machine (bench/results/balance_cases.json): Pi0 (16 classes) and
+#: Qwen2.5-7B (7 classes) at 256 ranks give 4096 and 1792 integer variables and finish in a
+#: few seconds; models with hundreds of distinct shapes at 256 ranks fall back to greedy.
+AUTO_MAX_INTEGER_VARS = 8192
+
+_METHODS = ("auto", "greedy", "milp")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Assignment:
+    """Result of :func:`solve`.
+
+    Attributes:
+        owners: owner rank of every matrix, in input order.
+        loads: per-rank cost (same unit as the input costs), batching included.
+        memory: per-rank memory in bytes (zeros when no memory was given).
+        makespan: ``max(loads)``.
+        lower_bound: ``max(total / num_ranks, largest cost)``, the bound the design reports.
+        proven_bound: a lower bound at least as strong (pigeonhole bounds, or the makespan
+            itself when ``optimal``); ``makespan / proven_bound - 1`` is a proven gap.
+        method: ``"milp"`` or ``"greedy"``: the solver whose plan was returned.
+        optimal: True only where optimality is proven (MILP optimal, or makespan equal to a
+            lower bound).
+        solve_s: wall-clock seconds spent solving.
+    """
+
+    owners: tuple[int, ...]
+    loads: tuple[float, ...]
+    memory: tuple[float, ...]
+    makespan: float
+    lower_bound: float
+    proven_bound: float
+    method: str
+    optimal: bool
+    solve_s: float = 0.0
+
+    @property
+    def gap(self) -> float:
+        """Proven relative optimality gap ``makespan / proven_bound - 1`` (0 when optimal)."""
+        if self.optimal or self.proven_bound <= 0:
+            return 0.0
+        return self.makespan / self.proven_bound - 1.0
+
+
+def _check_inputs(costs, num_ranks, memory, memory_cap, method, groups, classes):
+    if method not in _METHODS:
+        raise ValueError(f"dmuon: solve(method={method!r}) is not one of {_METHODS}")
+    if not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"dmuon: solve(num_ranks={num_ranks!r}) must be a positive int")
+    for name, seq in (("costs", costs), ("memory", memory)):
+        if seq is None:
+            continue
+        for i, c in enumerate(seq):
+            if not (float(c) >= 0.0) or float(c) == float("inf"):
+                raise ValueError(
+                    f"dmuon: solve({name}[{i}]={c!r}): every entry must be finite and >= 0"
+                )
+    for name, seq in (("memory", memory), ("groups", groups), ("classes", classes)):
+        if seq is not None and len(seq) != len(costs):
+            raise ValueError(
+                f"dmuon: solve({name}=...) has {len(seq)} entries but costs has {len(costs)}; "
+                f"give one entry per matrix"
+            )
+    if memory_cap is not None:
+        if memory is None:
+            raise ValueError("dmuon: solve(memory_cap=...) needs memory=... (bytes per matrix)")
+        if not float(memory_cap) > 0:
+            raise ValueError(f"dmuon: solve(memory_cap={memory_cap!r}) must be > 0 bytes")
+
+
+def greedy(
+    costs: Sequence[float],
+    num_ranks: int,
+    *,
+    memory: Sequence[float] | None = None,
+    memory_cap: float | None = None,
+) -> tuple[int, ...] | None:
+    """Longest-processing-time-first assignment (Graham 1969), deterministic.
+
+    Matrices are taken by decreasing cost (equal costs in input order) and each goes to the
+    least loaded rank that still has ``memory_cap`` room (equal loads: lowest rank).
+
+    Args:
+        costs: per-matrix cost, any unit, ``>= 0``.
+        num_ranks: number of ranks ``D >= 1``.
+        memory: per-matrix bytes on its owner, or None.
+        memory_cap: bytes per rank, or None for no cap.
+
+    Returns:
+        Owner rank per matrix in input order, or None when greedy found no rank with room
+        for some matrix under ``memory_cap`` (a MILP may still find a plan).
+    """
+    order = sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i))
+    owners = [0] * len(costs)
+    if memory_cap is None:
+        heap = [(0.0, r) for r in range(num_ranks)]
+        for i in order:
+            load, r = heapq.heappop(heap)
+            owners[i] = r
+            heapq.heappush(heap, (load + float(costs[i]), r))
+        return tuple(owners)
+    loads = [0.0] * num_ranks
+    mem = [0.0] * num_ranks
+    for i in order:
+        need = float(memory[i])
+        best = None
+        for r in range(num_ranks):
+            if mem[r] + need <= memory_cap and (best is None or loads[r] < loads[best]):
+                best = r
+        if best is None:
+            return None
+        owners[i] = best
+        loads[best] += float(costs[i])
+        mem[best] += need
+    return tuple(owners)
+
+
+def evaluate(
+    owners: Sequence[int],
+    costs: Sequence[float],
+    num_ranks: int,
+    *,
+    classes: Sequence[Hashable] | None = None,
+    batch_overhead: Mapping[Hashable, float] | None = None,
+) -> list[float]:
+    """Per-rank load of an assignment, with the batching model of :func:`solve`.
+
+    A rank that owns ``k >= 1`` matrices of class ``s`` pays ``batch_overhead[s]`` once plus
+    the ``k`` per-matrix costs (NS of same-shape matrices runs as one batch).
+    """
+    loads = [0.0] * num_ranks
+    seen: set[tuple[int, Hashable]] = set()
+    for i, r in enumerate(owners):
+        loads[r] += float(costs[i])
+        if batch_overhead and classes is not None:
+            key = (r, classes[i])
+            if key not in seen:
+                seen.add(key)
+                loads[r] += float(batch_overhead.get(classes[i], 0.0))
+    return loads
+
+
+def solve(
+    costs: Sequence[float],
+    num_ranks: int,
+    *,
+    memory: Sequence[float] | None = None,
+    memory_cap: float | None = None,
+    groups: Sequence[int] | None = None,
+    classes: Sequence[Hashable] | None = None,
+    batch_overhead: Mapping[Hashable, float] | None = None,
+    layout: tuple[int, int] | None = None,
+    method: str = "auto",
+    time_limit_s: float = 10.0,
+) -> Assignment:
+    """Assign one owner rank to every matrix, minimizing the makespan.
+
+    Args:
+        costs: per-matrix NS cost (ms when profiled, FLOPs from the FLOP model), ``>= 0``.
+        num_ranks: number of ranks ``D``.
+        memory: bytes each matrix costs its owner (fp32 master + momentum + gradient).
+        memory_cap: bytes allowed per rank (needs ``memory``).
+        groups: per-matrix group id (one layer = one group, ids increasing in forward order).
+            With ``layout`` the owners are rearranged, at equal loads, so that a group spreads
+            over different ranks and neighbouring groups differ in node and GPU
+            (:func:`dmuon.balance.layout.apply_layout`).
+        classes: per-matrix class (the shape); matrices of one class are interchangeable and
+            batch together. Default: matrices with equal ``(cost, memory)`` form a class.
+        batch_overhead: per-class cost paid once per rank owning any matrix of that class
+            (the fixed part of a batched NS, from :func:`dmuon.balance.cost.fit_batch_costs`);
+            ``costs`` then hold the marginal per-matrix part.
+        layout: ``(nodes, gpus_per_node)`` with ``nodes * gpus_per_node == num_ranks``.
+        method: ``"greedy"``, ``"milp"`` or ``"auto"`` (MILP when at most
+            :data:`AUTO_MAX_INTEGER_VARS` integer variables, else greedy).
+        time_limit_s: CBC wall-clock limit, seconds; on timeout the best plan found is kept.
+
+    Returns:
+        The :class:`Assignment`. With the same input it is the same on every run, unless the
+        MILP hits its time limit (then the incumbent may depend on timing: solve once and
+        share the plan file).
+
+    Raises:
+        ValueError: on bad arguments, or when ``memory_cap`` is infeasible (the message gives
+            the smallest feasible cap).
+    """
+    start = time.perf_counter()
+    costs = [float(c) for c in costs]
+    _check_inputs(costs, num_ranks, memory, memory_cap, method, groups, classes)
+    memory = None if memory is None else [float(m) for m in memory]
+    if classes is None:
+        classes = [(c, 0.0 if memory is None else memory[i]) for i, c in enumerate(costs)]
+    if layout is not None and layout[0] * layout[1] != num_ranks:
+        raise ValueError(
+            f"dmuon: solve(layout={layout!r}) has {layout[0] * layout[1]} ranks but "
+            f"num_ranks={num_ranks}; nodes * gpus_per_node must equal num_ranks"
+        )
+    n = len(costs)
+    if n == 0:
+        return Assignment(owners=(), loads=(0.0,) * num_ranks, memory=(0.0,) * num_ranks,
+                          makespan=0.0, lower_bound=0.0, proven_bound=0.0, method="greedy",
+                          optimal=True, solve_s=0.0)
+    if memory_cap is not None:
+        from dmuon.balance.milp import check_memory_cap
+
+        check_memory_cap(memory, num_ranks, float(memory_cap), time_limit_s=time_limit_s)
+
+    eff = _effective_costs(costs, classes, batch_overhead)
+    lower = max(sum(eff) / num_ranks, max(eff))
+    bound = makespan_lower_bound(eff, num_ranks)
+
+    owners = greedy(costs, num_ranks, memory=memory, memory_cap=memory_cap)
+    used = "greedy"
+    optimal = False
+    want_milp = method == "milp" or (
+        method == "auto" and len(set(classes)) * num_ranks <= AUTO_MAX_INTEGER_VARS
+    )
+    if owners is not None:
+        loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
+        if max(loads) <= bound * (1 + 1e-12):
+            optimal, want_milp = True, False  # greedy met a lower bound: nothing to improve
+    if want_milp or owners is None:
+        from dmuon.balance.milp import solve_milp
+
+        res = solve_milp(costs, num_ranks, classes=classes, memory=memory,
+                         memory_cap=memory_cap, batch_overhead=batch_overhead,
+                         warm_start=owners, time_limit_s=time_limit_s)
+        if res is not None:
+            m_owners, m_optimal = res
+            m_loads = evaluate(m_owners, costs, num_ranks, classes=classes,
+                               batch_overhead=batch_overhead)
+            if owners is None or max(m_loads) < max(loads) * (1 - 1e-12) or m_optimal:
+                if owners is None or max(m_loads) <= max(loads):
+                    owners, used, optimal = m_owners, "milp", m_optimal
+    if owners is None:
+        raise ValueError(
+            f"dmuon: no assignment of {n} matrices to {num_ranks} ranks fits "
+            f"memory_cap={memory_cap:.0f} bytes within time_limit_s={time_limit_s}; raise the "
+            f"cap or the time limit"
+        )
+    if layout is not None and groups is not None:
+        from dmuon.balance.layout import apply_layout
+
+        owners = apply_layout(owners, classes, groups, *layout)
+    loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
+    mem = [0.0] * num_ranks
+    if memory is not None:
+        for i, r in enumerate(owners):
+            mem[r] += memory[i]
+    makespan = max(loads)
+    optimal = optimal or makespan <= bound * (1 + 1e-12)
+    result = Assignment(
+        owners=tuple(int(r) for r in owners), loads=tuple(loads), memory=tuple(mem),
+        makespan=makespan, lower_bound=lower,
+        proven_bound=makespan if optimal else bound, method=used, optimal=optimal,
+        solve_s=time.perf_counter() - start,
+    )
+    logger.debug("dmuon: solve(%d matrices, %d ranks) -> %s makespan %.4g, bound %.4g",
+                 n, num_ranks, used, makespan, result.proven_bound)
+    return result
+
+
+def _effective_costs(costs, classes, batch_overhead):
+    """Per-matrix costs for the bounds: the batch overhead is paid at least once per class,
+    so adding it to one matrix of each class keeps ``total`` a valid lower bound."""
+    if not batch_overhead:
+        return list(costs)
+    eff = list(costs)
+    done = set()
+    for i, s in enumerate(classes):
+        if s not in done:
+            done.add(s)
+            eff[i] += float(batch_overhead.get(s, 0.0))
+    return eff
