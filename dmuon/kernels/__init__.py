@@ -1,0 +1,27 @@
+"""Newton-Schulz kernels: reference, Gram-space iteration, Triton SYRK, batching, launch configs.
+
+Triton is imported lazily (only for ``backend="triton"``/``"auto"`` on CUDA), so this package
+imports without it.
+"""
+
+from dmuon.kernels.batching import DEFAULT_MAX_BATCH_BYTES, orthogonalize_by_shape
+from dmuon.kernels.coefficients import (
+    MUON_COEFFICIENTS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    POLAR_EXPRESS_SAFETY,
+    choose_gram_restarts,
+    resolve_coefficients,
+)
+from dmuon.kernels.newton_schulz import newton_schulz, ns_flops
+
+__all__ = [
+    "DEFAULT_MAX_BATCH_BYTES",
+    "MUON_COEFFICIENTS",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "POLAR_EXPRESS_SAFETY",
+    "choose_gram_restarts",
+    "newton_schulz",
+    "ns_flops",
+    "orthogonalize_by_shape",
+    "resolve_coefficients",
+]

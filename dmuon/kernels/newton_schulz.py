@@ -1,0 +1,265 @@
+"""Newton-Schulz orthogonalization: the standard and the Gram-space iteration, and their FLOPs.
+
+Both algorithms are written once over the op set of :mod:`dmuon.kernels.ops` (``sym_mm``,
+``mm``, ``add_diag``); the torch op set is the spec, the Triton op set a faster backend.
+
+Math (DESIGN.md "Newton-Schulz"). Input ``M`` of shape ``m x n``, transposed so ``m <= n``,
+``X_0 = M / max(||M||_F, eps)``, and per step ``(a, b, c)``:
+
+* Standard (Muon): ``A = X X^T; B = b A + c A^2; X <- a X + B X``.
+* Gram space (J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz", 2026,
+  https://github.com/Dao-AILab/gram-newton-schulz): every iterate is ``X_t = Q_t X_0`` with
+  ``Q_t`` a polynomial in ``R_0 = X_0 X_0^T``, so iterate on ``m x m`` matrices only:
+  ``Z = b R + c R^2; Q <- Q (Z + a I); R <- (Z + a I) R (Z + a I)`` and form ``Q X`` once at the
+  end. ``Q`` grows like ``1/sigma`` on small singular values, which amplifies the rounding of
+  ``R`` in half precision; a restart (``X <- Q X; R <- X X^T; Q <- I``) before the steps chosen
+  by :func:`~dmuon.kernels.coefficients.choose_gram_restarts` bounds it. Square matrices use the
+  standard iteration (no FLOP saving; see :func:`ns_flops`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dmuon.kernels.coefficients import choose_gram_restarts, resolve_coefficients
+from dmuon.kernels.ops import TORCH_OPS, NSOps
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["newton_schulz", "ns_flops"]
+
+_METHODS = ("standard", "gram")
+_BACKENDS = ("auto", "torch", "triton")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _standard_iteration(X: Tensor, coefficients: Sequence[tuple[float, float, float]], ops: NSOps) -> Tensor:
+    """Standard quintic Newton-Schulz on ``X`` of shape ``[.., m, n]`` (``m <= n``)."""
+    for a, b, c in coefficients:
+        A = ops.sym_mm(X, X.mT)
+        B = ops.sym_mm(A, A, A, alpha=c, beta=b)
+        X = ops.mm(B, X, X, beta=a)
+    return X
+
+
+def _gram_iteration(
+    X: Tensor,
+    coefficients: Sequence[tuple[float, float, float]],
+    restarts: Sequence[int],
+    ops: NSOps,
+) -> Tensor:
+    """Gram-space Newton-Schulz on ``X`` of shape ``[.., m, n]`` (``m < n``).
+
+    Follows Dao-AILab/gram-newton-schulz ``GramNewtonSchulz._gram_newton_schulz``: ``R`` is not
+    updated after a step that is followed by a restart or is the last one (it would be unused).
+    """
+    last = len(coefficients) - 1
+    R = ops.sym_mm(X, X.mT)
+    Q: Optional[Tensor] = None
+    for i, (a, b, c) in enumerate(coefficients):
+        if i in restarts and Q is not None:
+            X = ops.mm(Q, X)
+            R = ops.sym_mm(X, X.mT)
+            Q = None
+        Z = ops.sym_mm(R, R, R, alpha=c, beta=b)
+        Q = ops.add_diag(Z, a) if Q is None else ops.sym_mm(Q, Z, Q, beta=a)
+        if i < last and (i + 1) not in restarts:
+            RZ = ops.sym_mm(R, Z, R, beta=a)
+            R = ops.sym_mm(Z, RZ, RZ, beta=a)
+    assert Q is not None  # len(coefficients) >= 1 is checked by resolve_coefficients
+    return ops.mm(Q, X)
+
+
+def _select_ops(backend: str, X: Tensor) -> NSOps:
+    """Pick the op set for ``backend`` and the (already oriented) iterate ``X``."""
+    if backend == "torch":
+        return TORCH_OPS
+    try:
+        from dmuon.kernels import triton_ops
+    except ImportError as exc:
+        if backend == "triton":
+            raise RuntimeError(
+                f"dmuon: backend='triton' needs the triton package, which failed to import ({exc}). "
+                "Install dmuon[triton] or pass backend='torch'."
+            ) from exc
+        return TORCH_OPS
+    if backend == "triton":
+        triton_ops.check_supported(X)
+        return triton_ops.triton_ops_for(X)
+    return triton_ops.triton_ops_for(X) if triton_ops.auto_prefers_triton(X) else TORCH_OPS
+
+
+def newton_schulz(
+    G: Tensor,
+    *,
+    steps: int = 5,
+    coefficients: str | Sequence[float] | Sequence[Sequence[float]] = "polar_express",
+    method: str = "gram",
+    dtype: torch.dtype = torch.float16,
+    eps: float = 1e-7,
+    backend: str = "auto",
+    restarts: Optional[Sequence[int]] = None,
+) -> Tensor:
+    """Approximate the orthogonal polar factor ``U V^T`` of ``G`` by Newton-Schulz.
+
+    Normalization: ``X = G / max(||G||_F, eps)`` per matrix. With ``dtype=torch.bfloat16`` it is
+    done op for op as ``torch.optim.Muon._zeropower_via_newtonschulz`` does it (cast to bf16,
+    transpose, divide by the bf16 norm), so ``method="standard", coefficients="muon",
+    dtype=torch.bfloat16, backend="torch"`` on a 2-D ``G`` is bitwise identical to
+    ``torch.optim.Muon``. For other dtypes the norm and division run in float32 (float64 for a
+    float64 ``dtype``) before the cast, because fp16 overflows above 65504. With
+    ``dtype=torch.float32`` everything runs in float32 (on CUDA, whether matmuls use TF32 follows
+    ``torch.backends.cuda.matmul.allow_tf32``, which dmuon leaves to the user).
+
+    Args:
+        G: ``[m, n]`` or ``[batch, m, n]``, any floating dtype, any device; not mutated.
+        steps: number of iterations (>= 1).
+        coefficients: ``"polar_express"`` (default), ``"muon"``, one ``(a, b, c)`` or a per-step
+            list; see :func:`~dmuon.kernels.coefficients.resolve_coefficients`.
+        method: ``"gram"`` (default; square matrices use ``"standard"``) or ``"standard"``.
+        dtype: iteration dtype: float16 (default; 3 more mantissa bits than bf16 at the same
+            tensor-core rate), bfloat16, float32 or float64.
+        eps: floor of the Frobenius norm (same units as ``G``); a zero ``G`` maps to zero.
+        backend: ``"torch"`` (the reference), ``"triton"`` (CUDA, fp16/bf16), or ``"auto"``
+            (Triton on CUDA when importable and the shape is large enough, else torch).
+        restarts: Gram restart steps; ``None`` chooses them with
+            :func:`~dmuon.kernels.coefficients.choose_gram_restarts`. Ignored for ``"standard"``.
+
+    Returns:
+        Tensor of ``G``'s shape in ``dtype`` (the iteration dtype: the result carries only that
+        precision, and the optimizer's ``param.add_(update, alpha=-lr)`` promotes it; casting
+        back here would cost a copy for nothing).
+
+    Raises:
+        ValueError: bad ``G`` rank, ``method``, ``backend``, ``dtype``, ``eps``, ``steps``,
+            ``coefficients`` or ``restarts``.
+        RuntimeError: ``backend="triton"`` without triton or on an unsupported device/dtype.
+    """
+    if G.dim() not in (2, 3):
+        raise ValueError(
+            f"dmuon: newton_schulz takes [m, n] or [batch, m, n]; got shape {tuple(G.shape)}. "
+            "Reshape higher-rank parameters to 2-D first."
+        )
+    if not G.is_floating_point():
+        raise ValueError(f"dmuon: newton_schulz needs a floating tensor; got dtype {G.dtype}.")
+    if method not in _METHODS:
+        raise ValueError(f"dmuon: unknown Newton-Schulz method {method!r}; choose one of {_METHODS}.")
+    if backend not in _BACKENDS:
+        raise ValueError(f"dmuon: unknown Newton-Schulz backend {backend!r}; choose one of {_BACKENDS}.")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dmuon: Newton-Schulz dtype must be one of {_DTYPES}; got {dtype}.")
+    if not eps > 0:
+        raise ValueError(f"dmuon: Newton-Schulz eps must be > 0; got {eps!r}.")
+    coeffs = resolve_coefficients(coefficients, steps)
+
+    transpose = G.size(-2) > G.size(-1)
+    if G.numel() == 0:
+        return torch.zeros(G.shape, dtype=dtype, device=G.device)
+    if dtype == torch.bfloat16:
+        # Op for op torch.optim.Muon: cast, transpose, divide by the norm of the transposed view.
+        X = G.to(dtype)
+        if transpose:
+            X = X.mT
+        norm = X.norm() if X.dim() == 2 else X.norm(dim=(-2, -1), keepdim=True)
+        X = X.div(norm.clamp(min=eps))
+    else:
+        norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        X = G.to(norm_dtype)
+        if transpose:
+            X = X.mT
+        X = (X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)).to(dtype)
+
+    m, n = X.shape[-2:]
+    ops = _select_ops(backend, X)
+    if method == "gram" and m != n:
+        if restarts is None:
+            chosen = choose_gram_restarts(tuple(coeffs))
+        else:
+            chosen = tuple(int(r) for r in restarts)
+            if any(r < 1 or r >= steps for r in chosen):
+                raise ValueError(
+                    f"dmuon: Gram restarts must be step indices in 1..{steps - 1}; got {list(restarts)}."
+                )
+        X = _gram_iteration(X, coeffs, chosen, ops)
+    else:
+        X = _standard_iteration(X, coeffs, ops)
+    if transpose:
+        X = X.mT
+    return X
+
+
+def ns_flops(
+    m: int,
+    n: int,
+    *,
+    steps: int = 5,
+    method: str = "standard",
+    batch: int = 1,
+    restarts: Optional[Sequence[int]] = None,
+    symmetric: bool = False,
+) -> float:
+    """FLOPs of one Newton-Schulz call, counting ``2 * M * N * K`` per ``[M, K] @ [K, N]`` product.
+
+    With ``p = min(m, n)``, ``q = max(m, n)`` and ``symmetric=False`` (every product at full
+    cost, as torch computes it):
+
+    * standard: ``steps * (4 p^2 q + 2 p^3)`` (``X X^T``, ``A^2``, ``B X``); 5 steps:
+      ``20 p^2 q + 10 p^3``.
+    * gram: ``2 p^2 q`` per ``X X^T`` and per ``Q X`` (one each at the start/end, plus one pair
+      per restart) and ``2 p^3`` per ``p x p`` product, following the schedule of the algorithm
+      (``Z``: every step; ``Q Z``: steps not starting a block; the two ``R`` updates: steps not
+      followed by a restart or the end). 5 steps, 1 restart: ``8 p^2 q + 28 p^3``.
+
+    With ``symmetric=True`` the symmetric products (``X X^T`` and all ``p x p`` products in
+    Gram space, ``X X^T`` and ``A^2`` in standard) count half, as a one-triangle kernel computes
+    them: standard ``steps * (3 p^2 q + p^3)``, gram (5 steps) ``6 p^2 q + 14 p^3``. Square
+    matrices (``m == n``) use the standard count for ``method="gram"``, as
+    :func:`newton_schulz` does. Elementwise work (normalization, additions) is not counted.
+
+    Args:
+        m, n: matrix shape (rows, cols).
+        steps: number of iterations.
+        method: ``"standard"`` or ``"gram"``.
+        batch: number of matrices of this shape.
+        restarts: Gram restart steps; ``None`` uses the count of one restart (the placement does
+            not change the FLOPs).
+        symmetric: count symmetric products at half cost.
+
+    Returns:
+        FLOPs as a float (not FLOP/s).
+
+    Raises:
+        ValueError: negative sizes, ``steps < 1`` or an unknown ``method``.
+    """
+    if m < 0 or n < 0 or batch < 0:
+        raise ValueError(f"dmuon: ns_flops needs m, n, batch >= 0; got m={m}, n={n}, batch={batch}.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"dmuon: ns_flops needs steps >= 1; got {steps!r}.")
+    if method not in _METHODS:
+        raise ValueError(f"dmuon: unknown Newton-Schulz method {method!r}; choose one of {_METHODS}.")
+    p, q = min(m, n), max(m, n)
+    half = 0.5 if symmetric else 1.0
+    syrk, gemm_pq, cube = 2.0 * p * p * q * half, 2.0 * p * p * q, 2.0 * p**3
+    if method == "standard" or p == q:
+        return float(batch * steps * (syrk + cube * half + gemm_pq))
+    if restarts is None:
+        restarts = (1,) if steps >= 2 else ()
+    total = syrk
+    fresh = True
+    for i in range(steps):
+        if i in restarts and not fresh:
+            total += gemm_pq + syrk
+            fresh = True
+        total += cube * half  # Z = b R + c R^2
+        if not fresh:
+            total += cube * half  # Q <- Q Z + a Q
+        fresh = False
+        if i < steps - 1 and (i + 1) not in restarts:
+            total += 2 * cube * half  # RZ and R updates
+    total += gemm_pq  # final Q X
+    return float(batch * total)
