@@ -1,1 +1,25 @@
-"""dmuon: owner-centric distributed Muon for PyTorch FSDP2."""
+"""dmuon: owner-centric distributed Muon for PyTorch FSDP2.
+
+Three lines over a stock FSDP2 program::
+
+    import dmuon
+    dmuon.dedicate_params(model, mesh)        # one owner per matrix, hooks, placeholders
+    opt = dmuon.Muon(model, lr=0.02)          # matrices: Muon on owners; the rest: AdamW
+
+Importing dmuon changes nothing in torch.
+"""
+
+from dmuon.hooks.dedicate import dedicate_params, default_predicate
+from dmuon.optim import Muon, clip_grad_norm_
+from dmuon.owners.plan import MatrixSpec, OwnerPlan, build_plan
+
+__all__ = [
+    "MatrixSpec",
+    "Muon",
+    "OwnerPlan",
+    "build_plan",
+    "clip_grad_norm_",
+    "dedicate_params",
+    "default_predicate",
+]
+__version__ = "0.1.0"

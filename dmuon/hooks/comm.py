@@ -1,0 +1,81 @@
+"""dmuon's collectives, as plain functions over the dmuon process group.
+
+Every function only *issues* asynchronous work and returns it with the tensors that must stay
+alive until ``wait()`` (freeing a buffer under an in-flight collective corrupts memory).
+All ranks of the group must call them in the same order, which holds because they are issued
+from module hooks that run in the same order on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+
+@dataclass(eq=False)
+class Pending:
+    """An in-flight collective and the buffers it reads or writes."""
+
+    work: Any
+    tensors: tuple[torch.Tensor, ...]
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
+def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup) -> Pending:
+    """Broadcast the owner's full weight into every rank's buffer (phase 1/4: publish).
+
+    Args:
+        tensor: full weight ``[rows, cols]`` in the compute dtype; read on the owner, written
+            elsewhere (its storage must be allocated).
+        owner: owner's rank within ``group``.
+    """
+    with record_function("dmuon::publish"), torch.no_grad():
+        work = dist.broadcast(tensor, src=dist.get_global_rank(group, owner), group=group, async_op=True)
+    return Pending(work, (tensor,))
+
+
+def reduce_to_owner(grad: torch.Tensor, owner: int, group: dist.ProcessGroup) -> Pending:
+    """Sum a full local gradient onto its owner (phase 2: reduce-to-owner).
+
+    Args:
+        grad: this rank's local gradient ``[rows, cols]``; after ``wait()`` it holds the sum
+            over the group on the owner and is undefined elsewhere. The caller divides.
+        owner: owner's rank within ``group``.
+    """
+    with record_function("dmuon::reduce_to_owner"):
+        work = dist.reduce(grad, dst=dist.get_global_rank(group, owner), op=dist.ReduceOp.SUM,
+                           group=group, async_op=True)
+    return Pending(work, (grad,))
+
+
+def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+    """Sum a flat buffer over the group (gradients of replicated, non-dedicated parameters)."""
+    with record_function("dmuon::all_reduce_replicated"):
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(work, (flat,))
+
+
+def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup) -> None:
+    """Raise on every rank if ``value`` differs between ranks of ``group``.
+
+    Raises:
+        RuntimeError: naming each rank whose value differs from rank 0's, on every rank
+            (the exchange is one all-gather, so no rank is left waiting).
+    """
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    bad = [r for r, v in enumerate(values) if v != values[0]]
+    if bad:
+        raise RuntimeError(
+            f"dmuon: the {what} differs between ranks: rank 0 has {values[0][:16]}..., ranks "
+            f"{bad} have {[str(values[r])[:16] + '...' for r in bad]}. Every rank must build the "
+            f"same model and pass the same predicate and plan to dedicate_params."
+        )

@@ -1,0 +1,176 @@
+"""``dedicate_params``: choose the dedicated matrices, agree on owners, install the hooks."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.hooks.comm import check_same_on_all_ranks
+from dmuon.hooks.runtime import DedicateState, Selected
+from dmuon.owners.plan import OwnerPlan, build_plan
+
+logger = logging.getLogger(__name__)
+
+STATE_ATTR = "_dmuon_state"
+Predicate = Callable[[str, nn.Parameter], bool]
+
+
+def default_predicate(model: nn.Module) -> Predicate:
+    """2-D trainable parameters that are not ``nn.Embedding`` weights (Muon's usual scope)."""
+    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+    def predicate(name: str, param: nn.Parameter) -> bool:
+        return param.ndim == 2 and param.requires_grad and id(param) not in embedding_weights
+
+    return predicate
+
+
+def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
+    """The dedicated matrices in model order.
+
+    Raises:
+        ValueError: if the predicate selects a tensor that is not 2-D, or a parameter that
+            appears under two names (tied weights cannot have one owner's placeholder swapped
+            on two modules).
+    """
+    seen: dict[int, str] = {}
+    selected: list[Selected] = []
+    for module_name, module in model.named_modules():
+        for attr, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            fqn = f"{module_name}.{attr}" if module_name else attr
+            first = seen.get(id(param))
+            if first is None:
+                seen[id(param)] = fqn
+            if not predicate(fqn, param):
+                continue
+            if first is not None:
+                raise ValueError(
+                    f"dmuon: parameter {fqn!r} is the same tensor as {first!r} (tied weights); a "
+                    f"dedicated matrix must belong to one module. Pass predicate=... to leave it "
+                    f"on AdamW."
+                )
+            if param.ndim != 2:
+                raise ValueError(
+                    f"dmuon: parameter {fqn!r} has shape {tuple(param.shape)}; Muon takes 2-D "
+                    f"matrices. Pass predicate=... to leave it on AdamW."
+                )
+            selected.append(Selected(fqn=fqn, module=module, attr=attr,
+                                     shape=(int(param.shape[0]), int(param.shape[1]))))
+    # A tied parameter seen first as non-dedicated and later selected under its second name.
+    names_by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(p), []).append(name)
+    for sel in selected:
+        names = names_by_id.get(id(sel.module._parameters[sel.attr]), [])
+        if len(names) > 1:
+            raise ValueError(
+                f"dmuon: parameter {sel.fqn!r} is shared under the names {names} (tied weights); "
+                f"a dedicated matrix must belong to one module. Pass predicate=... to leave it "
+                f"on AdamW."
+            )
+    return selected
+
+
+def _mesh_group(mesh) -> tuple[dist.ProcessGroup, list[int]]:
+    if getattr(mesh, "ndim", None) != 1:
+        raise ValueError(
+            f"dmuon: dedicate_params takes a 1-D DeviceMesh (FSDP2 or replicated data "
+            f"parallelism); got a mesh of shape {tuple(getattr(mesh, 'shape', ()))} with dims "
+            f"{getattr(mesh, 'mesh_dim_names', None)}. HSDP and TP meshes are not supported yet."
+        )
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    return mesh.get_group(), ranks
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh,
+    *,
+    predicate: Predicate | None = None,
+    plan: OwnerPlan | str | os.PathLike | None = None,
+    prefetch: int = 1,
+    reshard_after_forward: bool = True,
+    bucket_bytes: int = 25 * 2**20,
+) -> OwnerPlan:
+    """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
+
+    Call it on every rank, after (the three-line drop-in) or before the user's ``fully_shard``
+    calls; then build :class:`dmuon.Muon` over the model. Collective over ``mesh``.
+
+    Args:
+        model: an ``nn.Module`` wrapped by FSDP2 ``fully_shard`` on a 1-D mesh (per block and
+            root), or a plain module replicated on every rank (dmuon then also averages the
+            gradients of the other parameters, DDP-style).
+        mesh: 1-D ``DeviceMesh`` of the data-parallel ranks.
+        predicate: ``predicate(fqn, param) -> bool`` picks the Muon matrices; default: 2-D
+            trainable parameters that are not ``nn.Embedding`` weights.
+        plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
+            default: solved now from the Newton-Schulz FLOP model.
+        prefetch: number of units (modules holding dedicated matrices) whose publication is
+            issued ahead of the one running (>= 1).
+        reshard_after_forward: free non-owners' full weights between forward and backward.
+        bucket_bytes: bucket size (bytes) for replicated gradient all-reduces.
+
+    Returns:
+        The owner plan in use (identical on every rank).
+
+    Raises:
+        ValueError: a mesh that is not 1-D, a predicate selecting a non-2-D or tied tensor, a
+            plan for another model or world size, ``prefetch < 1``.
+        RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
+            on the plan (raised on every rank, naming the ranks).
+    """
+    if getattr(model, STATE_ATTR, None) is not None:
+        raise RuntimeError(
+            "dmuon: dedicate_params was already called on this model; call it once per model "
+            "(state.remove() via dmuon.undedicate is not supported mid-training)"
+        )
+    if prefetch < 1:
+        raise ValueError(f"dmuon: prefetch must be >= 1, got {prefetch}")
+    group, ranks = _mesh_group(mesh)
+    if not dist.is_initialized():
+        raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
+    # A group of our own keeps dmuon's broadcasts and reduces out of FSDP2's collective order.
+    dmuon_group = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+    selected = select_matrices(model, predicate or default_predicate(model))
+    shapes = {s.fqn: s.shape for s in selected}
+    world_size = len(ranks)
+    if plan is None:
+        plan = build_plan([(s.fqn, s.shape) for s in selected], world_size)
+    elif not isinstance(plan, OwnerPlan):
+        plan = OwnerPlan.load(plan)
+    plan.check_matches(shapes, world_size)
+    check_same_on_all_ranks(plan.digest(), "owner plan digest", dmuon_group)
+    state = DedicateState(model, dmuon_group, plan, selected, prefetch=prefetch,
+                          reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes)
+    object.__setattr__(model, STATE_ATTR, state)
+    if dist.get_rank(dmuon_group) == 0:
+        loads = plan.loads()
+        logger.info(
+            "dmuon: %d dedicated matrices over %d ranks (%s); makespan %.3g %s, lower bound %.3g, "
+            "per-rank load min/max %.3g/%.3g",
+            len(selected), world_size, plan.method, plan.makespan, plan.cost_unit,
+            plan.lower_bound, min(loads) if loads else 0, max(loads) if loads else 0,
+        )
+    return plan
+
+
+def get_state(model: nn.Module) -> DedicateState:
+    """The :class:`DedicateState` of a model passed to ``dedicate_params``.
+
+    Raises:
+        ValueError: if ``dedicate_params`` was not called on ``model``.
+    """
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise ValueError(
+            "dmuon: this model has no owners; call dmuon.dedicate_params(model, mesh) on every "
+            "rank before building dmuon.Muon(model, ...)"
+        )
+    return state

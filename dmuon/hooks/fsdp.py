@@ -1,0 +1,115 @@
+"""The FSDP2 adapter: the one place in dmuon that touches FSDP2's private state.
+
+dmuon takes each dedicated matrix away from FSDP2 (so FSDP2 neither all-gathers nor
+reduce-scatters it) and registers its own parameters in its place. Everything here is read
+at call time from the module's FSDP2 state; nothing about FSDP2's internals is cached.
+Tested against torch 2.11 (one ``_fsdp_param_group``) and 2.13 (a list, ``_fsdp_param_groups``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def _fsdp_state(module: nn.Module) -> Any | None:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _get_module_fsdp_state
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return None
+    return _get_module_fsdp_state(module)
+
+
+def _param_groups(state: Any) -> list[Any]:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [group] if group is not None else []
+
+
+def _remove_group(state: Any, group: Any) -> None:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        groups.remove(group)
+    else:
+        state._fsdp_param_group = None
+
+
+def fsdp_states(model: nn.Module) -> list[Any]:
+    """FSDP2 states of ``model`` and its submodules, each once, in module order."""
+    seen, states = set(), []
+    for module in model.modules():
+        state = _fsdp_state(module)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            states.append(state)
+    return states
+
+
+def is_fsdp_wrapped(model: nn.Module) -> bool:
+    return bool(fsdp_states(model))
+
+
+def mixed_precision_dtypes(model: nn.Module, module: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` of the FSDP2 policy covering ``module`` (``None`` if unset)."""
+    for candidate in [module, *_ancestors(model, module)]:
+        state = _fsdp_state(candidate)
+        if state is not None:
+            policy = getattr(state, "_mp_policy", None)
+            if policy is not None:
+                return policy.param_dtype, policy.reduce_dtype
+    return None, None
+
+
+def _ancestors(model: nn.Module, target: nn.Module) -> list[nn.Module]:
+    """Modules on the path from ``target``'s parent up to ``model`` (innermost first)."""
+    parents: dict[int, nn.Module] = {}
+    for module in model.modules():
+        for child in module.children():
+            parents.setdefault(id(child), module)
+    chain, node = [], target
+    while id(node) in parents:
+        node = parents[id(node)]
+        chain.append(node)
+    return chain
+
+
+def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tensor | None:
+    """Remove ``module.<attr>`` from FSDP2's management and return its full value.
+
+    Collective over the FSDP2 mesh (an all-gather through ``DTensor.full_tensor``): every rank
+    must call it for the same parameters in the same order.
+
+    Returns:
+        The full tensor ``[rows, cols]`` (original dtype, the module's device), or ``None``
+        when FSDP2 does not manage the parameter.
+
+    Raises:
+        RuntimeError: if FSDP2 has already unsharded the parameter (called inside forward).
+    """
+    for state in fsdp_states(model):
+        for group in _param_groups(state):
+            for fsdp_param in list(group.fsdp_params):
+                info = fsdp_param._module_info
+                if info.module is not module or info.param_name != attr:
+                    continue
+                if getattr(info, "shared_modules", None):
+                    raise ValueError(
+                        f"dmuon: parameter {attr!r} of {type(module).__name__} is shared with other "
+                        f"modules (tied weights); dedicated matrices cannot be tied. Pass "
+                        f"predicate=... to leave it on AdamW."
+                    )
+                sharded = fsdp_param.sharded_param
+                full = sharded.full_tensor() if hasattr(sharded, "full_tensor") else sharded
+                group.fsdp_params.remove(fsdp_param)
+                if not group.fsdp_params:
+                    _remove_group(state, group)
+                logger.debug("dmuon: took %s.%s from FSDP2", type(module).__name__, attr)
+                return full.detach()
+    return None

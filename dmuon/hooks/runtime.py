@@ -1,0 +1,291 @@
+"""The per-model runtime: hooks for the four phases of a dmuon step.
+
+One :class:`DedicateState` per model holds all mutable per-step state (FSDP2's
+``FSDPStateContext`` pattern). Hooks only enqueue work (issue a broadcast, issue a reduce,
+mark a record); the math lives in :mod:`dmuon.owners`.
+
+Phase 1, forward materialization: a forward pre-hook on each *unit* (a module that directly
+holds dedicated matrices) waits for the unit's publication, issued earlier, and prefetches the
+next ``prefetch`` units; a post-hook puts the placeholders back and, with
+``reshard_after_forward``, frees the full weights until a pre-backward hook re-publishes them.
+Phase 2, reduce-to-owner: a post-accumulate-grad hook on each full weight issues an async
+``reduce`` of its gradient to the owner; a callback at the end of backward waits and averages.
+Phase 4, publication: :meth:`DedicateState.publish_after_step` refreshes the owners' compute
+copies and issues the first units' broadcasts so they overlap the next forward.
+
+Which ranks hold what is a function of one rank-independent flag per matrix, ``live`` ("the
+current weights are published or being published"), so every rank issues the same collectives
+in the same order without talking about it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from dmuon.hooks import fsdp
+from dmuon.hooks.comm import Pending, publish, reduce_to_owner
+from dmuon.hooks.replicated import ReplicatedGrads
+from dmuon.owners.dedicated import DedicatedParam, make_dedicated
+from dmuon.owners.plan import OwnerPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Unit:
+    """A module that directly holds dedicated matrices, with its records in attribute order."""
+
+    index: int
+    module: nn.Module
+    records: list[DedicatedParam] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Selected:
+    """A dedicated matrix found at ``dedicate_params`` time, before binding."""
+
+    fqn: str
+    module: nn.Module
+    attr: str
+    shape: tuple[int, int]
+
+
+class DedicateState:
+    """Everything dmuon keeps for one model on one rank.
+
+    Args:
+        model: the user's model (FSDP2-wrapped or plain).
+        group: dmuon's process group over the data-parallel ranks.
+        plan: the owner plan, already checked identical on every rank.
+        selected: the dedicated matrices, in model order.
+        prefetch: how many units ahead a publication is issued (>= 1).
+        reshard_after_forward: free non-owners' full weights after forward and publish again
+            before backward (less memory, one more broadcast per matrix), as FSDP2's switch.
+        bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: dist.ProcessGroup,
+        plan: OwnerPlan,
+        selected: list[Selected],
+        *,
+        prefetch: int,
+        reshard_after_forward: bool,
+        bucket_bytes: int,
+    ) -> None:
+        self.model = model
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.plan = plan
+        self.selected = selected
+        self.prefetch = prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self.bucket_bytes = bucket_bytes
+        self.records: list[DedicatedParam] = []
+        self.units: list[Unit] = []
+        self.unit_of_module: dict[int, Unit] = {}
+        self.replicated: ReplicatedGrads | None = None
+        self.bound = False
+        self.fsdp_wrapped = False
+        self.optimizer_attached = False
+        self._final_callback_queued = False
+        self._handles: list[Any] = []
+        self._live: dict[int, bool] = {}
+        self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
+        order = {}
+        for sel in selected:
+            if id(sel.module) not in order:
+                unit = Unit(index=len(self.units), module=sel.module)
+                order[id(sel.module)] = unit
+                self.units.append(unit)
+        self.unit_of_module = order
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+
+    # ------------------------------------------------------------------ binding
+    def ensure_bound(self) -> None:
+        """Create masters and placeholders (collective; idempotent).
+
+        Runs at optimizer construction or at the first forward, whichever comes first, so that
+        ``dedicate_params`` may be called before or after the user's ``fully_shard`` calls.
+        """
+        if self.bound:
+            return
+        self.fsdp_wrapped = fsdp.is_fsdp_wrapped(self.model)
+        owner_by_fqn = self.plan.owner_by_fqn
+        for order, sel in enumerate(self.selected):
+            param = sel.module._parameters[sel.attr]
+            full = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
+            if full is None:
+                if hasattr(param, "placements"):
+                    raise ValueError(
+                        f"dmuon: parameter {sel.fqn!r} is a DTensor with placements "
+                        f"{tuple(param.placements)} that FSDP2 does not manage; dmuon supports "
+                        f"FSDP2 on a 1-D mesh and plain replicated modules so far. Pass "
+                        f"predicate=... to leave it to AdamW."
+                    )
+                full = param.detach()
+            param_dtype, reduce_dtype = fsdp.mixed_precision_dtypes(self.model, sel.module)
+            compute_dtype = param_dtype or full.dtype
+            rec = make_dedicated(
+                fqn=sel.fqn, module=sel.module, attr=sel.attr, full=full,
+                owner=owner_by_fqn[sel.fqn], rank=self.rank, compute_dtype=compute_dtype,
+                reduce_dtype=reduce_dtype or compute_dtype, requires_grad=param.requires_grad,
+                order=order,
+            )
+            self.records.append(rec)
+            self.unit_of_module[id(sel.module)].records.append(rec)
+            self._live[id(rec)] = False
+            if rec.compute.requires_grad:
+                self._handles.append(rec.compute.register_post_accumulate_grad_hook(self._make_on_grad(rec)))
+        if not self.fsdp_wrapped:
+            self._bind_replicated()
+        self.bound = True
+        logger.debug("dmuon: rank %d bound %d dedicated matrices", self.rank, len(self.records))
+
+    def _bind_replicated(self) -> None:
+        dedicated = {id(r.master) for r in self.records}
+        params = [p for p in self.model.parameters()
+                  if id(p) not in dedicated and not hasattr(p, "placements")]
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for p in params:  # start every replica from rank 0's values, as DDP does
+                dist.broadcast(p.data, src=src, group=self.group)
+        trainable = [p for p in params if p.requires_grad]
+        if not trainable:
+            return
+        self.replicated = ReplicatedGrads(trainable, self.group, self.bucket_bytes)
+        for p in trainable:
+            self._handles.append(p.register_hook(self._make_on_replicated_grad(p)))
+
+    # -------------------------------------------------------------- publication
+    def _issue(self, unit: Unit) -> None:
+        for rec in unit.records:
+            if self._live[id(rec)]:
+                continue
+            if not rec.is_owner:
+                from dmuon.owners.dedicated import alloc_storage
+                alloc_storage(rec.compute)
+            with torch.autograd._unsafe_preserve_version_counter(rec.compute):
+                rec.publish_work = publish(rec.compute.detach(), rec.owner, self.group)
+            self._live[id(rec)] = True
+
+    def _wait(self, unit: Unit) -> None:
+        for rec in unit.records:
+            if rec.publish_work is not None:
+                rec.publish_work.wait()
+                rec.publish_work = None
+
+    def _release(self, rec: DedicatedParam) -> None:
+        if rec.publish_work is not None:
+            rec.publish_work.wait()
+            rec.publish_work = None
+        rec.release()
+        self._live[id(rec)] = False
+
+    def _make_pre_forward(self, unit: Unit) -> Callable:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            self.ensure_bound()
+            with torch.profiler.record_function("dmuon::pre_forward"):
+                self._issue(unit)
+                for nxt in self.units[unit.index + 1: unit.index + 1 + self.prefetch]:
+                    self._issue(nxt)
+                self._wait(unit)
+            for rec in unit.records:
+                rec.show("compute")
+        return pre_forward
+
+    def _make_post_forward(self, unit: Unit) -> Callable:
+        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            for rec in unit.records:
+                rec.show("master")
+            needs_grad = [t for t in tree_flatten(output)[0]
+                          if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self.reshard_after_forward or not needs_grad:
+                for rec in unit.records:
+                    self._release(rec)
+            if needs_grad:
+                register_multi_grad_hook(needs_grad, self._make_pre_backward(unit), mode="any")
+        return post_forward
+
+    def _make_pre_backward(self, unit: Unit) -> Callable:
+        def pre_backward(grad: Any) -> None:
+            with torch.profiler.record_function("dmuon::pre_backward"):
+                self._issue(unit)
+                for prev in self.units[max(0, unit.index - self.prefetch): unit.index][::-1]:
+                    if any(r.compute.requires_grad for r in prev.records):
+                        self._issue(prev)
+                self._wait(unit)
+        return pre_backward
+
+    # ------------------------------------------------------------ reduce-to-owner
+    def _queue_final_callback(self) -> None:
+        if not self._final_callback_queued:
+            self._final_callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def _make_on_grad(self, rec: DedicatedParam) -> Callable:
+        def on_grad(param: torch.Tensor) -> None:
+            grad = param.grad
+            param.grad = None
+            buf = grad if grad.dtype == rec.reduce_dtype else grad.to(rec.reduce_dtype)
+            rec.pending.append(reduce_to_owner(buf, rec.owner, self.group))
+            self._release(rec)
+            self._queue_final_callback()
+        return on_grad
+
+    def _make_on_replicated_grad(self, param: nn.Parameter) -> Callable:
+        def on_grad(grad: torch.Tensor) -> torch.Tensor:
+            self._queue_final_callback()
+            return self.replicated.on_grad(param, grad)
+        return on_grad
+
+    def finish_backward(self) -> None:
+        """End of backward: wait for every reduce; owners add the average to ``master.grad``."""
+        self._final_callback_queued = False
+        with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
+            for rec in self.records:
+                for pend in rec.pending:
+                    pend.wait()
+                    if rec.is_owner:
+                        avg = pend.tensors[0].to(torch.float32).div_(self.world_size)
+                        master = rec.master
+                        master.grad = avg if master.grad is None else master.grad.add_(avg)
+                rec.pending.clear()
+            if self.replicated is not None:
+                self.replicated.finish()
+
+    # --------------------------------------------------------------- after step
+    def publish_after_step(self) -> None:
+        """Phase 4: owners refresh their compute copy; the first units' broadcasts go out."""
+        with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
+            for rec in self.records:
+                if rec.is_owner:
+                    if rec.publish_work is not None:
+                        rec.publish_work.wait()
+                        rec.publish_work = None
+                    with torch.autograd._unsafe_preserve_version_counter(rec.compute):
+                        rec.compute.detach().copy_(rec.master)
+                    self._live[id(rec)] = False
+                else:
+                    self._release(rec)
+            for unit in self.units[: self.prefetch]:
+                self._issue(unit)
+
+    def remove(self) -> None:
+        """Remove every hook dmuon installed (the model keeps its current parameters)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

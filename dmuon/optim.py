@@ -1,0 +1,228 @@
+"""``dmuon.Muon``: Muon on the owners' dedicated matrices, AdamW on everything else."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from dmuon.hooks.dedicate import get_state
+from dmuon.owners.update import ADJUST_LR_FNS, adamw_update_, muon_update_
+
+NS_METHODS = ("gram", "standard")
+
+
+class Muon(torch.optim.Optimizer):
+    """Owner-centric Muon for a model passed to :func:`dmuon.dedicate_params`.
+
+    ``param_groups[0]`` holds every dedicated matrix (its fp32 master on the owner, a
+    zero-size placeholder elsewhere; identical group layout on every rank, so LR schedulers
+    work), ``param_groups[1]`` every other trainable parameter (FSDP2 shards or replicas),
+    stepped by AdamW. The update equals ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the
+    global batch (Jordan et al. 2024; Loshchilov & Hutter 2019); see :mod:`dmuon.owners.update`.
+
+    Args:
+        model: the model given to ``dedicate_params``.
+        lr: Muon learning rate; weight decay is applied as ``p *= 1 - lr * weight_decay``.
+        weight_decay: decoupled weight decay of the matrices.
+        momentum: Muon momentum (``buf.lerp_(grad, 1 - momentum)``).
+        nesterov: use ``grad.lerp(buf, momentum)`` as the Newton-Schulz input.
+        ns_coefficients: ``"polar_express"`` (default), ``"muon"`` ((3.4445, -4.7750, 2.0315)),
+            one ``(a, b, c)`` or a per-step list.
+        eps: Frobenius-norm floor of the Newton-Schulz normalization.
+        ns_steps: Newton-Schulz iterations.
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (as ``torch.optim.Muon``).
+        ns_method: ``"gram"`` (Gram-space, default) or ``"standard"``.
+        ns_dtype: iteration dtype: ``torch.float16`` (default), ``torch.bfloat16`` (with
+            ``"standard"`` and ``"muon"`` coefficients: ``torch.optim.Muon``'s iteration), or
+            ``torch.float32`` (exact-math mode).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's hyper-parameters for the
+            other parameters; ``adamw_lr``/``adamw_weight_decay`` default to ``lr``/``weight_decay``.
+        ns_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`dmuon.kernels.newton_schulz`).
+        max_batch_bytes: cap (bytes) on one same-shape Newton-Schulz batch.
+
+    Raises:
+        ValueError: bad hyper-parameters, or ``dedicate_params`` not called on ``model``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Any = "polar_express",
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        ns_method: str = "gram",
+        ns_dtype: torch.dtype = torch.float16,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+        ns_backend: str = "auto",
+        max_batch_bytes: int = 1 << 30,
+    ) -> None:
+        from dmuon.kernels import resolve_coefficients
+
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"dmuon: Muon takes the model passed to dedicate_params, got {type(model).__name__}"
+            )
+        if lr < 0 or (adamw_lr is not None and adamw_lr < 0):
+            raise ValueError(f"dmuon: learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"dmuon: momentum must be in [0, 1), got {momentum}")
+        if adjust_lr_fn not in ADJUST_LR_FNS:
+            raise ValueError(f"dmuon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        if ns_method not in NS_METHODS:
+            raise ValueError(f"dmuon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
+        if ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise ValueError(f"dmuon: ns_dtype must be a float dtype, got {ns_dtype}")
+        if not 0.0 <= adamw_betas[0] < 1.0 or not 0.0 <= adamw_betas[1] < 1.0:
+            raise ValueError(f"dmuon: adamw_betas must be in [0, 1), got {adamw_betas}")
+        resolve_coefficients(ns_coefficients, ns_steps)  # fail now, not at the first step
+        self.state_ctx = get_state(model)
+        self.state_ctx.ensure_bound()
+        self.state_ctx.optimizer_attached = True
+        dedicated = [rec.master for rec in self.state_ctx.records]
+        dedicated_ids = {id(p) for p in dedicated}
+        others = [p for p in model.parameters() if id(p) not in dedicated_ids and p.requires_grad]
+        muon_group = dict(
+            params=dedicated, kind="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
+            nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
+        )
+        adamw_group = dict(
+            params=others, kind="adamw", lr=lr if adamw_lr is None else adamw_lr,
+            betas=tuple(adamw_betas), eps=adamw_eps,
+            weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+        )
+        self.ns_backend = ns_backend
+        self.max_batch_bytes = max_batch_bytes
+        super().__init__([muon_group, adamw_group], defaults={})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step, then the asynchronous publication of the new weights.
+
+        Returns:
+            ``closure()``'s value when a closure is given.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        ctx = self.state_ctx
+        with torch.profiler.record_function("dmuon::optimizer_step"):
+            for group in self.param_groups:
+                if group["kind"] == "muon":
+                    self._step_muon(group)
+                else:
+                    self._step_adamw(group)
+        ctx.publish_after_step()
+        return loss
+
+    def _step_muon(self, group: dict) -> None:
+        params, grads, bufs = [], [], []
+        for p in group["params"]:
+            if p.grad is None or p.numel() == 0:  # placeholders: someone else owns it
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            bufs.append(state["momentum_buffer"])
+        ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                         method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
+                         backend=self.ns_backend)
+        with torch.profiler.record_function("dmuon::newton_schulz"):
+            self.state_ctx.ns_matrices += muon_update_(
+                params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
+                momentum=group["momentum"], nesterov=group["nesterov"],
+                adjust_lr_fn=group["adjust_lr_fn"], ns_kwargs=ns_kwargs,
+                max_batch_bytes=self.max_batch_bytes,
+            )
+
+    def _step_adamw(self, group: dict) -> None:
+        params = [p for p in group["params"] if p.grad is not None]
+        with torch.profiler.record_function("dmuon::adamw"):
+            adamw_update_(
+                params, [p.grad for p in params], [self.state[p] for p in params],
+                lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                weight_decay=group["weight_decay"],
+            )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute.
+
+    Call it between ``backward()`` and ``step()``; it clips the averaged gradients *before*
+    Newton-Schulz (which is scale-invariant up to ``eps``, so clipping changes Muon's update only
+    through momentum, exactly as it does for ``torch.optim.Muon``). Collective over the mesh.
+
+    Args:
+        model: the model given to ``dedicate_params``.
+        max_norm: largest allowed norm (same unit as the gradients).
+        norm_type: p of the p-norm; ``float("inf")`` for the max norm.
+
+    Returns:
+        The total norm (0-d fp32 tensor, identical on every rank) before clipping.
+
+    Raises:
+        RuntimeError: if ``error_if_nonfinite`` and the norm is nan or inf.
+    """
+    import torch.distributed as dist
+
+    ctx = get_state(model)
+    ctx.ensure_bound()
+    norm_type = float(norm_type)
+    dedicated = {id(r.master) for r in ctx.records}
+    sharded, replicated = [], []  # sharded: each element on exactly one rank
+    for rec in ctx.records:
+        if rec.master.grad is not None and rec.is_owner:
+            sharded.append(rec.master.grad)
+    for p in model.parameters():
+        if id(p) in dedicated or p.grad is None:
+            continue
+        g = p.grad
+        if hasattr(g, "to_local"):
+            sharded.append(g.to_local())
+        else:
+            replicated.append(g)
+    device = next((g.device for g in sharded + replicated), torch.device("cpu"))
+    is_inf = norm_type == float("inf")
+
+    def local(gs: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not gs:
+            return torch.zeros((), device=device)
+        if is_inf:
+            return torch.stack([g.detach().abs().max().float() if g.numel() else torch.zeros((), device=device)
+                                for g in gs]).max()
+        return sum(g.detach().float().abs().pow(norm_type).sum() for g in gs)
+
+    total = local(sharded)
+    if is_inf:
+        total = torch.maximum(total, local(replicated))
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=ctx.group)
+    else:
+        if ctx.rank == 0:  # replicas are identical: count them once
+            total = total + local(replicated)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"dmuon: the total gradient norm is {total.item()}; refusing to clip")
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    with torch.no_grad():
+        for g in sharded + replicated:
+            g.mul_(coef.to(g.dtype))
+    return total

@@ -1,0 +1,126 @@
+"""Per-matrix runtime record: the owner's fp32 master, everyone's compute copy, placeholders.
+
+Each dedicated matrix ``W`` (``[rows, cols]``) is represented by two ``nn.Parameter`` objects:
+
+* ``master``: what ``model.parameters()`` lists outside forward/backward and what the optimizer
+  steps. On the owner it is the full fp32 master weight ``[rows, cols]``; on every other rank it
+  is a zero-size placeholder (``[0]``), so parameter-walking code keeps working without memory.
+* ``compute``: the full weight in the compute dtype (``[rows, cols]``), swapped onto the module
+  for the duration of its forward (as FSDP2 swaps its unsharded parameter). Autograd
+  accumulates the local gradient into ``compute.grad``. On non-owners its storage is freed
+  (resized to zero bytes) whenever it is not needed and refilled by the owner's broadcast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Release ``t``'s memory, keeping its shape and autograd identity (FSDP2's trick)."""
+    storage = t.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    """Give ``t`` (freed by :func:`free_storage`) memory for its full shape; contents undefined."""
+    storage = t.untyped_storage()
+    nbytes = t.numel() * t.element_size()
+    if storage.size() != nbytes:
+        storage.resize_(nbytes)
+
+
+def has_storage(t: torch.Tensor) -> bool:
+    return t.untyped_storage().size() != 0
+
+
+@dataclass(eq=False)
+class DedicatedParam:
+    """Runtime state of one dedicated matrix on one rank.
+
+    Attributes:
+        fqn: fully qualified parameter name.
+        module: the module whose ``_parameters[attr]`` holds the matrix.
+        attr: the attribute name on ``module`` (e.g. ``"weight"``).
+        shape: full shape ``(rows, cols)``.
+        owner: owner's rank within the dmuon process group.
+        is_owner: whether this rank is the owner.
+        master: fp32 master ``[rows, cols]`` on the owner, zero-size placeholder elsewhere.
+        compute: full weight in the compute dtype ``[rows, cols]``; storage freed on non-owners
+            while not in use.
+        reduce_dtype: dtype gradients are summed in on their way to the owner.
+        order: index in forward order (for publication order and prefetch).
+    """
+
+    fqn: str
+    module: nn.Module
+    attr: str
+    shape: tuple[int, int]
+    owner: int
+    is_owner: bool
+    master: nn.Parameter
+    compute: nn.Parameter
+    reduce_dtype: torch.dtype
+    order: int = 0
+    publish_work: Any = None
+    pending: list = field(default_factory=list)
+
+    @property
+    def materialized(self) -> bool:
+        return has_storage(self.compute)
+
+    def show(self, which: str) -> None:
+        """Register ``master`` (outside forward) or ``compute`` (inside) on the module."""
+        param = self.compute if which == "compute" else self.master
+        self.module._parameters[self.attr] = param
+
+    def release(self) -> None:
+        """Free a non-owner's compute copy; the owner keeps it as the publication source."""
+        if not self.is_owner:
+            free_storage(self.compute)
+
+
+def make_dedicated(
+    *,
+    fqn: str,
+    module: nn.Module,
+    attr: str,
+    full: torch.Tensor,
+    owner: int,
+    rank: int,
+    compute_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    requires_grad: bool,
+    order: int,
+) -> DedicatedParam:
+    """Build the record from the full initial weight and register the master on the module.
+
+    Args:
+        full: the full matrix ``[rows, cols]`` (any float dtype); only read on the owner.
+        owner: owner's rank in the dmuon group; ``rank`` is this rank in it.
+    """
+    shape = (int(full.shape[0]), int(full.shape[1]))
+    is_owner = owner == rank
+    device = full.device
+    with torch.no_grad():
+        if is_owner:
+            master = nn.Parameter(full.detach().to(torch.float32).clone(), requires_grad=requires_grad)
+            compute = nn.Parameter(full.detach().to(compute_dtype).clone(), requires_grad=requires_grad)
+        else:
+            master = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device), requires_grad=requires_grad)
+            compute = nn.Parameter(torch.empty(shape, dtype=compute_dtype, device=device), requires_grad=requires_grad)
+            free_storage(compute)
+    master._dmuon_fqn = fqn  # type: ignore[attr-defined]
+    master._dmuon_shape = shape  # type: ignore[attr-defined]
+    compute._dmuon_fqn = fqn  # type: ignore[attr-defined]
+    rec = DedicatedParam(
+        fqn=fqn, module=module, attr=attr, shape=shape, owner=owner, is_owner=is_owner,
+        master=master, compute=compute, reduce_dtype=reduce_dtype, order=order,
+    )
+    rec.show("master")
+    return rec

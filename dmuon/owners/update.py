@@ -1,0 +1,117 @@
+"""Owner-side update math: Muon for dedicated matrices, AdamW for everything else.
+
+Both follow PyTorch's single-tensor implementations op for op, so a dmuon step equals a
+single-process ``torch.optim.Muon`` / ``torch.optim.AdamW`` step on the same gradient:
+
+* Muon: ``torch/optim/_muon.py`` (``_single_tensor_muon``), after Jordan et al., "Muon: An
+  optimizer for hidden layers in neural networks" (2024).
+* AdamW: ``torch/optim/adam.py`` (``_single_tensor_adam`` with ``decoupled_weight_decay``),
+  after Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (ICLR 2019).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """Muon's shape-dependent learning rate (``torch.optim.Muon``'s ``_adjust_lr``).
+
+    Args:
+        lr: base learning rate (unitless step size).
+        adjust_lr_fn: ``None``/``"original"``: ``lr * sqrt(max(1, rows / cols))`` (Jordan et al.);
+            ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Liu et al. 2025,
+            "Muon is Scalable for LLM Training", eq. 4).
+        shape: ``(rows, cols)`` of the full matrix.
+    """
+    rows, cols = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"dmuon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+
+
+@torch.no_grad()
+def muon_update_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    momentum_bufs: list[torch.Tensor],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    adjust_lr_fn: str | None,
+    ns_kwargs: dict[str, Any],
+    max_batch_bytes: int | None = None,
+) -> int:
+    """One Muon step on full matrices, Newton-Schulz batched by shape.
+
+    Args:
+        params: fp32 masters ``[rows, cols]``, full (owner side), updated in place.
+        grads: averaged full gradients ``[rows, cols]``, same order.
+        momentum_bufs: fp32 momentum ``[rows, cols]``, updated in place.
+        lr: learning rate; weight decay uses it unadjusted (decoupled, as ``torch.optim.Muon``).
+        ns_kwargs: passed to :func:`dmuon.kernels.orthogonalize_by_shape` (steps, coefficients,
+            method, dtype, eps, backend).
+        max_batch_bytes: cap on one stacked Newton-Schulz batch.
+
+    Returns:
+        The number of matrices orthogonalized.
+    """
+    from dmuon.kernels import orthogonalize_by_shape
+
+    if not params:
+        return 0
+    updates = []
+    for grad, buf in zip(grads, momentum_bufs):
+        buf.lerp_(grad, 1 - momentum)
+        updates.append(grad.lerp(buf, momentum) if nesterov else buf)
+    kwargs = dict(ns_kwargs)
+    if max_batch_bytes is not None:
+        kwargs["max_batch_bytes"] = max_batch_bytes
+    ortho = orthogonalize_by_shape(updates, **kwargs)
+    for param, update in zip(params, ortho):
+        param.mul_(1 - lr * weight_decay)
+        param.add_(update.to(param.dtype), alpha=-adjust_lr(lr, adjust_lr_fn, param.shape))
+    return len(params)
+
+
+@torch.no_grad()
+def adamw_update_(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW step, element-wise, on whatever each tensor is (full, local shard or DTensor).
+
+    ``states[i]`` holds ``step`` (0-d fp32 tensor), ``exp_avg`` and ``exp_avg_sq`` (like param),
+    created on first use exactly as ``torch.optim.AdamW`` names them, so state dicts interoperate.
+    """
+    beta1, beta2 = betas
+    for param, grad, state in zip(params, grads, states):
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = state["step"].item()
+        param.mul_(1 - lr * weight_decay)
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = lr / (1 - beta1**step)
+        bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)
