@@ -1,0 +1,185 @@
+"""Baselines that dmuon is measured against.
+
+:class:`VanillaMuon` is the gather-then-compute distributed Muon: for every matrix, every rank
+all-gathers the full momentum-combined update, runs Newton-Schulz on the whole matrix, and keeps
+only its own FSDP2 shard of the result. Every rank therefore orthogonalizes every matrix (D-fold
+redundant NS work and an all-gather per matrix per step): the cost that owner-centric dmuon
+removes. The math is ``torch.optim.Muon``'s; only the layout of the work differs.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.profiler import record_function
+
+from dmuon.kernels import newton_schulz
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VanillaMuon"]
+
+_ADJUST = (None, "original", "match_rms_adamw")
+
+
+def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """The lr scaling of ``torch.optim._muon._adjust_lr`` for a ``[A, B]`` matrix."""
+    a, b = shape[:2]
+    if adjust_lr_fn in (None, "original"):
+        return lr * math.sqrt(max(1.0, a / b))
+    return lr * 0.2 * math.sqrt(max(a, b))
+
+
+def _default_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Splits trainable parameters into (2-D non-embedding matrices, everything else)."""
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    matrices, others = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (matrices if p.ndim == 2 and id(p) not in embedding_ids else others).append(p)
+    return matrices, others
+
+
+class VanillaMuon(torch.optim.Optimizer):
+    """Gather-then-compute Muon for FSDP2 (or single-process) models; AdamW for the rest.
+
+    For each 2-D non-embedding parameter ``W`` (an FSDP2 ``DTensor`` shard or a plain tensor),
+    following ``torch.optim.Muon`` (Jordan et al., 2024, https://kellerjordan.github.io/posts/muon/):
+    ``B <- mu B + (1 - mu) g`` (``lerp``, on the local shard), ``U = lerp(g, B, mu)`` with Nesterov
+    else ``B``; all-gather ``U`` (``DTensor.full_tensor``); ``O = NS(U)`` on every rank;
+    ``W <- W (1 - lr * wd) - lr * adjust(shape) * O``, applied to the local shard only.
+    Momentum lives on the shard (elementwise, so identical to a full buffer), which makes this
+    the memory-lean variant of the naive baseline; its communication and NS work are the naive
+    ones. Every other parameter is stepped by ``torch.optim.AdamW`` on its shard.
+
+    ``param_groups[0]`` holds the matrices (Muon hyper-parameters), ``param_groups[1]`` the rest
+    (AdamW's group dict), so LR schedulers and ``state_dict()`` work as usual.
+
+    Args:
+        model: The model (after ``fully_shard``, or plain on one process).
+        lr: Matrix learning rate.
+        weight_decay: Decoupled matrix weight decay (multiplied by the unadjusted ``lr``).
+        momentum: Momentum factor ``mu``.
+        nesterov: Use the Nesterov combination.
+        ns_coefficients: Preset name (``"polar_express"``, ``"muon"``), one ``(a, b, c)`` or a
+            per-step list; see :func:`dmuon.kernels.newton_schulz`.
+        ns_steps: Newton-Schulz iterations.
+        eps: Norm floor of the NS normalization.
+        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, A/B))``) or ``"match_rms_adamw"``
+            (``0.2 sqrt(max(A, B))``), as in ``torch.optim.Muon``.
+        ns_method: ``"gram"`` or ``"standard"``.
+        ns_dtype: NS iteration dtype; ``"standard"`` + ``torch.bfloat16`` + ``"muon"``
+            coefficients is ``torch.optim.Muon``'s iteration bit for bit.
+        adamw_lr: AdamW learning rate; ``None`` means ``lr``.
+        adamw_betas: AdamW betas.
+        adamw_eps: AdamW epsilon.
+        adamw_weight_decay: AdamW weight decay; ``None`` means ``weight_decay``.
+
+    Raises:
+        ValueError: If a hyper-parameter is out of range or the model has no parameters.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]] = "polar_express",
+        ns_steps: int = 5,
+        eps: float = 1e-7,
+        adjust_lr_fn: str | None = None,
+        ns_method: str = "gram",
+        ns_dtype: torch.dtype = torch.float16,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+    ) -> None:
+        if not lr >= 0 or not weight_decay >= 0 or not momentum >= 0:
+            raise ValueError(
+                f"dmuon: VanillaMuon needs lr, weight_decay, momentum >= 0; got lr={lr}, "
+                f"weight_decay={weight_decay}, momentum={momentum}."
+            )
+        if adjust_lr_fn not in _ADJUST:
+            raise ValueError(f"dmuon: adjust_lr_fn={adjust_lr_fn!r}; choose one of {_ADJUST}.")
+        if ns_method not in ("gram", "standard"):
+            raise ValueError(f"dmuon: ns_method={ns_method!r}; choose 'gram' or 'standard'.")
+        matrices, others = _default_matrices(model)
+        if not matrices and not others:
+            raise ValueError("dmuon: VanillaMuon got a model with no trainable parameters.")
+        defaults = dict(
+            lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+            ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
+            adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype, kind="muon",
+        )
+        super().__init__([{"params": matrices}], defaults)
+        self._adamw = None
+        if others:
+            self._adamw = torch.optim.AdamW(
+                others,
+                lr=lr if adamw_lr is None else adamw_lr,
+                betas=adamw_betas,
+                eps=adamw_eps,
+                weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+            )
+            # One state and one group list: schedulers and state_dict() see both optimizers.
+            self._adamw.param_groups[0]["kind"] = "adamw"
+            self.param_groups.append(self._adamw.param_groups[0])
+            self._adamw.state = self.state
+        self.ns_calls = 0  # matrices orthogonalized on this rank (for the redundancy count)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step; returns ``closure()`` when given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group.get("kind") == "muon":
+                self._muon_group(group)
+        if self._adamw is not None:
+            with record_function("dmuon::vanilla_adamw"):
+                self._adamw.step()
+        return loss
+
+    def _muon_group(self, group: dict) -> None:
+        mu, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            is_dt = isinstance(grad, DTensor)
+            g_local = grad.to_local() if is_dt else grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(g_local)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g_local, 1 - mu)
+            update = g_local.lerp(buf, mu) if group["nesterov"] else buf
+            if is_dt:
+                with record_function("dmuon::vanilla_all_gather"):
+                    update = DTensor.from_local(
+                        update, grad.device_mesh, grad.placements,
+                        run_check=False, shape=grad.shape, stride=grad.stride(),
+                    ).full_tensor()
+            with record_function("dmuon::vanilla_newton_schulz"):
+                orth = newton_schulz(
+                    update, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                    method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
+                )
+            self.ns_calls += 1
+            if is_dt:  # keep this rank's shard; src_data_rank=None: no communication
+                orth = distribute_tensor(orth, p.device_mesh, p.placements, src_data_rank=None)
+            with record_function("dmuon::vanilla_apply"):
+                p.mul_(1 - lr * wd)
+                p.add_(orth, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))

@@ -1,0 +1,255 @@
+"""One rank of the training job: process group, FSDP2 model, optimizer, loop, summary.
+
+Every rank builds the same model from the same seed, shards each transformer block and then
+the root with FSDP2 ``fully_shard`` on a 1-D mesh, and trains on its slice of a global batch
+that depends only on ``(seed, step)``. Rank 0 prints one line per step and writes the summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.profiler import record_function
+
+from dmuon.train.data import DataConfig, PushTDemos, ensure_cached
+from dmuon.train.model import Pi0Policy, PolicyConfig
+
+logger = logging.getLogger(__name__)
+
+OPTIMIZERS = ("dmuon", "adamw", "vanilla")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """Run configuration (what ``python -m dmuon.train`` parses).
+
+    Args:
+        optimizer: ``"dmuon"``, ``"adamw"`` or ``"vanilla"``.
+        steps: Optimizer steps.
+        batch_size: Global batch (samples per step over all ranks).
+        lr: Matrix lr for Muon variants, the single lr for ``adamw``; ``None`` picks 0.02 / 1e-3.
+        adamw_lr: lr of the non-matrix parameters under the Muon variants.
+        weight_decay: Decoupled weight decay (all optimizers).
+        warmup: Linear lr warm-up in steps (a ``LambdaLR`` over ``param_groups``).
+        ns_dtype: Newton-Schulz dtype name; ``"auto"`` is float16 on CUDA, float32 on CPU
+            (CPU half-precision matmuls are emulated and slower than float32).
+        seed: Seed of model init, batches and flow noise.
+        out: Path of ``summary.json`` (rank 0), or ``None``.
+        plot: Write ``<out stem>_loss.png`` beside the summary when matplotlib is present.
+        timing_warmup: Leading steps left out of the timing medians (when steps allow).
+        data: Dataset generation parameters.
+        model: Policy sizes.
+    """
+
+    optimizer: str = "dmuon"
+    steps: int = 150
+    batch_size: int = 64
+    lr: float | None = None
+    adamw_lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: int = 10
+    ns_dtype: str = "auto"
+    seed: int = 0
+    out: str | None = None
+    plot: bool = True
+    timing_warmup: int = 3
+    data: DataConfig = DataConfig()
+    model: PolicyConfig = PolicyConfig()
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"dmuon.train: --optimizer {self.optimizer!r}; choose one of {OPTIMIZERS}.")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"dmuon.train: --steps {self.steps} and --batch-size {self.batch_size} must be >= 1."
+            )
+        if self.ns_dtype not in ("auto", "float16", "bfloat16", "float32"):
+            raise ValueError(
+                f"dmuon.train: --ns-dtype {self.ns_dtype!r}; choose auto, float16, bfloat16 or float32."
+            )
+
+    def resolved_lr(self) -> float:
+        """The lr actually used: ``lr``, else 1e-3 for AdamW and 0.02 for the Muon variants."""
+        if self.lr is not None:
+            return self.lr
+        return 1e-3 if self.optimizer == "adamw" else 0.02
+
+
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """Counts elements: all, 2-D non-embedding matrices (Muon/dedicated), the rest (AdamW)."""
+    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    total = matrix = 0
+    n_matrices = 0
+    for p in model.parameters():
+        total += p.numel()
+        if p.ndim == 2 and id(p) not in embedding_ids:
+            matrix += p.numel()
+            n_matrices += 1
+    return {"total": total, "matrix": matrix, "other": total - matrix, "n_matrices": n_matrices}
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module, mesh, device: torch.device) -> torch.optim.Optimizer:
+    """Creates the optimizer named by ``cfg.optimizer`` for the sharded ``model``.
+
+    Raises:
+        RuntimeError: If ``dmuon`` is requested but ``dmuon.dedicate_params``/``dmuon.Muon``
+            are not available in this checkout.
+    """
+    lr = cfg.resolved_lr()
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+    if cfg.ns_dtype == "auto":
+        ns_dtype = torch.float16 if device.type == "cuda" else torch.float32
+    else:
+        ns_dtype = getattr(torch, cfg.ns_dtype)
+    common = dict(lr=lr, weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr, ns_dtype=ns_dtype)
+    if cfg.optimizer == "vanilla":
+        from dmuon.baselines import VanillaMuon
+
+        return VanillaMuon(model, **common)
+    import dmuon
+
+    if not (hasattr(dmuon, "dedicate_params") and hasattr(dmuon, "Muon")):
+        raise RuntimeError(
+            "dmuon.train: --optimizer dmuon needs dmuon.dedicate_params and dmuon.Muon, which this "
+            "checkout does not export yet; use --optimizer vanilla or adamw."
+        )
+    dmuon.dedicate_params(model, mesh)
+    return dmuon.Muon(model, **common)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(xs: list[float], skip: int) -> float:
+    return statistics.median(xs[skip:] if len(xs) > skip else xs)
+
+
+def train_rank(cfg: TrainConfig) -> dict | None:
+    """Runs the job on this rank; the process group must already be initialized.
+
+    Returns:
+        The summary dict on rank 0 (also written to ``cfg.out``), ``None`` on other ranks.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if cfg.batch_size % world:
+        raise ValueError(
+            f"dmuon.train: --batch-size {cfg.batch_size} is not divisible by the world size {world}."
+        )
+    if rank == 0:
+        ensure_cached(cfg.data, progress=True)
+    dist.barrier()  # the others wait for rank 0's cache file
+    demos = PushTDemos(cfg.data)
+
+    torch.manual_seed(cfg.seed)
+    model = Pi0Policy(cfg.model).to(device)
+    counts = parameter_counts(model)
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.shardable_blocks():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = build_optimizer(cfg, model, mesh, device)
+    warm = max(1, cfg.warmup)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    if rank == 0:
+        print(
+            f"dmuon.train: {cfg.optimizer} on {world} rank(s) ({device.type}), {len(demos)} samples, "
+            f"{counts['total']:,} params ({counts['n_matrices']} matrices, {counts['matrix']:,} elements)",
+            flush=True,
+        )
+
+    losses: list[float] = []
+    step_s: list[float] = []
+    opt_s: list[float] = []
+    for step in range(cfg.steps):
+        batch = {k: v.to(device, non_blocking=True)
+                 for k, v in demos.batch(step, cfg.batch_size, rank, world, cfg.seed).items()}
+        _sync(device)
+        t0 = time.perf_counter()
+        with record_function("dmuon::forward_backward"):
+            loss = model(batch)
+            loss.backward()
+        _sync(device)
+        t1 = time.perf_counter()
+        with record_function("dmuon::optimizer_step"):
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        _sync(device)
+        t2 = time.perf_counter()
+        step_s.append(t2 - t0)
+        opt_s.append(t2 - t1)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)  # equal slices: the mean of rank means is the global mean
+        losses.append(mean_loss.item() / world)
+        if rank == 0:
+            print(f"step {step + 1:4d}/{cfg.steps}  loss {losses[-1]:.4f}  step {step_s[-1]:.3f}s  "
+                  f"opt {opt_s[-1]:.3f}s", flush=True)
+
+    if rank != 0:
+        return None
+    summary = {
+        "optimizer": cfg.optimizer,
+        "world_size": world,
+        "device": device.type,
+        "losses": losses,
+        "step_s": _median(step_s, cfg.timing_warmup),
+        "optimizer_step_s": _median(opt_s, cfg.timing_warmup),
+        "step_s_all": step_s,
+        "optimizer_step_s_all": opt_s,
+        "timing_skipped_steps": cfg.timing_warmup if len(step_s) > cfg.timing_warmup else 0,
+        "params": counts,
+        "lr": cfg.resolved_lr(),
+        "config": dataclasses.asdict(cfg),
+        "dataset": {"samples": len(demos), "digest": cfg.data.digest(),
+                    "expert_final_coverage": float(demos.final_coverage.mean())},
+        "torch": torch.__version__,
+    }
+    print(f"dmuon.train: first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}, median step "
+          f"{summary['step_s']:.3f}s, median optimizer step {summary['optimizer_step_s']:.3f}s", flush=True)
+    if cfg.out:
+        out = pathlib.Path(cfg.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1))
+        if cfg.plot:
+            _plot(losses, out.with_name(out.stem + "_loss.png"), f"{cfg.optimizer}, {world} ranks")
+    return summary
+
+
+def _plot(losses: list[float], path: pathlib.Path, title: str) -> None:
+    """Saves the loss curve as PNG; skipped with a log line if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.info("dmuon.train: matplotlib not installed; no loss plot")
+        return
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot(range(1, len(losses) + 1), losses)
+    ax.set_xlabel("step")
+    ax.set_ylabel("flow-matching loss")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
