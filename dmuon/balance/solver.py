@@ -55,6 +55,8 @@ class Assignment:
         optimal: True only where optimality is proven (MILP optimal, or makespan equal to a
             lower bound).
         solve_s: wall-clock seconds spent solving.
+        detail: the algorithm behind the plan: ``"lpt"``, ``"lpt+local_search"``,
+            ``"multifit+local_search"`` (both reported as ``method="greedy"``) or ``"cbc"``.
     """
 
     owners: tuple[int, ...]
@@ -66,6 +68,7 @@ class Assignment:
     method: str
     optimal: bool
     solve_s: float = 0.0
+    detail: str = "lpt"
 
     @property
     def gap(self) -> float:
@@ -203,8 +206,11 @@ def solve(
             (the fixed part of a batched NS, from :func:`dmuon.balance.cost.fit_batch_costs`);
             ``costs`` then hold the marginal per-matrix part.
         layout: ``(nodes, gpus_per_node)`` with ``nodes * gpus_per_node == num_ranks``.
-        method: ``"greedy"``, ``"milp"`` or ``"auto"`` (MILP when at most
-            :data:`AUTO_MAX_INTEGER_VARS` integer variables, else greedy).
+        method: ``"greedy"``: plain LPT. ``"milp"`` and ``"auto"``: the better of LPT and
+            MULTIFIT, refined by move/swap local search (:mod:`dmuon.balance.local_search`),
+            then CBC warm-started from it (``"auto"``: only when at most
+            :data:`AUTO_MAX_INTEGER_VARS` integer variables, and never after a heuristic
+            plan already meets the lower bound). Never worse than LPT.
         time_limit_s: CBC wall-clock limit, seconds; on timeout the best plan found is kept.
 
     Returns:
@@ -247,6 +253,20 @@ def solve(
     want_milp = method == "milp" or (
         method == "auto" and len(set(classes)) * num_ranks <= AUTO_MAX_INTEGER_VARS
     )
+    heuristic = "lpt"
+    if method == "greedy":
+        pass  # plain LPT, as documented
+    elif not batch_overhead:
+        from dmuon.balance.local_search import improve, multifit
+
+        packed = multifit(costs, num_ranks, memory=memory, memory_cap=memory_cap)
+        if packed is not None and (owners is None or max(evaluate(packed, costs, num_ranks))
+                                   < max(evaluate(owners, costs, num_ranks))):
+            owners, heuristic = packed, "multifit"
+        if owners is not None:
+            heuristic += "+local_search"
+            owners = improve(owners, costs, num_ranks, classes=classes, memory=memory,
+                             memory_cap=memory_cap, time_limit_s=time_limit_s / 2)
     if owners is not None:
         loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
         if max(loads) <= bound * (1 + 1e-12):
@@ -263,7 +283,7 @@ def solve(
                                batch_overhead=batch_overhead)
             if owners is None or max(m_loads) < max(loads) * (1 - 1e-12) or m_optimal:
                 if owners is None or max(m_loads) <= max(loads):
-                    owners, used, optimal = m_owners, "milp", m_optimal
+                    owners, used, optimal, heuristic = m_owners, "milp", m_optimal, "cbc"
     if owners is None:
         raise ValueError(
             f"dmuon: no assignment of {n} matrices to {num_ranks} ranks fits "
@@ -285,6 +305,7 @@ def solve(
         owners=tuple(int(r) for r in owners), loads=tuple(loads), memory=tuple(mem),
         makespan=makespan, lower_bound=lower,
         proven_bound=makespan if optimal else bound, method=used, optimal=optimal,
+        detail=heuristic,
         solve_s=time.perf_counter() - start,
     )
     logger.debug("dmuon: solve(%d matrices, %d ranks) -> %s makespan %.4g, bound %.4g",

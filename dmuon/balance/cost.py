@@ -1,0 +1,91 @@
+"""Cost model: Newton-Schulz FLOPs, owner memory, and batched-NS cost fits.
+
+Costs feed :func:`dmuon.balance.solve`. Without a device the FLOP model of the optimizer's NS
+(:func:`dmuon.kernels.ns_flops`) stands in for time; with one, :mod:`dmuon.balance.profiler`
+measures milliseconds per shape and batch size and :func:`fit_batch_costs` turns them into the
+solver's ``fixed + k * marginal`` batching model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+#: Bytes a dedicated matrix costs its owner per element: fp32 master (4) + fp32 momentum (4)
+#: + fp32 reduced gradient (4).
+OWNER_BYTES_PER_ELEMENT = 12
+
+
+def ns_flops(rows: int, cols: int, *, steps: int = 5, method: str = "gram", batch: int = 1) -> float:
+    """FLOPs of one Newton-Schulz orthogonalization of a ``[rows, cols]`` matrix (x ``batch``).
+
+    Delegates to :func:`dmuon.kernels.ns_flops` (the optimizer's own count). If the kernels
+    package cannot be imported, uses the counts of DESIGN.md with ``m = min, n = max``:
+    standard ``steps * (4 m^2 n + 2 m^3)`` (``X X^T``, ``A^2``, ``B X``), Gram
+    ``(8 m^2 n + 28 m^3) * steps / 5``.
+    """
+    try:
+        from dmuon.kernels import ns_flops as kernel_flops
+    except ImportError:  # kernels not importable: the documented formula stands in
+        m, n = sorted((int(rows), int(cols)))
+        if method == "gram" and m != n:
+            per = (8.0 * m * m * n + 28.0 * m ** 3) / 5.0
+        else:
+            per = 4.0 * m * m * n + 2.0 * m ** 3  # per step
+        return float(per * steps * batch)
+    return float(kernel_flops(int(rows), int(cols), steps=steps, method=method, batch=batch))
+
+
+def flop_costs(shapes: Sequence[tuple[int, int]], *, steps: int = 5, method: str = "gram") -> list[float]:
+    """Per-matrix NS FLOPs (:func:`ns_flops`), one per ``(rows, cols)`` shape."""
+    cache: dict[tuple[int, int], float] = {}
+    out = []
+    for s in shapes:
+        key = (int(s[0]), int(s[1]))
+        if key not in cache:
+            cache[key] = ns_flops(*key, steps=steps, method=method)
+        out.append(cache[key])
+    return out
+
+
+def owner_memory(shapes: Sequence[tuple[int, int]]) -> list[float]:
+    """Bytes each matrix costs its owner: ``rows * cols * OWNER_BYTES_PER_ELEMENT``."""
+    return [float(int(r) * int(c) * OWNER_BYTES_PER_ELEMENT) for r, c in shapes]
+
+
+def fit_batch_costs(timings_ms: Mapping[int, float]) -> tuple[float, float]:
+    """Fit ``t(k) = fixed + k * marginal`` to batched NS timings of one shape.
+
+    Least squares over the measured batch sizes, clipped so both parts are ``>= 0`` (a batch
+    never costs less than nothing, and a fixed launch overhead is never negative).
+
+    Args:
+        timings_ms: ``{batch size k: ms for the whole batch}``, ``k >= 1``.
+
+    Returns:
+        ``(fixed_ms, marginal_ms)``. One timing gives ``(0, t(k) / k)``.
+
+    Raises:
+        ValueError: when empty or a batch size is < 1 or a time is negative.
+    """
+    if not timings_ms:
+        raise ValueError("dmuon: fit_batch_costs needs at least one (batch, ms) timing")
+    pts = sorted((int(k), float(t)) for k, t in timings_ms.items())
+    for k, t in pts:
+        if k < 1 or t < 0:
+            raise ValueError(f"dmuon: fit_batch_costs got batch={k}, ms={t}; need batch >= 1, ms >= 0")
+    if len(pts) == 1:
+        return 0.0, pts[0][1] / pts[0][0]
+    n = len(pts)
+    mk = sum(k for k, _ in pts) / n
+    mt = sum(t for _, t in pts) / n
+    var = sum((k - mk) ** 2 for k, _ in pts)
+    slope = sum((k - mk) * (t - mt) for k, t in pts) / var
+    fixed = mt - slope * mk
+    if fixed < 0:  # refit through the origin
+        return 0.0, sum(k * t for k, t in pts) / sum(k * k for k, _ in pts)
+    if slope < 0:
+        return mt, 0.0
+    return fixed, slope

@@ -1,0 +1,125 @@
+"""Canonical Muon matrix inventories of the models dmuon is measured on.
+
+Each inventory lists the 2-D weights Muon takes (the dedicated matrices) as
+``(fqn, (out_features, in_features))``: the shape of an ``nn.Linear.weight``, which is stored
+``[out, in]``. Embeddings, the (tied or untied) LM head, norms, biases and conv patch
+embeddings are left out: they stay on AdamW, as in Muon practice. Names follow the Hugging Face
+module names; order is forward order. ``bench/`` should import from here so benchmarks and the
+profile CLI use the same shapes.
+
+Sources (public configs):
+    * Pi0 (Physical Intelligence, openpi): PaliGemma = SigLIP So400m/14 vision tower (width
+      1152, MLP 4304, 27 layers, 16 heads x 72) + linear projector 1152 -> 2048 + Gemma-2B
+      (width 2048, MLP 16384, 18 layers, 8 heads, 1 KV head, head dim 256); action expert =
+      Gemma-300M variant (width 1024, MLP 4096, 18 layers, 8 heads, 1 KV head, head dim 256, so
+      q: 8*256 x 1024, k/v: 256 x 1024, o: 1024 x 8*256); pi0 projections action_in/out
+      (action dim 32), state_proj (32 -> 1024), action_time_mlp_in (2048 -> 1024),
+      action_time_mlp_out (1024 -> 1024).
+    * Qwen2.5-7B (Qwen/Qwen2.5-7B config.json): hidden 3584, intermediate 18944, 28 layers,
+      28 heads, 4 KV heads, head dim 128 (q/o: 3584 x 3584, k/v: 512 x 3584).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+Inventory = list[tuple[str, tuple[int, int]]]
+
+
+def _gemma_layers(prefix: str, layers: int, width: int, mlp: int, heads: int, kv_heads: int,
+                  head_dim: int) -> Inventory:
+    out: Inventory = []
+    for i in range(layers):
+        p = f"{prefix}.layers.{i}"
+        out += [
+            (f"{p}.self_attn.q_proj.weight", (heads * head_dim, width)),
+            (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, width)),
+            (f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, width)),
+            (f"{p}.self_attn.o_proj.weight", (width, heads * head_dim)),
+            (f"{p}.mlp.gate_proj.weight", (mlp, width)),
+            (f"{p}.mlp.up_proj.weight", (mlp, width)),
+            (f"{p}.mlp.down_proj.weight", (width, mlp)),
+        ]
+    return out
+
+
+def _siglip_layers(prefix: str, layers: int, width: int, mlp: int) -> Inventory:
+    out: Inventory = []
+    for i in range(layers):
+        p = f"{prefix}.encoder.layers.{i}"
+        out += [(f"{p}.self_attn.{n}.weight", (width, width))
+                for n in ("q_proj", "k_proj", "v_proj", "out_proj")]
+        out += [(f"{p}.mlp.fc1.weight", (mlp, width)), (f"{p}.mlp.fc2.weight", (width, mlp))]
+    return out
+
+
+def _pi0(*, vit_width, vit_mlp, vit_layers, lm_width, lm_mlp, lm_layers, heads, head_dim,
+         ax_width, ax_mlp, action_dim=32) -> Inventory:
+    inv = _siglip_layers("paligemma.vision_tower", vit_layers, vit_width, vit_mlp)
+    inv.append(("paligemma.multi_modal_projector.linear.weight", (lm_width, vit_width)))
+    inv += _gemma_layers("paligemma.language_model", lm_layers, lm_width, lm_mlp, heads, 1,
+                         head_dim)
+    inv += _gemma_layers("gemma_expert.model", lm_layers, ax_width, ax_mlp, heads, 1, head_dim)
+    inv += [
+        ("state_proj.weight", (ax_width, action_dim)),
+        ("action_in_proj.weight", (ax_width, action_dim)),
+        ("action_time_mlp_in.weight", (ax_width, 2 * ax_width)),
+        ("action_time_mlp_out.weight", (ax_width, ax_width)),
+        ("action_out_proj.weight", (action_dim, ax_width)),
+    ]
+    return inv
+
+
+def pi0() -> Inventory:
+    """Pi0 (PaliGemma 3B + 300M action expert): 420 matrices."""
+    return _pi0(vit_width=1152, vit_mlp=4304, vit_layers=27, lm_width=2048, lm_mlp=16384,
+                lm_layers=18, heads=8, head_dim=256, ax_width=1024, ax_mlp=4096)
+
+
+def pi0_tiny() -> Inventory:
+    """Pi0's structure scaled down ~16x in width and to 2-3 layers, for CPU tests and demos."""
+    return _pi0(vit_width=72, vit_mlp=272, vit_layers=3, lm_width=128, lm_mlp=1024,
+                lm_layers=2, heads=2, head_dim=64, ax_width=64, ax_mlp=256, action_dim=8)
+
+
+def qwen2_5_7b() -> Inventory:
+    """Qwen2.5-7B: 196 matrices (lm_head excluded, as for every embedding/head)."""
+    return _gemma_layers("model", 28, 3584, 18944, 28, 4, 128)
+
+
+INVENTORIES: dict[str, Callable[[], Inventory]] = {
+    "pi0": pi0,
+    "pi0-tiny": pi0_tiny,
+    "qwen2.5-7b": qwen2_5_7b,
+}
+
+
+def inventory(name: str) -> Inventory:
+    """The named inventory as ``[(fqn, (out, in)), ...]`` in forward order.
+
+    Raises:
+        ValueError: for an unknown name (the message lists the known ones).
+    """
+    try:
+        return INVENTORIES[name]()
+    except KeyError:
+        raise ValueError(
+            f"dmuon: unknown inventory {name!r}; known: {sorted(INVENTORIES)}"
+        ) from None
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def layer_groups(fqns: list[str]) -> list[int]:
+    """Group id per matrix: matrices under the same numbered module (``...layers.7.``) share
+    one; ids count up in order of first appearance (forward order); an unnumbered matrix is
+    its own group."""
+    ids: dict[str, int] = {}
+    out = []
+    for fqn in fqns:
+        m = _LAYER.match(fqn)
+        key = m.group(1) if m else fqn
+        out.append(ids.setdefault(key, len(ids)))
+    return out
