@@ -57,9 +57,8 @@ def _sym_mm_kernel(
     Program ``(t, batch)``: ``t`` enumerates lower tiles row by row, ``t = i (i + 1) / 2 + j``
     with ``j <= i``. ``A`` is ``[M, K]``, ``B`` is ``[K, M]`` (``A^T`` for a SYRK, via strides),
     ``C`` and the output ``[M, M]``. ``UPCAST`` converts the operand tiles to fp32 before
-    ``tl.dot``; it is set only under the CPU interpreter for bf16, whose numpy ``dot`` reads bf16
-    bit patterns as integers (triton 3.9). A bf16 x bf16 product is exact in fp32, so this models
-    the GPU's bf16 tensor-core dot with fp32 accumulation.
+    ``tl.dot``; it is set only under the CPU interpreter for bf16 (see ``_launch``). A bf16 x bf16
+    product is exact in fp32, so this models the GPU's bf16 dot with fp32 accumulation.
     """
     t = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -131,7 +130,12 @@ def _launch(
             f"dmuon: triton_sym_mm batch {batch} exceeds {_MAX_GRID_BATCH}; split the batch "
             "(orthogonalize_by_shape's max_batch_bytes does)."
         )
-    out = torch.empty((batch, m, m), dtype=A3.dtype, device=A3.device)
+    # Under the CPU interpreter (triton 3.9) bf16 support is incomplete: tl.dot reads bf16 bit
+    # patterns as integers and fp32 -> bf16 conversion truncates instead of rounding to nearest.
+    # There the kernel upcasts operands and writes fp32, and torch rounds to bf16 afterwards,
+    # which is what the GPU kernel computes. CUDA launches never take this path.
+    emulate_bf16 = A3.device.type != "cuda" and A3.dtype == torch.bfloat16
+    out = torch.empty((batch, m, m), dtype=torch.float32 if emulate_bf16 else A3.dtype, device=A3.device)
     if batch == 0 or m == 0:
         return out[0] if squeeze else out
     if config is None:
@@ -148,12 +152,14 @@ def _launch(
         out.stride(0), out.stride(1), out.stride(2),
         float(alpha), float(beta),
         HAS_C=C is not None,
-        UPCAST=A3.device.type != "cuda" and A3.dtype == torch.bfloat16,
+        UPCAST=emulate_bf16,
         BLOCK=config.block,
         BLOCK_K=config.block_k,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if emulate_bf16:
+        out = out.to(torch.bfloat16)
     return out[0] if squeeze else out
 
 
