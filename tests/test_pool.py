@@ -1,0 +1,204 @@
+"""Tests of the multi-rank test pool (tests/_pool.py): right answers, loud failures, recovery.
+
+The ``_case_*`` functions run inside the gloo workers (``fn="tests.test_pool:_case_..."``).
+Failure tests shorten the pool's grace period so that the whole file stays within ~25 s.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._pool import DistPool, DistPoolError, RankExit, RankTimeoutError, spawn_world
+
+_HERE = "tests.test_pool"
+
+
+# ----- functions that run on the ranks ---------------------------------------------------------
+
+def _case_allreduce(rank: int, world_size: int, length: int) -> dict:
+    """All-reduce a rank-dependent float64 vector; report who ran it and what it drew."""
+    mine = torch.arange(length, dtype=torch.float64) * (rank + 1)
+    total = mine.clone()
+    dist.all_reduce(total)  # SUM
+    return {
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "total": total,
+        "torch_draw": torch.rand(3, dtype=torch.float64),
+        "numpy_draw": np.random.rand(3),
+    }
+
+
+def _case_raise_on(rank: int, world_size: int, bad_rank: int, then_collective: bool) -> int:
+    """``bad_rank`` raises; the others return, or wait in an all-reduce that never completes."""
+    if rank == bad_rank:
+        raise ValueError(f"deliberate failure on rank {rank}")
+    if then_collective:
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def _case_sleep_on(rank: int, world_size: int, slow_rank: int, sleep_s: float) -> int:
+    """``slow_rank`` sleeps past the call's timeout; the others answer at once."""
+    if rank == slow_rank:
+        time.sleep(sleep_s)
+    return rank
+
+
+def _case_skip_collective(rank: int, world_size: int, skipping_rank: int) -> int:
+    """Every rank but ``skipping_rank`` enters an all-reduce, which therefore never completes."""
+    if rank != skipping_rank:
+        dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def _case_exit_on(rank: int, world_size: int, dying_rank: int, code: int) -> int:
+    """``dying_rank`` exits abruptly (as if killed); the others return their rank."""
+    if rank == dying_rank:
+        os._exit(code)
+    return rank
+
+
+def _case_subgroup(rank: int, world_size: int) -> float:
+    """Create a subgroup of the even ranks and all-reduce in it (it is destroyed afterwards)."""
+    evens = dist.new_group(list(range(0, world_size, 2)))
+    value = torch.tensor([float(rank)])
+    if rank % 2 == 0:
+        dist.all_reduce(value, group=evens)
+    return value.item()
+
+
+# ----- tests -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_allreduce_sums_and_ranks_come_back_in_order(dist_pool: DistPool, world_size: int):
+    length = 5
+    results = dist_pool.run(world_size, f"{_HERE}:_case_allreduce", {"length": length},
+                            timeout_s=60)
+    # Independent reference: sum_r (r + 1) * i = i * W (W + 1) / 2, in float64.
+    expected = np.arange(length, dtype=np.float64) * world_size * (world_size + 1) / 2
+    assert len(results) == world_size
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert len({r["pid"] for r in results}) == world_size  # one process per rank
+    for r in results:
+        assert r["world_size"] == world_size and r["backend"] == "gloo" and r["threads"] == 1
+        np.testing.assert_array_equal(r["total"].numpy(), expected)
+
+
+def test_every_rank_is_seeded_identically_per_call(dist_pool: DistPool):
+    seed = 1234
+    first = dist_pool.run(2, f"{_HERE}:_case_allreduce", {"length": 1}, seed=seed)
+    again = dist_pool.run(2, f"{_HERE}:_case_allreduce", {"length": 1}, seed=seed)
+    torch.manual_seed(seed)  # reference draws, made here in the test process
+    np.random.seed(seed)
+    torch_ref, numpy_ref = torch.rand(3, dtype=torch.float64), np.random.rand(3)
+    for r in first + again:
+        torch.testing.assert_close(r["torch_draw"], torch_ref, rtol=0, atol=0)
+        np.testing.assert_array_equal(r["numpy_draw"], numpy_ref)
+
+
+def test_subgroups_are_usable_and_cleaned_between_calls(dist_pool: DistPool):
+    for _ in range(2):  # a second call must not trip over the first call's subgroup
+        results = dist_pool.run(3, f"{_HERE}:_case_subgroup", timeout_s=30)
+        assert results == [2.0, 1.0, 2.0]  # ranks 0 and 2 sum 0 + 2; rank 1 keeps its value
+
+
+def test_raising_rank_is_named_with_its_traceback_and_pool_recovers(dist_pool: DistPool):
+    starts = dist_pool.starts
+    with pytest.raises(DistPoolError) as info:
+        dist_pool.run(2, f"{_HERE}:_case_raise_on", {"bad_rank": 1, "then_collective": False})
+    message = str(info.value)
+    assert not isinstance(info.value, RankTimeoutError)
+    assert "ranks [1] raised" in message and "ranks [0] returned" in message
+    assert "ValueError: deliberate failure on rank 1" in message
+    assert dist_pool.run(2, f"{_HERE}:_case_sleep_on", {"slow_rank": -1, "sleep_s": 0}) == [0, 1]
+    assert dist_pool.starts == starts + 1  # the failed world was replaced by a fresh one
+
+
+def test_raise_while_others_wait_in_a_collective_ends_after_grace(dist_pool: DistPool,
+                                                                   monkeypatch):
+    monkeypatch.setattr(dist_pool, "grace_s", 0.5)
+    began = time.monotonic()
+    with pytest.raises(RankTimeoutError) as info:
+        dist_pool.run(4, f"{_HERE}:_case_raise_on", {"bad_rank": 2, "then_collective": True},
+                      timeout_s=60)
+    elapsed = time.monotonic() - began
+    message = str(info.value)
+    assert elapsed < 10, f"grace of 0.5 s was not applied: the call took {elapsed:.1f} s"
+    assert "ranks [2] raised" in message and "deliberate failure on rank 2" in message
+    assert "ranks [0, 1, 3] did not answer" in message
+    assert "all_reduce" in message  # faulthandler stacks of the stuck ranks
+    assert dist_pool.run(4, f"{_HERE}:_case_sleep_on", {"slow_rank": -1, "sleep_s": 0}) == [
+        0, 1, 2, 3]
+
+
+def test_sleeping_rank_times_out_by_name_and_pool_recovers(dist_pool: DistPool):
+    began = time.monotonic()
+    with pytest.raises(RankTimeoutError) as info:
+        dist_pool.run(2, f"{_HERE}:_case_sleep_on", {"slow_rank": 1, "sleep_s": 120},
+                      timeout_s=1.5)
+    elapsed = time.monotonic() - began
+    assert elapsed < 8, f"timeout_s=1.5 but the call took {elapsed:.1f} s"
+    assert "ranks [1] did not answer within 1.5 s" in str(info.value)
+    assert "_case_sleep_on" in str(info.value)  # where rank 1 was stuck
+    results = dist_pool.run(2, f"{_HERE}:_case_allreduce", {"length": 2})
+    np.testing.assert_array_equal(results[0]["total"].numpy(), [0.0, 3.0])
+
+
+def test_rank_skipping_a_collective_hangs_the_others_and_is_reported(dist_pool: DistPool):
+    with pytest.raises(RankTimeoutError, match=r"ranks \[1, 2, 3\] did not answer"):
+        dist_pool.run(4, f"{_HERE}:_case_skip_collective", {"skipping_rank": 0}, timeout_s=1.5)
+    assert dist_pool.run(4, f"{_HERE}:_case_sleep_on", {"slow_rank": -1, "sleep_s": 0}) == [
+        0, 1, 2, 3]
+
+
+def test_dying_rank_is_reported_with_its_exit_code(dist_pool: DistPool):
+    with pytest.raises(DistPoolError, match=r"ranks 1 \(exitcode 7\) died without answering"):
+        dist_pool.run(2, f"{_HERE}:_case_exit_on", {"dying_rank": 1, "code": 7}, timeout_s=30)
+
+
+def test_world_of_eight(dist_pool: DistPool):
+    results = dist_pool.run(8, f"{_HERE}:_case_allreduce", {"length": 2}, timeout_s=120)
+    assert [r["rank"] for r in results] == list(range(8))
+    np.testing.assert_array_equal(results[7]["total"].numpy(), [0.0, 36.0])
+
+
+def test_bad_arguments_raise_value_error(dist_pool: DistPool):
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        dist_pool.run(0, f"{_HERE}:_case_allreduce")
+    with pytest.raises(ValueError, match="'package.module:function', got 'tests.test_pool'"):
+        dist_pool.run(2, _HERE)
+    with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn'"):
+        DistPool(start_method="fork")
+
+
+def test_spawn_world_reports_killed_and_raising_ranks():
+    results = spawn_world(3, f"{_HERE}:_case_exit_on", {"dying_rank": 1, "code": 5}, timeout_s=30)
+    assert results[0] == 0 and results[2] == 2
+    assert results[1] == RankExit(rank=1, exitcode=5, traceback=None)
+    results = spawn_world(2, f"{_HERE}:_case_raise_on", {"bad_rank": 0, "then_collective": False},
+                          timeout_s=30)
+    assert results[1] == 1
+    assert isinstance(results[0], RankExit) and results[0].exitcode == 1
+    assert "deliberate failure on rank 0" in results[0].traceback
+    with pytest.raises(RankTimeoutError, match=r"ranks \[1\] did not answer within 1.5 s"):
+        spawn_world(2, f"{_HERE}:_case_sleep_on", {"slow_rank": 1, "sleep_s": 120}, timeout_s=1.5)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find zombies")
+def test_close_reaps_every_worker():
+    pool = DistPool()
+    pids = [r["pid"] for r in pool.run(2, f"{_HERE}:_case_allreduce", {"length": 1})]
+    pool.close()
+    # A zombie keeps its /proc entry until reaped, so this also catches unreaped children.
+    assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
