@@ -9,7 +9,9 @@ Control", 2024), shrunk to run on CPU:
   backbone width.
 - **Backbone** (``model.backbone``): ``nn.Embedding`` instruction tokens, then ``depth`` blocks
   over the prefix ``[image patches, pooled image, text]`` with bidirectional attention and
-  multi-query attention (one shared key/value head, as Gemma in Pi0).
+  multi-query attention (one shared key/value head, as Gemma in Pi0). The last backbone block
+  only computes keys/values: its prefix output would feed nothing (no language loss), so its
+  query/output/MLP weights would never get a gradient.
 - **Action expert** (``model.expert``): narrower blocks (``d_act``, not divisible by 4 by
   default) over the suffix ``[state, noisy action chunk]``. Layer l of the expert attends to the
   keys/values of backbone layer l over the prefix and to its own suffix keys/values (Pi0's
@@ -132,22 +134,28 @@ class VisionBlock(nn.Module):
 class BackboneBlock(nn.Module):
     """Pre-norm multi-query block over the prefix; also returns its keys/values for the expert."""
 
-    def __init__(self, d: int, head_dim: int, mlp_hidden: int) -> None:
+    def __init__(self, d: int, head_dim: int, mlp_hidden: int, *, kv_only: bool = False) -> None:
         super().__init__()
-        self.heads, self.head_dim = d // head_dim, head_dim
+        self.heads, self.head_dim, self.kv_only = d // head_dim, head_dim, kv_only
         self.norm1 = nn.LayerNorm(d)
-        self.q = nn.Linear(d, d, bias=False)
         self.kv = nn.Linear(d, 2 * head_dim, bias=False)  # one shared key/value head
-        self.o = nn.Linear(d, d, bias=False)
-        self.norm2 = nn.LayerNorm(d)
-        self.mlp = Mlp(d, mlp_hidden)
+        if not kv_only:  # the last layer's prefix output is never read: only its keys/values
+            self.q = nn.Linear(d, d, bias=False)
+            self.o = nn.Linear(d, d, bias=False)
+            self.norm2 = nn.LayerNorm(d)
+            self.mlp = Mlp(d, mlp_hidden)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: float [B, P, d] -> (x [B, P, d], k [B, 1, P, head_dim], v [B, 1, P, head_dim])."""
+        """x: float [B, P, d] -> (x [B, P, d], k [B, 1, P, head_dim], v [B, 1, P, head_dim]).
+
+        Keys/values come from this layer's input, as in Pi0's joint attention at layer l.
+        """
         b, p, _ = x.shape
         h = self.norm1(x)
-        q = self.q(h).view(b, p, self.heads, self.head_dim).transpose(1, 2)
         k, v = self.kv(h).view(b, p, 2, 1, self.head_dim).permute(2, 0, 3, 1, 4)
+        if self.kv_only:
+            return x, k.clone(), v.clone()
+        q = self.q(h).view(b, p, self.heads, self.head_dim).transpose(1, 2)
         x = x + self.o(_attend(q, k, v, None))
         # clone: FSDP2 warns about (and mishandles in-place ops on) view outputs of a block
         return x + self.mlp(self.norm2(x)), k.clone(), v.clone()
@@ -216,7 +224,8 @@ class Backbone(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.text_pos = nn.Embedding(cfg.max_tokens, cfg.d_model)
         self.blocks = nn.ModuleList(
-            BackboneBlock(cfg.d_model, cfg.head_dim, cfg.mlp_ratio * cfg.d_model) for _ in range(cfg.depth)
+            BackboneBlock(cfg.d_model, cfg.head_dim, cfg.mlp_ratio * cfg.d_model, kv_only=i == cfg.depth - 1)
+            for i in range(cfg.depth)
         )
 
 
