@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Hashable, Mapping, Sequence
 
 from dmuon.balance.bounds import makespan_lower_bound
@@ -80,6 +81,16 @@ def solve_milp(
     Raises:
         ValueError: when matrices of one class differ in cost or memory.
     """
+    with warnings.catch_warnings():
+        # PuLP 3.x announces API changes for 4.0; the calls used here work from 2.8 on.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve_milp(costs, num_ranks, classes=classes, memory=memory,
+                           memory_cap=memory_cap, batch_overhead=batch_overhead,
+                           warm_start=warm_start, time_limit_s=time_limit_s)
+
+
+def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
+                time_limit_s):
     import pulp
 
     start = time.perf_counter()

@@ -1,0 +1,91 @@
+"""The profile CLI, the NS profiler cache and the batched-cost fit."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from dmuon.balance import profiler
+from dmuon.balance.cost import fit_batch_costs
+from dmuon.balance.inventories import inventory
+from dmuon.owners.plan import OwnerPlan
+from dmuon.profile import main, model_inventory
+
+
+def test_cli_pi0_tiny_writes_valid_plan_and_chart(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["--model", "pi0-tiny", "--nodes", "2", "--gpus-per-node", "4", "--out", str(out),
+               "--time-limit-s", "1", "--measure", "no", "--cache", str(tmp_path / "c.json")])
+    assert rc == 0
+    plan = OwnerPlan.load(out)
+    inv = dict(inventory("pi0-tiny"))
+    plan.check_matches(inv, 8)  # every matrix assigned, shapes and world size match
+    # Loads recomputed from the plan's own matrices agree with its makespan.
+    loads = [0.0] * 8
+    for m in plan.matrices:
+        loads[m.owner] += m.cost
+    assert max(loads) == pytest.approx(plan.makespan)
+    assert plan.makespan >= plan.lower_bound
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    table = capsys.readouterr().out
+    assert "makespan" in table and len(table.splitlines()) >= 9 + 1
+
+
+def test_cli_infeasible_memory_cap_exits_with_message(tmp_path, capsys):
+    rc = main(["--model", "pi0-tiny", "--gpus-per-node", "2", "--memory-cap-gb", "1e-6",
+               "--out", str(tmp_path / "p.json"), "--measure", "no", "--no-plot"])
+    assert rc == 2
+    assert "smallest feasible cap" in capsys.readouterr().err
+
+
+def test_model_factory_on_meta_takes_2d_non_embedding(tmp_path, monkeypatch):
+    (tmp_path / "toy_model_for_dmuon.py").write_text(
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 16), nn.LayerNorm(16),\n"
+        "                         nn.Linear(16, 4, bias=False))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = model_inventory("toy_model_for_dmuon:build")
+    assert got == [("1.weight", (16, 8)), ("3.weight", (4, 16))]
+    with pytest.raises(ValueError, match="neither a known inventory"):
+        model_inventory("nonsense")
+
+
+def test_fit_batch_costs_matches_least_squares():
+    ks = np.array([1, 2, 4, 8])
+    t = 0.7 + 1.3 * ks + np.array([0.01, -0.02, 0.015, -0.005])
+    fixed, marginal = fit_batch_costs(dict(zip(ks.tolist(), t.tolist())))
+    ref_slope, ref_fixed = np.polyfit(ks, t, 1)
+    assert fixed == pytest.approx(ref_fixed) and marginal == pytest.approx(ref_slope)
+    assert fit_batch_costs({4: 8.0}) == (0.0, 2.0)
+    with pytest.raises(ValueError):
+        fit_batch_costs({})
+
+
+def test_profiler_caches_by_device_torch_and_shape(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_time(shape, batch, **kw):
+        calls.append((shape, batch))
+        return float(shape[0] * batch)
+
+    monkeypatch.setattr(profiler, "time_ns", fake_time)
+    cache = tmp_path / "cache.json"
+    got = profiler.profile_shapes([(8, 16), (8, 16), (4, 4)], batch_sizes=(1, 2),
+                                  cache_path=cache, progress=False)
+    assert got == {(4, 4): {1: 4.0, 2: 8.0}, (8, 16): {1: 8.0, 2: 16.0}}
+    assert len(calls) == 4
+    keys = json.loads(cache.read_text())
+    assert any(k.startswith("cpu|torch ") and "|8x16|b2|s5" in k for k in keys)
+    profiler.profile_shapes([(8, 16)], batch_sizes=(1, 2), cache_path=cache, progress=False)
+    assert len(calls) == 4  # served from the cache
+
+
+def test_time_ns_runs_the_real_ns_path():
+    ms = profiler.time_ns((16, 24), 2, device="cpu", warmup=1, repeats=2)
+    assert ms > 0
+    costs, overhead, unit = profiler.profile_costs([(16, 24)], measure=False)
+    assert unit == "flops" and costs[0] > 0 and overhead == {}
