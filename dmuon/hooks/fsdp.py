@@ -108,6 +108,10 @@ def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tens
                 sharded = fsdp_param.sharded_param
                 full = sharded.full_tensor() if hasattr(sharded, "full_tensor") else sharded
                 group.fsdp_params.remove(fsdp_param)
+                # FSDPParam re-shards "its" parameter after load_state_dict; it is ours now.
+                handle = getattr(fsdp_param, "_post_load_hook_handle", None)
+                if handle is not None:
+                    handle.remove()
                 if not group.fsdp_params:
                     _remove_group(state, group)
                 logger.debug("dmuon: took %s.%s from FSDP2", type(module).__name__, attr)

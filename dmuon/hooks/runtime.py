@@ -152,6 +152,9 @@ class DedicateState:
                 self._handles.append(rec.compute.register_post_accumulate_grad_hook(self._make_on_grad(rec)))
         if not self.fsdp_wrapped:
             self._bind_replicated()
+        # Loading a state dict writes the masters; the compute copies must follow.
+        self._handles.append(self.model.register_load_state_dict_post_hook(
+            lambda module, keys: self.publish_after_step(issue=False)))
         self.bound = True
         logger.debug("dmuon: rank %d bound %d dedicated matrices", self.rank, len(self.records))
 
@@ -268,8 +271,13 @@ class DedicateState:
                 self.replicated.finish()
 
     # --------------------------------------------------------------- after step
-    def publish_after_step(self) -> None:
-        """Phase 4: owners refresh their compute copy; the first units' broadcasts go out."""
+    def publish_after_step(self, issue: bool = True) -> None:
+        """Phase 4: owners refresh their compute copy; the first units' broadcasts go out.
+
+        Args:
+            issue: issue the first ``prefetch`` units' broadcasts now (after a step); ``False``
+                only invalidates (after loading a state dict).
+        """
         with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
             for rec in self.records:
                 if rec.is_owner:
@@ -281,7 +289,7 @@ class DedicateState:
                     self._live[id(rec)] = False
                 else:
                     self._release(rec)
-            for unit in self.units[: self.prefetch]:
+            for unit in self.units[: self.prefetch] if issue else ():
                 self._issue(unit)
 
     def remove(self) -> None:

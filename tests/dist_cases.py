@@ -1,0 +1,151 @@
+"""Functions that run on every rank of the test pool (see ``tests/_pool.py``)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+from tests import models
+
+
+def build(world_size: int, mode: str, *, plan=None, predicate=None, **dedicate_kwargs):
+    """The test model on a 1-D mesh: ``mode`` is "fsdp" (dedicate after fully_shard),
+    "fsdp-before" (dedicate first) or "replicated" (no FSDP2)."""
+    model = models.make_model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    if mode == "fsdp-before":
+        dmuon.dedicate_params(model, mesh, plan=plan, predicate=predicate, **dedicate_kwargs)
+    if mode in ("fsdp", "fsdp-before"):
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if mode in ("fsdp", "replicated"):
+        dmuon.dedicate_params(model, mesh, plan=plan, predicate=predicate, **dedicate_kwargs)
+    return model, mesh
+
+
+def full_params(model: torch.nn.Module, rank: int) -> dict[str, np.ndarray]:
+    """Every parameter's full value, assembled on rank 0 (collective)."""
+    state = model._dmuon_state
+    owned = {rec.fqn: rec.master.detach() for rec in state.records if rec.is_owner}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {k: v.numpy().copy() for k, v in owned.items()})
+    out: dict[str, np.ndarray] = {}
+    for part in gathered:
+        out.update(part)
+    for name, p in model.named_parameters():
+        if name in out:
+            continue
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = t.detach().numpy().copy()
+    return out if rank == 0 else {}
+
+
+def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
+          opt_kwargs: dict | None = None, clip: float | None = None,
+          lr_gamma: float | None = None, dedicate_kwargs: dict | None = None) -> dict:
+    """Train the test model with dmuon; return final params (rank 0), losses, NS counts."""
+    model, _ = build(world_size, mode, **(dedicate_kwargs or {}))
+    kwargs = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
+                  ns_dtype=torch.float32, ns_coefficients="muon")
+    kwargs.update(opt_kwargs or {})
+    opt = dmuon.Muon(model, **kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=lr_gamma) if lr_gamma else None
+    losses, norms, counts = [], [], []
+    state = model._dmuon_state
+    for step in range(steps):
+        idx, y = models.local_batch(step, rank, world_size)
+        loss = models.loss_fn(model, idx, y)
+        loss.backward()
+        losses.append(loss.item())
+        if clip is not None:
+            norms.append(float(dmuon.clip_grad_norm_(model, clip)))
+        before = state.ns_matrices
+        opt.step()
+        counts.append(state.ns_matrices - before)
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    owned = sorted(rec.fqn for rec in state.records if rec.is_owner)
+    placeholders_empty = all(rec.master.numel() == 0 for rec in state.records if not rec.is_owner)
+    listed = {n for n, _ in model.named_parameters()}
+    return dict(params=full_params(model, rank), losses=losses, norms=norms, ns_counts=counts,
+                owned=owned, placeholders_empty=placeholders_empty, listed=sorted(listed))
+
+
+def state_dict_roundtrip(rank: int, world_size: int, *, mode: str = "fsdp", first: int = 3,
+                         then: int = 2) -> dict:
+    """Train ``first`` steps, save model+optimizer state dicts, restore into a fresh model and
+    optimizer, train ``then`` more; also train ``first + then`` uninterrupted. Return both."""
+    kwargs = dict(lr=0.02, adamw_lr=0.01, ns_method="standard", ns_dtype=torch.float32,
+                  ns_coefficients="muon")
+
+    def run(model, opt, steps):
+        for step in steps:
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, _ = build(world_size, mode)
+    opt = dmuon.Muon(model, **kwargs)
+    run(model, opt, range(first))
+    saved_model = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                   for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())  # state_dict() aliases live buffers
+    run(model, opt, range(first, first + then))
+    straight = full_params(model, rank)
+
+    model2, _ = build(world_size, mode)
+    opt2 = dmuon.Muon(model2, **kwargs)
+    model2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    run(model2, opt2, range(first, first + then))
+    return dict(straight=straight, restored=full_params(model2, rank))
+
+
+def call_and_capture(rank: int, world_size: int, *, case: str) -> str:
+    """Run a bad-input case; return ``"<ExceptionType>: <message>"`` (or "no error")."""
+    try:
+        _bad_input(case, rank, world_size)
+    except Exception as e:  # noqa: BLE001 - the test inspects the exact type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def _bad_input(case: str, rank: int, world_size: int) -> None:
+    if case == "mesh-2d":
+        model = models.make_model()
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        dmuon.dedicate_params(model, mesh)
+    elif case == "twice":
+        model, mesh = build(world_size, "fsdp")
+        dmuon.dedicate_params(model, mesh)
+    elif case == "non-2d-predicate":
+        model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
+        dmuon.dedicate_params(model, mesh, predicate=lambda name, p: p.ndim >= 1 and "emb" not in name)
+    elif case == "plan-other-world":
+        model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
+        names = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n in models.matrix_names(model)]
+        dmuon.dedicate_params(model, mesh, plan=dmuon.build_plan(names, world_size + 1))
+    elif case == "plan-other-model":
+        model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
+        dmuon.dedicate_params(model, mesh, plan=dmuon.build_plan([("other.weight", (4, 4))], world_size))
+    elif case == "plan-differs-by-rank":
+        model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
+        names = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n in models.matrix_names(model)]
+        plan = dmuon.build_plan(names, world_size)
+        if rank == world_size - 1:  # the last rank moves one matrix to another owner
+            m0 = plan.matrices[0]
+            moved = dmuon.MatrixSpec(fqn=m0.fqn, shape=m0.shape, owner=(m0.owner + 1) % world_size)
+            plan = dmuon.OwnerPlan(world_size=world_size, matrices=(moved, *plan.matrices[1:]))
+        dmuon.dedicate_params(model, mesh, plan=plan)
+    else:
+        raise KeyError(case)

@@ -1,0 +1,150 @@
+"""A small model with the shapes distributed Muon keeps tripping on, its data, and references.
+
+Shapes: an embedding (AdamW), LayerNorms and biases (AdamW), matrices of several shapes
+including dimensions not divisible by 2 or 4 (7, 13), a ``[1, 12]`` matrix (the head) and a
+tall one (``[20, 12]``). The references are single-process ``torch.optim.Muon`` +
+``torch.optim.AdamW`` on the concatenated global batch: independent of dmuon's code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+VOCAB, WIDTH, SEQ, LOCAL_BATCH = 11, 12, 5, 3
+MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block(WIDTH, 7), Block(WIDTH, 20), Block(WIDTH, 13)])
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).mean(dim=(1, 2))
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def matrix_names(model: nn.Module) -> list[str]:
+    """Names of the parameters Muon takes (2-D, not the embedding)."""
+    return [n for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("emb")]
+
+
+def global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ``world_size * LOCAL_BATCH`` sequences and targets."""
+    g = torch.Generator().manual_seed(1000 + step)
+    n = LOCAL_BATCH * world_size
+    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randn(n, generator=g)
+
+
+def local_batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    idx, y = global_batch(step, world_size)
+    sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    return idx[sl], y[sl]
+
+
+def loss_fn(model: nn.Module, idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(idx) - y) ** 2).mean()
+
+
+def _ns_reference(dtype: torch.dtype, coefficients: list[tuple[float, float, float]] | None):
+    """torch.optim.Muon's iteration op for op, in ``dtype`` and with per-step coefficients."""
+
+    def zeropower(grad, ns_coefficients, ns_steps, eps):
+        coeffs = coefficients or [tuple(ns_coefficients)] * ns_steps
+        x = grad.to(dtype)
+        if grad.size(0) > grad.size(1):
+            x = x.T
+        x = x / x.norm().clamp(min=eps)
+        for a, b, c in coeffs[:ns_steps]:
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        if grad.size(0) > grad.size(1):
+            x = x.T
+        return x.to(grad.dtype)
+
+    return zeropower
+
+
+@contextlib.contextmanager
+def reference_ns(dtype: torch.dtype | None, coefficients=None) -> Iterator[None]:
+    """Within the block, ``torch.optim.Muon`` iterates in ``dtype`` (None: unchanged, bf16)."""
+    import torch.optim._muon as muon_module
+
+    original = muon_module._zeropower_via_newtonschulz
+    if dtype is not None:
+        muon_module._zeropower_via_newtonschulz = _ns_reference(dtype, coefficients)
+    try:
+        yield
+    finally:
+        muon_module._zeropower_via_newtonschulz = original
+
+
+def run_reference(
+    world_size: int,
+    steps: int,
+    *,
+    lr: float = 0.02,
+    adamw_lr: float = 0.01,
+    weight_decay: float = 0.1,
+    ns_dtype: torch.dtype | None = torch.float32,
+    coefficients=None,
+    clip: float | None = None,
+    lr_gamma: float | None = None,
+    micro_batches: int = 1,
+) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """Single-process Muon + AdamW on the global batch.
+
+    Returns:
+        Final parameters by name, the per-step losses, and the per-step total grad norms
+        (when ``clip`` is set).
+    """
+    model = make_model()
+    names = set(matrix_names(model))
+    mats = [p for n, p in model.named_parameters() if n in names]
+    rest = [p for n, p in model.named_parameters() if n not in names]
+    muon = torch.optim.Muon(mats, lr=lr, weight_decay=weight_decay, ns_coefficients=MUON_COEFFICIENTS)
+    adamw = torch.optim.AdamW(rest, lr=adamw_lr, weight_decay=weight_decay)
+    scheds = []
+    if lr_gamma is not None:
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=lr_gamma) for o in (muon, adamw)]
+    losses, norms = [], []
+    with reference_ns(ns_dtype, coefficients):
+        for step in range(steps):
+            idx, y = global_batch(step, world_size)
+            for chunk_idx, chunk_y in zip(idx.chunk(micro_batches), y.chunk(micro_batches)):
+                loss = loss_fn(model, chunk_idx, chunk_y) / micro_batches
+                loss.backward()
+            losses.append(loss.item())
+            if clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+            for s in scheds:
+                s.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms

@@ -1,0 +1,124 @@
+"""dmuon against single-process torch.optim.Muon + AdamW on the global batch (issue: core).
+
+Every comparison runs the same model and data through dmuon on N gloo ranks and through one
+process with PyTorch's own optimizers (tests/models.py), and compares every parameter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests import models
+
+STEPS = 5
+FP32_ATOL = 1e-5
+# bf16 mode: both sides run torch.optim.Muon's bf16 iteration on fp32 inputs that differ only
+# by summation order (~1e-7 relative), so most elements agree exactly; where a rounding
+# boundary flips, one element of the NS output moves by one bf16 ulp (2^-8 relative, |x| <= 1),
+# i.e. the update by <= lr * sqrt(max(1, rows/cols)) * 2^-8 ~ 0.02 * 1.7 * 0.004 = 1.4e-4 per
+# step; 5 steps, plus what the changed weights do to later gradients: 1e-3 absolute.
+BF16_ATOL = 1e-3
+
+
+def compare(params: dict[str, np.ndarray], reference: dict[str, torch.Tensor], atol: float) -> float:
+    assert set(params) == set(reference), (set(params) ^ set(reference))
+    worst = 0.0
+    for name, ref in reference.items():
+        got = torch.from_numpy(params[name])
+        assert got.shape == ref.shape, (name, got.shape, ref.shape)
+        diff = (got - ref).abs().max().item()
+        worst = max(worst, diff)
+        assert diff <= atol, f"{name}: max abs diff {diff:.3g} > {atol}"
+    return worst
+
+
+@pytest.mark.parametrize("world_size,mode", [(2, "fsdp"), (4, "fsdp"), (2, "fsdp-before"),
+                                             (2, "replicated"), (3, "replicated")])
+def test_fp32_exact_mode_matches_reference(dist_pool, world_size, mode):
+    out = dist_pool.run(world_size, "tests.dist_cases:train", dict(mode=mode, steps=STEPS), timeout_s=120)
+    ref, ref_losses, _ = models.run_reference(world_size, STEPS)
+    worst = compare(out[0]["params"], ref, FP32_ATOL)
+    assert worst < FP32_ATOL
+    # The global loss is the mean of the ranks' losses (equal local batch sizes).
+    dist_losses = np.mean([o["losses"] for o in out], axis=0)
+    np.testing.assert_allclose(dist_losses, ref_losses, rtol=1e-5)
+
+
+def test_bf16_mode_matches_torch_muon(dist_pool):
+    opt_kwargs = dict(ns_dtype=torch.bfloat16)
+    out = dist_pool.run(2, "tests.dist_cases:train", dict(mode="fsdp", steps=STEPS, opt_kwargs=opt_kwargs),
+                        timeout_s=120)
+    ref, _, _ = models.run_reference(2, STEPS, ns_dtype=None)  # torch.optim.Muon untouched: bf16
+    compare(out[0]["params"], ref, BF16_ATOL)
+
+
+def test_default_gram_fp16_no_worse_than_bf16_muon(dist_pool):
+    """The default path (Gram, fp16, Polar Express) drifts from a float64 iteration with the
+    same per-step coefficients no more than torch.optim.Muon's bf16 iteration does."""
+    from dmuon.kernels import resolve_coefficients
+
+    opt_kwargs = dict(ns_method="gram", ns_dtype=torch.float16, ns_coefficients="polar_express")
+    out = dist_pool.run(2, "tests.dist_cases:train", dict(mode="fsdp", steps=STEPS, opt_kwargs=opt_kwargs),
+                        timeout_s=120)
+    coeffs = resolve_coefficients("polar_express", 5)
+    ref64, _, _ = models.run_reference(2, STEPS, ns_dtype=torch.float64, coefficients=coeffs)
+    ref_bf16, _, _ = models.run_reference(2, STEPS, ns_dtype=torch.bfloat16, coefficients=coeffs)
+    names = models.matrix_names(models.make_model())
+    err_dmuon = max((torch.from_numpy(out[0]["params"][n]) - ref64[n]).abs().max().item() for n in names)
+    err_bf16 = max((ref_bf16[n] - ref64[n]).abs().max().item() for n in names)
+    assert err_bf16 > 0
+    assert err_dmuon <= err_bf16, (err_dmuon, err_bf16)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_matrix_orthogonalized_once_per_step(dist_pool, world_size):
+    out = dist_pool.run(world_size, "tests.dist_cases:train", dict(mode="fsdp", steps=3), timeout_s=120)
+    n_matrices = len(models.matrix_names(models.make_model()))
+    per_step_total = np.sum([o["ns_counts"] for o in out], axis=0)
+    assert per_step_total.tolist() == [n_matrices] * 3
+    for o in out:  # each rank orthogonalizes exactly what it owns, every step
+        assert o["ns_counts"] == [len(o["owned"])] * 3
+    owned = [name for o in out for name in o["owned"]]
+    assert sorted(owned) == sorted(models.matrix_names(models.make_model()))  # one owner each
+
+
+def test_placeholders_are_empty_and_still_listed(dist_pool):
+    out = dist_pool.run(4, "tests.dist_cases:train", dict(mode="fsdp", steps=1), timeout_s=120)
+    expected = sorted(n for n, _ in models.make_model().named_parameters())
+    for o in out:
+        assert o["placeholders_empty"]
+        assert o["listed"] == expected
+
+
+def test_clip_grad_norm_matches_single_process(dist_pool):
+    out = dist_pool.run(2, "tests.dist_cases:train", dict(mode="fsdp", steps=STEPS, clip=0.05), timeout_s=120)
+    ref, _, ref_norms = models.run_reference(2, STEPS, clip=0.05)
+    for o in out:  # every rank gets the same global norm
+        np.testing.assert_allclose(o["norms"], ref_norms, rtol=1e-6)
+    assert max(ref_norms) > 0.05, "the clip threshold must bite for this test to mean anything"
+    compare(out[0]["params"], ref, FP32_ATOL)
+
+
+def test_clip_grad_norm_replicated_path(dist_pool):
+    out = dist_pool.run(2, "tests.dist_cases:train", dict(mode="replicated", steps=3, clip=0.05), timeout_s=120)
+    _, _, ref_norms = models.run_reference(2, 3, clip=0.05)
+    np.testing.assert_allclose(out[0]["norms"], ref_norms, rtol=1e-6)
+
+
+def test_lr_scheduler_through_param_groups(dist_pool):
+    out = dist_pool.run(2, "tests.dist_cases:train", dict(mode="fsdp", steps=4, lr_gamma=0.5), timeout_s=120)
+    ref, _, _ = models.run_reference(2, 4, lr_gamma=0.5)
+    compare(out[0]["params"], ref, FP32_ATOL)
+    no_sched, _, _ = models.run_reference(2, 4)
+    assert any((ref[k] - no_sched[k]).abs().max() > 1e-4 for k in ref), "schedule had no effect"
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "replicated"])
+def test_state_dict_roundtrip_same_world_size_is_bitwise(dist_pool, mode):
+    out = dist_pool.run(2, "tests.dist_cases:state_dict_roundtrip", dict(mode=mode), timeout_s=120)
+    straight, restored = out[0]["straight"], out[0]["restored"]
+    assert set(straight) == set(restored)
+    for name in straight:
+        np.testing.assert_array_equal(restored[name], straight[name], err_msg=name)
