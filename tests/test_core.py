@@ -122,3 +122,39 @@ def test_state_dict_roundtrip_same_world_size_is_bitwise(dist_pool, mode):
     assert set(straight) == set(restored)
     for name in straight:
         np.testing.assert_array_equal(restored[name], straight[name], err_msg=name)
+
+
+@pytest.mark.parametrize("case,world_size,error,words", [
+    ("mesh-2d", 4, "ValueError", ["1-D DeviceMesh", "(2, 2)"]),
+    ("twice", 2, "RuntimeError", ["already called"]),
+    ("non-2d-predicate", 2, "ValueError", ["blocks.0.ln.weight", "(12,)", "2-D", "predicate"]),
+    ("plan-other-world", 2, "ValueError", ["3 ranks", "mesh has 2"]),
+    ("plan-other-model", 2, "ValueError", ["no owner", "another model"]),
+    ("plan-differs-by-rank", 2, "RuntimeError", ["differs between ranks", "[1]"]),
+])
+def test_bad_input_raises_clear_error_on_every_rank(dist_pool, case, world_size, error, words):
+    out = dist_pool.run(world_size, "tests.dist_cases:call_and_capture", dict(case=case), timeout_s=60)
+    for message in out:
+        assert message.startswith(error + ":"), message
+        for word in words:
+            assert word in message, (word, message)
+
+
+def test_optimizer_before_dedicate_params_is_refused():
+    import dmuon
+
+    with pytest.raises(ValueError, match="call dmuon.dedicate_params"):
+        dmuon.Muon(models.make_model())
+
+
+def test_import_dmuon_does_not_patch_torch():
+    import subprocess
+    import sys
+
+    code = ("import torch, torch.nn as nn, torch.distributed as dist;"
+            "before = {k: id(v) for m in (torch, nn, nn.Module, dist, torch.optim) for k, v in vars(m).items()};"
+            "import dmuon;"
+            "after = {k: id(v) for m in (torch, nn, nn.Module, dist, torch.optim) for k, v in vars(m).items()};"
+            "print(sorted(k for k in before if before[k] != after.get(k)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
