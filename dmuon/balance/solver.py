@@ -241,7 +241,7 @@ def solve(
     if memory_cap is not None:
         from dmuon.balance.milp import check_memory_cap
 
-        check_memory_cap(memory, num_ranks, float(memory_cap), time_limit_s=time_limit_s)
+        check_memory_cap(memory, num_ranks, float(memory_cap), time_limit_s=time_limit_s / 2)
 
     eff = _effective_costs(costs, classes, batch_overhead)
     lower = max(sum(eff) / num_ranks, max(eff))
