@@ -77,8 +77,8 @@ def _gram_iteration(
 
 def _select_ops(backend: str, X: Tensor) -> NSOps:
     """Pick the op set for ``backend`` and the (already oriented) iterate ``X``."""
-    if backend == "torch":
-        return TORCH_OPS
+    if backend == "torch" or (backend == "auto" and X.device.type != "cuda"):
+        return TORCH_OPS  # "auto" never uses Triton on CPU: do not even import it
     try:
         from dmuon.kernels import triton_ops
     except ImportError as exc:
