@@ -3,15 +3,14 @@
 Spawning a world of processes costs ~2.5 s per test on a 2-core machine (mostly `import torch`
 in every child). :class:`DistPool` pays that once per world size: it keeps one set of worker
 processes per world size, each with an initialized gloo default process group on CPU, and runs
-many "module:function" calls on them. :func:`spawn_world` is the slow path for tests that need
-fresh processes (a rank is killed on purpose).
+many "module:function" calls on them. Workers are forked from a forkserver that has torch
+imported, so even a restart costs ~0.1-0.3 s. :func:`spawn_world` runs one call on fresh
+processes, for tests that kill a rank on purpose.
 
-Every call has a timeout. A rank that raises, dies or does not answer in time makes the call
-raise an error that names the ranks, with their tracebacks (raised) or Python stacks (hung, via
-:mod:`faulthandler`); the world is then killed and restarted lazily, since a failed call may
-leave the ranks out of step in their collectives.
-
-Usable outside pytest (no pytest import):
+Every call has a timeout. A rank that raises, dies or hangs makes the call raise an error that
+names the ranks, with their tracebacks or (hung) :mod:`faulthandler` stacks; the world is then
+killed and restarted lazily, as a failed call may leave the ranks out of step in their
+collectives. Usable outside pytest (no pytest import):
 
     with DistPool() as pool:
         sums = pool.run(world_size=4, fn="tests.dist_cases:my_case", kwargs={"n": 3})
@@ -44,14 +43,8 @@ REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
 # Environment of every worker, set before torch is imported there. One thread per rank: the
 # machine has 2 cores shared by up to 8 ranks, and oversubscribed OpenMP makes gloo tests crawl.
-_WORKER_ENV = {
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "MASTER_ADDR": "127.0.0.1",
-}
-# Longest wait (seconds) for hung ranks to write their faulthandler stack dumps before the
-# kill; a dump normally lands within ~10 ms.
-_STACK_DUMP_WAIT_S = 1.0
+_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+_STACK_DUMP_WAIT_S = 1.0  # longest wait for hung ranks' stack dumps; they take ~10 ms
 
 
 class DistPoolError(RuntimeError):
@@ -68,8 +61,7 @@ class RankExit:
 
     Attributes:
         rank: Global rank of the process.
-        exitcode: Process exit code; negative ``-N`` means killed by signal ``N``; ``None`` if it
-            was still running when collected.
+        exitcode: Process exit code; ``-N`` means killed by signal ``N``.
         traceback: Traceback text if the function raised, else ``None`` (e.g. the rank died).
     """
 
@@ -93,7 +85,11 @@ def resolve_fn(fn: str) -> Callable[..., Any]:
     return target
 
 
-def _check_args(world_size: int, fn: str) -> None:
+def _check_args(world_size: int, fn: str, kwargs: dict[str, Any] | None = None) -> None:
+    """Validate the arguments shared by :meth:`DistPool.run` and :func:`spawn_world`."""
+    if kwargs is not None and ({"rank", "world_size"} & set(kwargs)):
+        raise ValueError(f"kwargs must not contain 'rank' or 'world_size' (every rank receives "
+                         f"its own), got keys {sorted(kwargs)}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     module_name, sep, attr = fn.partition(":") if isinstance(fn, str) else ("", "", "")
@@ -105,9 +101,9 @@ def _context(start_method: str) -> Any:
     """Multiprocessing context for workers; the forkserver preloads torch so forks are cheap.
 
     Forking the forkserver is safe: it imports torch but never runs an op, so no OpenMP pool
-    exists yet (OpenBLAS's own thread is handled by its fork handlers). Measured on 2 busy
-    cores: a 4-rank world starts in ~0.1 s this way versus ~6 s with "spawn". The preload list
-    is process-wide and only applies if the forkserver is not running yet.
+    exists yet (OpenBLAS's thread is handled by its fork handlers). On 2 busy cores a 4-rank
+    world starts in ~0.1 s so, ~6 s with "spawn". The preload list is process-wide and only
+    applies if the forkserver is not running yet.
 
     Raises:
         ValueError: If ``start_method`` is not ``"forkserver"`` or ``"spawn"``.
@@ -124,29 +120,25 @@ def _context(start_method: str) -> Any:
     return ctx
 
 
-def _seed_all(seed: int) -> None:
-    """Seed python, numpy and torch identically on every rank."""
-    import numpy
-    import torch
-
-    random.seed(seed)
-    numpy.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def _init_worker(rank: int, world_size: int, port: int, stack_file: str, sys_path: list[str],
-                 pg_timeout_s: float) -> Any:
-    """Set up one rank: environment, stack-dump signal, gloo default process group."""
+                 pg_timeout_s: float) -> None:
+    """Set up one rank: parent watchdog, environment, stack dumps, gloo default process group."""
+    import faulthandler
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # die with the parent even when stuck in a C++ collective
+        threading.Thread(target=lambda: (mp_connection.wait([parent.sentinel]), os._exit(3)),
+                         name="dmuon-pool-parent-watch", daemon=True).start()
     os.environ.update(_WORKER_ENV)
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo resolves the hostname otherwise
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    import faulthandler
-
-    dump = open(stack_file, "w")  # noqa: SIM115 - faulthandler needs it open for the process life
-    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    # faulthandler keeps a reference to the file, which stays open for the process life.
+    stack_dump = open(stack_file, "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stack_dump, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -154,28 +146,17 @@ def _init_worker(rank: int, world_size: int, port: int, stack_file: str, sys_pat
     store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=pg_timeout_s))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=pg_timeout_s))
-    return dump
-
-
-def _exit_when_parent_dies() -> None:
-    """Kill this worker when the parent goes away, even if it hangs in a collective."""
-    import threading
-
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        mp_connection.wait([parent.sentinel])
-        os._exit(3)
-
-    threading.Thread(target=watch, name="dmuon-pool-parent-watch", daemon=True).start()
 
 
 def _call(fn: str, rank: int, world_size: int, kwargs: dict[str, Any], seed: int) -> bytes:
-    """Run one call on this rank; return the pickled ``("ok", value)`` or ``("err", text)``."""
+    """Seed and run one call on this rank; return pickled ``("ok", value)`` or ``("err", text)``."""
+    import numpy
+    import torch
+
     try:
-        _seed_all(seed)
+        random.seed(seed)
+        numpy.random.seed(seed)
+        torch.manual_seed(seed)
         value = resolve_fn(fn)(rank=rank, world_size=world_size, **kwargs)
     except BaseException:  # noqa: BLE001 - any failure goes back to the parent as text
         return pickle.dumps(("err", traceback.format_exc()))
@@ -189,9 +170,7 @@ def _call(fn: str, rank: int, world_size: int, kwargs: dict[str, Any], seed: int
 
 def _cleanup_after_call() -> None:
     """Local, collective-free reset between calls: destroy the subgroups the call created.
-
-    No ``gc.collect()``: it costs 0.1-0.3 s per rank per call once torch is imported.
-    """
+    (No ``gc.collect()``: 0.1-0.3 s per rank per call once torch is imported.)"""
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
@@ -203,82 +182,64 @@ def _cleanup_after_call() -> None:
     torch.set_num_threads(1)
 
 
-def _pool_worker_main(rank: int, world_size: int, port: int, conn: Any, stack_file: str,
-                      sys_path: list[str], pg_timeout_s: float) -> None:
-    """Worker loop of :class:`DistPool`: answer ``(fn, kwargs, seed)`` requests until EOF/None."""
-    _exit_when_parent_dies()
+def _worker_main(rank: int, world_size: int, port: int, conn: Any, stack_file: str,
+                 sys_path: list[str], pg_timeout_s: float, once: tuple | None = None) -> None:
+    """Pool worker (``once is None``): report ``ready``, then answer pickled ``(fn, kwargs,
+    seed)`` requests until ``None`` or EOF. With ``once`` (such a triple, for
+    :func:`spawn_world`): run it, report, exit with 0 (returned) or 1 (raised)."""
     try:
         _init_worker(rank, world_size, port, stack_file, sys_path, pg_timeout_s)
-    except BaseException:  # noqa: BLE001
-        conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
-        return
-    conn.send_bytes(pickle.dumps(("ready", None)))
-    while True:
-        try:
-            request = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            break
-        if request is None:
-            break
-        fn, kwargs, seed = request
-        answer = _call(fn, rank, world_size, kwargs, seed)
-        if pickle.loads(answer)[0] == "ok":
-            try:
-                _cleanup_after_call()
-            except BaseException:  # noqa: BLE001
-                answer = pickle.dumps(("err", "cleanup after the call failed:\n"
-                                              + traceback.format_exc()))
-        conn.send_bytes(answer)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-
-
-def _spawn_worker_main(rank: int, world_size: int, port: int, conn: Any, stack_file: str,
-                       sys_path: list[str], pg_timeout_s: float, fn: str,
-                       kwargs: dict[str, Any], seed: int) -> None:
-    """One-shot worker of :func:`spawn_world`: init, run ``fn`` once, report, exit."""
-    _exit_when_parent_dies()
-    try:
-        _init_worker(rank, world_size, port, stack_file, sys_path, pg_timeout_s)
+        answer = pickle.dumps(("ready", None))
     except BaseException:  # noqa: BLE001
         answer = pickle.dumps(("err", traceback.format_exc()))
-    else:
-        answer = _call(fn, rank, world_size, kwargs, seed)
-    conn.send_bytes(answer)
-    conn.close()
+    if once is not None and pickle.loads(answer)[0] == "ready":
+        answer = _call(once[0], rank, world_size, once[1], once[2])
+    serve = once is None and pickle.loads(answer)[0] == "ready"
+    try:
+        conn.send_bytes(answer)
+        while serve:
+            request = pickle.loads(conn.recv_bytes())
+            if request is None:
+                break
+            answer = _call(request[0], rank, world_size, request[1], request[2])
+            if pickle.loads(answer)[0] == "ok":
+                try:
+                    _cleanup_after_call()
+                except BaseException:  # noqa: BLE001
+                    answer = pickle.dumps(("err", "cleanup after the call failed:\n"
+                                                  + traceback.format_exc()))
+            conn.send_bytes(answer)
+    except (EOFError, OSError):  # the parent went away or closed the pipe
+        pass
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: gloo's destructors can block on peers that died or hang.
-    os._exit(0 if pickle.loads(answer)[0] == "ok" else 1)
+    os._exit(0 if serve or pickle.loads(answer)[0] == "ok" else 1)
 
 
 class _World:
     """One set of ``world_size`` worker processes and the TCP store they rendezvous on."""
 
-    def __init__(self, world_size: int, ctx: Any, target: Callable[..., None],
-                 pg_timeout_s: float, extra_args: tuple[Any, ...] = ()) -> None:
+    def __init__(self, world_size: int, ctx: Any, pg_timeout_s: float,
+                 once: tuple | None = None) -> None:
         import torch.distributed as dist
 
         self.world_size = world_size
         # The parent hosts the store on a port the OS picks: no free-port race between ranks.
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True,
-                                    timeout=timedelta(seconds=pg_timeout_s),
-                                    wait_for_workers=False)
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=pg_timeout_s))
         self.port = self._store.port
         self._tmp = tempfile.TemporaryDirectory(prefix=f"dmuon-pool-w{world_size}-")
-        self.stack_files = [os.path.join(self._tmp.name, f"rank{r}.stack")
-                            for r in range(world_size)]
-        self.conns: list[Any] = []
-        self.procs: list[Any] = []
+        self.stack_files = [f"{self._tmp.name}/rank{r}.stack" for r in range(world_size)]
+        self.conns, self.procs = [], []  # parent pipe ends and processes, by rank
         try:
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 self.conns.append(parent_end)
                 proc = ctx.Process(
-                    target=target, name=f"dmuon-pool-w{world_size}-r{rank}", daemon=True,
+                    target=_worker_main, name=f"dmuon-pool-w{world_size}-r{rank}", daemon=True,
                     args=(rank, world_size, self.port, child_end, self.stack_files[rank],
-                          [REPO_ROOT, *sys.path], pg_timeout_s, *extra_args))
+                          [REPO_ROOT, *sys.path], pg_timeout_s, once))
                 proc.start()
                 child_end.close()
                 self.procs.append(proc)
@@ -287,12 +248,8 @@ class _World:
             raise
 
     def collect(self, timeout_s: float, grace_s: float | None) -> tuple[dict, dict, list[int]]:
-        """Wait for one message per rank.
-
-        Args:
-            timeout_s: Wall-clock limit for all ranks (seconds).
-            grace_s: After the first rank raises or dies, wait at most this long (seconds) for
-                the others, which may be stuck in a collective; ``None``: the full timeout.
+        """Wait up to ``timeout_s`` seconds for one message per rank; once a rank raised or
+        died, the others get at most ``grace_s`` more (``None``: the full timeout).
 
         Returns:
             ``(answers, dead, silent)``: ``answers[rank] = (kind, payload)`` for ranks that sent
@@ -304,12 +261,10 @@ class _World:
         deadline = time.monotonic() + timeout_s
         by_object = {c: r for r, c in enumerate(self.conns)}
         by_object.update({p.sentinel: r for r, p in enumerate(self.procs)})
-        while len(answers) + len(dead) < self.world_size:
+        while len(answers) + len(dead) < self.world_size and time.monotonic() < deadline:
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
             pending = [o for o, r in by_object.items() if r not in answers and r not in dead]
-            for obj in mp_connection.wait(pending, timeout=remaining):
+            for obj in mp_connection.wait(pending, timeout=max(0.0, remaining)):
                 rank = by_object[obj]
                 if rank in answers or rank in dead:
                     continue
@@ -331,74 +286,62 @@ class _World:
 
     def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
         """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
-        for rank in ranks:
-            if self.procs[rank].is_alive():
-                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+        files = {r: Path(self.stack_files[r]) for r in ranks if self.procs[r].is_alive()}
+        for rank in files:
+            os.kill(self.procs[rank].pid, signal.SIGUSR1)
+
+        def text(rank: int) -> str:  # the file is missing if the rank hung before creating it
+            return files[rank].read_text().strip() if files.get(rank, Path()).is_file() else ""
+
         deadline = time.monotonic() + _STACK_DUMP_WAIT_S
-        while time.monotonic() < deadline and not all(
-                os.path.getsize(self.stack_files[r]) for r in ranks
-                if os.path.exists(self.stack_files[r])):
+        while time.monotonic() < deadline and not all(text(r) for r in files):
             time.sleep(0.02)
         time.sleep(0.05)  # let a dump that has started finish writing
-        out = {}
-        for rank in ranks:
-            try:
-                out[rank] = Path(self.stack_files[rank]).read_text().strip() or "(no dump)"
-            except OSError as exc:
-                out[rank] = f"(no dump: {exc})"
-        return out
+        return {r: text(r) or "(no stack dump)" for r in ranks}
 
-    def kill(self) -> None:
-        """SIGKILL every worker (they may be stuck in C++ collectives), reap, free resources."""
+    def kill(self, graceful_s: float = 0.0) -> None:
+        """Stop every worker, reap it and free the world's resources.
+
+        Args:
+            graceful_s: Time (seconds) the workers get to exit on request first; then SIGKILL
+                (a worker stuck in a C++ collective ignores anything milder).
+        """
+        if graceful_s > 0:
+            for conn in self.conns:
+                try:
+                    conn.send_bytes(pickle.dumps(None))
+                except OSError:
+                    pass
+            deadline = time.monotonic() + graceful_s
+            for proc in self.procs:
+                proc.join(max(0.0, deadline - time.monotonic()))
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
-        self._reap(timeout_s=5.0)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Ask workers to leave, wait up to ``timeout_s`` seconds, then kill the stragglers."""
-        for conn in self.conns:
-            try:
-                conn.send_bytes(pickle.dumps(None))
-            except OSError:
-                pass
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        self.kill()
-
-    def _reap(self, timeout_s: float) -> None:
-        for proc in self.procs:
-            proc.join(timeout_s)
+            proc.join(5.0)
             if proc.is_alive():
                 logger.warning("dmuon test pool: %s (pid %s) survived SIGKILL", proc.name, proc.pid)
             else:
                 proc.close()
         for conn in self.conns:
             conn.close()
-        self.procs, self.conns = [], []
+        self.procs, self.conns, self._store = [], [], None
         self._tmp.cleanup()
-        self._store = None
 
 
 def _failure_message(what: str, timeout_s: float, answers: dict, dead: dict, silent: list[int],
                      stacks: dict[int, str]) -> str:
     """Say which ranks raised, died or hung, with their tracebacks and stacks."""
-    lines = [what]
     raised = sorted(r for r, (kind, _) in answers.items() if kind == "err")
     ok = sorted(r for r, (kind, _) in answers.items() if kind == "ok")
-    if raised:
-        lines.append(f"ranks {raised} raised")
+    lines = [what] + [f"ranks {raised} raised"] * bool(raised)
     if dead:
         lines.append("ranks " + ", ".join(f"{r} (exitcode {c})" for r, c in sorted(dead.items()))
                      + " died without answering")
-    if silent:
-        lines.append(f"ranks {silent} did not answer within {timeout_s:g} s (hung)")
+    lines += [f"ranks {silent} did not answer within {timeout_s:g} s (hung)"] * bool(silent)
     lines.append(f"ranks {ok} returned")
-    for rank in raised:
-        lines.append(f"----- rank {rank} traceback -----\n{answers[rank][1].rstrip()}")
-    for rank in silent:
-        lines.append(f"----- rank {rank} stack when killed -----\n{stacks.get(rank, '')}")
+    lines += [f"----- rank {r} traceback -----\n{answers[r][1].rstrip()}" for r in raised]
+    lines += [f"----- rank {r} stack when killed -----\n{stacks.get(r, '')}" for r in silent]
     return "\n".join(lines)
 
 
@@ -442,23 +385,26 @@ class DistPool:
                            "restarting that world", world_size)
             self._drop(world_size)
         started = time.monotonic()
-        world = _World(world_size, self._ctx, _pool_worker_main, self.pg_timeout_s)
-        answers, dead, silent = world.collect(self.startup_timeout_s, grace_s=self.grace_s)
+        world = _World(world_size, self._ctx, self.pg_timeout_s)
+        try:
+            answers, dead, silent = world.collect(self.startup_timeout_s, grace_s=self.grace_s)
+        except BaseException:  # e.g. pytest-timeout fired during startup
+            world.kill()
+            raise
         if dead or silent or any(kind != "ready" for kind, _ in answers.values()):
             stacks = world.stacks(silent) if silent else {}
             world.kill()
             raise DistPoolError(_failure_message(
                 f"dmuon test pool: starting {world_size} gloo workers failed.",
                 self.startup_timeout_s, answers, dead, silent, stacks))
-        logger.info("dmuon test pool: started world_size=%d in %.1f s", world_size,
+        logger.info("dmuon test pool: world_size=%d up in %.1f s", world_size,
                     time.monotonic() - started)
         self._worlds[world_size] = world
         self.starts += 1
         return world
 
     def _drop(self, world_size: int) -> None:
-        world = self._worlds.pop(world_size, None)
-        if world is not None:
+        if (world := self._worlds.pop(world_size, None)) is not None:
             world.kill()
 
     def run(self, world_size: int, fn: str, kwargs: dict[str, Any] | None = None,
@@ -481,13 +427,14 @@ class DistPool:
             The value each rank returned, indexed by rank.
 
         Raises:
-            ValueError: If ``world_size`` < 1 or ``fn`` is malformed.
+            ValueError: If ``world_size`` < 1, ``fn`` is malformed or ``kwargs`` has ``rank`` or
+                ``world_size``.
             RankTimeoutError: If some ranks did not answer in ``timeout_s`` (or within
                 ``grace_s`` after another rank failed); names them, with their stacks.
             DistPoolError: If a rank raised or died; carries each failing rank's traceback.
             In both error cases the world is killed and restarted on next use.
         """
-        _check_args(world_size, fn)
+        _check_args(world_size, fn, kwargs)
         request = pickle.dumps((fn, dict(kwargs or {}), seed))
         world = self._world(world_size)
         try:
@@ -507,9 +454,9 @@ class DistPool:
         raise (RankTimeoutError if silent else DistPoolError)(message)
 
     def close(self) -> None:
-        """Stop every world: workers leave the process group and exit; stragglers are killed."""
+        """Stop every world: workers exit on request within 10 s, stragglers are killed."""
         for world_size in list(self._worlds):
-            self._worlds.pop(world_size).close()
+            self._worlds.pop(world_size).kill(graceful_s=10.0)
 
 
 def spawn_world(world_size: int, fn: str, kwargs: dict[str, Any] | None = None,
@@ -530,10 +477,9 @@ def spawn_world(world_size: int, fn: str, kwargs: dict[str, Any] | None = None,
         RankTimeoutError: If some ranks neither answered nor exited in ``timeout_s``; they are
             killed and named, with their stacks.
     """
-    _check_args(world_size, fn)
+    _check_args(world_size, fn, kwargs)
     ctx = _context(start_method)
-    world = _World(world_size, ctx, _spawn_worker_main, pg_timeout_s,
-                   extra_args=(fn, dict(kwargs or {}), seed))
+    world = _World(world_size, ctx, pg_timeout_s, once=(fn, dict(kwargs or {}), seed))
     try:
         answers, dead, silent = world.collect(timeout_s, grace_s=None)
         if silent:
@@ -545,13 +491,10 @@ def spawn_world(world_size: int, fn: str, kwargs: dict[str, Any] | None = None,
             proc.join(5.0)
         results: list[Any] = []
         for rank in range(world_size):
-            exitcode = world.procs[rank].exitcode
-            if rank in answers and answers[rank][0] == "ok":
-                results.append(answers[rank][1])
-            elif rank in answers:
-                results.append(RankExit(rank=rank, exitcode=exitcode, traceback=answers[rank][1]))
-            else:
-                results.append(RankExit(rank=rank, exitcode=exitcode, traceback=None))
+            kind, payload = answers.get(rank, ("died", None))
+            results.append(payload if kind == "ok" else RankExit(
+                rank=rank, exitcode=world.procs[rank].exitcode,
+                traceback=payload if kind == "err" else None))
         return results
     finally:
         world.kill()

@@ -178,6 +178,8 @@ def test_bad_arguments_raise_value_error(dist_pool: DistPool):
         dist_pool.run(0, f"{_HERE}:_case_allreduce")
     with pytest.raises(ValueError, match="'package.module:function', got 'tests.test_pool'"):
         dist_pool.run(2, _HERE)
+    with pytest.raises(ValueError, match=r"must not contain 'rank' or 'world_size'.*\['rank'\]"):
+        dist_pool.run(2, f"{_HERE}:_case_allreduce", {"rank": 3})
     with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn'"):
         DistPool(start_method="fork")
 
