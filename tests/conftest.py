@@ -7,6 +7,8 @@ processes per world size, started on first use and reused by every test (see
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,3 +38,17 @@ def dist_pool() -> Iterator[DistPool]:
         yield pool
     finally:
         pool.close()
+        _reap_multiprocessing_helpers()
+
+
+def _reap_multiprocessing_helpers() -> None:
+    """Stop and reap the forkserver and resource tracker the pool started.
+
+    Left alone they exit after pytest and linger as zombies until the container's init reaps
+    them (seconds). ``_stop`` is private CPython API (3.8+), hence the ``getattr`` guard.
+    """
+    for helper in (multiprocessing.forkserver._forkserver,
+                   multiprocessing.resource_tracker._resource_tracker):
+        stop = getattr(helper, "_stop", None)
+        if stop is not None:
+            stop()
