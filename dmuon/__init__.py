@@ -9,7 +9,7 @@ Three lines over a stock FSDP2 program::
 Importing dmuon changes nothing in torch.
 """
 
-from dmuon.hooks.dedicate import dedicate_params, default_predicate
+from dmuon.hooks.dedicate import dedicate_params, default_predicate, no_sync
 from dmuon.optim import Muon, clip_grad_norm_
 from dmuon.owners.plan import MatrixSpec, OwnerPlan, build_plan
 
@@ -21,5 +21,6 @@ __all__ = [
     "clip_grad_norm_",
     "dedicate_params",
     "default_predicate",
+    "no_sync",
 ]
 __version__ = "0.1.0"

@@ -46,6 +46,14 @@ class Muon(torch.optim.Optimizer):
         ValueError: bad hyper-parameters, or ``dedicate_params`` not called on ``model``.
     """
 
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> "Muon":
+        # ``Muon(params, distributed_config=...)``: the hook-free entry point (dmuon.distconfig).
+        if cls is Muon and model is not None and not isinstance(model, nn.Module):
+            from dmuon.distconfig import ConfiguredMuon
+
+            return super().__new__(ConfiguredMuon)
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: nn.Module,

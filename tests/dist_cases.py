@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -15,10 +16,11 @@ import dmuon
 from tests import models
 
 
-def build(world_size: int, mode: str, *, plan=None, predicate=None, **dedicate_kwargs):
+def build(world_size: int, mode: str, *, plan=None, predicate=None, variant: str = "",
+          **dedicate_kwargs):
     """The test model on a 1-D mesh: ``mode`` is "fsdp" (dedicate after fully_shard),
     "fsdp-before" (dedicate first) or "replicated" (no FSDP2)."""
-    model = models.make_model()
+    model = models.make_model(variant=variant)
     mesh = init_device_mesh("cpu", (world_size,))
     if mode == "fsdp-before":
         dmuon.dedicate_params(model, mesh, plan=plan, predicate=predicate, **dedicate_kwargs)
@@ -50,9 +52,15 @@ def full_params(model: torch.nn.Module, rank: int) -> dict[str, np.ndarray]:
 
 def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
           opt_kwargs: dict | None = None, clip: float | None = None,
-          lr_gamma: float | None = None, dedicate_kwargs: dict | None = None) -> dict:
-    """Train the test model with dmuon; return final params (rank 0), losses, NS counts."""
-    model, _ = build(world_size, mode, **(dedicate_kwargs or {}))
+          lr_gamma: float | None = None, dedicate_kwargs: dict | None = None,
+          micro_batches: int = 1, accumulate_with: str = "dmuon", variant: str = "") -> dict:
+    """Train the test model with dmuon; return final params (rank 0), losses, NS counts.
+
+    ``micro_batches > 1`` splits each local batch and accumulates gradients without sync on
+    all but the last micro-batch, through ``dmuon.no_sync`` or FSDP2's
+    ``set_requires_gradient_sync`` (``accumulate_with="fsdp"``).
+    """
+    model, _ = build(world_size, mode, variant=variant, **(dedicate_kwargs or {}))
     kwargs = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
                   ns_dtype=torch.float32, ns_coefficients="muon")
     kwargs.update(opt_kwargs or {})
@@ -62,8 +70,21 @@ def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
     state = model._dmuon_state
     for step in range(steps):
         idx, y = models.local_batch(step, rank, world_size)
-        loss = models.loss_fn(model, idx, y)
-        loss.backward()
+        if micro_batches == 1:
+            loss = models.loss_fn(model, idx, y)
+            loss.backward()
+        else:
+            chunks = list(zip(idx.chunk(micro_batches), y.chunk(micro_batches)))
+            for i, (ci, cy) in enumerate(chunks):
+                last = i == len(chunks) - 1
+                if accumulate_with == "fsdp":
+                    model.set_requires_gradient_sync(last)
+                    ctx = contextlib.nullcontext()
+                else:
+                    ctx = contextlib.nullcontext() if last else dmuon.no_sync(model)
+                with ctx:
+                    loss = models.loss_fn(model, ci, cy) / micro_batches
+                    loss.backward()
         losses.append(loss.item())
         if clip is not None:
             norms.append(float(dmuon.clip_grad_norm_(model, clip)))
@@ -149,3 +170,14 @@ def _bad_input(case: str, rank: int, world_size: int) -> None:
         dmuon.dedicate_params(model, mesh, plan=plan)
     else:
         raise KeyError(case)
+
+
+def tied_dedicated_refused(rank: int, world_size: int) -> str:
+    """A predicate that selects a tied matrix must be refused at dedicate_params time."""
+    model = models.make_model(variant="tied")
+    mesh = init_device_mesh("cpu", (world_size,))
+    try:
+        dmuon.dedicate_params(model, mesh, predicate=lambda name, p: p.ndim == 2)
+    except ValueError as e:
+        return str(e)
+    return "no error"

@@ -30,27 +30,43 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    """``variant``: "" (plain), "frozen" (one matrix and one LayerNorm frozen), "unused" (a
+    matrix never used in forward), "tied" (an output projection tied to the embedding)."""
+
+    def __init__(self, variant: str = "") -> None:
         super().__init__()
+        self.variant = variant
         self.emb = nn.Embedding(VOCAB, WIDTH)
         self.blocks = nn.ModuleList([Block(WIDTH, 7), Block(WIDTH, 20), Block(WIDTH, 13)])
         self.head = nn.Linear(WIDTH, 1)
+        if variant == "frozen":
+            self.blocks[1].fc1.weight.requires_grad_(False)
+            self.blocks[0].ln.weight.requires_grad_(False)
+        elif variant == "unused":
+            self.spare = nn.Linear(WIDTH, 9, bias=False)
+        elif variant == "tied":
+            self.out = nn.Linear(WIDTH, VOCAB, bias=False)
+            self.out.weight = self.emb.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
         for block in self.blocks:
             x = block(x)
-        return self.head(x).mean(dim=(1, 2))
+        y = self.head(x).mean(dim=(1, 2))
+        if self.variant == "tied":
+            y = y + 0.1 * self.out(x).mean(dim=(1, 2))
+        return y
 
 
-def make_model(seed: int = 0) -> Net:
+def make_model(seed: int = 0, variant: str = "") -> Net:
     torch.manual_seed(seed)
-    return Net()
+    return Net(variant)
 
 
 def matrix_names(model: nn.Module) -> list[str]:
-    """Names of the parameters Muon takes (2-D, not the embedding)."""
-    return [n for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith("emb")]
+    """Names of the parameters Muon takes (2-D, trainable, not the embedding)."""
+    return [n for n, p in model.named_parameters()
+            if p.ndim == 2 and p.requires_grad and not n.startswith("emb")]
 
 
 def global_batch(step: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +131,7 @@ def run_reference(
     clip: float | None = None,
     lr_gamma: float | None = None,
     micro_batches: int = 1,
+    variant: str = "",
 ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """Single-process Muon + AdamW on the global batch.
 
@@ -122,10 +139,10 @@ def run_reference(
         Final parameters by name, the per-step losses, and the per-step total grad norms
         (when ``clip`` is set).
     """
-    model = make_model()
+    model = make_model(variant=variant)
     names = set(matrix_names(model))
     mats = [p for n, p in model.named_parameters() if n in names]
-    rest = [p for n, p in model.named_parameters() if n not in names]
+    rest = [p for n, p in model.named_parameters() if n not in names and p.requires_grad]
     muon = torch.optim.Muon(mats, lr=lr, weight_decay=weight_decay, ns_coefficients=MUON_COEFFICIENTS)
     adamw = torch.optim.AdamW(rest, lr=adamw_lr, weight_decay=weight_decay)
     scheds = []

@@ -158,3 +158,36 @@ def test_import_dmuon_does_not_patch_torch():
             "print(sorted(k for k in before if before[k] != after.get(k)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.parametrize("mode,accumulate_with", [("fsdp", "dmuon"), ("fsdp", "fsdp"),
+                                                  ("replicated", "dmuon")])
+def test_gradient_accumulation_equals_one_large_batch(dist_pool, mode, accumulate_with):
+    out = dist_pool.run(2, "tests.dist_cases:train",
+                        dict(mode=mode, steps=3, micro_batches=3, accumulate_with=accumulate_with),
+                        timeout_s=120)
+    ref, _, _ = models.run_reference(2, 3)  # one batch of 3 x (2 ranks x 3 micro-batches of 1)
+    compare(out[0]["params"], ref, FP32_ATOL)
+
+
+@pytest.mark.parametrize("variant", ["frozen", "unused", "tied"])
+@pytest.mark.parametrize("mode", ["fsdp", "replicated"])
+def test_frozen_unused_and_tied_parameters_follow_single_process(dist_pool, variant, mode):
+    """Frozen: never updated (default predicate leaves them out, AdamW skips them). Unused: no
+    gradient, so no update, as torch.optim skips ``grad is None``. Tied to the embedding: on
+    AdamW under the default predicate."""
+    out = dist_pool.run(2, "tests.dist_cases:train", dict(mode=mode, steps=3, variant=variant),
+                        timeout_s=120)
+    ref, _, _ = models.run_reference(2, 3, variant=variant)
+    compare(out[0]["params"], ref, FP32_ATOL)
+    initial = dict(models.make_model(variant=variant).named_parameters())
+    frozen_or_unused = {"frozen": ["blocks.1.fc1.weight", "blocks.0.ln.weight"],
+                        "unused": ["spare.weight"], "tied": []}[variant]
+    for name in frozen_or_unused:
+        np.testing.assert_array_equal(out[0]["params"][name], initial[name].detach().numpy())
+
+
+def test_dedicating_a_tied_matrix_is_refused(dist_pool):
+    out = dist_pool.run(2, "tests.dist_cases:tied_dedicated_refused", {}, timeout_s=60)
+    for message in out:
+        assert "tied" in message and "emb.weight" in message and "predicate" in message, message

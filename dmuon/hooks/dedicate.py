@@ -111,7 +111,8 @@ def dedicate_params(
         predicate: ``predicate(fqn, param) -> bool`` picks the Muon matrices; default: 2-D
             trainable parameters that are not ``nn.Embedding`` weights.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
-            default: solved now from the Newton-Schulz FLOP model.
+            default: solved now on rank 0 from the Newton-Schulz FLOP model
+            (:func:`dmuon.build_plan`, MILP with a 5 s limit) and broadcast.
         prefetch: number of units (modules holding dedicated matrices) whose publication is
             issued ahead of the one running (>= 1).
         reshard_after_forward: free non-owners' full weights between forward and backward.
@@ -142,7 +143,11 @@ def dedicate_params(
     shapes = {s.fqn: s.shape for s in selected}
     world_size = len(ranks)
     if plan is None:
-        plan = build_plan([(s.fqn, s.shape) for s in selected], world_size)
+        # The MILP is time-limited, hence not reproducible across ranks: rank 0 solves.
+        solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size)
+                  if dist.get_rank(dmuon_group) == 0 else None]
+        dist.broadcast_object_list(solved, src=dist.get_global_rank(dmuon_group, 0), group=dmuon_group)
+        plan = solved[0]
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)
     plan.check_matches(shapes, world_size)
@@ -174,3 +179,36 @@ def get_state(model: nn.Module) -> DedicateState:
             "rank before building dmuon.Muon(model, ...)"
         )
     return state
+
+
+class no_sync:
+    """Context manager: backward passes inside accumulate gradients locally, no communication.
+
+    The next backward outside the context reduces the accumulated gradients to their owners
+    (and, on FSDP2, reduce-scatters the rest), so ``k`` micro-batches with ``loss / k`` give the
+    step one batch of ``k`` times the size would. FSDP2's own ``set_requires_gradient_sync(False)``
+    is honored the same way. Memory: a full-size gradient per dedicated matrix on every rank
+    while accumulating (as FSDP2 keeps unsharded gradients).
+
+    Args:
+        model: the model given to ``dedicate_params``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.state = get_state(model)
+        self.model = model
+
+    def __enter__(self) -> "no_sync":
+        from dmuon.hooks import fsdp
+
+        self.state.sync_enabled = False
+        if fsdp.is_fsdp_wrapped(self.model):
+            fsdp.set_gradient_sync(self.model, False)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from dmuon.hooks import fsdp
+
+        self.state.sync_enabled = True
+        if fsdp.is_fsdp_wrapped(self.model):
+            fsdp.set_gradient_sync(self.model, True)

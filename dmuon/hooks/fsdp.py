@@ -117,3 +117,24 @@ def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tens
                 logger.debug("dmuon: took %s.%s from FSDP2", type(module).__name__, attr)
                 return full.detach()
     return None
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2's ``set_requires_gradient_sync`` on every FSDP2 module of ``model``."""
+    for module in model.modules():
+        setter = getattr(module, "set_requires_gradient_sync", None)
+        if setter is not None and _fsdp_state(module) is not None:
+            setter(enabled, recurse=False)
+
+
+def gradient_sync_enabled(model: nn.Module) -> bool:
+    """False when the user turned FSDP2's gradient sync off (``set_requires_gradient_sync``).
+
+    Read from the FSDP2 parameter groups at call time; a model whose groups were all taken
+    by dmuon reports True (dmuon's own ``no_sync`` covers that case).
+    """
+    for state in fsdp_states(model):
+        for group in _param_groups(state):
+            if not getattr(group, "reduce_grads", True):
+                return False
+    return True

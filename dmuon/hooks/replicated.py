@@ -43,6 +43,7 @@ class ReplicatedGrads:
             self.buckets.append(current)
         self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self.incoming: dict[int, torch.Tensor] = {}
+        self.unsynced: dict[int, torch.Tensor] = {}  # local sums of no_sync micro-batches
         self.pending: list[tuple[int, Pending]] = []
         self.next_bucket = 0
 
@@ -51,8 +52,18 @@ class ReplicatedGrads:
         self.pending.clear()
         self.next_bucket = 0
 
-    def on_grad(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        """Tensor hook: stash the incoming gradient, launch ready buckets, accumulate zero."""
+    def on_grad(self, param: nn.Parameter, grad: torch.Tensor, sync: bool = True) -> torch.Tensor:
+        """Tensor hook: stash the incoming gradient, launch ready buckets, accumulate zero.
+
+        With ``sync=False`` (``no_sync`` micro-batches) the gradient is only summed locally and
+        goes out with the next synchronized backward.
+        """
+        earlier = self.unsynced.pop(id(param), None)
+        if earlier is not None:
+            grad = earlier + grad
+        if not sync:
+            self.unsynced[id(param)] = grad
+            return torch.zeros_like(grad)
         self.incoming[id(param)] = grad
         self._launch_ready(final=False)
         return torch.zeros_like(grad)

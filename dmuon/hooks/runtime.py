@@ -100,6 +100,8 @@ class DedicateState:
         self.fsdp_wrapped = False
         self.optimizer_attached = False
         self._final_callback_queued = False
+        self.sync_enabled = True  # False inside dmuon.no_sync
+        self._sync_this_backward = True
         self._handles: list[Any] = []
         self._live: dict[int, bool] = {}
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
@@ -235,24 +237,32 @@ class DedicateState:
 
     # ------------------------------------------------------------ reduce-to-owner
     def _queue_final_callback(self) -> None:
+        """First gradient hook of a backward: decide sync once, and wait at the end."""
         if not self._final_callback_queued:
             self._final_callback_queued = True
+            self._sync_this_backward = self.sync_enabled and (
+                not self.fsdp_wrapped or fsdp.gradient_sync_enabled(self.model))
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def _make_on_grad(self, rec: DedicatedParam) -> Callable:
         def on_grad(param: torch.Tensor) -> None:
+            self._queue_final_callback()
+            if not self._sync_this_backward:
+                # Gradient accumulation: keep the local sum in compute.grad (full size on every
+                # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
+                self._release(rec)
+                return
             grad = param.grad
             param.grad = None
             buf = grad if grad.dtype == rec.reduce_dtype else grad.to(rec.reduce_dtype)
             rec.pending.append(reduce_to_owner(buf, rec.owner, self.group))
             self._release(rec)
-            self._queue_final_callback()
         return on_grad
 
     def _make_on_replicated_grad(self, param: nn.Parameter) -> Callable:
         def on_grad(grad: torch.Tensor) -> torch.Tensor:
             self._queue_final_callback()
-            return self.replicated.on_grad(param, grad)
+            return self.replicated.on_grad(param, grad, sync=self._sync_this_backward)
         return on_grad
 
     def finish_backward(self) -> None:
@@ -267,7 +277,7 @@ class DedicateState:
                         master = rec.master
                         master.grad = avg if master.grad is None else master.grad.add_(avg)
                 rec.pending.clear()
-            if self.replicated is not None:
+            if self.replicated is not None and self._sync_this_backward:
                 self.replicated.finish()
 
     # --------------------------------------------------------------- after step

@@ -206,7 +206,8 @@ def build_plan(
     *,
     costs: Sequence[float] | None = None,
     cost_unit: str = "flops",
-    method: str = "greedy",
+    method: str = "auto",
+    time_limit_s: float = 5.0,
 ) -> OwnerPlan:
     """Assign an owner to every matrix by balancing Newton-Schulz cost.
 
@@ -217,6 +218,9 @@ def build_plan(
             (:func:`dmuon.kernels.ns_flops`).
         cost_unit: unit of ``costs``.
         method: passed to :func:`dmuon.balance.solve` (``"greedy"``, ``"milp"``, ``"auto"``).
+            ``"milp"``/``"auto"`` may stop at a time limit, so their plan can depend on timing:
+            solve on one rank and broadcast (``dedicate_params`` does).
+        time_limit_s: wall-clock limit of the MILP, seconds.
 
     Returns:
         The plan, with makespan and lower bound from the solver.
@@ -229,7 +233,8 @@ def build_plan(
         costs = [float(ns_flops(*shape, method="gram")) for _, shape in named_shapes]
     if not named_shapes:
         return OwnerPlan(world_size=world_size, matrices=(), method=method, cost_unit=cost_unit)
-    result = solve(list(costs), world_size, method=method)
+    result = solve(list(costs), world_size, classes=[shape for _, shape in named_shapes],
+                   method=method, time_limit_s=time_limit_s)
     matrices = tuple(
         MatrixSpec(fqn=fqn, shape=shape, owner=int(owner), cost=float(cost))
         for (fqn, shape), owner, cost in zip(named_shapes, result.owners, costs)
