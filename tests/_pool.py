@@ -148,8 +148,9 @@ def _init_worker(rank: int, world_size: int, port: int, stack_file: str, sys_pat
                             timeout=timedelta(seconds=pg_timeout_s))
 
 
-def _call(fn: str, rank: int, world_size: int, kwargs: dict[str, Any], seed: int) -> bytes:
-    """Seed and run one call on this rank; return pickled ``("ok", value)`` or ``("err", text)``."""
+def _call(fn: str, rank: int, world_size: int, kwargs: dict[str, Any],
+          seed: int) -> tuple[str, bytes]:
+    """Seed and run one call on this rank; return ``(kind, pickled (kind, value or text))``."""
     import numpy
     import torch
 
@@ -159,11 +160,11 @@ def _call(fn: str, rank: int, world_size: int, kwargs: dict[str, Any], seed: int
         torch.manual_seed(seed)
         value = resolve_fn(fn)(rank=rank, world_size=world_size, **kwargs)
     except BaseException:  # noqa: BLE001 - any failure goes back to the parent as text
-        return pickle.dumps(("err", traceback.format_exc()))
+        return "err", pickle.dumps(("err", traceback.format_exc()))
     try:
-        return pickle.dumps(("ok", value))
+        return "ok", pickle.dumps(("ok", value))
     except Exception:  # noqa: BLE001
-        return pickle.dumps(("err", f"the value returned by {fn} on rank {rank} cannot be "
+        return "err", pickle.dumps(("err", f"the value returned by {fn} on rank {rank} cannot be "
                                     f"pickled (return tensors, numbers or plain containers):\n"
                                     f"{traceback.format_exc()}"))
 
@@ -189,32 +190,31 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, stack_file: s
     :func:`spawn_world`): run it, report, exit with 0 (returned) or 1 (raised)."""
     try:
         _init_worker(rank, world_size, port, stack_file, sys_path, pg_timeout_s)
-        answer = pickle.dumps(("ready", None))
+        kind, answer = "ready", pickle.dumps(("ready", None))
     except BaseException:  # noqa: BLE001
-        answer = pickle.dumps(("err", traceback.format_exc()))
-    if once is not None and pickle.loads(answer)[0] == "ready":
-        answer = _call(once[0], rank, world_size, once[1], once[2])
-    serve = once is None and pickle.loads(answer)[0] == "ready"
+        kind, answer = "err", pickle.dumps(("err", traceback.format_exc()))
+    if once is not None and kind == "ready":
+        kind, answer = _call(once[0], rank, world_size, once[1], once[2])
+    serve = once is None and kind == "ready"
     try:
         conn.send_bytes(answer)
         while serve:
             request = pickle.loads(conn.recv_bytes())
             if request is None:
                 break
-            answer = _call(request[0], rank, world_size, request[1], request[2])
-            if pickle.loads(answer)[0] == "ok":
+            kind, answer = _call(request[0], rank, world_size, request[1], request[2])
+            if kind == "ok":
                 try:
                     _cleanup_after_call()
                 except BaseException:  # noqa: BLE001
-                    answer = pickle.dumps(("err", "cleanup after the call failed:\n"
-                                                  + traceback.format_exc()))
+                    text = "cleanup after the call failed:\n" + traceback.format_exc()
+                    kind, answer = "err", pickle.dumps(("err", text))
             conn.send_bytes(answer)
     except (EOFError, OSError):  # the parent went away or closed the pipe
         pass
-    sys.stdout.flush()
-    sys.stderr.flush()
+    sys.stdout.flush(), sys.stderr.flush()
     # Skip interpreter teardown: gloo's destructors can block on peers that died or hang.
-    os._exit(0 if serve or pickle.loads(answer)[0] == "ok" else 1)
+    os._exit(0 if serve or kind == "ok" else 1)
 
 
 class _World:
