@@ -1,0 +1,226 @@
+"""Sharded checkpoints of a dmuon model and optimizer with ``torch.distributed.checkpoint``.
+
+:func:`state_dict` returns a nested dict that ``dcp.save`` writes and ``dcp.load`` fills *in
+place*; :func:`load_state_dict` then applies what was loaded (optimizer hyper-parameters, the
+owners' compute copies). Nothing is gathered on one rank:
+
+* **FSDP2 parameters** and their AdamW state (``exp_avg``, ``exp_avg_sq``) are DTensors; DCP
+  writes each rank's shard and reshards them natively on load (another world size, another
+  mesh).
+* **Dedicated matrices** (fp32 master) and their Muon ``momentum_buffer`` are plain full
+  ``[rows, cols]`` fp32 tensors that appear in the state dict **only on their owner**. DCP plans
+  per rank and merges the plans on the coordinator, so a key offered by one rank is written
+  once, by that rank. On load, the key is requested only by the matrix's *new* owner (from the
+  plan of the loading job), which reads the full tensor straight into its master. Non-owners'
+  zero-size placeholders never reach DCP (their ``[0]`` shape would contradict the owner's).
+  Presenting the master as a DTensor over the dmuon mesh does not work: DCP computes a shard's
+  offset from its placements (even chunks), which cannot describe "all rows on the owner, none
+  elsewhere".
+* **Replicated tensors** (buffers, parameters of plain replicated modules, AdamW ``step``) are
+  plain tensors on every rank; DCP's default planner deduplicates them (one writer).
+* **Optimizer hyper-parameters** (``lr``, ``betas``, ``initial_lr`` of LR schedulers, ...) are
+  small Python objects saved as DCP byte items, one dict per parameter group kind.
+
+Layout (keys are fully qualified parameter names, so a checkpoint survives a change of world
+size, owner plan or FSDP2 wrapping)::
+
+    {"model": {fqn: tensor},                       # masters only on their owner
+     "optim": {"state": {fqn: {"momentum_buffer": ...} | {"step", "exp_avg", "exp_avg_sq"}},
+               "param_groups": {"muon": {...}, "adamw": {...}}}}
+
+Verified with gloo on CPU in torch 2.13 (``tests/test_checkpoint.py``): a restore on the same
+world size continues bitwise; a 4-rank checkpoint restored on 2 ranks continues within fp32
+rounding. Save each checkpoint to a new directory: DCP writes ``.metadata`` last, so a
+directory without it is an interrupted save and the previous directory stays loadable.
+
+Typical use::
+
+    sd = dmuon.checkpoint.state_dict(model, opt)
+    dcp.save(sd, checkpoint_id=f"ckpt/step{step}")
+    ...
+    sd = dmuon.checkpoint.state_dict(model, opt)   # fresh job, any world size
+    dcp.load(sd, checkpoint_id="ckpt/step100")
+    dmuon.checkpoint.load_state_dict(model, opt, sd)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from dmuon.hooks.dedicate import get_state
+
+logger = logging.getLogger(__name__)
+
+MODEL_KEY, OPTIM_KEY = "model", "optim"
+_SKIP_GROUP_KEYS = ("params", "kind")
+
+
+def _adamw_params(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """``(fqn, param)`` for every parameter of ``opt``'s AdamW group(s).
+
+    Raises:
+        ValueError: if a parameter of the optimizer is not a parameter of ``model``.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = []
+    for group in opt.param_groups:
+        if group.get("kind") != "adamw":
+            continue
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"dmuon: an AdamW parameter of shape {tuple(p.shape)} is not in "
+                    f"model.named_parameters(); pass the optimizer built over this model"
+                )
+            out.append((names[id(p)], p))
+    return out
+
+
+def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
+    """Create zero optimizer state where none exists yet, so ``dcp.load`` has tensors to fill.
+
+    Zero state with ``step == 0`` is what the first step creates anyway (see
+    :func:`dmuon.owners.update.adamw_update_` and ``Muon._step_muon``), so this changes no
+    update.
+    """
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state[p]
+            if group["kind"] == "muon":
+                if p.numel() and "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif not state:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer):
+    ctx = get_state(model)
+    if getattr(opt, "state_ctx", None) is not ctx:
+        raise ValueError(
+            f"dmuon: the optimizer ({type(opt).__name__}) was not built over this model; "
+            f"pass the dmuon.Muon(model, ...) of the same model"
+        )
+    return ctx
+
+
+def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model and optimizer state, sharded, keyed by FQN, for ``dcp.save`` / ``dcp.load``.
+
+    Local and cheap (no collective, no copy): the values are the live tensors (detached
+    aliases), so ``dcp.load`` into the returned dict writes straight into the model and the
+    optimizer. Optimizer state that does not exist yet is created as zeros (what the first
+    step would create), so a fresh job can load into it.
+
+    Args:
+        model: a model passed to :func:`dmuon.dedicate_params`.
+        opt: the :class:`dmuon.Muon` built over ``model``.
+
+    Returns:
+        ``{"model": {fqn: Tensor | DTensor}, "optim": {"state": {fqn: {name: Tensor}},
+        "param_groups": {"muon": {...}, "adamw": {...}}}}``. Dedicated masters
+        (``[rows, cols]`` fp32, full) and their ``momentum_buffer`` appear only on their owner;
+        FSDP2 parameters and AdamW moments are DTensor shards; the rest is replicated.
+
+    Raises:
+        ValueError: if ``dedicate_params`` was not called on ``model`` or ``opt`` belongs to
+            another model.
+    """
+    ctx = _check_optimizer(model, opt)
+    ctx.ensure_bound()
+    _ensure_optimizer_state(opt)
+    model_sd: dict[str, Any] = {}
+    for fqn, value in model.state_dict().items():
+        if fqn in ctx.plan.owner_by_fqn:
+            continue  # added below, owners only
+        model_sd[fqn] = value
+    optim_state: dict[str, dict[str, Any]] = {}
+    for rec in ctx.records:
+        if rec.is_owner:
+            model_sd[rec.fqn] = rec.master.detach()
+            buf = opt.state.get(rec.master, {}).get("momentum_buffer")
+            if buf is not None:
+                optim_state[rec.fqn] = {"momentum_buffer": buf}
+    for fqn, param in _adamw_params(model, opt):
+        optim_state[fqn] = dict(opt.state[param])
+    groups = {g["kind"]: {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}
+              for g in opt.param_groups}
+    return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
+
+
+def _copy_into(target: torch.Tensor, value: Any, where: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"dmuon: {where} should be a tensor, got {type(value).__name__}")
+    if value is target:
+        return
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(
+            f"dmuon: {where} has shape {tuple(value.shape)} but the model expects "
+            f"{tuple(target.shape)}; the checkpoint is from another model"
+        )
+    with torch.no_grad():
+        if hasattr(target, "to_local") and hasattr(value, "to_local"):
+            if value.to_local().data_ptr() == target.to_local().data_ptr():
+                return
+            target.to_local().copy_(value.to_local())
+        elif target.data_ptr() != value.data_ptr() or target.numel() == 0:
+            target.copy_(value)
+
+
+def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """Apply a state dict from :func:`state_dict` (typically after ``dcp.load`` filled it).
+
+    Tensors that ``dcp.load`` already wrote in place are left alone; others are copied in
+    (same placements required). Then the optimizer's hyper-parameters are set from the saved
+    groups (as ``torch.optim.Optimizer.load_state_dict`` does) and the owners refresh their
+    compute copies from the loaded masters (the next forward publishes them). Local: no
+    collective.
+
+    Args:
+        model: the model passed to :func:`dmuon.dedicate_params` in this job.
+        opt: its :class:`dmuon.Muon`.
+        sd: the dict returned by :func:`state_dict` for this model and optimizer on this rank.
+
+    Raises:
+        ValueError: ``sd`` lacks a key this rank needs, or a tensor has the wrong shape
+            (a checkpoint of another model).
+    """
+    ctx = _check_optimizer(model, opt)
+    if MODEL_KEY not in sd or OPTIM_KEY not in sd:
+        raise ValueError(f"dmuon: a checkpoint state dict has keys {sorted(sd)}; expected "
+                         f"{[MODEL_KEY, OPTIM_KEY]} (build it with dmuon.checkpoint.state_dict)")
+    expected = state_dict(model, opt)
+    for section in (MODEL_KEY, OPTIM_KEY):
+        missing = _missing(expected[section], sd[section])
+        if missing:
+            raise ValueError(f"dmuon: the checkpoint state dict on rank {ctx.rank} lacks "
+                             f"{section!r} entries {missing[:5]} ({len(missing)} in all)")
+    for fqn, target in expected[MODEL_KEY].items():
+        _copy_into(target, sd[MODEL_KEY][fqn], f"model entry {fqn!r}")
+    for fqn, entries in expected[OPTIM_KEY]["state"].items():
+        for name, target in entries.items():
+            _copy_into(target, sd[OPTIM_KEY]["state"][fqn][name], f"optimizer state {fqn!r}/{name}")
+    saved_groups = sd[OPTIM_KEY]["param_groups"]
+    for group in opt.param_groups:
+        for key, value in saved_groups.get(group["kind"], {}).items():
+            group[key] = value
+    ctx.publish_after_step(issue=False)
+    logger.debug("dmuon: rank %d loaded %d model entries", ctx.rank, len(expected[MODEL_KEY]))
+
+
+def _missing(expected: dict, got: Any, prefix: str = "") -> list[str]:
+    if not isinstance(got, dict):
+        return [prefix or "<root>"]
+    out = []
+    for key, value in expected.items():
+        name = f"{prefix}{key}"
+        if key not in got:
+            out.append(name)
+        elif isinstance(value, dict):
+            out.extend(_missing(value, got[key], name + "."))
+    return out

@@ -1,0 +1,86 @@
+"""DCP checkpoints of dmuon (issue 8, item 1): continue bitwise, reshard to another world size.
+
+Rank functions: ``tests/ckpt_cases.py``. Every step uses one fixed global batch (4 ranks'
+worth) split over the ranks that run, and a StepLR schedule whose state is checkpointed too.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+
+from tests import models
+
+FIRST, THEN = 4, 4
+FP32_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def saved_4rank(dist_pool, tmp_path_factory):
+    """A 4-rank FSDP2 job: 4 steps, save, 4 more steps (shared by the tests below)."""
+    path = str(tmp_path_factory.mktemp("dcp") / "step4")
+    out = dist_pool.run(4, "tests.ckpt_cases:train_save_continue",
+                        dict(path=path, first=FIRST, then=THEN), timeout_s=120)
+    return path, out[0]
+
+
+def test_uninterrupted_run_matches_single_process_reference(saved_4rank):
+    """Guard for the tests below: the run they compare with is itself right."""
+    _, out = saved_4rank
+    ref, _, _ = models.run_reference(4, FIRST + THEN, lr_gamma=0.9)
+    for name, value in ref.items():
+        np.testing.assert_allclose(out["final"][name], value.numpy(), rtol=0, atol=FP32_ATOL,
+                                   err_msg=name)
+
+
+def test_checkpoint_has_metadata_and_no_placeholders(saved_4rank):
+    import torch.distributed.checkpoint as dcp
+
+    path, out = saved_4rank
+    meta = dcp.FileSystemReader(path).read_metadata()
+    for name in models.matrix_names(models.make_model()):
+        entry = meta.state_dict_metadata[f"model.{name}"]
+        assert tuple(entry.size) == out["saved"][name].shape, name  # full matrix, not [0]
+        assert f"optim.state.{name}.momentum_buffer" in meta.state_dict_metadata
+    assert "optim.state.emb.weight.exp_avg_sq" in meta.state_dict_metadata
+
+
+def test_restore_same_world_size_continues_bitwise(dist_pool, saved_4rank):
+    path, out = saved_4rank
+    got = dist_pool.run(4, "tests.ckpt_cases:load_continue",
+                        dict(path=path, first=FIRST, then=THEN), timeout_s=120)[0]
+    for name in out["final"]:
+        np.testing.assert_array_equal(got["loaded"][name], out["saved"][name], err_msg=name)
+        np.testing.assert_array_equal(got["final"][name], out["final"][name], err_msg=name)
+
+
+def test_restore_4rank_checkpoint_on_2_ranks(dist_pool, saved_4rank):
+    path, out = saved_4rank
+    got = dist_pool.run(2, "tests.ckpt_cases:load_continue",
+                        dict(path=path, first=FIRST, then=THEN), timeout_s=120)
+    owned = [set(g["owned"]) for g in got]
+    assert owned[0] and owned[1] and not owned[0] & owned[1]  # a new plan over 2 owners
+    for name in out["final"]:
+        np.testing.assert_array_equal(got[0]["loaded"][name], out["saved"][name], err_msg=name)
+        np.testing.assert_allclose(got[0]["final"][name], out["final"][name], rtol=0,
+                                   atol=FP32_ATOL, err_msg=name)
+
+
+def test_replicated_2rank_checkpoint_restored_on_4_ranks(dist_pool, tmp_path):
+    """The DDP-style path: plain tensors, deduplicated by DCP on save, read by every rank."""
+    path = str(tmp_path / "rep")
+    kwargs = dict(path=path, first=2, then=2, mode="replicated")
+    ref, _, _ = models.run_reference(4, 4, lr_gamma=0.9)
+    dist_pool.run(2, "tests.ckpt_cases:train_save_continue", kwargs, timeout_s=120)
+    got = dist_pool.run(4, "tests.ckpt_cases:load_continue", kwargs, timeout_s=120)[0]
+    for name, value in ref.items():
+        np.testing.assert_allclose(got["final"][name], value.numpy(), rtol=0, atol=FP32_ATOL,
+                                   err_msg=name)
+
+
+def test_load_rejects_state_dict_without_optimizer_entries(dist_pool):
+    msgs = dist_pool.run(2, "tests.ckpt_cases:load_incomplete", {}, timeout_s=60)
+    for msg in msgs:
+        assert msg.startswith("ValueError: dmuon: the checkpoint state dict"), msg
+        assert "lacks 'optim' entries" in msg
