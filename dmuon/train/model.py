@@ -153,8 +153,8 @@ class BackboneBlock(nn.Module):
         b, p, _ = x.shape
         h = self.norm1(x)
         k, v = self.kv(h).view(b, p, 2, 1, self.head_dim).permute(2, 0, 3, 1, 4)
-        if self.kv_only:
-            return x, k.clone(), v.clone()
+        if self.kv_only:  # clone x too: FSDP2 hooks make a passed-through input a view
+            return x.clone(), k.clone(), v.clone()
         q = self.q(h).view(b, p, self.heads, self.head_dim).transpose(1, 2)
         x = x + self.o(_attend(q, k, v, None))
         # clone: FSDP2 warns about (and mishandles in-place ops on) view outputs of a block
