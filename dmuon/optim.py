@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from dmuon.hooks.dedicate import get_state
-from dmuon.owners.update import ADJUST_LR_FNS, adamw_update_, muon_update_
+from dmuon.owners.tp import TPItem, orthogonalize_tp
+from dmuon.owners.update import ADJUST_LR_FNS, adamw_update_, muon_update_, ns_by_shape
 
 NS_METHODS = ("gram", "standard")
 
@@ -136,7 +137,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _step_muon(self, group: dict) -> None:
-        params, grads, bufs = [], [], []
+        ctx = self.state_ctx
+        rec_by_master = {id(r.master): r for r in ctx.records}
+        params, grads, bufs, recs = [], [], [], []
         for p in group["params"]:
             if p.grad is None or p.numel() == 0:  # placeholders: someone else owns it
                 continue
@@ -146,16 +149,26 @@ class Muon(torch.optim.Optimizer):
             params.append(p)
             grads.append(p.grad)
             bufs.append(state["momentum_buffer"])
+            recs.append(rec_by_master[id(p)])
         ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
                          method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
                          backend=self.ns_backend)
+        orthogonalize = ns_by_shape(ns_kwargs, self.max_batch_bytes)
+        if ctx.roles.tp is not None:
+            local_ns = orthogonalize
+
+            def orthogonalize(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+                items = [TPItem(u, r.tp_shard_dim, r.full_shape, r.tp_owner) for u, r in zip(updates, recs)]
+                return orthogonalize_tp(items, ctx.roles.tp, local_ns)
+
         with torch.profiler.record_function("dmuon::newton_schulz"):
-            self.state_ctx.ns_matrices += muon_update_(
+            muon_update_(
                 params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
                 momentum=group["momentum"], nesterov=group["nesterov"],
                 adjust_lr_fn=group["adjust_lr_fn"], ns_kwargs=ns_kwargs,
-                max_batch_bytes=self.max_batch_bytes,
+                shapes=[r.full_shape for r in recs], orthogonalize=orthogonalize,
             )
+        ctx.ns_matrices += sum(1 for r in recs if ctx.roles.tp is None or r.tp_owner == ctx.tp_rank)
 
     def _step_adamw(self, group: dict) -> None:
         params = [p for p in group["params"] if p.grad is not None]
@@ -195,19 +208,26 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     ctx.ensure_bound()
     norm_type = float(norm_type)
     dedicated = {id(r.master) for r in ctx.records}
-    sharded, replicated = [], []  # sharded: each element on exactly one rank
+    counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
-        if rec.master.grad is not None and rec.is_owner:
-            sharded.append(rec.master.grad)
+        if rec.master.grad is None:
+            continue
+        clipped.append(rec.master.grad)
+        # HSDP replicas and TP ranks holding a whole matrix have equal copies: count one.
+        if ctx.replicate_rank == 0 and (rec.tp_shard_dim is not None or ctx.tp_rank == 0):
+            counted.append(rec.master.grad)
     for p in model.parameters():
         if id(p) in dedicated or p.grad is None:
             continue
         g = p.grad
         if hasattr(g, "to_local"):
-            sharded.append(g.to_local())
+            clipped.append(g.to_local())
+            if _first_replica(g):
+                counted.append(g.to_local())
         else:
             replicated.append(g)
-    device = next((g.device for g in sharded + replicated), torch.device("cpu"))
+            clipped.append(g)
+    device = next((g.device for g in clipped), torch.device("cpu"))
     is_inf = norm_type == float("inf")
 
     def local(gs: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -218,19 +238,27 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                                 for g in gs]).max()
         return sum(g.detach().float().abs().pow(norm_type).sum() for g in gs)
 
-    total = local(sharded)
+    total = local(counted)
+    world = ctx.roles.world
     if is_inf:
         total = torch.maximum(total, local(replicated))
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=ctx.group)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=world)
     else:
         if ctx.rank == 0:  # replicas are identical: count them once
             total = total + local(replicated)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=world)
         total = total.pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dmuon: the total gradient norm is {total.item()}; refusing to clip")
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     with torch.no_grad():
-        for g in sharded + replicated:
+        for g in clipped:
             g.mul_(coef.to(g.dtype))
     return total
+
+
+def _first_replica(dtensor_grad: torch.Tensor) -> bool:
+    """Whether this rank's local piece of a DTensor is the one to count (coordinate 0 along
+    every mesh dimension on which the tensor is replicated)."""
+    coord = dtensor_grad.device_mesh.get_coordinate() or []
+    return all(c == 0 for c, p in zip(coord, dtensor_grad.placements) if p.is_replicate())

@@ -142,9 +142,9 @@ def call_and_capture(rank: int, world_size: int, *, case: str) -> str:
 
 
 def _bad_input(case: str, rank: int, world_size: int) -> None:
-    if case == "mesh-2d":
+    if case == "mesh-2d-unnamed":
         model = models.make_model()
-        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh("cpu", (2, world_size // 2))
         dmuon.dedicate_params(model, mesh)
     elif case == "twice":
         model, mesh = build(world_size, "fsdp")

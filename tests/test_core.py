@@ -125,7 +125,7 @@ def test_state_dict_roundtrip_same_world_size_is_bitwise(dist_pool, mode):
 
 
 @pytest.mark.parametrize("case,world_size,error,words", [
-    ("mesh-2d", 4, "ValueError", ["1-D DeviceMesh", "(2, 2)"]),
+    ("mesh-2d-unnamed", 4, "ValueError", ["mesh_dim_names", "(2, 2)"]),
     ("twice", 2, "RuntimeError", ["already called"]),
     ("non-2d-predicate", 2, "ValueError", ["blocks.0.ln.weight", "(12,)", "2-D", "predicate"]),
     ("plan-other-world", 2, "ValueError", ["3 ranks", "mesh has 2"]),

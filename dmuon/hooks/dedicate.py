@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.hooks.comm import check_same_on_all_ranks
+from dmuon.hooks.mesh import build_roles
 from dmuon.hooks.runtime import DedicateState, Selected
 from dmuon.owners.plan import OwnerPlan, build_plan
 
@@ -77,17 +78,6 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
     return selected
 
 
-def _mesh_group(mesh) -> tuple[dist.ProcessGroup, list[int]]:
-    if getattr(mesh, "ndim", None) != 1:
-        raise ValueError(
-            f"dmuon: dedicate_params takes a 1-D DeviceMesh (FSDP2 or replicated data "
-            f"parallelism); got a mesh of shape {tuple(getattr(mesh, 'shape', ()))} with dims "
-            f"{getattr(mesh, 'mesh_dim_names', None)}. HSDP and TP meshes are not supported yet."
-        )
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-    return mesh.get_group(), ranks
-
-
 def dedicate_params(
     model: nn.Module,
     mesh,
@@ -97,6 +87,7 @@ def dedicate_params(
     prefetch: int = 1,
     reshard_after_forward: bool = True,
     bucket_bytes: int = 25 * 2**20,
+    replicate_mode: str = "auto",
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -104,10 +95,13 @@ def dedicate_params(
     calls; then build :class:`dmuon.Muon` over the model. Collective over ``mesh``.
 
     Args:
-        model: an ``nn.Module`` wrapped by FSDP2 ``fully_shard`` on a 1-D mesh (per block and
-            root), or a plain module replicated on every rank (dmuon then also averages the
+        model: an ``nn.Module`` wrapped by FSDP2 ``fully_shard`` (per block and root; HSDP
+            and FSDP x TP included), a tensor-parallel module (``parallelize_module``), or a
+            plain module replicated on every rank of a 1-D mesh (dmuon then also averages the
             gradients of the other parameters, DDP-style).
-        mesh: 1-D ``DeviceMesh`` of the data-parallel ranks.
+        mesh: the ``DeviceMesh``: 1-D data parallel; ``("replicate", "shard")`` HSDP;
+            ``("dp", "tp")`` FSDP x TP; ``("replicate", "shard", "tp")``; or 1-D ``("tp",)``
+            (roles by dimension name, :mod:`dmuon.hooks.mesh`).
         predicate: ``predicate(fqn, param) -> bool`` picks the Muon matrices; default: 2-D
             trainable parameters that are not ``nn.Embedding`` weights.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
@@ -117,12 +111,15 @@ def dedicate_params(
             issued ahead of the one running (>= 1).
         reshard_after_forward: free non-owners' full weights between forward and backward.
         bucket_bytes: bucket size (bytes) for replicated gradient all-reduces.
+        replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz on the
+            all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts)
+            or ``"auto"`` (per matrix, the cheaper by a cost model); all exact.
 
     Returns:
         The owner plan in use (identical on every rank).
 
     Raises:
-        ValueError: a mesh that is not 1-D, a predicate selecting a non-2-D or tied tensor, a
+        ValueError: a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
             plan for another model or world size, ``prefetch < 1``.
         RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
             on the plan (raised on every rank, naming the ranks).
@@ -134,28 +131,30 @@ def dedicate_params(
         )
     if prefetch < 1:
         raise ValueError(f"dmuon: prefetch must be >= 1, got {prefetch}")
-    group, ranks = _mesh_group(mesh)
+    if replicate_mode not in ("auto", "compute", "broadcast"):
+        raise ValueError(f"dmuon: replicate_mode must be 'auto', 'compute' or 'broadcast', got {replicate_mode!r}")
     if not dist.is_initialized():
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
-    # A group of our own keeps dmuon's broadcasts and reduces out of FSDP2's collective order.
-    dmuon_group = dist.new_group(ranks=ranks, backend=dist.get_backend(group))
+    # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
+    roles = build_roles(mesh)
     selected = select_matrices(model, predicate or default_predicate(model))
     shapes = {s.fqn: s.shape for s in selected}
-    world_size = len(ranks)
+    world_size, tp_size = roles.shard_size, roles.tp_size
     if plan is None:
-        # The MILP is time-limited, hence not reproducible across ranks: rank 0 solves.
-        solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size)
-                  if dist.get_rank(dmuon_group) == 0 else None]
-        dist.broadcast_object_list(solved, src=dist.get_global_rank(dmuon_group, 0), group=dmuon_group)
+        # The MILP is time-limited, hence not reproducible across ranks: one rank solves.
+        solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size)
+                  if dist.get_rank(roles.world) == 0 else None]
+        dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
         plan = solved[0]
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)
-    plan.check_matches(shapes, world_size)
-    check_same_on_all_ranks(plan.digest(), "owner plan digest", dmuon_group)
-    state = DedicateState(model, dmuon_group, plan, selected, prefetch=prefetch,
-                          reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes)
+    plan.check_matches(shapes, world_size, tp_size)
+    check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
+    state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
+                          reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
+                          replicate_mode=replicate_mode)
     object.__setattr__(model, STATE_ATTR, state)
-    if dist.get_rank(dmuon_group) == 0:
+    if dist.get_rank(roles.world) == 0:
         loads = plan.loads()
         logger.info(
             "dmuon: %d dedicated matrices over %d ranks (%s); makespan %.3g %s, lower bound %.3g, "

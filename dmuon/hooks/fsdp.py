@@ -81,14 +81,11 @@ def _ancestors(model: nn.Module, target: nn.Module) -> list[nn.Module]:
 
 
 def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tensor | None:
-    """Remove ``module.<attr>`` from FSDP2's management and return its full value.
-
-    Collective over the FSDP2 mesh (an all-gather through ``DTensor.full_tensor``): every rank
-    must call it for the same parameters in the same order.
+    """Remove ``module.<attr>`` from FSDP2's management and return FSDP2's sharded DTensor.
 
     Returns:
-        The full tensor ``[rows, cols]`` (original dtype, the module's device), or ``None``
-        when FSDP2 does not manage the parameter.
+        FSDP2's sharded DTensor (undo its sharding with :func:`dmuon.hooks.tp.local_slice`),
+        or ``None`` when FSDP2 does not manage the parameter.
 
     Raises:
         RuntimeError: if FSDP2 has already unsharded the parameter (called inside forward).
@@ -106,7 +103,6 @@ def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tens
                         f"predicate=... to leave it on AdamW."
                     )
                 sharded = fsdp_param.sharded_param
-                full = sharded.full_tensor() if hasattr(sharded, "full_tensor") else sharded
                 group.fsdp_params.remove(fsdp_param)
                 # FSDPParam re-shards "its" parameter after load_state_dict; it is ours now.
                 handle = getattr(fsdp_param, "_post_load_hook_handle", None)
@@ -115,7 +111,7 @@ def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tens
                 if not group.fsdp_params:
                     _remove_group(state, group)
                 logger.debug("dmuon: took %s.%s from FSDP2", type(module).__name__, attr)
-                return full.detach()
+                return sharded
     return None
 
 

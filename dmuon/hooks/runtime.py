@@ -32,11 +32,34 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, publish, reduce_to_owner
+from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicated import ReplicatedGrads
-from dmuon.owners.dedicated import DedicatedParam, make_dedicated
+from dmuon.hooks.tp import as_compute_param, local_slice
+from dmuon.owners.dedicated import DedicatedParam, alloc_storage, make_dedicated
 from dmuon.owners.plan import OwnerPlan
 
 logger = logging.getLogger(__name__)
+
+
+# HSDP per-matrix choice (DESIGN.md "Meshes"): running NS on every replica's owner costs
+# ~flops(m, n) / peak; having replica 0 compute and broadcast the fp32 master costs
+# 4 m n bytes / inter-node bandwidth. With the Gram NS count (~8 m^2 n + 28 m^3 for 5 steps),
+# an H100 at ~400 TFLOP/s effective fp16 and 25 GB/s per-GPU InfiniBand (200 Gb/s), the broadcast
+# wins when min(m, n) is above ~2,300. The constants are the A800/H100 cluster figures of the
+# DMuon paper's setup; "compute" and "broadcast" can be forced.
+NS_FLOPS_PER_S = 400e12
+REPLICA_BYTES_PER_S = 25e9
+
+
+def choose_replicate_mode(shape: tuple[int, int], mode: str) -> str:
+    """Per-matrix HSDP mode: ``"compute"`` or ``"broadcast"`` (``mode="auto"`` by cost)."""
+    if mode != "auto":
+        return mode
+    from dmuon.kernels import ns_flops
+
+    compute_s = ns_flops(shape[0], shape[1], method="gram") / NS_FLOPS_PER_S
+    broadcast_s = 4 * shape[0] * shape[1] / REPLICA_BYTES_PER_S
+    return "compute" if compute_s <= broadcast_s else "broadcast"
 
 
 @dataclass(eq=False)
@@ -63,30 +86,37 @@ class DedicateState:
 
     Args:
         model: the user's model (FSDP2-wrapped or plain).
-        group: dmuon's process group over the data-parallel ranks.
+        roles: dmuon's process groups along the mesh's shard / replicate / TP dimensions.
         plan: the owner plan, already checked identical on every rank.
         selected: the dedicated matrices, in model order.
         prefetch: how many units ahead a publication is issued (>= 1).
         reshard_after_forward: free non-owners' full weights after forward and publish again
             before backward (less memory, one more broadcast per matrix), as FSDP2's switch.
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
+        replicate_mode: HSDP: ``"compute"``, ``"broadcast"`` or ``"auto"`` (per matrix, by
+            :func:`choose_replicate_mode`).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        group: dist.ProcessGroup,
+        roles: MeshRoles,
         plan: OwnerPlan,
         selected: list[Selected],
         *,
         prefetch: int,
         reshard_after_forward: bool,
         bucket_bytes: int,
+        replicate_mode: str = "auto",
     ) -> None:
         self.model = model
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.roles = roles
+        self.group = roles.shard
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.tp_rank = dist.get_rank(roles.tp) if roles.tp is not None else 0
+        self.replicate_rank = dist.get_rank(roles.replicate) if roles.replicate is not None else 0
+        self.replicate_mode = replicate_mode
         self.plan = plan
         self.selected = selected
         self.prefetch = prefetch
@@ -126,33 +156,29 @@ class DedicateState:
         if self.bound:
             return
         self.fsdp_wrapped = fsdp.is_fsdp_wrapped(self.model)
-        owner_by_fqn = self.plan.owner_by_fqn
+        specs = {m.fqn: m for m in self.plan.matrices}
         for order, sel in enumerate(self.selected):
             param = sel.module._parameters[sel.attr]
-            full = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
-            if full is None:
-                if hasattr(param, "placements"):
-                    raise ValueError(
-                        f"dmuon: parameter {sel.fqn!r} is a DTensor with placements "
-                        f"{tuple(param.placements)} that FSDP2 does not manage; dmuon supports "
-                        f"FSDP2 on a 1-D mesh and plain replicated modules so far. Pass "
-                        f"predicate=... to leave it to AdamW."
-                    )
-                full = param.detach()
+            taken = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
+            sl = local_slice(taken if taken is not None else param, sel.fqn, self.roles.tp_name)
+            full = sl.local
             param_dtype, reduce_dtype = fsdp.mixed_precision_dtypes(self.model, sel.module)
             compute_dtype = param_dtype or full.dtype
+            spec = specs[sel.fqn]
             rec = make_dedicated(
                 fqn=sel.fqn, module=sel.module, attr=sel.attr, full=full,
-                owner=owner_by_fqn[sel.fqn], rank=self.rank, compute_dtype=compute_dtype,
+                owner=spec.owner, rank=self.rank, compute_dtype=compute_dtype,
                 reduce_dtype=reduce_dtype or compute_dtype, requires_grad=param.requires_grad,
-                order=order,
+                order=order, wrap=lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape),
+                full_shape=sel.shape, tp_shard_dim=sl.shard_dim, tp_owner=spec.tp_owner,
+                replicate_mode=choose_replicate_mode(sel.shape, self.replicate_mode),
             )
             self.records.append(rec)
             self.unit_of_module[id(sel.module)].records.append(rec)
             self._live[id(rec)] = False
             if rec.compute.requires_grad:
                 self._handles.append(rec.compute.register_post_accumulate_grad_hook(self._make_on_grad(rec)))
-        if not self.fsdp_wrapped:
+        if not self.fsdp_wrapped and self.world_size > 1:
             self._bind_replicated()
         # Loading a state dict writes the masters; the compute copies must follow.
         self._handles.append(self.model.register_load_state_dict_post_hook(
@@ -161,6 +187,11 @@ class DedicateState:
         logger.debug("dmuon: rank %d bound %d dedicated matrices", self.rank, len(self.records))
 
     def _bind_replicated(self) -> None:
+        if self.roles.tp is not None or self.roles.replicate is not None:
+            raise ValueError(
+                "dmuon: HSDP and tensor-parallel meshes need FSDP2 (fully_shard) on the "
+                "data-parallel dimensions; a plain replicated module is supported on a 1-D mesh"
+            )
         dedicated = {id(r.master) for r in self.records}
         params = [p for p in self.model.parameters()
                   if id(p) not in dedicated and not hasattr(p, "placements")]
@@ -180,11 +211,11 @@ class DedicateState:
         for rec in unit.records:
             if self._live[id(rec)]:
                 continue
+            buf = rec.buffer
             if not rec.is_owner:
-                from dmuon.owners.dedicated import alloc_storage
-                alloc_storage(rec.compute)
-            with torch.autograd._unsafe_preserve_version_counter(rec.compute):
-                rec.publish_work = publish(rec.compute.detach(), rec.owner, self.group)
+                alloc_storage(buf)
+            with torch.autograd._unsafe_preserve_version_counter(buf):
+                rec.publish_work = publish(buf.detach(), rec.owner, self.group)
             self._live[id(rec)] = True
 
     def _wait(self, unit: Unit) -> None:
@@ -254,6 +285,8 @@ class DedicateState:
                 return
             grad = param.grad
             param.grad = None
+            if hasattr(grad, "to_local"):  # the TP slice's gradient
+                grad = grad.to_local()
             buf = grad if grad.dtype == rec.reduce_dtype else grad.to(rec.reduce_dtype)
             rec.pending.append(reduce_to_owner(buf, rec.owner, self.group))
             self._release(rec)
@@ -266,19 +299,44 @@ class DedicateState:
         return on_grad
 
     def finish_backward(self) -> None:
-        """End of backward: wait for every reduce; owners add the average to ``master.grad``."""
+        """End of backward: wait for every reduce; owners add the average to ``master.grad``.
+
+        Under HSDP the owners then combine across replicas: an all-reduce (each replica's
+        owner runs Newton-Schulz) or a reduce to replica 0 (which runs it and broadcasts).
+        """
         self._final_callback_queued = False
+        replicas = self.roles.replicate_size
         with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
+            combined = []
             for rec in self.records:
                 for pend in rec.pending:
                     pend.wait()
                     if rec.is_owner:
                         avg = pend.tensors[0].to(torch.float32).div_(self.world_size)
-                        master = rec.master
-                        master.grad = avg if master.grad is None else master.grad.add_(avg)
+                        if replicas > 1:
+                            combined.append((rec, self._combine_replicas(rec, avg), avg))
+                        else:
+                            self._accumulate(rec, avg)
+                    rec.had_grad = True
                 rec.pending.clear()
+            for rec, work, avg in combined:
+                work.wait()
+                if rec.replicate_mode == "compute" or self.replicate_rank == 0:
+                    self._accumulate(rec, avg.div_(replicas))
             if self.replicated is not None and self._sync_this_backward:
                 self.replicated.finish()
+
+    def _combine_replicas(self, rec: DedicatedParam, avg: torch.Tensor) -> Any:
+        group = self.roles.replicate
+        with torch.profiler.record_function("dmuon::combine_replicas"):
+            if rec.replicate_mode == "compute":
+                return dist.all_reduce(avg, group=group, async_op=True)
+            return dist.reduce(avg, dst=dist.get_global_rank(group, 0), group=group, async_op=True)
+
+    @staticmethod
+    def _accumulate(rec: DedicatedParam, avg: torch.Tensor) -> None:
+        master = rec.master
+        master.grad = avg if master.grad is None else master.grad.add_(avg)
 
     # --------------------------------------------------------------- after step
     def publish_after_step(self, issue: bool = True) -> None:
@@ -289,18 +347,32 @@ class DedicateState:
                 only invalidates (after loading a state dict).
         """
         with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
+            if issue and self.roles.replicate is not None:
+                self._broadcast_from_replica0()
             for rec in self.records:
+                rec.had_grad = False
                 if rec.is_owner:
                     if rec.publish_work is not None:
                         rec.publish_work.wait()
                         rec.publish_work = None
-                    with torch.autograd._unsafe_preserve_version_counter(rec.compute):
-                        rec.compute.detach().copy_(rec.master)
+                    buf = rec.buffer
+                    with torch.autograd._unsafe_preserve_version_counter(buf):
+                        buf.detach().copy_(rec.master)
                     self._live[id(rec)] = False
                 else:
                     self._release(rec)
             for unit in self.units[: self.prefetch] if issue else ():
                 self._issue(unit)
+
+    def _broadcast_from_replica0(self) -> None:
+        """HSDP "broadcast" matrices: replica 0's owner stepped; the other replicas copy."""
+        group = self.roles.replicate
+        src = dist.get_global_rank(group, 0)
+        works = [dist.broadcast(rec.master.data, src=src, group=group, async_op=True)
+                 for rec in self.records
+                 if rec.is_owner and rec.replicate_mode == "broadcast" and rec.had_grad]
+        for work in works:
+            work.wait()
 
     def remove(self) -> None:
         """Remove every hook dmuon installed (the model keeps its current parameters)."""

@@ -55,6 +55,12 @@ class DedicatedParam:
             while not in use.
         reduce_dtype: dtype gradients are summed in on their way to the owner.
         order: index in forward order (for publication order and prefetch).
+        full_shape: ``(rows, cols)`` of the whole matrix (``shape`` is this rank's TP slice).
+        tp_shard_dim: 0/1 when TP splits the matrix, ``None`` otherwise.
+        tp_owner: TP rank that runs Newton-Schulz for the matrix.
+        replicate_mode: HSDP only: ``"compute"`` (every replica's owner runs NS on the
+            all-reduced gradient) or ``"broadcast"`` (replica 0's owner runs it and broadcasts
+            the new master).
     """
 
     fqn: str
@@ -67,12 +73,23 @@ class DedicatedParam:
     compute: nn.Parameter
     reduce_dtype: torch.dtype
     order: int = 0
+    full_shape: tuple[int, int] = (0, 0)
+    tp_shard_dim: int | None = None
+    tp_owner: int = 0
+    replicate_mode: str = "compute"
+    had_grad: bool = False
     publish_work: Any = None
     pending: list = field(default_factory=list)
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """The compute weight as a plain local tensor (the TP slice under tensor parallelism)."""
+        c = self.compute
+        return c.to_local() if hasattr(c, "to_local") else c
+
+    @property
     def materialized(self) -> bool:
-        return has_storage(self.compute)
+        return has_storage(self.buffer)
 
     def show(self, which: str) -> None:
         """Register ``master`` (outside forward) or ``compute`` (inside) on the module."""
@@ -82,7 +99,7 @@ class DedicatedParam:
     def release(self) -> None:
         """Free a non-owner's compute copy; the owner keeps it as the publication source."""
         if not self.is_owner:
-            free_storage(self.compute)
+            free_storage(self.buffer)
 
 
 def make_dedicated(
@@ -97,30 +114,38 @@ def make_dedicated(
     reduce_dtype: torch.dtype,
     requires_grad: bool,
     order: int,
+    wrap: Any = None,
+    **extra: Any,
 ) -> DedicatedParam:
     """Build the record from the full initial weight and register the master on the module.
 
     Args:
-        full: the full matrix ``[rows, cols]`` (any float dtype); only read on the owner.
+        full: the full matrix ``[rows, cols]`` (any float dtype; this rank's TP slice under
+            tensor parallelism); only read on the owner.
         owner: owner's rank in the dmuon group; ``rank`` is this rank in it.
+        wrap: turns the local compute tensor into what the module computes with (a DTensor on
+            the TP mesh); identity when ``None``.
+        extra: further :class:`DedicatedParam` fields (TP and HSDP attributes).
     """
     shape = (int(full.shape[0]), int(full.shape[1]))
     is_owner = owner == rank
     device = full.device
     with torch.no_grad():
+        wrap = wrap or (lambda t: t)
         if is_owner:
             master = nn.Parameter(full.detach().to(torch.float32).clone(), requires_grad=requires_grad)
-            compute = nn.Parameter(full.detach().to(compute_dtype).clone(), requires_grad=requires_grad)
+            local = full.detach().to(compute_dtype).clone()
         else:
             master = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device), requires_grad=requires_grad)
-            compute = nn.Parameter(torch.empty(shape, dtype=compute_dtype, device=device), requires_grad=requires_grad)
-            free_storage(compute)
+            local = torch.empty(shape, dtype=compute_dtype, device=device)
+            free_storage(local)
+        compute = nn.Parameter(wrap(local), requires_grad=requires_grad)
     master._dmuon_fqn = fqn  # type: ignore[attr-defined]
     master._dmuon_shape = shape  # type: ignore[attr-defined]
     compute._dmuon_fqn = fqn  # type: ignore[attr-defined]
     rec = DedicatedParam(
         fqn=fqn, module=module, attr=attr, shape=shape, owner=owner, is_owner=is_owner,
-        master=master, compute=compute, reduce_dtype=reduce_dtype, order=order,
+        master=master, compute=compute, reduce_dtype=reduce_dtype, order=order, **extra,
     )
     rec.show("master")
     return rec

@@ -24,15 +24,19 @@ class MatrixSpec:
     Attributes:
         fqn: fully qualified parameter name, as ``model.named_parameters()`` gives it.
         shape: ``(rows, cols)`` of the full (unsharded) matrix.
-        owner: rank (in the data-parallel mesh dimension) that holds the fp32 master and
-            momentum, receives the reduced gradient and runs Newton-Schulz.
+        owner: rank (in the data-parallel shard dimension) that holds the fp32 master and
+            momentum, receives the reduced gradient and runs Newton-Schulz. Under tensor
+            parallelism every TP slice of the matrix has this same DP owner index.
         cost: Newton-Schulz cost the balancer used (unit in ``OwnerPlan.cost_unit``).
+        tp_owner: TP rank (within the TP group of the DP owner) that gathers the slices and
+            runs Newton-Schulz on the full matrix; 0 without tensor parallelism.
     """
 
     fqn: str
     shape: tuple[int, int]
     owner: int
     cost: float = 0.0
+    tp_owner: int = 0
 
     def __post_init__(self) -> None:
         if not self.fqn:
@@ -42,8 +46,11 @@ class MatrixSpec:
                 f"dmuon: MatrixSpec.shape for {self.fqn!r} must be (rows, cols) with "
                 f"non-negative sizes, got {self.shape!r}"
             )
-        if self.owner < 0:
-            raise ValueError(f"dmuon: MatrixSpec.owner for {self.fqn!r} is {self.owner}; ranks are >= 0")
+        if self.owner < 0 or self.tp_owner < 0:
+            raise ValueError(
+                f"dmuon: MatrixSpec for {self.fqn!r} has owner={self.owner}, "
+                f"tp_owner={self.tp_owner}; ranks are >= 0"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -51,7 +58,8 @@ class OwnerPlan:
     """Owner assignment of every dedicated matrix.
 
     Attributes:
-        world_size: number of ranks the owners are drawn from (the data-parallel group).
+        world_size: number of ranks the owners are drawn from (the data-parallel shard group).
+        tp_size: size of the tensor-parallel group (1 without TP).
         matrices: one :class:`MatrixSpec` per dedicated matrix, in model order.
         method: how the owners were chosen (``"greedy"``, ``"milp"``, ``"file"``...).
         cost_unit: unit of ``MatrixSpec.cost`` and of ``makespan``/``lower_bound``
@@ -66,6 +74,7 @@ class OwnerPlan:
 
     world_size: int
     matrices: tuple[MatrixSpec, ...]
+    tp_size: int = 1
     method: str = "greedy"
     cost_unit: str = "flops"
     makespan: float = 0.0
@@ -85,6 +94,11 @@ class OwnerPlan:
                     f"dmuon: OwnerPlan assigns {spec.fqn!r} to rank {spec.owner}, but the "
                     f"world size is {self.world_size} (ranks 0..{self.world_size - 1})"
                 )
+            if spec.tp_owner >= self.tp_size:
+                raise ValueError(
+                    f"dmuon: OwnerPlan assigns {spec.fqn!r} to TP rank {spec.tp_owner}, but the "
+                    f"TP size is {self.tp_size}"
+                )
 
     # ------------------------------------------------------------------ views
     @property
@@ -96,10 +110,11 @@ class OwnerPlan:
         return {m.fqn: m.shape for m in self.matrices}
 
     def loads(self) -> list[float]:
-        """Per-rank sum of ``MatrixSpec.cost`` (unit ``cost_unit``)."""
-        loads = [0.0] * self.world_size
+        """Per-rank sum of ``MatrixSpec.cost`` (unit ``cost_unit``), over the DP x TP grid
+        (index ``owner * tp_size + tp_owner``)."""
+        loads = [0.0] * (self.world_size * self.tp_size)
         for m in self.matrices:
-            loads[m.owner] += m.cost
+            loads[m.owner * self.tp_size + m.tp_owner] += m.cost
         return loads
 
     def owned_by(self, rank: int) -> list[MatrixSpec]:
@@ -110,12 +125,14 @@ class OwnerPlan:
         return {
             "schema_version": PLAN_SCHEMA_VERSION,
             "world_size": self.world_size,
+            "tp_size": self.tp_size,
             "method": self.method,
             "cost_unit": self.cost_unit,
             "makespan": self.makespan,
             "lower_bound": self.lower_bound,
             "matrices": [
-                {"fqn": m.fqn, "shape": list(m.shape), "owner": m.owner, "cost": m.cost}
+                {"fqn": m.fqn, "shape": list(m.shape), "owner": m.owner, "cost": m.cost,
+                 "tp_owner": m.tp_owner}
                 for m in self.matrices
             ],
             "extra": dict(self.extra),
@@ -124,7 +141,8 @@ class OwnerPlan:
     def digest(self) -> str:
         """SHA-256 over what every rank must agree on: world size, names, shapes, owners."""
         canon = json.dumps(
-            [self.world_size, [(m.fqn, list(m.shape), m.owner) for m in self.matrices]],
+            [self.world_size, self.tp_size,
+             [(m.fqn, list(m.shape), m.owner, m.tp_owner) for m in self.matrices]],
             separators=(",", ":"),
         )
         return hashlib.sha256(canon.encode()).hexdigest()
@@ -144,11 +162,13 @@ class OwnerPlan:
         try:
             matrices = tuple(
                 MatrixSpec(fqn=m["fqn"], shape=tuple(int(s) for s in m["shape"]),
-                           owner=int(m["owner"]), cost=float(m.get("cost", 0.0)))
+                           owner=int(m["owner"]), cost=float(m.get("cost", 0.0)),
+                           tp_owner=int(m.get("tp_owner", 0)))
                 for m in data["matrices"]
             )
             return cls(
                 world_size=int(data["world_size"]), matrices=matrices,
+                tp_size=int(data.get("tp_size", 1)),
                 method=str(data.get("method", "file")), cost_unit=str(data.get("cost_unit", "flops")),
                 makespan=float(data.get("makespan", 0.0)), lower_bound=float(data.get("lower_bound", 0.0)),
                 extra=dict(data.get("extra", {})),
@@ -162,7 +182,8 @@ class OwnerPlan:
             return cls.from_dict(json.load(f))
 
     # ------------------------------------------------------------- validation
-    def check_matches(self, shape_by_fqn: Mapping[str, Sequence[int]], world_size: int) -> None:
+    def check_matches(self, shape_by_fqn: Mapping[str, Sequence[int]], world_size: int,
+                      tp_size: int = 1) -> None:
         """Check that this plan fits a model's dedicated matrices and a mesh.
 
         Args:
@@ -178,6 +199,11 @@ class OwnerPlan:
                 f"dmuon: the plan was solved for {self.world_size} ranks but the mesh has "
                 f"{world_size}; re-solve it with `python -m dmuon.profile --nodes N "
                 f"--gpus-per-node G` for this world size"
+            )
+        if tp_size != self.tp_size:
+            raise ValueError(
+                f"dmuon: the plan was solved for TP size {self.tp_size} but the mesh has TP size "
+                f"{tp_size}; re-solve it for this mesh"
             )
         mine = self.shape_by_fqn
         missing = [f for f in shape_by_fqn if f not in mine]
@@ -208,6 +234,7 @@ def build_plan(
     cost_unit: str = "flops",
     method: str = "auto",
     time_limit_s: float = 5.0,
+    tp_size: int = 1,
 ) -> OwnerPlan:
     """Assign an owner to every matrix by balancing Newton-Schulz cost.
 
@@ -221,6 +248,8 @@ def build_plan(
             ``"milp"``/``"auto"`` may stop at a time limit, so their plan can depend on timing:
             solve on one rank and broadcast (``dedicate_params`` does).
         time_limit_s: wall-clock limit of the MILP, seconds.
+        tp_size: TP group size; Newton-Schulz then runs on the (DP owner, TP owner) rank, so
+            the balancer spreads costs over ``world_size * tp_size`` ranks.
 
     Returns:
         The plan, with makespan and lower bound from the solver.
@@ -232,14 +261,17 @@ def build_plan(
     if costs is None:
         costs = [float(ns_flops(*shape, method="gram")) for _, shape in named_shapes]
     if not named_shapes:
-        return OwnerPlan(world_size=world_size, matrices=(), method=method, cost_unit=cost_unit)
-    result = solve(list(costs), world_size, classes=[shape for _, shape in named_shapes],
+        return OwnerPlan(world_size=world_size, matrices=(), tp_size=tp_size, method=method,
+                         cost_unit=cost_unit)
+    result = solve(list(costs), world_size * tp_size, classes=[shape for _, shape in named_shapes],
                    method=method, time_limit_s=time_limit_s)
     matrices = tuple(
-        MatrixSpec(fqn=fqn, shape=shape, owner=int(owner), cost=float(cost))
+        MatrixSpec(fqn=fqn, shape=shape, owner=int(owner) // tp_size, cost=float(cost),
+                   tp_owner=int(owner) % tp_size)
         for (fqn, shape), owner, cost in zip(named_shapes, result.owners, costs)
     )
     return OwnerPlan(
-        world_size=world_size, matrices=matrices, method=result.method, cost_unit=cost_unit,
+        world_size=world_size, matrices=matrices, tp_size=tp_size, method=result.method,
+        cost_unit=cost_unit,
         makespan=float(result.makespan), lower_bound=float(result.lower_bound),
     )

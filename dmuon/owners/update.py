@@ -12,7 +12,7 @@ single-process ``torch.optim.Muon`` / ``torch.optim.AdamW`` step on the same gra
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -50,6 +50,8 @@ def muon_update_(
     adjust_lr_fn: str | None,
     ns_kwargs: dict[str, Any],
     max_batch_bytes: int | None = None,
+    shapes: list[tuple[int, int]] | None = None,
+    orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
 ) -> int:
     """One Muon step on full matrices, Newton-Schulz batched by shape.
 
@@ -61,26 +63,40 @@ def muon_update_(
         ns_kwargs: passed to :func:`dmuon.kernels.orthogonalize_by_shape` (steps, coefficients,
             method, dtype, eps, backend).
         max_batch_bytes: cap on one stacked Newton-Schulz batch.
+        shapes: full ``(rows, cols)`` of each matrix for the lr adjustment, when ``params`` are
+            tensor-parallel slices (default: ``param.shape``).
+        orthogonalize: replaces the local batched Newton-Schulz (tensor parallelism routes the
+            updates through their TP owners, :func:`dmuon.owners.tp.orthogonalize_tp`); it
+            receives the updates and ``ns_kwargs``-configured NS is its job.
 
     Returns:
         The number of matrices orthogonalized.
     """
-    from dmuon.kernels import orthogonalize_by_shape
-
     if not params:
         return 0
     updates = []
     for grad, buf in zip(grads, momentum_bufs):
         buf.lerp_(grad, 1 - momentum)
         updates.append(grad.lerp(buf, momentum) if nesterov else buf)
+    if orthogonalize is None:
+        orthogonalize = ns_by_shape(ns_kwargs, max_batch_bytes)
+    ortho = orthogonalize(updates)
+    for i, (param, update) in enumerate(zip(params, ortho)):
+        shape = shapes[i] if shapes is not None else param.shape
+        param.mul_(1 - lr * weight_decay)
+        param.add_(update.to(param.dtype), alpha=-adjust_lr(lr, adjust_lr_fn, shape))
+    return len(params)
+
+
+def ns_by_shape(ns_kwargs: dict[str, Any], max_batch_bytes: int | None = None
+                ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """Newton-Schulz over a list of matrices, batched by shape (``orthogonalize_by_shape``)."""
+    from dmuon.kernels import orthogonalize_by_shape
+
     kwargs = dict(ns_kwargs)
     if max_batch_bytes is not None:
         kwargs["max_batch_bytes"] = max_batch_bytes
-    ortho = orthogonalize_by_shape(updates, **kwargs)
-    for param, update in zip(params, ortho):
-        param.mul_(1 - lr * weight_decay)
-        param.add_(update.to(param.dtype), alpha=-adjust_lr(lr, adjust_lr_fn, param.shape))
-    return len(params)
+    return lambda tensors: orthogonalize_by_shape(tensors, **kwargs)
 
 
 @torch.no_grad()
