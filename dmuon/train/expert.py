@@ -82,7 +82,6 @@ class ScriptedPushExpert:
             float64 array of shape [2]: target agent position in pixels, clipped to [0, 512].
         """
         import shapely.geometry as sg
-        from gym_pusht.envs.pusht import pymunk_to_shapely
 
         block = env.block
         cog = np.array(block.local_to_world(COG_LOCAL))
@@ -104,7 +103,9 @@ class ScriptedPushExpert:
             s = float(np.clip(-self.k_rot * angle_err, -self.s_max, self.s_max))
         v = np.array([-u[1], u[0]])
 
-        geom = pymunk_to_shapely(block, block.shapes)
+        geom = sg.MultiPolygon(  # the T as two world-frame polygons
+            [sg.Polygon([block.local_to_world(v) for v in shape.get_vertices()]) for shape in block.shapes]
+        )
         base = cog + v * s
         hit = geom.intersection(sg.LineString([base - 200 * u, base + 200 * u]))
         if hit.is_empty:  # the offset line misses the T: push through the centre instead

@@ -154,9 +154,9 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         raise ValueError(
             f"dmuon.train: --batch-size {cfg.batch_size} is not divisible by the world size {world}."
         )
-    if rank == 0:
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # one writer per node (per local disk)
         ensure_cached(cfg.data, progress=True)
-    dist.barrier()  # the others wait for rank 0's cache file
+    dist.barrier()  # the others wait for their node's cache file
     demos = PushTDemos(cfg.data)
 
     torch.manual_seed(cfg.seed)
