@@ -7,6 +7,8 @@ run, so a job restored on 2 ranks trains on exactly the data the 4-rank job woul
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -96,6 +98,117 @@ def load_incomplete(rank: int, world_size: int) -> str:
     sd["optim"]["state"] = {}
     try:
         checkpoint.load_state_dict(model, opt, sd)
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# ----------------------------------------------------------------------------- faults
+def _install_kill(model: nn.Module, opt: torch.optim.Optimizer, phase: str, clock: dict,
+                  stamp_path: str) -> None:
+    """On this rank, ``os._exit(9)`` at step ``clock['kill']`` inside ``phase``."""
+
+    def die() -> None:
+        if clock["step"] == clock["kill"]:
+            with open(stamp_path, "w") as f:
+                f.write(repr(time.time()))
+            os._exit(9)
+
+    if phase == "forward":
+        model.blocks[1].register_forward_pre_hook(lambda module, args: die())
+    elif phase == "backward":
+        model.blocks[1].register_full_backward_pre_hook(lambda module, grad: die())
+    elif phase == "step":  # after the Muon group's update, before AdamW's
+        step_adamw = opt._step_adamw
+        opt._step_adamw = lambda group: (die(), step_adamw(group))
+    else:
+        raise KeyError(phase)
+
+
+def killed_mid_step(rank: int, world_size: int, *, phase: str, victim: int, path: str,
+                    save_after: int = 2, steps: int = 5, interval_s: float = 0.2,
+                    timeout_s: float = 2.0, exit_grace_s: float = 3.0) -> dict:
+    """Train with a :class:`dmuon.faults.Heartbeat`; checkpoint after ``save_after`` steps;
+    rank ``victim`` dies in ``phase`` of the next step.
+
+    Returns:
+        Survivors: ``error`` (the text of the error they stopped with, or ``None``) and ``t``
+        (``time.time()`` when it was caught). The victim's kill time is in ``path + '.killed'``;
+        the full parameters at save time are in ``path + '.npz'``.
+    """
+    from dmuon.faults import Heartbeat
+
+    model, opt, sched = _job(world_size, "fsdp")
+    hb = Heartbeat(interval_s=interval_s, timeout_s=timeout_s, exit_grace_s=exit_grace_s).start()
+    clock = {"step": 0, "kill": save_after}
+    if rank == victim:
+        _install_kill(model, opt, phase, clock, path + ".killed")
+    try:
+        for step in range(steps):
+            clock["step"] = step
+            if step == save_after:
+                sd = checkpoint.state_dict(model, opt)
+                sd["sched"] = sched.state_dict()
+                dcp.save(sd, checkpoint_id=path)
+                saved = full_params(model, rank)
+                if rank == 0:
+                    np.savez(path + ".npz", **saved)
+            with hb.guard(f"step {step}"):
+                run_steps(model, opt, range(step, step + 1), rank, world_size, sched)
+    except RuntimeError as e:
+        return dict(error=str(e), t=time.time())
+    finally:
+        hb.stop()
+    return dict(error=None, t=time.time())
+
+
+def blocked_on_live_peer(rank: int, world_size: int, *, interval_s: float, timeout_s: float,
+                         exit_grace_s: float) -> dict:
+    """Three ranks: rank 1 dies, rank 2 stays alive outside any collective, rank 0 waits in a
+    broadcast from rank 2 that no transport error interrupts. Rank 0 must exit (watchdog);
+    rank 2 must raise at its next ``guard``."""
+    from dmuon.faults import Heartbeat
+
+    hb = Heartbeat(interval_s=interval_s, timeout_s=timeout_s, exit_grace_s=exit_grace_s).start()
+    t0 = time.time()
+    if rank == 1:
+        os._exit(9)
+    if rank == 0:
+        dist.broadcast(torch.zeros(4), src=2)  # never completes
+        return dict(error="broadcast returned", t=time.time() - t0)
+    deadline = t0 + timeout_s + 2 * interval_s + exit_grace_s + 2.0
+    while time.time() < deadline:
+        try:
+            with hb.guard("idle loop"):
+                time.sleep(interval_s)
+        except RuntimeError as e:
+            caught = time.time() - t0
+            time.sleep(max(0.0, deadline - time.time()))  # stay alive: rank 0 must not be freed
+            return dict(error=str(e), t=caught)
+    return dict(error=None, t=time.time() - t0)
+
+
+def heartbeat_no_fault(rank: int, world_size: int, *, steps: int = 3) -> dict:
+    """Train a few steps under a guard with a short timeout; nobody may be named lost."""
+    from dmuon.faults import Heartbeat
+
+    model, opt, sched = _job(world_size, "fsdp")
+    with Heartbeat(interval_s=0.1, timeout_s=1.0, exit_grace_s=None) as hb:
+        if steps == 0:
+            return dict(lost=[], params={})
+        for step in range(steps):
+            with hb.guard(f"step {step}"):
+                run_steps(model, opt, range(step, step + 1), rank, world_size, sched)
+        time.sleep(0.5)
+        lost = hb.lost
+    return dict(lost=lost, params=full_params(model, rank))
+
+
+def heartbeat_bad_args(rank: int, world_size: int) -> str:
+    from dmuon.faults import Heartbeat
+
+    try:
+        Heartbeat(interval_s=1.0, timeout_s=0.5)
     except Exception as e:  # noqa: BLE001 - the test inspects type and message
         return f"{type(e).__name__}: {e}"
     return "no error"

@@ -1,0 +1,256 @@
+"""Lost-rank detection: heartbeats through the c10d store, errors that name the lost rank.
+
+When a rank dies (``SIGKILL``, OOM killer, ``os._exit``), gloo and NCCL report it on the
+survivors as a transport error ("Connection closed by peer", "NCCL communicator was aborted")
+that does not say *which* rank died, and a survivor whose collective only waits on live peers
+is not told at all until the process-group timeout (30 min by default). A
+:class:`Heartbeat` fixes both, with one daemon thread per rank and three store operations per
+interval (O(1) per rank, whatever the world size):
+
+* every ``interval_s`` each rank increments its counter ``beat/<rank>`` in the c10d store;
+* each rank watches one neighbour (the next rank in the group, a ring); a counter that has not
+  moved for ``timeout_s`` makes the watcher publish that rank under ``lost``;
+* every rank reads ``lost`` each interval. When a rank is lost, :meth:`Heartbeat.guard` raises
+  ``RuntimeError("dmuon: rank K ... lost ...")`` at once on entry, and turns any exception
+  raised inside it (the transport error of a broken collective) into that error. Which rank to
+  name is decided by probing: counters that do not move for ``probe_s`` (default 3 intervals)
+  belong to lost ranks.
+* a survivor blocked in a collective that never errors (it only waits on live peers, which
+  gloo's ``ProcessGroup.abort()`` does not interrupt in torch 2.13) cannot be reached from
+  Python; after ``exit_grace_s`` the watchdog writes the error to stderr and ends the process
+  with exit code :data:`EXIT_CODE_LOST` (as NCCL's watchdog tears down a process on a
+  collective timeout), so launchers such as ``torchrun`` see the failure and can restart.
+
+Guaranteed bounds after a rank's process dies (``h = interval_s``, ``T = timeout_s``,
+``P = probe_s``, ``G = exit_grace_s``; defaults 0.5, 5, 1.5, 5 s):
+
+* a survivor whose collective errors (gloo closes the dead rank's sockets at once): a
+  ``RuntimeError`` naming the lost rank within ``P`` plus one store round trip;
+* every other survivor: the rank is published within ``T + h``, seen within ``h`` more; it
+  raises at its next :meth:`guard` entry or, if blocked in C++, exits within ``G`` more:
+  ``T + 2h + G`` (11 s with the defaults).
+
+A live rank is never named unless its heartbeat thread stalls for ``P`` (a process frozen by
+``SIGSTOP`` or swapping counts as lost). A rank that is alive but deadlocked in user code
+keeps beating and is not detected here; the process-group timeout covers that case.
+
+The store is the job's default c10d store. With ``env://`` rendezvous it lives in rank 0's
+process, so rank 0's death makes the store unreachable; the error then says so. Under
+``torchrun`` the store lives in the launcher and survives any rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from typing import Iterator
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+EXIT_CODE_LOST = 75  # EX_TEMPFAIL: a peer was lost; restarting from a checkpoint may succeed
+
+
+class Heartbeat:
+    """Per-rank heartbeat and lost-rank watchdog over the default c10d store.
+
+    Constructing it is collective over ``group`` (one broadcast of a fresh key prefix, so
+    heartbeats of different jobs or runs sharing a store never mix); use it as a context manager
+    or call :meth:`start` / :meth:`stop`.
+
+    Args:
+        group: process group whose ranks watch each other (default: the world).
+        interval_s: seconds between two beats (and two checks) of the watchdog thread.
+        timeout_s: seconds without a beat after which the watching neighbour declares a rank
+            lost; must exceed ``interval_s`` (``>= 4 * interval_s`` keeps scheduling jitter
+            from naming a live rank).
+        probe_s: seconds a counter must stay still, after a collective error, for its rank to
+            be named; default ``3 * interval_s``.
+        exit_grace_s: seconds a rank that knows of a lost peer waits for the main thread to
+            raise through :meth:`guard` before ending the process; ``None`` never exits.
+        store: c10d store to use (default: the default process group's store).
+
+    Raises:
+        ValueError: non-positive intervals, or ``timeout_s <= interval_s``.
+        RuntimeError: ``torch.distributed`` is not initialized.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, interval_s: float = 0.5,
+                 timeout_s: float = 5.0, probe_s: float | None = None,
+                 exit_grace_s: float | None = 5.0, store: dist.Store | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("dmuon: Heartbeat needs torch.distributed; call init_process_group first")
+        if interval_s <= 0 or timeout_s <= interval_s:
+            raise ValueError(f"dmuon: Heartbeat needs 0 < interval_s < timeout_s, got "
+                             f"interval_s={interval_s}, timeout_s={timeout_s}")
+        if exit_grace_s is not None and exit_grace_s < 0:
+            raise ValueError(f"dmuon: exit_grace_s must be >= 0 or None, got {exit_grace_s}")
+        self.group = group if group is not None else dist.group.WORLD
+        self.ranks = dist.get_process_group_ranks(self.group)  # global ranks, in group order
+        self.rank = dist.get_rank()
+        self.interval_s = float(interval_s)
+        self.timeout_s = float(timeout_s)
+        self.probe_s = float(probe_s) if probe_s is not None else 3.0 * self.interval_s
+        self.exit_grace_s = exit_grace_s
+        token = [uuid.uuid4().hex if dist.get_rank(self.group) == 0 else None]
+        dist.broadcast_object_list(token, src=self.ranks[0], group=self.group)
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.store = dist.PrefixStore(f"dmuon/heartbeat/{token[0]}/", base)
+        self.store.add(self._beat_key(self.rank), 1)
+        self._lost: list[int] = []
+        self._lost_at: float | None = None
+        self._reported = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------- store keys
+    @staticmethod
+    def _beat_key(rank: int) -> str:
+        return f"beat/{rank}"
+
+    def _read_beat(self, rank: int) -> int:
+        return int(self.store.add(self._beat_key(rank), 0))  # add(0) reads without blocking
+
+    def _publish_lost(self, ranks: list[int]) -> None:
+        self.store.append("lost", "".join(f"{r}," for r in ranks))
+
+    def _read_lost(self) -> list[int]:
+        if not self.store.check(["lost"]):
+            return []
+        text = self.store.get("lost").decode()
+        return sorted({int(r) for r in text.split(",") if r})
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> Heartbeat:
+        """Start the watchdog thread (idempotent). Returns ``self``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dmuon-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the watchdog thread (it finishes its current interval)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.interval_s + 5.0)
+            self._thread = None
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def lost(self) -> list[int]:
+        """Global ranks known to be lost (empty while every rank beats)."""
+        return list(self._lost)
+
+    def _run(self) -> None:
+        me = self.ranks.index(self.rank)
+        neighbour = self.ranks[(me + 1) % len(self.ranks)] if len(self.ranks) > 1 else None
+        last_value, last_change = -1, time.monotonic()
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.store.add(self._beat_key(self.rank), 1)
+                now = time.monotonic()
+                if neighbour is not None and not self._lost:
+                    value = self._read_beat(neighbour)
+                    if value != last_value:
+                        last_value, last_change = value, now
+                    elif now - last_change > self.timeout_s:
+                        logger.error("dmuon: rank %d sees no heartbeat from rank %d for %.1f s",
+                                     self.rank, neighbour, now - last_change)
+                        self._publish_lost([neighbour])
+                if not self._lost:
+                    lost = self._read_lost()
+                    if lost:
+                        self._lost, self._lost_at = lost, now
+            except Exception as e:  # noqa: BLE001 - the store itself is gone
+                if not self._lost:
+                    self._lost, self._lost_at = [self.ranks[0]], time.monotonic()
+                    logger.error("dmuon: rank %d cannot reach the c10d store (%s)", self.rank, e)
+            if self._lost and self.exit_grace_s is not None and not self._reported:
+                if time.monotonic() - self._lost_at > self.exit_grace_s:
+                    sys.stderr.write(f"{self._message(self._lost, 'a collective')}\nExiting with code "
+                                     f"{EXIT_CODE_LOST}: the main thread is blocked in a "
+                                     f"collective that cannot be interrupted.\n")
+                    sys.stderr.flush()
+                    os._exit(EXIT_CODE_LOST)
+
+    # ------------------------------------------------------------------ diagnosis
+    def probe(self) -> list[int]:
+        """Global ranks whose heartbeat does not move for ``probe_s`` (blocks up to ``probe_s``).
+
+        Returns early with the published ``lost`` ranks when a watcher has named some.
+
+        Raises:
+            RuntimeError: the c10d store is unreachable (its host is lost).
+        """
+        try:
+            if self._lost or self._read_lost():
+                return self._lost or self._read_lost()
+            first = {r: self._read_beat(r) for r in self.ranks}
+            deadline = time.monotonic() + self.probe_s
+            while True:
+                time.sleep(min(self.interval_s, max(0.0, deadline - time.monotonic())))
+                published = self._read_lost()
+                if published:
+                    return published
+                still = [r for r in self.ranks if r != self.rank and self._read_beat(r) == first[r]]
+                if not still or time.monotonic() >= deadline:
+                    return still
+        except (RuntimeError, dist.DistError) as e:
+            raise RuntimeError(
+                f"dmuon: rank {self.rank} cannot reach the c10d store ({e}); the store host is "
+                f"lost (rank {self.ranks[0]} under env:// rendezvous, the launcher under torchrun)"
+            ) from e
+
+    def _message(self, lost: list[int], where: str | None) -> str:
+        who = ", ".join(str(r) for r in lost)
+        return (f"dmuon: rank {who} {'is' if len(lost) == 1 else 'are'} lost (no heartbeat for "
+                f">= {min(self.probe_s, self.timeout_s):.1f} s); rank {self.rank} stops"
+                f"{' in ' + where if where else ''}. Restart the job from the last complete "
+                f"checkpoint (a directory with a .metadata file).")
+
+    def raise_if_lost(self, where: str | None = None) -> None:
+        """Raise at once if a lost rank is known (cheap: no store access).
+
+        Raises:
+            RuntimeError: naming the lost ranks.
+        """
+        if self._lost:
+            self._reported = True  # the main thread is alive and told: no need to exit for it
+            raise RuntimeError(self._message(self._lost, where))
+
+    @contextlib.contextmanager
+    def guard(self, where: str = "the training step") -> Iterator[None]:
+        """Run a block of collectives; a lost peer becomes a ``RuntimeError`` naming it.
+
+        Args:
+            where: phase named in the error (e.g. ``"forward"``).
+
+        Raises:
+            RuntimeError: ``"dmuon: rank K is lost ..."`` chained to the transport error, when
+                a rank is lost before or during the block. Other exceptions pass unchanged.
+        """
+        self.raise_if_lost(where)
+        try:
+            yield
+        except Exception as e:
+            self._reported = True
+            try:
+                lost = self.probe()
+            except RuntimeError as store_error:
+                raise store_error from e
+            if not lost:
+                raise
+            self._lost = lost
+            raise RuntimeError(self._message(lost, where)) from e
+
