@@ -1,0 +1,223 @@
+"""Where each rank's piece of a matrix lives: index math for Shard, ``_StridedShard``, Replicate.
+
+A :class:`MatrixLayout` says, for every rank of the optimizer's process group, which rows and
+which columns of the full ``[rows, cols]`` matrix that rank holds locally (its local tensor is
+``full[rows][:, cols]``, in that order). Rows and columns are index sequences stored as *runs*,
+tuples of half-open ``(start, stop)`` intervals, so a contiguous FSDP shard is one run and a
+strided FSDP x TP shard a few.
+
+The index math follows DTensor's own splitting (``torch/distributed/tensor/placement_types.py``):
+
+* ``Shard(d)`` over a mesh dimension of size ``n``: the current index sequence of dim ``d`` is cut
+  into ``n`` chunks of ``ceil(len / n)`` (``torch.chunk``), trailing chunks possibly empty; mesh
+  coordinate ``c`` keeps chunk ``c``.
+* ``_StridedShard(d, split_factor=s)`` (FSDP2 over a TP-sharded dim): FSDP2 shards the *local*
+  TP shard, so the strided placement is applied after the other placements of dim ``d``, as a
+  plain ``Shard``. For even sizes this equals DTensor's ``_StridedShard._split_tensor``
+  (``n * s`` chunks, coordinate ``c`` keeping chunks ``c, c + n, ...``); for uneven sizes it is
+  what FSDP2 actually stores (checked against FSDP2's local shards in the tests), where
+  ``_split_tensor`` would differ.
+Other placements are applied in mesh-dimension order, as ``distribute_tensor`` applies them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+Runs = tuple[tuple[int, int], ...]
+
+
+def runs_length(runs: Runs) -> int:
+    """Number of indices in ``runs``."""
+    return sum(stop - start for start, stop in runs)
+
+
+def sub_runs(runs: Runs, start: int, stop: int) -> Runs:
+    """Positions ``[start, stop)`` of the index sequence ``runs``, as runs (``stop`` clipped)."""
+    out: list[tuple[int, int]] = []
+    pos = 0
+    for a, b in runs:
+        lo, hi = max(start, pos), min(stop, pos + b - a)
+        if lo < hi:
+            s, e = a + lo - pos, a + hi - pos
+            if out and out[-1][1] == s:
+                out[-1] = (out[-1][0], e)
+            else:
+                out.append((s, e))
+        pos += b - a
+    return tuple(out)
+
+
+def chunk_runs(runs: Runs, num_chunks: int, index: int) -> Runs:
+    """Chunk ``index`` of ``torch.chunk(sequence, num_chunks)`` (empty past the last chunk)."""
+    n = runs_length(runs)
+    size = -(-n // num_chunks) if n else 0
+    return sub_runs(runs, min(index * size, n), min((index + 1) * size, n))
+
+
+def apply_placement(runs: Runs, placement: object, mesh_size: int, coord: int) -> tuple[int | None, Runs]:
+    """Apply one placement on one tensor dim; return ``(dim it shards or None, new runs)``.
+
+    Args:
+        runs: current index sequence of the dim the placement shards (ignored for Replicate).
+        placement: a DTensor placement (``Shard``, ``_StridedShard``, ``Replicate``).
+        mesh_size: size of the mesh dimension.
+        coord: this rank's coordinate along that mesh dimension.
+
+    Raises:
+        ValueError: an unknown placement type.
+    """
+    name = type(placement).__name__
+    if name in ("Shard", "_StridedShard"):
+        return int(placement.dim), chunk_runs(runs, mesh_size, coord)
+    if name in ("Replicate", "Partial"):
+        return None, runs
+    raise ValueError(f"dmuon: unsupported DTensor placement {placement!r}; expected Shard, "
+                     f"_StridedShard or Replicate")
+
+
+def placement_slice(shape: Sequence[int], placements: Sequence[object], mesh_shape: Sequence[int],
+                    coords: Sequence[int]) -> tuple[Runs, Runs]:
+    """Rows and columns of a ``[rows, cols]`` DTensor held at mesh coordinates ``coords``.
+
+    Args:
+        shape: full ``(rows, cols)``.
+        placements: one DTensor placement per mesh dim.
+        mesh_shape: size of each mesh dim.
+        coords: this rank's coordinate along each mesh dim.
+
+    Raises:
+        ValueError: a placement sharding a dim other than 0 or 1, or an unknown placement.
+    """
+    dims = [((0, int(shape[0])),) if shape[0] else (), ((0, int(shape[1])),) if shape[1] else ()]
+    order = list(zip(placements, mesh_shape, coords))
+    # _StridedShard last: FSDP2 shards the TP-local shard (see the module docstring).
+    order.sort(key=lambda x: type(x[0]).__name__ == "_StridedShard")
+    for placement, size, coord in order:
+        dim = getattr(placement, "dim", None)
+        if dim is not None and dim not in (0, 1, -1, -2):
+            raise ValueError(f"dmuon: placement {placement!r} shards dim {dim} of a 2-D matrix")
+        dim = None if dim is None else dim % 2
+        target = dims[dim] if dim is not None else ()
+        got, new = apply_placement(target, placement, int(size), int(coord))
+        if got is not None:
+            dims[got % 2] = new
+    return tuple(dims[0]), tuple(dims[1])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MatrixLayout:
+    """The pieces of one full ``[rows, cols]`` matrix over the ranks of a process group.
+
+    Attributes:
+        full_shape: ``(rows, cols)`` of the full matrix.
+        slices: per group rank, ``(row runs, col runs)`` of the piece it holds locally.
+        sources: per group rank, the group rank whose copy of that rank's piece a gather reads:
+            the lowest rank holding an identical piece (replicas send once).
+    """
+
+    full_shape: tuple[int, int]
+    slices: tuple[tuple[Runs, Runs], ...]
+    sources: tuple[int, ...]
+
+    @staticmethod
+    def build(full_shape: Sequence[int], slices: Sequence[tuple[Runs, Runs]]) -> "MatrixLayout":
+        """Layout from per-rank slices; checks that the pieces cover the whole matrix.
+
+        Raises:
+            RuntimeError: some element of the matrix is held by no rank (names the shape).
+        """
+        first: dict[tuple[Runs, Runs], int] = {}
+        sources = []
+        for r, s in enumerate(slices):
+            sources.append(first.setdefault(s, r))
+        rows, cols = int(full_shape[0]), int(full_shape[1])
+        covered = torch.zeros(rows, cols, dtype=torch.bool)
+        for r_runs, c_runs in first:
+            covered[index_of(r_runs)[:, None], index_of(c_runs)] = True
+        if not bool(covered.all()):
+            raise RuntimeError(
+                f"dmuon: the ranks' pieces of a {rows}x{cols} matrix do not cover it "
+                f"({int((~covered).sum())} elements held by no rank); slices per rank: {list(slices)}")
+        return MatrixLayout(full_shape=(rows, cols), slices=tuple(slices), sources=tuple(sources))
+
+    def representatives(self) -> list[int]:
+        """One group rank per distinct piece (the lowest holding it)."""
+        return [r for r, src in enumerate(self.sources) if src == r]
+
+    def source_for(self, rank: int, owner: int) -> int:
+        """The rank whose copy of ``rank``'s piece a gather to ``owner`` reads: the owner itself
+        when it holds an identical piece (no traffic), else the lowest rank holding it."""
+        return owner if self.slices[owner] == self.slices[rank] else self.sources[rank]
+
+    def local_shape(self, rank: int) -> tuple[int, int]:
+        """Shape of group rank ``rank``'s local piece."""
+        r, c = self.slices[rank]
+        return runs_length(r), runs_length(c)
+
+    def numel(self, rank: int) -> int:
+        """Elements of group rank ``rank``'s local piece."""
+        rows, cols = self.local_shape(rank)
+        return rows * cols
+
+
+def index_of(runs: Runs) -> Tensor:
+    """The runs as an int64 index tensor ``[len]`` (CPU)."""
+    if not runs:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(a, b) for a, b in runs])
+
+
+def take(full: Tensor, piece: tuple[Runs, Runs]) -> Tensor:
+    """``full[rows][:, cols]`` for a piece; a view when both are single runs."""
+    r_runs, c_runs = piece
+    if len(r_runs) <= 1 and len(c_runs) <= 1:
+        r0, r1 = r_runs[0] if r_runs else (0, 0)
+        c0, c1 = c_runs[0] if c_runs else (0, 0)
+        return full[r0:r1, c0:c1]
+    rows, cols = index_of(r_runs).to(full.device), index_of(c_runs).to(full.device)
+    return full.index_select(0, rows).index_select(1, cols)
+
+
+def put(full: Tensor, piece: tuple[Runs, Runs], value: Tensor) -> None:
+    """Write ``value`` (shape of the piece) into ``full[rows][:, cols]`` in place."""
+    r_runs, c_runs = piece
+    if len(r_runs) <= 1 and len(c_runs) <= 1:
+        r0, r1 = r_runs[0] if r_runs else (0, 0)
+        c0, c1 = c_runs[0] if c_runs else (0, 0)
+        full[r0:r1, c0:c1].copy_(value)
+        return
+    rows, cols = index_of(r_runs).to(full.device), index_of(c_runs).to(full.device)
+    full[rows[:, None], cols] = value.to(full.dtype)
+
+
+def dtensor_layout(t: Tensor, group_ranks: Sequence[int]) -> MatrixLayout:
+    """Layout of a 2-D DTensor whose mesh holds exactly the ranks ``group_ranks``.
+
+    Args:
+        t: a DTensor (parameter, gradient or buffer) ``[rows, cols]``; only its metadata is read.
+        group_ranks: global ranks of the optimizer's group, in group-rank order.
+
+    Raises:
+        ValueError: the DTensor's mesh does not hold exactly the group's ranks (names both).
+    """
+    mesh = t.device_mesh
+    grid = mesh.mesh
+    mesh_ranks = sorted(int(r) for r in grid.flatten().tolist())
+    if mesh_ranks != sorted(int(r) for r in group_ranks):
+        raise ValueError(
+            f"dmuon: a DTensor of shape {tuple(t.shape)} lives on a mesh of ranks {mesh_ranks}, "
+            f"but the optimizer's group has ranks {list(group_ranks)}. Give all matrices a mesh "
+            f"spanning the group, or pass the mesh's group (state['group']) to the config.")
+    slices = []
+    for g in group_ranks:
+        coords = [int(c) for c in (grid == int(g)).nonzero()[0].tolist()]
+        slices.append(placement_slice(t.shape, t.placements, grid.shape, coords))
+    return MatrixLayout.build(tuple(t.shape), slices)

@@ -1,0 +1,261 @@
+"""Rank functions for tests/test_distconfig.py (run by the gloo pool, see tests/_pool.py).
+
+Parameters are built per strategy with torch's own tools (fully_shard, distribute_tensor,
+parallelize_module); references are the unsharded seeded tensors (sharded again by the same tools), and
+single-process ``torch.optim.Muon`` + ``AdamW`` on the full tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import dmuon
+from dmuon.distconfig import (
+    ConfiguredMuon,
+    DistributedConfig,
+    create_devicemesh_config,
+    create_dtensor_config,
+    create_processgroup_config,
+)
+from tests import models
+
+EXACT = dict(ns_method="standard", ns_dtype=torch.float32, ns_coefficients="muon")
+
+
+def _net(init: Any = None) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 7), nn.Linear(7, 5), nn.Linear(5, 9))
+    if init is not None:  # (weights, biases), full tensors
+        with torch.no_grad():
+            for m, w, b in zip(net, *init):
+                m.weight.copy_(w)
+                m.bias.copy_(b)
+    return net
+
+
+def initial_fulls(strategy: str) -> tuple[list, list]:
+    """The full initial (matrices, vectors) of ``strategy`` (seeded, identical on every rank)."""
+    if strategy in ("fsdp", "hsdp", "fsdp_tp"):
+        net = _net()
+        return [m.weight.detach().clone() for m in net], [m.bias.detach().clone() for m in net]
+    g = torch.Generator().manual_seed(7)
+    return ([torch.randn(7, 6, generator=g), torch.randn(5, 7, generator=g), torch.randn(9, 5, generator=g)],
+            [torch.randn(5, generator=g)])
+
+
+def build(strategy: str, world_size: int, init: Any = None) -> tuple[list, list, list, Any]:
+    """``(matrices, vectors, full matrices, config)``; ``init``: full (matrices, vectors) to
+    shard instead of the seeded ones (to shard a reference result the same way)."""
+    init = initial_fulls(strategy) if init is None else init
+    if strategy in ("fsdp", "hsdp", "fsdp_tp"):
+        net = _net(init)
+        if strategy == "fsdp":
+            mesh = init_device_mesh("cpu", (world_size,))
+            fully_shard(net, mesh=mesh)
+            cfg = create_dtensor_config()
+        elif strategy == "hsdp":
+            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
+            fully_shard(net, mesh=mesh)
+            cfg = create_devicemesh_config(mesh, ["replicate", "fsdp"])
+        else:
+            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+            parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel(),
+                                                 "2": ColwiseParallel()})
+            fully_shard(net, mesh=mesh["dp"])
+            cfg = create_devicemesh_config(mesh, ["fsdp", "tp"])
+        mats = [m.weight for m in net]
+        vecs = [m.bias for m in net]
+        # Reference: the unsharded weights (FSDP2's local shards are the truth; DTensor's
+        # full_tensor() does not reassemble uneven _StridedShard as FSDP2 stores it).
+        return mats, vecs, list(init[0]), cfg
+    fulls, vecs = [t.clone() for t in init[0]], [t.clone() for t in init[1]]
+    rank = dist.get_rank()
+    if strategy in ("tp0", "tp1"):
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        dim = int(strategy[-1])
+        mats = [nn.Parameter(distribute_tensor(f, mesh, [Shard(dim)])) for f in fulls]
+        return mats, [nn.Parameter(v) for v in vecs], [None] * 3, create_devicemesh_config(mesh, ["tp"])
+    if strategy == "ddp":
+        return ([nn.Parameter(f.clone()) for f in fulls], [nn.Parameter(v) for v in vecs], fulls,
+                create_processgroup_config(dp_pg=dist.group.WORLD))
+    if strategy == "plain_fsdp":  # dim-0 chunks over all ranks, uneven and empty included
+        mats = [nn.Parameter(_chunk(f, 0, world_size, rank)) for f in fulls]
+        return mats, [nn.Parameter(v) for v in vecs], fulls, create_processgroup_config(fsdp_pg=dist.group.WORLD)
+    if strategy == "plain_fsdp_tp":  # TP on cols (rowwise), FSDP on rows of each TP shard
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
+        dp, tp = mesh.get_coordinate()
+        mats = [nn.Parameter(_chunk(_chunk(f, 1, mesh.size(1), tp), 0, mesh.size(0), dp)) for f in fulls]
+        cfg = create_processgroup_config(fsdp_pg=mesh.get_group(0), tp_pg=mesh.get_group(1), tp_shard_dim=1)
+        return mats, [nn.Parameter(v) for v in vecs], fulls, cfg
+    raise ValueError(strategy)
+
+
+def _chunk(t: torch.Tensor, dim: int, n: int, i: int) -> torch.Tensor:
+    parts = list(torch.chunk(t, n, dim=dim))
+    if i < len(parts):
+        return parts[i].clone()
+    shape = list(t.shape)
+    shape[dim] = 0
+    return t.new_zeros(shape)
+
+
+def _full(t: torch.Tensor, ref: Any) -> torch.Tensor:
+    return t.full_tensor() if ref is None else ref
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def gather_redistribute(rank: int, world_size: int, strategy: str) -> dict:
+    """Per-matrix gather_fn/redistribute_fn to every dst, then the batched round functions."""
+    mats, _, refs, cfg = build(strategy, world_size)
+    errors, nones = [], []
+    full_refs = [_full(t.detach(), ref) for t, ref in zip(mats, refs)]  # collective: all ranks
+    for t, full in zip(mats, full_refs):
+        for dst in range(world_size):
+            got = cfg.gather_fn(t.detach(), dst, cfg.state)
+            if rank == dst:
+                errors.append(float((got - full).abs().max()) if got is not None else float("inf"))
+            else:
+                nones.append(got is None)
+            upd = full * 2 + 1 if rank == dst else None
+            piece = cfg.redistribute_fn(upd, dst, cfg.state)
+            expect = _local(t.detach() * 2 + 1)
+            errors.append(float((piece - expect).abs().max()) if piece.numel() else 0.0)
+            nones.append(tuple(piece.shape) == tuple(_local(t).shape))
+    owners = cfg.assign_fn(mats, cfg.state)
+    idx = list(range(len(mats)))
+    fulls = cfg.batch_gather_fn([_local(t.detach()) for t in mats], idx, [owners[i] for i in idx],
+                                cfg.state, dtype=torch.float32).wait()
+    for i, full in enumerate(full_refs):
+        if owners[i] == rank:
+            errors.append(float((fulls[i] - full).abs().max()))
+        else:
+            nones.append(fulls[i] is None)
+    ups = [(full - 3) if owners[i] == rank else None for i, full in enumerate(full_refs)]
+    pieces = cfg.batch_redistribute_fn(ups, idx, [owners[i] for i in idx], cfg.state,
+                                       dtype=torch.float32, device=torch.device("cpu")).wait()
+    for t, piece in zip(mats, pieces):
+        expect = _local(t.detach() - 3)
+        errors.append(float((piece - expect).abs().max()) if expect.numel() else 0.0)
+    placements = [str(getattr(t, "placements", "plain")) for t in mats]
+    return dict(max_err=max(errors), all_ok=all(nones), placements=placements,
+                owners=[owners[i] for i in idx])
+
+
+def equivalence(rank: int, world_size: int, strategy: str, async_gpu_parallelism: bool = True,
+                prefetch_count: int = 1, batched: bool = True, steps: int = 3) -> dict:
+    """ConfiguredMuon on ``strategy`` vs torch.optim.Muon + AdamW on the full tensors."""
+    mats, vecs, fulls, cfg = build(strategy, world_size)
+    cfg = dataclasses.replace(cfg, async_gpu_parallelism=async_gpu_parallelism,
+                              prefetch_count=prefetch_count)
+    if not batched:
+        cfg = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None)
+    init_mats, init_vecs = initial_fulls(strategy)
+    ref_mats = [nn.Parameter(t.clone()) for t in init_mats]
+    ref_vecs = [nn.Parameter(t.clone()) for t in init_vecs]
+    opt = dmuon.Muon([{"params": mats}, {"params": vecs, "use_muon": False}], distributed_config=cfg,
+                     lr=0.02, adamw_lr=0.01, weight_decay=0.1, **EXACT)
+    muon = torch.optim.Muon(ref_mats, lr=0.02, weight_decay=0.1, ns_coefficients=models.MUON_COEFFICIENTS)
+    adamw = torch.optim.AdamW(ref_vecs, lr=0.01, weight_decay=0.1)
+    with models.reference_ns(torch.float32):
+        for step in range(steps):
+            for p in mats + vecs + ref_mats + ref_vecs:  # elementwise: commutes with any sharding
+                p.grad = torch.sin(3 * p.detach() + step)
+            opt.step()
+            muon.step()
+            adamw.step()
+    # The reference result, sharded by torch's own tools exactly as the run's parameters were.
+    want_mats, want_vecs, _, _ = build(strategy, world_size, init=(
+        [p.detach() for p in ref_mats], [p.detach() for p in ref_vecs]))
+    diffs = [float((_local(t.detach()) - _local(w.detach())).abs().max()) if _local(t).numel() else 0.0
+             for t, w in zip(mats + vecs, want_mats + want_vecs)]
+    return dict(max_diff=max(diffs), rounds=len(opt._rounds))
+
+
+def fsdp_training(rank: int, world_size: int, steps: int = 3) -> dict:
+    """tests.models.Net under fully_shard, real backward, create_dtensor_config; full params."""
+    model = models.make_model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    names = set(models.matrix_names(model))
+    mats = [p for n, p in model.named_parameters() if n in names]
+    rest = [p for n, p in model.named_parameters() if n not in names]
+    opt = dmuon.Muon([{"params": mats}, {"params": rest, "use_muon": False}],
+                         distributed_config=create_dtensor_config(), lr=0.02, adamw_lr=0.01,
+                         weight_decay=0.1, **EXACT)
+    for step in range(steps):
+        idx, y = models.local_batch(step, rank, world_size)
+        models.loss_fn(model, idx, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().full_tensor().numpy() for n, p in model.named_parameters()}
+
+
+def bad_assignment(rank: int, world_size: int, kind: str) -> str:
+    """A custom assign_fn that misses an index or names a rank out of range: ValueError."""
+    mats, vecs, _, cfg = build("ddp", world_size)
+    assign = {"missing": lambda params, state: {0: 0, 1: 1},
+              "out_of_range": lambda params, state: {0: 0, 1: world_size, 2: 0},
+              "negative": lambda params, state: {0: -1, 1: 0, 2: 0}}[kind]
+    bad = dataclasses.replace(cfg, assign_fn=assign)
+    try:
+        dmuon.Muon(mats, distributed_config=bad, **EXACT)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def shape_mismatch(rank: int, world_size: int, where: str) -> str:
+    """gather_fn (or redistribute_fn) returning a wrong shape: RuntimeError naming it."""
+    mats, _, _, cfg = build("ddp", world_size)
+    if where == "gather":
+        bad = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None,
+                                  gather_fn=lambda t, dst_rank, state: t[:-1] if dist.get_rank() == dst_rank else None)
+    else:
+        bad = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None,
+                                  gather_fn=lambda t, dst_rank, state: t if dist.get_rank() == dst_rank else None,
+                                  redistribute_fn=lambda u, src_rank, state: u.T)
+    opt = dmuon.Muon(mats, distributed_config=bad, **EXACT)
+    for p in mats:
+        p.grad = torch.ones_like(p)
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def comm_failure(rank: int, world_size: int) -> dict:
+    """Rank 1's gather_fn raises mid-step; the others must get the collective's error."""
+    mats, _, _, cfg = build("plain_fsdp", world_size)
+    helper = cfg.gather_fn
+
+    def failing_gather(t, dst_rank, state):
+        if dist.get_rank() == 1:
+            raise ValueError("injected failure in gather_fn on rank 1")
+        return helper(t, dst_rank, state)
+
+    bad = dataclasses.replace(cfg, gather_fn=failing_gather, batch_gather_fn=None,
+                              batch_redistribute_fn=None, prefetch_count=0)
+    opt = dmuon.Muon(mats, distributed_config=bad, **EXACT)
+    for p in mats:
+        p.grad = torch.ones_like(p)
+    try:
+        opt.step()
+    except RuntimeError as err:  # gloo: peer closed the connection (DistBackendError)
+        return dict(raised=type(err).__name__, message=str(err)[:300])
+    return dict(raised=None, message="")
