@@ -212,3 +212,76 @@ def heartbeat_bad_args(rank: int, world_size: int) -> str:
     except Exception as e:  # noqa: BLE001 - the test inspects type and message
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+# ----------------------------------------------------------------------------- fuzz
+class FuzzNet(nn.Module):
+    """LayerNorm, then Linear layers ``widths[0] -> widths[1] -> ...`` with tanh between.
+
+    A width of 1 makes ``[1, N]`` and ``[N, 1]`` matrices; the LayerNorm and the biases go to
+    AdamW. Each Linear is its own FSDP2 unit in ``"fsdp"`` mode.
+    """
+
+    def __init__(self, widths: list[int], biases: list[bool]) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(widths[0])
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias)
+                                    for a, b, bias in zip(widths[:-1], widths[1:], biases))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.ln(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 0 else layer(torch.tanh(x))
+        return x.sum(dim=-1)
+
+
+def fuzz_model(widths: list[int], biases: list[bool], seed: int) -> FuzzNet:
+    torch.manual_seed(seed)
+    return FuzzNet(widths, biases)
+
+
+def fuzz_batch(step: int, seed: int, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ``rows`` inputs ``[rows, width]`` and targets ``[rows]``."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randn(rows, width, generator=g), torch.randn(rows, generator=g)
+
+
+def fuzz_reference(widths: list[int], biases: list[bool], seed: int, steps: int,
+                   rows: int) -> dict[str, torch.Tensor]:
+    """Single-process ``torch.optim.Muon`` (fp32 iteration) + ``AdamW`` on the global batch."""
+    model = fuzz_model(widths, biases, seed)
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    muon = torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, ns_coefficients=models.MUON_COEFFICIENTS)
+    adamw = torch.optim.AdamW(rest, lr=0.01, weight_decay=0.1)
+    with models.reference_ns(torch.float32):
+        for step in range(steps):
+            x, y = fuzz_batch(step, seed, rows, widths[0])
+            ((model(x) - y) ** 2).mean().backward()
+            for opt in (muon, adamw):
+                opt.step()
+                opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def fuzz_train(rank: int, world_size: int, *, widths: list[int], biases: list[bool],
+               owners: list[int], seed: int, steps: int, rows: int, mode: str) -> dict:
+    """dmuon on this world with the owners given per Linear layer; full params on rank 0."""
+    model = fuzz_model(widths, biases, seed)
+    mesh = init_device_mesh("cpu", (world_size,))
+    if mode == "fsdp":
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    specs = tuple(dmuon.MatrixSpec(fqn=f"layers.{i}.weight", shape=(b, a), owner=o)
+                  for i, (a, b, o) in enumerate(zip(widths[:-1], widths[1:], owners)))
+    dmuon.dedicate_params(model, mesh, plan=dmuon.OwnerPlan(world_size=world_size, matrices=specs))
+    opt = dmuon.Muon(model, **EXACT)
+    n = rows // world_size
+    for step in range(steps):
+        x, y = fuzz_batch(step, seed, rows, widths[0])
+        x, y = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model, rank)
