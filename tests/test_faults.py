@@ -51,7 +51,9 @@ def test_killed_rank_is_named_by_every_survivor(dist_pool, tmp_path, phase, vict
 
 def test_rank_blocked_on_live_peer_exits_within_bound():
     """Rank 0 waits on a broadcast from a live rank 2 while rank 1 died: no transport error
-    ever reaches rank 0, so the watchdog ends it with exit code 75; rank 2 raises."""
+    ever reaches rank 0, so the watchdog ends it with exit code 75; rank 2 raises. Rank 2
+    stays alive until ``T + 2h + G + 2 s``; had rank 0 not exited by then, rank 2's exit would
+    have given it a transport error (exit code 1), so code 75 also checks the bound."""
     from dmuon.faults import EXIT_CODE_LOST
 
     interval, timeout, grace = 0.2, 1.5, 1.0
