@@ -1,0 +1,473 @@
+"""Step-time benchmark: AdamW vs vanilla (gather-then-compute) Muon vs dmuon, interleaved.
+
+One process group, three copies of the same ``dmuon.train`` model (same seed, each sharded by
+FSDP2 ``fully_shard`` per block and root, built with :func:`dmuon.train.loop.build_optimizer`),
+stepped in *blocks*: each round runs every variant for ``1 + block_steps`` steps, in an order
+that rotates every round. The first step of a block is discarded (dmuon's publications issued at
+the end of its previous block completed during the other variants' blocks, which would flatter
+it), the others are measured. Every variant sees the same global batches (batch ``j`` at its
+``j``-th step).
+
+Timing (wall clock, ``time.perf_counter``), per step and rank:
+
+* fences: one ``dist.barrier()`` before each step, none between phases (a barrier between
+  forward and backward would serialize the overlap that dmuon relies on);
+* ``forward``: ``loss = model(batch)``; ``backward``: ``loss.backward()`` (this includes
+  dmuon's end-of-backward callback that waits for the reduces); ``step``: ``opt.step()`` +
+  ``opt.zero_grad()`` (for dmuon this includes issuing the next publications); ``total``: sum.
+* exposed communication, measured by wrapping (not editing) dmuon: time spent inside
+  ``dmuon.hooks.comm.Pending.wait`` tagged by the collective that issued it (``publish`` or
+  ``reduce``) and by the phase it fell in; for vanilla, time inside ``DTensor.full_tensor``
+  (the per-matrix all-gather) during the step. FSDP2's own all-gather/reduce-scatter waits (all
+  variants) are not separated; they are inside forward/backward.
+* ``ns``: time inside the Newton-Schulz part of the step (dmuon: ``dmuon.optim.muon_update_``,
+  momentum included; vanilla: ``dmuon.baselines.newton_schulz``).
+
+A step's phase time is the maximum over ranks (the slowest rank gates the step); the JSON
+reports medians and quartiles of that over the measured steps. It also records calibration
+data for ``bench/simulate.py``: gloo broadcast/reduce/all-gather times per message size and
+per-shape NS times, both measured with all ranks busy at once (the contention of the run).
+
+Usage::
+
+    python bench/bench_step.py --nproc 4 --out bench/results/step_cpu_4r.json
+    python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections import defaultdict
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from dmuon.train.data import DataConfig, PushTDemos, ensure_cached  # noqa: E402
+from dmuon.train.loop import TrainConfig, build_optimizer  # noqa: E402
+from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+VARIANTS = ("adamw", "vanilla", "dmuon")
+#: ``dmuon_keep``: dmuon with ``reshard_after_forward=False`` (no second broadcast in backward).
+EXTRA_VARIANTS = ("dmuon_keep",)
+PHASES = ("forward", "backward", "step", "total")
+#: Message sizes (bytes, float32 payload) of the gloo calibration; 1 KiB .. 4 MiB.
+CALIB_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
+TINY_MODEL = PolicyConfig(image_size=16, d_vis=32, vision_depth=1, d_model=64, depth=2, d_act=30,
+                          act_heads=1, head_dim=32)
+TINY_DATA = DataConfig(episodes=2, max_steps=12, image_size=16)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BenchConfig:
+    """What one benchmark run does.
+
+    Args:
+        nproc: Ranks (gloo on CPU).
+        rounds: Rounds; each runs every variant once, in rotating order.
+        block_steps: Measured steps per variant per round (after one discarded step).
+        batch_size: Global batch in samples.
+        tiny: Tiny model and dataset (CI smoke mode).
+        calibrate: Record gloo and NS calibration for the simulator.
+        seed: Model and data seed.
+        out: JSON path (written by rank 0), or ``None``.
+        extra_variants: Diagnostic variants from :data:`EXTRA_VARIANTS` run beside the three.
+    """
+
+    nproc: int = 4
+    rounds: int = 4
+    block_steps: int = 2
+    batch_size: int = 64
+    tiny: bool = False
+    calibrate: bool = True
+    seed: int = 0
+    out: str | None = None
+    extra_variants: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if set(self.extra_variants) - set(EXTRA_VARIANTS):
+            raise ValueError(
+                f"bench_step: extra_variants={self.extra_variants}; choose from {EXTRA_VARIANTS}."
+            )
+        if self.nproc < 1 or self.rounds < 1 or self.block_steps < 1:
+            raise ValueError(
+                f"bench_step: nproc={self.nproc}, rounds={self.rounds}, block_steps="
+                f"{self.block_steps}; all must be >= 1."
+            )
+        if self.batch_size % self.nproc:
+            raise ValueError(
+                f"bench_step: batch_size={self.batch_size} is not divisible by nproc={self.nproc}."
+            )
+
+
+class StepTimers:
+    """Per-step accumulators filled by the wrappers that :meth:`install` puts around dmuon.
+
+    ``phase`` is set by the step loop; waits are added to ``waits[(kind, phase)]`` in seconds.
+    """
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+        self.waits: dict[tuple[str, str], float] = defaultdict(float)
+        self.ns_s = 0.0
+        self.inside: dict[tuple[str, str], float] = defaultdict(float)
+        self._restore: list[tuple[object, str, object]] = []
+
+    def reset(self) -> None:
+        self.waits.clear()
+        self.inside.clear()
+        self.ns_s = 0.0
+
+    def _patch(self, owner: object, name: str, new: object) -> None:
+        self._restore.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def install(self) -> None:
+        """Wraps dmuon's collectives, waits and NS entry points (undo with :meth:`remove`)."""
+        import dmuon.baselines as baselines
+        import dmuon.hooks.comm as comm
+        import dmuon.hooks.runtime as runtime
+        import dmuon.optim as optim
+        from torch.distributed.tensor import DTensor
+
+        timers = self
+
+        def tagging(fn, kind):
+            def issue(*args, **kwargs):
+                pend = fn(*args, **kwargs)
+                pend.bench_kind = kind  # Pending is a plain dataclass: the tag rides along
+                return pend
+            return issue
+
+        orig_wait = comm.Pending.wait
+
+        def wait(pend):
+            if pend.work is None:
+                return orig_wait(pend)
+            t0 = time.perf_counter()
+            try:
+                return orig_wait(pend)
+            finally:
+                key = (getattr(pend, "bench_kind", "other"), timers.phase or "idle")
+                timers.waits[key] += time.perf_counter() - t0
+
+        def timed(fn, attr):
+            def call(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    setattr(timers, attr, getattr(timers, attr) + time.perf_counter() - t0)
+            return call
+
+        orig_full = DTensor.full_tensor
+
+        def full_tensor(dt, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return orig_full(dt, *args, **kwargs)
+            finally:
+                timers.waits[("all_gather", timers.phase or "idle")] += time.perf_counter() - t0
+
+        def inside(fn, key):
+            def call(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    timers.inside[(key, timers.phase or "idle")] += time.perf_counter() - t0
+            return call
+
+        # Diagnostics (inclusive times): issuing a collective, materializing/freeing weights.
+        for cls, name, key in ((runtime.DedicateState, "_issue", "issue"),
+                               (runtime.DedicateState, "_release", "release"),
+                               (runtime.DedicateState, "publish_after_step", "publish_after_step"),
+                               (runtime.DedicateState, "finish_backward", "finish_backward"),
+                               (runtime.DedicatedParam, "show", "show")):
+            if hasattr(cls, name):  # private names may move; the benchmark must not break
+                self._patch(cls, name, inside(getattr(cls, name), key))
+        self._patch(runtime, "publish", inside(tagging(runtime.publish, "publish"), "publish_call"))
+        self._patch(runtime, "reduce_to_owner", tagging(runtime.reduce_to_owner, "reduce"))
+        self._patch(comm.Pending, "wait", wait)
+        self._patch(optim, "muon_update_", timed(optim.muon_update_, "ns_s"))
+        self._patch(baselines, "newton_schulz", timed(baselines.newton_schulz, "ns_s"))
+        self._patch(DTensor, "full_tensor", full_tensor)
+
+    def remove(self) -> None:
+        for owner, name, old in reversed(self._restore):
+            setattr(owner, name, old)
+        self._restore.clear()
+
+
+def _calibrate_comm(world: int, sizes: tuple[int, ...] = CALIB_BYTES) -> dict:
+    """Median seconds of gloo broadcast / reduce / all-gather per payload size (all ranks)."""
+    out: dict[str, list[list[float]]] = {"broadcast": [], "reduce": [], "all_gather": []}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        gathered = torch.empty(world * x.numel())
+        for name, fn in (("broadcast", lambda: dist.broadcast(x, src=0)),
+                         ("reduce", lambda: dist.reduce(x, dst=0)),
+                         ("all_gather", lambda: dist.all_gather_into_tensor(gathered, x))):
+            times = []
+            for it in range(6):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            out[name].append([float(nbytes), statistics.median(times[1:])])
+    return out
+
+
+def _calibrate_ns(shapes: list[tuple[int, int]], ns_dtype: torch.dtype) -> list[dict]:
+    """Median seconds of one NS (5 steps, dmuon defaults) per distinct shape, all ranks at once."""
+    from dmuon.kernels import newton_schulz, ns_flops
+
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for shape in sorted(set(shapes)):
+        x = torch.randn(*shape, generator=gen)
+        times = []
+        for it in range(4):
+            dist.barrier()
+            t0 = time.perf_counter()
+            newton_schulz(x, steps=5, dtype=ns_dtype)
+            times.append(time.perf_counter() - t0)
+        out.append({"shape": list(shape), "s": statistics.median(times[1:]),
+                    "flops_gram": ns_flops(*shape, steps=5, method="gram")})
+    return out
+
+
+def _timed_step(model, opt, batch, timers: StepTimers) -> dict:
+    dist.barrier()
+    timers.reset()
+    t0 = time.perf_counter()
+    timers.phase = "forward"
+    loss = model(batch)
+    t1 = time.perf_counter()
+    timers.phase = "backward"
+    loss.backward()
+    t2 = time.perf_counter()
+    timers.phase = "step"
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    timers.phase = None
+    rec = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
+           "ns": timers.ns_s, "loss": float(loss.detach())}
+    for (kind, phase), s in timers.waits.items():
+        rec[f"wait_{kind}_{phase}"] = s
+    for (key, phase), s in timers.inside.items():
+        rec[f"in_{key}_{phase}"] = s
+    return rec
+
+
+def _rank_main(rank: int, cfg: BenchConfig, port: int, threads: int) -> None:
+    import warnings
+
+    # FSDP2's view-output warning and gloo's all_gather_into_tensor deprecation, once per rank
+    # and step, would bury the table; they do not affect timing.
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(cfg.nproc))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    try:
+        result = _run_rank(rank, cfg)
+        if rank == 0 and cfg.out:
+            path = pathlib.Path(cfg.out)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=1))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.hooks.dedicate import get_state
+
+    world = dist.get_world_size()
+    model_cfg, data_cfg = (TINY_MODEL, TINY_DATA) if cfg.tiny else (PolicyConfig(), DataConfig())
+    if rank == 0:
+        ensure_cached(data_cfg, progress=False)
+    dist.barrier()
+    demos = PushTDemos(data_cfg)
+    device = torch.device("cpu")
+    mesh = init_device_mesh("cpu", (world,))
+    variants = VARIANTS + cfg.extra_variants
+    models, opts = {}, {}
+    for variant in variants:
+        tcfg = TrainConfig(optimizer=variant.split("_")[0], batch_size=cfg.batch_size, seed=cfg.seed,
+                           model=model_cfg, data=data_cfg, plot=False)
+        torch.manual_seed(cfg.seed)
+        model = Pi0Policy(model_cfg)
+        for block in model.shardable_blocks():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if variant == "dmuon_keep":  # dmuon.train's optimizer, but full weights kept forward->backward
+            import dmuon
+
+            dmuon.dedicate_params(model, mesh, reshard_after_forward=False)
+            opts[variant] = dmuon.Muon(model, lr=tcfg.resolved_lr(), weight_decay=tcfg.weight_decay,
+                                       adamw_lr=tcfg.adamw_lr, ns_dtype=torch.float32)
+        else:
+            opts[variant] = build_optimizer(tcfg, model, mesh, device)
+        models[variant] = model
+    state = get_state(models["dmuon"])
+    state.ensure_bound()
+    inventory = [{"fqn": r.fqn, "shape": list(r.shape), "owner": r.owner} for r in state.records]
+    n_params = sum(p.numel() for p in Pi0Policy(model_cfg).parameters())
+
+    calibration = None
+    if cfg.calibrate:
+        sizes = CALIB_BYTES[::2] if cfg.tiny else CALIB_BYTES  # tiny: CI time budget
+        calibration = {"comm_s": _calibrate_comm(world, sizes),
+                       "ns_s": _calibrate_ns([tuple(r["shape"]) for r in inventory], torch.float32)}
+
+    timers = StepTimers()
+    timers.install()
+    records: dict[str, list[dict]] = {v: [] for v in variants}
+    next_batch = {v: 0 for v in variants}
+    t_start = time.perf_counter()
+    try:
+        for rnd in range(cfg.rounds):
+            order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+            for variant in order:
+                for k in range(1 + cfg.block_steps):
+                    batch = demos.batch(next_batch[variant], cfg.batch_size, rank, world, cfg.seed)
+                    next_batch[variant] += 1
+                    rec = _timed_step(models[variant], opts[variant], batch, timers)
+                    rec.update(round=rnd, measured=k > 0, batch_index=next_batch[variant] - 1)
+                    records[variant].append(rec)
+    finally:
+        timers.remove()
+    wall_s = time.perf_counter() - t_start
+
+    gathered: list[dict] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(gathered, records)
+    if rank != 0:
+        return None
+    summary = {v: _summarize([g[v] for g in gathered]) for v in variants}
+    result = {
+        "what": "per-phase step times, max over ranks per step, medians over measured steps",
+        "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores shared by {world} ranks, "
+                  f"{torch.get_num_threads()} thread(s) each)",
+        "backend": "gloo",
+        "world_size": world,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": "dmuon.train Pi0Policy " + ("TINY" if cfg.tiny else "default") + " config",
+        "model_config": dataclasses.asdict(model_cfg),
+        "params": n_params,
+        "dedicated_matrices": inventory,
+        "config": dataclasses.asdict(cfg),
+        "ns_dtype": "float32 (dmuon.train 'auto' on CPU)",
+        "fences": "dist.barrier() before every step; none between forward/backward/step",
+        "discarded": "first step of every block (warm-up; previous block's publications)",
+        "wall_s": wall_s,
+        "variants": summary,
+        "ratios": _ratios(summary),
+        "calibration": calibration,
+    }
+    return result
+
+
+def _summarize(per_rank: list[list[dict]]) -> dict:
+    """Per-step max over ranks, then median and quartiles over the measured steps."""
+    steps = [i for i, rec in enumerate(per_rank[0]) if rec["measured"]]
+    keys = sorted({k for recs in per_rank for rec in recs for k in rec
+                   if k not in ("loss", "round", "measured", "batch_index")})
+    out: dict = {"measured_steps": len(steps)}
+    for key in keys:
+        series = [max(recs[i].get(key, 0.0) for recs in per_rank) for i in steps]
+        q = statistics.quantiles(series, n=4) if len(series) > 1 else [series[0]] * 3
+        out[key] = {"median_s": statistics.median(series), "q1_s": q[0], "q3_s": q[2]}
+    out["losses"] = [statistics.fmean(recs[i]["loss"] for recs in per_rank) for i in range(len(per_rank[0]))]
+    return out
+
+
+def _ratios(summary: dict) -> dict:
+    med = {v: {p: summary[v][p]["median_s"] for p in PHASES} for v in summary}
+    extra = {f"{v}_total_over_adamw_total": med[v]["total"] / med["adamw"]["total"]
+             for v in summary if v not in VARIANTS}
+    return {**extra,
+        "dmuon_step_over_vanilla_step": med["dmuon"]["step"] / med["vanilla"]["step"],
+        "dmuon_total_over_adamw_total": med["dmuon"]["total"] / med["adamw"]["total"],
+        "vanilla_total_over_adamw_total": med["vanilla"]["total"] / med["adamw"]["total"],
+        "vanilla_total_over_dmuon_total": med["vanilla"]["total"] / med["dmuon"]["total"],
+        "targets": {"dmuon_step_over_vanilla_step": 0.35, "dmuon_total_over_adamw_total": 1.15},
+    }
+
+
+def run(cfg: BenchConfig) -> dict:
+    """Spawns ``cfg.nproc`` gloo ranks, runs the benchmark, returns (and writes) the result.
+
+    Raises:
+        RuntimeError: If the ranks fail (the child's traceback is chained).
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = max(1, (os.cpu_count() or 1) // cfg.nproc)
+    out = cfg.out or str(pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_step_{port}.json")
+    cfg = dataclasses.replace(cfg, out=out)
+    torch.multiprocessing.start_processes(_rank_main, args=(cfg, port, threads), nprocs=cfg.nproc,
+                                          join=True, start_method="spawn")
+    return json.loads(pathlib.Path(out).read_text())
+
+
+def format_table(result: dict) -> str:
+    """Human-readable table of the medians (milliseconds) and the target ratios."""
+    cols = ("forward", "backward", "step", "total", "ns")
+    lines = [f"{result['model']}, {result['world_size']} gloo ranks, {result['device']}",
+             f"{'variant':10s} " + " ".join(f"{c:>10s}" for c in cols) + "   exposed waits (ms)"]
+    for v in result["variants"]:
+        s = result["variants"][v]
+        waits = ", ".join(f"{k[5:]}={s[k]['median_s'] * 1e3:.1f}" for k in s if k.startswith("wait_"))
+        waits += "".join(f"; {k}={s[k]['median_s'] * 1e3:.1f}" for k in s if k.startswith("in_"))
+        lines.append(f"{v:10s} " + " ".join(f"{s[c]['median_s'] * 1e3:10.1f}" if c in s else f"{'-':>10s}"
+                                           for c in cols) + f"   {waits or '-'}")
+    r = result["ratios"]
+    lines.append(f"dmuon step / vanilla step = {r['dmuon_step_over_vanilla_step']:.3f} (target <= 0.35); "
+                 f"dmuon total / AdamW total = {r['dmuon_total_over_adamw_total']:.3f} (target <= 1.15)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: ``python bench/bench_step.py --nproc 4 --out ...``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nproc", type=int, default=BenchConfig.nproc)
+    p.add_argument("--rounds", type=int, default=BenchConfig.rounds)
+    p.add_argument("--block-steps", type=int, default=BenchConfig.block_steps)
+    p.add_argument("--batch-size", type=int, default=None, help="global batch (default 64; tiny 8)")
+    p.add_argument("--tiny", action="store_true", help="tiny model and data (CI smoke mode)")
+    p.add_argument("--no-calibrate", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--extra", nargs="*", default=[], choices=EXTRA_VARIANTS,
+                   help="diagnostic variants run interleaved with the three")
+    a = p.parse_args(argv)
+    cfg = BenchConfig(nproc=a.nproc, rounds=a.rounds, block_steps=a.block_steps,
+                      batch_size=a.batch_size or (8 if a.tiny else 64), tiny=a.tiny,
+                      calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra))
+    print(format_table(run(cfg)))
+
+
+if __name__ == "__main__":
+    main()

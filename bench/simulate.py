@@ -1,0 +1,273 @@
+"""Simulated step time of AdamW, vanilla Muon and dmuon at 8-256 GPUs, and its CPU validation.
+
+GPU prediction (``predict``): for Pi0 and Qwen2.5-7B (matrix inventories from
+:mod:`dmuon.balance.inventories`), on A800-like and H100-like clusters
+(:data:`bench.sim_model.CLUSTERS`, every constant with its source), at 8, 16, 32, 64, 128 and 256
+GPUs (8 per node, weak scaling: fixed work per GPU):
+
+* forward + backward compute, per micro-batch (one per optimizer step by default; with
+  accumulation FSDP2 and dmuon communicate per micro-batch, the optimizer runs once): ``6 N T``
+  FLOPs (+ attention ``12 L d s T`` for Qwen) at
+  ``mfu_fb`` of peak, split 1:2; ``T`` the tokens per GPU of the stated workload;
+* FSDP2 (AdamW, vanilla, and dmuon's non-matrix parameters): per layer, bf16 all-gather in
+  forward and again in backward, fp32 reduce-scatter in backward;
+* dmuon: per matrix, bf16 broadcast from its owner in forward and again in backward
+  (``reshard_after_forward=True``, the default), fp32 reduce to the owner in backward;
+  optimizer step = the makespan of the owner plan from :func:`dmuon.balance.solve` (NS seconds
+  from :func:`dmuon.kernels.ns_flops` (Gram, 5 steps) at ``mfu_ns`` of peak, plus ``ns_call_s``
+  per batched shape class), XOR layout over the node x GPU grid, plus owner-side elementwise
+  work at HBM speed;
+* dmuon_grouped: the same with each unit's broadcasts/reduces issued as one NCCL group (ring
+  latency once per unit, not per matrix): what batching the publications would give;
+* vanilla: per matrix, a blocking fp32 all-gather of the momentum update and the NS on every
+  rank (``ns_call_s`` per matrix: it does not batch), plus elementwise work;
+* AdamW: the elementwise update of the local shard (28 bytes per element at HBM speed).
+
+CPU validation (``validate``): the same step model with constants calibrated from a
+``bench_step.py`` JSON (gloo broadcast/reduce/all-gather fits, per-shape NS seconds measured
+under the run's contention, forward/backward compute = AdamW's measured phases minus its modeled
+FSDP communication, optimizer per-tensor cost from AdamW's measured step, overlap 0), predicting
+the vanilla and dmuon step and optimizer-step times that were measured; errors are reported.
+
+Usage::
+
+    python bench/simulate.py --validate bench/results/step_cpu_4r.json --out bench/results/sim_gpu.json
+    python bench/simulate.py --tiny   # CI smoke mode: one model, two scales, no MILP
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import pathlib
+import sys
+
+if __package__ in (None, ""):  # run as a script: make the repository and bench/ importable
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from dmuon.balance import solve  # noqa: E402
+from dmuon.balance.inventories import inventory, layer_groups  # noqa: E402
+from dmuon.kernels import ns_flops  # noqa: E402
+from sim_model import CLUSTERS, AlphaBeta, Cluster, FittedComm, StepInputs, step_times  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+GPU_COUNTS = (8, 16, 32, 64, 128, 256)
+VARIANTS = ("adamw", "vanilla", "dmuon")
+#: The paper's claims (issue 7): dmuon within +2% of AdamW end to end; speedups over vanilla.
+PAPER = {"dmuon_over_adamw_max": 1.02, "end_to_end_speedup": (1.48, 3.01),
+         "optimizer_step_speedup": (6.85, 163.0), "public_dmuon_overhead": (0.017, 0.034)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Workload:
+    """A model and the work per GPU per step.
+
+    Args:
+        name: Inventory name (:func:`dmuon.balance.inventories.inventory`).
+        other_params: Parameters outside the Muon inventory (embeddings, heads, norms), stepped by AdamW.
+        fb_flops: Forward + backward FLOPs per GPU per micro-batch.
+        micro_batches: Micro-batches per optimizer step (gradient accumulation).
+        source: How ``other_params``, ``fb_flops`` and ``micro_batches`` were chosen.
+    """
+
+    name: str
+    other_params: float
+    fb_flops: float
+    micro_batches: int
+    source: str
+
+
+def _matrix_params(inv, prefix: str = "") -> float:
+    return float(sum(r * c for fqn, (r, c) in inv if fqn.startswith(prefix)))
+
+
+def workloads(pi0_batch: int = 32, qwen_tokens: int = 16384, accumulation: int = 1) -> dict[str, Workload]:
+    """Pi0 and Qwen2.5-7B per-GPU workloads (weak scaling; the per-GPU sizes are assumptions)."""
+    pi = inventory("pi0")
+    vis = _matrix_params(pi, "paligemma.vision_tower") + _matrix_params(pi, "paligemma.multi_modal")
+    lm = _matrix_params(pi, "paligemma.language_model")
+    ex = _matrix_params(pi) - vis - lm
+    img, text, suffix = 3 * 256, 48, 51  # 3 cameras x 256 SigLIP tokens, 48 text, 50 actions + state
+    pi_embed = 257_152 * 2048  # Gemma vocabulary x width (tied head)
+    pi_flops = 6.0 * pi0_batch * (vis * img + lm * (img + text) + ex * suffix)  # no LM head in Pi0
+    qw = inventory("qwen2.5-7b")
+    qw_embed = 152_064 * 3584  # embedding and untied lm_head, each
+    qw_flops = 6.0 * (_matrix_params(qw) + qw_embed) * qwen_tokens + 12.0 * 28 * 3584 * 4096 * qwen_tokens
+    return {
+        "pi0": Workload(name="pi0", other_params=pi_embed + 1e6, fb_flops=pi_flops,
+                        micro_batches=accumulation,
+                        source=f"assumed: {accumulation} micro-batches of {pi0_batch} samples/GPU per "
+                               "optimizer step; openpi Pi0 sample = 3x256 image + 48 text + 51 "
+                               "action/state tokens; Gemma 257,152 x 2048 tied embedding"),
+        "qwen2.5-7b": Workload(name="qwen2.5-7b", other_params=2 * qw_embed + 1e6, fb_flops=qw_flops,
+                               micro_batches=accumulation,
+                               source=f"assumed: {accumulation} micro-batch(es) of {qwen_tokens} tokens/GPU "
+                                      "(sequences of 4096) per optimizer step, i.e. a 4M-token global batch "
+                                      "at 256 GPUs; Qwen2.5-7B config.json; 6N T + 12 L d s T (s = 4096)"),
+    }
+
+
+def _units(inv) -> list[list[tuple[int, int]]]:
+    """Matrix shapes grouped per layer (FSDP2 unit / dmuon publication unit), forward order."""
+    groups = layer_groups([f for f, _ in inv])
+    units: list[list[tuple[int, int]]] = [[] for _ in range(max(groups) + 1)]
+    for g, (_, shape) in zip(groups, inv):
+        units[g].append(shape)
+    return units
+
+
+def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto") -> dict:
+    """Predicted phase times (s) of the three optimizers for one model, cluster and GPU count."""
+    inv = inventory(work.name)
+    comm = AlphaBeta(cluster, p)
+    nodes = max(1, p // cluster.gpus_per_node)
+    units = _units(inv)
+    shapes = [s for _, s in inv]
+    matrix_n = sum(r * c for r, c in shapes)
+    ns_s = [ns_flops(r, c, steps=5, method="gram") / (cluster.peak_flops * cluster.mfu_ns) for r, c in shapes]
+    plan = solve(ns_s, p, groups=layer_groups([f for f, _ in inv]), classes=shapes,
+                 batch_overhead={s: cluster.ns_call_s for s in set(shapes)},
+                 layout=(nodes, p // nodes), method=method, time_limit_s=5.0)
+    fwd = work.fb_flops / 3 / (cluster.peak_flops * cluster.mfu_fb)
+    bwd = 2 * fwd
+    other = work.other_params
+    # FSDP2 over every parameter: the non-matrix parameters travel with the first unit.
+    unit_n = [sum(r * c for r, c in u) for u in units]
+    unit_n[0] += other
+    fsdp_f = tuple(comm.all_gather(2 * n) for n in unit_n)
+    fsdp_b = tuple(comm.all_gather(2 * n) + comm.reduce_scatter(4 * n) for n in reversed(unit_n))
+    adamw_elem = 28.0 * (matrix_n + other) / p / cluster.hbm_Bps
+    # dmuon: matrices by owner broadcast/reduce; the non-matrix parameters stay on FSDP2.
+    dm_f = [sum(comm.broadcast(2 * r * c) for r, c in u) for u in units]
+    dm_b = [sum(comm.broadcast(2 * r * c) + comm.reduce(4 * r * c) for r, c in u) for u in units]
+    # "grouped": one unit's broadcasts (and reduces) issued as one NCCL group, paying the ring
+    # latency once per unit instead of once per matrix (dmuon issues them one by one today).
+    lat = comm.broadcast(0.0)
+    dg_f = [x - lat * (len(u) - 1) for x, u in zip(dm_f, units)]
+    dg_b = [x - 2 * lat * (len(u) - 1) for x, u in zip(dm_b, units)]
+    for lists in (dm_f, dg_f):
+        lists[0] += comm.all_gather(2 * other)
+    for lists in (dm_b, dg_b):
+        lists[0] += comm.all_gather(2 * other) + comm.reduce_scatter(4 * other)
+    owned = [0.0] * p
+    for (r, c), o in zip(shapes, plan.owners):
+        owned[o] += r * c
+    # owner: momentum lerp + Nesterov + apply (~24 B/elem) + bf16 refresh (6 B/elem)
+    dm_opt = plan.makespan + 30.0 * max(owned) / cluster.hbm_Bps + 28.0 * other / p / cluster.hbm_Bps
+    van_opt = (sum(comm.all_gather(4 * r * c) for r, c in shapes) + sum(ns_s)
+               + cluster.ns_call_s * len(shapes) + adamw_elem)
+    out = {"gpus": p, "nodes": nodes, "plan": {"method": plan.method, "detail": plan.detail,
+                                               "makespan_s": plan.makespan, "lower_bound_s": plan.lower_bound}}
+    common = dict(forward_s=fwd, backward_s=bwd, overlap=cluster.overlap, micro_batches=work.micro_batches)
+    out["adamw"] = step_times(StepInputs(comm_forward=fsdp_f, comm_backward=fsdp_b, optimizer_s=adamw_elem, **common))
+    out["vanilla"] = step_times(StepInputs(comm_forward=fsdp_f, comm_backward=fsdp_b, optimizer_s=van_opt, **common))
+    out["dmuon"] = step_times(StepInputs(comm_forward=tuple(dm_f), comm_backward=tuple(reversed(dm_b)),
+                                         optimizer_s=dm_opt, **common))
+    out["dmuon_grouped"] = step_times(StepInputs(comm_forward=tuple(dg_f), comm_backward=tuple(reversed(dg_b)),
+                                                 optimizer_s=dm_opt, **common))
+    out["dmuon_grouped_over_adamw"] = out["dmuon_grouped"]["total"] / out["adamw"]["total"]
+    out["dmuon_over_adamw"] = out["dmuon"]["total"] / out["adamw"]["total"]
+    out["speedup_end_to_end"] = out["vanilla"]["total"] / out["dmuon"]["total"]
+    out["speedup_optimizer"] = out["vanilla"]["optimizer"] / out["dmuon"]["optimizer"]
+    return out
+
+
+def predict(models: tuple[str, ...], clusters: tuple[str, ...], gpus: tuple[int, ...], *,
+            method: str = "auto") -> list[dict]:
+    """Runs :func:`predict_one` over the grid; returns one row per (model, cluster, GPUs)."""
+    works = workloads()
+    rows = []
+    for m in models:
+        for c in clusters:
+            for p in gpus:
+                row = predict_one(works[m], CLUSTERS[c], p, method=method)
+                rows.append({"model": m, "cluster": CLUSTERS[c].name, **row})
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """The simulated table: step seconds, dmuon/AdamW, speedups over vanilla, exposed phase."""
+    head = (f"{'model':11s} {'cluster':9s} {'GPUs':>4s} {'AdamW s':>8s} {'vanilla s':>9s} {'dmuon s':>8s} "
+            f"{'dmuon/AdamW':>11s} {'e2e x':>6s} {'opt x':>7s} {'grouped/AdamW':>13s}  dmuon extra over AdamW (ms): exp.comm, opt")
+    lines = [head]
+    for r in rows:
+        a, v, d = r["adamw"], r["vanilla"], r["dmuon"]
+        extra_comm = (d["exposed_comm_forward"] + d["exposed_comm_backward"]
+                      - a["exposed_comm_forward"] - a["exposed_comm_backward"])
+        lines.append(f"{r['model']:11s} {r['cluster']:9s} {r['gpus']:4d} {a['total']:8.3f} {v['total']:9.3f} "
+                     f"{d['total']:8.3f} {r['dmuon_over_adamw']:11.4f} {r['speedup_end_to_end']:6.2f} "
+                     f"{r['speedup_optimizer']:7.1f} {r['dmuon_grouped_over_adamw']:13.4f}  {extra_comm * 1e3:7.1f}, {(d['optimizer'] - a['optimizer']) * 1e3:6.1f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    """Step time vs GPUs per (model, cluster), and the optimizer-step speedup, as one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["model"], r["cluster"]) for r in rows})
+    fig, axes = plt.subplots(2, len(keys), figsize=(3.6 * len(keys), 6.2), squeeze=False)
+    for j, key in enumerate(keys):
+        sel = [r for r in rows if (r["model"], r["cluster"]) == key]
+        g = [r["gpus"] for r in sel]
+        ax = axes[0][j]
+        for v, style in zip(VARIANTS + ("dmuon_grouped",), ("-o", "-s", "-^", ":v")):
+            ax.plot(g, [r[v]["total"] for r in sel], style, label=v, ms=4)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{key[0]}, {key[1]}", fontsize=9)
+        ax.set_ylabel("simulated step (s)")
+        ax.legend(fontsize=7)
+        ax = axes[1][j]
+        ax.plot(g, [r["speedup_optimizer"] for r in sel], "-o", label="optimizer step", ms=4)
+        ax.plot(g, [r["speedup_end_to_end"] for r in sel], "-s", label="end to end", ms=4)
+        ax.axhspan(*PAPER["optimizer_step_speedup"], alpha=0.1, color="C0", label="paper opt. range")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel("dmuon speedup over vanilla")
+        ax.legend(fontsize=7)
+    fig.suptitle("Simulated (alpha-beta model, bench/simulate.py); not measured", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: predictions (table, JSON, PNG) and, with ``--validate``, the CPU check."""
+    from sim_validate import validate
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--validate", nargs="*", default=[], help="bench_step.py JSON(s) to validate against")
+    p.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
+    p.add_argument("--tiny", action="store_true", help="CI smoke mode: Qwen on H100 at 8 and 16 GPUs, greedy plans")
+    a = p.parse_args(argv)
+    if a.tiny:
+        rows = predict(("qwen2.5-7b",), ("h100",), (8, 16), method="greedy")
+    else:
+        rows = predict(("pi0", "qwen2.5-7b"), ("a800", "h100"), GPU_COUNTS)
+    print("SIMULATED (not measured):")
+    print(format_table(rows))
+    result = {"what": "simulated step times (s) per optimizer; see bench/simulate.py docstring",
+              "clusters": {k: dataclasses.asdict(c) for k, c in CLUSTERS.items()},
+              "workloads": {k: dataclasses.asdict(w) for k, w in workloads().items()},
+              "paper_claims": PAPER, "rows": rows}
+    result["cpu_validation"] = []
+    for path in a.validate:
+        val = validate(json.loads(pathlib.Path(path).read_text()))
+        result["cpu_validation"].append({"file": path, **val})
+        print(f"{path}:\n{val['table']}")
+    if a.out:
+        out = pathlib.Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        plot(rows, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Smoke and model tests of bench/bench_step.py and bench/simulate.py (CI small mode, < 30 s).
+
+The benchmark runs the tiny model on 2 gloo ranks for one measured step per variant; the
+simulator's collective formulas are checked against hand-computed values, its plan against the
+FLOP model's bounds, and its CLI end to end in tiny mode.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import sim_model  # noqa: E402
+import simulate  # noqa: E402
+
+
+def _bench_rank(rank: int, world_size: int) -> dict | None:
+    """Pool worker: bench_step's per-rank body on the pool's gloo world (no process spawn)."""
+    import bench_step
+
+    cfg = bench_step.BenchConfig(nproc=world_size, rounds=1, block_steps=1, batch_size=4, tiny=True)
+    return bench_step._run_rank(rank, cfg)
+
+
+@pytest.fixture(scope="module")
+def tiny_step(dist_pool):
+    return dist_pool.run(2, "tests.test_bench:_bench_rank", {}, timeout_s=120)[0]
+
+
+def test_bench_step_same_model_and_data_for_every_variant(tiny_step):
+    # Step 0 is a forward on batch 0 before any update: identical models see identical data,
+    # so the three losses agree (they diverge afterwards, the optimizers differ).
+    first = [tiny_step["variants"][v]["losses"][0] for v in ("adamw", "vanilla", "dmuon")]
+    assert first[0] == pytest.approx(first[1], rel=1e-6) and first[0] == pytest.approx(first[2], rel=1e-6)
+    assert all(math.isfinite(x) for v in tiny_step["variants"].values() for x in v["losses"])
+    assert tiny_step["variants"]["dmuon"]["losses"][1] != pytest.approx(first[2], rel=1e-9)
+
+
+def test_bench_step_phases_and_waits(tiny_step):
+    v = tiny_step["variants"]
+    for name in ("adamw", "vanilla", "dmuon"):
+        assert v[name]["measured_steps"] == 1
+        parts = sum(v[name][k]["median_s"] for k in ("forward", "backward", "step"))
+        assert parts == pytest.approx(v[name]["total"]["median_s"], rel=0.05)  # max over ranks
+    assert 0 < v["vanilla"]["wait_all_gather_step"]["median_s"] <= v["vanilla"]["step"]["median_s"]
+    assert 0 < v["vanilla"]["ns"]["median_s"] and 0 < v["dmuon"]["ns"]["median_s"]
+    assert "wait_publish_forward" in v["dmuon"] and "wait_reduce_backward" in v["dmuon"]
+    owners = {m["owner"] for m in tiny_step["dedicated_matrices"]}
+    assert owners <= {0, 1} and tiny_step["calibration"]["ns_s"]
+
+
+def test_alpha_beta_matches_hand_computation():
+    h = sim_model.H100
+    intra, inter = sim_model.AlphaBeta(h, 8), sim_model.AlphaBeta(h, 16)
+    assert intra.bw == pytest.approx(450e9 * 0.8)
+    assert inter.bw == pytest.approx(400e9 / 8 * 0.8)  # one 400 Gb/s NIC per GPU
+    assert inter.all_gather(1e9) == pytest.approx(15 * 10e-6 + 1e9 * 15 / 16 / 40e9)
+    assert inter.broadcast(1e9) == pytest.approx(15 * 10e-6 + 1e9 / 40e9)
+    a800 = sim_model.AlphaBeta(sim_model.A800, 32)
+    assert a800.bw == pytest.approx(4 * 25e9 / 8 * 0.8)  # 4 x 200 Gb/s per 8 GPUs
+    assert sim_model.AlphaBeta(h, 1).all_gather(1e9) == 0.0
+
+
+def test_fitted_comm_recovers_line_and_exposure_rule():
+    pts = [[n, 1e-4 + 2e-9 * n] for n in (1e3, 1e5, 1e6)]
+    fit = sim_model.FittedComm({"broadcast": pts, "reduce": pts, "all_gather": pts}, p=4)
+    assert fit.fit["broadcast"] == pytest.approx((1e-4, 2e-9))
+    assert fit.all_gather(4e6) == pytest.approx(1e-4 + 2e-9 * 1e6)  # per-rank input = n / p
+    assert sim_model.exposed([1.0, 2.0, 3.0], compute=4.0, overlap=1.0) == pytest.approx(1.0 + 1.0)
+    assert sim_model.exposed([1.0, 2.0, 3.0], compute=4.0, overlap=0.0, tail=True) == pytest.approx(6.0)
+
+
+def test_predict_bounds_from_flop_model():
+    work = simulate.workloads()["qwen2.5-7b"]
+    row = simulate.predict_one(work, sim_model.H100, 8, method="greedy")
+    rate = sim_model.H100.peak_flops * sim_model.H100.mfu_ns
+    p, q = 3584, 18944  # the MLP matrices; Gram NS, 5 steps, one restart: 8 p^2 q + 28 p^3
+    largest = (8 * p * p * q + 28 * p**3) / rate
+    assert row["dmuon"]["optimizer"] >= largest
+    total_ns = sum(simulate.ns_flops(r, c, steps=5, method="gram") for _, (r, c) in
+                   simulate.inventory("qwen2.5-7b")) / rate
+    assert row["dmuon"]["optimizer"] >= total_ns / 8
+    assert row["vanilla"]["optimizer"] >= total_ns
+    assert row["adamw"]["total"] <= row["dmuon"]["total"] <= row["vanilla"]["total"]
+
+
+def test_simulate_cli_tiny(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    simulate.main(["--tiny", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert [r["gpus"] for r in data["rows"]] == [8, 16]
+    assert out.with_suffix(".png").stat().st_size > 1000
+    assert "SIMULATED" in capsys.readouterr().out
