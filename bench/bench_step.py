@@ -32,6 +32,10 @@ Usage::
 
     python bench/bench_step.py --nproc 4 --out bench/results/step_cpu_4r.json
     python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
+    python bench/bench_step.py --nproc 4 --extra dmuon_keep ...   # + reshard_after_forward=False
+
+CPU and gloo only for now: the NCCL / single-GPU mode of issue 7 (world size 1 at Pi0 scale,
+against ``torch.optim.Muon``) is not written yet (no GPU was available to test it).
 """
 
 from __future__ import annotations
@@ -298,6 +302,7 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, threads: int) -> None:
 
 
 def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
+    """Benchmark body on one rank of an initialized gloo world; the result dict on rank 0."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -51,7 +51,7 @@ if __package__ in (None, ""):  # run as a script: make the repository and bench/
 from dmuon.balance import solve  # noqa: E402
 from dmuon.balance.inventories import inventory, layer_groups  # noqa: E402
 from dmuon.kernels import ns_flops  # noqa: E402
-from sim_model import CLUSTERS, AlphaBeta, Cluster, FittedComm, StepInputs, step_times  # noqa: E402
+from sim_model import CLUSTERS, AlphaBeta, Cluster, StepInputs, step_times  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
