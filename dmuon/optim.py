@@ -222,7 +222,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         g = p.grad
         if hasattr(g, "to_local"):
             clipped.append(g.to_local())
-            if _first_replica(g):
+            if _first_replica(g, ctx):
                 counted.append(g.to_local())
         else:
             replicated.append(g)
@@ -257,8 +257,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     return total
 
 
-def _first_replica(dtensor_grad: torch.Tensor) -> bool:
-    """Whether this rank's local piece of a DTensor is the one to count (coordinate 0 along
-    every mesh dimension on which the tensor is replicated)."""
-    coord = dtensor_grad.device_mesh.get_coordinate() or []
-    return all(c == 0 for c, p in zip(coord, dtensor_grad.placements) if p.is_replicate())
+def _first_replica(dtensor_grad: torch.Tensor, ctx) -> bool:
+    """Whether this rank's local piece of a DTensor is the one to count: coordinate 0 along
+    every mesh dimension on which the tensor is replicated, and along the TP / replicate
+    dimensions its mesh does not have (an FSDP2 shard on the DP sub-mesh of an FSDP x TP
+    model is the same on every TP rank)."""
+    mesh = dtensor_grad.device_mesh
+    coord = mesh.get_coordinate() or []
+    if not all(c == 0 for c, p in zip(coord, dtensor_grad.placements) if p.is_replicate()):
+        return False
+    names = set(mesh.mesh_dim_names or ())
+    if ctx.roles.tp is not None and ctx.roles.tp_name not in names and ctx.tp_rank != 0:
+        return False
+    return not (ctx.roles.replicate is not None and mesh.ndim == 1 and ctx.replicate_rank != 0)

@@ -408,7 +408,7 @@ class DistPool:
             world.kill()
 
     def run(self, world_size: int, fn: str, kwargs: dict[str, Any] | None = None,
-            timeout_s: float = 60.0, seed: int = 0) -> list[Any]:
+            timeout_s: float = 60.0, seed: int = 0, fresh: bool = False) -> list[Any]:
         """Run ``fn(rank=r, world_size=world_size, **kwargs)`` on every rank of a gloo world.
 
         The default process group is initialized (gloo, CPU, ranks ``0..world_size-1``) before
@@ -422,6 +422,9 @@ class DistPool:
             kwargs: Keyword arguments for every rank, pickled (tensors travel by value).
             timeout_s: Limit (seconds) for all ranks to answer.
             seed: Seed for ``random``, ``numpy.random`` and ``torch`` on every rank.
+            fresh: run in a newly started world (~0.1 s with the forkserver): for cases that
+                build multi-dimensional DeviceMeshes, whose sub-groups do not survive the
+                group cleanup between calls.
 
         Returns:
             The value each rank returned, indexed by rank.
@@ -435,6 +438,8 @@ class DistPool:
             In both error cases the world is killed and restarted on next use.
         """
         _check_args(world_size, fn, kwargs)
+        if fresh:
+            self._drop(world_size)
         request = pickle.dumps((fn, dict(kwargs or {}), seed))
         world = self._world(world_size)
         try:
