@@ -9,16 +9,26 @@ Three lines over a stock FSDP2 program::
 Importing dmuon changes nothing in torch.
 """
 
+from dmuon.distconfig import (
+    DistributedConfig,
+    create_devicemesh_config,
+    create_dtensor_config,
+    create_processgroup_config,
+)
 from dmuon.hooks.dedicate import dedicate_params, default_predicate, no_sync
 from dmuon.optim import Muon, clip_grad_norm_
 from dmuon.owners.plan import MatrixSpec, OwnerPlan, build_plan
 
 __all__ = [
+    "DistributedConfig",
     "MatrixSpec",
     "Muon",
     "OwnerPlan",
     "build_plan",
     "clip_grad_norm_",
+    "create_devicemesh_config",
+    "create_dtensor_config",
+    "create_processgroup_config",
     "dedicate_params",
     "default_predicate",
     "no_sync",
