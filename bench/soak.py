@@ -7,6 +7,8 @@ rank's resident set size (RSS, ``/proc/self/statm``, bytes) after every step.
 
 Reported per variant and rank:
 
+* ``objects_step_total_tensors``: ``(step, live Python objects, live tensors)`` every
+  ``OBJECT_EVERY`` steps, to tell a Python-level leak from allocator fragmentation;
 * ``peak_rss_bytes``: the largest sample (and ``ru_maxrss`` of the process, which also sees
   transient peaks inside a step);
 * ``growth_bytes``: median RSS of the last 10% of steps minus median RSS of the 10% of steps
@@ -22,7 +24,7 @@ Usage (CPU, 2 ranks by default; the machine's cores are shared, so keep it short
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -39,12 +41,20 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 VARIANTS = ("dmuon", "adamw")
+OBJECT_EVERY = 50  # steps between two counts of live Python objects (~20 ms each)
 
 
 def rss_bytes() -> int:
     """This process's resident set size in bytes (Linux ``/proc/self/statm``, field 2)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def live_objects() -> tuple[int, int]:
+    """``(Python objects tracked by gc, of which torch.Tensor)``: a Python-level leak (hooks,
+    pending work, graphs kept alive) grows these, allocator fragmentation does not."""
+    objs = gc.get_objects()
+    return len(objs), sum(1 for o in objs if isinstance(o, torch.Tensor))
 
 
 def _rank_main(rank: int, world: int, port: int, variant: str, steps: int, batch_size: int,
@@ -73,7 +83,7 @@ def _rank_main(rank: int, world: int, port: int, variant: str, steps: int, batch
     fully_shard(model, mesh=mesh)
     opt = build_optimizer(cfg, model, mesh, torch.device("cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)))
-    samples, losses = [rss_bytes()], []
+    samples, losses, objects = [rss_bytes()], [], []
     t0 = time.perf_counter()
     for step in range(steps):
         batch = demos.batch(step, cfg.batch_size, rank, world, cfg.seed)
@@ -84,8 +94,10 @@ def _rank_main(rank: int, world: int, port: int, variant: str, steps: int, batch
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         samples.append(rss_bytes())
+        if step % OBJECT_EVERY == 0 or step == steps - 1:
+            objects.append((step, *live_objects()))
     elapsed = time.perf_counter() - t0
-    out = dict(rank=rank, rss_bytes=samples, losses=losses, seconds=elapsed,
+    out = dict(rank=rank, rss_bytes=samples, losses=losses, seconds=elapsed, objects=objects,
                ru_maxrss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     pathlib.Path(result_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
@@ -142,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         ranks = run_variant(variant, a.steps, a.nproc, a.batch_size, tmp)
         per_rank = [dict(rank=r["rank"], ru_maxrss_bytes=r["ru_maxrss_bytes"],
+                         objects_step_total_tensors=r["objects"],
                          **summarize(r["rss_bytes"], warmup)) for r in ranks]
         result["variants"][variant] = dict(
             wall_s=time.perf_counter() - t0, per_rank=per_rank,
@@ -150,7 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
         for r in per_rank:
             print(f"{variant:6s} rank {r['rank']}: peak {r['peak_rss_bytes'] / 2**20:8.1f} MiB  "
                   f"growth after warm-up {r['growth_bytes'] / 2**20:+7.2f} MiB  "
-                  f"slope {r['slope_bytes_per_step'] / 1024:+7.2f} KiB/step", flush=True)
+                  f"slope {r['slope_bytes_per_step'] / 1024:+7.2f} KiB/step  live objects/tensors "
+                  f"{r['objects_step_total_tensors'][1][1:]} -> {r['objects_step_total_tensors'][-1][1:]}",
+                  flush=True)
     if {"dmuon", "adamw"} <= set(result["variants"]):
         d, w = (result["variants"][v]["per_rank"] for v in ("dmuon", "adamw"))
         result["peak_ratio_dmuon_over_adamw"] = [x["peak_rss_bytes"] / y["peak_rss_bytes"]
