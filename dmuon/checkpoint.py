@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from dmuon.hooks.dedicate import get_state
+from dmuon.hooks.runtime import DedicateState
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state[p]
+            if not p.requires_grad:  # frozen: the optimizer never creates state for it
+                continue
             if group["kind"] == "muon":
                 if p.numel() and "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -99,7 +102,13 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer):
+def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> DedicateState:
+    """The model's dmuon state, after checking that ``opt`` was built over it.
+
+    Raises:
+        ValueError: ``dedicate_params`` was not called on ``model``, or ``opt`` is another
+            model's optimizer.
+    """
     ctx = get_state(model)
     if getattr(opt, "state_ctx", None) is not ctx:
         raise ValueError(

@@ -194,8 +194,9 @@ class Heartbeat:
             RuntimeError: the c10d store is unreachable (its host is lost).
         """
         try:
-            if self._lost or self._read_lost():
-                return self._lost or self._read_lost()
+            published = self._lost or self._read_lost()
+            if published:
+                return published
             first = {r: self._read_beat(r) for r in self.ranks}
             deadline = time.monotonic() + self.probe_s
             while True:
@@ -238,19 +239,22 @@ class Heartbeat:
 
         Raises:
             RuntimeError: ``"dmuon: rank K is lost ..."`` chained to the transport error, when
-                a rank is lost before or during the block. Other exceptions pass unchanged.
+                a rank is lost before or during the block (a ``RuntimeError``, ``DistError`` or
+                ``ConnectionError`` raised inside is checked against the heartbeats, which takes
+                up to ``probe_s``). Other exceptions, and errors while every rank beats, pass
+                unchanged.
         """
         self.raise_if_lost(where)
         try:
             yield
-        except Exception as e:
-            self._reported = True
+        except (RuntimeError, dist.DistError, ConnectionError) as e:  # what broken collectives raise
             try:
                 lost = self.probe()
             except RuntimeError as store_error:
+                self._reported = True
                 raise store_error from e
             if not lost:
                 raise
-            self._lost = lost
+            self._lost, self._reported = lost, True
             raise RuntimeError(self._message(lost, where)) from e
 

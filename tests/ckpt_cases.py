@@ -201,7 +201,12 @@ def heartbeat_no_fault(rank: int, world_size: int, *, steps: int = 3) -> dict:
                 run_steps(model, opt, range(step, step + 1), rank, world_size, sched)
         time.sleep(0.5)
         lost = hb.lost
-    return dict(lost=lost, params=full_params(model, rank))
+        try:  # an error that is not a lost peer passes through unchanged
+            with hb.guard("a failing block"):
+                raise RuntimeError("not a fault")
+        except RuntimeError as e:
+            passed_through = str(e)
+    return dict(lost=lost, params=full_params(model, rank), passed_through=passed_through)
 
 
 def heartbeat_bad_args(rank: int, world_size: int) -> str:

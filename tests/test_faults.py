@@ -70,6 +70,7 @@ def test_no_rank_named_without_fault(dist_pool):
 
     out = dist_pool.run(2, "tests.ckpt_cases:heartbeat_no_fault", dict(steps=3), timeout_s=60)
     assert [o["lost"] for o in out] == [[], []]
+    assert [o["passed_through"] for o in out] == ["not a fault", "not a fault"]
     ref, _, _ = models.run_reference(4, 3, lr_gamma=0.9)
     for name, value in ref.items():
         np.testing.assert_allclose(out[0]["params"][name], value.numpy(), rtol=0, atol=1e-5)
