@@ -104,19 +104,14 @@ def train(rank: int, world_size: int, *, layout: str, steps: int = 5, clip: floa
 
 
 def unsupported_placement(rank: int, world_size: int) -> str:
-    """A matrix sharded on the TP dim along a strided placement must be refused by name."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    """A matrix with a Partial placement on the TP mesh must be refused, naming it."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Partial
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     model = models.make_model()
-    weight = model.blocks[0].fc1.weight
-    model.blocks[0].fc1.weight = torch.nn.Parameter(distribute_tensor(weight.detach().T.contiguous().T, mesh, [Shard(1)]))
-    model.blocks[0].fc2.weight = torch.nn.Parameter(
-        distribute_tensor(model.blocks[0].fc2.weight.detach(), mesh, [Shard(0)]))
-    from torch.distributed.tensor.placement_types import Partial
-
-    model.head.weight = torch.nn.Parameter(
-        distribute_tensor(model.head.weight.detach(), mesh, [Shard(0)]).redistribute(mesh, [Partial()]))
+    local = model.head.weight.detach() / world_size
+    model.head.weight = torch.nn.Parameter(DTensor.from_local(local, mesh, [Partial()], run_check=False))
     try:
         dmuon.dedicate_params(model, mesh)
         dmuon.Muon(model)
