@@ -161,3 +161,24 @@ def test_cli_end_to_end_two_ranks(tmp_path):
     assert p["total"] == p["matrix"] + p["other"] and p["matrix"] > 0 and p["other"] > 0
     assert (tmp_path / "summary_loss.png").exists()
     assert "step    3/3" in proc.stdout
+
+
+def test_cli_meshes_train_the_same_as_fsdp(tmp_path):
+    """--mesh fsdp-tp:2x2 (TP MLPs + FSDP2) follows the 1-D FSDP run of the same global batch."""
+    env = {**os.environ, "DMUON_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    losses = {}
+    for mesh in ("fsdp", "fsdp-tp:2x2"):
+        out = tmp_path / f"{mesh.replace(':', '_')}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "dmuon.train", "--nproc", "4", "--mesh", mesh, "--steps", "3",
+             "--optimizer", "dmuon", "--ns-dtype", "float32", "--episodes", "1", "--batch-size", "8",
+             "--no-plot", "--out", str(out)],
+            env=env, capture_output=True, text=True, timeout=240,
+            cwd=pathlib.Path(__file__).resolve().parents[1],
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads(out.read_text())
+        assert summary["mesh"] == mesh and summary["world_size"] == 4
+        losses[mesh] = summary["losses"]
+    np.testing.assert_allclose(losses["fsdp-tp:2x2"], losses["fsdp"], rtol=1e-4)
+    assert losses["fsdp"][0] != losses["fsdp"][-1]

@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     p.add_argument("--warmup", type=int, default=_DEFAULTS.warmup)
     p.add_argument("--ns-dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", default="fsdp",
+                   help="fsdp (1-D), hsdp:RxS (replicate x shard) or fsdp-tp:DxT (data x tensor parallel)")
     p.add_argument("--episodes", type=int, default=DataConfig().episodes, help="demonstrations to generate")
     p.add_argument("--out", default=None, help="write summary JSON here (rank 0)")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
@@ -51,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     cfg = TrainConfig(
         optimizer=a.optimizer, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
         adamw_lr=a.adamw_lr, weight_decay=a.weight_decay, warmup=a.warmup, ns_dtype=a.ns_dtype,
-        seed=a.seed, out=a.out, plot=a.plot, data=DataConfig(episodes=a.episodes),
+        seed=a.seed, out=a.out, plot=a.plot, mesh=a.mesh, data=DataConfig(episodes=a.episodes),
     )
     return cfg, a.nproc
 

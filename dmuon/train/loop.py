@@ -18,10 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.profiler import record_function
 
+from dmuon.train.parallel import Layout, shard_model
 from dmuon.train.data import DataConfig, PushTDemos, ensure_cached
 from dmuon.train.model import Pi0Policy, PolicyConfig
 
@@ -48,6 +47,7 @@ class TrainConfig:
         out: Path of ``summary.json`` (rank 0), or ``None``.
         plot: Write ``<out stem>_loss.png`` beside the summary when matplotlib is present.
         timing_warmup: Leading steps left out of the timing medians (when steps allow).
+        mesh: ``"fsdp"`` (1-D), ``"hsdp:RxS"`` or ``"fsdp-tp:DxT"`` (:mod:`dmuon.train.parallel`).
         data: Dataset generation parameters.
         model: Policy sizes.
     """
@@ -64,6 +64,7 @@ class TrainConfig:
     out: str | None = None
     plot: bool = True
     timing_warmup: int = 3
+    mesh: str = "fsdp"
     data: DataConfig = DataConfig()
     model: PolicyConfig = PolicyConfig()
 
@@ -154,6 +155,7 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         raise ValueError(
             f"dmuon.train: --batch-size {cfg.batch_size} is not divisible by the world size {world}."
         )
+    Layout.parse(cfg.mesh, world)  # fail before generating data
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # one writer per node (per local disk)
         ensure_cached(cfg.data, progress=True)
     dist.barrier()  # the others wait for their node's cache file
@@ -162,10 +164,8 @@ def train_rank(cfg: TrainConfig) -> dict | None:
     torch.manual_seed(cfg.seed)
     model = Pi0Policy(cfg.model).to(device)
     counts = parameter_counts(model)
-    mesh = init_device_mesh(device.type, (world,))
-    for block in model.shardable_blocks():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    layout = Layout.parse(cfg.mesh, world)
+    mesh, dp_index, dp_count = shard_model(model, model.shardable_blocks(), layout, device)
     opt = build_optimizer(cfg, model, mesh, device)
     warm = max(1, cfg.warmup)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
@@ -181,7 +181,7 @@ def train_rank(cfg: TrainConfig) -> dict | None:
     opt_s: list[float] = []
     for step in range(cfg.steps):
         batch = {k: v.to(device, non_blocking=True)
-                 for k, v in demos.batch(step, cfg.batch_size, rank, world, cfg.seed).items()}
+                 for k, v in demos.batch(step, cfg.batch_size, dp_index, dp_count, cfg.seed).items()}
         _sync(device)
         t0 = time.perf_counter()
         with record_function("dmuon::forward_backward"):
@@ -209,6 +209,7 @@ def train_rank(cfg: TrainConfig) -> dict | None:
     summary = {
         "optimizer": cfg.optimizer,
         "world_size": world,
+        "mesh": cfg.mesh,
         "device": device.type,
         "losses": losses,
         "step_s": _median(step_s, cfg.timing_warmup),
