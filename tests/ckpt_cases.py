@@ -47,8 +47,19 @@ def run_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: 
             sched.step()
 
 
-def _job(world_size: int, mode: str):
-    model, _ = build(world_size, mode)
+def rotated_plan(world_size: int, shift: int) -> dmuon.OwnerPlan:
+    """The default plan of the test model with every owner moved ``shift`` ranks on."""
+    model = models.make_model()
+    shapes = dict(model.named_parameters())
+    plan = dmuon.build_plan([(n, tuple(shapes[n].shape)) for n in models.matrix_names(model)],
+                            world_size)
+    return dmuon.OwnerPlan(world_size=world_size, matrices=tuple(
+        dmuon.MatrixSpec(fqn=m.fqn, shape=m.shape, owner=(m.owner + shift) % world_size)
+        for m in plan.matrices))
+
+
+def _job(world_size: int, mode: str, shift: int = 0):
+    model, _ = build(world_size, mode, plan=rotated_plan(world_size, shift) if shift else None)
     opt = dmuon.Muon(model, **EXACT)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     return model, opt, sched
@@ -72,14 +83,17 @@ def train_save_continue(rank: int, world_size: int, *, path: str, first: int, th
 
 
 def load_continue(rank: int, world_size: int, *, path: str, first: int, then: int,
-                  mode: str = "fsdp") -> dict:
+                  mode: str = "fsdp", shift: int = 0) -> dict:
     """A fresh job on ``world_size`` ranks: load ``path``, train steps ``first..first+then``.
+
+    ``shift`` moves every owner of the default plan that many ranks on (another owner plan on
+    the same world size).
 
     Returns:
         On rank 0: ``loaded`` (full params right after loading) and ``final``; on every rank
         ``owned`` (the dedicated FQNs this rank owns in the new plan).
     """
-    model, opt, sched = _job(world_size, mode)
+    model, opt, sched = _job(world_size, mode, shift)
     sd = checkpoint.state_dict(model, opt)
     sd["sched"] = sched.state_dict()
     dcp.load(sd, checkpoint_id=path)

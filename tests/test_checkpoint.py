@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests import models
+from tests import ckpt_cases, models
 
 FIRST, THEN = 4, 4
 FP32_ATOL = 1e-5
@@ -64,6 +64,20 @@ def test_restore_4rank_checkpoint_on_2_ranks(dist_pool, saved_4rank):
     for name in out["final"]:
         np.testing.assert_array_equal(got[0]["loaded"][name], out["saved"][name], err_msg=name)
         np.testing.assert_allclose(got[0]["final"][name], out["final"][name], rtol=0,
+                                   atol=FP32_ATOL, err_msg=name)
+
+
+def test_restore_same_world_size_other_owner_plan(dist_pool, saved_4rank):
+    path, out = saved_4rank
+    got = dist_pool.run(4, "tests.ckpt_cases:load_continue",
+                        dict(path=path, first=FIRST, then=THEN, shift=1), timeout_s=120)
+    default = ckpt_cases.rotated_plan(4, 0).owner_by_fqn
+    for rank, g in enumerate(got):  # every matrix has moved to another owner
+        assert all(default[fqn] != rank for fqn in g["owned"]), (rank, g["owned"])
+    got = got[0]
+    for name in out["final"]:
+        np.testing.assert_array_equal(got["loaded"][name], out["saved"][name], err_msg=name)
+        np.testing.assert_allclose(got["final"][name], out["final"][name], rtol=0,
                                    atol=FP32_ATOL, err_msg=name)
 
 
