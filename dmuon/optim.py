@@ -14,6 +14,32 @@ from dmuon.owners.update import ADJUST_LR_FNS, adamw_update_, muon_update_, ns_b
 NS_METHODS = ("gram", "standard")
 
 
+def validate_hyperparameters(*, lr: float, momentum: float, adjust_lr_fn: str | None,
+                             ns_method: str, ns_dtype: torch.dtype, adamw_lr: float | None,
+                             adamw_betas: tuple[float, float], ns_coefficients: Any,
+                             ns_steps: int) -> None:
+    """Check Muon's hyper-parameters once, at construction (not at the first step).
+
+    Raises:
+        ValueError: naming the hyper-parameter, its value and the accepted range.
+    """
+    from dmuon.kernels import resolve_coefficients
+
+    if lr < 0 or (adamw_lr is not None and adamw_lr < 0):
+        raise ValueError(f"dmuon: learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"dmuon: momentum must be in [0, 1), got {momentum}")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"dmuon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    if ns_method not in NS_METHODS:
+        raise ValueError(f"dmuon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
+    if ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"dmuon: ns_dtype must be a float dtype, got {ns_dtype}")
+    if not 0.0 <= adamw_betas[0] < 1.0 or not 0.0 <= adamw_betas[1] < 1.0:
+        raise ValueError(f"dmuon: adamw_betas must be in [0, 1), got {adamw_betas}")
+    resolve_coefficients(ns_coefficients, ns_steps)
+
+
 class Muon(torch.optim.Optimizer):
     """Owner-centric Muon for a model passed to :func:`dmuon.dedicate_params`.
 
@@ -76,25 +102,14 @@ class Muon(torch.optim.Optimizer):
         ns_backend: str = "auto",
         max_batch_bytes: int = 1 << 30,
     ) -> None:
-        from dmuon.kernels import resolve_coefficients
-
         if not isinstance(model, nn.Module):
             raise ValueError(
                 f"dmuon: Muon takes the model passed to dedicate_params, got {type(model).__name__}"
             )
-        if lr < 0 or (adamw_lr is not None and adamw_lr < 0):
-            raise ValueError(f"dmuon: learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"dmuon: momentum must be in [0, 1), got {momentum}")
-        if adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"dmuon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
-        if ns_method not in NS_METHODS:
-            raise ValueError(f"dmuon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
-        if ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError(f"dmuon: ns_dtype must be a float dtype, got {ns_dtype}")
-        if not 0.0 <= adamw_betas[0] < 1.0 or not 0.0 <= adamw_betas[1] < 1.0:
-            raise ValueError(f"dmuon: adamw_betas must be in [0, 1), got {adamw_betas}")
-        resolve_coefficients(ns_coefficients, ns_steps)  # fail now, not at the first step
+        validate_hyperparameters(lr=lr, momentum=momentum, adjust_lr_fn=adjust_lr_fn,
+                                 ns_method=ns_method, ns_dtype=ns_dtype, adamw_lr=adamw_lr,
+                                 adamw_betas=adamw_betas, ns_coefficients=ns_coefficients,
+                                 ns_steps=ns_steps)
         self.state_ctx = get_state(model)
         self.state_ctx.ensure_bound()
         self.state_ctx.optimizer_attached = True

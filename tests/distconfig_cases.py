@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,8 +20,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import dmuon
 from dmuon.distconfig import (
-    ConfiguredMuon,
-    DistributedConfig,
     create_devicemesh_config,
     create_dtensor_config,
     create_processgroup_config,

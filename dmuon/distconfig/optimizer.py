@@ -28,8 +28,8 @@ from torch import Tensor
 
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
 from dmuon.distconfig.strategies import supports_async
-from dmuon.optim import NS_METHODS, Muon
-from dmuon.owners.update import ADJUST_LR_FNS, adamw_update_, adjust_lr, muon_update_
+from dmuon.optim import Muon, validate_hyperparameters
+from dmuon.owners.update import adamw_update_, adjust_lr, muon_update_
 
 logger = logging.getLogger(__name__)
 
@@ -78,24 +78,13 @@ class ConfiguredMuon(Muon):
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, ns_backend: str = "auto",
                  max_batch_bytes: int = 1 << 30) -> None:
-        from dmuon.kernels import resolve_coefficients
-
-        if lr < 0 or (adamw_lr is not None and adamw_lr < 0):
-            raise ValueError(f"dmuon: learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"dmuon: momentum must be in [0, 1), got {momentum}")
-        if adjust_lr_fn not in ADJUST_LR_FNS:
-            raise ValueError(f"dmuon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
-        if ns_method not in NS_METHODS:
-            raise ValueError(f"dmuon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
-        if ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-            raise ValueError(f"dmuon: ns_dtype must be a float dtype, got {ns_dtype}")
-        if not 0.0 <= adamw_betas[0] < 1.0 or not 0.0 <= adamw_betas[1] < 1.0:
-            raise ValueError(f"dmuon: adamw_betas must be in [0, 1), got {adamw_betas}")
+        validate_hyperparameters(lr=lr, momentum=momentum, adjust_lr_fn=adjust_lr_fn,
+                                 ns_method=ns_method, ns_dtype=ns_dtype, adamw_lr=adamw_lr,
+                                 adamw_betas=adamw_betas, ns_coefficients=ns_coefficients,
+                                 ns_steps=ns_steps)
         if distributed_config is not None and not isinstance(distributed_config, DistributedConfig):
             raise ValueError(f"dmuon: distributed_config must be a DistributedConfig or None; got "
                              f"{type(distributed_config).__name__}")
-        resolve_coefficients(ns_coefficients, ns_steps)
         muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                              ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                              adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype)

@@ -31,7 +31,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from dmuon.hooks import fsdp
-from dmuon.hooks.comm import Pending, publish, reduce_to_owner
+from dmuon.hooks.comm import publish, reduce_to_owner
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicated import ReplicatedGrads
 from dmuon.hooks.tp import as_compute_param, local_slice
