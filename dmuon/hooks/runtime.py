@@ -35,7 +35,7 @@ from dmuon.hooks.comm import publish, reduce_to_owner
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicated import ReplicatedGrads
 from dmuon.hooks.tp import as_compute_param, local_slice
-from dmuon.owners.dedicated import DedicatedParam, alloc_storage, make_dedicated
+from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage, make_dedicated
 from dmuon.owners.plan import OwnerPlan
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,38 @@ def choose_replicate_mode(shape: tuple[int, int], mode: str) -> str:
 
 
 @dataclass(eq=False)
+class PublishGroup:
+    """Dedicated matrices of one FSDP2 block with the same owner, published by one broadcast.
+
+    Their compute weights are views of ``flat`` (``[sum of numels]``, compute dtype), so the
+    group is materialized, published and freed as one tensor, as FSDP2 all-gathers a block's
+    parameters into one buffer. ``live`` is rank-independent ("the current weights are
+    published or being published"); ``fwd_done``/``bwd_done`` collect members whose forward or
+    gradient is finished since the group went live, and the group is freed when all are.
+    """
+
+    owner: int
+    is_owner: bool
+    flat: torch.Tensor
+    members: list[DedicatedParam] = field(default_factory=list)
+    live: bool = False
+    work: Any = None
+    fwd_done: set = field(default_factory=set)
+    bwd_done: set = field(default_factory=set)
+
+    @property
+    def grad_members(self) -> set:
+        return {id(r) for r in self.members if r.compute.requires_grad}
+
+
+@dataclass(eq=False)
 class Unit:
     """A module that directly holds dedicated matrices, with its records in attribute order."""
 
     index: int
     module: nn.Module
     records: list[DedicatedParam] = field(default_factory=list)
+    groups: list[PublishGroup] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -133,7 +159,8 @@ class DedicateState:
         self.sync_enabled = True  # False inside dmuon.no_sync
         self._sync_this_backward = True
         self._handles: list[Any] = []
-        self._live: dict[int, bool] = {}
+        self.groups: list[PublishGroup] = []
+        self.group_of: dict[int, PublishGroup] = {}
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
         order = {}
         for sel in selected:
@@ -157,27 +184,38 @@ class DedicateState:
             return
         self.fsdp_wrapped = fsdp.is_fsdp_wrapped(self.model)
         specs = {m.fqn: m for m in self.plan.matrices}
-        for order, sel in enumerate(self.selected):
+        slices = []
+        for sel in self.selected:  # collective redistributes, in the same order on every rank
             param = sel.module._parameters[sel.attr]
             taken = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
             sl = local_slice(taken if taken is not None else param, sel.fqn, self.roles.tp_name)
-            full = sl.local
             param_dtype, reduce_dtype = fsdp.mixed_precision_dtypes(self.model, sel.module)
-            compute_dtype = param_dtype or full.dtype
+            slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,
+                           reduce_dtype or param_dtype or sl.local.dtype))
+        views = self._make_groups(slices, specs)
+        for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(self.selected, slices)):
             spec = specs[sel.fqn]
             rec = make_dedicated(
-                fqn=sel.fqn, module=sel.module, attr=sel.attr, full=full,
+                fqn=sel.fqn, module=sel.module, attr=sel.attr, full=sl.local,
                 owner=spec.owner, rank=self.rank, compute_dtype=compute_dtype,
-                reduce_dtype=reduce_dtype or compute_dtype, requires_grad=param.requires_grad,
-                order=order, wrap=lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape),
-                full_shape=sel.shape, tp_shard_dim=sl.shard_dim, tp_owner=spec.tp_owner,
-                replicate_mode=choose_replicate_mode(sel.shape, self.replicate_mode),
+                reduce_dtype=reduce_dtype, requires_grad=requires_grad, order=order,
+                wrap=lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape),
+                storage=views[order][1], full_shape=sel.shape, tp_shard_dim=sl.shard_dim,
+                tp_owner=spec.tp_owner, replicate_mode=choose_replicate_mode(sel.shape, self.replicate_mode),
             )
+            group = views[order][0]
+            group.members.append(rec)
+            self.group_of[id(rec)] = group
             self.records.append(rec)
-            self.unit_of_module[id(sel.module)].records.append(rec)
-            self._live[id(rec)] = False
+            unit = self.unit_of_module[id(sel.module)]
+            unit.records.append(rec)
+            if group not in unit.groups:
+                unit.groups.append(group)
             if rec.compute.requires_grad:
                 self._handles.append(rec.compute.register_post_accumulate_grad_hook(self._make_on_grad(rec)))
+        for group in self.groups:
+            if not group.is_owner:
+                free_storage(group.flat)
         if not self.fsdp_wrapped and self.world_size > 1:
             self._bind_replicated()
         # Loading a state dict writes the masters; the compute copies must follow.
@@ -185,6 +223,32 @@ class DedicateState:
             lambda module, keys: self.publish_after_step(issue=False)))
         self.bound = True
         logger.debug("dmuon: rank %d bound %d dedicated matrices", self.rank, len(self.records))
+
+    def _block_of(self, module: nn.Module) -> int:
+        """Key of the FSDP2 block that computes with ``module`` (the module itself when no
+        FSDP2 state covers it, e.g. on the replicated path)."""
+        if self.fsdp_wrapped:
+            for candidate in [module, *fsdp._ancestors(self.model, module)]:
+                if fsdp._fsdp_state(candidate) is not None:
+                    return id(candidate)
+        return id(module)
+
+    def _make_groups(self, slices, specs) -> list[tuple[PublishGroup, torch.Tensor]]:
+        """One :class:`PublishGroup` per (FSDP2 block, owner, dtype, device); returns each
+        matrix's group and its view of the group's flat buffer, in ``self.selected`` order."""
+        keyed: dict[tuple, list[int]] = {}
+        for i, (sel, (sl, _, dtype, _)) in enumerate(zip(self.selected, slices)):
+            key = (self._block_of(sel.module), specs[sel.fqn].owner, dtype, sl.local.device)
+            keyed.setdefault(key, []).append(i)
+        views: list[Any] = [None] * len(slices)
+        for (_, owner, dtype, device), indices in keyed.items():
+            numels = [slices[i][0].local.numel() for i in indices]
+            flat = torch.empty(sum(numels), dtype=dtype, device=device)
+            group = PublishGroup(owner=owner, is_owner=owner == self.rank, flat=flat)
+            self.groups.append(group)
+            for i, piece in zip(indices, torch.split(flat, numels)):
+                views[i] = (group, piece)
+        return views
 
     def _bind_replicated(self) -> None:
         if self.roles.tp is not None or self.roles.replicate is not None:
@@ -208,28 +272,33 @@ class DedicateState:
 
     # -------------------------------------------------------------- publication
     def _issue(self, unit: Unit) -> None:
-        for rec in unit.records:
-            if self._live[id(rec)]:
+        for group in unit.groups:
+            if group.live:
                 continue
-            buf = rec.buffer
-            if not rec.is_owner:
-                alloc_storage(buf)
-            with torch.autograd._unsafe_preserve_version_counter(buf):
-                rec.publish_work = publish(buf.detach(), rec.owner, self.group)
-            self._live[id(rec)] = True
+            if not group.is_owner:
+                alloc_storage(group.flat)
+            with torch.autograd._unsafe_preserve_version_counter(group.flat):
+                group.work = publish(group.flat, group.owner, self.group)
+            group.live = True
+            group.fwd_done.clear()
+            group.bwd_done.clear()
 
     def _wait(self, unit: Unit) -> None:
-        for rec in unit.records:
-            if rec.publish_work is not None:
-                rec.publish_work.wait()
-                rec.publish_work = None
+        for group in unit.groups:
+            if group.work is not None:
+                group.work.wait()
+                group.work = None
 
-    def _release(self, rec: DedicatedParam) -> None:
-        if rec.publish_work is not None:
-            rec.publish_work.wait()
-            rec.publish_work = None
-        rec.release()
-        self._live[id(rec)] = False
+    def _release(self, group: PublishGroup) -> None:
+        """Free a non-owner's copy of the group (the owner keeps it: it is the source)."""
+        if group.work is not None:
+            group.work.wait()
+            group.work = None
+        if not group.is_owner:
+            free_storage(group.flat)
+        group.live = False
+        group.fwd_done.clear()
+        group.bwd_done.clear()
 
     def _make_pre_forward(self, unit: Unit) -> Callable:
         def pre_forward(module: nn.Module, args: Any) -> None:
@@ -251,7 +320,10 @@ class DedicateState:
                           if isinstance(t, torch.Tensor) and t.requires_grad]
             if self.reshard_after_forward or not needs_grad:
                 for rec in unit.records:
-                    self._release(rec)
+                    group = self.group_of[id(rec)]
+                    group.fwd_done.add(id(rec))
+                    if len(group.fwd_done) == len(group.members):
+                        self._release(group)
             if needs_grad:
                 register_multi_grad_hook(needs_grad, self._make_pre_backward(unit), mode="any")
         return post_forward
@@ -281,7 +353,7 @@ class DedicateState:
             if not self._sync_this_backward:
                 # Gradient accumulation: keep the local sum in compute.grad (full size on every
                 # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
-                self._release(rec)
+                self._backward_done(rec)
                 return
             grad = param.grad
             param.grad = None
@@ -289,8 +361,15 @@ class DedicateState:
                 grad = grad.to_local()
             buf = grad if grad.dtype == rec.reduce_dtype else grad.to(rec.reduce_dtype)
             rec.pending.append(reduce_to_owner(buf, rec.owner, self.group))
-            self._release(rec)
+            self._backward_done(rec)
         return on_grad
+
+    def _backward_done(self, rec: DedicatedParam) -> None:
+        """Free the group once every member that takes a gradient has its gradient."""
+        group = self.group_of[id(rec)]
+        group.bwd_done.add(id(rec))
+        if group.bwd_done >= group.grad_members:
+            self._release(group)
 
     def _make_on_replicated_grad(self, param: nn.Parameter) -> Callable:
         def on_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -351,16 +430,17 @@ class DedicateState:
                 self._broadcast_from_replica0()
             for rec in self.records:
                 rec.had_grad = False
-                if rec.is_owner:
-                    if rec.publish_work is not None:
-                        rec.publish_work.wait()
-                        rec.publish_work = None
-                    buf = rec.buffer
-                    with torch.autograd._unsafe_preserve_version_counter(buf):
-                        buf.detach().copy_(rec.master)
-                    self._live[id(rec)] = False
+            for group in self.groups:
+                if group.is_owner:
+                    if group.work is not None:
+                        group.work.wait()
+                        group.work = None
+                    with torch.autograd._unsafe_preserve_version_counter(group.flat):
+                        for rec in group.members:
+                            rec.buffer.detach().copy_(rec.master)
+                    group.live = False
                 else:
-                    self._release(rec)
+                    self._release(group)
             for unit in self.units[: self.prefetch] if issue else ():
                 self._issue(unit)
 

@@ -115,6 +115,7 @@ def make_dedicated(
     requires_grad: bool,
     order: int,
     wrap: Any = None,
+    storage: torch.Tensor | None = None,
     **extra: Any,
 ) -> DedicatedParam:
     """Build the record from the full initial weight and register the master on the module.
@@ -125,6 +126,8 @@ def make_dedicated(
         owner: owner's rank in the dmuon group; ``rank`` is this rank in it.
         wrap: turns the local compute tensor into what the module computes with (a DTensor on
             the TP mesh); identity when ``None``.
+        storage: a view (of a publish group's flat buffer) to hold the compute weight; the
+            group, not this function, frees it on non-owners.
         extra: further :class:`DedicatedParam` fields (TP and HSDP attributes).
     """
     shape = (int(full.shape[0]), int(full.shape[1]))
@@ -134,11 +137,17 @@ def make_dedicated(
         wrap = wrap or (lambda t: t)
         if is_owner:
             master = nn.Parameter(full.detach().to(torch.float32).clone(), requires_grad=requires_grad)
-            local = full.detach().to(compute_dtype).clone()
+            if storage is None:
+                local = full.detach().to(compute_dtype).clone()
+            else:
+                local = storage.view(shape).copy_(full.detach())
         else:
             master = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device), requires_grad=requires_grad)
-            local = torch.empty(shape, dtype=compute_dtype, device=device)
-            free_storage(local)
+            if storage is None:
+                local = torch.empty(shape, dtype=compute_dtype, device=device)
+                free_storage(local)
+            else:
+                local = storage.view(shape)
         compute = nn.Parameter(wrap(local), requires_grad=requires_grad)
     master._dmuon_fqn = fqn  # type: ignore[attr-defined]
     master._dmuon_shape = shape  # type: ignore[attr-defined]
