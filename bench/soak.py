@@ -24,6 +24,7 @@ Usage (CPU, 2 ranks by default; the machine's cores are shared, so keep it short
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -34,6 +35,7 @@ import socket
 import statistics
 import sys
 import time
+import warnings
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a checkout
 
@@ -54,11 +56,13 @@ def live_objects() -> tuple[int, int]:
     """``(Python objects tracked by gc, of which torch.Tensor)``: a Python-level leak (hooks,
     pending work, graphs kept alive) grows these, allocator fragmentation does not."""
     objs = gc.get_objects()
-    return len(objs), sum(1 for o in objs if isinstance(o, torch.Tensor))
+    with warnings.catch_warnings():  # isinstance() on torch's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        return len(objs), sum(1 for o in objs if isinstance(o, torch.Tensor))
 
 
 def _rank_main(rank: int, world: int, port: int, variant: str, steps: int, batch_size: int,
-               result_dir: str) -> None:
+               result_dir: str, trim: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -83,7 +87,7 @@ def _rank_main(rank: int, world: int, port: int, variant: str, steps: int, batch
     fully_shard(model, mesh=mesh)
     opt = build_optimizer(cfg, model, mesh, torch.device("cpu"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup)))
-    samples, losses, objects = [rss_bytes()], [], []
+    samples, losses, objects, trimmed = [rss_bytes()], [], [], []
     t0 = time.perf_counter()
     for step in range(steps):
         batch = demos.batch(step, cfg.batch_size, rank, world, cfg.seed)
@@ -96,8 +100,12 @@ def _rank_main(rank: int, world: int, port: int, variant: str, steps: int, batch
         samples.append(rss_bytes())
         if step % OBJECT_EVERY == 0 or step == steps - 1:
             objects.append((step, *live_objects()))
+            if trim:  # give free heap pages back: what stays resident is live, not fragmentation
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+                trimmed.append((step, rss_bytes()))
     elapsed = time.perf_counter() - t0
     out = dict(rank=rank, rss_bytes=samples, losses=losses, seconds=elapsed, objects=objects,
+               rss_after_malloc_trim=trimmed,
                ru_maxrss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     pathlib.Path(result_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
@@ -123,9 +131,10 @@ def summarize(rss: list[int], warmup: int) -> dict:
                 rss_after_warmup_bytes=after[0], rss_final_bytes=rss[-1])
 
 
-def run_variant(variant: str, steps: int, nproc: int, batch_size: int, tmp: pathlib.Path) -> list[dict]:
+def run_variant(variant: str, steps: int, nproc: int, batch_size: int, tmp: pathlib.Path,
+                trim: bool = False) -> list[dict]:
     torch.multiprocessing.start_processes(
-        _rank_main, args=(nproc, _free_port(), variant, steps, batch_size, str(tmp)),
+        _rank_main, args=(nproc, _free_port(), variant, steps, batch_size, str(tmp), trim),
         nprocs=nproc, join=True, start_method="spawn")
     return [json.loads((tmp / f"{variant}_rank{r}.json").read_text()) for r in range(nproc)]
 
@@ -138,13 +147,17 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=int, default=None, help="default: 10%% of --steps")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default="bench/results/soak_cpu.json")
+    p.add_argument("--trim", action="store_true",
+                   help="diagnostic: glibc malloc_trim(0) every %d steps and record the RSS left "
+                        "(separates a leak from allocator retention; changes the raw series)" % OBJECT_EVERY)
     a = p.parse_args(argv)
     warmup = a.warmup if a.warmup is not None else max(1, a.steps // 10)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     tmp = pathlib.Path(a.out).with_suffix(".parts")
     tmp.mkdir(parents=True, exist_ok=True)
     result = dict(
-        benchmark="soak", steps=a.steps, nproc=a.nproc, batch_size=a.batch_size, warmup=warmup,
+        benchmark="soak", trim=a.trim, steps=a.steps, nproc=a.nproc, batch_size=a.batch_size,
+        warmup=warmup,
         device="cpu", torch=torch.__version__, python=platform.python_version(),
         machine=platform.machine(), cpus=os.cpu_count(), variants={},
         note="RSS in bytes from /proc/self/statm after each step; growth = median of the last "
@@ -152,9 +165,10 @@ def main(argv: list[str] | None = None) -> dict:
     )
     for variant in a.variants.split(","):
         t0 = time.perf_counter()
-        ranks = run_variant(variant, a.steps, a.nproc, a.batch_size, tmp)
+        ranks = run_variant(variant, a.steps, a.nproc, a.batch_size, tmp, a.trim)
         per_rank = [dict(rank=r["rank"], ru_maxrss_bytes=r["ru_maxrss_bytes"],
                          objects_step_total_tensors=r["objects"],
+                         rss_after_malloc_trim=r["rss_after_malloc_trim"],
                          **summarize(r["rss_bytes"], warmup)) for r in ranks]
         result["variants"][variant] = dict(
             wall_s=time.perf_counter() - t0, per_rank=per_rank,
