@@ -9,18 +9,21 @@ Three lines over a stock FSDP2 program::
 Importing dmuon changes nothing in torch.
 """
 
+from dmuon.checkpoint import load_state_dict, state_dict
 from dmuon.distconfig import (
     DistributedConfig,
     create_devicemesh_config,
     create_dtensor_config,
     create_processgroup_config,
 )
+from dmuon.faults import Heartbeat
 from dmuon.hooks.dedicate import dedicate_params, default_predicate, no_sync
 from dmuon.optim import Muon, clip_grad_norm_
 from dmuon.owners.plan import MatrixSpec, OwnerPlan, build_plan
 
 __all__ = [
     "DistributedConfig",
+    "Heartbeat",
     "MatrixSpec",
     "Muon",
     "OwnerPlan",
@@ -31,6 +34,8 @@ __all__ = [
     "create_processgroup_config",
     "dedicate_params",
     "default_predicate",
+    "load_state_dict",
     "no_sync",
+    "state_dict",
 ]
 __version__ = "0.1.0"
