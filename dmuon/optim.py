@@ -112,7 +112,6 @@ class Muon(torch.optim.Optimizer):
                                  ns_steps=ns_steps)
         self.state_ctx = get_state(model)
         self.state_ctx.ensure_bound()
-        self.state_ctx.optimizer_attached = True
         dedicated = [rec.master for rec in self.state_ctx.records]
         dedicated_ids = {id(p) for p in dedicated}
         others = [p for p in model.parameters() if id(p) not in dedicated_ids and p.requires_grad]

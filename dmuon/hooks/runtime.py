@@ -154,7 +154,6 @@ class DedicateState:
         self.replicated: ReplicatedGrads | None = None
         self.bound = False
         self.fsdp_wrapped = False
-        self.optimizer_attached = False
         self._final_callback_queued = False
         self.sync_enabled = True  # False inside dmuon.no_sync
         self._sync_this_backward = True

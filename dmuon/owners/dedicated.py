@@ -35,10 +35,6 @@ def alloc_storage(t: torch.Tensor) -> None:
         storage.resize_(nbytes)
 
 
-def has_storage(t: torch.Tensor) -> bool:
-    return t.untyped_storage().size() != 0
-
-
 @dataclass(eq=False)
 class DedicatedParam:
     """Runtime state of one dedicated matrix on one rank.
@@ -78,7 +74,6 @@ class DedicatedParam:
     tp_owner: int = 0
     replicate_mode: str = "compute"
     had_grad: bool = False
-    publish_work: Any = None
     pending: list = field(default_factory=list)
 
     @property
@@ -87,19 +82,10 @@ class DedicatedParam:
         c = self.compute
         return c.to_local() if hasattr(c, "to_local") else c
 
-    @property
-    def materialized(self) -> bool:
-        return has_storage(self.buffer)
-
     def show(self, which: str) -> None:
         """Register ``master`` (outside forward) or ``compute`` (inside) on the module."""
         param = self.compute if which == "compute" else self.master
         self.module._parameters[self.attr] = param
-
-    def release(self) -> None:
-        """Free a non-owner's compute copy; the owner keeps it as the publication source."""
-        if not self.is_owner:
-            free_storage(self.buffer)
 
 
 def make_dedicated(
