@@ -10,7 +10,6 @@ removes. The math is ``torch.optim.Muon``'s; only the layout of the work differs
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import torch
@@ -19,20 +18,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
 from dmuon.kernels import newton_schulz
+from dmuon.optim import validate_hyperparameters
+from dmuon.owners.update import apply_update_, momentum_update_
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["VanillaMuon"]
-
-_ADJUST = (None, "original", "match_rms_adamw")
-
-
-def _adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """The lr scaling of ``torch.optim._muon._adjust_lr`` for a ``[A, B]`` matrix."""
-    a, b = shape[:2]
-    if adjust_lr_fn in (None, "original"):
-        return lr * math.sqrt(max(1.0, a / b))
-    return lr * 0.2 * math.sqrt(max(a, b))
 
 
 def _default_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -104,15 +95,10 @@ class VanillaMuon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
     ) -> None:
-        if not lr >= 0 or not weight_decay >= 0 or not momentum >= 0:
-            raise ValueError(
-                f"dmuon: VanillaMuon needs lr, weight_decay, momentum >= 0; got lr={lr}, "
-                f"weight_decay={weight_decay}, momentum={momentum}."
-            )
-        if adjust_lr_fn not in _ADJUST:
-            raise ValueError(f"dmuon: adjust_lr_fn={adjust_lr_fn!r}; choose one of {_ADJUST}.")
-        if ns_method not in ("gram", "standard"):
-            raise ValueError(f"dmuon: ns_method={ns_method!r}; choose 'gram' or 'standard'.")
+        validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                 adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
+                                 adamw_lr=adamw_lr, adamw_betas=adamw_betas,
+                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         matrices, others = _default_matrices(model)
         if not matrices and not others:
             raise ValueError("dmuon: VanillaMuon got a model with no trainable parameters.")
@@ -163,9 +149,8 @@ class VanillaMuon(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(g_local)
-            buf = state["momentum_buffer"]
-            buf.lerp_(g_local, 1 - mu)
-            update = g_local.lerp(buf, mu) if group["nesterov"] else buf
+            update = momentum_update_(g_local, state["momentum_buffer"], momentum=mu,
+                                      nesterov=group["nesterov"])
             if is_dt:
                 with record_function("dmuon::vanilla_all_gather"):
                     update = DTensor.from_local(
@@ -181,5 +166,5 @@ class VanillaMuon(torch.optim.Optimizer):
             if is_dt:  # keep this rank's shard; src_data_rank=None: no communication
                 orth = distribute_tensor(orth, p.device_mesh, p.placements, src_data_rank=None)
             with record_function("dmuon::vanilla_apply"):
-                p.mul_(1 - lr * wd)
-                p.add_(orth, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+                apply_update_(p, orth, lr=lr, weight_decay=wd, adjust_lr_fn=group["adjust_lr_fn"],
+                              shape=p.shape)

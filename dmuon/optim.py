@@ -14,7 +14,8 @@ from dmuon.owners.update import ADJUST_LR_FNS, adamw_update_, muon_update_, ns_b
 NS_METHODS = ("gram", "standard")
 
 
-def validate_hyperparameters(*, lr: float, momentum: float, adjust_lr_fn: str | None,
+def validate_hyperparameters(*, lr: float, weight_decay: float, momentum: float,
+                             adjust_lr_fn: str | None,
                              ns_method: str, ns_dtype: torch.dtype, adamw_lr: float | None,
                              adamw_betas: tuple[float, float], ns_coefficients: Any,
                              ns_steps: int) -> None:
@@ -27,6 +28,8 @@ def validate_hyperparameters(*, lr: float, momentum: float, adjust_lr_fn: str | 
 
     if lr < 0 or (adamw_lr is not None and adamw_lr < 0):
         raise ValueError(f"dmuon: learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
+    if weight_decay < 0:
+        raise ValueError(f"dmuon: weight_decay must be >= 0, got {weight_decay}")
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"dmuon: momentum must be in [0, 1), got {momentum}")
     if adjust_lr_fn not in ADJUST_LR_FNS:
@@ -106,10 +109,10 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(
                 f"dmuon: Muon takes the model passed to dedicate_params, got {type(model).__name__}"
             )
-        validate_hyperparameters(lr=lr, momentum=momentum, adjust_lr_fn=adjust_lr_fn,
-                                 ns_method=ns_method, ns_dtype=ns_dtype, adamw_lr=adamw_lr,
-                                 adamw_betas=adamw_betas, ns_coefficients=ns_coefficients,
-                                 ns_steps=ns_steps)
+        validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                 adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
+                                 adamw_lr=adamw_lr, adamw_betas=adamw_betas,
+                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         self.state_ctx = get_state(model)
         self.state_ctx.ensure_bound()
         dedicated = [rec.master for rec in self.state_ctx.records]

@@ -29,7 +29,7 @@ from torch import Tensor
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
 from dmuon.distconfig.strategies import supports_async
 from dmuon.optim import Muon, validate_hyperparameters
-from dmuon.owners.update import adamw_update_, adjust_lr, muon_update_
+from dmuon.owners.update import adamw_update_, apply_update_, momentum_update_, muon_update_
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,10 @@ class ConfiguredMuon(Muon):
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  adamw_weight_decay: float | None = None, ns_backend: str = "auto",
                  max_batch_bytes: int = 1 << 30) -> None:
-        validate_hyperparameters(lr=lr, momentum=momentum, adjust_lr_fn=adjust_lr_fn,
-                                 ns_method=ns_method, ns_dtype=ns_dtype, adamw_lr=adamw_lr,
-                                 adamw_betas=adamw_betas, ns_coefficients=ns_coefficients,
-                                 ns_steps=ns_steps)
+        validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                 adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
+                                 adamw_lr=adamw_lr, adamw_betas=adamw_betas,
+                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps)
         if distributed_config is not None and not isinstance(distributed_config, DistributedConfig):
             raise ValueError(f"dmuon: distributed_config must be a DistributedConfig or None; got "
                              f"{type(distributed_config).__name__}")
@@ -219,9 +219,8 @@ class ConfiguredMuon(Muon):
             st = self.state[p]
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(_local(p), memory_format=torch.preserve_format)
-            buf, grad = st["momentum_buffer"], _local(p.grad)
-            buf.lerp_(grad, 1 - g["momentum"])
-            inputs.append(grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf)
+            inputs.append(momentum_update_(_local(p.grad), st["momentum_buffer"],
+                                           momentum=g["momentum"], nesterov=g["nesterov"]))
         return inputs
 
     def _issue_gather(self, k: int, entries, inputs) -> Any:
@@ -292,8 +291,8 @@ class ConfiguredMuon(Muon):
                 f"dmuon: redistribute_fn returned {got} for Muon matrix {i} on rank {self._rank}; "
                 f"expected this rank's local piece of shape {tuple(local.shape)} (full "
                 f"{self._full_shapes[i]}).")
-        local.mul_(1 - g["lr"] * g["weight_decay"])
-        local.add_(update.to(local.dtype), alpha=-adjust_lr(g["lr"], g["adjust_lr_fn"], self._full_shapes[i]))
+        apply_update_(local, update, lr=g["lr"], weight_decay=g["weight_decay"],
+                      adjust_lr_fn=g["adjust_lr_fn"], shape=self._full_shapes[i])
 
     def _step_distributed(self) -> None:
         from dmuon.kernels import orthogonalize_by_shape

@@ -74,18 +74,37 @@ def muon_update_(
     """
     if not params:
         return 0
-    updates = []
-    for grad, buf in zip(grads, momentum_bufs):
-        buf.lerp_(grad, 1 - momentum)
-        updates.append(grad.lerp(buf, momentum) if nesterov else buf)
+    updates = [momentum_update_(g, b, momentum=momentum, nesterov=nesterov)
+               for g, b in zip(grads, momentum_bufs)]
     if orthogonalize is None:
         orthogonalize = ns_by_shape(ns_kwargs, max_batch_bytes)
     ortho = orthogonalize(updates)
     for i, (param, update) in enumerate(zip(params, ortho)):
-        shape = shapes[i] if shapes is not None else param.shape
-        param.mul_(1 - lr * weight_decay)
-        param.add_(update.to(param.dtype), alpha=-adjust_lr(lr, adjust_lr_fn, shape))
+        apply_update_(param, update, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn,
+                      shape=shapes[i] if shapes is not None else param.shape)
     return len(params)
+
+
+def momentum_update_(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float,
+                     nesterov: bool) -> torch.Tensor:
+    """Muon's momentum step (``buf`` updated in place) and the Newton-Schulz input.
+
+    Element-wise, so it runs on a full matrix or any shard of one. ``torch.optim.Muon``:
+    ``buf.lerp_(grad, 1 - momentum)``; input ``grad.lerp(buf, momentum)`` with Nesterov, else
+    ``buf``.
+    """
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def apply_update_(param: torch.Tensor, update: torch.Tensor, *, lr: float, weight_decay: float,
+                  adjust_lr_fn: str | None, shape: Sequence[int]) -> None:
+    """Decoupled weight decay with the unadjusted lr, then ``param -= adjust_lr(lr) * update``.
+
+    Element-wise (full matrix or shard); ``shape`` is the *full* matrix's ``(rows, cols)``.
+    """
+    param.mul_(1 - lr * weight_decay)
+    param.add_(update.to(param.dtype), alpha=-adjust_lr(lr, adjust_lr_fn, shape))
 
 
 def ns_by_shape(ns_kwargs: dict[str, Any], max_batch_bytes: int | None = None
