@@ -116,8 +116,8 @@ class Muon(torch.optim.Optimizer):
         self.state_ctx = get_state(model)
         self.state_ctx.ensure_bound()
         dedicated = [rec.master for rec in self.state_ctx.records]
-        dedicated_ids = {id(p) for p in dedicated}
-        others = [p for p in model.parameters() if id(p) not in dedicated_ids and p.requires_grad]
+        others = [p for p in model.parameters()
+                  if id(p) not in self.state_ctx.record_of_master and p.requires_grad]
         muon_group = dict(
             params=dedicated, kind="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
             nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
@@ -155,7 +155,6 @@ class Muon(torch.optim.Optimizer):
 
     def _step_muon(self, group: dict) -> None:
         ctx = self.state_ctx
-        rec_by_master = {id(r.master): r for r in ctx.records}
         params, grads, bufs, recs = [], [], [], []
         for p in group["params"]:
             if p.grad is None or p.numel() == 0:  # placeholders: someone else owns it
@@ -166,7 +165,7 @@ class Muon(torch.optim.Optimizer):
             params.append(p)
             grads.append(p.grad)
             bufs.append(state["momentum_buffer"])
-            recs.append(rec_by_master[id(p)])
+            recs.append(ctx.record_of_master[id(p)])
         ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
                          method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
                          backend=self.ns_backend)
@@ -224,7 +223,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     ctx = get_state(model)
     ctx.ensure_bound()
     norm_type = float(norm_type)
-    dedicated = {id(r.master) for r in ctx.records}
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
         if rec.master.grad is None:
@@ -234,7 +232,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         if ctx.replicate_rank == 0 and (rec.tp_shard_dim is not None or ctx.tp_rank == 0):
             counted.append(rec.master.grad)
     for p in model.parameters():
-        if id(p) in dedicated or p.grad is None:
+        if id(p) in ctx.record_of_master or p.grad is None:
             continue
         g = p.grad
         if hasattr(g, "to_local"):

@@ -123,13 +123,15 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
             setter(enabled, recurse=False)
 
 
-def gradient_sync_enabled(model: nn.Module) -> bool:
+def gradient_sync_enabled(states: list[Any]) -> bool:
     """False when the user turned FSDP2's gradient sync off (``set_requires_gradient_sync``).
 
-    Read from the FSDP2 parameter groups at call time; a model whose groups were all taken
-    by dmuon reports True (dmuon's own ``no_sync`` covers that case).
+    Args:
+        states: the model's FSDP2 states (:func:`fsdp_states`, found once at bind time); the
+            flag itself is read from their parameter groups at call time. States whose groups
+            were all taken by dmuon report nothing (dmuon's own ``no_sync`` covers them).
     """
-    for state in fsdp_states(model):
+    for state in states:
         for group in _param_groups(state):
             if not getattr(group, "reduce_grads", True):
                 return False

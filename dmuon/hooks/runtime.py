@@ -81,10 +81,7 @@ class PublishGroup:
     work: Any = None
     fwd_done: set = field(default_factory=set)
     bwd_done: set = field(default_factory=set)
-
-    @property
-    def grad_members(self) -> set:
-        return {id(r) for r in self.members if r.compute.requires_grad}
+    grad_members: set = field(default_factory=set)  # ids of members that take a gradient
 
 
 @dataclass(eq=False)
@@ -150,7 +147,6 @@ class DedicateState:
         self.bucket_bytes = bucket_bytes
         self.records: list[DedicatedParam] = []
         self.units: list[Unit] = []
-        self.unit_of_module: dict[int, Unit] = {}
         self.replicated: ReplicatedGrads | None = None
         self.bound = False
         self.fsdp_wrapped = False
@@ -160,14 +156,15 @@ class DedicateState:
         self._handles: list[Any] = []
         self.groups: list[PublishGroup] = []
         self.group_of: dict[int, PublishGroup] = {}
+        self.record_of_master: dict[int, DedicatedParam] = {}  # id(master) -> record
+        self._fsdp_states: list[Any] = []
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
-        order = {}
+        self.unit_of_module: dict[int, Unit] = {}
         for sel in selected:
-            if id(sel.module) not in order:
+            if id(sel.module) not in self.unit_of_module:
                 unit = Unit(index=len(self.units), module=sel.module)
-                order[id(sel.module)] = unit
+                self.unit_of_module[id(sel.module)] = unit
                 self.units.append(unit)
-        self.unit_of_module = order
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
@@ -181,7 +178,8 @@ class DedicateState:
         """
         if self.bound:
             return
-        self.fsdp_wrapped = fsdp.is_fsdp_wrapped(self.model)
+        self._fsdp_states = fsdp.fsdp_states(self.model)
+        self.fsdp_wrapped = bool(self._fsdp_states)
         specs = {m.fqn: m for m in self.plan.matrices}
         slices = []
         for sel in self.selected:  # collective redistributes, in the same order on every rank
@@ -204,7 +202,10 @@ class DedicateState:
             )
             group = views[order][0]
             group.members.append(rec)
+            if rec.compute.requires_grad:
+                group.grad_members.add(id(rec))
             self.group_of[id(rec)] = group
+            self.record_of_master[id(rec.master)] = rec
             self.records.append(rec)
             unit = self.unit_of_module[id(sel.module)]
             unit.records.append(rec)
@@ -255,9 +256,8 @@ class DedicateState:
                 "dmuon: HSDP and tensor-parallel meshes need FSDP2 (fully_shard) on the "
                 "data-parallel dimensions; a plain replicated module is supported on a 1-D mesh"
             )
-        dedicated = {id(r.master) for r in self.records}
         params = [p for p in self.model.parameters()
-                  if id(p) not in dedicated and not hasattr(p, "placements")]
+                  if id(p) not in self.record_of_master and not hasattr(p, "placements")]
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
             for p in params:  # start every replica from rank 0's values, as DDP does
@@ -343,7 +343,7 @@ class DedicateState:
         if not self._final_callback_queued:
             self._final_callback_queued = True
             self._sync_this_backward = self.sync_enabled and (
-                not self.fsdp_wrapped or fsdp.gradient_sync_enabled(self.model))
+                not self.fsdp_wrapped or fsdp.gradient_sync_enabled(self._fsdp_states))
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def _make_on_grad(self, rec: DedicatedParam) -> Callable:
