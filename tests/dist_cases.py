@@ -34,21 +34,27 @@ def build(world_size: int, mode: str, *, plan=None, predicate=None, variant: str
 
 
 def full_params(model: torch.nn.Module, rank: int) -> dict[str, np.ndarray]:
-    """Every parameter's full value, assembled on rank 0 (collective)."""
+    """Every parameter's full value on rank 0 (``{}`` elsewhere), assembled from the owners'
+    masters (TP slices concatenated, HSDP replica 0) and full FSDP2/TP tensors (collective)."""
     state = model._dmuon_state
-    owned = {rec.fqn: rec.master.detach() for rec in state.records if rec.is_owner}
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {k: v.numpy().copy() for k, v in owned.items()})
+    mine = {rec.fqn: (state.tp_rank, rec.tp_shard_dim, rec.master.detach().numpy().copy())
+            for rec in state.records if rec.is_owner and state.replicate_rank == 0}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    pieces: dict[str, list] = {}
+    for part in parts:
+        for fqn, piece in part.items():
+            pieces.setdefault(fqn, []).append(piece)
     out: dict[str, np.ndarray] = {}
-    for part in gathered:
-        out.update(part)
+    for fqn, ps in pieces.items():
+        ps.sort(key=lambda p: p[0])
+        dim = ps[0][1]
+        out[fqn] = ps[0][2] if dim is None else np.concatenate([p[2] for p in ps], axis=dim)
     for name, p in model.named_parameters():
-        if name in out:
-            continue
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().numpy().copy()
+        if name not in out:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = t.detach().numpy().copy()
     return out if rank == 0 else {}
-
 
 def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
           opt_kwargs: dict | None = None, clip: float | None = None,

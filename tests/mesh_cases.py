@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
 from tests import models
+from tests.dist_cases import full_params
 
 LAYOUTS = {
     # name: (mesh shape, mesh dim names)
@@ -56,31 +54,6 @@ def dp_coordinate(mesh, dp_names) -> tuple[int, int]:
     return index, count
 
 
-def full_params(model) -> dict[str, np.ndarray]:
-    """Every parameter's full value on rank 0, assembled from owners' TP slices (collective)."""
-    state = model._dmuon_state
-    mine = {}
-    for rec in state.records:
-        if rec.is_owner and state.replicate_rank == 0:
-            mine[rec.fqn] = (state.tp_rank, rec.tp_shard_dim, rec.master.detach().numpy().copy())
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    out: dict[str, np.ndarray] = {}
-    pieces: dict[str, list] = {}
-    for part in parts:
-        for fqn, (tp_rank, dim, arr) in part.items():
-            pieces.setdefault(fqn, []).append((tp_rank, dim, arr))
-    for fqn, ps in pieces.items():
-        ps.sort(key=lambda p: p[0])
-        dim = ps[0][1]
-        out[fqn] = ps[0][2] if dim is None else np.concatenate([p[2] for p in ps], axis=dim)
-    for name, p in model.named_parameters():
-        if name not in out:
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = t.detach().numpy().copy()
-    return out
-
-
 def train(rank: int, world_size: int, *, layout: str, steps: int = 5, clip: float | None = None,
           replicate_mode: str = "auto") -> dict:
     model, mesh, dp_names = build(layout, replicate_mode=replicate_mode)
@@ -98,8 +71,7 @@ def train(rank: int, world_size: int, *, layout: str, steps: int = 5, clip: floa
         opt.step()
         ns_counts.append(state.ns_matrices - before)
         opt.zero_grad()
-    params = full_params(model)
-    return dict(params=params if rank == 0 else {}, dp_count=dp_count, norms=norms,
+    return dict(params=full_params(model, rank), dp_count=dp_count, norms=norms,
                 ns_counts=ns_counts, replicate_rank=state.replicate_rank)
 
 
