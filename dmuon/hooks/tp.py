@@ -73,12 +73,6 @@ def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None) -> TPSlice:
     return TPSlice(tensor.to_local().detach(), shard_dim, tp_mesh, placement)
 
 
-def chunk_sizes(size: int, parts: int) -> list[int]:
-    """Sizes ``torch.chunk`` (and DTensor's ``Shard``) gives ``size`` rows over ``parts`` ranks."""
-    step = -(-size // parts) if size else 0
-    return [max(0, min(step, size - i * step)) for i in range(parts)]
-
-
 def as_compute_param(local: torch.Tensor, sl: TPSlice, full_shape: tuple[int, int]) -> torch.Tensor:
     """Wrap a local compute tensor as a DTensor on the TP mesh when the original was one."""
     if sl.tp_mesh is None:

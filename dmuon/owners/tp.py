@@ -35,6 +35,12 @@ class TPItem:
     tp_owner: int
 
 
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """Sizes ``torch.chunk`` (and DTensor's ``Shard``) gives ``size`` rows over ``parts`` ranks."""
+    step = -(-size // parts) if size else 0
+    return [max(0, min(step, size - i * step)) for i in range(parts)]
+
+
 def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     missing = size - t.shape[dim]
     if missing == 0:
@@ -56,8 +62,6 @@ def orthogonalize_tp(items: list[TPItem], group: dist.ProcessGroup,
     Returns:
         This rank's slice (or whole matrix) of each orthogonalized update, fp32.
     """
-    from dmuon.hooks.tp import chunk_sizes
-
     size, me = dist.get_world_size(group), dist.get_rank(group)
     pending = []
     for item in items:  # 1. slices travel to their TP owner
