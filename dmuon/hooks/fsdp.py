@@ -56,28 +56,33 @@ def is_fsdp_wrapped(model: nn.Module) -> bool:
     return bool(fsdp_states(model))
 
 
-def mixed_precision_dtypes(model: nn.Module, module: nn.Module) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """``(param_dtype, reduce_dtype)`` of the FSDP2 policy covering ``module`` (``None`` if unset)."""
-    for candidate in [module, *_ancestors(model, module)]:
-        state = _fsdp_state(candidate)
-        if state is not None:
-            policy = getattr(state, "_mp_policy", None)
-            if policy is not None:
-                return policy.param_dtype, policy.reduce_dtype
-    return None, None
-
-
-def _ancestors(model: nn.Module, target: nn.Module) -> list[nn.Module]:
-    """Modules on the path from ``target``'s parent up to ``model`` (innermost first)."""
+def parent_map(model: nn.Module) -> dict[int, nn.Module]:
+    """``id(child) -> parent`` for every submodule of ``model`` (build once, pass around)."""
     parents: dict[int, nn.Module] = {}
     for module in model.modules():
         for child in module.children():
             parents.setdefault(id(child), module)
-    chain, node = [], target
-    while id(node) in parents:
-        node = parents[id(node)]
-        chain.append(node)
-    return chain
+    return parents
+
+
+def enclosing_fsdp_module(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module | None:
+    """The innermost module at or above ``module`` that FSDP2 wrapped (its block), or None."""
+    node: nn.Module | None = module
+    while node is not None:
+        if _fsdp_state(node) is not None:
+            return node
+        node = parents.get(id(node))
+    return None
+
+
+def mixed_precision_dtypes(block: nn.Module | None) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` of the FSDP2 policy of ``block`` (the module's
+    :func:`enclosing_fsdp_module`); ``None`` where unset or without FSDP2."""
+    state = _fsdp_state(block) if block is not None else None
+    policy = getattr(state, "_mp_policy", None)
+    if policy is None:
+        return None, None
+    return policy.param_dtype, policy.reduce_dtype
 
 
 def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tensor | None:

@@ -181,15 +181,19 @@ class DedicateState:
         self._fsdp_states = fsdp.fsdp_states(self.model)
         self.fsdp_wrapped = bool(self._fsdp_states)
         specs = {m.fqn: m for m in self.plan.matrices}
-        slices = []
+        parents = fsdp.parent_map(self.model)
+        slices, blocks = [], []
         for sel in self.selected:  # collective redistributes, in the same order on every rank
             param = sel.module._parameters[sel.attr]
             taken = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
             sl = local_slice(taken if taken is not None else param, sel.fqn, self.roles.tp_name)
-            param_dtype, reduce_dtype = fsdp.mixed_precision_dtypes(self.model, sel.module)
+            block = fsdp.enclosing_fsdp_module(sel.module, parents)
+            param_dtype, reduce_dtype = fsdp.mixed_precision_dtypes(block)
             slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,
                            reduce_dtype or param_dtype or sl.local.dtype))
-        views = self._make_groups(slices, specs)
+            # Publish groups form per FSDP2 block; without FSDP2, per module.
+            blocks.append(id(block if block is not None else sel.module))
+        views = self._make_groups(slices, specs, blocks)
         for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(self.selected, slices)):
             spec = specs[sel.fqn]
             rec = make_dedicated(
@@ -224,21 +228,12 @@ class DedicateState:
         self.bound = True
         logger.debug("dmuon: rank %d bound %d dedicated matrices", self.rank, len(self.records))
 
-    def _block_of(self, module: nn.Module) -> int:
-        """Key of the FSDP2 block that computes with ``module`` (the module itself when no
-        FSDP2 state covers it, e.g. on the replicated path)."""
-        if self.fsdp_wrapped:
-            for candidate in [module, *fsdp._ancestors(self.model, module)]:
-                if fsdp._fsdp_state(candidate) is not None:
-                    return id(candidate)
-        return id(module)
-
-    def _make_groups(self, slices, specs) -> list[tuple[PublishGroup, torch.Tensor]]:
-        """One :class:`PublishGroup` per (FSDP2 block, owner, dtype, device); returns each
-        matrix's group and its view of the group's flat buffer, in ``self.selected`` order."""
+    def _make_groups(self, slices, specs, blocks) -> list[tuple[PublishGroup, torch.Tensor]]:
+        """One :class:`PublishGroup` per (block, owner, dtype, device); returns each matrix's
+        group and its view of the group's flat buffer, in ``self.selected`` order."""
         keyed: dict[tuple, list[int]] = {}
         for i, (sel, (sl, _, dtype, _)) in enumerate(zip(self.selected, slices)):
-            key = (self._block_of(sel.module), specs[sel.fqn].owner, dtype, sl.local.device)
+            key = (blocks[i], specs[sel.fqn].owner, dtype, sl.local.device)
             keyed.setdefault(key, []).append(i)
         views: list[Any] = [None] * len(slices)
         for (_, owner, dtype, device), indices in keyed.items():
