@@ -158,6 +158,9 @@ def _bad_input(case: str, rank: int, world_size: int) -> None:
     elif case == "non-2d-predicate":
         model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
         dmuon.dedicate_params(model, mesh, predicate=lambda name, p: p.ndim >= 1 and "emb" not in name)
+    elif case == "bad-reduce-mode":
+        model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
+        dmuon.dedicate_params(model, mesh, reduce_mode="scatter")
     elif case == "plan-other-world":
         model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
         names = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n in models.matrix_names(model)]

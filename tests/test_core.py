@@ -128,6 +128,7 @@ def test_state_dict_roundtrip_same_world_size_is_bitwise(dist_pool, mode):
     ("mesh-2d-unnamed", 4, "ValueError", ["mesh_dim_names", "(2, 2)"]),
     ("twice", 2, "RuntimeError", ["already called"]),
     ("non-2d-predicate", 2, "ValueError", ["blocks.0.ln.weight", "(12,)", "2-D", "predicate"]),
+    ("bad-reduce-mode", 2, "ValueError", ["reduce_mode", "'scatter'", "all_reduce"]),
     ("plan-other-world", 2, "ValueError", ["3 ranks", "mesh has 2"]),
     ("plan-other-model", 2, "ValueError", ["no owner", "another model"]),
     ("plan-differs-by-rank", 2, "RuntimeError", ["differs between ranks", "[1]"]),
@@ -185,6 +186,23 @@ def test_frozen_unused_and_tied_parameters_follow_single_process(dist_pool, vari
                         "unused": ["spare.weight"], "tied": []}[variant]
     for name in frozen_or_unused:
         np.testing.assert_array_equal(out[0]["params"][name], initial[name].detach().numpy())
+
+
+@pytest.mark.parametrize("reduce_mode,variant,world_size", [
+    ("reduce", "", 4), ("reduce", "unused", 2), ("all_reduce", "unused", 4), ("reduce", "frozen", 2)])
+def test_both_reduce_modes_match_single_process(dist_pool, reduce_mode, variant, world_size):
+    """Each FSDP2 block's gradients reach their owners as one bucket: one reduce per owner
+    segment or one all-reduce ("auto" on gloo is "all_reduce", which the other tests use). With
+    an unused matrix the bucket never fills during backward and is flushed at its end; the
+    unused matrix must still be skipped, not stepped with a zero gradient."""
+    out = dist_pool.run(world_size, "tests.dist_cases:train",
+                        dict(mode="fsdp", steps=3, variant=variant,
+                             dedicate_kwargs=dict(reduce_mode=reduce_mode)), timeout_s=120)
+    ref, _, _ = models.run_reference(world_size, 3, variant=variant)
+    compare(out[0]["params"], ref, FP32_ATOL)
+    if variant == "unused":
+        initial = models.make_model(variant=variant).spare.weight.detach().numpy()
+        np.testing.assert_array_equal(out[0]["params"]["spare.weight"], initial)
 
 
 def test_dedicating_a_tied_matrix_is_refused(dist_pool):

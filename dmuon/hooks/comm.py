@@ -8,6 +8,8 @@ from module hooks that run in the same order on every rank.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,32 @@ class Pending:
         if self.work is not None:
             self.work.wait()
             self.work = None
+
+
+@contextlib.contextmanager
+def issued_together(group: dist.ProcessGroup, device: torch.device, pendings: list[Pending]) -> Iterator[None]:
+    """Issue the collectives started inside as one NCCL group call where the backend can.
+
+    On NCCL (CUDA tensors) the block runs under ``torch.distributed._coalescing_manager``: the
+    broadcasts or reduces it issues, to or from different owners, launch as one
+    ``ncclGroupStart``/``ncclGroupEnd`` and pay the launch latency once. Afterwards every
+    :class:`Pending` in ``pendings`` waits on the whole group. Other backends (gloo cannot
+    coalesce) issue them one by one, unchanged.
+
+    Args:
+        group: the process group every collective inside uses.
+        device: the device of their tensors.
+        pendings: the caller's list; the :class:`Pending` objects appended inside are rebound
+            to the group's work.
+    """
+    if device.type != "cuda" or dist.get_backend(group) != "nccl":
+        yield
+        return
+    first = len(pendings)
+    with dist._coalescing_manager(group, device=device, async_ops=True) as manager:
+        yield
+    for pend in pendings[first:]:
+        pend.work = manager
 
 
 def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup) -> Pending:

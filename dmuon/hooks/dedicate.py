@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.hooks.comm import check_same_on_all_ranks
+from dmuon.hooks.grad_buckets import REDUCE_MODES
 from dmuon.hooks.mesh import build_roles
 from dmuon.hooks.runtime import DedicateState, Selected
 from dmuon.owners.plan import OwnerPlan, build_plan
@@ -88,6 +89,7 @@ def dedicate_params(
     reshard_after_forward: bool = True,
     bucket_bytes: int = 25 * 2**20,
     replicate_mode: str = "auto",
+    reduce_mode: str = "auto",
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -114,13 +116,19 @@ def dedicate_params(
         replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz on the
             all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts)
             or ``"auto"`` (per matrix, the cheaper by a cost model); all exact.
+        reduce_mode: how one FSDP2 block's gradients reach their owners (bucketed, one bucket
+            per block): ``"reduce"`` (one reduce per owner, one NCCL group call),
+            ``"all_reduce"`` (one all-reduce of the bucket: a single collective, twice the
+            bytes) or ``"auto"`` (``"reduce"`` on NCCL, ``"all_reduce"`` on gloo); all exact
+            (:mod:`dmuon.hooks.grad_buckets`).
 
     Returns:
         The owner plan in use (identical on every rank).
 
     Raises:
         ValueError: a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
-            plan for another model or world size, ``prefetch < 1``.
+            plan for another model or world size, ``prefetch < 1``, an unknown ``replicate_mode`` or
+            ``reduce_mode``.
         RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
             on the plan (raised on every rank, naming the ranks).
     """
@@ -133,6 +141,8 @@ def dedicate_params(
         raise ValueError(f"dmuon: prefetch must be >= 1, got {prefetch}")
     if replicate_mode not in ("auto", "compute", "broadcast"):
         raise ValueError(f"dmuon: replicate_mode must be 'auto', 'compute' or 'broadcast', got {replicate_mode!r}")
+    if reduce_mode not in REDUCE_MODES:
+        raise ValueError(f"dmuon: reduce_mode must be one of {REDUCE_MODES}, got {reduce_mode!r}")
     if not dist.is_initialized():
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
@@ -152,7 +162,7 @@ def dedicate_params(
     check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
     state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
-                          replicate_mode=replicate_mode)
+                          replicate_mode=replicate_mode, reduce_mode=reduce_mode)
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:
         loads = plan.loads()

@@ -31,7 +31,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from dmuon.hooks import fsdp
-from dmuon.hooks.comm import publish, reduce_to_owner
+from dmuon.hooks.comm import Pending, issued_together, publish
+from dmuon.hooks.grad_buckets import GradBucket, choose_reduce_mode, make_buckets
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicated import ReplicatedGrads
 from dmuon.hooks.tp import as_compute_param, local_slice
@@ -118,6 +119,8 @@ class DedicateState:
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
         replicate_mode: HSDP: ``"compute"``, ``"broadcast"`` or ``"auto"`` (per matrix, by
             :func:`choose_replicate_mode`).
+        reduce_mode: how a block's gradients reach their owners: ``"reduce"``,
+            ``"all_reduce"`` or ``"auto"`` (:mod:`dmuon.hooks.grad_buckets`).
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class DedicateState:
         reshard_after_forward: bool,
         bucket_bytes: int,
         replicate_mode: str = "auto",
+        reduce_mode: str = "auto",
     ) -> None:
         self.model = model
         self.roles = roles
@@ -140,6 +144,7 @@ class DedicateState:
         self.tp_rank = dist.get_rank(roles.tp) if roles.tp is not None else 0
         self.replicate_rank = dist.get_rank(roles.replicate) if roles.replicate is not None else 0
         self.replicate_mode = replicate_mode
+        self.reduce_mode = choose_reduce_mode(reduce_mode, roles.shard)
         self.plan = plan
         self.selected = selected
         self.prefetch = prefetch
@@ -156,6 +161,8 @@ class DedicateState:
         self._handles: list[Any] = []
         self.groups: list[PublishGroup] = []
         self.group_of: dict[int, PublishGroup] = {}
+        self.buckets: list[GradBucket] = []
+        self.bucket_of: dict[int, GradBucket] = {}  # id(record) -> its gradient bucket
         self.record_of_master: dict[int, DedicatedParam] = {}  # id(master) -> record
         self._fsdp_states: list[Any] = []
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
@@ -220,6 +227,8 @@ class DedicateState:
         for group in self.groups:
             if not group.is_owner:
                 free_storage(group.flat)
+        self.buckets = make_buckets(self.records, blocks)
+        self.bucket_of = {id(rec): bucket for bucket in self.buckets for rec in bucket.records}
         if not self.fsdp_wrapped and self.world_size > 1:
             self._bind_replicated()
         # Loading a state dict writes the masters; the compute copies must follow.
@@ -265,17 +274,30 @@ class DedicateState:
             self._handles.append(p.register_hook(self._make_on_replicated_grad(p)))
 
     # -------------------------------------------------------------- publication
-    def _issue(self, unit: Unit) -> None:
-        for group in unit.groups:
-            if group.live:
-                continue
-            if not group.is_owner:
-                alloc_storage(group.flat)
-            with torch.autograd._unsafe_preserve_version_counter(group.flat):
-                group.work = publish(group.flat, group.owner, self.group)
-            group.live = True
-            group.fwd_done.clear()
-            group.bwd_done.clear()
+    def _issue(self, units: list[Unit]) -> None:
+        """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
+        todo = [g for unit in units for g in unit.groups if not g.live]
+        if not todo:
+            return
+        device = todo[0].flat.device
+        if any(g.flat.device != device for g in todo):
+            for g in todo:
+                self._issue_groups([g], g.flat.device)
+        else:
+            self._issue_groups(todo, device)
+
+    def _issue_groups(self, groups: list[PublishGroup], device: torch.device) -> None:
+        pendings: list[Pending] = []
+        with issued_together(self.group, device, pendings):
+            for group in groups:
+                if not group.is_owner:
+                    alloc_storage(group.flat)
+                with torch.autograd._unsafe_preserve_version_counter(group.flat):
+                    group.work = publish(group.flat, group.owner, self.group)
+                pendings.append(group.work)
+                group.live = True
+                group.fwd_done.clear()
+                group.bwd_done.clear()
 
     def _wait(self, unit: Unit) -> None:
         for group in unit.groups:
@@ -298,9 +320,7 @@ class DedicateState:
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
             with torch.profiler.record_function("dmuon::pre_forward"):
-                self._issue(unit)
-                for nxt in self.units[unit.index + 1: unit.index + 1 + self.prefetch]:
-                    self._issue(nxt)
+                self._issue(self.units[unit.index: unit.index + 1 + self.prefetch])
                 self._wait(unit)
             for rec in unit.records:
                 rec.show("compute")
@@ -325,10 +345,9 @@ class DedicateState:
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def pre_backward(grad: Any) -> None:
             with torch.profiler.record_function("dmuon::pre_backward"):
-                self._issue(unit)
-                for prev in self.units[max(0, unit.index - self.prefetch): unit.index][::-1]:
-                    if any(r.compute.requires_grad for r in prev.records):
-                        self._issue(prev)
+                previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
+                self._issue([unit] + [prev for prev in previous
+                                      if any(r.compute.requires_grad for r in prev.records)])
                 self._wait(unit)
         return pre_backward
 
@@ -353,8 +372,9 @@ class DedicateState:
             param.grad = None
             if hasattr(grad, "to_local"):  # the TP slice's gradient
                 grad = grad.to_local()
-            buf = grad if grad.dtype == rec.reduce_dtype else grad.to(rec.reduce_dtype)
-            rec.pending.append(reduce_to_owner(buf, rec.owner, self.group))
+            bucket = self.bucket_of[id(rec)]
+            if bucket.add(rec, grad):
+                bucket.issue(self.group, self.reduce_mode)
             self._backward_done(rec)
         return on_grad
 
@@ -381,17 +401,18 @@ class DedicateState:
         replicas = self.roles.replicate_size
         with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
             combined = []
-            for rec in self.records:
-                for pend in rec.pending:
-                    pend.wait()
-                    if rec.is_owner:
-                        avg = pend.tensors[0].to(torch.float32).div_(self.world_size)
+            for bucket in self.buckets:
+                if bucket.flat is None:
+                    continue
+                if not bucket.issued:  # a member took no gradient in this backward
+                    bucket.issue(self.group, self.reduce_mode)
+                for rec, avg in bucket.take(self.world_size):
+                    if avg is not None:
                         if replicas > 1:
                             combined.append((rec, self._combine_replicas(rec, avg), avg))
                         else:
                             self._accumulate(rec, avg)
                     rec.had_grad = True
-                rec.pending.clear()
             for rec, work, avg in combined:
                 work.wait()
                 if rec.replicate_mode == "compute" or self.replicate_rank == 0:
@@ -435,8 +456,8 @@ class DedicateState:
                     group.live = False
                 else:
                     self._release(group)
-            for unit in self.units[: self.prefetch] if issue else ():
-                self._issue(unit)
+            if issue:
+                self._issue(self.units[: self.prefetch])
 
     def _broadcast_from_replica0(self) -> None:
         """HSDP "broadcast" matrices: replica 0's owner stepped; the other replicas copy."""

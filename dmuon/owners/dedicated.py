@@ -13,7 +13,7 @@ Each dedicated matrix ``W`` (``[rows, cols]``) is represented by two ``nn.Parame
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,7 +74,6 @@ class DedicatedParam:
     tp_owner: int = 0
     replicate_mode: str = "compute"
     had_grad: bool = False
-    pending: list = field(default_factory=list)
 
     @property
     def buffer(self) -> torch.Tensor:

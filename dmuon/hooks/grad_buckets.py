@@ -1,0 +1,158 @@
+"""Reduce-to-owner in buckets: the gradients of one FSDP2 block's dedicated matrices travel together.
+
+Reducing every matrix on its own costs one collective per matrix, where FSDP2 spends one
+reduce-scatter per block. A :class:`GradBucket` holds the local gradients of one block's
+dedicated matrices (one dtype, one device) in a flat buffer laid out *owner-major*, so each
+owner's matrices form one contiguous segment. When the last gradient of the block is in, the
+bucket is reduced with one of two collective patterns, both exact (a sum over the
+data-parallel group, divided by its size on the owner):
+
+* ``"reduce"``: one ``reduce`` per owner segment, to that owner. Each rank sends only what the
+  owners need (bandwidth-optimal); on NCCL the segments go out as one group call
+  (:func:`dmuon.hooks.comm.issued_together`).
+* ``"all_reduce"``: one ``all_reduce`` of the whole bucket; each owner keeps its segment. Twice
+  the bytes of ``"reduce"`` but a single collective, which wins where a collective's fixed cost
+  dominates (gloo on CPU: see ``bench/results/step_cpu_4r_buckets.json``).
+
+``"auto"`` picks ``"reduce"`` on NCCL and ``"all_reduce"`` elsewhere.
+
+Matrices that did not take a gradient in this backward (unused in this forward) stay out of
+the owners' gradients: their slots are zeroed and ignored, exactly as ``torch.optim.Muon``
+skips a parameter whose ``grad`` is ``None``. Which matrices are used must be the same on
+every rank (it is for a model that runs the same graph everywhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dmuon.hooks.comm import Pending, all_reduce_sum, issued_together, reduce_to_owner
+from dmuon.owners.dedicated import DedicatedParam
+
+logger = logging.getLogger(__name__)
+
+REDUCE_MODES = ("auto", "reduce", "all_reduce")
+
+
+def choose_reduce_mode(mode: str, group: dist.ProcessGroup) -> str:
+    """Resolve ``"auto"``: ``"reduce"`` on NCCL, ``"all_reduce"`` on other backends.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`REDUCE_MODES`.
+    """
+    if mode not in REDUCE_MODES:
+        raise ValueError(f"dmuon: reduce_mode must be one of {REDUCE_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "reduce" if dist.get_backend(group) == "nccl" else "all_reduce"
+
+
+@dataclass(eq=False)
+class GradBucket:
+    """Local gradients of one block's dedicated matrices, reduced to their owners together.
+
+    Attributes:
+        records: the block's matrices, owner-major (stable within an owner).
+        slots: ``(start, numel)`` of each record in ``flat``, in ``records`` order.
+        index: ``id(record)`` -> its position in ``records``.
+        segments: ``(owner, start, numel)``, one per owner that owns a matrix of the block.
+        dtype: the reduce dtype of every member.
+        device: the device of every member.
+        expected: ids of the records that take a gradient (``compute.requires_grad``).
+        flat: ``[sum of numels]`` in ``dtype``; allocated at the first gradient of a backward,
+            dropped after :meth:`take`.
+        ready: ids of the records whose gradient is in ``flat`` this backward.
+    """
+
+    records: list[DedicatedParam]
+    slots: list[tuple[int, int]]
+    index: dict[int, int]
+    segments: list[tuple[int, int, int]]
+    dtype: torch.dtype
+    device: torch.device
+    expected: frozenset[int]
+    flat: torch.Tensor | None = None
+    ready: set = field(default_factory=set)
+    pending: list[Pending] = field(default_factory=list)
+    issued: bool = False
+
+    def add(self, rec: DedicatedParam, grad: torch.Tensor) -> bool:
+        """Copy ``rec``'s local gradient ``[rows, cols]`` into its slot; True once all are in."""
+        if self.flat is None:
+            self.flat = torch.empty(sum(n for _, n in self.slots), dtype=self.dtype, device=self.device)
+        start, numel = self.slots[self.index[id(rec)]]
+        self.flat[start: start + numel].view_as(grad).copy_(grad)
+        self.ready.add(id(rec))
+        return self.ready >= self.expected
+
+    def issue(self, group: dist.ProcessGroup, mode: str) -> None:
+        """Start the bucket's collective(s); slots without a gradient are zeroed first."""
+        for rec, (start, numel) in zip(self.records, self.slots):
+            if id(rec) not in self.ready:
+                self.flat[start: start + numel].zero_()
+        with torch.profiler.record_function("dmuon::reduce_bucket"):
+            if mode == "all_reduce":
+                self.pending.append(all_reduce_sum(self.flat, group))
+            else:
+                with issued_together(group, self.device, self.pending):
+                    for owner, start, numel in self.segments:
+                        self.pending.append(reduce_to_owner(self.flat[start: start + numel], owner, group))
+        self.issued = True
+
+    def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None]]:
+        """Wait, then yield ``(record, average)`` for every record that had a gradient.
+
+        ``average`` is a new fp32 ``[rows, cols]`` tensor on the owner (the sum over the group
+        divided by ``world_size``) and ``None`` elsewhere. The bucket is empty afterwards.
+        """
+        for pend in self.pending:
+            pend.wait()
+        for rec, (start, numel) in zip(self.records, self.slots):
+            if id(rec) not in self.ready:
+                continue
+            avg = None
+            if rec.is_owner:
+                piece = self.flat[start: start + numel].view(rec.shape)
+                avg = piece.to(torch.float32, copy=True).div_(world_size)
+            yield rec, avg
+        self.flat = None
+        self.ready.clear()
+        self.pending.clear()
+        self.issued = False
+
+
+def make_buckets(records: list[DedicatedParam], blocks: list[int]) -> list[GradBucket]:
+    """One :class:`GradBucket` per (block, reduce dtype, device), in first-member order.
+
+    Args:
+        records: every dedicated matrix of the model, in model order.
+        blocks: for each record, an id of its FSDP2 block (its module without FSDP2).
+    """
+    keyed: dict[tuple, list[DedicatedParam]] = {}
+    for rec, block in zip(records, blocks):
+        keyed.setdefault((block, rec.reduce_dtype, rec.buffer.device), []).append(rec)
+    buckets = []
+    for (_, dtype, device), members in keyed.items():
+        members = sorted(members, key=lambda r: r.owner)  # stable: model order within an owner
+        slots, segments, start = [], [], 0
+        for rec in members:
+            numel = math.prod(rec.shape)
+            slots.append((start, numel))
+            if segments and segments[-1][0] == rec.owner:
+                owner, seg_start, seg_numel = segments[-1]
+                segments[-1] = (owner, seg_start, seg_numel + numel)
+            else:
+                segments.append((rec.owner, start, numel))
+            start += numel
+        expected = frozenset(id(r) for r in members if r.compute.requires_grad)
+        index = {id(r): i for i, r in enumerate(members)}
+        buckets.append(GradBucket(members, slots, index, segments, dtype, device, expected))
+    logger.debug("dmuon: %d gradient buckets for %d matrices", len(buckets), len(records))
+    return buckets
+
