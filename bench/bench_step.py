@@ -32,7 +32,7 @@ Usage::
 
     python bench/bench_step.py --nproc 4 --out bench/results/step_cpu_4r.json
     python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
-    python bench/bench_step.py --nproc 4 --extra dmuon_keep ...   # + reshard_after_forward=False
+    python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_reduce ...   # diagnostic variants
 
 CPU and gloo only for now: the NCCL / single-GPU mode of issue 7 (world size 1 at Pi0 scale,
 against ``torch.optim.Muon``) is not written yet (no GPU was available to test it).
@@ -67,8 +67,11 @@ from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 logger = logging.getLogger(__name__)
 
 VARIANTS = ("adamw", "vanilla", "dmuon")
-#: ``dmuon_keep``: dmuon with ``reshard_after_forward=False`` (no second broadcast in backward).
-EXTRA_VARIANTS = ("dmuon_keep",)
+#: Extra dmuon variants and their ``dedicate_params`` arguments: ``dmuon_keep`` keeps full
+#: weights from forward to backward (no second broadcast); ``dmuon_reduce`` reduces each
+#: gradient bucket with one reduce per owner instead of gloo's default one all-reduce.
+EXTRA_VARIANTS = {"dmuon_keep": dict(reshard_after_forward=False),
+                  "dmuon_reduce": dict(reduce_mode="reduce")}
 PHASES = ("forward", "backward", "step", "total")
 #: Message sizes (bytes, float32 payload) of the gloo calibration; 1 KiB .. 4 MiB.
 CALIB_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -106,7 +109,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if set(self.extra_variants) - set(EXTRA_VARIANTS):
             raise ValueError(
-                f"bench_step: extra_variants={self.extra_variants}; choose from {EXTRA_VARIANTS}."
+                f"bench_step: extra_variants={self.extra_variants}; choose from {sorted(EXTRA_VARIANTS)}."
             )
         if self.nproc < 1 or self.rounds < 1 or self.block_steps < 1:
             raise ValueError(
@@ -145,6 +148,7 @@ class StepTimers:
         """Wraps dmuon's collectives, waits and NS entry points (undo with :meth:`remove`)."""
         import dmuon.baselines as baselines
         import dmuon.hooks.comm as comm
+        import dmuon.hooks.grad_buckets as grad_buckets
         import dmuon.hooks.runtime as runtime
         import dmuon.optim as optim
         from torch.distributed.tensor import DTensor
@@ -206,7 +210,8 @@ class StepTimers:
             if hasattr(cls, name):  # private names may move; the benchmark must not break
                 self._patch(cls, name, inside(getattr(cls, name), key))
         self._patch(runtime, "publish", inside(tagging(runtime.publish, "publish"), "publish_call"))
-        self._patch(runtime, "reduce_to_owner", tagging(runtime.reduce_to_owner, "reduce"))
+        for name in ("reduce_to_owner", "all_reduce_sum"):  # a gradient bucket's collectives
+            self._patch(grad_buckets, name, tagging(getattr(grad_buckets, name), "reduce"))
         self._patch(comm.Pending, "wait", wait)
         self._patch(optim, "muon_update_", timed(optim.muon_update_, "ns_s"))
         self._patch(baselines, "newton_schulz", timed(baselines.newton_schulz, "ns_s"))
@@ -326,10 +331,10 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         for block in model.shardable_blocks():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        if variant == "dmuon_keep":  # dmuon.train's optimizer, but full weights kept forward->backward
+        if variant in EXTRA_VARIANTS:  # dmuon.train's optimizer, other dedicate_params arguments
             import dmuon
 
-            dmuon.dedicate_params(model, mesh, reshard_after_forward=False)
+            dmuon.dedicate_params(model, mesh, **EXTRA_VARIANTS[variant])
             opts[variant] = dmuon.Muon(model, lr=tcfg.resolved_lr(), weight_decay=tcfg.weight_decay,
                                        adamw_lr=tcfg.adamw_lr, ns_dtype=torch.float32)
         else:
@@ -455,23 +460,28 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command line: ``python bench/bench_step.py --nproc 4 --out ...``."""
+def parse_args(argv: list[str] | None = None) -> BenchConfig:
+    """Command-line arguments -> :class:`BenchConfig` (defaults from the dataclass)."""
+    defaults = BenchConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nproc", type=int, default=BenchConfig.nproc)
-    p.add_argument("--rounds", type=int, default=BenchConfig.rounds)
-    p.add_argument("--block-steps", type=int, default=BenchConfig.block_steps)
+    p.add_argument("--nproc", type=int, default=defaults.nproc)
+    p.add_argument("--rounds", type=int, default=defaults.rounds)
+    p.add_argument("--block-steps", type=int, default=defaults.block_steps)
     p.add_argument("--batch-size", type=int, default=None, help="global batch (default 64; tiny 8)")
     p.add_argument("--tiny", action="store_true", help="tiny model and data (CI smoke mode)")
     p.add_argument("--no-calibrate", action="store_true")
     p.add_argument("--out", default=None)
-    p.add_argument("--extra", nargs="*", default=[], choices=EXTRA_VARIANTS,
+    p.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_VARIANTS),
                    help="diagnostic variants run interleaved with the three")
     a = p.parse_args(argv)
-    cfg = BenchConfig(nproc=a.nproc, rounds=a.rounds, block_steps=a.block_steps,
-                      batch_size=a.batch_size or (8 if a.tiny else 64), tiny=a.tiny,
-                      calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra))
-    print(format_table(run(cfg)))
+    return BenchConfig(nproc=a.nproc, rounds=a.rounds, block_steps=a.block_steps,
+                       batch_size=a.batch_size or (8 if a.tiny else defaults.batch_size), tiny=a.tiny,
+                       calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command line: ``python bench/bench_step.py --nproc 4 --out ...``."""
+    print(format_table(run(parse_args(argv))))
 
 
 if __name__ == "__main__":

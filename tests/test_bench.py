@@ -56,6 +56,20 @@ def test_bench_step_phases_and_waits(tiny_step):
     assert owners <= {0, 1} and tiny_step["calibration"]["ns_s"]
 
 
+def test_bench_step_command_line_defaults_and_refusals():
+    import bench_step
+
+    default = bench_step.parse_args([])
+    assert (default.nproc, default.rounds, default.block_steps, default.batch_size) == (4, 4, 2, 64)
+    tiny = bench_step.parse_args(["--tiny", "--nproc", "2", "--extra", "dmuon_reduce", "dmuon_keep"])
+    assert (tiny.nproc, tiny.batch_size, tiny.tiny) == (2, 8, True)
+    assert tiny.extra_variants == ("dmuon_reduce", "dmuon_keep")
+    with pytest.raises(SystemExit):
+        bench_step.parse_args(["--extra", "dmuon_fast"])
+    with pytest.raises(ValueError, match="batch_size"):
+        bench_step.parse_args(["--nproc", "3"])  # 64 samples do not split over 3 ranks
+
+
 def test_alpha_beta_matches_hand_computation():
     h = sim_model.H100
     intra, inter = sim_model.AlphaBeta(h, 8), sim_model.AlphaBeta(h, 16)
