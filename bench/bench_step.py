@@ -224,13 +224,14 @@ class StepTimers:
 
 
 def _calibrate_comm(world: int, sizes: tuple[int, ...] = CALIB_BYTES) -> dict:
-    """Median seconds of gloo broadcast / reduce / all-gather per payload size (all ranks)."""
-    out: dict[str, list[list[float]]] = {"broadcast": [], "reduce": [], "all_gather": []}
+    """Median seconds of gloo broadcast / reduce / all-reduce / all-gather per payload size."""
+    out: dict[str, list[list[float]]] = {"broadcast": [], "reduce": [], "all_reduce": [], "all_gather": []}
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
         gathered = torch.empty(world * x.numel())
         for name, fn in (("broadcast", lambda: dist.broadcast(x, src=0)),
                          ("reduce", lambda: dist.reduce(x, dst=0)),
+                         ("all_reduce", lambda: dist.all_reduce(x)),
                          ("all_gather", lambda: dist.all_gather_into_tensor(gathered, x))):
             times = []
             for it in range(6):
@@ -343,6 +344,10 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     state = get_state(models["dmuon"])
     state.ensure_bound()
     inventory = [{"fqn": r.fqn, "shape": list(r.shape), "owner": r.owner} for r in state.records]
+    # What the measured dmuon build issues per step (sim_validate models exactly this).
+    collectives = {"publish": "one broadcast per (FSDP2 block, owner)",
+                   "reduce_mode": state.reduce_mode, "buckets": len(state.buckets),
+                   "publish_groups": len(state.groups)}
     n_params = sum(p.numel() for p in Pi0Policy(model_cfg).parameters())
 
     calibration = None
@@ -387,6 +392,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "model_config": dataclasses.asdict(model_cfg),
         "params": n_params,
         "dedicated_matrices": inventory,
+        "dmuon_collectives": collectives,
         "config": dataclasses.asdict(cfg),
         "ns_dtype": "float32 (dmuon.train 'auto' on CPU)",
         "fences": "dist.barrier() before every step; none between forward/backward/step",

@@ -149,7 +149,8 @@ class FittedComm:
     """Collective times ``a + b n`` fitted (least squares) to measured ``[bytes, s]`` points.
 
     Args:
-        points: ``{"broadcast": [[bytes, s], ...], "reduce": ..., "all_gather": ...}``; the
+        points: ``{"broadcast": [[bytes, s], ...], "reduce": ..., "all_gather": ...}`` (and
+            ``"all_reduce"`` in runs since the gradient buckets); the
             all-gather points give the *per-rank input* size (``torch.distributed``'s
             ``all_gather_into_tensor``).
         p: Ranks.
@@ -171,6 +172,11 @@ class FittedComm:
 
     def reduce(self, nbytes: float) -> float:
         return self._t("reduce", nbytes)
+
+    def all_reduce(self, nbytes: float) -> float:
+        if "all_reduce" not in self.fit:
+            raise ValueError("sim_model: this calibration has no 'all_reduce' points (an older bench_step run).")
+        return self._t("all_reduce", nbytes)
 
     def all_gather(self, nbytes: float) -> float:
         return self._t("all_gather", nbytes / self.p)

@@ -14,8 +14,11 @@ Calibrated from the run (inputs, not predictions):
   adds to compute.
 
 Predicted (and compared with the measurement): the optimizer step and the whole step of
-vanilla Muon and dmuon (dmuon: per-matrix broadcast in forward and again in backward, reduce to
-the owner in backward, the owner plan's NS makespan in the step).
+vanilla Muon and dmuon, with the collectives the measured build issued (``dmuon_collectives`` in
+the run): one broadcast per (block, owner) in forward and again in backward, and per block one
+all-reduce (``reduce_mode="all_reduce"``, gloo's default) or one reduce per owner of its
+gradient bucket; the owner plan's NS makespan in the step. Runs made before the buckets (no
+``dmuon_collectives``) are modelled as that build: one broadcast and one reduce per matrix.
 """
 
 from __future__ import annotations
@@ -47,6 +50,27 @@ def _units(model_config: dict, dedicated: set[str]) -> list[dict]:
             units[idx]["other_n"] += param.numel()
             units[idx]["other_tensors"] += 1
     return units
+
+
+def _dmuon_comm(collectives: dict | None, units: list[dict], mats: dict, numel: dict,
+                comm: FittedComm) -> tuple[list[float], list[float]]:
+    """Per unit: seconds of dmuon's publication (one pass) and of its gradient reduction."""
+    publish, reduce = [], []
+    for u in units:
+        by_owner: dict[int, int] = {}
+        for f in u["matrices"]:
+            by_owner[mats[f]["owner"]] = by_owner.get(mats[f]["owner"], 0) + numel[f]
+        total = sum(by_owner.values())
+        if collectives is None:  # the first build: one collective per matrix
+            publish.append(sum(comm.broadcast(4 * numel[f]) for f in u["matrices"]))
+            reduce.append(sum(comm.reduce(4 * numel[f]) for f in u["matrices"]))
+            continue
+        publish.append(sum(comm.broadcast(4 * n) for n in by_owner.values()))
+        if collectives["reduce_mode"] == "all_reduce":
+            reduce.append(comm.all_reduce(4 * total) if total else 0.0)
+        else:
+            reduce.append(sum(comm.reduce(4 * n) for n in by_owner.values()))
+    return publish, reduce
 
 
 def validate(run: dict) -> dict:
@@ -88,11 +112,12 @@ def validate(run: dict) -> dict:
         loads[m["owner"]] += ns_by_shape[tuple(m["shape"])]
         owned[m["owner"]] += 1
     dm_opt = max(loads) + per_tensor * (other_tensors + max(owned))
-    dm_f = [sum(comm.broadcast(4 * numel[f]) for f in u["matrices"])
-            + (comm.all_gather(4 * u["other_n"]) if u["other_n"] else 0.0) for u in units]
-    dm_b = [sum(comm.broadcast(4 * numel[f]) + comm.reduce(4 * numel[f]) for f in u["matrices"])
+    publish, reduce = _dmuon_comm(run.get("dmuon_collectives"), units, mats, numel, comm)
+    dm_f = [publish[i] + (comm.all_gather(4 * u["other_n"]) if u["other_n"] else 0.0)
+            for i, u in enumerate(units)]
+    dm_b = [publish[i] + reduce[i]
             + (comm.all_gather(4 * u["other_n"]) + comm.reduce_scatter(4 * u["other_n"]) if u["other_n"] else 0.0)
-            for u in units]
+            for i, u in enumerate(units)]
     pred = {
         "adamw": step_times(StepInputs(forward_s=fwd, backward_s=bwd, comm_forward=fsdp_f,
                                        comm_backward=fsdp_b, optimizer_s=med["adamw"]["step"], overlap=0.0)),

@@ -11,14 +11,17 @@ GPUs (8 per node, weak scaling: fixed work per GPU):
   ``mfu_fb`` of peak, split 1:2; ``T`` the tokens per GPU of the stated workload;
 * FSDP2 (AdamW, vanilla, and dmuon's non-matrix parameters): per layer, bf16 all-gather in
   forward and again in backward, fp32 reduce-scatter in backward;
-* dmuon: per matrix, bf16 broadcast from its owner in forward and again in backward
-  (``reshard_after_forward=True``, the default), fp32 reduce to the owner in backward;
+* dmuon (as built): per unit (FSDP2 block), the bf16 broadcasts of its matrices from their
+  owners in forward and again in backward (``reshard_after_forward=True``, the default), and
+  the fp32 reduces of its gradient bucket to the owners in backward, each batch issued as one
+  NCCL group call (``dmuon.hooks.comm.issued_together``): bytes add up, the ring latency is
+  paid once per unit;
   optimizer step = the makespan of the owner plan from :func:`dmuon.balance.solve` (NS seconds
   from :func:`dmuon.kernels.ns_flops` (Gram, 5 steps) at ``mfu_ns`` of peak, plus ``ns_call_s``
   per batched shape class), XOR layout over the node x GPU grid, plus owner-side elementwise
   work at HBM speed;
-* dmuon_grouped: the same with each unit's broadcasts/reduces issued as one NCCL group (ring
-  latency once per unit, not per matrix): what batching the publications would give;
+* dmuon_per_matrix: the first build, one collective per matrix (ring latency per matrix),
+  kept to show what the group calls buy at scale;
 * vanilla: per matrix, a blocking fp32 all-gather of the momentum update and the NS on every
   rank (``ns_call_s`` per matrix: it does not batch), plus elementwise work;
 * AdamW: the elementwise update of the local shard (28 bytes per element at HBM speed).
@@ -144,8 +147,8 @@ def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto
     # dmuon: matrices by owner broadcast/reduce; the non-matrix parameters stay on FSDP2.
     dm_f = [sum(comm.broadcast(2 * r * c) for r, c in u) for u in units]
     dm_b = [sum(comm.broadcast(2 * r * c) + comm.reduce(4 * r * c) for r, c in u) for u in units]
-    # "grouped": one unit's broadcasts (and reduces) issued as one NCCL group, paying the ring
-    # latency once per unit instead of once per matrix (dmuon issues them one by one today).
+    # As built: one unit's broadcasts (and its bucket's reduces) go out as one NCCL group call,
+    # paying the ring latency once per unit; dm_* is the per-matrix first build.
     lat = comm.broadcast(0.0)
     dg_f = [x - lat * (len(u) - 1) for x, u in zip(dm_f, units)]
     dg_b = [x - 2 * lat * (len(u) - 1) for x, u in zip(dm_b, units)]
@@ -165,11 +168,11 @@ def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto
     common = dict(forward_s=fwd, backward_s=bwd, overlap=cluster.overlap, micro_batches=work.micro_batches)
     out["adamw"] = step_times(StepInputs(comm_forward=fsdp_f, comm_backward=fsdp_b, optimizer_s=adamw_elem, **common))
     out["vanilla"] = step_times(StepInputs(comm_forward=fsdp_f, comm_backward=fsdp_b, optimizer_s=van_opt, **common))
-    out["dmuon"] = step_times(StepInputs(comm_forward=tuple(dm_f), comm_backward=tuple(reversed(dm_b)),
+    out["dmuon"] = step_times(StepInputs(comm_forward=tuple(dg_f), comm_backward=tuple(reversed(dg_b)),
                                          optimizer_s=dm_opt, **common))
-    out["dmuon_grouped"] = step_times(StepInputs(comm_forward=tuple(dg_f), comm_backward=tuple(reversed(dg_b)),
-                                                 optimizer_s=dm_opt, **common))
-    out["dmuon_grouped_over_adamw"] = out["dmuon_grouped"]["total"] / out["adamw"]["total"]
+    out["dmuon_per_matrix"] = step_times(StepInputs(comm_forward=tuple(dm_f), comm_backward=tuple(reversed(dm_b)),
+                                                    optimizer_s=dm_opt, **common))
+    out["dmuon_per_matrix_over_adamw"] = out["dmuon_per_matrix"]["total"] / out["adamw"]["total"]
     out["dmuon_over_adamw"] = out["dmuon"]["total"] / out["adamw"]["total"]
     out["speedup_end_to_end"] = out["vanilla"]["total"] / out["dmuon"]["total"]
     out["speedup_optimizer"] = out["vanilla"]["optimizer"] / out["dmuon"]["optimizer"]
@@ -192,7 +195,7 @@ def predict(models: tuple[str, ...], clusters: tuple[str, ...], gpus: tuple[int,
 def format_table(rows: list[dict]) -> str:
     """The simulated table: step seconds, dmuon/AdamW, speedups over vanilla, exposed phase."""
     head = (f"{'model':11s} {'cluster':9s} {'GPUs':>4s} {'AdamW s':>8s} {'vanilla s':>9s} {'dmuon s':>8s} "
-            f"{'dmuon/AdamW':>11s} {'e2e x':>6s} {'opt x':>7s} {'grouped/AdamW':>13s}  dmuon extra over AdamW (ms): exp.comm, opt")
+            f"{'dmuon/AdamW':>11s} {'e2e x':>6s} {'opt x':>7s} {'per-matrix/AdamW':>16s}  dmuon extra over AdamW (ms): exp.comm, opt")
     lines = [head]
     for r in rows:
         a, v, d = r["adamw"], r["vanilla"], r["dmuon"]
@@ -200,7 +203,7 @@ def format_table(rows: list[dict]) -> str:
                       - a["exposed_comm_forward"] - a["exposed_comm_backward"])
         lines.append(f"{r['model']:11s} {r['cluster']:9s} {r['gpus']:4d} {a['total']:8.3f} {v['total']:9.3f} "
                      f"{d['total']:8.3f} {r['dmuon_over_adamw']:11.4f} {r['speedup_end_to_end']:6.2f} "
-                     f"{r['speedup_optimizer']:7.1f} {r['dmuon_grouped_over_adamw']:13.4f}  {extra_comm * 1e3:7.1f}, {(d['optimizer'] - a['optimizer']) * 1e3:6.1f}")
+                     f"{r['speedup_optimizer']:7.1f} {r['dmuon_per_matrix_over_adamw']:16.4f}  {extra_comm * 1e3:7.1f}, {(d['optimizer'] - a['optimizer']) * 1e3:6.1f}")
     return "\n".join(lines)
 
 
@@ -217,7 +220,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
         sel = [r for r in rows if (r["model"], r["cluster"]) == key]
         g = [r["gpus"] for r in sel]
         ax = axes[0][j]
-        for v, style in zip(VARIANTS + ("dmuon_grouped",), ("-o", "-s", "-^", ":v")):
+        for v, style in zip(VARIANTS + ("dmuon_per_matrix",), ("-o", "-s", "-^", ":v")):
             ax.plot(g, [r[v]["total"] for r in sel], style, label=v, ms=4)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{key[0]}, {key[1]}", fontsize=9)

@@ -47,8 +47,11 @@ def test_bench_step_phases_and_waits(tiny_step):
     v = tiny_step["variants"]
     for name in ("adamw", "vanilla", "dmuon"):
         assert v[name]["measured_steps"] == 1
+        # Each phase is a max over the 2 ranks, and each rank's phases add up to its total, so
+        # max(total) <= sum of the phases' maxes <= sum of the 2 totals <= 2 max(total).
         parts = sum(v[name][k]["median_s"] for k in ("forward", "backward", "step"))
-        assert parts == pytest.approx(v[name]["total"]["median_s"], rel=0.05)  # max over ranks
+        total = v[name]["total"]["median_s"]
+        assert total * (1 - 1e-9) <= parts <= 2 * total * (1 + 1e-9), (name, parts, total)
     assert 0 < v["vanilla"]["wait_all_gather_step"]["median_s"] <= v["vanilla"]["step"]["median_s"]
     assert 0 < v["vanilla"]["ns"]["median_s"] and 0 < v["dmuon"]["ns"]["median_s"]
     assert "wait_publish_forward" in v["dmuon"] and "wait_reduce_backward" in v["dmuon"]
