@@ -16,6 +16,16 @@ owners' compute copies). Nothing is gathered on one rank:
   Presenting the master as a DTensor over the dmuon mesh does not work: DCP computes a shard's
   offset from its placements (even chunks), which cannot describe "all rows on the owner, none
   elsewhere".
+* **Tensor parallelism:** a dedicated matrix split over TP ranks has one master slice per TP
+  rank of its owner (``[rows / T, cols]`` or ``[rows, cols / T]``, ``torch.chunk`` sizes). Its
+  master and ``momentum_buffer`` enter the state dict as DTensors on the TP mesh with the TP
+  placement (``Shard(0)`` / ``Shard(1)``), so DCP records each slice at its offset in the full
+  ``[rows, cols]`` matrix and reshards on load (another TP degree, or none). As plain tensors
+  the slices would share one key with different shapes: DCP keeps one and the load fails.
+* **HSDP:** every replica's owner holds the master; DCP writes one copy. In the ``"broadcast"``
+  replicate mode only replica 0 keeps a ``momentum_buffer`` (the others never step the matrix),
+  so the buffer is offered by replica 0 only; DCP otherwise picks the least-loaded rank's copy,
+  which may be a stale one. Masters are offered by every replica: each loads its own.
 * **Replicated tensors** (buffers, parameters of plain replicated modules, AdamW ``step``) are
   plain tensors on every rank; DCP's default planner deduplicates them (one writer).
 * **Optimizer hyper-parameters** (``lr``, ``betas``, ``initial_lr`` of LR schedulers, ...) are
@@ -29,9 +39,10 @@ size, owner plan or FSDP2 wrapping)::
                "param_groups": {"muon": {...}, "adamw": {...}}}}
 
 Verified with gloo on CPU in torch 2.13 (``tests/test_checkpoint.py``): a restore on the same
-world size continues bitwise; a 4-rank checkpoint restored on 2 ranks continues within fp32
-rounding. Save each checkpoint to a new directory: DCP writes ``.metadata`` last, so a
-directory without it is an interrupted save and the previous directory stays loadable.
+world size or mesh (1-D FSDP2, HSDP 2x2 in both replicate modes, FSDP x TP 2x2) continues
+bitwise; a checkpoint restored on another world size or mesh continues within fp32 rounding.
+Save each checkpoint to a new directory: DCP writes ``.metadata`` last, so a directory without
+it is an interrupted save and the previous directory stays loadable.
 
 Typical use::
 
@@ -53,6 +64,7 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.runtime import DedicateState
+from dmuon.owners.dedicated import DedicatedParam
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +145,10 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     Returns:
         ``{"model": {fqn: Tensor | DTensor}, "optim": {"state": {fqn: {name: Tensor}},
         "param_groups": {"muon": {...}, "adamw": {...}}}}``. Dedicated masters
-        (``[rows, cols]`` fp32, full) and their ``momentum_buffer`` appear only on their owner;
-        FSDP2 parameters and AdamW moments are DTensor shards; the rest is replicated.
+        (``[rows, cols]`` fp32, full) and their ``momentum_buffer`` appear only on their owner
+        (a TP-split matrix: a DTensor of global shape ``[rows, cols]`` over this TP rank's
+        slice; HSDP "broadcast" matrices: the buffer on replica 0 only); FSDP2 parameters and
+        AdamW moments are DTensor shards; the rest is replicated.
 
     Raises:
         ValueError: if ``dedicate_params`` was not called on ``model`` or ``opt`` belongs to
@@ -151,15 +165,40 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     optim_state: dict[str, dict[str, Any]] = {}
     for rec in ctx.records:
         if rec.is_owner:
-            model_sd[rec.fqn] = rec.master.detach()
+            model_sd[rec.fqn] = _tp_sharded(rec, rec.master.detach())
             buf = opt.state.get(rec.master, {}).get("momentum_buffer")
-            if buf is not None:
-                optim_state[rec.fqn] = {"momentum_buffer": buf}
+            # HSDP "broadcast": replicas other than 0 never step this matrix; their buffer is
+            # zeros, and DCP would write it if their plan happened to be the smallest.
+            stale = rec.replicate_mode == "broadcast" and ctx.replicate_rank != 0
+            if buf is not None and not stale:
+                optim_state[rec.fqn] = {"momentum_buffer": _tp_sharded(rec, buf)}
     for fqn, param in _adamw_params(model, opt):
         optim_state[fqn] = dict(opt.state[param])
     groups = {g["kind"]: {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}
               for g in opt.param_groups}
     return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
+
+
+def _tp_sharded(rec: DedicatedParam, local: torch.Tensor) -> torch.Tensor:
+    """``local`` as DCP should see it: a DTensor on the TP mesh if TP splits the matrix.
+
+    Args:
+        rec: the dedicated matrix (this rank owns it).
+        local: its master or momentum buffer on this rank, fp32, ``rec.shape`` (this TP
+            rank's slice of ``rec.full_shape``); not copied.
+
+    Returns:
+        ``local`` itself when the matrix is not split over TP ranks; otherwise a DTensor
+        aliasing it, of global shape ``rec.full_shape`` with placement ``Shard(tp_shard_dim)``
+        on the TP mesh the module computes on (DCP derives the slice's offset from it).
+    """
+    if rec.tp_shard_dim is None:
+        return local
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows, cols = rec.full_shape
+    return DTensor.from_local(local, rec.compute.device_mesh, [Shard(rec.tp_shard_dim)],
+                              run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1))
 
 
 def _copy_into(target: torch.Tensor, value: Any, where: str) -> None:

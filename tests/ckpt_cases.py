@@ -1,8 +1,13 @@
 """Rank functions for the checkpoint, fault and fuzz tests (run through ``tests/_pool.py``).
 
 Batches: every step has one *global* batch of ``GLOBAL_RANKS * LOCAL_BATCH`` sequences
-(:func:`tests.models.global_batch` of a 4-rank world) split evenly over however many ranks
-run, so a job restored on 2 ranks trains on exactly the data the 4-rank job would have seen.
+(:func:`tests.models.global_batch` of a 4-rank world) split evenly over however many
+data-parallel ranks run, so a job restored on 2 ranks (or on a 2x2 FSDP x TP mesh, whose two TP
+ranks share a slice) trains on exactly the data the 4-rank job would have seen.
+
+Checkpoint jobs run in one of the ``MODES``: ``"fsdp"`` and ``"replicated"`` on a 1-D mesh
+(:func:`tests.dist_cases.build`), ``"hsdp"`` and ``"fsdp-tp"`` on a 2x2 mesh
+(:func:`tests.mesh_cases.build`; run those in a fresh pool world).
 """
 
 from __future__ import annotations
@@ -20,25 +25,27 @@ from torch import nn
 
 import dmuon
 from dmuon import checkpoint
-from tests import models
+from tests import mesh_cases, models
 from tests.dist_cases import build, full_params
 
 GLOBAL_RANKS = 4
+MODES = ("fsdp", "replicated", "hsdp", "fsdp-tp")
 EXACT = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
              ns_dtype=torch.float32, ns_coefficients="muon")
 
 
-def batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's slice of step ``step``'s fixed-size global batch."""
+def batch(step: int, dp_index: int, dp_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel replica ``dp_index``'s slice (of ``dp_count``) of step ``step``'s global
+    batch: ``[GLOBAL_RANKS * LOCAL_BATCH / dp_count, SEQ]`` token ids and targets."""
     idx, y = models.global_batch(step, GLOBAL_RANKS)
-    n = idx.shape[0] // world_size
-    return idx[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+    n = idx.shape[0] // dp_count
+    return idx[dp_index * n:(dp_index + 1) * n], y[dp_index * n:(dp_index + 1) * n]
 
 
-def run_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int,
-              world_size: int, sched=None) -> None:
+def run_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, dp_index: int,
+              dp_count: int, sched=None) -> None:
     for step in steps:
-        idx, y = batch(step, rank, world_size)
+        idx, y = batch(step, dp_index, dp_count)
         models.loss_fn(model, idx, y).backward()
         opt.step()
         opt.zero_grad()
@@ -57,32 +64,57 @@ def rotated_plan(world_size: int, shift: int) -> dmuon.OwnerPlan:
         for m in plan.matrices))
 
 
-def _job(world_size: int, mode: str, shift: int = 0):
-    model, _ = build(world_size, mode, plan=rotated_plan(world_size, shift) if shift else None)
+def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: str = "auto"):
+    """The test model, a dmuon.Muon (fp32 exact mode) and a StepLR over it, in ``mode``.
+
+    Returns:
+        ``(model, opt, sched, dp_index, dp_count)``: this rank's data-parallel replica and the
+        number of them (the batch is split over replicas; TP ranks of one replica share it).
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown checkpoint test mode {mode!r}; one of {MODES}")
+    plan = rotated_plan(world_size, shift) if shift else None
+    if mode in mesh_cases.LAYOUTS:
+        model, mesh, dp_names = mesh_cases.build(mode, plan=plan, replicate_mode=replicate_mode)
+        dp_index, dp_count = mesh_cases.dp_coordinate(mesh, dp_names)
+    else:
+        model, _ = build(world_size, mode, plan=plan)
+        dp_index, dp_count = rank, world_size
     opt = dmuon.Muon(model, **EXACT)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
-    return model, opt, sched
+    return model, opt, sched, dp_index, dp_count
 
 
 def train_save_continue(rank: int, world_size: int, *, path: str, first: int, then: int,
-                        mode: str = "fsdp") -> dict:
+                        mode: str = "fsdp", replicate_mode: str = "auto",
+                        async_save: bool = False) -> dict:
     """Train ``first`` steps, ``dcp.save`` to ``path``, train ``then`` more.
+
+    With ``async_save``, ``dcp.async_save`` on a gloo group of its own (its background thread
+    must not interleave collectives with FSDP2's on the default group) and the ``then`` steps
+    run while it writes; the future is waited on at the end.
 
     Returns:
         On rank 0: ``saved`` (full params at save time) and ``final`` (after all steps).
     """
-    model, opt, sched = _job(world_size, mode)
-    run_steps(model, opt, range(first), rank, world_size, sched)
+    model, opt, sched, dp_index, dp_count = _job(rank, world_size, mode, replicate_mode=replicate_mode)
+    ckpt_group = dist.new_group(backend="gloo") if async_save else None
+    run_steps(model, opt, range(first), dp_index, dp_count, sched)
+    saved = full_params(model, rank)
     sd = checkpoint.state_dict(model, opt)
     sd["sched"] = sched.state_dict()
-    dcp.save(sd, checkpoint_id=path)
-    saved = full_params(model, rank)
-    run_steps(model, opt, range(first, first + then), rank, world_size, sched)
+    if async_save:
+        future = dcp.async_save(sd, checkpoint_id=path, process_group=ckpt_group)
+    else:
+        dcp.save(sd, checkpoint_id=path)
+    run_steps(model, opt, range(first, first + then), dp_index, dp_count, sched)
+    if async_save:
+        future.result(timeout=60)
     return dict(saved=saved, final=full_params(model, rank))
 
 
 def load_continue(rank: int, world_size: int, *, path: str, first: int, then: int,
-                  mode: str = "fsdp", shift: int = 0) -> dict:
+                  mode: str = "fsdp", shift: int = 0, replicate_mode: str = "auto") -> dict:
     """A fresh job on ``world_size`` ranks: load ``path``, train steps ``first..first+then``.
 
     ``shift`` moves every owner of the default plan that many ranks on (another owner plan on
@@ -92,21 +124,21 @@ def load_continue(rank: int, world_size: int, *, path: str, first: int, then: in
         On rank 0: ``loaded`` (full params right after loading) and ``final``; on every rank
         ``owned`` (the dedicated FQNs this rank owns in the new plan).
     """
-    model, opt, sched = _job(world_size, mode, shift)
+    model, opt, sched, dp_index, dp_count = _job(rank, world_size, mode, shift, replicate_mode)
     sd = checkpoint.state_dict(model, opt)
     sd["sched"] = sched.state_dict()
     dcp.load(sd, checkpoint_id=path)
     checkpoint.load_state_dict(model, opt, sd)
     sched.load_state_dict(sd["sched"])
     loaded = full_params(model, rank)
-    run_steps(model, opt, range(first, first + then), rank, world_size, sched)
+    run_steps(model, opt, range(first, first + then), dp_index, dp_count, sched)
     owned = sorted(r.fqn for r in model._dmuon_state.records if r.is_owner)
     return dict(loaded=loaded, final=full_params(model, rank), owned=owned)
 
 
 def load_incomplete(rank: int, world_size: int) -> str:
     """``load_state_dict`` with the optimizer state removed; returns the error text."""
-    model, opt, _ = _job(world_size, "fsdp")
+    model, opt, *_ = _job(rank, world_size, "fsdp")
     sd = checkpoint.state_dict(model, opt)
     sd["optim"]["state"] = {}
     try:
@@ -151,7 +183,7 @@ def killed_mid_step(rank: int, world_size: int, *, phase: str, victim: int, path
     """
     from dmuon.faults import Heartbeat
 
-    model, opt, sched = _job(world_size, "fsdp")
+    model, opt, sched, *_ = _job(rank, world_size, "fsdp")
     hb = Heartbeat(interval_s=interval_s, timeout_s=timeout_s, exit_grace_s=exit_grace_s).start()
     clock = {"step": 0, "kill": save_after}
     if rank == victim:
@@ -205,7 +237,7 @@ def heartbeat_no_fault(rank: int, world_size: int, *, steps: int = 3) -> dict:
     """Train a few steps under a guard with a short timeout; nobody may be named lost."""
     from dmuon.faults import Heartbeat
 
-    model, opt, sched = _job(world_size, "fsdp")
+    model, opt, sched, *_ = _job(rank, world_size, "fsdp")
     with Heartbeat(interval_s=0.1, timeout_s=1.0, exit_grace_s=None) as hb:
         if steps == 0:
             return dict(lost=[], params={})

@@ -1,7 +1,10 @@
 """DCP checkpoints of dmuon (issue 8, item 1): continue bitwise, reshard to another world size.
 
 Rank functions: ``tests/ckpt_cases.py``. Every step uses one fixed global batch (4 ranks'
-worth) split over the ranks that run, and a StepLR schedule whose state is checkpointed too.
+worth) split over the data-parallel ranks that run, and a StepLR schedule whose state is
+checkpointed too. Meshes: 1-D FSDP2, a plain replicated module, HSDP 2x2 ("replicate",
+"shard") in both replicate modes, FSDP x TP 2x2 ("dp", "tp"; fc1 column- and fc2 row-parallel
+with uneven slices), built by ``tests/mesh_cases.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ import pytest
 from tests import ckpt_cases, models
 
 FIRST, THEN = 4, 4
+MESH_FIRST, MESH_THEN = 2, 2  # 4-rank mesh jobs cost ~1.5-4 s each on 2 cores
 FP32_ATOL = 1e-5
+# (layout, replicate_mode): HSDP "compute" (every replica's owner steps) and "broadcast"
+# (replica 0 steps and broadcasts; the others hold no momentum), FSDP x TP.
+MESHES = [("hsdp", "compute"), ("hsdp", "broadcast"), ("fsdp-tp", "auto")]
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +105,84 @@ def test_load_rejects_state_dict_without_optimizer_entries(dist_pool):
     for msg in msgs:
         assert msg.startswith("ValueError: dmuon: the checkpoint state dict"), msg
         assert "lacks 'optim' entries" in msg
+
+
+# ----------------------------------------------------------------------------- HSDP, FSDP x TP
+def _assert_matches_reference(final: dict, steps: int) -> None:
+    ref, _, _ = models.run_reference(ckpt_cases.GLOBAL_RANKS, steps, lr_gamma=0.9)
+    assert set(final) == set(ref)
+    for name, value in ref.items():
+        np.testing.assert_allclose(final[name], value.numpy(), rtol=0, atol=FP32_ATOL,
+                                   err_msg=name)
+
+
+@pytest.fixture(scope="module", params=MESHES, ids=["-".join(m) for m in MESHES])
+def saved_mesh(dist_pool, tmp_path_factory, request):
+    """A 4-rank 2x2-mesh job: 2 steps, save, 2 more (uninterrupted)."""
+    layout, replicate_mode = request.param
+    path = str(tmp_path_factory.mktemp("dcp") / f"{layout}-{replicate_mode}")
+    kwargs = dict(path=path, first=MESH_FIRST, then=MESH_THEN, mode=layout,
+                  replicate_mode=replicate_mode)
+    out = dist_pool.run(4, "tests.ckpt_cases:train_save_continue", kwargs, timeout_s=120,
+                        fresh=True)
+    return kwargs, out[0]
+
+
+def test_mesh_uninterrupted_run_matches_single_process_reference(saved_mesh):
+    """Guard for the tests below: the run they compare with is itself right."""
+    _, out = saved_mesh
+    _assert_matches_reference(out["final"], MESH_FIRST + MESH_THEN)
+
+
+def test_mesh_checkpoint_stores_full_matrices_in_tp_slices(saved_mesh):
+    """Every dedicated matrix and its momentum are stored at their full shape; under FSDP x TP
+    the column-parallel fc1 / row-parallel fc2 as two ``torch.chunk`` slices at their offsets."""
+    import torch.distributed.checkpoint as dcp
+
+    kwargs, out = saved_mesh
+    meta = dcp.FileSystemReader(kwargs["path"]).read_metadata().state_dict_metadata
+    for name in models.matrix_names(models.make_model()):
+        shape = out["saved"][name].shape
+        offsets = [(0, 0)]
+        if kwargs["mode"] == "fsdp-tp" and name.endswith(("fc1.weight", "fc2.weight")):
+            dim = 0 if name.endswith("fc1.weight") else 1
+            second = [0, 0]
+            second[dim] = -(-shape[dim] // 2)  # ceil: torch.chunk over 2 TP ranks
+            offsets.append(tuple(second))
+        for key in (f"model.{name}", f"optim.state.{name}.momentum_buffer"):
+            assert tuple(meta[key].size) == shape, key
+            got = sorted(tuple(c.offsets) for c in meta[key].chunks)
+            assert got == offsets, (key, got)
+            assert sum(int(np.prod(c.sizes)) for c in meta[key].chunks) == int(np.prod(shape)), key
+
+
+def test_mesh_restore_same_mesh_continues_bitwise(dist_pool, saved_mesh):
+    kwargs, out = saved_mesh
+    got = dist_pool.run(4, "tests.ckpt_cases:load_continue", kwargs, timeout_s=120, fresh=True)[0]
+    for name in out["final"]:
+        np.testing.assert_array_equal(got["loaded"][name], out["saved"][name], err_msg=name)
+        np.testing.assert_array_equal(got["final"][name], out["final"][name], err_msg=name)
+    _assert_matches_reference(got["final"], MESH_FIRST + MESH_THEN)
+
+
+def test_mesh_checkpoint_restored_on_2_rank_fsdp(dist_pool, saved_mesh):
+    """Resharding: HSDP / FSDP x TP shards and TP slices read back on a 1-D FSDP2 mesh."""
+    kwargs, out = saved_mesh
+    got = dist_pool.run(2, "tests.ckpt_cases:load_continue", dict(kwargs, mode="fsdp"),
+                        timeout_s=120, fresh=True)[0]
+    for name in out["final"]:
+        np.testing.assert_array_equal(got["loaded"][name], out["saved"][name], err_msg=name)
+    _assert_matches_reference(got["final"], MESH_FIRST + MESH_THEN)
+
+
+def test_async_save_while_training_restores_saved_values(dist_pool, tmp_path):
+    """``dcp.async_save`` on 1-D FSDP2: training goes on while it writes; the checkpoint holds
+    the values at the call, and a restore continues within fp32 rounding of the reference."""
+    kwargs = dict(path=str(tmp_path / "async"), first=2, then=2)
+    out = dist_pool.run(2, "tests.ckpt_cases:train_save_continue", dict(kwargs, async_save=True),
+                        timeout_s=120)[0]
+    got = dist_pool.run(2, "tests.ckpt_cases:load_continue", kwargs, timeout_s=120)[0]
+    for name in out["final"]:
+        np.testing.assert_array_equal(got["loaded"][name], out["saved"][name], err_msg=name)
+        np.testing.assert_array_equal(got["final"][name], out["final"][name], err_msg=name)
+    _assert_matches_reference(got["final"], 4)
