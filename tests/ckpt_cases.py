@@ -13,6 +13,7 @@ Checkpoint jobs run in one of the ``MODES``: ``"fsdp"`` and ``"replicated"`` on 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -85,14 +86,28 @@ def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: 
     return model, opt, sched, dp_index, dp_count
 
 
+class GatedWriter(dcp.FileSystemWriter):
+    """A ``FileSystemWriter`` whose ``write_data`` waits (up to 60 s) for ``gate`` to be set."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.gate = threading.Event()
+
+    def write_data(self, plan, planner):
+        if not self.gate.wait(timeout=60):
+            raise RuntimeError("GatedWriter: the gate was not opened within 60 s")
+        return super().write_data(plan, planner)
+
+
 def train_save_continue(rank: int, world_size: int, *, path: str, first: int, then: int,
                         mode: str = "fsdp", replicate_mode: str = "auto",
                         async_save: bool = False) -> dict:
     """Train ``first`` steps, ``dcp.save`` to ``path``, train ``then`` more.
 
     With ``async_save``, ``dcp.async_save`` on a gloo group of its own (its background thread
-    must not interleave collectives with FSDP2's on the default group) and the ``then`` steps
-    run while it writes; the future is waited on at the end.
+    must not interleave collectives with FSDP2's on the default group); its writes are held
+    back (:class:`GatedWriter`) until the ``then`` steps have updated every parameter in
+    place, so the checkpoint is right only if ``async_save`` staged a copy.
 
     Returns:
         On rank 0: ``saved`` (full params at save time) and ``final`` (after all steps).
@@ -104,11 +119,13 @@ def train_save_continue(rank: int, world_size: int, *, path: str, first: int, th
     sd = checkpoint.state_dict(model, opt)
     sd["sched"] = sched.state_dict()
     if async_save:
-        future = dcp.async_save(sd, checkpoint_id=path, process_group=ckpt_group)
+        writer = GatedWriter(path)
+        future = dcp.async_save(sd, storage_writer=writer, process_group=ckpt_group)
     else:
         dcp.save(sd, checkpoint_id=path)
     run_steps(model, opt, range(first, first + then), dp_index, dp_count, sched)
     if async_save:
+        writer.gate.set()
         future.result(timeout=60)
     return dict(saved=saved, final=full_params(model, rank))
 
