@@ -32,7 +32,7 @@ Usage::
 
     python bench/bench_step.py --nproc 4 --out bench/results/step_cpu_4r.json
     python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
-    python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_reduce ...   # diagnostic variants
+    python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_allreduce ...   # diagnostic variants
 
 CPU and gloo only for now: the NCCL / single-GPU mode of issue 7 (world size 1 at Pi0 scale,
 against ``torch.optim.Muon``) is not written yet (no GPU was available to test it).
@@ -68,10 +68,12 @@ logger = logging.getLogger(__name__)
 
 VARIANTS = ("adamw", "vanilla", "dmuon")
 #: Extra dmuon variants and their ``dedicate_params`` arguments: ``dmuon_keep`` keeps full
-#: weights from forward to backward (no second broadcast); ``dmuon_reduce`` reduces each
-#: gradient bucket with one reduce per owner instead of gloo's default one all-reduce.
+#: weights from forward to backward (no second broadcast); ``dmuon_allreduce`` reduces each
+#: gradient bucket with one all-reduce instead of one reduce per owner (the default);
+#: ``dmuon_prefetch2`` issues publications two units ahead.
 EXTRA_VARIANTS = {"dmuon_keep": dict(reshard_after_forward=False),
-                  "dmuon_reduce": dict(reduce_mode="reduce")}
+                  "dmuon_allreduce": dict(reduce_mode="all_reduce"),
+                  "dmuon_prefetch2": dict(prefetch=2)}
 PHASES = ("forward", "backward", "step", "total")
 #: Message sizes (bytes, float32 payload) of the gloo calibration; 1 KiB .. 4 MiB.
 CALIB_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)

@@ -16,8 +16,8 @@ Calibrated from the run (inputs, not predictions):
 Predicted (and compared with the measurement): the optimizer step and the whole step of
 vanilla Muon and dmuon, with the collectives the measured build issued (``dmuon_collectives`` in
 the run): one broadcast per (block, owner) in forward and again in backward, and per block one
-all-reduce (``reduce_mode="all_reduce"``, gloo's default) or one reduce per owner of its
-gradient bucket; the owner plan's NS makespan in the step. Runs made before the buckets (no
+reduce per owner of its gradient bucket (the default) or one all-reduce
+(``reduce_mode="all_reduce"``); the owner plan's NS makespan in the step. Runs made before the buckets (no
 ``dmuon_collectives``) are modelled as that build: one broadcast and one reduce per matrix.
 """
 

@@ -64,9 +64,9 @@ def test_bench_step_command_line_defaults_and_refusals():
 
     default = bench_step.parse_args([])
     assert (default.nproc, default.rounds, default.block_steps, default.batch_size) == (4, 4, 2, 64)
-    tiny = bench_step.parse_args(["--tiny", "--nproc", "2", "--extra", "dmuon_reduce", "dmuon_keep"])
+    tiny = bench_step.parse_args(["--tiny", "--nproc", "2", "--extra", "dmuon_allreduce", "dmuon_keep"])
     assert (tiny.nproc, tiny.batch_size, tiny.tiny) == (2, 8, True)
-    assert tiny.extra_variants == ("dmuon_reduce", "dmuon_keep")
+    assert tiny.extra_variants == ("dmuon_allreduce", "dmuon_keep")
     with pytest.raises(SystemExit):
         bench_step.parse_args(["--extra", "dmuon_fast"])
     with pytest.raises(ValueError, match="batch_size"):

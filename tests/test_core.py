@@ -189,10 +189,10 @@ def test_frozen_unused_and_tied_parameters_follow_single_process(dist_pool, vari
 
 
 @pytest.mark.parametrize("reduce_mode,variant,world_size", [
-    ("reduce", "", 4), ("reduce", "unused", 2), ("all_reduce", "unused", 4), ("reduce", "frozen", 2)])
+    ("all_reduce", "", 4), ("reduce", "unused", 2), ("all_reduce", "unused", 4), ("all_reduce", "frozen", 2)])
 def test_both_reduce_modes_match_single_process(dist_pool, reduce_mode, variant, world_size):
     """Each FSDP2 block's gradients reach their owners as one bucket: one reduce per owner
-    segment or one all-reduce ("auto" on gloo is "all_reduce", which the other tests use). With
+    segment (the default, which the other tests use) or one all-reduce. With
     an unused matrix the bucket never fills during backward and is flushed at its end; the
     unused matrix must still be skipped, not stepped with a zero gradient."""
     out = dist_pool.run(world_size, "tests.dist_cases:train",

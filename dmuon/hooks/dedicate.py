@@ -89,7 +89,7 @@ def dedicate_params(
     reshard_after_forward: bool = True,
     bucket_bytes: int = 25 * 2**20,
     replicate_mode: str = "auto",
-    reduce_mode: str = "auto",
+    reduce_mode: str = "reduce",
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -116,11 +116,10 @@ def dedicate_params(
         replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz on the
             all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts)
             or ``"auto"`` (per matrix, the cheaper by a cost model); all exact.
-        reduce_mode: how one FSDP2 block's gradients reach their owners (bucketed, one bucket
-            per block): ``"reduce"`` (one reduce per owner, one NCCL group call),
+        reduce_mode: how one FSDP2 block's gradients reach their owners (one bucket per
+            block): ``"reduce"`` (one reduce per owner of the block; on NCCL one group call) or
             ``"all_reduce"`` (one all-reduce of the bucket: a single collective, twice the
-            bytes) or ``"auto"`` (``"reduce"`` on NCCL, ``"all_reduce"`` on gloo); all exact
-            (:mod:`dmuon.hooks.grad_buckets`).
+            bytes); both exact (:mod:`dmuon.hooks.grad_buckets`).
 
     Returns:
         The owner plan in use (identical on every rank).

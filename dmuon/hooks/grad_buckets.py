@@ -7,14 +7,14 @@ owner's matrices form one contiguous segment. When the last gradient of the bloc
 bucket is reduced with one of two collective patterns, both exact (a sum over the
 data-parallel group, divided by its size on the owner):
 
-* ``"reduce"``: one ``reduce`` per owner segment, to that owner. Each rank sends only what the
-  owners need (bandwidth-optimal); on NCCL the segments go out as one group call
+* ``"reduce"`` (default): one ``reduce`` per owner segment, to that owner. Each rank sends only
+  what the owners need (bandwidth-optimal); on NCCL the segments go out as one group call
   (:func:`dmuon.hooks.comm.issued_together`).
 * ``"all_reduce"``: one ``all_reduce`` of the whole bucket; each owner keeps its segment. Twice
-  the bytes of ``"reduce"`` but a single collective, which wins where a collective's fixed cost
-  dominates (gloo on CPU: see ``bench/results/step_cpu_4r_buckets.json``).
-
-``"auto"`` picks ``"reduce"`` on NCCL and ``"all_reduce"`` elsewhere.
+  the bytes of ``"reduce"`` for a single collective, for backends where a collective's fixed
+  cost dominates. On gloo with 4 ranks on 2 CPU cores the two modes measured the same whole
+  step (``bench/results/step_cpu_4r_buckets.json``: 381 and 371 ms; another run 380 and 384 ms),
+  so the default keeps the smaller byte count.
 
 Matrices that did not take a gradient in this backward (unused in this forward) stay out of
 the owners' gradients: their slots are zeroed and ignored, exactly as ``torch.optim.Muon``
@@ -37,20 +37,7 @@ from dmuon.owners.dedicated import DedicatedParam
 
 logger = logging.getLogger(__name__)
 
-REDUCE_MODES = ("auto", "reduce", "all_reduce")
-
-
-def choose_reduce_mode(mode: str, group: dist.ProcessGroup) -> str:
-    """Resolve ``"auto"``: ``"reduce"`` on NCCL, ``"all_reduce"`` on other backends.
-
-    Raises:
-        ValueError: ``mode`` is not one of :data:`REDUCE_MODES`.
-    """
-    if mode not in REDUCE_MODES:
-        raise ValueError(f"dmuon: reduce_mode must be one of {REDUCE_MODES}, got {mode!r}")
-    if mode != "auto":
-        return mode
-    return "reduce" if dist.get_backend(group) == "nccl" else "all_reduce"
+REDUCE_MODES = ("reduce", "all_reduce")
 
 
 @dataclass(eq=False)

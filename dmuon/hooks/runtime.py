@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, issued_together, publish
-from dmuon.hooks.grad_buckets import GradBucket, choose_reduce_mode, make_buckets
+from dmuon.hooks.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicated import ReplicatedGrads
 from dmuon.hooks.tp import as_compute_param, local_slice
@@ -119,8 +119,8 @@ class DedicateState:
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
         replicate_mode: HSDP: ``"compute"``, ``"broadcast"`` or ``"auto"`` (per matrix, by
             :func:`choose_replicate_mode`).
-        reduce_mode: how a block's gradients reach their owners: ``"reduce"``,
-            ``"all_reduce"`` or ``"auto"`` (:mod:`dmuon.hooks.grad_buckets`).
+        reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
+            ``"all_reduce"`` (:mod:`dmuon.hooks.grad_buckets`).
     """
 
     def __init__(
@@ -134,7 +134,7 @@ class DedicateState:
         reshard_after_forward: bool,
         bucket_bytes: int,
         replicate_mode: str = "auto",
-        reduce_mode: str = "auto",
+        reduce_mode: str = "reduce",
     ) -> None:
         self.model = model
         self.roles = roles
@@ -144,7 +144,7 @@ class DedicateState:
         self.tp_rank = dist.get_rank(roles.tp) if roles.tp is not None else 0
         self.replicate_rank = dist.get_rank(roles.replicate) if roles.replicate is not None else 0
         self.replicate_mode = replicate_mode
-        self.reduce_mode = choose_reduce_mode(reduce_mode, roles.shard)
+        self.reduce_mode = reduce_mode
         self.plan = plan
         self.selected = selected
         self.prefetch = prefetch
