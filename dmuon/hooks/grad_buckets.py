@@ -12,9 +12,9 @@ data-parallel group, divided by its size on the owner):
   (:func:`dmuon.hooks.comm.issued_together`).
 * ``"all_reduce"``: one ``all_reduce`` of the whole bucket; each owner keeps its segment. Twice
   the bytes of ``"reduce"`` for a single collective, for backends where a collective's fixed
-  cost dominates. On gloo with 4 ranks on 2 CPU cores the two modes measured the same whole
-  step (``bench/results/step_cpu_4r_buckets.json``: 381 and 371 ms; another run 380 and 384 ms),
-  so the default keeps the smaller byte count.
+  cost dominates. On gloo with 4 ranks on 2 CPU cores the two modes' whole steps differ by less
+  than the run-to-run noise (382 against 372 ms in ``bench/results/step_cpu_4r_buckets.json``;
+  the other way round, by 4-10 ms, in two runs not kept), so the default moves fewer bytes.
 
 Matrices that did not take a gradient in this backward (unused in this forward) stay out of
 the owners' gradients: their slots are zeroed and ignored, exactly as ``torch.optim.Muon``
