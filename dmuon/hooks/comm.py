@@ -85,8 +85,9 @@ def reduce_to_owner(grad: torch.Tensor, owner: int, group: dist.ProcessGroup) ->
 
 
 def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup) -> Pending:
-    """Sum a flat buffer over the group (gradients of replicated, non-dedicated parameters)."""
-    with record_function("dmuon::all_reduce_replicated"):
+    """Sum a flat buffer over the group: the gradients of replicated (non-dedicated) parameters,
+    or a gradient bucket under ``reduce_mode="all_reduce"``."""
+    with record_function("dmuon::all_reduce"):
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return Pending(work, (flat,))
 
