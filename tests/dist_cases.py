@@ -190,3 +190,42 @@ def tied_dedicated_refused(rank: int, world_size: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: bool = False) -> dict:
+    """Broadcasts dmuon issues per training step (forward, backward and the step's own
+    publication), counted by wrapping ``dmuon.hooks.runtime.publish``, and the number of
+    (block, owner) publish groups. ``one_owner``: rank 0 owns every matrix, so each block's
+    two matrices (``fc1``, ``fc2``: two modules, two units) form one group."""
+    import dmuon.hooks.runtime as runtime
+
+    plan = None
+    if one_owner:
+        model = models.make_model()
+        plan = dmuon.OwnerPlan(world_size=world_size, matrices=tuple(
+            dmuon.MatrixSpec(fqn=n, shape=tuple(p.shape), owner=0)
+            for n, p in model.named_parameters() if n in models.matrix_names(model)))
+    model, _ = build(world_size, "fsdp", plan=plan)
+    opt = dmuon.Muon(model, lr=0.02, ns_dtype=torch.float32)
+    calls = []
+    original = runtime.publish
+
+    def counting(*args, **kwargs):
+        calls.append(args[1])
+        return original(*args, **kwargs)
+
+    runtime.publish = counting
+    try:
+        per_step = []
+        for step in range(steps):
+            before = len(calls)
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(len(calls) - before)
+    finally:
+        runtime.publish = original
+    state = model._dmuon_state
+    return dict(per_step=per_step, groups=len(state.groups),
+                first_unit_groups=len(state.units[0].groups))

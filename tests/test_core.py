@@ -205,6 +205,22 @@ def test_both_reduce_modes_match_single_process(dist_pool, reduce_mode, variant,
         np.testing.assert_array_equal(out[0]["params"]["spare.weight"], initial)
 
 
+@pytest.mark.parametrize("world_size,one_owner", [(2, False), (2, True), (4, False)])
+def test_each_group_published_once_per_pass(dist_pool, world_size, one_owner):
+    """With reshard_after_forward (default) every (block, owner) group is broadcast once for
+    forward and once for backward per step, also when two units of one block (fc1, fc2 with
+    one owner) are issued together: a group shared by both must go out once."""
+    out = dist_pool.run(world_size, "tests.dist_cases:publish_counts", dict(one_owner=one_owner),
+                        timeout_s=120)
+    for o in out:
+        if one_owner:
+            assert o["groups"] == 4, o  # 3 blocks + the root's head, one owner
+        # Each step: forward + backward (2 per group), plus the next step's first unit, which
+        # opt.step() publishes; step 0's forward also issues its own first unit.
+        steady = 2 * o["groups"]
+        assert o["per_step"] == [steady + o["first_unit_groups"], steady, steady], o
+
+
 def test_dedicating_a_tied_matrix_is_refused(dist_pool):
     out = dist_pool.run(2, "tests.dist_cases:tied_dedicated_refused", {}, timeout_s=60)
     for message in out:

@@ -93,6 +93,7 @@ class Unit:
     module: nn.Module
     records: list[DedicatedParam] = field(default_factory=list)
     groups: list[PublishGroup] = field(default_factory=list)
+    takes_grad: bool = False  # some record's compute weight requires grad (set at bind)
 
 
 @dataclass(eq=False)
@@ -223,6 +224,7 @@ class DedicateState:
             if group not in unit.groups:
                 unit.groups.append(group)
             if rec.compute.requires_grad:
+                unit.takes_grad = True
                 self._handles.append(rec.compute.register_post_accumulate_grad_hook(self._make_on_grad(rec)))
         for group in self.groups:
             if not group.is_owner:
@@ -276,15 +278,12 @@ class DedicateState:
     # -------------------------------------------------------------- publication
     def _issue(self, units: list[Unit]) -> None:
         """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
-        todo = [g for unit in units for g in unit.groups if not g.live]
-        if not todo:
-            return
-        device = todo[0].flat.device
-        if any(g.flat.device != device for g in todo):
-            for g in todo:
-                self._issue_groups([g], g.flat.device)
-        else:
-            self._issue_groups(todo, device)
+        by_device: dict[torch.device, list[PublishGroup]] = {}
+        for group in dict.fromkeys(g for unit in units for g in unit.groups if not g.live):
+            # dict.fromkeys: a group spans the units of its block; publish it once
+            by_device.setdefault(group.flat.device, []).append(group)
+        for device, groups in by_device.items():
+            self._issue_groups(groups, device)
 
     def _issue_groups(self, groups: list[PublishGroup], device: torch.device) -> None:
         pendings: list[Pending] = []
@@ -346,8 +345,7 @@ class DedicateState:
         def pre_backward(grad: Any) -> None:
             with torch.profiler.record_function("dmuon::pre_backward"):
                 previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
-                self._issue([unit] + [prev for prev in previous
-                                      if any(r.compute.requires_grad for r in prev.records)])
+                self._issue([unit] + [prev for prev in previous if prev.takes_grad])
                 self._wait(unit)
         return pre_backward
 
