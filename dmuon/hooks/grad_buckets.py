@@ -55,6 +55,7 @@ class GradBucket:
         flat: ``[sum of numels]`` in ``dtype``; allocated at the first gradient of a backward,
             dropped after :meth:`take`.
         ready: ids of the records whose gradient is in ``flat`` this backward.
+        pending: this backward's collectives, once issued.
     """
 
     records: list[DedicatedParam]
@@ -67,7 +68,11 @@ class GradBucket:
     flat: torch.Tensor | None = None
     ready: set = field(default_factory=set)
     pending: list[Pending] = field(default_factory=list)
-    issued: bool = False
+
+    @property
+    def issued(self) -> bool:
+        """Whether this backward's collectives are out (a bucket has at least one segment)."""
+        return bool(self.pending)
 
     def add(self, rec: DedicatedParam, grad: torch.Tensor) -> bool:
         """Copy ``rec``'s local gradient ``[rows, cols]`` into its slot; True once all are in."""
@@ -90,7 +95,6 @@ class GradBucket:
                 with issued_together(group, self.device, self.pending):
                     for owner, start, numel in self.segments:
                         self.pending.append(reduce_to_owner(self.flat[start: start + numel], owner, group))
-        self.issued = True
 
     def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None]]:
         """Wait, then yield ``(record, average)`` for every record that had a gradient.
@@ -111,7 +115,6 @@ class GradBucket:
         self.flat = None
         self.ready.clear()
         self.pending.clear()
-        self.issued = False
 
 
 def make_buckets(records: list[DedicatedParam], blocks: list[int]) -> list[GradBucket]:
