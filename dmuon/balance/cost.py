@@ -17,6 +17,16 @@ logger = logging.getLogger(__name__)
 #: + fp32 reduced gradient (4).
 OWNER_BYTES_PER_ELEMENT = 12
 
+#: Step time (s) one more publish (group, owner) pair costs on gloo: its forward and backward
+#: broadcasts and its reduce, on every rank. Measured on the 2-core CPU, 4 ranks, default
+#: ``dmuon.train`` model: one owner per FSDP2 block (12 pairs) against the makespan plan (23
+#: pairs) saved 30 ms of a 384 ms step (bench/results/step_cpu_4r_grouped_owners.json).
+GLOO_PAIR_COST_S = 2.5e-3
+#: fp32 Newton-Schulz throughput (FLOP/s) of one CPU thread on the same model's shapes: the
+#: same run's calibration gives 3.4e10-8.3e10 for shapes of >= 1e7 FLOPs; this is about their
+#: median. Converts :data:`GLOO_PAIR_COST_S` into the FLOP model's unit.
+CPU_NS_FLOP_PER_S = 6e10
+
 
 def ns_flops(rows: int, cols: int, *, steps: int = 5, method: str = "gram", batch: int = 1) -> float:
     """FLOPs of one Newton-Schulz orthogonalization of a ``[rows, cols]`` matrix (x ``batch``).
@@ -53,6 +63,31 @@ def flop_costs(shapes: Sequence[tuple[int, int]], *, steps: int = 5, method: str
 def owner_memory(shapes: Sequence[tuple[int, int]]) -> list[float]:
     """Bytes each matrix costs its owner: ``rows * cols * OWNER_BYTES_PER_ELEMENT``."""
     return [float(int(r) * int(c) * OWNER_BYTES_PER_ELEMENT) for r, c in shapes]
+
+
+def default_group_cost(backend: str, cost_unit: str) -> float:
+    """The ``group_cost`` for :func:`dmuon.balance.solve` on a process-group backend.
+
+    NCCL issues the broadcasts of several owners as one group call, so another owner in a group
+    costs microseconds and spreads bandwidth: 0, the pure makespan plan. Gloo cannot coalesce
+    and each collective costs the CPU about a millisecond: :data:`GLOO_PAIR_COST_S`.
+
+    Args:
+        backend: ``torch.distributed.get_backend`` of dmuon's group, e.g. ``"gloo"``,
+            ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``.
+        cost_unit: the plan's unit, ``"flops"`` (FLOP model) or ``"ms"`` (profiled).
+
+    Returns:
+        The cost of one (group, owner) pair in ``cost_unit``.
+
+    Raises:
+        ValueError: on another ``cost_unit``.
+    """
+    if cost_unit not in ("flops", "ms"):
+        raise ValueError(f"dmuon: default_group_cost(cost_unit={cost_unit!r}) must be 'flops' or 'ms'")
+    if "nccl" in backend or "gloo" not in backend:
+        return 0.0
+    return GLOO_PAIR_COST_S * (CPU_NS_FLOP_PER_S if cost_unit == "flops" else 1e3)
 
 
 def fit_batch_costs(timings_ms: Mapping[int, float]) -> tuple[float, float]:

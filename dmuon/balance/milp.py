@@ -13,6 +13,11 @@ integers instead of 50,176 binaries.
                 L_0 >= L_1 >= ... >= L_{D-1}                            (breaks rank symmetry)
                 T >= proven lower bound                                 (lets CBC stop early)
 
+With publish groups (``groups`` and ``group_cost > 0``, see :mod:`dmuon.balance.grouping`) a
+class is a (group, shape) pair, a binary ``y[g, r]`` marks that rank ``r`` owns part of group
+``g`` (``x[(g, s), r] <= n_(g, s) y[g, r]``), and the objective becomes
+``T + group_cost * sum y``: the makespan plus the step time of one publication per pair.
+
 ``c_s`` is the marginal NS cost of one class-``s`` matrix, ``f_s`` the fixed cost of running a
 batch of them (see :func:`dmuon.balance.cost.fit_batch_costs`), ``m_s`` its bytes. Solved by
 CBC (bundled with PuLP) with one thread, so an untimed-out solve is reproducible.
@@ -61,6 +66,8 @@ def solve_milp(
     batch_overhead: Mapping[Hashable, float] | None = None,
     warm_start: Sequence[int] | None = None,
     time_limit_s: float = 10.0,
+    groups: Sequence[int] | None = None,
+    group_cost: float = 0.0,
 ) -> tuple[tuple[int, ...], bool] | None:
     """Solve the class-count MILP above with CBC.
 
@@ -73,6 +80,8 @@ def solve_milp(
         batch_overhead: per-class fixed cost of owning any matrix of that class.
         warm_start: an initial plan (owners per matrix) for CBC, e.g. greedy's.
         time_limit_s: CBC wall-clock limit, seconds.
+        groups: per-matrix publish-group id; used only with ``group_cost > 0``.
+        group_cost: step time of one (group, owner) pair, in the unit of ``costs``.
 
     Returns:
         ``(owners, optimal)``: owners per matrix in input order, ``optimal`` True when CBC
@@ -86,47 +95,70 @@ def solve_milp(
         warnings.simplefilter("ignore", DeprecationWarning)
         return _solve_milp(costs, num_ranks, classes=classes, memory=memory,
                            memory_cap=memory_cap, batch_overhead=batch_overhead,
-                           warm_start=warm_start, time_limit_s=time_limit_s)
+                           warm_start=warm_start, time_limit_s=time_limit_s,
+                           groups=groups if group_cost > 0 else None,
+                           group_cost=float(group_cost))
 
 
 def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
-                time_limit_s):
+                time_limit_s, groups, group_cost):
     import pulp
 
     start = time.perf_counter()
-    order, table = _class_table(costs, classes, memory)
-    overhead = {s: float((batch_overhead or {}).get(s, 0.0)) for s in order}
+    # Integer variables count matrices per key: the shape, or (group, shape) with groups, as
+    # same-shape matrices of different groups are then no longer interchangeable. The batch
+    # overhead stays per shape: z[s, r] marks that rank r runs a batch of shape s at all.
+    keys = list(classes) if groups is None else list(zip(groups, classes))
+    shape_of = (lambda key: key) if groups is None else (lambda key: key[1])
+    order, table = _class_table(costs, keys, memory)
+    shapes = list(dict.fromkeys(shape_of(key) for key in order))
+    overhead = {s: float((batch_overhead or {}).get(s, 0.0)) for s in shapes}
+    count = {s: sum(table[key][0] for key in order if shape_of(key) == s) for s in shapes}
     ranks = range(num_ranks)
     prob = pulp.LpProblem("dmuon_owner_makespan", pulp.LpMinimize)
-    x = {(k, r): pulp.LpVariable(f"x_{k}_{r}", 0, table[s][0], cat="Integer")
-         for k, s in enumerate(order) for r in ranks}
-    z = {(k, r): pulp.LpVariable(f"z_{k}_{r}", cat="Binary")
-         for k, s in enumerate(order) if overhead[s] > 0 for r in ranks}
+    x = {(k, r): pulp.LpVariable(f"x_{k}_{r}", 0, table[key][0], cat="Integer")
+         for k, key in enumerate(order) for r in ranks}
+    z = {(j, r): pulp.LpVariable(f"z_{j}_{r}", cat="Binary")
+         for j, s in enumerate(shapes) if overhead[s] > 0 for r in ranks}
+    gids = [] if groups is None else list(dict.fromkeys(groups))
+    y = {(g, r): pulp.LpVariable(f"y_{n}_{r}", cat="Binary")
+         for n, g in enumerate(gids) for r in ranks}
     t = pulp.LpVariable("makespan", lowBound=0)
-    prob += t
+    prob += t + group_cost * pulp.lpSum(y.values())
     eff = list(costs)
-    for s in order:
-        for i in table[s][3]:
-            eff[i] += overhead[s]
+    for j, s in enumerate(shapes):
+        first = next(i for i, c in enumerate(classes) if c == s)
+        eff[first] += overhead[s]
     prob += t >= makespan_lower_bound(eff, num_ranks)
-    for k, s in enumerate(order):
-        prob += pulp.lpSum(x[k, r] for r in ranks) == table[s][0]
+    if gids:
+        prob += pulp.lpSum(y.values()) >= len(gids)  # every group has at least one owner
+    for k, key in enumerate(order):
+        prob += pulp.lpSum(x[k, r] for r in ranks) == table[key][0]
+        j = shapes.index(shape_of(key))
         for r in ranks:
-            if (k, r) in z:
-                prob += x[k, r] <= table[s][0] * z[k, r]
+            if (j, r) in z:
+                prob += x[k, r] <= table[key][0] * z[j, r]
+            if groups is not None:
+                prob += x[k, r] <= table[key][0] * y[key[0], r]
+    for j, s in enumerate(shapes):
+        for r in ranks:
+            if (j, r) in z:  # a batch is paid only where a matrix of its shape is owned
+                prob += z[j, r] <= pulp.lpSum(x[k, r] for k, key in enumerate(order)
+                                              if shape_of(key) == s)
     load = []
     for r in ranks:
-        expr = pulp.lpSum(table[s][1] * x[k, r] for k, s in enumerate(order))
-        expr += pulp.lpSum(overhead[s] * z[k, r] for k, s in enumerate(order) if (k, r) in z)
+        expr = pulp.lpSum(table[key][1] * x[k, r] for k, key in enumerate(order))
+        expr += pulp.lpSum(overhead[s] * z[j, r] for j, s in enumerate(shapes) if (j, r) in z)
         load.append(expr)
         prob += expr <= t
         if memory_cap is not None:
-            prob += pulp.lpSum(table[s][2] * x[k, r] for k, s in enumerate(order)) <= memory_cap
+            prob += pulp.lpSum(table[key][2] * x[k, r] for k, key in enumerate(order)) <= memory_cap
     for r in range(num_ranks - 1):
         prob += load[r] >= load[r + 1]
 
     if warm_start is not None:
-        _set_warm_start(warm_start, order, classes, costs, overhead, num_ranks, x, z, t)
+        _set_warm_start(warm_start, order, keys, shapes, shape_of, costs, overhead, num_ranks,
+                        x, z, y, t)
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
                                threads=1, warmStart=warm_start is not None)
     prob.solve(solver)
@@ -134,34 +166,40 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
         logger.debug("dmuon: CBC found no plan (status %s)", pulp.LpStatus[prob.status])
         return None
     owners = [0] * len(costs)
-    for k, s in enumerate(order):
-        members = iter(table[s][3])
+    for k, key in enumerate(order):
+        members = iter(table[key][3])
         for r in ranks:
             for _ in range(int(round(x[k, r].value() or 0))):
                 owners[next(members)] = r
     optimal = prob.sol_status == pulp.LpSolutionOptimal
-    logger.debug("dmuon: CBC %s in %.2fs (%d classes x %d ranks)",
+    logger.debug("dmuon: CBC %s in %.2fs (%d classes x %d ranks, %d groups)",
                  "optimal" if optimal else "incumbent", time.perf_counter() - start,
-                 len(order), num_ranks)
+                 len(order), num_ranks, len(gids))
     return tuple(owners), optimal
 
 
-def _set_warm_start(owners, order, classes, costs, overhead, num_ranks, x, z, t):
+def _set_warm_start(owners, order, keys, shapes, shape_of, costs, overhead, num_ranks, x, z, y, t):
     """Feed a plan to CBC, relabelling ranks by decreasing load to satisfy symmetry breaking."""
-    index = {s: k for k, s in enumerate(order)}
+    index = {key: k for k, key in enumerate(order)}
     counts = [[0] * len(order) for _ in range(num_ranks)]
     loads = [0.0] * num_ranks
     for i, r in enumerate(owners):
-        counts[r][index[classes[i]]] += 1
+        counts[r][index[keys[i]]] += 1
         loads[r] += float(costs[i])
+    held = [{shape_of(order[k]) for k in range(len(order)) if counts[r][k]} for r in range(num_ranks)]
     for r in range(num_ranks):
-        loads[r] += sum(overhead[s] for k, s in enumerate(order) if counts[r][k])
+        loads[r] += sum(overhead[s] for s in held[r])
     relabel = sorted(range(num_ranks), key=lambda r: (-loads[r], r))
     for new, old in enumerate(relabel):
         for k in range(len(order)):
             x[k, new].setInitialValue(counts[old][k])
-            if (k, new) in z:
-                z[k, new].setInitialValue(1 if counts[old][k] else 0)
+        for j, s in enumerate(shapes):
+            if (j, new) in z:
+                z[j, new].setInitialValue(1 if s in held[old] else 0)
+        for (g, r), var in y.items():
+            if r == new:
+                var.setInitialValue(1 if any(counts[old][k] for k, key in enumerate(order)
+                                             if key[0] == g) else 0)
     t.setInitialValue(max(loads))
 
 

@@ -36,6 +36,12 @@ logger = logging.getLogger(__name__)
 #: few seconds; models with hundreds of distinct shapes at 256 ranks fall back to greedy.
 AUTO_MAX_INTEGER_VARS = 8192
 
+#: ``auto`` solves the publish-group MILP (:mod:`dmuon.balance.grouping`) when (distinct
+#: (group, shape) pairs) x (ranks) is at most this. Its root LP is harder: for Qwen2.5-7B at 64
+#: ranks (112 x 64 = 7168) CBC overran a 2 s limit to 9 s on the 2-core dev machine, while the
+#: small models that gloo serves (tens of pairs, <= 16 ranks) solve in well under a second.
+AUTO_MAX_GROUP_VARS = 2048
+
 _METHODS = ("auto", "greedy", "milp")
 
 
@@ -56,7 +62,10 @@ class Assignment:
             lower bound).
         solve_s: wall-clock seconds spent solving.
         detail: the algorithm behind the plan: ``"lpt"``, ``"lpt+local_search"``,
-            ``"multifit+local_search"`` (both reported as ``method="greedy"``) or ``"cbc"``.
+            ``"multifit+local_search"`` (both reported as ``method="greedy"``) or ``"cbc"``;
+            with a group cost, ``"+merge_groups"`` or ``"group_lpt+merge_groups"``.
+        group_cost: step time of one publish (group, owner) pair, in the cost unit.
+        publish_pairs: distinct (group, owner) pairs (0 without ``groups``).
     """
 
     owners: tuple[int, ...]
@@ -69,16 +78,33 @@ class Assignment:
     optimal: bool
     solve_s: float = 0.0
     detail: str = "lpt"
+    group_cost: float = 0.0
+    publish_pairs: int = 0
+
+    @property
+    def objective(self) -> float:
+        """What was minimized: ``makespan + group_cost * publish_pairs``."""
+        return self.makespan + self.group_cost * self.publish_pairs
 
     @property
     def gap(self) -> float:
-        """Proven relative optimality gap ``makespan / proven_bound - 1`` (0 when optimal)."""
+        """Proven relative optimality gap ``makespan / proven_bound - 1`` (0 when optimal);
+        with a group cost it bounds the makespan term only."""
         if self.optimal or self.proven_bound <= 0:
             return 0.0
         return self.makespan / self.proven_bound - 1.0
 
 
-def _check_inputs(costs, num_ranks, memory, memory_cap, method, groups, classes):
+def _check_inputs(costs, num_ranks, memory, memory_cap, method, groups, classes, group_cost, layout):
+    if not (float(group_cost) >= 0.0) or float(group_cost) == float("inf"):
+        raise ValueError(f"dmuon: solve(group_cost={group_cost!r}) must be finite and >= 0")
+    if group_cost > 0 and groups is None:
+        raise ValueError("dmuon: solve(group_cost=...) needs groups=... (publish group per matrix)")
+    if group_cost > 0 and layout is not None:
+        raise ValueError(
+            "dmuon: solve(group_cost > 0) keeps a group's matrices on few owners while layout= "
+            "spreads each group over ranks; give one of them"
+        )
     if method not in _METHODS:
         raise ValueError(f"dmuon: solve(method={method!r}) is not one of {_METHODS}")
     if not isinstance(num_ranks, int) or num_ranks < 1:
@@ -188,8 +214,10 @@ def solve(
     layout: tuple[int, int] | None = None,
     method: str = "auto",
     time_limit_s: float = 10.0,
+    group_cost: float = 0.0,
 ) -> Assignment:
-    """Assign one owner rank to every matrix, minimizing the makespan.
+    """Assign one owner rank to every matrix, minimizing the makespan (plus, with
+    ``group_cost``, the cost of the publications: :mod:`dmuon.balance.grouping`).
 
     Args:
         costs: per-matrix NS cost (ms when profiled, FLOPs from the FLOP model), ``>= 0``.
@@ -210,8 +238,13 @@ def solve(
             MULTIFIT, refined by move/swap local search (:mod:`dmuon.balance.local_search`),
             then CBC warm-started from it (``"auto"``: only when at most
             :data:`AUTO_MAX_INTEGER_VARS` integer variables, and never after a heuristic
-            plan already meets the lower bound). Never worse than LPT.
+            plan already meets the lower bound). Never worse than LPT. With ``group_cost``:
+            the better of the makespan plan and group-LPT, each refined by ``merge_groups``,
+            then (``"milp"``, or ``"auto"`` up to :data:`AUTO_MAX_GROUP_VARS`) the group MILP.
         time_limit_s: CBC wall-clock limit, seconds; on timeout the best plan found is kept.
+        group_cost: step time one (group, owner) pair costs (its broadcasts and reduce), in the
+            unit of ``costs``; with ``groups``, the objective becomes ``makespan + group_cost *
+            pairs``. 0 (default) minimizes the makespan alone.
 
     Returns:
         The :class:`Assignment`. With the same input it is the same on every run, unless the
@@ -220,11 +253,11 @@ def solve(
 
     Raises:
         ValueError: on bad arguments, or when ``memory_cap`` is infeasible (the message gives
-            the smallest feasible cap).
+            the smallest feasible cap), ``group_cost`` without ``groups`` or with ``layout``.
     """
     start = time.perf_counter()
     costs = [float(c) for c in costs]
-    _check_inputs(costs, num_ranks, memory, memory_cap, method, groups, classes)
+    _check_inputs(costs, num_ranks, memory, memory_cap, method, groups, classes, group_cost, layout)
     memory = None if memory is None else [float(m) for m in memory]
     if classes is None:
         classes = [(c, 0.0 if memory is None else memory[i]) for i, c in enumerate(costs)]
@@ -271,6 +304,8 @@ def solve(
         loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
         if max(loads) <= bound * (1 + 1e-12):
             optimal, want_milp = True, False  # greedy met a lower bound: nothing to improve
+    if group_cost > 0:
+        want_milp = False  # the group MILP below subsumes the makespan one
     if want_milp or owners is None:
         from dmuon.balance.milp import solve_milp
 
@@ -290,6 +325,14 @@ def solve(
             f"memory_cap={memory_cap:.0f} bytes within time_limit_s={time_limit_s}; raise the "
             f"cap or the time limit"
         )
+    pairs = 0
+    if group_cost > 0:
+        owners, used, optimal, heuristic = _place_groups(
+            owners, heuristic, costs, num_ranks, groups=groups, group_cost=group_cost,
+            classes=classes, batch_overhead=batch_overhead, memory=memory,
+            memory_cap=memory_cap, method=method, time_limit_s=time_limit_s)
+    if groups is not None:
+        pairs = len({(g, r) for g, r in zip(groups, owners)})
     if layout is not None and groups is not None:
         from dmuon.balance.layout import apply_layout
 
@@ -300,17 +343,50 @@ def solve(
         for i, r in enumerate(owners):
             mem[r] += memory[i]
     makespan = max(loads)
-    optimal = optimal or makespan <= bound * (1 + 1e-12)
+    if group_cost > 0:  # optimal only if both terms are at their minimum (or CBC proved it)
+        optimal = optimal or (makespan <= bound * (1 + 1e-12) and pairs == len(set(groups)))
+    else:
+        optimal = optimal or makespan <= bound * (1 + 1e-12)
     result = Assignment(
         owners=tuple(int(r) for r in owners), loads=tuple(loads), memory=tuple(mem),
         makespan=makespan, lower_bound=lower,
         proven_bound=makespan if optimal else bound, method=used, optimal=optimal,
-        detail=heuristic,
+        detail=heuristic, group_cost=float(group_cost), publish_pairs=pairs,
         solve_s=time.perf_counter() - start,
     )
     logger.debug("dmuon: solve(%d matrices, %d ranks) -> %s makespan %.4g, bound %.4g",
                  n, num_ranks, used, makespan, result.proven_bound)
     return result
+
+
+def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, classes,
+                  batch_overhead, memory, memory_cap, method, time_limit_s):
+    """The best of: ``owners`` and group-LPT, each refined by merge_groups, then the group
+    MILP warm-started from it (when ``method`` allows it at this size). Returns ``(owners,
+    method, optimal, detail)``."""
+    from dmuon.balance.grouping import group_lpt, merge_groups, objective
+
+    score = dict(groups=groups, group_cost=group_cost, classes=classes,
+                 batch_overhead=batch_overhead)
+    common = dict(score, memory=memory, memory_cap=memory_cap, time_limit_s=time_limit_s / 4)
+    candidates = [(merge_groups(owners, costs, num_ranks, **common), heuristic + "+merge_groups")]
+    start = group_lpt(costs, num_ranks, groups=groups, memory=memory, memory_cap=memory_cap)
+    if start is not None:
+        candidates.append((merge_groups(start, costs, num_ranks, **common),
+                           "group_lpt+merge_groups"))
+    best, detail = min(candidates, key=lambda c: objective(c[0], costs, num_ranks, **score))
+    used, optimal = "greedy", False
+    keys = len(set(zip(groups, classes)))
+    if method == "milp" or (method == "auto" and keys * num_ranks <= AUTO_MAX_GROUP_VARS):
+        from dmuon.balance.milp import solve_milp
+
+        res = solve_milp(costs, num_ranks, classes=classes, memory=memory, memory_cap=memory_cap,
+                         batch_overhead=batch_overhead, warm_start=best,
+                         time_limit_s=time_limit_s, groups=groups, group_cost=group_cost)
+        if res is not None and (objective(res[0], costs, num_ranks, **score)
+                                <= objective(best, costs, num_ranks, **score) * (1 + 1e-12)):
+            best, used, optimal, detail = res[0], "milp", res[1], "cbc"
+    return best, used, optimal, detail
 
 
 def _effective_costs(costs, classes, batch_overhead):

@@ -1,0 +1,194 @@
+"""Publish-group-aware placement: trade Newton-Schulz balance against collective count.
+
+dmuon publishes (and reduces) one flat buffer per *(group, owner)* pair, where a group is an
+FSDP2 block (see :mod:`dmuon.hooks.runtime`): a block whose matrices have ``k`` owners costs
+``k`` broadcasts in forward, ``k`` more in backward (with ``reshard_after_forward``) and ``k``
+reduces. Every rank takes part in each of them, so the step grows by the per-collective
+overhead times the number of pairs, while the optimizer waits for the most loaded owner. The
+objective is therefore
+
+    minimize    makespan + group_cost * pairs,      pairs = |{(g, owner(i)) : i in g}|
+
+with ``group_cost`` the step time one extra pair costs, in the unit of the NS costs. On NCCL an
+extra pair is one more root inside a group call (microseconds: ``group_cost = 0`` keeps the
+pure makespan plan); on gloo each collective costs the CPU about a millisecond (measured in
+``bench/results/step_cpu_4r_grouped_owners.json``), comparable with the NS of a small block.
+
+Two heuristics feed the exact MILP (:func:`dmuon.balance.milp.solve_milp` with ``groups``):
+
+* :func:`group_lpt`: longest-processing-time first over whole groups (one pair per group;
+  Graham 1969 on group totals), splitting only a group that fits on no rank's memory.
+* :func:`merge_groups`: from any plan, move all of a group's matrices on one owner onto
+  another owner of the same group (one pair fewer) while the objective drops.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from typing import Hashable, Mapping, Sequence
+
+from dmuon.balance.solver import evaluate
+
+logger = logging.getLogger(__name__)
+
+
+def publish_pairs(owners: Sequence[int], groups: Sequence[int]) -> int:
+    """Number of distinct ``(group, owner)`` pairs: one publication (and reduce) each."""
+    return len({(g, r) for g, r in zip(groups, owners)})
+
+
+def objective(
+    owners: Sequence[int],
+    costs: Sequence[float],
+    num_ranks: int,
+    *,
+    groups: Sequence[int],
+    group_cost: float,
+    classes: Sequence[Hashable] | None = None,
+    batch_overhead: Mapping[Hashable, float] | None = None,
+) -> float:
+    """``makespan + group_cost * pairs`` of a plan (batching model of :func:`evaluate`)."""
+    loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
+    return max(loads) + float(group_cost) * publish_pairs(owners, groups)
+
+
+def group_lpt(
+    costs: Sequence[float],
+    num_ranks: int,
+    *,
+    groups: Sequence[int],
+    memory: Sequence[float] | None = None,
+    memory_cap: float | None = None,
+) -> tuple[int, ...] | None:
+    """Whole groups, by decreasing total cost, each to the least loaded rank with room.
+
+    Args:
+        costs: per-matrix cost, ``>= 0``.
+        num_ranks: number of ranks.
+        groups: per-matrix group id.
+        memory: per-matrix bytes on the owner, or None.
+        memory_cap: bytes per rank, or None.
+
+    Returns:
+        Owner per matrix, input order; None when some group fits on no rank under the cap
+        (the caller's other plans still apply).
+    """
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    total = {g: sum(float(costs[i]) for i in idx) for g, idx in members.items()}
+    size = {g: sum(float(memory[i]) for i in idx) if memory is not None else 0.0
+            for g, idx in members.items()}
+    order = sorted(members, key=lambda g: (-total[g], min(members[g])))
+    owners = [0] * len(costs)
+    if memory_cap is None:
+        heap = [(0.0, r) for r in range(num_ranks)]
+        for g in order:
+            load, r = heapq.heappop(heap)
+            for i in members[g]:
+                owners[i] = r
+            heapq.heappush(heap, (load + total[g], r))
+        return tuple(owners)
+    loads = [0.0] * num_ranks
+    used = [0.0] * num_ranks
+    for g in order:
+        fits = [r for r in range(num_ranks) if used[r] + size[g] <= memory_cap]
+        if not fits:
+            return None
+        r = min(fits, key=lambda q: (loads[q], q))
+        for i in members[g]:
+            owners[i] = r
+        loads[r] += total[g]
+        used[r] += size[g]
+    return tuple(owners)
+
+
+def merge_groups(
+    owners: Sequence[int],
+    costs: Sequence[float],
+    num_ranks: int,
+    *,
+    groups: Sequence[int],
+    group_cost: float,
+    classes: Sequence[Hashable] | None = None,
+    batch_overhead: Mapping[Hashable, float] | None = None,
+    memory: Sequence[float] | None = None,
+    memory_cap: float | None = None,
+    time_limit_s: float = 5.0,
+) -> tuple[int, ...]:
+    """Lower :func:`objective` by merging a group's parts onto one of its other owners.
+
+    A *part* is the matrices of group ``g`` owned by rank ``r``. Each pass tries, for every
+    part of every group with several owners, moving the part to each other owner of the
+    group; the move that lowers the objective most is applied (ties: first found, scanning
+    groups, parts and targets in ascending order), until no move helps or the time is up.
+    Every accepted move removes one pair, so at most ``pairs - groups`` moves are made.
+
+    Returns:
+        Owner per matrix whose objective is at most that of ``owners``.
+    """
+    owners = list(owners)
+    cap = float("inf") if memory_cap is None else float(memory_cap)
+    deadline = time.perf_counter() + time_limit_s
+    cls = list(classes) if classes is not None else list(range(len(owners)))
+    overhead = {s: float((batch_overhead or {}).get(s, 0.0)) for s in set(cls)}
+    held: dict[tuple[int, Hashable], int] = {}  # (rank, class) -> matrices of it
+    for i, r in enumerate(owners):
+        held[r, cls[i]] = held.get((r, cls[i]), 0) + 1
+    loads = evaluate(owners, costs, num_ranks, classes=cls, batch_overhead=overhead)
+    used = [0.0] * num_ranks
+    if memory is not None:
+        for i, r in enumerate(owners):
+            used[r] += float(memory[i])
+    pairs = publish_pairs(owners, groups)
+    best = max(loads) + group_cost * pairs
+
+    def moved_loads(idx: list[int], src: int, dst: int) -> list[float]:
+        new = list(loads)
+        count: dict[Hashable, int] = {}
+        for i in idx:
+            new[src] -= float(costs[i])
+            new[dst] += float(costs[i])
+            count[cls[i]] = count.get(cls[i], 0) + 1
+        for s, k in count.items():
+            if held[src, s] == k:  # the last of this class leaves src: its batch goes too
+                new[src] -= overhead[s]
+            if held.get((dst, s), 0) == 0:
+                new[dst] += overhead[s]
+        return new
+
+    moves = 0
+    while time.perf_counter() < deadline:
+        parts: dict[tuple[int, int], list[int]] = {}
+        for i, (g, r) in enumerate(zip(groups, owners)):
+            parts.setdefault((g, r), []).append(i)
+        owners_of: dict[int, list[int]] = {}
+        for g, r in sorted(parts):
+            owners_of.setdefault(g, []).append(r)
+        chosen = None
+        for g, ranks in owners_of.items():
+            for src in ranks if len(ranks) > 1 else ():
+                idx = parts[g, src]
+                need = sum(float(memory[i]) for i in idx) if memory is not None else 0.0
+                for dst in ranks:
+                    if dst == src or used[dst] + need > cap:
+                        continue
+                    new = moved_loads(idx, src, dst)
+                    value = max(new) + group_cost * (pairs - 1)
+                    if value < best - 1e-12 * abs(best) and (chosen is None or value < chosen[0]):
+                        chosen = (value, new, idx, src, dst, need)
+        if chosen is None:
+            break
+        best, loads, idx, src, dst, need = chosen
+        for i in idx:
+            owners[i] = dst
+            held[src, cls[i]] -= 1
+            held[dst, cls[i]] = held.get((dst, cls[i]), 0) + 1
+        used[src] -= need
+        used[dst] += need
+        pairs -= 1
+        moves += 1
+    logger.debug("dmuon: merge_groups made %d moves, objective %.4g", moves, best)
+    return tuple(owners)
