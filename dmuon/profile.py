@@ -113,8 +113,15 @@ def plot_loads(plan, path: str) -> None:
 
 def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap_bytes=None,
                      measure: bool = False, device="cpu", method: str = "auto",
-                     time_limit_s: float = 10.0, cache_path=DEFAULT_CACHE, progress: bool = True):
+                     time_limit_s: float = 10.0, cache_path=DEFAULT_CACHE, progress: bool = True,
+                     group_cost: float = 0.0):
     """Profile, solve inside the XOR layout and return ``(OwnerPlan, per-rank memory bytes)``.
+
+    With ``group_cost > 0`` (in the profile's unit, per (layer, owner) publication; see
+    :mod:`dmuon.balance.grouping`) the solver keeps layers on few owners instead, and the XOR
+    layout, which spreads each layer, is not applied. Layers are :func:`layer_groups`: matrices
+    outside numbered layers count one group each (FSDP2 puts them in one root block, so the
+    plan's pair count is an upper bound there).
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (e.g. an infeasible memory cap).
@@ -129,8 +136,9 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     world = nodes * gpus_per_node
     result = solve(costs, world, memory=memory, memory_cap=memory_cap_bytes,
                    groups=layer_groups(fqns), classes=shapes if overhead else None,
-                   batch_overhead=overhead or None, layout=(nodes, gpus_per_node),
-                   method=method, time_limit_s=time_limit_s)
+                   batch_overhead=overhead or None,
+                   layout=(nodes, gpus_per_node) if group_cost == 0 else None,
+                   method=method, time_limit_s=time_limit_s, group_cost=group_cost)
     matrices = tuple(
         MatrixSpec(fqn=f, shape=s, owner=r, cost=c + overhead.get(s, 0.0))
         for f, s, r, c in zip(fqns, shapes, result.owners, costs)
@@ -140,7 +148,8 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
         makespan=result.makespan, lower_bound=result.lower_bound,
         extra={"proven_bound": result.proven_bound, "optimal": result.optimal,
                "detail": result.detail, "solve_s": result.solve_s, "nodes": nodes,
-               "gpus_per_node": gpus_per_node, "layout": "xor",
+               "gpus_per_node": gpus_per_node, "layout": "xor" if group_cost == 0 else "none",
+               "group_cost": group_cost, "publish_pairs": result.publish_pairs,
                "memory_cap_bytes": memory_cap_bytes, "memory_by_rank": list(result.memory),
                "batch_overhead": {f"{s[0]}x{s[1]}": v for s, v in overhead.items()}},
     )
@@ -161,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="time NS on the device (auto: only on CUDA) instead of the FLOP model")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available)")
     p.add_argument("--cache", default=DEFAULT_CACHE, help="profile cache JSON")
+    p.add_argument("--group-cost", default="0",
+                   help="step time of one more (layer, owner) publication in the profile's unit "
+                        "(FLOPs of the FLOP model, or ms when measured), or 'auto': by the device's backend (0 on "
+                        "CUDA/NCCL, ~2.5 ms per publication on CPU/gloo). 0 keeps the XOR layout")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
@@ -170,11 +183,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     measure = args.measure == "yes" or (args.measure == "auto" and device.startswith("cuda"))
     cap = None if args.memory_cap_gb is None else args.memory_cap_gb * 2 ** 30
+    if args.group_cost == "auto":
+        from dmuon.balance.cost import default_group_cost
+
+        group_cost = default_group_cost("nccl" if device.startswith("cuda") else "gloo",
+                                        "ms" if measure else "flops")
+    else:
+        try:
+            group_cost = float(args.group_cost)
+        except ValueError:
+            p.error(f"--group-cost must be a number >= 0 or 'auto', got {args.group_cost!r}")
     try:
         named = model_inventory(args.model)
         plan, mem = build_owner_plan(named, args.nodes, args.gpus_per_node, memory_cap_bytes=cap,
                                      measure=measure, device=device, method=args.method,
-                                     time_limit_s=args.time_limit_s, cache_path=args.cache)
+                                     time_limit_s=args.time_limit_s, cache_path=args.cache,
+                                     group_cost=group_cost)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

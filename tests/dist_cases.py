@@ -22,6 +22,9 @@ def build(world_size: int, mode: str, *, plan=None, predicate=None, variant: str
     "fsdp-before" (dedicate first) or "replicated" (no FSDP2)."""
     model = models.make_model(variant=variant)
     mesh = init_device_mesh("cpu", (world_size,))
+    # NCCL's default: owners spread by makespan alone, so blocks have several owners and the
+    # multi-owner publish and bucket paths are exercised; gloo's "auto" has its own test.
+    dedicate_kwargs.setdefault("group_cost", 0.0)
     if mode == "fsdp-before":
         dmuon.dedicate_params(model, mesh, plan=plan, predicate=predicate, **dedicate_kwargs)
     if mode in ("fsdp", "fsdp-before"):
@@ -104,7 +107,8 @@ def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
     placeholders_empty = all(rec.master.numel() == 0 for rec in state.records if not rec.is_owner)
     listed = {n for n, _ in model.named_parameters()}
     return dict(params=full_params(model, rank), losses=losses, norms=norms, ns_counts=counts,
-                owned=owned, placeholders_empty=placeholders_empty, listed=sorted(listed))
+                owned=owned, placeholders_empty=placeholders_empty, listed=sorted(listed),
+                publish_groups=len(state.groups), plan_extra=dict(state.plan.extra))
 
 
 def state_dict_roundtrip(rank: int, world_size: int, *, mode: str = "fsdp", first: int = 3,
@@ -161,6 +165,9 @@ def _bad_input(case: str, rank: int, world_size: int) -> None:
     elif case == "bad-reduce-mode":
         model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
         dmuon.dedicate_params(model, mesh, reduce_mode="scatter")
+    elif case == "bad-group-cost":
+        model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
+        dmuon.dedicate_params(model, mesh, group_cost=-1.0)
     elif case == "plan-other-world":
         model, mesh = models.make_model(), init_device_mesh("cpu", (world_size,))
         names = [(n, tuple(p.shape)) for n, p in model.named_parameters() if n in models.matrix_names(model)]

@@ -37,6 +37,7 @@ def build(layout: str, **dedicate_kwargs):
         for block in model.blocks:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
+    dedicate_kwargs.setdefault("group_cost", 0.0)  # spread owners: multi-owner paths (NCCL's default)
     dmuon.dedicate_params(model, mesh, **dedicate_kwargs)
     return model, mesh, dp_names
 

@@ -33,6 +33,30 @@ def test_cli_pi0_tiny_writes_valid_plan_and_chart(tmp_path, capsys):
     assert "makespan" in table and len(table.splitlines()) >= 9 + 1
 
 
+def test_cli_group_cost_keeps_layers_on_fewer_owners(tmp_path, capsys):
+    """``--group-cost auto`` on CPU prices each (layer, owner) publication as gloo does; the
+    plan then has fewer pairs than the XOR plan, counted here from the plan's own owners."""
+    from dmuon.balance.inventories import layer_groups
+
+    plans = {}
+    for cost in ("0", "auto"):
+        out = tmp_path / f"plan_{cost}.json"
+        rc = main(["--model", "pi0-tiny", "--gpus-per-node", "4", "--out", str(out),
+                   "--time-limit-s", "1", "--measure", "no", "--no-plot", "--group-cost", cost,
+                   "--cache", str(tmp_path / "c.json")])
+        assert rc == 0
+        plans[cost] = OwnerPlan.load(out)
+    fqns = [m.fqn for m in plans["0"].matrices]
+    groups = layer_groups(fqns)
+    pairs = {c: len({(g, m.owner) for g, m in zip(groups, p.matrices)}) for c, p in plans.items()}
+    assert pairs["auto"] < pairs["0"]
+    assert plans["auto"].extra["publish_pairs"] == pairs["auto"]
+    assert plans["auto"].extra["layout"] == "none" and plans["0"].extra["layout"] == "xor"
+    assert main(["--model", "pi0-tiny", "--gpus-per-node", "2", "--group-cost", "-1",
+                 "--measure", "no", "--no-plot", "--out", str(tmp_path / "x.json")]) == 2
+    assert "group_cost" in capsys.readouterr().err
+
+
 def test_cli_infeasible_memory_cap_exits_with_message(tmp_path, capsys):
     rc = main(["--model", "pi0-tiny", "--gpus-per-node", "2", "--memory-cap-gb", "1e-6",
                "--out", str(tmp_path / "p.json"), "--measure", "no", "--no-plot"])

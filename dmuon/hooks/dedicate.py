@@ -90,6 +90,7 @@ def dedicate_params(
     bucket_bytes: int = 25 * 2**20,
     replicate_mode: str = "auto",
     reduce_mode: str = "reduce",
+    group_cost: float | str = "auto",
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -120,6 +121,13 @@ def dedicate_params(
             block): ``"reduce"`` (one reduce per owner of the block; on NCCL one group call) or
             ``"all_reduce"`` (one all-reduce of the bucket: a single collective, twice the
             bytes); both exact (:mod:`dmuon.hooks.grad_buckets`).
+        group_cost: for the default plan only: the step time (in FLOP-model units) one more
+            owner in an FSDP2 block costs, as its publications and reduce are one collective
+            per (block, owner); the solver minimizes ``makespan + group_cost * pairs``.
+            ``"auto"``: by backend (:func:`dmuon.balance.cost.default_group_cost`: 0 on NCCL,
+            which keeps the pure makespan plan; about a millisecond per pair on gloo).
+            Blocks are known only when ``fully_shard`` ran first; otherwise each module is
+            its own group.
 
     Returns:
         The owner plan in use (identical on every rank).
@@ -127,7 +135,7 @@ def dedicate_params(
     Raises:
         ValueError: a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
             plan for another model or world size, ``prefetch < 1``, an unknown ``replicate_mode`` or
-            ``reduce_mode``.
+            ``reduce_mode``, a negative or unknown ``group_cost``.
         RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
             on the plan (raised on every rank, naming the ranks).
     """
@@ -149,9 +157,12 @@ def dedicate_params(
     selected = select_matrices(model, predicate or default_predicate(model))
     shapes = {s.fqn: s.shape for s in selected}
     world_size, tp_size = roles.shard_size, roles.tp_size
+    cost = _group_cost(group_cost, dist.get_backend(roles.shard))
     if plan is None:
         # The MILP is time-limited, hence not reproducible across ranks: one rank solves.
-        solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size)
+        solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
+                             groups=publish_groups(model, selected) if cost > 0 else None,
+                             group_cost=cost)
                   if dist.get_rank(roles.world) == 0 else None]
         dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
         plan = solved[0]
@@ -172,6 +183,33 @@ def dedicate_params(
             plan.lower_bound, min(loads) if loads else 0, max(loads) if loads else 0,
         )
     return plan
+
+
+def _group_cost(group_cost: float | str, backend: str) -> float:
+    if group_cost == "auto":
+        from dmuon.balance.cost import default_group_cost
+
+        return default_group_cost(str(backend), "flops")
+    if isinstance(group_cost, str) or not float(group_cost) >= 0 or float(group_cost) == float("inf"):
+        raise ValueError(
+            f"dmuon: group_cost must be 'auto' or a finite number >= 0 (FLOPs per (block, "
+            f"owner) pair), got {group_cost!r}"
+        )
+    return float(group_cost)
+
+
+def publish_groups(model: nn.Module, selected: list[Selected]) -> list[int]:
+    """Publish group id per selected matrix, numbered in model order: its FSDP2 block (the
+    innermost ``fully_shard``-ed module above it), or its module without FSDP2."""
+    from dmuon.hooks import fsdp
+
+    parents = fsdp.parent_map(model)
+    ids: dict[int, int] = {}
+    out = []
+    for sel in selected:
+        block = fsdp.enclosing_fsdp_module(sel.module, parents)
+        out.append(ids.setdefault(id(block if block is not None else sel.module), len(ids)))
+    return out
 
 
 def get_state(model: nn.Module) -> DedicateState:

@@ -235,6 +235,8 @@ def build_plan(
     method: str = "auto",
     time_limit_s: float = 5.0,
     tp_size: int = 1,
+    groups: Sequence[int] | None = None,
+    group_cost: float = 0.0,
 ) -> OwnerPlan:
     """Assign an owner to every matrix by balancing Newton-Schulz cost.
 
@@ -250,9 +252,18 @@ def build_plan(
         time_limit_s: wall-clock limit of the MILP, seconds.
         tp_size: TP group size; Newton-Schulz then runs on the (DP owner, TP owner) rank, so
             the balancer spreads costs over ``world_size * tp_size`` ranks.
+        groups: publish group per matrix (its FSDP2 block), for ``group_cost``.
+        group_cost: step time of one publish (group, owner) pair in ``cost_unit``; the solver
+            then minimizes ``makespan + group_cost * pairs``. Ignored with ``tp_size > 1``
+            (:mod:`dmuon.balance.grouping`, :func:`dmuon.balance.cost.default_group_cost`).
 
     Returns:
-        The plan, with makespan and lower bound from the solver.
+        The plan, with makespan and lower bound from the solver; ``extra`` records
+        ``group_cost`` and ``publish_pairs`` when a group cost was given.
+
+    Raises:
+        ValueError: from :func:`dmuon.balance.solve` (bad costs, ``group_cost`` without
+            ``groups``).
     """
     from dmuon.balance import solve
     from dmuon.kernels import ns_flops
@@ -263,8 +274,13 @@ def build_plan(
     if not named_shapes:
         return OwnerPlan(world_size=world_size, matrices=(), tp_size=tp_size, method=method,
                          cost_unit=cost_unit)
+    if tp_size > 1:
+        # The solver's ranks are (DP owner, TP owner) pairs while publications go per DP
+        # owner: pairs would be miscounted, so TP plans balance the makespan alone.
+        groups, group_cost = None, 0.0
     result = solve(list(costs), world_size * tp_size, classes=[shape for _, shape in named_shapes],
-                   method=method, time_limit_s=time_limit_s)
+                   method=method, time_limit_s=time_limit_s,
+                   groups=None if groups is None else list(groups), group_cost=group_cost)
     matrices = tuple(
         MatrixSpec(fqn=fqn, shape=shape, owner=int(owner) // tp_size, cost=float(cost),
                    tp_owner=int(owner) % tp_size)
@@ -274,4 +290,6 @@ def build_plan(
         world_size=world_size, matrices=matrices, tp_size=tp_size, method=result.method,
         cost_unit=cost_unit,
         makespan=float(result.makespan), lower_bound=float(result.lower_bound),
+        extra=({"group_cost": float(group_cost), "publish_pairs": result.publish_pairs}
+               if result.group_cost > 0 else {}),
     )
