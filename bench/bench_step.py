@@ -70,10 +70,13 @@ VARIANTS = ("adamw", "vanilla", "dmuon")
 #: Extra dmuon variants and their ``dedicate_params`` arguments: ``dmuon_keep`` keeps full
 #: weights from forward to backward (no second broadcast); ``dmuon_allreduce`` reduces each
 #: gradient bucket with one all-reduce instead of one reduce per owner (the default);
-#: ``dmuon_prefetch2`` issues publications two units ahead.
+#: ``dmuon_prefetch2`` issues publications two units ahead; ``dmuon_spread`` balances owners
+#: by Newton-Schulz makespan alone (``group_cost=0``, NCCL's default) where gloo's default
+#: also counts one publication per (block, owner).
 EXTRA_VARIANTS = {"dmuon_keep": dict(reshard_after_forward=False),
                   "dmuon_allreduce": dict(reduce_mode="all_reduce"),
-                  "dmuon_prefetch2": dict(prefetch=2)}
+                  "dmuon_prefetch2": dict(prefetch=2),
+                  "dmuon_spread": dict(group_cost=0.0)}
 PHASES = ("forward", "backward", "step", "total")
 #: Message sizes (bytes, float32 payload) of the gloo calibration; 1 KiB .. 4 MiB.
 CALIB_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -349,7 +352,10 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     # What the measured dmuon build issues per step (sim_validate models exactly this).
     collectives = {"publish": "one broadcast per (FSDP2 block, owner)",
                    "reduce_mode": state.reduce_mode, "buckets": len(state.buckets),
-                   "publish_groups": len(state.groups)}
+                   "publish_groups": len(state.groups),
+                   "group_cost": state.plan.extra.get("group_cost", 0.0)}
+    if "dmuon_spread" in models:
+        collectives["spread_publish_groups"] = len(get_state(models["dmuon_spread"]).groups)
     n_params = sum(p.numel() for p in Pi0Policy(model_cfg).parameters())
 
     calibration = None

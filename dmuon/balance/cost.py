@@ -19,8 +19,9 @@ OWNER_BYTES_PER_ELEMENT = 12
 
 #: Step time (s) one more publish (group, owner) pair costs on gloo: its forward and backward
 #: broadcasts and its reduce, on every rank. Measured on the 2-core CPU, 4 ranks, default
-#: ``dmuon.train`` model: one owner per FSDP2 block (12 pairs) against the makespan plan (23
-#: pairs) saved 30 ms of a 384 ms step (bench/results/step_cpu_4r_grouped_owners.json).
+#: ``dmuon.train`` model, makespan plan (23-26 pairs) against one owner per FSDP2 block (9 to
+#: 12 pairs), same run each: 1.3 to 2.7 ms per pair over four runs
+#: (bench/results/step_cpu_4r_grouped_owners*.json and the first, hand-made block plan).
 GLOO_PAIR_COST_S = 2.5e-3
 #: fp32 Newton-Schulz throughput (FLOP/s) of one CPU thread on the same model's shapes: the
 #: same run's calibration gives 3.4e10-8.3e10 for shapes of >= 1e7 FLOPs; this is about their
