@@ -179,16 +179,31 @@ def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto
     return out
 
 
+#: Global batch of the fixed-batch (strong scaling) variant: Qwen2.5-7B at 4M tokens per
+#: optimizer step at every scale, reached by gradient accumulation of 16,384-token micro-batches.
+GLOBAL_TOKENS = 4 * 1024 * 1024
+
+
 def predict(models: tuple[str, ...], clusters: tuple[str, ...], gpus: tuple[int, ...], *,
-            method: str = "auto") -> list[dict]:
-    """Runs :func:`predict_one` over the grid; returns one row per (model, cluster, GPUs)."""
+            method: str = "auto", global_tokens: int | None = None) -> list[dict]:
+    """Runs :func:`predict_one` over the grid; returns one row per (model, cluster, GPUs).
+
+    With ``global_tokens`` (Qwen only) each row accumulates ``global_tokens / (GPUs x 16,384)``
+    micro-batches per optimizer step instead of one (weak scaling, the default).
+    """
     works = workloads()
     rows = []
     for m in models:
         for c in clusters:
             for p in gpus:
-                row = predict_one(works[m], CLUSTERS[c], p, method=method)
-                rows.append({"model": m, "cluster": CLUSTERS[c].name, **row})
+                work = works[m]
+                if global_tokens is not None:
+                    if m != "qwen2.5-7b":
+                        raise ValueError(f"simulate: global_tokens applies to qwen2.5-7b, not {m!r}")
+                    work = workloads(accumulation=max(1, global_tokens // (p * 16384)))[m]
+                row = predict_one(work, CLUSTERS[c], p, method=method)
+                rows.append({"model": m, "cluster": CLUSTERS[c].name,
+                             "micro_batches": work.micro_batches, **row})
     return rows
 
 
@@ -256,10 +271,16 @@ def main(argv: list[str] | None = None) -> None:
         rows = predict(("pi0", "qwen2.5-7b"), ("a800", "h100"), GPU_COUNTS)
     print("SIMULATED (not measured):")
     print(format_table(rows))
+    fixed = predict(("qwen2.5-7b",), ("h100",) if a.tiny else ("a800", "h100"),
+                    (8, 16) if a.tiny else GPU_COUNTS, method="greedy" if a.tiny else "auto",
+                    global_tokens=GLOBAL_TOKENS)
+    print(f"SIMULATED, fixed global batch of {GLOBAL_TOKENS} tokens (gradient accumulation):")
+    print(format_table(fixed))
     result = {"what": "simulated step times (s) per optimizer; see bench/simulate.py docstring",
               "clusters": {k: dataclasses.asdict(c) for k, c in CLUSTERS.items()},
               "workloads": {k: dataclasses.asdict(w) for k, w in workloads().items()},
-              "paper_claims": PAPER, "rows": rows}
+              "paper_claims": PAPER, "rows": rows,
+              "rows_fixed_global_batch": {"global_tokens": GLOBAL_TOKENS, "rows": fixed}}
     result["cpu_validation"] = []
     for path in a.validate:
         val = validate(json.loads(pathlib.Path(path).read_text()))

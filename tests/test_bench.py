@@ -115,3 +115,20 @@ def test_simulate_cli_tiny(tmp_path, capsys):
     assert [r["gpus"] for r in data["rows"]] == [8, 16]
     assert out.with_suffix(".png").stat().st_size > 1000
     assert "SIMULATED" in capsys.readouterr().out
+
+
+def test_fixed_global_batch_accumulates_and_amortizes_the_optimizer():
+    """A 4M-token global batch at 8 GPUs is 32 micro-batches of 16,384 tokens: compute and
+    FSDP2/dmuon communication repeat 32 times, the optimizer step (NS makespan) runs once."""
+    weak = simulate.predict(("qwen2.5-7b",), ("h100",), (8,), method="greedy")[0]
+    fixed = simulate.predict(("qwen2.5-7b",), ("h100",), (8,), method="greedy",
+                             global_tokens=simulate.GLOBAL_TOKENS)[0]
+    assert (weak["micro_batches"], fixed["micro_batches"]) == (1, 32)
+    for variant in ("adamw", "dmuon"):
+        assert fixed[variant]["forward_compute"] == pytest.approx(32 * weak[variant]["forward_compute"])
+        assert fixed[variant]["optimizer"] == pytest.approx(weak[variant]["optimizer"])
+    extra = lambda r: r["dmuon"]["total"] - r["adamw"]["total"]  # noqa: E731
+    assert fixed["dmuon_over_adamw"] - 1 < (weak["dmuon_over_adamw"] - 1) / 4
+    assert extra(fixed) >= extra(weak)  # the NS time is still paid, once, plus per-pass comm
+    with pytest.raises(ValueError, match="qwen2.5-7b"):
+        simulate.predict(("pi0",), ("h100",), (8,), global_tokens=simulate.GLOBAL_TOKENS)
