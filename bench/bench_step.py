@@ -34,8 +34,13 @@ Usage::
     python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
     python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_allreduce ...   # diagnostic variants
 
-CPU and gloo only for now: the NCCL / single-GPU mode of issue 7 (world size 1 at Pi0 scale,
-against ``torch.optim.Muon``) is not written yet (no GPU was available to test it).
+GPU mode: ``--device cuda`` runs NCCL ranks, one GPU each, with ``torch.cuda.synchronize()``
+before every timestamp (so a phase's time includes its kernels), NS in float16 as ``dmuon.train``
+picks on CUDA, and no gloo calibration. The publish/reduce wait timers then only see host-side
+waits (NCCL waits are stream waits), so only the phase times mean something there. ``--extra
+torch_muon`` (one rank only) adds single-process ``torch.optim.Muon`` on the same matrices plus
+``AdamW`` on the rest, unsharded: the reference a single GPU can run. The GPU mode has not run on a
+GPU yet (none was lent to the session that wrote it); on CPU it is tested at world size 1.
 """
 
 from __future__ import annotations
@@ -72,11 +77,13 @@ VARIANTS = ("adamw", "vanilla", "dmuon")
 #: gradient bucket with one all-reduce instead of one reduce per owner (the default);
 #: ``dmuon_prefetch2`` issues publications two units ahead; ``dmuon_spread`` balances owners
 #: by Newton-Schulz makespan alone (``group_cost=0``, NCCL's default) where gloo's default
-#: also counts one publication per (block, owner).
+#: also counts one publication per (block, owner). ``torch_muon`` is not dmuon: single-process
+#: ``torch.optim.Muon`` + ``AdamW`` on the unsharded model (world size 1 only).
 EXTRA_VARIANTS = {"dmuon_keep": dict(reshard_after_forward=False),
                   "dmuon_allreduce": dict(reduce_mode="all_reduce"),
                   "dmuon_prefetch2": dict(prefetch=2),
-                  "dmuon_spread": dict(group_cost=0.0)}
+                  "dmuon_spread": dict(group_cost=0.0),
+                  "torch_muon": None}
 PHASES = ("forward", "backward", "step", "total")
 #: Message sizes (bytes, float32 payload) of the gloo calibration; 1 KiB .. 4 MiB.
 CALIB_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -99,6 +106,7 @@ class BenchConfig:
         seed: Model and data seed.
         out: JSON path (written by rank 0), or ``None``.
         extra_variants: Diagnostic variants from :data:`EXTRA_VARIANTS` run beside the three.
+        device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
     """
 
     nproc: int = 4
@@ -110,8 +118,21 @@ class BenchConfig:
     seed: int = 0
     out: str | None = None
     extra_variants: tuple[str, ...] = ()
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"bench_step: device={self.device!r}; choose 'cpu' or 'cuda'.")
+        if self.device == "cuda" and torch.cuda.device_count() < self.nproc:
+            raise ValueError(
+                f"bench_step: device='cuda' with nproc={self.nproc} needs {self.nproc} GPU(s); "
+                f"this machine has {torch.cuda.device_count()}."
+            )
+        if "torch_muon" in self.extra_variants and self.nproc != 1:
+            raise ValueError(
+                f"bench_step: torch_muon is single-process torch.optim.Muon; run it with nproc=1, "
+                f"not {self.nproc}."
+            )
         if set(self.extra_variants) - set(EXTRA_VARIANTS):
             raise ValueError(
                 f"bench_step: extra_variants={self.extra_variants}; choose from {sorted(EXTRA_VARIANTS)}."
@@ -267,20 +288,25 @@ def _calibrate_ns(shapes: list[tuple[int, int]], ns_dtype: torch.dtype) -> list[
     return out
 
 
-def _timed_step(model, opt, batch, timers: StepTimers) -> dict:
+def _timed_step(model, opt, batch, timers: StepTimers, device: torch.device) -> dict:
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
     dist.barrier()
     timers.reset()
-    t0 = time.perf_counter()
+    t0 = now()
     timers.phase = "forward"
     loss = model(batch)
-    t1 = time.perf_counter()
+    t1 = now()
     timers.phase = "backward"
     loss.backward()
-    t2 = time.perf_counter()
+    t2 = now()
     timers.phase = "step"
     opt.step()
     opt.zero_grad(set_to_none=True)
-    t3 = time.perf_counter()
+    t3 = now()
     timers.phase = None
     rec = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
            "ns": timers.ns_s, "loss": float(loss.detach())}
@@ -301,7 +327,9 @@ def _rank_main(rank: int, cfg: BenchConfig, port: int, threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(cfg.nproc))
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    if cfg.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", timeout=timedelta(minutes=10))
     try:
         result = _run_rank(rank, cfg)
         if rank == 0 and cfg.out:
@@ -325,15 +353,20 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         ensure_cached(data_cfg, progress=False)
     dist.barrier()
     demos = PushTDemos(data_cfg)
-    device = torch.device("cpu")
-    mesh = init_device_mesh("cpu", (world,))
+    device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(cfg.device, (world,))
+    ns_dtype = torch.float16 if device.type == "cuda" else torch.float32  # dmuon.train's "auto"
     variants = VARIANTS + cfg.extra_variants
     models, opts = {}, {}
     for variant in variants:
-        tcfg = TrainConfig(optimizer=variant.split("_")[0], batch_size=cfg.batch_size, seed=cfg.seed,
+        family = "dmuon" if variant == "torch_muon" else variant.split("_")[0]  # same lr, wd
+        tcfg = TrainConfig(optimizer=family, batch_size=cfg.batch_size, seed=cfg.seed,
                            model=model_cfg, data=data_cfg, plot=False)
         torch.manual_seed(cfg.seed)
-        model = Pi0Policy(model_cfg)
+        model = Pi0Policy(model_cfg).to(device)
+        if variant == "torch_muon":
+            models[variant], opts[variant] = model, _MuonAndAdamW(model, tcfg)
+            continue
         for block in model.shardable_blocks():
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -342,7 +375,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
 
             dmuon.dedicate_params(model, mesh, **EXTRA_VARIANTS[variant])
             opts[variant] = dmuon.Muon(model, lr=tcfg.resolved_lr(), weight_decay=tcfg.weight_decay,
-                                       adamw_lr=tcfg.adamw_lr, ns_dtype=torch.float32)
+                                       adamw_lr=tcfg.adamw_lr, ns_dtype=ns_dtype)
         else:
             opts[variant] = build_optimizer(tcfg, model, mesh, device)
         models[variant] = model
@@ -359,7 +392,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     n_params = sum(p.numel() for p in Pi0Policy(model_cfg).parameters())
 
     calibration = None
-    if cfg.calibrate:
+    if cfg.calibrate and device.type == "cpu":  # the CPU simulator's constants
         sizes = CALIB_BYTES[::2] if cfg.tiny else CALIB_BYTES  # tiny: CI time budget
         calibration = {"comm_s": _calibrate_comm(world, sizes),
                        "ns_s": _calibrate_ns([tuple(r["shape"]) for r in inventory], torch.float32)}
@@ -375,8 +408,9 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
             for variant in order:
                 for k in range(1 + cfg.block_steps):
                     batch = demos.batch(next_batch[variant], cfg.batch_size, rank, world, cfg.seed)
+                    batch = {k: v.to(device) for k, v in batch.items()}
                     next_batch[variant] += 1
-                    rec = _timed_step(models[variant], opts[variant], batch, timers)
+                    rec = _timed_step(models[variant], opts[variant], batch, timers, device)
                     rec.update(round=rnd, measured=k > 0, batch_index=next_batch[variant] - 1)
                     records[variant].append(rec)
     finally:
@@ -390,9 +424,10 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     summary = {v: _summarize([g[v] for g in gathered]) for v in variants}
     result = {
         "what": "per-phase step times, max over ranks per step, medians over measured steps",
-        "device": f"cpu ({platform.machine()}, {os.cpu_count()} cores shared by {world} ranks, "
-                  f"{torch.get_num_threads()} thread(s) each)",
-        "backend": "gloo",
+        "device": (torch.cuda.get_device_name(device) + f" x {world}" if device.type == "cuda" else
+                   f"cpu ({platform.machine()}, {os.cpu_count()} cores shared by {world} ranks, "
+                   f"{torch.get_num_threads()} thread(s) each)"),
+        "backend": dist.get_backend(),
         "world_size": world,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -402,8 +437,9 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "dedicated_matrices": inventory,
         "dmuon_collectives": collectives,
         "config": dataclasses.asdict(cfg),
-        "ns_dtype": "float32 (dmuon.train 'auto' on CPU)",
-        "fences": "dist.barrier() before every step; none between forward/backward/step",
+        "ns_dtype": f"{str(ns_dtype).removeprefix('torch.')} (dmuon.train 'auto' on {device.type})",
+        "fences": "dist.barrier() before every step; none between forward/backward/step"
+                  + ("; torch.cuda.synchronize() before every timestamp" if device.type == "cuda" else ""),
         "discarded": "first step of every block (warm-up; previous block's publications)",
         "wall_s": wall_s,
         "variants": summary,
@@ -411,6 +447,28 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "calibration": calibration,
     }
     return result
+
+
+class _MuonAndAdamW:
+    """``torch.optim.Muon`` on the 2-D non-embedding matrices (dmuon's default predicate) and
+    ``torch.optim.AdamW`` on the rest, stepped together: the single-process reference."""
+
+    def __init__(self, model: torch.nn.Module, tcfg: TrainConfig) -> None:
+        from dmuon.hooks.dedicate import default_predicate
+
+        pick = default_predicate(model)
+        mats = [p for n, p in model.named_parameters() if pick(n, p)]
+        rest = [p for n, p in model.named_parameters() if p.requires_grad and not pick(n, p)]
+        self.opts = [torch.optim.Muon(mats, lr=tcfg.resolved_lr(), weight_decay=tcfg.weight_decay),
+                     torch.optim.AdamW(rest, lr=tcfg.adamw_lr, weight_decay=tcfg.weight_decay)]
+
+    def step(self) -> None:
+        for opt in self.opts:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=set_to_none)
 
 
 def _summarize(per_rank: list[list[dict]]) -> dict:
@@ -431,6 +489,8 @@ def _ratios(summary: dict) -> dict:
     med = {v: {p: summary[v][p]["median_s"] for p in PHASES} for v in summary}
     extra = {f"{v}_total_over_adamw_total": med[v]["total"] / med["adamw"]["total"]
              for v in summary if v not in VARIANTS}
+    if "torch_muon" in med:  # the single-process reference on one device
+        extra["dmuon_total_over_torch_muon_total"] = med["dmuon"]["total"] / med["torch_muon"]["total"]
     return {**extra,
         "dmuon_step_over_vanilla_step": med["dmuon"]["step"] / med["vanilla"]["step"],
         "dmuon_total_over_adamw_total": med["dmuon"]["total"] / med["adamw"]["total"],
@@ -441,7 +501,7 @@ def _ratios(summary: dict) -> dict:
 
 
 def run(cfg: BenchConfig) -> dict:
-    """Spawns ``cfg.nproc`` gloo ranks, runs the benchmark, returns (and writes) the result.
+    """Spawns ``cfg.nproc`` ranks (gloo, or NCCL with ``device="cuda"``), runs the benchmark, returns (and writes) the result.
 
     Raises:
         RuntimeError: If the ranks fail (the child's traceback is chained).
@@ -460,7 +520,7 @@ def run(cfg: BenchConfig) -> dict:
 def format_table(result: dict) -> str:
     """Human-readable table of the medians (milliseconds) and the target ratios."""
     cols = ("forward", "backward", "step", "total", "ns")
-    lines = [f"{result['model']}, {result['world_size']} gloo ranks, {result['device']}",
+    lines = [f"{result['model']}, {result['world_size']} {result['backend']} ranks, {result['device']}",
              f"{'variant':10s} " + " ".join(f"{c:>10s}" for c in cols) + "   exposed waits (ms)"]
     for v in result["variants"]:
         s = result["variants"][v]
@@ -487,10 +547,13 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--out", default=None)
     p.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_VARIANTS),
                    help="diagnostic variants run interleaved with the three")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device,
+                   help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
     a = p.parse_args(argv)
     return BenchConfig(nproc=a.nproc, rounds=a.rounds, block_steps=a.block_steps,
                        batch_size=a.batch_size or (8 if a.tiny else defaults.batch_size), tiny=a.tiny,
-                       calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra))
+                       calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra),
+                       device=a.device)
 
 
 def main(argv: list[str] | None = None) -> None:

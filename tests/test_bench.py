@@ -13,6 +13,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 sys.path.insert(0, str(BENCH))
@@ -59,6 +60,25 @@ def test_bench_step_phases_and_waits(tiny_step):
     assert owners <= {0, 1} and tiny_step["calibration"]["ns_s"]
 
 
+def _bench_single(rank: int, world_size: int) -> dict | None:
+    import bench_step
+
+    cfg = bench_step.BenchConfig(nproc=1, rounds=1, block_steps=1, batch_size=4, tiny=True,
+                                 calibrate=False, extra_variants=("torch_muon",))
+    return bench_step._run_rank(rank, cfg)
+
+
+def test_bench_step_single_rank_against_torch_muon(dist_pool):
+    """World size 1 (the single-GPU mode, here on CPU): torch.optim.Muon + AdamW on the unsharded
+    model sees the same first batch with the same weights, so its first loss equals the others'."""
+    out = dist_pool.run(1, "tests.test_bench:_bench_single", {}, timeout_s=120)[0]
+    first = {v: out["variants"][v]["losses"][0] for v in ("adamw", "vanilla", "dmuon", "torch_muon")}
+    assert all(x == pytest.approx(first["adamw"], rel=1e-6) for x in first.values()), first
+    assert out["variants"]["torch_muon"]["losses"][1] != pytest.approx(first["torch_muon"], rel=1e-9)
+    assert out["ratios"]["dmuon_total_over_torch_muon_total"] > 0
+    assert out["backend"] == "gloo" and out["calibration"] is None
+
+
 def test_bench_step_command_line_defaults_and_refusals():
     import bench_step
 
@@ -71,6 +91,12 @@ def test_bench_step_command_line_defaults_and_refusals():
         bench_step.parse_args(["--extra", "dmuon_fast"])
     with pytest.raises(ValueError, match="batch_size"):
         bench_step.parse_args(["--nproc", "3"])  # 64 samples do not split over 3 ranks
+    assert default.device == "cpu"
+    with pytest.raises(ValueError, match="nproc=1"):
+        bench_step.parse_args(["--nproc", "2", "--extra", "torch_muon"])
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"needs 1 GPU\(s\)"):
+            bench_step.parse_args(["--device", "cuda", "--nproc", "1"])
 
 
 def test_alpha_beta_matches_hand_computation():
