@@ -139,7 +139,8 @@ def load_continue(rank: int, world_size: int, *, path: str, first: int, then: in
 
     Returns:
         On rank 0: ``loaded`` (full params right after loading) and ``final``; on every rank
-        ``owned`` (the dedicated FQNs this rank owns in the new plan).
+        ``owned`` (the dedicated FQNs this rank owns in the new plan) and ``replica_loaded`` /
+        ``replica_final`` (:func:`replica_state` right after loading / at the end).
     """
     model, opt, sched, dp_index, dp_count = _job(rank, world_size, mode, shift, replicate_mode)
     sd = checkpoint.state_dict(model, opt)
@@ -148,9 +149,36 @@ def load_continue(rank: int, world_size: int, *, path: str, first: int, then: in
     checkpoint.load_state_dict(model, opt, sd)
     sched.load_state_dict(sd["sched"])
     loaded = full_params(model, rank)
+    replica_loaded = replica_state(model, opt)
     run_steps(model, opt, range(first, first + then), dp_index, dp_count, sched)
     owned = sorted(r.fqn for r in model._dmuon_state.records if r.is_owner)
-    return dict(loaded=loaded, final=full_params(model, rank), owned=owned)
+    return dict(loaded=loaded, final=full_params(model, rank), owned=owned,
+                replica_loaded=replica_loaded, replica_final=replica_state(model, opt))
+
+
+def replica_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """This rank's own copy of the state every HSDP replica holds (``full_params`` reads
+    replica 0's only). Collective: every rank must call it.
+
+    Returns:
+        ``replicate_rank``, ``tp_rank``; ``masters`` ``{fqn: [rows, cols] or TP slice}`` fp32
+        of the matrices this rank owns; ``momentum`` of those it owns in ``"compute"`` mode
+        (in ``"broadcast"`` mode only replica 0 steps; the others' buffers stay zero);
+        ``dense`` ``{fqn: full value}`` of every other parameter as this rank's replica sees it.
+    """
+    state = model._dmuon_state
+    owned = [rec for rec in state.records if rec.is_owner]
+    masters = {rec.fqn: rec.master.detach().numpy().copy() for rec in owned}
+    momentum = {rec.fqn: opt.state[rec.master]["momentum_buffer"].numpy().copy()
+                for rec in owned if rec.replicate_mode == "compute"
+                and "momentum_buffer" in opt.state.get(rec.master, {})}
+    dense = {}
+    for name, p in model.named_parameters():
+        if name not in state.plan.owner_by_fqn:
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            dense[name] = t.detach().numpy().copy()
+    return dict(replicate_rank=state.replicate_rank, tp_rank=state.tp_rank, masters=masters,
+                momentum=momentum, dense=dense)
 
 
 def load_incomplete(rank: int, world_size: int) -> str:

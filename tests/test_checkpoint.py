@@ -4,7 +4,9 @@ Rank functions: ``tests/ckpt_cases.py``. Every step uses one fixed global batch 
 worth) split over the data-parallel ranks that run, and a StepLR schedule whose state is
 checkpointed too. Meshes: 1-D FSDP2, a plain replicated module, HSDP 2x2 ("replicate",
 "shard") in both replicate modes, FSDP x TP 2x2 ("dp", "tp"; fc1 column- and fc2 row-parallel
-with uneven slices), built by ``tests/mesh_cases.py``.
+with uneven slices), built by ``tests/mesh_cases.py``. Restores cross layouts both ways: 2x2
+meshes onto 1-D FSDP2, 1-D FSDP2 onto every 2x2 mesh, HSDP "broadcast" <-> "compute" and
+FSDP x TP onto HSDP; every HSDP replica must then hold what replica 0 holds.
 """
 
 from __future__ import annotations
@@ -188,3 +190,70 @@ def test_async_save_while_training_restores_saved_values(dist_pool, tmp_path):
         np.testing.assert_array_equal(got["loaded"][name], out["saved"][name], err_msg=name)
         np.testing.assert_array_equal(got["final"][name], out["final"][name], err_msg=name)
     _assert_matches_reference(got["final"], 4)
+
+
+# ----------------------------------------------------------------------------- across layouts
+def _assert_replicas_agree(got: list[dict]) -> None:
+    """Every HSDP replica holds what replica 0 holds (``ckpt_cases.replica_state`` per rank),
+    right after loading and at the end: owners' masters and ``"compute"``-mode momentum
+    (same FQN and TP slice, one copy per replica), and the other parameters. A replica that
+    loaded nothing or a stale buffer drifts from replica 0 here, where ``full_params``
+    (replica 0's values) sees it at most through one averaged gradient."""
+    replicas = len({g["replica_loaded"]["replicate_rank"] for g in got})
+    for when in ("replica_loaded", "replica_final"):
+        seen: dict[tuple, list[tuple[int, np.ndarray]]] = {}
+        for rank, g in enumerate(got):
+            view = g[when]
+            for kind in ("masters", "momentum"):
+                for fqn, value in view[kind].items():
+                    seen.setdefault((kind, fqn, view["tp_rank"]), []).append((rank, value))
+            for fqn, value in view["dense"].items():
+                seen.setdefault(("dense", fqn), []).append((rank, value))
+        for key, copies in seen.items():
+            if key[0] != "dense":
+                assert len(copies) == replicas, (when, key, [r for r, _ in copies])
+            for rank, value in copies[1:]:
+                np.testing.assert_array_equal(
+                    value, copies[0][1], err_msg=f"{when} {key}: rank {rank} vs {copies[0][0]}")
+
+
+# (layout, replicate_mode) of a 2x2 job restoring the 1-D FSDP2 checkpoint of ``saved_4rank``.
+FROM_1D = [("hsdp", "compute"), ("hsdp", "broadcast"), ("fsdp-tp", "auto")]
+
+
+@pytest.mark.parametrize("target", FROM_1D, ids=["-".join(m) for m in FROM_1D])
+def test_1d_fsdp_checkpoint_restored_on_2x2_mesh(dist_pool, saved_4rank, target):
+    """Resharding the other way: 1-D FSDP2 shards and whole owner masters read into HSDP
+    (every replica's owner, or replica 0's only for the momentum in ``"broadcast"``) and into
+    FSDP x TP (masters and momentum read as uneven TP slices)."""
+    path, out = saved_4rank
+    layout, replicate_mode = target
+    got = dist_pool.run(4, "tests.ckpt_cases:load_continue",
+                        dict(path=path, first=FIRST, then=THEN, mode=layout,
+                             replicate_mode=replicate_mode), timeout_s=120, fresh=True)
+    for name in out["final"]:
+        np.testing.assert_array_equal(got[0]["loaded"][name], out["saved"][name], err_msg=name)
+    _assert_matches_reference(got[0]["final"], FIRST + THEN)
+    _assert_replicas_agree(got)
+
+
+# A 2x2 checkpoint (key of ``saved_mesh``) restored on another 2x2 layout: HSDP across the two
+# replicate modes both ways, and FSDP x TP slices gathered into HSDP's whole masters.
+OTHER_2X2 = {("hsdp", "compute"): ("hsdp", "broadcast"),
+             ("hsdp", "broadcast"): ("hsdp", "compute"),
+             ("fsdp-tp", "auto"): ("hsdp", "compute")}
+
+
+def test_mesh_checkpoint_restored_on_other_2x2_layout(dist_pool, saved_mesh):
+    """``"broadcast"`` -> ``"compute"``: replica 1's owners, which never stepped and saved no
+    momentum, must read replica 0's; ``"compute"`` -> ``"broadcast"``: replica 0's owners read
+    the momentum every replica saved."""
+    kwargs, out = saved_mesh
+    layout, replicate_mode = OTHER_2X2[(kwargs["mode"], kwargs["replicate_mode"])]
+    got = dist_pool.run(4, "tests.ckpt_cases:load_continue",
+                        dict(kwargs, mode=layout, replicate_mode=replicate_mode),
+                        timeout_s=120, fresh=True)
+    for name in out["final"]:
+        np.testing.assert_array_equal(got[0]["loaded"][name], out["saved"][name], err_msg=name)
+    _assert_matches_reference(got[0]["final"], MESH_FIRST + MESH_THEN)
+    _assert_replicas_agree(got)
