@@ -40,7 +40,9 @@ size, owner plan or FSDP2 wrapping)::
 
 Verified with gloo on CPU in torch 2.13 (``tests/test_checkpoint.py``): a restore on the same
 world size or mesh (1-D FSDP2, HSDP 2x2 in both replicate modes, FSDP x TP 2x2) continues
-bitwise; a checkpoint restored on another world size or mesh continues within fp32 rounding.
+bitwise; a checkpoint restored on another world size or mesh continues within fp32 rounding
+(1-D FSDP2 <-> HSDP and FSDP x TP both ways, HSDP "broadcast" <-> "compute", FSDP x TP ->
+HSDP; a replica with no saved momentum reads replica 0's).
 Save each checkpoint to a new directory: DCP writes ``.metadata`` last, so a directory without
 it is an interrupted save and the previous directory stays loadable.
 
