@@ -17,7 +17,7 @@ pure makespan plan); on gloo each collective costs the CPU about a millisecond (
 Two heuristics feed the exact MILP (:func:`dmuon.balance.milp.solve_milp` with ``groups``):
 
 * :func:`group_lpt`: longest-processing-time first over whole groups (one pair per group;
-  Graham 1969 on group totals), splitting only a group that fits on no rank's memory.
+  Graham 1969 on group totals); no plan when a group fits on no rank under the memory cap.
 * :func:`merge_groups`: from any plan, move all of a group's matrices on one owner onto
   another owner of the same group (one pair fewer) while the objective drops.
 """
