@@ -112,8 +112,8 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     shape_of = (lambda key: key) if groups is None else (lambda key: key[1])
     order, table = _class_table(costs, keys, memory)
     shapes = list(dict.fromkeys(shape_of(key) for key in order))
+    shape_index = {s: j for j, s in enumerate(shapes)}
     overhead = {s: float((batch_overhead or {}).get(s, 0.0)) for s in shapes}
-    count = {s: sum(table[key][0] for key in order if shape_of(key) == s) for s in shapes}
     ranks = range(num_ranks)
     prob = pulp.LpProblem("dmuon_owner_makespan", pulp.LpMinimize)
     x = {(k, r): pulp.LpVariable(f"x_{k}_{r}", 0, table[key][0], cat="Integer")
@@ -125,26 +125,24 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
          for n, g in enumerate(gids) for r in ranks}
     t = pulp.LpVariable("makespan", lowBound=0)
     prob += t + group_cost * pulp.lpSum(y.values())
-    eff = list(costs)
-    for j, s in enumerate(shapes):
-        first = next(i for i, c in enumerate(classes) if c == s)
-        eff[first] += overhead[s]
-    prob += t >= makespan_lower_bound(eff, num_ranks)
+    from dmuon.balance.solver import _effective_costs
+
+    prob += t >= makespan_lower_bound(_effective_costs(costs, classes, overhead), num_ranks)
     if gids:
         prob += pulp.lpSum(y.values()) >= len(gids)  # every group has at least one owner
     for k, key in enumerate(order):
         prob += pulp.lpSum(x[k, r] for r in ranks) == table[key][0]
-        j = shapes.index(shape_of(key))
+        j = shape_index[shape_of(key)]
         for r in ranks:
             if (j, r) in z:
                 prob += x[k, r] <= table[key][0] * z[j, r]
             if groups is not None:
                 prob += x[k, r] <= table[key][0] * y[key[0], r]
-    for j, s in enumerate(shapes):
-        for r in ranks:
-            if (j, r) in z:  # a batch is paid only where a matrix of its shape is owned
-                prob += z[j, r] <= pulp.lpSum(x[k, r] for k, key in enumerate(order)
-                                              if shape_of(key) == s)
+    for (g, r), var in y.items():  # a pair exists only where the rank owns part of the group
+        prob += var <= pulp.lpSum(x[k, r] for k, key in enumerate(order) if key[0] == g)
+    for (j, r), var in z.items():  # a batch is paid only where a matrix of its shape is owned
+        prob += var <= pulp.lpSum(x[k, r] for k, key in enumerate(order)
+                                  if shape_index[shape_of(key)] == j)
     load = []
     for r in ranks:
         expr = pulp.lpSum(table[key][1] * x[k, r] for k, key in enumerate(order))
@@ -159,8 +157,12 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     if warm_start is not None:
         _set_warm_start(warm_start, order, keys, shapes, shape_of, costs, overhead, num_ranks,
                         x, z, y, t)
+    # No ``threads`` option: CBC then runs serially. With ``threads=1`` it starts one worker
+    # thread that, about once in 200 solves here, never starts: CBC's log then shows "Thread 0
+    # used 0 times, waiting to start 10.0" and the solve stops at the time limit with gap 0,
+    # unproven.
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
-                               threads=1, warmStart=warm_start is not None)
+                               warmStart=warm_start is not None)
     prob.solve(solver)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         logger.debug("dmuon: CBC found no plan (status %s)", pulp.LpStatus[prob.status])
