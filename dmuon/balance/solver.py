@@ -332,7 +332,9 @@ def solve(
             classes=classes, batch_overhead=batch_overhead, memory=memory,
             memory_cap=memory_cap, method=method, time_limit_s=time_limit_s)
     if groups is not None:
-        pairs = len({(g, r) for g, r in zip(groups, owners)})
+        from dmuon.balance.grouping import publish_pairs
+
+        pairs = publish_pairs(owners, groups)
     if layout is not None and groups is not None:
         from dmuon.balance.layout import apply_layout
 

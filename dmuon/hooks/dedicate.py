@@ -199,16 +199,15 @@ def _group_cost(group_cost: float | str, backend: str) -> float:
 
 
 def publish_groups(model: nn.Module, selected: list[Selected]) -> list[int]:
-    """Publish group id per selected matrix, numbered in model order: its FSDP2 block (the
-    innermost ``fully_shard``-ed module above it), or its module without FSDP2."""
+    """Publish group id per selected matrix (:func:`dmuon.hooks.fsdp.publish_block`),
+    numbered in model order."""
     from dmuon.hooks import fsdp
 
     parents = fsdp.parent_map(model)
     ids: dict[int, int] = {}
     out = []
     for sel in selected:
-        block = fsdp.enclosing_fsdp_module(sel.module, parents)
-        out.append(ids.setdefault(id(block if block is not None else sel.module), len(ids)))
+        out.append(ids.setdefault(id(fsdp.publish_block(sel.module, parents)), len(ids)))
     return out
 
 

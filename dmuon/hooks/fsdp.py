@@ -75,6 +75,14 @@ def enclosing_fsdp_module(module: nn.Module, parents: dict[int, nn.Module]) -> n
     return None
 
 
+def publish_block(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module:
+    """The module whose dedicated matrices publish (and reduce) together: the enclosing FSDP2
+    block, or ``module`` itself without FSDP2. The balancer's groups and the runtime's publish
+    groups both come from here."""
+    block = enclosing_fsdp_module(module, parents)
+    return module if block is None else block
+
+
 def mixed_precision_dtypes(block: nn.Module | None) -> tuple[torch.dtype | None, torch.dtype | None]:
     """``(param_dtype, reduce_dtype)`` of the FSDP2 policy of ``block`` (the module's
     :func:`enclosing_fsdp_module`); ``None`` where unset or without FSDP2."""

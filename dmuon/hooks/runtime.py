@@ -199,8 +199,7 @@ class DedicateState:
             param_dtype, reduce_dtype = fsdp.mixed_precision_dtypes(block)
             slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,
                            reduce_dtype or param_dtype or sl.local.dtype))
-            # Publish groups form per FSDP2 block; without FSDP2, per module.
-            blocks.append(id(block if block is not None else sel.module))
+            blocks.append(id(fsdp.publish_block(sel.module, parents)))
         views = self._make_groups(slices, specs, blocks)
         for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(self.selected, slices)):
             spec = specs[sel.fqn]
