@@ -119,9 +119,8 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
 
     With ``group_cost > 0`` (in the profile's unit, per (layer, owner) publication; see
     :mod:`dmuon.balance.grouping`) the solver keeps layers on few owners instead, and the XOR
-    layout, which spreads each layer, is not applied. Layers are :func:`layer_groups`: matrices
-    outside numbered layers count one group each (FSDP2 puts them in one root block, so the
-    plan's pair count is an upper bound there).
+    layout, which spreads each layer, is not applied. Layers are :func:`layer_groups`: one per
+    numbered layer, and one root block for every matrix outside them.
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (e.g. an infeasible memory cap).

@@ -158,3 +158,33 @@ def test_default_group_cost_by_backend():
     assert default_group_cost("cpu:gloo,cuda:nccl", "ms") == 0.0
     assert default_group_cost("gloo", "ms") == pytest.approx(GLOO_PAIR_COST_S * 1e3)
     assert default_group_cost("gloo", "flops") > 1e6
+
+
+def _blocks_of_wrapped_policy(rank: int, world_size: int) -> dict:
+    """Wrap the dmuon.train policy as ``python -m dmuon.train`` does; return each matrix's
+    FSDP2 publish block (by the runtime's rule) beside its name."""
+    import torch
+
+    from dmuon.hooks import fsdp
+    from dmuon.hooks.dedicate import default_predicate, select_matrices
+    from dmuon.train.model import Pi0Policy, PolicyConfig
+    from dmuon.train.parallel import Layout, shard_model
+
+    torch.manual_seed(0)
+    model = Pi0Policy(PolicyConfig())
+    shard_model(model, model.shardable_blocks(), Layout.parse("fsdp", world_size), torch.device("cpu"))
+    parents = fsdp.parent_map(model)
+    selected = select_matrices(model, default_predicate(model))
+    return {"fqns": [s.fqn for s in selected],
+            "blocks": [id(fsdp.publish_block(s.module, parents)) for s in selected]}
+
+
+def test_layer_groups_match_the_runtimes_publish_blocks(dist_pool):
+    """The inventory-side rule (numbered layers, plus one root block) partitions a wrapped
+    model's matrices exactly as the runtime's FSDP2 blocks do, root block included."""
+    out = dist_pool.run(1, "tests.test_grouping:_blocks_of_wrapped_policy", {}, timeout_s=60)[0]
+    by_name = layer_groups(out["fqns"])
+    same = lambda ids: {(i, j) for i in range(len(ids)) for j in range(len(ids)) if ids[i] == ids[j]}
+    assert same(by_name) == same(out["blocks"])
+    roots = [f for f in out["fqns"] if ".blocks." not in f]
+    assert len(roots) >= 2, roots  # else one group per root matrix would pass as well

@@ -113,13 +113,25 @@ _LAYER = re.compile(r"^(.*?\.\d+)\.")
 
 
 def layer_groups(fqns: list[str]) -> list[int]:
-    """Group id per matrix: matrices under the same numbered module (``...layers.7.``) share
-    one; ids count up in order of first appearance (forward order); an unnumbered matrix is
-    its own group."""
+    """Publish-group id per matrix, as the usual FSDP2 wrapping makes them.
+
+    The usual wrapping (``fully_shard`` on each numbered layer, then on the root, as
+    :func:`dmuon.train.parallel.shard_model` and torchtitan do) puts the matrices under one
+    numbered module (``...layers.7.``) into that layer's block and every other matrix into the
+    root block. This is the inventory-side twin of :func:`dmuon.hooks.fsdp.publish_block`,
+    which reads the blocks off a wrapped model.
+
+    Args:
+        fqns: matrix names, in forward order.
+
+    Returns:
+        One id per name, counting up from 0 in order of first appearance; all matrices outside
+        numbered layers share one id (the root block's).
+    """
     ids: dict[str, int] = {}
     out = []
     for fqn in fqns:
         m = _LAYER.match(fqn)
-        key = m.group(1) if m else fqn
+        key = m.group(1) if m else ""  # "" is the root block
         out.append(ids.setdefault(key, len(ids)))
     return out
