@@ -7,11 +7,18 @@ ranks share a slice) trains on exactly the data the 4-rank job would have seen.
 
 Checkpoint jobs run in one of the ``MODES``: ``"fsdp"`` and ``"replicated"`` on a 1-D mesh
 (:func:`tests.dist_cases.build`), ``"hsdp"`` and ``"fsdp-tp"`` on a 2x2 mesh
-(:func:`tests.mesh_cases.build`; run those in a fresh pool world).
+(:func:`tests.mesh_cases.build`; run those in a fresh pool world), and ``"hsdp-2x1"`` /
+``"hsdp-1x2"``, HSDP on 2 ranks (2 replicas of 1 rank, or 1 replica of 2 ranks).
+
+``mixed_auto=True`` runs ``replicate_mode="auto"`` with the cost constants of
+:func:`dmuon.hooks.runtime.choose_replicate_mode` set so that the test model's matrices split
+(:data:`MIXED_NS_FLOPS_PER_S`); with the shipped constants every matrix of this tiny model
+picks ``"compute"`` and ``"auto"`` is ``"compute"`` under another name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -30,7 +37,13 @@ from tests import mesh_cases, models
 from tests.dist_cases import build, full_params
 
 GLOBAL_RANKS = 4
-MODES = ("fsdp", "replicated", "hsdp", "fsdp-tp")
+MODES = ("fsdp", "replicated", "hsdp", "fsdp-tp", "hsdp-2x1", "hsdp-1x2")
+HSDP_2RANK = {"hsdp-2x1": (2, 1), "hsdp-1x2": (1, 2)}  # mode: (replicate, shard)
+# NS throughput (FLOP/s) at which choose_replicate_mode splits the test model: the break-even
+# ns_flops * REPLICA_BYTES_PER_S / (4 * rows * cols) is 0.06e12 for head [1, 12], 1.06e12 for
+# blocks.0.fc* [7, 12], 1.86e12 / 2.54e12 for blocks.1 / blocks.2; 1.5e12 sends blocks.1-2 to
+# "broadcast" and keeps head and blocks.0 on "compute".
+MIXED_NS_FLOPS_PER_S = 1.5e12
 EXACT = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
              ns_dtype=torch.float32, ns_coefficients="muon")
 
@@ -65,8 +78,38 @@ def rotated_plan(world_size: int, shift: int) -> dmuon.OwnerPlan:
         for m in plan.matrices))
 
 
-def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: str = "auto"):
+@contextlib.contextmanager
+def _ns_flops_per_s(value: float | None):
+    """Within the block, :func:`dmuon.hooks.runtime.choose_replicate_mode` prices NS at
+    ``value`` FLOP/s (``None``: unchanged); restored after, since pool workers are reused."""
+    from dmuon.hooks import runtime
+
+    before = runtime.NS_FLOPS_PER_S
+    if value is not None:
+        runtime.NS_FLOPS_PER_S = value
+    try:
+        yield
+    finally:
+        runtime.NS_FLOPS_PER_S = before
+
+
+def _hsdp_2rank(mode: str, **dedicate_kwargs):
+    """:func:`tests.mesh_cases.build`'s HSDP on a 2-rank ``("replicate", "shard")`` mesh."""
+    mesh = init_device_mesh("cpu", HSDP_2RANK[mode], mesh_dim_names=("replicate", "shard"))
+    model = models.make_model()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    dmuon.dedicate_params(model, mesh, group_cost=0.0, **dedicate_kwargs)
+    return model, mesh, ("replicate", "shard")
+
+
+def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: str = "auto",
+         mixed_auto: bool = False):
     """The test model, a dmuon.Muon (fp32 exact mode) and a StepLR over it, in ``mode``.
+
+    ``mixed_auto``: resolve ``replicate_mode="auto"`` at :data:`MIXED_NS_FLOPS_PER_S` (the
+    matrices are bound, and their mode chosen, when the optimizer is built).
 
     Returns:
         ``(model, opt, sched, dp_index, dp_count)``: this rank's data-parallel replica and the
@@ -75,13 +118,16 @@ def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: 
     if mode not in MODES:
         raise ValueError(f"unknown checkpoint test mode {mode!r}; one of {MODES}")
     plan = rotated_plan(world_size, shift) if shift else None
-    if mode in mesh_cases.LAYOUTS:
-        model, mesh, dp_names = mesh_cases.build(mode, plan=plan, replicate_mode=replicate_mode)
-        dp_index, dp_count = mesh_cases.dp_coordinate(mesh, dp_names)
-    else:
-        model, _ = build(world_size, mode, plan=plan)
-        dp_index, dp_count = rank, world_size
-    opt = dmuon.Muon(model, **EXACT)
+    with _ns_flops_per_s(MIXED_NS_FLOPS_PER_S if mixed_auto else None):
+        if mode in mesh_cases.LAYOUTS or mode in HSDP_2RANK:
+            builder = (mesh_cases.build if mode in mesh_cases.LAYOUTS
+                       else _hsdp_2rank)
+            model, mesh, dp_names = builder(mode, plan=plan, replicate_mode=replicate_mode)
+            dp_index, dp_count = mesh_cases.dp_coordinate(mesh, dp_names)
+        else:
+            model, _ = build(world_size, mode, plan=plan)
+            dp_index, dp_count = rank, world_size
+        opt = dmuon.Muon(model, **EXACT)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     return model, opt, sched, dp_index, dp_count
 
@@ -101,7 +147,7 @@ class GatedWriter(dcp.FileSystemWriter):
 
 def train_save_continue(rank: int, world_size: int, *, path: str, first: int, then: int,
                         mode: str = "fsdp", replicate_mode: str = "auto",
-                        async_save: bool = False) -> dict:
+                        async_save: bool = False, mixed_auto: bool = False) -> dict:
     """Train ``first`` steps, ``dcp.save`` to ``path``, train ``then`` more.
 
     With ``async_save``, ``dcp.async_save`` on a gloo group of its own (its background thread
@@ -110,9 +156,11 @@ def train_save_continue(rank: int, world_size: int, *, path: str, first: int, th
     place, so the checkpoint is right only if ``async_save`` staged a copy.
 
     Returns:
-        On rank 0: ``saved`` (full params at save time) and ``final`` (after all steps).
+        On rank 0: ``saved`` (full params at save time) and ``final`` (after all steps); on
+        every rank ``modes`` (:func:`replicate_modes`).
     """
-    model, opt, sched, dp_index, dp_count = _job(rank, world_size, mode, replicate_mode=replicate_mode)
+    model, opt, sched, dp_index, dp_count = _job(rank, world_size, mode, replicate_mode=replicate_mode,
+                                                 mixed_auto=mixed_auto)
     ckpt_group = dist.new_group(backend="gloo") if async_save else None
     run_steps(model, opt, range(first), dp_index, dp_count, sched)
     saved = full_params(model, rank)
@@ -127,11 +175,17 @@ def train_save_continue(rank: int, world_size: int, *, path: str, first: int, th
     if async_save:
         writer.gate.set()
         future.result(timeout=60)
-    return dict(saved=saved, final=full_params(model, rank))
+    return dict(saved=saved, final=full_params(model, rank), modes=replicate_modes(model))
+
+
+def replicate_modes(model: nn.Module) -> dict[str, str]:
+    """``{fqn: "compute" | "broadcast"}``: the HSDP mode each dedicated matrix runs in."""
+    return {rec.fqn: rec.replicate_mode for rec in model._dmuon_state.records}
 
 
 def load_continue(rank: int, world_size: int, *, path: str, first: int, then: int,
-                  mode: str = "fsdp", shift: int = 0, replicate_mode: str = "auto") -> dict:
+                  mode: str = "fsdp", shift: int = 0, replicate_mode: str = "auto",
+                  mixed_auto: bool = False) -> dict:
     """A fresh job on ``world_size`` ranks: load ``path``, train steps ``first..first+then``.
 
     ``shift`` moves every owner of the default plan that many ranks on (another owner plan on
@@ -139,10 +193,12 @@ def load_continue(rank: int, world_size: int, *, path: str, first: int, then: in
 
     Returns:
         On rank 0: ``loaded`` (full params right after loading) and ``final``; on every rank
-        ``owned`` (the dedicated FQNs this rank owns in the new plan) and ``replica_loaded`` /
-        ``replica_final`` (:func:`replica_state` right after loading / at the end).
+        ``owned`` (the dedicated FQNs this rank owns in the new plan), ``modes``
+        (:func:`replicate_modes`) and ``replica_loaded`` / ``replica_final``
+        (:func:`replica_state` right after loading / at the end).
     """
-    model, opt, sched, dp_index, dp_count = _job(rank, world_size, mode, shift, replicate_mode)
+    model, opt, sched, dp_index, dp_count = _job(rank, world_size, mode, shift, replicate_mode,
+                                                 mixed_auto)
     sd = checkpoint.state_dict(model, opt)
     sd["sched"] = sched.state_dict()
     dcp.load(sd, checkpoint_id=path)
@@ -153,7 +209,7 @@ def load_continue(rank: int, world_size: int, *, path: str, first: int, then: in
     run_steps(model, opt, range(first, first + then), dp_index, dp_count, sched)
     owned = sorted(r.fqn for r in model._dmuon_state.records if r.is_owner)
     return dict(loaded=loaded, final=full_params(model, rank), owned=owned,
-                replica_loaded=replica_loaded, replica_final=replica_state(model, opt))
+                modes=replicate_modes(model), replica_loaded=replica_loaded, replica_final=replica_state(model, opt))
 
 
 def replica_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:

@@ -239,21 +239,90 @@ def test_1d_fsdp_checkpoint_restored_on_2x2_mesh(dist_pool, saved_4rank, target)
 
 # A 2x2 checkpoint (key of ``saved_mesh``) restored on another 2x2 layout: HSDP across the two
 # replicate modes both ways, and FSDP x TP slices gathered into HSDP's whole masters.
-OTHER_2X2 = {("hsdp", "compute"): ("hsdp", "broadcast"),
-             ("hsdp", "broadcast"): ("hsdp", "compute"),
-             ("fsdp-tp", "auto"): ("hsdp", "compute")}
+# "auto" with mixed_auto=True: blocks.1-2 "broadcast", head and blocks.0 "compute" (MIXED).
+OTHER_2X2 = {("hsdp", "compute"): [dict(mode="hsdp", replicate_mode="broadcast")],
+             ("hsdp", "broadcast"): [dict(mode="hsdp", replicate_mode="compute"),
+                                     dict(mode="hsdp", replicate_mode="auto", mixed_auto=True)],
+             ("fsdp-tp", "auto"): [dict(mode="hsdp", replicate_mode="compute")]}
+MIXED = {name: "broadcast" if name.startswith(("blocks.1.", "blocks.2.")) else "compute"
+         for name in models.matrix_names(models.make_model())}
+
+
+def _assert_restored(got: list[dict], out: dict, steps: int) -> None:
+    """Right after loading, the saved parameters exactly; at the end, the reference; and
+    every HSDP replica agrees with replica 0."""
+    for name in out["final"]:
+        np.testing.assert_array_equal(got[0]["loaded"][name], out["saved"][name], err_msg=name)
+    _assert_matches_reference(got[0]["final"], steps)
+    _assert_replicas_agree(got)
 
 
 def test_mesh_checkpoint_restored_on_other_2x2_layout(dist_pool, saved_mesh):
     """``"broadcast"`` -> ``"compute"``: replica 1's owners, which never stepped and saved no
     momentum, must read replica 0's; ``"compute"`` -> ``"broadcast"``: replica 0's owners read
-    the momentum every replica saved."""
+    the momentum every replica saved; ``"broadcast"`` -> mixed ``"auto"``: replica 1's owners
+    of the ``"compute"`` matrices read replica 0's momentum, the others keep none."""
     kwargs, out = saved_mesh
-    layout, replicate_mode = OTHER_2X2[(kwargs["mode"], kwargs["replicate_mode"])]
-    got = dist_pool.run(4, "tests.ckpt_cases:load_continue",
-                        dict(kwargs, mode=layout, replicate_mode=replicate_mode),
+    for target in OTHER_2X2[(kwargs["mode"], kwargs["replicate_mode"])]:
+        got = dist_pool.run(4, "tests.ckpt_cases:load_continue", dict(kwargs, **target),
+                            timeout_s=120, fresh=True)
+        if target.get("mixed_auto"):
+            assert got[0]["modes"] == MIXED, got[0]["modes"]
+        _assert_restored(got, out, MESH_FIRST + MESH_THEN)
+
+
+# ----------------------------------------------------------------------------- HSDP "auto", 2 <-> 4 ranks
+@pytest.fixture(scope="module")
+def saved_auto(dist_pool, tmp_path_factory):
+    """HSDP 2x2 in ``"auto"`` mode with both modes in use (``ckpt_cases.MIXED_NS_FLOPS_PER_S``;
+    with the shipped cost constants every matrix of the test model picks ``"compute"``):
+    2 steps, save, 2 more."""
+    path = str(tmp_path_factory.mktemp("dcp") / "hsdp-auto")
+    kwargs = dict(path=path, first=MESH_FIRST, then=MESH_THEN, mode="hsdp",
+                  replicate_mode="auto", mixed_auto=True)
+    out = dist_pool.run(4, "tests.ckpt_cases:train_save_continue", kwargs, timeout_s=120,
+                        fresh=True)
+    return kwargs, out[0]
+
+
+def test_auto_run_mixes_modes_and_matches_reference(saved_auto):
+    """Guard for the tests below: both modes are in use, and the run is itself right."""
+    _, out = saved_auto
+    assert out["modes"] == MIXED, out["modes"]
+    _assert_matches_reference(out["final"], MESH_FIRST + MESH_THEN)
+
+
+# Targets of the mixed "auto" 2x2 checkpoint: "compute" on the same mesh (replica 1's owners
+# must read the momentum of the "broadcast" matrices, saved by replica 0 only), and HSDP on 2
+# ranks: 2 replicas of one rank each (every matrix owned by rank 0 of its replica) or one
+# replica of two ranks.
+FROM_AUTO = [dict(mode="hsdp", replicate_mode="compute", world_size=4),
+             dict(mode="hsdp-2x1", replicate_mode="auto", mixed_auto=True, world_size=2),
+             dict(mode="hsdp-1x2", replicate_mode="auto", mixed_auto=True, world_size=2)]
+
+
+@pytest.mark.parametrize("target", FROM_AUTO, ids=["hsdp-compute", "hsdp-2x1", "hsdp-1x2"])
+def test_auto_checkpoint_restored_on_other_hsdp(dist_pool, saved_auto, target):
+    kwargs, out = saved_auto
+    target = dict(target)
+    world_size = target.pop("world_size")
+    got = dist_pool.run(world_size, "tests.ckpt_cases:load_continue", dict(kwargs, **target),
                         timeout_s=120, fresh=True)
-    for name in out["final"]:
-        np.testing.assert_array_equal(got[0]["loaded"][name], out["saved"][name], err_msg=name)
-    _assert_matches_reference(got[0]["final"], MESH_FIRST + MESH_THEN)
-    _assert_replicas_agree(got)
+    if target.get("mixed_auto"):
+        assert got[0]["modes"] == MIXED, got[0]["modes"]
+    _assert_restored(got, out, MESH_FIRST + MESH_THEN)
+
+
+def test_2rank_hsdp_checkpoint_restored_on_4_ranks(dist_pool, tmp_path):
+    """HSDP 2x1 (mixed ``"auto"``) saved, restored on HSDP 2x2: each 1-rank replica's whole
+    masters are read by 2 owners per replica, the FSDP2 shards resharded from 1 to 2."""
+    kwargs = dict(path=str(tmp_path / "hsdp-2x1"), first=MESH_FIRST, then=MESH_THEN,
+                  mode="hsdp-2x1", replicate_mode="auto", mixed_auto=True)
+    out = dist_pool.run(2, "tests.ckpt_cases:train_save_continue", kwargs, timeout_s=120,
+                        fresh=True)[0]
+    assert out["modes"] == MIXED, out["modes"]
+    _assert_matches_reference(out["final"], MESH_FIRST + MESH_THEN)
+    got = dist_pool.run(4, "tests.ckpt_cases:load_continue", dict(kwargs, mode="hsdp"),
+                        timeout_s=120, fresh=True)
+    assert got[0]["modes"] == MIXED, got[0]["modes"]
+    _assert_restored(got, out, MESH_FIRST + MESH_THEN)
