@@ -34,6 +34,7 @@ from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, issued_together, publish
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.mesh import MeshRoles
+from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
 from dmuon.hooks.replicated import ReplicatedGrads
 from dmuon.hooks.tp import as_compute_param, local_slice
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage, make_dedicated
@@ -391,13 +392,14 @@ class DedicateState:
     def finish_backward(self) -> None:
         """End of backward: wait for every reduce; owners add the average to ``master.grad``.
 
-        Under HSDP the owners then combine across replicas: an all-reduce (each replica's
-        owner runs Newton-Schulz) or a reduce to replica 0 (which runs it and broadcasts).
+        Under HSDP the owners then combine across replicas (:mod:`dmuon.hooks.replicas`): one
+        all-reduce of all "compute" averages (each replica's owner runs Newton-Schulz) and one
+        reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype.
         """
         self._final_callback_queued = False
         replicas = self.roles.replicate_size
         with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
-            combined = []
+            combine = self._combine_replicas() if replicas > 1 else None
             for bucket in self.buckets:
                 if bucket.flat is None:
                     continue
@@ -405,24 +407,21 @@ class DedicateState:
                     bucket.issue(self.group, self.reduce_mode)
                 for rec, avg in bucket.take(self.world_size):
                     if avg is not None:
-                        if replicas > 1:
-                            combined.append((rec, self._combine_replicas(rec, avg), avg))
+                        if combine is not None:
+                            combine.add(rec, avg)
                         else:
                             self._accumulate(rec, avg)
                     rec.had_grad = True
-            for rec, work, avg in combined:
-                work.wait()
-                if rec.replicate_mode == "compute" or self.replicate_rank == 0:
-                    self._accumulate(rec, avg.div_(replicas))
+            if combine is not None:
+                combine.issue()
+                for rec, summed in combine.wait():
+                    self._accumulate(rec, summed.div_(replicas))
             if self.replicated is not None and self._sync_this_backward:
                 self.replicated.finish()
 
-    def _combine_replicas(self, rec: DedicatedParam, avg: torch.Tensor) -> Any:
-        group = self.roles.replicate
-        with torch.profiler.record_function("dmuon::combine_replicas"):
-            if rec.replicate_mode == "compute":
-                return dist.all_reduce(avg, group=group, async_op=True)
-            return dist.reduce(avg, dst=dist.get_global_rank(group, 0), group=group, async_op=True)
+    def _combine_replicas(self) -> ReplicaCombine:
+        """This backward's cross-replica combination (records are queued in bucket order)."""
+        return ReplicaCombine(group=self.roles.replicate, replicate_rank=self.replicate_rank)
 
     @staticmethod
     def _accumulate(rec: DedicatedParam, avg: torch.Tensor) -> None:
@@ -457,14 +456,14 @@ class DedicateState:
                 self._issue(self.units[: self.prefetch])
 
     def _broadcast_from_replica0(self) -> None:
-        """HSDP "broadcast" matrices: replica 0's owner stepped; the other replicas copy."""
-        group = self.roles.replicate
-        src = dist.get_global_rank(group, 0)
-        works = [dist.broadcast(rec.master.data, src=src, group=group, async_op=True)
-                 for rec in self.records
-                 if rec.is_owner and rec.replicate_mode == "broadcast" and rec.had_grad]
-        for work in works:
-            work.wait()
+        """HSDP "broadcast" matrices: replica 0's owner stepped; the other replicas copy.
+
+        One flat broadcast per dtype of the owned masters that had a gradient (the same list
+        on every replica: the plan and the set of matrices with a gradient are the same).
+        """
+        masters = [rec.master.data for rec in self.records
+                   if rec.is_owner and rec.replicate_mode == "broadcast" and rec.had_grad]
+        broadcast_masters(masters, self.roles.replicate, self.replicate_rank)
 
     def remove(self) -> None:
         """Remove every hook dmuon installed (the model keeps its current parameters)."""
