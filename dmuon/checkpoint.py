@@ -42,7 +42,8 @@ Verified with gloo on CPU in torch 2.13 (``tests/test_checkpoint.py``): a restor
 world size or mesh (1-D FSDP2, HSDP 2x2 in both replicate modes, FSDP x TP 2x2) continues
 bitwise; a checkpoint restored on another world size or mesh continues within fp32 rounding
 (1-D FSDP2 <-> HSDP and FSDP x TP both ways, HSDP "broadcast" <-> "compute", FSDP x TP ->
-HSDP; a replica with no saved momentum reads replica 0's).
+HSDP, HSDP "auto" with both modes in use -> "compute" and "broadcast" -> "auto", HSDP 2x2 ->
+2x1 / 1x2 on 2 ranks and 2x1 -> 2x2; a replica with no saved momentum reads replica 0's).
 Save each checkpoint to a new directory: DCP writes ``.metadata`` last, so a directory without
 it is an interrupted save and the previous directory stays loadable.
 

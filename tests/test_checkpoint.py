@@ -6,7 +6,9 @@ checkpointed too. Meshes: 1-D FSDP2, a plain replicated module, HSDP 2x2 ("repli
 "shard") in both replicate modes, FSDP x TP 2x2 ("dp", "tp"; fc1 column- and fc2 row-parallel
 with uneven slices), built by ``tests/mesh_cases.py``. Restores cross layouts both ways: 2x2
 meshes onto 1-D FSDP2, 1-D FSDP2 onto every 2x2 mesh, HSDP "broadcast" <-> "compute" and
-FSDP x TP onto HSDP; every HSDP replica must then hold what replica 0 holds.
+FSDP x TP onto HSDP; every HSDP replica must then hold what replica 0 holds. HSDP "auto" runs
+with both modes in use (``ckpt_cases.MIXED_NS_FLOPS_PER_S``): saved and restored on "compute"
+and on HSDP 2x1 / 1x2 (2 ranks), and restored from "broadcast"; HSDP 2x1 is restored on 2x2.
 """
 
 from __future__ import annotations
