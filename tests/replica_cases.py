@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dmuon
-import dmuon.hooks.runtime as runtime
+from dmuon.hooks import runtime
 from tests import models
 from tests.dist_cases import full_params
 from tests.mesh_cases import build, dp_coordinate
@@ -79,5 +79,5 @@ def train_counting(rank: int, world_size: int, *, replicate_mode: str, steps: in
         per_step.append(log)
     owned = {rec.fqn: rec.master.detach().numpy().copy() for rec in state.records if rec.is_owner}
     modes = {rec.fqn: rec.replicate_mode for rec in state.records if rec.is_owner}
-    return dict(params=full_params(model, rank), owned=owned, modes=modes, per_step=per_step,
-                dp_count=dp_count, replicate_rank=state.replicate_rank)
+    return {"params": full_params(model, rank), "owned": owned, "modes": modes, "per_step": per_step,
+            "dp_count": dp_count, "replicate_rank": state.replicate_rank}

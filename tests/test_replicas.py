@@ -31,7 +31,7 @@ GRAD_OP = {"compute": "all_reduce", "broadcast": "reduce"}
     ("compute", None), ("broadcast", None), ("auto", MIXED_AUTO_BYTES_PER_S)])
 def test_hsdp_one_collective_per_mode_and_dtype(dist_pool, replicate_mode, bytes_per_s):
     out = dist_pool.run(4, "tests.replica_cases:train_counting",
-                        dict(replicate_mode=replicate_mode, steps=STEPS, replica_bytes_per_s=bytes_per_s),
+                        {"replicate_mode": replicate_mode, "steps": STEPS, "replica_bytes_per_s": bytes_per_s},
                         timeout_s=180, fresh=True)
     ref, _, _ = models.run_reference(out[0]["dp_count"], STEPS)
     compare(out[0]["params"], ref, ATOL)  # replica 0's masters and FSDP2's parameters

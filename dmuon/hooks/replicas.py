@@ -10,15 +10,15 @@ every matrix it owns; the replicas then combine them (DESIGN.md, "Meshes"):
 * ``"broadcast"`` matrices: a ``reduce`` to replica 0's owner, which runs Newton-Schulz, and
   after the step a ``broadcast`` of its fp32 master back to the other replicas.
 
-Issuing these per matrix costs one collective each (~25 per rank per step in the test model's
-big brothers; ~1 ms of CPU each on gloo, a kernel launch each on NCCL). :class:`FlatBatch`
+Issuing these per matrix costs one collective per owned matrix (~25 per rank per step for a
+model with ~25 matrices per owner; ~1 ms of CPU each on gloo, a kernel launch each on NCCL). :class:`FlatBatch`
 concatenates the tensors of one collective into one flat buffer instead, as
 :mod:`dmuon.hooks.grad_buckets` does for reduce-to-owner, so each rank issues at most one
 collective per (mode, dtype, device) present: in practice one ``all_reduce``, one ``reduce``
 and one ``broadcast`` per step, since averages and masters are all fp32.
 
 Every replica must pass the same records in the same order, or the collectives do not match
-(gloo raises on a size mismatch or hangs on a count mismatch). The runtime guarantees this as
+(a size or count mismatch makes the collective fail or hang, as per-matrix code would). The runtime guarantees this as
 long as the same matrices take a gradient on every rank, the condition reduce-to-owner already
 has (a model running the same graph everywhere): the owned records and their order come from
 the plan, identical on every replica, and "which records had a gradient" from that graph.
@@ -65,7 +65,7 @@ class FlatBatch:
     op: str = ""
 
     @classmethod
-    def of(cls, tensors: Sequence[torch.Tensor], *, fill: bool = True) -> "FlatBatch":
+    def of(cls, tensors: Sequence[torch.Tensor], *, fill: bool = True) -> FlatBatch:
         """Concatenate ``tensors`` (``fill=True``) or allocate a receive buffer for them.
 
         Raises:
