@@ -199,20 +199,31 @@ def tied_dedicated_refused(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: bool = False) -> dict:
+def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: bool = False,
+                   keep_block: int | None = None, reshard: bool | None = None) -> dict:
     """Broadcasts dmuon issues per training step (forward, backward and the step's own
     publication), counted by wrapping ``dmuon.hooks.runtime.publish``, and the number of
-    (block, owner) publish groups. ``one_owner``: rank 0 owns every matrix, so each block's
-    two matrices (``fc1``, ``fc2``: two modules, two units) form one group."""
+    (block, owner) publish groups per FSDP2 block, counted from the plan's owners.
+
+    Args:
+        one_owner: rank 0 owns every matrix, so each block's two matrices (``fc1``, ``fc2``:
+            two modules, two units) form one group.
+        keep_block: ``fully_shard`` this block with ``reshard_after_forward=False``.
+        reshard: dmuon's ``reshard_after_forward`` (None: follow FSDP2).
+    """
     import dmuon.hooks.runtime as runtime
 
+    model = models.make_model()
     plan = None
     if one_owner:
-        model = models.make_model()
         plan = dmuon.OwnerPlan(world_size=world_size, matrices=tuple(
             dmuon.MatrixSpec(fqn=n, shape=tuple(p.shape), owner=0)
             for n, p in model.named_parameters() if n in models.matrix_names(model)))
-    model, _ = build(world_size, "fsdp", plan=plan)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mesh=mesh, **({"reshard_after_forward": False} if i == keep_block else {}))
+    fully_shard(model, mesh=mesh)
+    dmuon.dedicate_params(model, mesh, plan=plan, group_cost=0.0, reshard_after_forward=reshard)
     opt = dmuon.Muon(model, lr=0.02, ns_dtype=torch.float32)
     calls = []
     original = runtime.publish
@@ -234,5 +245,9 @@ def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: boo
     finally:
         runtime.publish = original
     state = model._dmuon_state
-    return dict(per_step=per_step, groups=len(state.groups),
+    owners: dict[str, set[int]] = {}
+    for spec in state.plan.matrices:
+        block = ".".join(spec.fqn.split(".")[:2]) if spec.fqn.startswith("blocks.") else "root"
+        owners.setdefault(block, set()).add(spec.owner)
+    return dict(per_step=per_step, groups={b: len(o) for b, o in owners.items()},
                 first_unit_groups=len(state.units[0].groups))

@@ -222,19 +222,31 @@ def test_gloo_default_plan_gives_each_block_one_owner(dist_pool, world_size):
     compare(out[0]["params"], ref, FP32_ATOL)
 
 
-@pytest.mark.parametrize("world_size,one_owner", [(2, False), (2, True), (4, False)])
-def test_each_group_published_once_per_pass(dist_pool, world_size, one_owner):
-    """With reshard_after_forward (default) every (block, owner) group is broadcast once for
-    forward and once for backward per step, also when two units of one block (fc1, fc2 with
-    one owner) are issued together: a group shared by both must go out once."""
-    out = dist_pool.run(world_size, "tests.dist_cases:publish_counts", dict(one_owner=one_owner),
+@pytest.mark.parametrize("world_size,one_owner,keep_block,reshard", [
+    (2, False, None, None), (2, True, None, None), (4, False, None, None),
+    (2, False, 1, None), (2, False, 1, True), (2, False, None, False)])
+def test_each_group_published_once_per_pass(dist_pool, world_size, one_owner, keep_block, reshard):
+    """Every (block, owner) group is broadcast once for forward and, where its block frees its
+    weights after forward, once more for backward, also when two units of one block (fc1, fc2
+    with one owner) are issued together: a group shared by both must go out once.
+
+    Which blocks free them is FSDP2's rule for its own parameters: the root block (the head)
+    keeps them, and so does a block given ``fully_shard(reshard_after_forward=False)``;
+    dmuon's ``reshard_after_forward=True/False`` overrides it for every block."""
+    out = dist_pool.run(world_size, "tests.dist_cases:publish_counts",
+                        dict(one_owner=one_owner, keep_block=keep_block, reshard=reshard),
                         timeout_s=120)
     for o in out:
+        groups = o["groups"]
         if one_owner:
-            assert o["groups"] == 4, o  # 3 blocks + the root's head, one owner
-        # Each step: forward + backward (2 per group), plus the next step's first unit, which
-        # opt.step() publishes; step 0's forward also issues its own first unit.
-        steady = 2 * o["groups"]
+            assert groups == {"blocks.0": 1, "blocks.1": 1, "blocks.2": 1, "root": 1}, o
+        if reshard is None:
+            kept = {"root"} | ({f"blocks.{keep_block}"} if keep_block is not None else set())
+        else:
+            kept = set() if reshard else set(groups)
+        steady = sum(n if block in kept else 2 * n for block, n in groups.items())
+        # Each step's count includes the next step's first unit, which opt.step() publishes;
+        # step 0's forward also issues its own first unit.
         assert o["per_step"] == [steady + o["first_unit_groups"], steady, steady], o
 
 

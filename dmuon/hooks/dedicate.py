@@ -86,7 +86,7 @@ def dedicate_params(
     predicate: Predicate | None = None,
     plan: OwnerPlan | str | os.PathLike | None = None,
     prefetch: int = 1,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     bucket_bytes: int = 25 * 2**20,
     replicate_mode: str = "auto",
     reduce_mode: str = "reduce",
@@ -112,7 +112,12 @@ def dedicate_params(
             (:func:`dmuon.build_plan`, MILP with a 5 s limit) and broadcast.
         prefetch: number of units (modules holding dedicated matrices) whose publication is
             issued ahead of the one running (>= 1).
-        reshard_after_forward: free non-owners' full weights between forward and backward.
+        reshard_after_forward: free non-owners' full weights between forward and backward
+            (they are published again before backward: less memory, one more broadcast).
+            ``None`` (default) does what FSDP2 does with the enclosing block's own parameters:
+            each block follows its ``fully_shard(reshard_after_forward=...)``, and the root
+            block keeps them (:func:`dmuon.hooks.fsdp.reshards_after_forward`); ``True`` /
+            ``False`` apply to every block. Without FSDP2, ``None`` frees them.
         bucket_bytes: bucket size (bytes) for replicated gradient all-reduces.
         replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz on the
             all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts)
@@ -148,6 +153,9 @@ def dedicate_params(
         raise ValueError(f"dmuon: prefetch must be >= 1, got {prefetch}")
     if replicate_mode not in ("auto", "compute", "broadcast"):
         raise ValueError(f"dmuon: replicate_mode must be 'auto', 'compute' or 'broadcast', got {replicate_mode!r}")
+    if reshard_after_forward not in (None, True, False):
+        raise ValueError(f"dmuon: reshard_after_forward must be None (follow FSDP2), True or False, "
+                         f"got {reshard_after_forward!r}")
     if reduce_mode not in REDUCE_MODES:
         raise ValueError(f"dmuon: reduce_mode must be one of {REDUCE_MODES}, got {reduce_mode!r}")
     if not dist.is_initialized():

@@ -83,6 +83,27 @@ def publish_block(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module
     return module if block is None else block
 
 
+def reshards_after_forward(block: nn.Module | None, parents: dict[int, nn.Module]) -> bool:
+    """FSDP2's own post-forward choice for ``block``: does it free the unsharded parameters?
+
+    Mirrors FSDP2: a block follows its ``fully_shard(..., reshard_after_forward=...)`` (an int,
+    resharding onto fewer ranks, counts as freeing), and the root block (no FSDP2 ancestor)
+    keeps its parameters unless the user set the flag on it, since backward would gather them
+    again at once (``FSDPState._lazy_init``). Without FSDP2 (``block`` is None) it is True.
+    Read it before dmuon takes the block's matrices: a block left with none loses its
+    parameter group.
+    """
+    state = _fsdp_state(block) if block is not None else None
+    if state is None:
+        return True
+    parent = parents.get(id(block))
+    is_root = parent is None or enclosing_fsdp_module(parent, parents) is None
+    if is_root and getattr(state, "_auto_reshard_after_forward", True):
+        return False
+    groups = _param_groups(state)
+    return not groups or any(g.post_forward_mesh_info is not None for g in groups)
+
+
 def mixed_precision_dtypes(block: nn.Module | None) -> tuple[torch.dtype | None, torch.dtype | None]:
     """``(param_dtype, reduce_dtype)`` of the FSDP2 policy of ``block`` (the module's
     :func:`enclosing_fsdp_module`); ``None`` where unset or without FSDP2."""

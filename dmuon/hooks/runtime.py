@@ -95,6 +95,7 @@ class Unit:
     records: list[DedicatedParam] = field(default_factory=list)
     groups: list[PublishGroup] = field(default_factory=list)
     takes_grad: bool = False  # some record's compute weight requires grad (set at bind)
+    reshard: bool = True  # free non-owners' copies after forward (set at bind)
 
 
 @dataclass(eq=False)
@@ -117,7 +118,8 @@ class DedicateState:
         selected: the dedicated matrices, in model order.
         prefetch: how many units ahead a publication is issued (>= 1).
         reshard_after_forward: free non-owners' full weights after forward and publish again
-            before backward (less memory, one more broadcast per matrix), as FSDP2's switch.
+            before backward (less memory, one more broadcast per matrix); ``None`` follows
+            each enclosing FSDP2 block (:func:`dmuon.hooks.fsdp.reshards_after_forward`).
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
         replicate_mode: HSDP: ``"compute"``, ``"broadcast"`` or ``"auto"`` (per matrix, by
             :func:`choose_replicate_mode`).
@@ -133,7 +135,7 @@ class DedicateState:
         selected: list[Selected],
         *,
         prefetch: int,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         bucket_bytes: int,
         replicate_mode: str = "auto",
         reduce_mode: str = "reduce",
@@ -192,6 +194,11 @@ class DedicateState:
         specs = {m.fqn: m for m in self.plan.matrices}
         parents = fsdp.parent_map(self.model)
         slices, blocks = [], []
+        for sel in self.selected:  # FSDP2's setting, read before its groups lose our matrices
+            unit = self.unit_of_module[id(sel.module)]
+            unit.reshard = (self.reshard_after_forward if self.reshard_after_forward is not None
+                            else fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(sel.module, parents),
+                                                             parents))
         for sel in self.selected:  # collective redistributes, in the same order on every rank
             param = sel.module._parameters[sel.attr]
             taken = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
@@ -331,7 +338,7 @@ class DedicateState:
                 rec.show("master")
             needs_grad = [t for t in tree_flatten(output)[0]
                           if isinstance(t, torch.Tensor) and t.requires_grad]
-            if self.reshard_after_forward or not needs_grad:
+            if unit.reshard or not needs_grad:
                 for rec in unit.records:
                     group = self.group_of[id(rec)]
                     group.fwd_done.add(id(rec))
