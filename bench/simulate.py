@@ -12,7 +12,8 @@ GPUs (8 per node, weak scaling: fixed work per GPU):
 * FSDP2 (AdamW, vanilla, and dmuon's non-matrix parameters): per layer, bf16 all-gather in
   forward and again in backward, fp32 reduce-scatter in backward;
 * dmuon (as built): per unit (FSDP2 block), the bf16 broadcasts of its matrices from their
-  owners in forward and again in backward (``reshard_after_forward=True``, the default), and
+  owners in forward and again in backward (the default for a layer block; the root block keeps
+  its weights in dmuon as in FSDP2, which the model ignores for both alike), and
   the fp32 reduces of its gradient bucket to the owners in backward, each batch issued as one
   NCCL group call (``dmuon.hooks.comm.issued_together``): bytes add up, the ring latency is
   paid once per unit;
