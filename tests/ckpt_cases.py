@@ -12,13 +12,12 @@ Checkpoint jobs run in one of the ``MODES``: ``"fsdp"`` and ``"replicated"`` on 
 
 ``mixed_auto=True`` runs ``replicate_mode="auto"`` with the cost constants of
 :func:`dmuon.hooks.runtime.choose_replicate_mode` set so that the test model's matrices split
-(:data:`MIXED_NS_FLOPS_PER_S`); with the shipped constants every matrix of this tiny model
+(:func:`tests.mesh_cases.mixed_auto_modes`); with the shipped constants every matrix of this tiny model
 picks ``"compute"`` and ``"auto"`` is ``"compute"`` under another name.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -39,11 +38,6 @@ from tests.dist_cases import build, full_params
 GLOBAL_RANKS = 4
 MODES = ("fsdp", "replicated", "hsdp", "fsdp-tp", "hsdp-2x1", "hsdp-1x2")
 HSDP_2RANK = {"hsdp-2x1": (2, 1), "hsdp-1x2": (1, 2)}  # mode: (replicate, shard)
-# NS throughput (FLOP/s) at which choose_replicate_mode splits the test model: the break-even
-# ns_flops * REPLICA_BYTES_PER_S / (4 * rows * cols) is 0.06e12 for head [1, 12], 1.06e12 for
-# blocks.0.fc* [7, 12], 1.86e12 / 2.54e12 for blocks.1 / blocks.2; 1.5e12 sends blocks.1-2 to
-# "broadcast" and keeps head and blocks.0 on "compute".
-MIXED_NS_FLOPS_PER_S = 1.5e12
 EXACT = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
              ns_dtype=torch.float32, ns_coefficients="muon")
 
@@ -78,21 +72,6 @@ def rotated_plan(world_size: int, shift: int) -> dmuon.OwnerPlan:
         for m in plan.matrices))
 
 
-@contextlib.contextmanager
-def _ns_flops_per_s(value: float | None):
-    """Within the block, :func:`dmuon.hooks.runtime.choose_replicate_mode` prices NS at
-    ``value`` FLOP/s (``None``: unchanged); restored after, since pool workers are reused."""
-    from dmuon.hooks import runtime
-
-    before = runtime.NS_FLOPS_PER_S
-    if value is not None:
-        runtime.NS_FLOPS_PER_S = value
-    try:
-        yield
-    finally:
-        runtime.NS_FLOPS_PER_S = before
-
-
 def _hsdp_2rank(mode: str, **dedicate_kwargs):
     """:func:`tests.mesh_cases.build`'s HSDP on a 2-rank ``("replicate", "shard")`` mesh."""
     mesh = init_device_mesh("cpu", HSDP_2RANK[mode], mesh_dim_names=("replicate", "shard"))
@@ -108,7 +87,7 @@ def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: 
          mixed_auto: bool = False):
     """The test model, a dmuon.Muon (fp32 exact mode) and a StepLR over it, in ``mode``.
 
-    ``mixed_auto``: resolve ``replicate_mode="auto"`` at :data:`MIXED_NS_FLOPS_PER_S` (the
+    ``mixed_auto``: resolve ``replicate_mode="auto"`` with :func:`tests.mesh_cases.mixed_auto_modes` (the
     matrices are bound, and their mode chosen, when the optimizer is built).
 
     Returns:
@@ -118,7 +97,7 @@ def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: 
     if mode not in MODES:
         raise ValueError(f"unknown checkpoint test mode {mode!r}; one of {MODES}")
     plan = rotated_plan(world_size, shift) if shift else None
-    with _ns_flops_per_s(MIXED_NS_FLOPS_PER_S if mixed_auto else None):
+    with mesh_cases.mixed_auto_modes(mixed_auto):
         if mode in mesh_cases.LAYOUTS or mode in HSDP_2RANK:
             builder = (mesh_cases.build if mode in mesh_cases.LAYOUTS
                        else _hsdp_2rank)

@@ -17,9 +17,10 @@ from tests import models
 
 
 def build(world_size: int, mode: str, *, plan=None, predicate=None, variant: str = "",
-          **dedicate_kwargs):
+          keep_block: int | None = None, **dedicate_kwargs):
     """The test model on a 1-D mesh: ``mode`` is "fsdp" (dedicate after fully_shard),
-    "fsdp-before" (dedicate first) or "replicated" (no FSDP2)."""
+    "fsdp-before" (dedicate first) or "replicated" (no FSDP2). ``keep_block``: that block gets
+    ``fully_shard(reshard_after_forward=False)``."""
     model = models.make_model(variant=variant)
     mesh = init_device_mesh("cpu", (world_size,))
     # NCCL's default: owners spread by makespan alone, so blocks have several owners and the
@@ -28,8 +29,8 @@ def build(world_size: int, mode: str, *, plan=None, predicate=None, variant: str
     if mode == "fsdp-before":
         dmuon.dedicate_params(model, mesh, plan=plan, predicate=predicate, **dedicate_kwargs)
     if mode in ("fsdp", "fsdp-before"):
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
+        for i, block in enumerate(model.blocks):
+            fully_shard(block, mesh=mesh, **({"reshard_after_forward": False} if i == keep_block else {}))
         fully_shard(model, mesh=mesh)
     if mode in ("fsdp", "replicated"):
         dmuon.dedicate_params(model, mesh, plan=plan, predicate=predicate, **dedicate_kwargs)
@@ -213,17 +214,13 @@ def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: boo
     """
     import dmuon.hooks.runtime as runtime
 
-    model = models.make_model()
     plan = None
     if one_owner:
+        model = models.make_model()
         plan = dmuon.OwnerPlan(world_size=world_size, matrices=tuple(
             dmuon.MatrixSpec(fqn=n, shape=tuple(p.shape), owner=0)
             for n, p in model.named_parameters() if n in models.matrix_names(model)))
-    mesh = init_device_mesh("cpu", (world_size,))
-    for i, block in enumerate(model.blocks):
-        fully_shard(block, mesh=mesh, **({"reshard_after_forward": False} if i == keep_block else {}))
-    fully_shard(model, mesh=mesh)
-    dmuon.dedicate_params(model, mesh, plan=plan, group_cost=0.0, reshard_after_forward=reshard)
+    model, _ = build(world_size, "fsdp", plan=plan, keep_block=keep_block, reshard_after_forward=reshard)
     opt = dmuon.Muon(model, lr=0.02, ns_dtype=torch.float32)
     calls = []
     original = runtime.publish

@@ -14,17 +14,9 @@ import torch
 import torch.distributed as dist
 
 import dmuon
-from dmuon.hooks import runtime
 from tests import models
 from tests.dist_cases import full_params
-from tests.mesh_cases import build, dp_coordinate
-
-# With this inter-replica bandwidth (bytes/s), choose_replicate_mode("auto") sends the test
-# model's 20x12 and 13x12 matrices (and transposes) to "broadcast" and keeps 7x12, 12x7 and the
-# 1x12 head on "compute": the auto-mode break-even bandwidths are 3.9e12 (13x12), 5.4e12
-# (20x12), 9.4e12 (7x12) and 1.5e14 (1x12), from 4 m n * NS_FLOPS_PER_S / ns_flops(m, n).
-MIXED_AUTO_BYTES_PER_S = 6e12
-
+from tests.mesh_cases import build, dp_coordinate, mixed_auto_modes
 
 @contextlib.contextmanager
 def counting(group: dist.ProcessGroup, log: list[tuple[str, str]]) -> Iterator[None]:
@@ -47,22 +39,10 @@ def counting(group: dist.ProcessGroup, log: list[tuple[str, str]]) -> Iterator[N
             setattr(dist, name, fn)
 
 
-@contextlib.contextmanager
-def replica_bandwidth(bytes_per_s: float | None) -> Iterator[None]:
-    """Temporarily set the runtime's inter-replica bandwidth constant (auto-mode choice)."""
-    original = runtime.REPLICA_BYTES_PER_S
-    if bytes_per_s is not None:
-        runtime.REPLICA_BYTES_PER_S = bytes_per_s
-    try:
-        yield
-    finally:
-        runtime.REPLICA_BYTES_PER_S = original
-
-
 def train_counting(rank: int, world_size: int, *, replicate_mode: str, steps: int = 3,
-                   replica_bytes_per_s: float | None = None) -> dict:
+                   mixed_auto: bool = False) -> dict:
     """HSDP 2x2 training; returns params, owned masters, modes and per-step replicate collectives."""
-    with replica_bandwidth(replica_bytes_per_s):
+    with mixed_auto_modes(mixed_auto):
         model, mesh, dp_names = build("hsdp", replicate_mode=replicate_mode)
         opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
                          ns_dtype=torch.float32, ns_coefficients="muon")

@@ -17,7 +17,6 @@ import torch
 
 from dmuon.hooks.replicas import FlatBatch, batches_by_dtype
 from tests import models
-from tests.replica_cases import MIXED_AUTO_BYTES_PER_S
 from tests.test_core import compare
 
 STEPS = 3
@@ -27,11 +26,10 @@ ATOL = 1e-5
 GRAD_OP = {"compute": "all_reduce", "broadcast": "reduce"}
 
 
-@pytest.mark.parametrize("replicate_mode,bytes_per_s", [
-    ("compute", None), ("broadcast", None), ("auto", MIXED_AUTO_BYTES_PER_S)])
-def test_hsdp_one_collective_per_mode_and_dtype(dist_pool, replicate_mode, bytes_per_s):
+@pytest.mark.parametrize("replicate_mode", ["compute", "broadcast", "auto"])
+def test_hsdp_one_collective_per_mode_and_dtype(dist_pool, replicate_mode):
     out = dist_pool.run(4, "tests.replica_cases:train_counting",
-                        {"replicate_mode": replicate_mode, "steps": STEPS, "replica_bytes_per_s": bytes_per_s},
+                        {"replicate_mode": replicate_mode, "steps": STEPS, "mixed_auto": replicate_mode == "auto"},
                         timeout_s=180, fresh=True)
     ref, _, _ = models.run_reference(out[0]["dp_count"], STEPS)
     compare(out[0]["params"], ref, ATOL)  # replica 0's masters and FSDP2's parameters
