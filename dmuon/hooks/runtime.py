@@ -194,10 +194,9 @@ class DedicateState:
         specs = {m.fqn: m for m in self.plan.matrices}
         parents = fsdp.parent_map(self.model)
         slices, blocks = [], []
-        for sel in self.selected:  # FSDP2's setting, read before its groups lose our matrices
-            unit = self.unit_of_module[id(sel.module)]
+        for unit in self.units:  # FSDP2's setting, read before its groups lose our matrices
             unit.reshard = (self.reshard_after_forward if self.reshard_after_forward is not None
-                            else fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(sel.module, parents),
+                            else fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(unit.module, parents),
                                                              parents))
         for sel in self.selected:  # collective redistributes, in the same order on every rank
             param = sel.module._parameters[sel.attr]
