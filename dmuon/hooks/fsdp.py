@@ -75,12 +75,28 @@ def enclosing_fsdp_module(module: nn.Module, parents: dict[int, nn.Module]) -> n
     return None
 
 
+# Modules that only hold children: their own forward never runs (ModuleList, ModuleDict) or
+# does nothing but call each child (Sequential), so no reader hides behind them.
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
 def publish_block(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module:
-    """The module whose dedicated matrices publish (and reduce) together: the enclosing FSDP2
-    block, or ``module`` itself without FSDP2. The balancer's groups and the runtime's publish
-    groups both come from here."""
+    """The unit a dedicated matrix of ``module`` is published for (and reduced with).
+
+    Under FSDP2 it is the enclosing ``fully_shard`` module, exactly the unit FSDP2 all-gathers,
+    so every code that may read the weight in forward (a parent reading a child's weight
+    without calling it, as ``nn.MultiheadAttention`` reads ``out_proj.weight``) runs inside
+    it. Without FSDP2 it is ``module``'s parent (``nn.MultiheadAttention`` for its
+    ``out_proj``, an attention block for its projections), or ``module`` itself when the
+    parent is a container or there is none: a weight read by code outside its module's
+    parent's forward is not covered there (use FSDP2, or a predicate that leaves it to AdamW).
+    The balancer's groups and the runtime's units both come from here.
+    """
     block = enclosing_fsdp_module(module, parents)
-    return module if block is None else block
+    if block is not None:
+        return block
+    parent = parents.get(id(module))
+    return module if parent is None or isinstance(parent, _CONTAINERS) else parent
 
 
 def reshards_after_forward(block: nn.Module | None, parents: dict[int, nn.Module]) -> bool:

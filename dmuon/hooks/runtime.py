@@ -4,10 +4,19 @@ One :class:`DedicateState` per model holds all mutable per-step state (FSDP2's
 ``FSDPStateContext`` pattern). Hooks only enqueue work (issue a broadcast, issue a reduce,
 mark a record); the math lives in :mod:`dmuon.owners`.
 
-Phase 1, forward materialization: a forward pre-hook on each *unit* (a module that directly
-holds dedicated matrices) waits for the unit's publication, issued earlier, and prefetches the
-next ``prefetch`` units; a post-hook puts the placeholders back and, with
-``reshard_after_forward``, frees the full weights until a pre-backward hook re-publishes them.
+Phase 1, forward materialization: a forward pre-hook on each *unit* waits for the unit's
+publication, issued earlier, and prefetches the next ``prefetch`` units; a post-hook puts the
+placeholders back and, with ``reshard_after_forward``, frees the full weights until a
+pre-backward hook re-publishes them. A unit is what FSDP2 gathers: the module ``fully_shard``
+was called on (on a plain replicated module, the parent of the modules holding the matrices,
+:func:`dmuon.hooks.fsdp.publish_block`), never the leaf holding the parameter, so a parent
+that reads a child's weight without calling the child (``nn.MultiheadAttention.out_proj``),
+a module called twice and a block reused across depth all see full weights.
+
+Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
+pre-backward until its post-backward (its last gradient is in), and its forward hooks do
+nothing while autograd runs: activation checkpointing re-runs forwards inside backward,
+and cuts them short (early stop) so their post-forward never runs.
 Phase 2, reduce-to-owner: a post-accumulate-grad hook on each full weight issues an async
 ``reduce`` of its gradient to the owner; a callback at the end of backward waits and averages.
 Phase 4, publication: :meth:`DedicateState.publish_after_step` refreshes the owners' compute
@@ -66,13 +75,13 @@ def choose_replicate_mode(shape: tuple[int, int], mode: str) -> str:
 
 @dataclass(eq=False)
 class PublishGroup:
-    """Dedicated matrices of one FSDP2 block with the same owner, published by one broadcast.
+    """Dedicated matrices of one unit with the same owner, published by one broadcast.
 
     Their compute weights are views of ``flat`` (``[sum of numels]``, compute dtype), so the
-    group is materialized, published and freed as one tensor, as FSDP2 all-gathers a block's
+    group is materialized, published and freed as one tensor, as FSDP2 all-gathers a unit's
     parameters into one buffer. ``live`` is rank-independent ("the current weights are
-    published or being published"); ``fwd_done``/``bwd_done`` collect members whose forward or
-    gradient is finished since the group went live, and the group is freed when all are.
+    published or being published"); ``bwd_done`` collects members whose gradient is in since
+    the group went live, and the group is freed when every member that takes one has it.
     """
 
     owner: int
@@ -81,21 +90,52 @@ class PublishGroup:
     members: list[DedicatedParam] = field(default_factory=list)
     live: bool = False
     work: Any = None
-    fwd_done: set = field(default_factory=set)
     bwd_done: set = field(default_factory=set)
     grad_members: set = field(default_factory=set)  # ids of members that take a gradient
 
 
 @dataclass(eq=False)
 class Unit:
-    """A module that directly holds dedicated matrices, with its records in attribute order."""
+    """The dedicated matrices published together before one module runs.
+
+    Attributes:
+        index: position in forward order (the order units are prefetched in).
+        module: the FSDP2 block (``fully_shard`` module) or, without FSDP2, the matrices'
+            parent module (:func:`dmuon.hooks.fsdp.publish_block`).
+        records: its dedicated matrices, in model order.
+        groups: its publish groups (one per owner and compute dtype).
+        takes_grad: some record's compute weight requires grad (set at bind).
+        reshard: free non-owners' copies after forward (set at bind, FSDP2's rule).
+        in_backward: between the unit's pre-backward and its post-backward; forward hooks
+            (activation-checkpointing recomputation) then leave the full weights alone.
+        grads_done: ids of records whose gradient is in during this backward.
+        backward_finished: every gradient of the unit is in during this backward (an
+            enclosing unit, e.g. FSDP2's root holding the head, may finish before the units
+            it encloses): backward prefetch skips it.
+    """
 
     index: int
     module: nn.Module
     records: list[DedicatedParam] = field(default_factory=list)
     groups: list[PublishGroup] = field(default_factory=list)
-    takes_grad: bool = False  # some record's compute weight requires grad (set at bind)
-    reshard: bool = True  # free non-owners' copies after forward (set at bind)
+    takes_grad: bool = False
+    reshard: bool = True
+    in_backward: bool = False
+    grads_done: set = field(default_factory=set)
+    backward_finished: bool = False
+
+    def show(self, which: str) -> None:
+        """Register every record's ``"compute"`` weight (or ``"master"``) on its module."""
+        for rec in self.records:
+            rec.show(which)
+
+    def grads_complete(self) -> bool:
+        return all(id(rec) in self.grads_done for rec in self.records if rec.compute.requires_grad)
+
+
+def in_autograd_backward() -> bool:
+    """True while the autograd engine runs a backward pass (checkpoint recomputation runs here)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass(eq=False)
@@ -169,16 +209,12 @@ class DedicateState:
         self.bucket_of: dict[int, GradBucket] = {}  # id(record) -> its gradient bucket
         self.record_of_master: dict[int, DedicatedParam] = {}  # id(master) -> record
         self._fsdp_states: list[Any] = []
+        self.unit_of_module: dict[int, Unit] = {}  # id(unit module) -> unit, set at bind
+        self.unit_of_record: dict[int, Unit] = {}  # id(record) -> its unit
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
-        self.unit_of_module: dict[int, Unit] = {}
-        for sel in selected:
-            if id(sel.module) not in self.unit_of_module:
-                unit = Unit(index=len(self.units), module=sel.module)
-                self.unit_of_module[id(sel.module)] = unit
-                self.units.append(unit)
-        for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
-            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        # Units are FSDP2 blocks, known only once fully_shard has run: binding (at dmuon.Muon
+        # or, failing that, at the first forward, before FSDP2's root hook) creates them.
+        self._bind_handle = model.register_forward_pre_hook(self._bind_at_first_forward, prepend=True)
 
     # ------------------------------------------------------------------ binding
     def ensure_bound(self) -> None:
@@ -189,24 +225,39 @@ class DedicateState:
         """
         if self.bound:
             return
+        self._bind_handle.remove()
         self._fsdp_states = fsdp.fsdp_states(self.model)
         self.fsdp_wrapped = bool(self._fsdp_states)
         specs = {m.fqn: m for m in self.plan.matrices}
         parents = fsdp.parent_map(self.model)
+        unit_modules = [fsdp.publish_block(sel.module, parents) for sel in self.selected]
+        self._make_units(unit_modules, parents)
         slices, blocks = [], []
-        for unit in self.units:  # FSDP2's setting, read before its groups lose our matrices
-            unit.reshard = (self.reshard_after_forward if self.reshard_after_forward is not None
-                            else fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(unit.module, parents),
-                                                             parents))
-        for sel in self.selected:  # collective redistributes, in the same order on every rank
+        for sel, unit_module in zip(self.selected, unit_modules):
+            # collective redistributes, in the same order on every rank
             param = sel.module._parameters[sel.attr]
+            if param.is_meta:
+                raise RuntimeError(
+                    f"dmuon: parameter {sel.fqn!r} is still on the meta device when dmuon.Muon "
+                    f"is built (or the model first runs). Call model.to_empty(device=...) and "
+                    f"initialize the weights first: dedicate_params, to_empty, your init, then "
+                    f"dmuon.Muon(model, ...)."
+                )
             taken = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
             sl = local_slice(taken if taken is not None else param, sel.fqn, self.roles.tp_name)
             block = fsdp.enclosing_fsdp_module(sel.module, parents)
             param_dtype, reduce_dtype = fsdp.mixed_precision_dtypes(block)
-            slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,
+            compute_dtype = param_dtype or sl.local.dtype
+            if not compute_dtype.is_floating_point or compute_dtype.itemsize < 2:
+                raise ValueError(
+                    f"dmuon: the FSDP2 block {type(block).__name__} holding {sel.fqn!r} computes "
+                    f"in {compute_dtype}; dmuon publishes float16, bfloat16, float32 or float64 "
+                    f"weights. Use one of those as MixedPrecisionPolicy(param_dtype=...) or pass "
+                    f"predicate=... to leave the matrix on AdamW."
+                )
+            slices.append((sl, param.requires_grad, compute_dtype,
                            reduce_dtype or param_dtype or sl.local.dtype))
-            blocks.append(id(fsdp.publish_block(sel.module, parents)))
+            blocks.append(id(unit_module))
         views = self._make_groups(slices, specs, blocks)
         for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(self.selected, slices)):
             spec = specs[sel.fqn]
@@ -225,8 +276,9 @@ class DedicateState:
             self.group_of[id(rec)] = group
             self.record_of_master[id(rec.master)] = rec
             self.records.append(rec)
-            unit = self.unit_of_module[id(sel.module)]
+            unit = self.unit_of_module[blocks[order]]
             unit.records.append(rec)
+            self.unit_of_record[id(rec)] = unit
             if group not in unit.groups:
                 unit.groups.append(group)
             if rec.compute.requires_grad:
@@ -242,8 +294,35 @@ class DedicateState:
         # Loading a state dict writes the masters; the compute copies must follow.
         self._handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
         self.bound = True
-        logger.debug("dmuon: rank %d bound %d dedicated matrices", self.rank, len(self.records))
+        logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
+                     len(self.records), len(self.units))
+
+    def _make_units(self, unit_modules: list[nn.Module], parents: dict[int, nn.Module]) -> None:
+        """One :class:`Unit` per distinct unit module, in the order their forward pre-hooks
+        fire when modules run in registration order (an enclosing unit, such as the FSDP2
+        root, before the units inside it)."""
+        wanted = {id(m) for m in unit_modules}
+        self.unit_of_module = {}
+        for module in self.model.modules():
+            if id(module) in wanted and id(module) not in self.unit_of_module:
+                unit = Unit(index=len(self.units), module=module)
+                # FSDP2's setting, read before its groups lose our matrices
+                unit.reshard = (self.reshard_after_forward if self.reshard_after_forward is not None
+                                else fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(module, parents),
+                                                                 parents))
+                self.unit_of_module[id(module)] = unit
+                self.units.append(unit)
+
+    def _bind_at_first_forward(self, module: nn.Module, args: Any) -> None:
+        """Root pre-hook (removed once bound): bind if ``dmuon.Muon`` has not yet."""
+        self.ensure_bound()
+        root = self.unit_of_module.get(id(self.model))
+        if root is not None:  # its pre-hook was registered during this call: run it now
+            self._make_pre_forward(root)(module, args)
 
     def _make_groups(self, slices, specs, blocks) -> list[tuple[PublishGroup, torch.Tensor]]:
         """One :class:`PublishGroup` per (block, owner, dtype, device); returns each matrix's
@@ -285,8 +364,7 @@ class DedicateState:
     def _issue(self, units: list[Unit]) -> None:
         """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
         by_device: dict[torch.device, list[PublishGroup]] = {}
-        for group in dict.fromkeys(g for unit in units for g in unit.groups if not g.live):
-            # dict.fromkeys: a group spans the units of its block; publish it once
+        for group in (g for unit in units for g in unit.groups if not g.live):
             by_device.setdefault(group.flat.device, []).append(group)
         for device, groups in by_device.items():
             self._issue_groups(groups, device)
@@ -301,7 +379,6 @@ class DedicateState:
                     group.work = publish(group.flat, group.owner, self.group)
                 pendings.append(group.work)
                 group.live = True
-                group.fwd_done.clear()
                 group.bwd_done.clear()
 
     def _wait(self, unit: Unit) -> None:
@@ -318,41 +395,47 @@ class DedicateState:
         if not group.is_owner:
             free_storage(group.flat)
         group.live = False
-        group.fwd_done.clear()
         group.bwd_done.clear()
 
     def _make_pre_forward(self, unit: Unit) -> Callable:
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
             with torch.profiler.record_function("dmuon::pre_forward"):
-                self._issue(self.units[unit.index: unit.index + 1 + self.prefetch])
+                if unit.in_backward or in_autograd_backward():
+                    # Activation checkpointing recomputes this forward inside backward: the
+                    # weights must be whole, and stay so until the unit's post-backward.
+                    self._issue([unit])
+                else:
+                    self._issue(self.units[unit.index: unit.index + 1 + self.prefetch])
                 self._wait(unit)
-            for rec in unit.records:
-                rec.show("compute")
+            unit.show("compute")
         return pre_forward
 
     def _make_post_forward(self, unit: Unit) -> Callable:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
-            for rec in unit.records:
-                rec.show("master")
+            if unit.in_backward or in_autograd_backward():
+                return  # a recomputation: the unit's post-backward puts the masters back
+            unit.show("master")
             needs_grad = [t for t in tree_flatten(output)[0]
                           if isinstance(t, torch.Tensor) and t.requires_grad]
             if unit.reshard or not needs_grad:
-                for rec in unit.records:
-                    group = self.group_of[id(rec)]
-                    group.fwd_done.add(id(rec))
-                    if len(group.fwd_done) == len(group.members):
-                        self._release(group)
+                for group in unit.groups:
+                    self._release(group)
             if needs_grad:
                 register_multi_grad_hook(needs_grad, self._make_pre_backward(unit), mode="any")
         return post_forward
 
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def pre_backward(grad: Any) -> None:
+            self._queue_final_callback()  # ends every unit's backward, even a frozen unit's
             with torch.profiler.record_function("dmuon::pre_backward"):
                 previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
-                self._issue([unit] + [prev for prev in previous if prev.takes_grad])
+                self._issue([unit] + [prev for prev in previous
+                                      if prev.takes_grad and not prev.backward_finished])
                 self._wait(unit)
+            # Like FSDP2's pre-backward unshard: a recomputed forward reads the module's weights.
+            unit.in_backward = True
+            unit.show("compute")
         return pre_backward
 
     # ------------------------------------------------------------ reduce-to-owner
@@ -383,11 +466,23 @@ class DedicateState:
         return on_grad
 
     def _backward_done(self, rec: DedicatedParam) -> None:
-        """Free the group once every member that takes a gradient has its gradient."""
+        """Free the group once every member that takes a gradient has its gradient, and end
+        the unit's backward (masters back on the modules) once all of its records have."""
         group = self.group_of[id(rec)]
         group.bwd_done.add(id(rec))
         if group.bwd_done >= group.grad_members:
             self._release(group)
+        unit = self.unit_of_record[id(rec)]
+        unit.grads_done.add(id(rec))
+        if unit.grads_complete():
+            self._post_backward(unit)
+            unit.backward_finished = True
+
+    @staticmethod
+    def _post_backward(unit: Unit) -> None:
+        unit.show("master")
+        unit.in_backward = False
+        unit.grads_done.clear()
 
     def _make_on_replicated_grad(self, param: nn.Parameter) -> Callable:
         def on_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -403,6 +498,9 @@ class DedicateState:
         reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype.
         """
         self._final_callback_queued = False
+        for unit in self.units:  # units with unused matrices, or cut short by checkpointing
+            self._post_backward(unit)
+            unit.backward_finished = False
         replicas = self.roles.replicate_size
         with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
             combine = self._combine_replicas() if replicas > 1 else None
