@@ -128,8 +128,12 @@ def environment(opts: SuiteOptions) -> dict:
         dev = opts.torch_device()
         props = torch.cuda.get_device_properties(dev)
         env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, sm_count=props.multi_processor_count,
-                   capability=f"{props.major}.{props.minor}", peak_fp16_dense_flops=_peak(dev),
-                   nccl=".".join(map(str, torch.cuda.nccl.version())))
+                   capability=f"{props.major}.{props.minor}", peak_fp16_dense_flops=_peak(dev))
+        try:  # a tuple (major, minor, patch) in torch 2.x, an int in older releases
+            v = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except (AttributeError, RuntimeError) as exc:
+            env["nccl"] = f"unavailable ({exc})"
         try:
             smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm,power.limit",
                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
