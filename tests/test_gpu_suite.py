@@ -91,7 +91,8 @@ def test_dry_run_step_and_ns_speed(dry_run):
     assert set(first) == {"adamw", "vanilla", "dmuon", "torch_muon"}
     # same weights, same first batch: FSDP2 variants agree exactly; the unsharded fp32 torch_muon
     # to bf16 precision
-    assert first["adamw"] == first["vanilla"] == first["dmuon"]
+    assert first["vanilla"] == pytest.approx(first["adamw"], rel=1e-6)
+    assert first["dmuon"] == pytest.approx(first["adamw"], rel=1e-6)
     assert first["torch_muon"] == pytest.approx(first["dmuon"], rel=3e-2)
     ns = _section(out, "ns_speed")
     for model in ("pi0", "qwen2.5-7b"):
