@@ -224,7 +224,8 @@ def summary_markdown(suite: dict, records: dict[str, dict]) -> str:
     """``summary.md``: environment, section status, targets (met/missed), the main tables."""
     env = (records.get("environment") or {}).get("result") or {}
     gpu = suite["device"] == "cuda"
-    lines = [f"# dmuon GPU suite: {env.get('gpu') or 'CPU dry run'}", "",
+    title = env.get("gpu") or ("CPU dry run" if not gpu else "CUDA run (environment section failed)")
+    lines = [f"# dmuon GPU suite: {title}", "",
              f"{suite['finished_utc']}, mode {'quick' if suite['quick'] else 'full'}, device {suite['device']}, "
              f"{suite['wall_s']:.0f} s. torch {env.get('torch')}, triton {env.get('triton')}, CUDA "
              f"{env.get('torch_cuda')}, NCCL {env.get('nccl', '-')}, driver/clock/power {env.get('nvidia_smi', '-')}.",
