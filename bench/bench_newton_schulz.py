@@ -50,8 +50,9 @@ from dmuon.kernels import newton_schulz, ns_flops, orthogonalize_by_shape, resol
 
 MUON = (3.4445, -4.7750, 2.0315)
 # Dense fp16/bf16 tensor-core peak (no sparsity), FLOP/s, from NVIDIA datasheets.
+# First key contained in the device name wins; a bare "H100" (another SXM naming) comes last.
 PEAK_FLOPS = {"H100 80GB HBM3": 989.4e12, "H200": 989.4e12, "H100 PCIe": 756.5e12, "H100 NVL": 835.5e12,
-              "A100": 312e12}
+              "A100": 312e12, "H100": 989.4e12}
 
 
 def _peak(device: torch.device) -> float | None:

@@ -41,6 +41,14 @@ waits (NCCL waits are stream waits), so only the phase times mean something ther
 torch_muon`` (one rank only) adds single-process ``torch.optim.Muon`` on the same matrices plus
 ``AdamW`` on the rest, unsharded: the reference a single GPU can run. The GPU mode has not run on a
 GPU yet (none was lent to the session that wrote it); on CPU it is tested at world size 1.
+
+GPU-sized runs (``bench/gpu_suite.py`` uses them): ``--model gpu`` is a ~194 M-parameter Pi0-style
+policy (:data:`GPU_MODEL`), ``--synthetic`` draws random batches of the policy's input format
+instead of PushT demonstrations (no simulator needed), ``--bf16`` gives every ``fully_shard`` a
+``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``. On CUDA every step also
+records its transient peak memory (``torch.cuda.max_memory_allocated`` minus the allocation at
+the step's start) and every variant its resident bytes (allocation added by building it and
+running one step); ``peak_bytes = resident + transient`` is that variant's peak as if alone.
 """
 
 from __future__ import annotations
@@ -90,6 +98,13 @@ CALIB_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 TINY_MODEL = PolicyConfig(image_size=16, d_vis=32, vision_depth=1, d_model=64, depth=2, d_act=30,
                           act_heads=1, head_dim=32)
 TINY_DATA = DataConfig(episodes=2, max_steps=12, image_size=16)
+#: ~194 M parameters (193.7 M in 148 Muon matrices): SigLIP-like 768-wide vision tower (6 blocks,
+#: 14-pixel patches of 224-pixel images), 1024-wide backbone and 512-wide action expert of 12
+#: blocks each, Pi0's 50-step chunks of 32-dimensional actions.
+GPU_MODEL = PolicyConfig(image_size=224, patch=14, d_vis=768, vision_depth=6, d_model=1024, depth=12,
+                         d_act=512, act_heads=8, head_dim=64, mlp_ratio_vis=4, mlp_ratio=4,
+                         mlp_ratio_act=4, max_tokens=16, horizon=50, action_dim=32, state_dim=32)
+MODELS = {"tiny": TINY_MODEL, "default": PolicyConfig(), "gpu": GPU_MODEL}
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,6 +122,10 @@ class BenchConfig:
         out: JSON path (written by rank 0), or ``None``.
         extra_variants: Diagnostic variants from :data:`EXTRA_VARIANTS` run beside the three.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
+        model: ``"tiny"``, ``"default"`` or ``"gpu"`` (:data:`MODELS`); ``tiny=True`` means ``"tiny"``.
+        synthetic: random batches of the model's input format instead of PushT demonstrations.
+        bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every
+            ``fully_shard`` (``torch_muon`` stays unsharded in float32).
     """
 
     nproc: int = 4
@@ -119,8 +138,13 @@ class BenchConfig:
     out: str | None = None
     extra_variants: tuple[str, ...] = ()
     device: str = "cpu"
+    model: str = "default"
+    synthetic: bool = False
+    bf16: bool = False
 
     def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"bench_step: model={self.model!r}; choose one of {sorted(MODELS)}.")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"bench_step: device={self.device!r}; choose 'cpu' or 'cuda'.")
         if self.device == "cuda" and torch.cuda.device_count() < self.nproc:
@@ -288,6 +312,27 @@ def _calibrate_ns(shapes: list[tuple[int, int]], ns_dtype: torch.dtype) -> list[
     return out
 
 
+def synthetic_batch(cfg: PolicyConfig, step: int, global_batch: int, rank: int, world: int,
+                    seed: int) -> dict[str, torch.Tensor]:
+    """Random batch in :meth:`dmuon.train.data.PushTDemos.batch`'s format (this rank's rows).
+
+    Depends only on ``(seed, step, global_batch)``, like the demonstrations, so every variant
+    and world size sees the same data. Shapes: ``images`` float32 [b, 3, S, S] in [0, 1],
+    ``state`` [b, state_dim], ``tokens`` int64 [b, max_tokens], ``actions``/``noise`` [b, H,
+    action_dim], ``time`` [b] in (0, 1], with ``b = global_batch / world``.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    n, s, h = global_batch, cfg.image_size, cfg.horizon
+    full = {"images": torch.rand(n, 3, s, s, generator=gen),
+            "state": torch.rand(n, cfg.state_dim, generator=gen) * 2 - 1,
+            "tokens": torch.randint(2, cfg.vocab_size, (n, cfg.max_tokens), generator=gen),
+            "actions": torch.rand(n, h, cfg.action_dim, generator=gen) * 2 - 1,
+            "noise": torch.randn(n, h, cfg.action_dim, generator=gen),
+            "time": torch.rand(n, generator=gen).pow(1.0 / 1.5) * 0.999 + 0.001}
+    b = global_batch // world
+    return {k: v[rank * b:(rank + 1) * b] for k, v in full.items()}
+
+
 def _timed_step(model, opt, batch, timers: StepTimers, device: torch.device) -> dict:
     def now() -> float:
         if device.type == "cuda":
@@ -296,6 +341,10 @@ def _timed_step(model, opt, batch, timers: StepTimers, device: torch.device) -> 
 
     dist.barrier()
     timers.reset()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
     t0 = now()
     timers.phase = "forward"
     loss = model(batch)
@@ -310,6 +359,9 @@ def _timed_step(model, opt, batch, timers: StepTimers, device: torch.device) -> 
     timers.phase = None
     rec = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
            "ns": timers.ns_s, "loss": float(loss.detach())}
+    if device.type == "cuda":  # bytes: see _summarize
+        rec["transient_peak_bytes"] = float(torch.cuda.max_memory_allocated(device) - start_bytes)
+        rec["alloc_delta_bytes"] = float(torch.cuda.memory_allocated(device) - start_bytes)
     for (kind, phase), s in timers.waits.items():
         rec[f"wait_{kind}_{phase}"] = s
     for (key, phase), s in timers.inside.items():
@@ -347,18 +399,28 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
 
     from dmuon.hooks.dedicate import get_state
 
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     world = dist.get_world_size()
-    model_cfg, data_cfg = (TINY_MODEL, TINY_DATA) if cfg.tiny else (PolicyConfig(), DataConfig())
-    if rank == 0:
-        ensure_cached(data_cfg, progress=False)
-    dist.barrier()
-    demos = PushTDemos(data_cfg)
+    model_cfg = MODELS["tiny" if cfg.tiny else cfg.model]
+    data_cfg = TINY_DATA if cfg.tiny else DataConfig()
+    if cfg.synthetic:
+        demos = None
+    else:
+        if rank == 0:
+            ensure_cached(data_cfg, progress=False)
+        dist.barrier()
+        demos = PushTDemos(data_cfg)
     device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
+    shard_kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                      reduce_dtype=torch.float32)} if cfg.bf16 else {}
     mesh = init_device_mesh(cfg.device, (world,))
     ns_dtype = torch.float16 if device.type == "cuda" else torch.float32  # dmuon.train's "auto"
     variants = VARIANTS + cfg.extra_variants
     models, opts = {}, {}
+    build_bytes: dict[str, float] = {}
     for variant in variants:
+        alloc0 = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         family = "dmuon" if variant == "torch_muon" else variant.split("_")[0]  # same lr, wd
         tcfg = TrainConfig(optimizer=family, batch_size=cfg.batch_size, seed=cfg.seed,
                            model=model_cfg, data=data_cfg, plot=False)
@@ -366,10 +428,11 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         model = Pi0Policy(model_cfg).to(device)
         if variant == "torch_muon":
             models[variant], opts[variant] = model, _MuonAndAdamW(model, tcfg)
+            build_bytes[variant] = float(torch.cuda.memory_allocated(device) - alloc0) if device.type == "cuda" else 0.0
             continue
         for block in model.shardable_blocks():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, **shard_kwargs)
+        fully_shard(model, mesh=mesh, **shard_kwargs)
         if variant in EXTRA_VARIANTS:  # dmuon.train's optimizer, other dedicate_params arguments
             import dmuon
 
@@ -379,6 +442,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         else:
             opts[variant] = build_optimizer(tcfg, model, mesh, device)
         models[variant] = model
+        build_bytes[variant] = float(torch.cuda.memory_allocated(device) - alloc0) if device.type == "cuda" else 0.0
     state = get_state(models["dmuon"])
     state.ensure_bound()
     inventory = [{"fqn": r.fqn, "shape": list(r.shape), "owner": r.owner} for r in state.records]
@@ -397,18 +461,25 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         calibration = {"comm_s": _calibrate_comm(world, sizes),
                        "ns_s": _calibrate_ns([tuple(r["shape"]) for r in inventory], torch.float32)}
 
+    def get_batch(index: int) -> dict[str, torch.Tensor]:
+        if demos is None:
+            batch = synthetic_batch(model_cfg, index, cfg.batch_size, rank, world, cfg.seed)
+        else:
+            batch = demos.batch(index, cfg.batch_size, rank, world, cfg.seed)
+        return {k: v.to(device) for k, v in batch.items()}
+
     timers = StepTimers()
     timers.install()
     records: dict[str, list[dict]] = {v: [] for v in variants}
     next_batch = {v: 0 for v in variants}
+    resident_bytes: dict[str, float] = {}
     t_start = time.perf_counter()
     try:
         for rnd in range(cfg.rounds):
             order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
             for variant in order:
                 for k in range(1 + cfg.block_steps):
-                    batch = demos.batch(next_batch[variant], cfg.batch_size, rank, world, cfg.seed)
-                    batch = {k: v.to(device) for k, v in batch.items()}
+                    batch = get_batch(next_batch[variant])
                     next_batch[variant] += 1
                     rec = _timed_step(models[variant], opts[variant], batch, timers, device)
                     rec.update(round=rnd, measured=k > 0, batch_index=next_batch[variant] - 1)
@@ -422,6 +493,11 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     if rank != 0:
         return None
     summary = {v: _summarize([g[v] for g in gathered]) for v in variants}
+    if device.type == "cuda":  # rank 0's bytes: params + optimizer state (first step) + transient
+        for v in variants:
+            resident = build_bytes[v] + records[v][0]["alloc_delta_bytes"]
+            summary[v]["resident_bytes"] = resident
+            summary[v]["peak_bytes"] = resident + summary[v]["transient_peak_bytes"]
     result = {
         "what": "per-phase step times, max over ranks per step, medians over measured steps",
         "device": (torch.cuda.get_device_name(device) + f" x {world}" if device.type == "cuda" else
@@ -431,7 +507,8 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "world_size": world,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "model": "dmuon.train Pi0Policy " + ("TINY" if cfg.tiny else "default") + " config",
+        "model": "dmuon.train Pi0Policy " + ("TINY" if cfg.tiny else cfg.model) + " config"
+                 + (", bf16 MixedPrecisionPolicy" if cfg.bf16 else "") + (", synthetic data" if cfg.synthetic else ""),
         "model_config": dataclasses.asdict(model_cfg),
         "params": n_params,
         "dedicated_matrices": inventory,
@@ -472,16 +549,19 @@ class _MuonAndAdamW:
 
 
 def _summarize(per_rank: list[list[dict]]) -> dict:
-    """Per-step max over ranks, then median and quartiles over the measured steps."""
+    """Per-step max over ranks, then median and quartiles over the measured steps (seconds);
+    ``transient_peak_bytes``: the largest over measured steps and ranks."""
     steps = [i for i, rec in enumerate(per_rank[0]) if rec["measured"]]
     keys = sorted({k for recs in per_rank for rec in recs for k in rec
-                   if k not in ("loss", "round", "measured", "batch_index")})
+                   if k not in ("loss", "round", "measured", "batch_index") and not k.endswith("_bytes")})
     out: dict = {"measured_steps": len(steps)}
     for key in keys:
         series = [max(recs[i].get(key, 0.0) for recs in per_rank) for i in steps]
         q = statistics.quantiles(series, n=4) if len(series) > 1 else [series[0]] * 3
         out[key] = {"median_s": statistics.median(series), "q1_s": q[0], "q3_s": q[2]}
     out["losses"] = [statistics.fmean(recs[i]["loss"] for recs in per_rank) for i in range(len(per_rank[0]))]
+    if "transient_peak_bytes" in per_rank[0][0]:
+        out["transient_peak_bytes"] = max(recs[i]["transient_peak_bytes"] for recs in per_rank for i in steps)
     return out
 
 
@@ -491,6 +571,7 @@ def _ratios(summary: dict) -> dict:
              for v in summary if v not in VARIANTS}
     if "torch_muon" in med:  # the single-process reference on one device
         extra["dmuon_total_over_torch_muon_total"] = med["dmuon"]["total"] / med["torch_muon"]["total"]
+        extra["dmuon_step_over_torch_muon_step"] = med["dmuon"]["step"] / med["torch_muon"]["step"]
     return {**extra,
         "dmuon_step_over_vanilla_step": med["dmuon"]["step"] / med["vanilla"]["step"],
         "dmuon_total_over_adamw_total": med["dmuon"]["total"] / med["adamw"]["total"],
@@ -547,13 +628,16 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--out", default=None)
     p.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_VARIANTS),
                    help="diagnostic variants run interleaved with the three")
+    p.add_argument("--model", choices=sorted(MODELS), default=defaults.model, help="model size")
+    p.add_argument("--synthetic", action="store_true", help="random batches, no PushT simulator")
+    p.add_argument("--bf16", action="store_true", help="bf16 MixedPrecisionPolicy on every fully_shard")
     p.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device,
                    help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
     a = p.parse_args(argv)
     return BenchConfig(nproc=a.nproc, rounds=a.rounds, block_steps=a.block_steps,
                        batch_size=a.batch_size or (8 if a.tiny else defaults.batch_size), tiny=a.tiny,
                        calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra),
-                       device=a.device)
+                       device=a.device, model=a.model, synthetic=a.synthetic, bf16=a.bf16)
 
 
 def main(argv: list[str] | None = None) -> None:

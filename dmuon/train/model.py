@@ -309,7 +309,9 @@ class Pi0Policy(nn.Module):
             kvs.append((k, v))
         d = self.cfg.d_act
         act = ex.action_in(x_t)
-        temb = sinusoidal_time(time, d)[:, None, :].expand(-1, x_t.shape[1], -1)
+        # In act's dtype: under a bf16 MixedPrecisionPolicy the float32 frequencies would
+        # promote the concatenation to float32 and the bf16 time_mlp_in would refuse it.
+        temb = sinusoidal_time(time, d).to(act.dtype)[:, None, :].expand(-1, x_t.shape[1], -1)
         act = ex.time_mlp_out(F.silu(ex.time_mlp_in(torch.cat([act, temb], dim=-1))))
         suffix = torch.cat([ex.state_in(state)[:, None, :], act], dim=1) + ex.action_pos.weight
         p = prefix.shape[1]
