@@ -32,8 +32,10 @@ class EncoderNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, WIDTH)
+        # bias=False: a key bias has an exactly zero gradient (softmax is shift-invariant), so
+        # AdamW would turn rounding noise (~1e-10) into steps of ~lr/10 that differ run to run.
         layer = nn.TransformerEncoderLayer(WIDTH, nhead=2, dim_feedforward=24, dropout=0.0,
-                                           batch_first=True)
+                                           batch_first=True, bias=False)
         self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.head = nn.Linear(WIDTH, 1)
 
@@ -151,7 +153,7 @@ def _vit() -> nn.Module:
 
     config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=WIDTH,
                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=24,
-                       num_labels=3)
+                       num_labels=3, qkv_bias=False)  # see EncoderNet: no key bias
     return ViTForImageClassification(config)
 
 
@@ -174,7 +176,7 @@ CASES: dict[str, Case] = {
                           batch=_tokens, loss=_causal_lm_loss,
                           embeddings=("model.embed_tokens.weight",),
                           checkpointing=_hf_checkpointing),
-    "hf-vit": Case(build=_vit, blocks=lambda m: list(m.vit.encoder.layer), batch=_images,
+    "hf-vit": Case(build=_vit, blocks=lambda m: list(m.vit.layers), batch=_images,
                    loss=_classifier_loss, embeddings=()),
 }
 
