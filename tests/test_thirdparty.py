@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests import thirdparty_cases as cases
 from tests.test_core import FP32_ATOL, compare
@@ -45,3 +46,27 @@ def test_default_predicate_built_before_fully_shard(dist_pool, case):
     expected = sorted(cases.matrix_names(case, cases.build(case)))
     assert out == [expected, expected]
     assert not set(cases.CASES[case].embeddings) & set(out[0])
+
+
+@pytest.mark.parametrize("case", ["linear-twice", "hf-llama-untied"])
+def test_meta_device_init_matches_fsdp2_then_reference(dist_pool, case):
+    """Meta build, fully_shard, dedicate_params, to_empty, the model's own init
+    (reset_parameters / HF init_weights), Muon: every matrix starts exactly where FSDP2 alone
+    starts with the same flow and seed, then trains as the single-process reference does."""
+    out = dist_pool.run(2, "tests.thirdparty_cases:meta_init_train", dict(case=case, steps=STEPS),
+                        timeout_s=120)
+    fsdp_initial = {n: torch.from_numpy(v) for n, v in out[0]["fsdp_initial"].items()}
+    assert compare(out[0]["dmuon_initial"], fsdp_initial, 0.0) == 0.0
+    ref, ref_losses = cases.reference(case, 2, STEPS, initial=fsdp_initial)
+    compare(out[0]["params"], ref, FP32_ATOL)
+    np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
+    assert [o["violations"] for o in out] == [[], []]
+
+
+def test_muon_on_meta_parameters_is_refused(dist_pool):
+    out = dist_pool.run(2, "tests.thirdparty_cases:meta_muon_too_early", dict(case="linear-twice"),
+                        timeout_s=60)
+    for msg in out:  # every rank, before any collective
+        assert msg.startswith("RuntimeError: dmuon: 5 dedicated matrices are still on the meta device "
+                              "('blocks.0.fc.weight', 'blocks.0.out.weight', 'blocks.1.fc.weight' and 2 more)"), msg
+        assert "model.to_empty(device=...)" in msg and "then dmuon.Muon(model, ...)" in msg

@@ -247,9 +247,15 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3,
                 dedicated=sorted(rec.fqn for rec in model._dmuon_state.records))
 
 
-def reference(case: str, world_size: int, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[float]]:
-    """Single-process ``torch.optim.Muon`` (fp32 iteration) + ``AdamW`` on the global batch."""
+def reference(case: str, world_size: int, steps: int = 3,
+              initial: dict[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process ``torch.optim.Muon`` (fp32 iteration) + ``AdamW`` on the global batch,
+    from ``initial`` parameter values (by name) when given."""
     model = build(case)
+    if initial is not None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(torch.as_tensor(initial[n]))
     names = set(matrix_names(case, model))
     mats = [p for n, p in model.named_parameters() if n in names]
     rest = [p for n, p in model.named_parameters() if n not in names and p.requires_grad]
@@ -285,3 +291,77 @@ def predicate_across_fully_shard(rank: int, world_size: int, *, case: str) -> li
     fully_shard(model, mesh=mesh)
     dmuon.dedicate_params(model, mesh, predicate=pick)
     return sorted(sel.fqn for sel in model._dmuon_state.selected)
+
+
+# ------------------------------------------------------------------------- meta-device init
+def own_init(model: nn.Module) -> None:
+    """The model's own initialisation: Hugging Face ``init_weights()``, else every module's
+    ``reset_parameters()``."""
+    if hasattr(model, "config") and hasattr(model, "init_weights"):
+        model.init_weights()
+        return
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+
+
+def meta_build(case: str, mesh: Any, *, dedicate: bool, muon_before_to_empty: bool = False) -> nn.Module:
+    """The large-model flow: build on meta, ``fully_shard`` each block and the root,
+    ``dedicate_params`` (when ``dedicate``), ``to_empty(device="cpu")``, the model's own
+    init under a fixed seed."""
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    with torch.device("meta"):
+        model = CASES[case].build()
+    for block in CASES[case].blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if dedicate:
+        dmuon.dedicate_params(model, mesh, group_cost=0.0)
+    if muon_before_to_empty:
+        dmuon.Muon(model, **OPT_KWARGS)
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    own_init(model)
+    return model
+
+
+def meta_init_train(rank: int, world_size: int, *, case: str, steps: int = 3) -> dict[str, Any]:
+    """Meta-device init of FSDP2 alone and of FSDP2 + dmuon (same flow, same seed); train the
+    dmuon model. Returns FSDP2's initial full values, dmuon's (rank 0), and the training
+    results as :func:`train`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from tests.dist_cases import full_params
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    plain = meta_build(case, mesh, dedicate=False)
+    fsdp_initial = {n: p.full_tensor().detach().numpy().copy() for n, p in plain.named_parameters()}
+    del plain
+    model = meta_build(case, mesh, dedicate=True)
+    opt = dmuon.Muon(model, **OPT_KWARGS)
+    dmuon_initial = full_params(model, rank)
+    losses, violations = [], []
+    for step in range(steps):
+        loss = CASES[case].loss(model, *local_batch(case, step, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        violations += [f"step {step}: {v}" for v in contract_violations(model)]
+    return dict(fsdp_initial=fsdp_initial if rank == 0 else {}, dmuon_initial=dmuon_initial,
+                params=full_params(model, rank), losses=losses, violations=violations)
+
+
+def meta_muon_too_early(rank: int, world_size: int, *, case: str) -> str:
+    """``dmuon.Muon`` built while the model is still on meta: the error every rank gets."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        meta_build(case, init_device_mesh("cpu", (world_size,)), dedicate=True, muon_before_to_empty=True)
+    except Exception as e:  # noqa: BLE001 - the test checks the exact type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -108,6 +108,29 @@ class Selected:
     shape: tuple[int, int]
 
 
+def check_materialized(selected: list[Selected]) -> None:
+    """Refuse to bind matrices that still live on the meta device.
+
+    Binding copies each matrix's current value into its owner's master and leaves a zero-size
+    placeholder on the module; a meta tensor has no value, and an init run after binding
+    would see placeholders. Same on every rank (meta-ness does not depend on the rank), so
+    every rank raises before any collective: no hang.
+
+    Raises:
+        RuntimeError: naming the first meta parameters and the order of calls that works.
+    """
+    on_meta = [sel.fqn for sel in selected if sel.module._parameters[sel.attr].is_meta]
+    if on_meta:
+        shown = ", ".join(repr(n) for n in on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
+        raise RuntimeError(
+            f"dmuon: {len(on_meta)} dedicated matrices are still on the meta device ({shown}); "
+            f"dmuon.Muon (or the first forward) builds the owners' masters from the current "
+            f"values. Call, in this order: fully_shard(...), dmuon.dedicate_params(model, mesh), "
+            f"model.to_empty(device=...), the model's own init (reset_parameters() / "
+            f"init_weights()), then dmuon.Muon(model, ...)."
+        )
+
+
 class DedicateState:
     """Everything dmuon keeps for one model on one rank.
 
@@ -189,6 +212,7 @@ class DedicateState:
         """
         if self.bound:
             return
+        check_materialized(self.selected)
         self._fsdp_states = fsdp.fsdp_states(self.model)
         self.fsdp_wrapped = bool(self._fsdp_states)
         specs = {m.fqn: m for m in self.plan.matrices}
