@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, issued_together, publish
+from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
@@ -346,6 +347,7 @@ class DedicateState:
         group.bwd_done.clear()
 
     def _make_pre_forward(self, unit: Unit) -> Callable:
+        @dynamo_disable
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
             with torch.profiler.record_function("dmuon::pre_forward"):
@@ -356,6 +358,7 @@ class DedicateState:
         return pre_forward
 
     def _make_post_forward(self, unit: Unit) -> Callable:
+        @dynamo_disable
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             for rec in unit.records:
                 rec.show("master")
@@ -372,6 +375,7 @@ class DedicateState:
         return post_forward
 
     def _make_pre_backward(self, unit: Unit) -> Callable:
+        @dynamo_disable
         def pre_backward(grad: Any) -> None:
             with torch.profiler.record_function("dmuon::pre_backward"):
                 previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
