@@ -49,13 +49,15 @@ def test_default_predicate_built_before_fully_shard(dist_pool, case):
     assert not set(cases.CASES[case].embeddings) & set(out[0])
 
 
-@pytest.mark.parametrize("case", ["linear-twice", "hf-llama-untied"])
-def test_meta_device_init_matches_fsdp2_then_reference(dist_pool, case):
-    """Meta build, fully_shard, dedicate_params, to_empty, the model's own init
-    (reset_parameters / HF init_weights), Muon: every matrix starts exactly where FSDP2 alone
-    starts with the same flow and seed, then trains as the single-process reference does."""
-    out = dist_pool.run(2, "tests.thirdparty_cases:meta_init_train", dict(case=case, steps=STEPS),
-                        timeout_s=120)
+@pytest.mark.parametrize("case,dedicate_first", [("linear-twice", False), ("linear-twice", True),
+                                                  ("hf-llama-untied", False)])
+def test_meta_device_init_matches_fsdp2_then_reference(dist_pool, case, dedicate_first):
+    """Meta build, fully_shard, dedicate_params (or dedicate_params first), to_empty, the
+    model's own init (reset_parameters / HF init_weights), Muon: every matrix starts exactly
+    where FSDP2 alone starts with the same flow and seed, then trains as the single-process
+    reference does."""
+    out = dist_pool.run(2, "tests.thirdparty_cases:meta_init_train",
+                        dict(case=case, steps=STEPS, dedicate_first=dedicate_first), timeout_s=120)
     fsdp_initial = {n: torch.from_numpy(v) for n, v in out[0]["fsdp_initial"].items()}
     assert compare(out[0]["dmuon_initial"], fsdp_initial, 0.0) == 0.0
     ref, ref_losses = cases.reference(case, 2, STEPS, initial=fsdp_initial)

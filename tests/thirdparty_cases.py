@@ -305,20 +305,23 @@ def own_init(model: nn.Module) -> None:
             module.reset_parameters()
 
 
-def meta_build(case: str, mesh: Any, *, dedicate: bool, muon_before_to_empty: bool = False) -> nn.Module:
+def meta_build(case: str, mesh: Any, *, dedicate: bool, dedicate_first: bool = False,
+               muon_before_to_empty: bool = False) -> nn.Module:
     """The large-model flow: build on meta, ``fully_shard`` each block and the root,
-    ``dedicate_params`` (when ``dedicate``), ``to_empty(device="cpu")``, the model's own
-    init under a fixed seed."""
+    ``dedicate_params`` (when ``dedicate``; before ``fully_shard`` with ``dedicate_first``),
+    ``to_empty(device="cpu")``, the model's own init under a fixed seed."""
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
 
     with torch.device("meta"):
         model = CASES[case].build()
+    if dedicate and dedicate_first:
+        dmuon.dedicate_params(model, mesh, group_cost=0.0)
     for block in CASES[case].blocks(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if dedicate:
+    if dedicate and not dedicate_first:
         dmuon.dedicate_params(model, mesh, group_cost=0.0)
     if muon_before_to_empty:
         dmuon.Muon(model, **OPT_KWARGS)
@@ -328,7 +331,8 @@ def meta_build(case: str, mesh: Any, *, dedicate: bool, muon_before_to_empty: bo
     return model
 
 
-def meta_init_train(rank: int, world_size: int, *, case: str, steps: int = 3) -> dict[str, Any]:
+def meta_init_train(rank: int, world_size: int, *, case: str, steps: int = 3,
+                    dedicate_first: bool = False) -> dict[str, Any]:
     """Meta-device init of FSDP2 alone and of FSDP2 + dmuon (same flow, same seed); train the
     dmuon model. Returns FSDP2's initial full values, dmuon's (rank 0), and the training
     results as :func:`train`."""
@@ -341,7 +345,7 @@ def meta_init_train(rank: int, world_size: int, *, case: str, steps: int = 3) ->
     plain = meta_build(case, mesh, dedicate=False)
     fsdp_initial = {n: p.full_tensor().detach().numpy().copy() for n, p in plain.named_parameters()}
     del plain
-    model = meta_build(case, mesh, dedicate=True)
+    model = meta_build(case, mesh, dedicate=True, dedicate_first=dedicate_first)
     opt = dmuon.Muon(model, **OPT_KWARGS)
     dmuon_initial = full_params(model, rank)
     losses, violations = [], []

@@ -1,14 +1,16 @@
 """dmuon's hooks under ``torch.compile``: run them eagerly, as FSDP2 runs its own.
 
-Dynamo would otherwise trace into a hook (a ``Work.wait``, a storage resize, a swap of
-``module._parameters``): each unsupported call is a graph break, and since every unit's hook
-is a closure over a different unit, the same code object is re-traced once per unit until
-dynamo's recompile limit (``torch._dynamo.config.recompile_limit``, 8) makes it give up on the
-hook and fall back to eager for good. FSDP2 avoids both by wrapping its forward hooks in
+Traced by dynamo, dmuon's forward hooks break the graph inside themselves (at ``Work.wait``,
+and by dynamo's messages at a pybind11 constructor and at a call taking a list and a closure:
+the profiler range and ``register_multi_grad_hook``): on a 2-block model with FSDP2,
+whole-model compile gave 19 graph breaks and 15 graphs (FSDP2 alone: 0 breaks, 1 graph, and
+2 frames dynamo skipped at its own disabled hooks; ``tests/compile_cases.py``, aot_eager,
+torch 2.13). FSDP2 registers its hooks wrapped in
 ``torch._dynamo.disable(..., recursive=True)`` (``_dynamo_disable`` in
 ``torch/distributed/fsdp/_fully_shard/_fsdp_common.py``); :func:`dynamo_disable` does the same
-for dmuon's hook functions. A disabled hook still splits the graph where it is called, exactly
-as FSDP2's own hooks do.
+for dmuon's hooks: 3 breaks and 7 graphs on the same model, every remaining break at a call of
+a disabled dmuon hook, no recompile-limit hit. What remains comes from where the hooks sit
+(each dedicated leaf module), not from what they do.
 """
 
 from __future__ import annotations
