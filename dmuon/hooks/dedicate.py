@@ -22,11 +22,40 @@ Predicate = Callable[[str, nn.Parameter], bool]
 
 
 def default_predicate(model: nn.Module) -> Predicate:
-    """2-D trainable parameters that are not ``nn.Embedding`` weights (Muon's usual scope)."""
-    embedding_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    """Muon's usual scope: 2-D trainable parameters that are not an embedding's weight.
+
+    Selected: every 2-D parameter with ``requires_grad`` (attention and MLP projections, an
+    untied ``lm_head`` / classifier head, ``nn.MultiheadAttention.in_proj_weight``). Left to
+    AdamW: the weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` modules (and a head tied to
+    one, which is the same tensor), every non-2-D parameter (biases, norms, convolutions,
+    position tables of 3 or more dims) and frozen parameters.
+
+    The predicate is stable across ``fully_shard``: it may be built before the user's
+    ``fully_shard`` calls and passed to :func:`dedicate_params` after them. An embedding weight
+    is recognised by its name (``<embedding module>.weight``, names do not change under
+    FSDP2) or by being, when the predicate is called, the tensor an embedding module holds
+    (FSDP2 replaces parameter objects, so identities remembered at build time would be stale).
+
+    To leave one more parameter on AdamW, wrap it::
+
+        pick = dmuon.default_predicate(model)
+        dmuon.dedicate_params(model, mesh, predicate=lambda name, p: pick(name, p)
+                              and not name.startswith("lm_head"))
+
+    Args:
+        model: the model whose parameters the predicate will be asked about.
+
+    Returns:
+        ``predicate(fqn, param) -> bool``.
+    """
+    embeddings = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    embedding_names = {f"{name}.weight" if name else "weight" for name, _ in embeddings}
 
     def predicate(name: str, param: nn.Parameter) -> bool:
-        return param.ndim == 2 and param.requires_grad and id(param) not in embedding_weights
+        if param.ndim != 2 or not param.requires_grad or name in embedding_names:
+            return False
+        return not any(m.weight is param for _, m in embeddings)
 
     return predicate
 

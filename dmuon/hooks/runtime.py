@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, issued_together, publish
+from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
@@ -148,6 +149,29 @@ class Selected:
     shape: tuple[int, int]
 
 
+def check_materialized(selected: list[Selected]) -> None:
+    """Refuse to bind matrices that still live on the meta device.
+
+    Binding copies each matrix's current value into its owner's master and leaves a zero-size
+    placeholder on the module; a meta tensor has no value, and an init run after binding
+    would see placeholders. Same on every rank (meta-ness does not depend on the rank), so
+    every rank raises before any collective: no hang.
+
+    Raises:
+        RuntimeError: naming the first meta parameters and the order of calls that works.
+    """
+    on_meta = [sel.fqn for sel in selected if sel.module._parameters[sel.attr].is_meta]
+    if on_meta:
+        shown = ", ".join(repr(n) for n in on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
+        raise RuntimeError(
+            f"dmuon: {len(on_meta)} dedicated matrices are still on the meta device ({shown}); "
+            f"dmuon.Muon (or the first forward) builds the owners' masters from the current "
+            f"values. Call, in this order: fully_shard(...), dmuon.dedicate_params(model, mesh), "
+            f"model.to_empty(device=...), the model's own init (reset_parameters() / "
+            f"init_weights()), then dmuon.Muon(model, ...)."
+        )
+
+
 class DedicateState:
     """Everything dmuon keeps for one model on one rank.
 
@@ -214,7 +238,8 @@ class DedicateState:
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
         # Units are FSDP2 blocks, known only once fully_shard has run: binding (at dmuon.Muon
         # or, failing that, at the first forward, before FSDP2's root hook) creates them.
-        self._bind_handle = model.register_forward_pre_hook(self._bind_at_first_forward, prepend=True)
+        self._bind_handle = model.register_forward_pre_hook(dynamo_disable(self._bind_at_first_forward),
+                                                            prepend=True)
 
     # ------------------------------------------------------------------ binding
     def ensure_bound(self) -> None:
@@ -225,6 +250,7 @@ class DedicateState:
         """
         if self.bound:
             return
+        check_materialized(self.selected)
         self._bind_handle.remove()
         self._fsdp_states = fsdp.fsdp_states(self.model)
         self.fsdp_wrapped = bool(self._fsdp_states)
@@ -236,13 +262,6 @@ class DedicateState:
         for sel, unit_module in zip(self.selected, unit_modules):
             # collective redistributes, in the same order on every rank
             param = sel.module._parameters[sel.attr]
-            if param.is_meta:
-                raise RuntimeError(
-                    f"dmuon: parameter {sel.fqn!r} is still on the meta device when dmuon.Muon "
-                    f"is built (or the model first runs). Call model.to_empty(device=...) and "
-                    f"initialize the weights first: dedicate_params, to_empty, your init, then "
-                    f"dmuon.Muon(model, ...)."
-                )
             taken = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
             sl = local_slice(taken if taken is not None else param, sel.fqn, self.roles.tp_name)
             block = fsdp.enclosing_fsdp_module(sel.module, parents)
@@ -398,6 +417,7 @@ class DedicateState:
         group.bwd_done.clear()
 
     def _make_pre_forward(self, unit: Unit) -> Callable:
+        @dynamo_disable
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
             with torch.profiler.record_function("dmuon::pre_forward"):
@@ -412,6 +432,7 @@ class DedicateState:
         return pre_forward
 
     def _make_post_forward(self, unit: Unit) -> Callable:
+        @dynamo_disable
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             if unit.in_backward or in_autograd_backward():
                 return  # a recomputation: the unit's post-backward puts the masters back
@@ -426,6 +447,7 @@ class DedicateState:
         return post_forward
 
     def _make_pre_backward(self, unit: Unit) -> Callable:
+        @dynamo_disable
         def pre_backward(grad: Any) -> None:
             self._queue_final_callback()  # ends every unit's backward, even a frozen unit's
             with torch.profiler.record_function("dmuon::pre_backward"):
