@@ -150,6 +150,7 @@ class Muon(torch.optim.Optimizer):
                     self._step_muon(group)
                 else:
                     self._step_adamw(group)
+        ctx.step_check.after_step()
         ctx.publish_after_step()
         return loss
 

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, issued_together, publish
+from dmuon.hooks.desync import StepCheck
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
@@ -170,12 +171,14 @@ class DedicateState:
         self.record_of_master: dict[int, DedicatedParam] = {}  # id(master) -> record
         self._fsdp_states: list[Any] = []
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
+        self.step_check = StepCheck(roles.steps)  # ranks agree on steps and backwards
         self.unit_of_module: dict[int, Unit] = {}
         for sel in selected:
             if id(sel.module) not in self.unit_of_module:
                 unit = Unit(index=len(self.units), module=sel.module)
                 self.unit_of_module[id(sel.module)] = unit
                 self.units.append(unit)
+        self._handles += self.step_check.install(model)
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
@@ -298,7 +301,8 @@ class DedicateState:
                 if not group.is_owner:
                     alloc_storage(group.flat)
                 with torch.autograd._unsafe_preserve_version_counter(group.flat):
-                    group.work = publish(group.flat, group.owner, self.group)
+                    group.work = publish(group.flat, group.owner, self.group,
+                                         lambda group=group: [r.fqn for r in group.members])
                 pendings.append(group.work)
                 group.live = True
                 group.fwd_done.clear()
@@ -324,6 +328,7 @@ class DedicateState:
     def _make_pre_forward(self, unit: Unit) -> Callable:
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
+            self.step_check.before_forward()
             with torch.profiler.record_function("dmuon::pre_forward"):
                 self._issue(self.units[unit.index: unit.index + 1 + self.prefetch])
                 self._wait(unit)
@@ -349,6 +354,7 @@ class DedicateState:
 
     def _make_pre_backward(self, unit: Unit) -> Callable:
         def pre_backward(grad: Any) -> None:
+            self.step_check.before_backward()
             with torch.profiler.record_function("dmuon::pre_backward"):
                 previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
                 self._issue([unit] + [prev for prev in previous if prev.takes_grad])
@@ -359,6 +365,7 @@ class DedicateState:
     def _queue_final_callback(self) -> None:
         """First gradient hook of a backward: decide sync once, and wait at the end."""
         if not self._final_callback_queued:
+            self.step_check.before_backward()
             self._final_callback_queued = True
             self._sync_this_backward = self.sync_enabled and (
                 not self.fsdp_wrapped or fsdp.gradient_sync_enabled(self._fsdp_states))
