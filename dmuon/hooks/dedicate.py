@@ -138,12 +138,17 @@ def dedicate_params(
         The owner plan in use (identical on every rank).
 
     Raises:
-        ValueError: a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
+        TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` not a ``DeviceMesh`` (a
+            ``ProcessGroup``, say).
+        ValueError: a mesh that does not hold every rank of the job (on every rank), a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
             plan for another model or world size, ``prefetch < 1``, an unknown ``replicate_mode`` or
             ``reduce_mode``, a negative or unknown ``group_cost``.
         RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
             on the plan (raised on every rank, naming the ranks).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dmuon: dedicate_params takes the model (an nn.Module), got {type(model).__name__}; "
+                        f"pass the module itself, not model.parameters() or a list of tensors")
     if getattr(model, STATE_ATTR, None) is not None:
         raise RuntimeError(
             "dmuon: dedicate_params was already called on this model; call it once per model "
