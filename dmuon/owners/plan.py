@@ -206,7 +206,7 @@ class OwnerPlan:
                 data = json.load(f)
             except json.JSONDecodeError as e:
                 raise ValueError(
-                    f"dmuon: plan file {str(path)!r} is not valid JSON ({e.msg} at line {e.lineno}, "
+                    f"dmuon: plan file {str(path)!r} is not valid JSON ({e.msg}: line {e.lineno}, "
                     f"column {e.colno}); write it with OwnerPlan.save or `python -m dmuon.profile --out`"
                 ) from None
         if not isinstance(data, Mapping):
