@@ -56,9 +56,11 @@ def desync(rank: int, world_size: int, *, fault: str, victim: int, mode: str = "
     return dict(error=error, type=kind, after_s=after, step=failed_in)
 
 
-def no_desync_counts(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 3) -> dict:
-    """A clean run: the step check issues one collective per forward and one per backward."""
-    model, _ = build(world_size, mode)
+def no_desync_counts(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 3,
+                     step_check: bool = True) -> dict:
+    """A clean run: the step check issues one collective per forward and one per backward
+    (none with ``dedicate_params(step_check=False)``)."""
+    model, _ = build(world_size, mode, step_check=step_check)
     opt = dmuon.Muon(model, **_EXACT)
     for step in range(steps):
         idx, y = models.local_batch(step, rank, world_size)

@@ -80,9 +80,11 @@ def test_desynchronised_rank_fails_every_rank_by_name(desync_runs, fault, mode):
         assert result["after_s"] < PG_TIMEOUT_S, result  # by the check, not by a timeout
 
 
-def test_step_check_costs_two_collectives_per_step(dist_pool):
-    out = dist_pool.run(2, "tests.failure_cases:no_desync_counts", dict(steps=3), timeout_s=60)
-    assert out == [dict(checks=6, steps=3, backwards=3)] * 2
+@pytest.mark.parametrize("step_check,checks", [(True, 6), (False, 0)])
+def test_step_check_costs_two_collectives_per_step(dist_pool, step_check, checks):
+    out = dist_pool.run(2, "tests.failure_cases:no_desync_counts",
+                        dict(steps=3, step_check=step_check), timeout_s=60)
+    assert out == [dict(checks=checks, steps=3, backwards=3)] * 2
 
 
 # ----------------------------------------------------------------------------- 3. argument checks
@@ -195,8 +197,8 @@ def test_misuse_raises_a_clear_error_on_every_rank(dist_pool, case, world_size, 
     ('{"schema_version": 1, "world_size": 2, "matrices": [{"fqn": "a.weight', ValueError,
      ["not valid JSON", "line 1", "plan.json"]),
     ("[1, 2]", ValueError, ["holds a JSON list", "plan.json"]),
-    ('{"schema_version": 1, "world_size": 2, "matrices": [{"fqn": "a.weight", "shape": [4, 4], '
-     '"owner": "rank0"}]}', ValueError, ["'a.weight'", "owner='rank0'", "integer", "plan.json"]),
+    (('{"schema_version": 1, "world_size": 2, "matrices": [{"fqn": "a.weight", "shape": [4, 4], '
+      '"owner": "rank0"}]}'), ValueError, ["'a.weight'", "owner='rank0'", "integer", "plan.json"]),
 ])
 def test_bad_plan_file_names_the_file_and_the_field(tmp_path, text, error, words):
     from dmuon.owners.plan import PLAN_SCHEMA_VERSION

@@ -91,6 +91,7 @@ def dedicate_params(
     replicate_mode: str = "auto",
     reduce_mode: str = "reduce",
     group_cost: float | str = "auto",
+    step_check: bool = True,
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -133,6 +134,10 @@ def dedicate_params(
             which keeps the pure makespan plan; about a millisecond per pair on gloo).
             Blocks are known only when ``fully_shard`` ran first; otherwise each module is
             its own group.
+        step_check: compare every rank's ``opt.step()`` and backward counts at each forward and
+            backward, so a rank that skips one fails every rank at once, by name
+            (:mod:`dmuon.hooks.desync`: two small gloo all-reduces per step); ``False`` leaves
+            such a desync to the process-group timeout.
 
     Returns:
         The owner plan in use (identical on every rank).
@@ -186,6 +191,8 @@ def dedicate_params(
     state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
                           replicate_mode=replicate_mode, reduce_mode=reduce_mode)
+    if not step_check:
+        state.step_check.group = None
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:
         loads = plan.loads()
