@@ -177,6 +177,7 @@ class StepTimers:
         """Wraps dmuon's collectives, waits and NS entry points (undo with :meth:`remove`)."""
         import dmuon.baselines as baselines
         import dmuon.hooks.comm as comm
+        import dmuon.hooks.desync as desync
         import dmuon.hooks.grad_buckets as grad_buckets
         import dmuon.hooks.runtime as runtime
         import dmuon.optim as optim
@@ -235,7 +236,8 @@ class StepTimers:
                                (runtime.DedicateState, "_release", "release"),
                                (runtime.DedicateState, "publish_after_step", "publish_after_step"),
                                (runtime.DedicateState, "finish_backward", "finish_backward"),
-                               (runtime.DedicatedParam, "show", "show")):
+                               (runtime.DedicatedParam, "show", "show"),
+                               (desync.StepCheck, "_check", "step_check")):
             if hasattr(cls, name):  # private names may move; the benchmark must not break
                 self._patch(cls, name, inside(getattr(cls, name), key))
         self._patch(runtime, "publish", inside(tagging(runtime.publish, "publish"), "publish_call"))
