@@ -107,9 +107,10 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
     """The collective timeout a process group was created with, or ``None`` if unreadable.
 
-    torch keeps it in each backend's options (``ProcessGroupGloo.options._timeout``,
-    ``ProcessGroupNCCL.options._timeout``; read the same way by ``DeviceMesh`` in torch 2.13 and
-    available on both backends since torch 2.6, so in 2.11); there is no public getter.
+    torch has no public getter; torch 2.13 keeps it in each backend's options
+    (``ProcessGroupGloo.options._timeout``, ``ProcessGroupNCCL.options._timeout``), which is
+    what this reads (tested on 2.13 only; on a torch without them it returns ``None`` and dmuon
+    falls back to torch's default timeout, with a warning).
 
     Args:
         group: a process group; ``None``: the default group.
