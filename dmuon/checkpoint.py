@@ -65,7 +65,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.runtime import DedicateState
@@ -392,7 +391,8 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
         ValueError: ``extra`` uses the keys ``"model"`` or ``"optim"``, or the loaded state does
             not fit the model (see :func:`load_state_dict`); nothing changed.
     """
-    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint as dcp  # not at import: `import dmuon` changes nothing in torch
+    from torch.distributed.checkpoint.api import CheckpointException
 
     ctx = _check_optimizer(model, opt)
     extra = {} if extra is None else extra
