@@ -17,17 +17,20 @@ _EXACT = dict(lr=0.02, adamw_lr=0.01, ns_method="standard", ns_dtype=torch.float
 
 
 def desync(rank: int, world_size: int, *, fault: str, victim: int, mode: str = "fsdp",
-           steps: int = 3, at: int = 1) -> dict:
+           steps: int = 3, at: int = 1, step_check: bool = True) -> dict:
     """Train ``steps`` steps; in step ``at`` the victim skips ``opt.step()`` (``"skip_step"``)
     or ``backward()`` (``"skip_backward"``), or it runs one step more than the others
     (``"extra_step"``: the others then wait on the store until the victim has failed, so
     they stay alive and the victim's wait ends by the timeout, not by a closed connection).
 
+    ``step_check=False``: without the step check, so the wait that times out is a publication's
+    or a reduce's (:class:`dmuon.hooks.comm.Pending`).
+
     Returns:
         ``{"error": first line or None, "type": exception type, "after_s": seconds from the
         faulty step's start to the error, "step": the step that raised}``.
     """
-    model, _ = build(world_size, mode)
+    model, _ = build(world_size, mode, step_check=step_check)
     opt = dmuon.Muon(model, **_EXACT)
     store = dist.distributed_c10d._get_default_store()
     error, kind, after, failed_in = None, None, None, None

@@ -32,18 +32,24 @@ def test_dmuon_groups_inherit_the_user_timeout(dist_pool, world_size, shape, nam
         assert result["dmuon"] and set(result["dmuon"].values()) == {dist_pool.pg_timeout_s}, result
 
 
-def test_extra_step_fails_within_the_user_timeout():
+@pytest.mark.parametrize("step_check,words", [
+    (True, ["dmuon: rank 1 waited in vain for the other ranks at its forward after 3 optimizer step(s)",
+            "step check over ranks [0, 1]", "Timed out", "ran fewer steps"]),
+    (False, ["dmuon: rank 1 waited in vain for the ", "by owner rank", "dmuon group of ranks [0, 1]",
+             "Timed out", "out of step"]),
+])
+def test_extra_step_fails_within_the_user_timeout(step_check, words):
     """The issue's hang: on the plain replicated path, rank 1 runs one step more; the others
-    stay alive (waiting on the store), so only the timeout can end its wait."""
+    stay alive (waiting on the store), so only the timeout can end its wait: the step check's,
+    or without it a publication's (it names the matrices and their owner)."""
     out = spawn_world(2, "tests.failure_cases:desync",
-                      dict(fault="extra_step", victim=1, mode="replicated"),
+                      dict(fault="extra_step", victim=1, mode="replicated", step_check=step_check),
                       timeout_s=120, pg_timeout_s=PG_TIMEOUT_S)
     assert out[0]["error"] is None, out[0]
     victim = out[1]
     assert victim["type"] == "RuntimeError", victim
-    for words in ("dmuon: rank 1 waited in vain", "at its forward after 3 optimizer step(s)",
-                  "Timed out", "ran fewer steps"):
-        assert words in victim["error"], (words, victim["error"])
+    for word in words:
+        assert word in victim["error"], (word, victim["error"])
     assert PG_TIMEOUT_S - 0.5 <= victim["after_s"] <= PG_TIMEOUT_S + SLACK_S, victim
 
 
