@@ -87,7 +87,10 @@ VARIANTS = ("adamw", "vanilla", "dmuon")
 #: by Newton-Schulz makespan alone (``group_cost=0``, NCCL's default) where gloo's default
 #: also counts one publication per (block, owner). ``torch_muon`` is not dmuon: single-process
 #: ``torch.optim.Muon`` + ``AdamW`` on the unsharded model (world size 1 only).
-EXTRA_VARIANTS = {"dmuon_keep": dict(reshard_after_forward=False),
+#: ``dmuon_nocheck`` is dmuon with the step check (:mod:`dmuon.hooks.desync`) switched off, to
+#: measure what the check costs.
+EXTRA_VARIANTS = {"dmuon_nocheck": dict(step_check=False),
+                  "dmuon_keep": dict(reshard_after_forward=False),
                   "dmuon_allreduce": dict(reduce_mode="all_reduce"),
                   "dmuon_prefetch2": dict(prefetch=2),
                   "dmuon_spread": dict(group_cost=0.0),
@@ -198,6 +201,7 @@ class StepTimers:
         """Wraps dmuon's collectives, waits and NS entry points (undo with :meth:`remove`)."""
         import dmuon.baselines as baselines
         import dmuon.hooks.comm as comm
+        import dmuon.hooks.desync as desync
         import dmuon.hooks.grad_buckets as grad_buckets
         import dmuon.hooks.runtime as runtime
         import dmuon.optim as optim
@@ -256,7 +260,8 @@ class StepTimers:
                                (runtime.DedicateState, "_release", "release"),
                                (runtime.DedicateState, "publish_after_step", "publish_after_step"),
                                (runtime.DedicateState, "finish_backward", "finish_backward"),
-                               (runtime.DedicatedParam, "show", "show")):
+                               (runtime.DedicatedParam, "show", "show"),
+                               (desync.StepCheck, "_check", "step_check")):
             if hasattr(cls, name):  # private names may move; the benchmark must not break
                 self._patch(cls, name, inside(getattr(cls, name), key))
         self._patch(runtime, "publish", inside(tagging(runtime.publish, "publish"), "publish_call"))

@@ -9,7 +9,7 @@ Three lines over a stock FSDP2 program::
 Importing dmuon changes nothing in torch.
 """
 
-from dmuon.checkpoint import load_state_dict, state_dict
+from dmuon.checkpoint import load, load_state_dict, state_dict
 from dmuon.distconfig import (
     DistributedConfig,
     create_devicemesh_config,
@@ -34,6 +34,7 @@ __all__ = [
     "create_processgroup_config",
     "dedicate_params",
     "default_predicate",
+    "load",
     "load_state_dict",
     "no_sync",
     "state_dict",

@@ -60,6 +60,7 @@ Typical use::
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -204,33 +205,84 @@ def _tp_sharded(rec: DedicatedParam, local: torch.Tensor) -> torch.Tensor:
                               run_check=False, shape=torch.Size((rows, cols)), stride=(cols, 1))
 
 
-def _copy_into(target: torch.Tensor, value: Any, where: str) -> None:
+def _problem(target: torch.Tensor, value: Any, where: str) -> str | None:
+    """Why ``value`` cannot be copied into ``target`` (``None``: it can)."""
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"dmuon: {where} should be a tensor, got {type(value).__name__}")
+        return f"{where} should be a tensor, got {type(value).__name__}"
+    if value is target:
+        return None
+    target_dt, value_dt = hasattr(target, "to_local"), hasattr(value, "to_local")
+    if target_dt != value_dt:
+        return (f"{where} is a {'DTensor' if value_dt else 'plain tensor'} but the model holds a "
+                f"{'DTensor' if target_dt else 'plain tensor'} (build the dict with dmuon.state_dict)")
+    if tuple(value.shape) != tuple(target.shape):
+        return f"{where} has shape {tuple(value.shape)} but the model expects {tuple(target.shape)}"
+    if target_dt and tuple(value.to_local().shape) != tuple(target.to_local().shape):
+        return (f"{where} has a local shard of shape {tuple(value.to_local().shape)}, the model's is "
+                f"{tuple(target.to_local().shape)} (placements {value.placements} against "
+                f"{target.placements})")
+    if value.dtype != target.dtype:
+        return f"{where} has dtype {value.dtype} but the model holds {target.dtype}"
+    return None
+
+
+def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a checked ``value`` (:func:`_problem` is ``None``) into ``target`` in place."""
     if value is target:
         return
-    if tuple(value.shape) != tuple(target.shape):
-        raise ValueError(
-            f"dmuon: {where} has shape {tuple(value.shape)} but the model expects "
-            f"{tuple(target.shape)}; the checkpoint is from another model"
-        )
     with torch.no_grad():
-        if hasattr(target, "to_local") and hasattr(value, "to_local"):
-            if value.to_local().data_ptr() == target.to_local().data_ptr():
-                return
-            target.to_local().copy_(value.to_local())
+        if hasattr(target, "to_local"):
+            if value.to_local().data_ptr() != target.to_local().data_ptr():
+                target.to_local().copy_(value.to_local())
         elif target.data_ptr() != value.data_ptr() or target.numel() == 0:
             target.copy_(value)
+
+
+def _pairs(expected: dict[str, Any], sd: dict[str, Any]) -> list[tuple[torch.Tensor, Any, str]]:
+    """``(live tensor, loaded value, name)`` for every tensor of :func:`state_dict`."""
+    pairs = [(t, sd[MODEL_KEY][fqn], f"model entry {fqn!r}") for fqn, t in expected[MODEL_KEY].items()]
+    for fqn, entries in expected[OPTIM_KEY]["state"].items():
+        for name, t in entries.items():
+            pairs.append((t, sd[OPTIM_KEY]["state"][fqn][name], f"optimizer state {fqn!r}/{name}"))
+    return pairs
+
+
+def _agree(problems: list[str], ctx: DedicateState, what: str, error: type[Exception],
+           cause: BaseException | None = None) -> None:
+    """Raise ``error`` on every rank if any rank has problems (one all-gather over the mesh).
+
+    Raises:
+        ``error``: naming each rank with problems and its first ones; nothing was changed.
+    """
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size(ctx.roles.world)
+    dist.all_gather_object(everyone, problems, group=ctx.roles.world)
+    ranks = dist.get_process_group_ranks(ctx.roles.world)
+    bad = {ranks[i]: p for i, p in enumerate(everyone) if p}
+    if bad:
+        same: dict[tuple, list[int]] = {}  # identical problems (DCP reports every rank's) once
+        for rank, p in sorted(bad.items()):
+            same.setdefault(tuple(p[:3]) + ((f"+{len(p) - 3} more",) if len(p) > 3 else ()), []).append(rank)
+        listed = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: " + ", ".join(p)
+                           for p, rs in list(same.items())[:4])
+        raise error(f"dmuon: {what} on ranks {sorted(bad)}: {listed}. Nothing was loaded: "
+                    f"the model and optimizer are unchanged on every rank.") from cause
 
 
 def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Apply a state dict from :func:`state_dict` (typically after ``dcp.load`` filled it).
 
-    Tensors that ``dcp.load`` already wrote in place are left alone; others are copied in
-    (same placements required). Then the optimizer's hyper-parameters are set from the saved
-    groups (as ``torch.optim.Optimizer.load_state_dict`` does) and the owners refresh their
-    compute copies from the loaded masters (the next forward publishes them). Local: no
-    collective.
+    All or nothing: every key, tensor type, shape (global and local shard) and dtype is checked
+    on every rank, the ranks agree (one ``all_gather_object`` over the mesh), and only then is
+    anything written. Tensors that ``dcp.load`` already wrote in place are left alone; others
+    are copied in. Then the optimizer's hyper-parameters are set from the saved groups (as
+    ``torch.optim.Optimizer.load_state_dict`` does) and the owners refresh their compute copies
+    from the loaded masters (the next forward publishes them). Collective over the mesh.
+
+    Note: after an in-place ``dcp.load`` into :func:`state_dict` the live tensors were already
+    overwritten by DCP; if that load fails half-way, they stay half-written. Use :func:`load`
+    for a load that leaves everything unchanged on failure.
 
     Args:
         model: the model passed to :func:`dmuon.dedicate_params` in this job.
@@ -238,30 +290,127 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
         sd: the dict returned by :func:`state_dict` for this model and optimizer on this rank.
 
     Raises:
-        ValueError: ``sd`` lacks a key this rank needs, or a tensor has the wrong shape
-            (a checkpoint of another model).
+        ValueError: on every rank, if on any rank ``sd`` lacks a key that rank needs or holds a
+            tensor of the wrong kind, shape or dtype (a checkpoint of another model); naming the
+            ranks and entries. Nothing is written.
     """
     ctx = _check_optimizer(model, opt)
-    if MODEL_KEY not in sd or OPTIM_KEY not in sd:
-        raise ValueError(f"dmuon: a checkpoint state dict has keys {sorted(sd)}; expected "
-                         f"{[MODEL_KEY, OPTIM_KEY]} (build it with dmuon.checkpoint.state_dict)")
+    problems: list[str] = []
+    if not isinstance(sd, dict) or MODEL_KEY not in sd or OPTIM_KEY not in sd:
+        problems.append(f"the checkpoint state dict has keys {sorted(sd) if isinstance(sd, dict) else type(sd).__name__}; "
+                        f"expected {[MODEL_KEY, OPTIM_KEY]} (build it with dmuon.state_dict)")
     expected = state_dict(model, opt)
-    for section in (MODEL_KEY, OPTIM_KEY):
-        missing = _missing(expected[section], sd[section])
-        if missing:
-            raise ValueError(f"dmuon: the checkpoint state dict on rank {ctx.rank} lacks "
-                             f"{section!r} entries {missing[:5]} ({len(missing)} in all)")
-    for fqn, target in expected[MODEL_KEY].items():
-        _copy_into(target, sd[MODEL_KEY][fqn], f"model entry {fqn!r}")
-    for fqn, entries in expected[OPTIM_KEY]["state"].items():
-        for name, target in entries.items():
-            _copy_into(target, sd[OPTIM_KEY]["state"][fqn][name], f"optimizer state {fqn!r}/{name}")
+    if not problems:
+        for section in (MODEL_KEY, OPTIM_KEY):
+            missing = _missing(expected[section], sd[section])
+            if missing:
+                problems.append(f"the checkpoint state dict lacks {section!r} entries {missing[:5]} "
+                                f"({len(missing)} in all)")
+    if not problems and not isinstance(sd[OPTIM_KEY].get("param_groups"), dict):
+        problems.append("the checkpoint state dict's optimizer param_groups are not a dict by kind")
+    if not problems:
+        problems = [p for p in (_problem(t, v, w) for t, v, w in _pairs(expected, sd)) if p]
+    _agree(problems, ctx, "the checkpoint state dict does not fit this model", ValueError)
+    for target, value, _ in _pairs(expected, sd):
+        _copy_into(target, value)
     saved_groups = sd[OPTIM_KEY]["param_groups"]
     for group in opt.param_groups:
         for key, value in saved_groups.get(group["kind"], {}).items():
             group[key] = value
     ctx.publish_after_step(issue=False)
     logger.debug("dmuon: rank %d loaded %d model entries", ctx.rank, len(expected[MODEL_KEY]))
+
+
+def _first_error(err: BaseException) -> str:
+    """``"Type: first line"`` of an error; for DCP's ``CheckpointException`` (which gathers
+    every rank's failure) the failure of this rank, else of the first rank that failed."""
+    import torch.distributed as dist
+
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        mine = failures.get(dist.get_rank(), next(iter(failures.values())))
+        err = mine[0] if isinstance(mine, tuple) else mine
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def _staged(value: Any) -> Any:
+    """A structure like ``value`` with every tensor replaced by a new uninitialized one of the
+    same kind, shape, dtype and placements (DTensors stay DTensors); other leaves are kept."""
+    if isinstance(value, dict):
+        return {k: _staged(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value.detach())
+    return value
+
+
+def _apply(target: dict[str, Any], loaded: dict[str, Any]) -> None:
+    """Write a successful staged load of ``extra`` into the caller's dict, in place."""
+    for key, value in loaded.items():
+        old = target.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            _apply(old, value)
+        elif isinstance(value, torch.Tensor) and isinstance(old, torch.Tensor) and old.shape == value.shape:
+            _copy_into(old, value)
+        else:
+            target[key] = value
+
+
+def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.PathLike, *,
+         extra: dict[str, Any] | None = None, **dcp_kwargs: Any) -> dict[str, Any]:
+    """Load a DCP checkpoint all-or-nothing: the live state changes only if every rank succeeded.
+
+    ``dcp.load`` reads into *staging* tensors (new tensors shaped like :func:`state_dict`'s,
+    DTensor shards included); if it raised on any rank (a missing data file, a corrupt
+    ``.metadata``, a checkpoint of another model), every rank raises and the model, the
+    optimizer and ``extra`` are left exactly as they were. Otherwise the staged values are
+    checked and copied in by :func:`load_state_dict`. Collective over the mesh.
+
+    Memory: one extra copy, per rank, of the tensors this rank checkpoints (its FSDP2 shards
+    and their AdamW ``exp_avg`` / ``exp_avg_sq``, the fp32 masters and momentum of the matrices
+    it owns, replicated parameters and buffers), plus ``extra``'s tensors, until it returns.
+    Without that memory, use the in-place path: ``dcp.load(dmuon.state_dict(model, opt), ...)``
+    then :func:`load_state_dict` (a failure there can leave the state half-written).
+
+    Args:
+        model: the model passed to :func:`dmuon.dedicate_params`.
+        opt: its :class:`dmuon.Muon`.
+        checkpoint_id: the checkpoint directory written by ``dcp.save`` (of
+            ``dmuon.state_dict(model, opt)``, with ``extra``'s keys beside ``"model"`` and
+            ``"optim"``).
+        extra: other state saved beside it, e.g. ``{"sched": sched.state_dict()}``; filled in
+            place on success (then call ``sched.load_state_dict(extra["sched"])``).
+        dcp_kwargs: passed to ``dcp.load`` (``storage_reader``, ``planner``, ``process_group``).
+
+    Returns:
+        ``extra`` (``{}`` if not given), loaded.
+
+    Raises:
+        RuntimeError: on every rank, if ``dcp.load`` failed on any rank, naming the ranks and
+            the first line of each error (DCP's exception chained); nothing changed.
+        ValueError: ``extra`` uses the keys ``"model"`` or ``"optim"``, or the loaded state does
+            not fit the model (see :func:`load_state_dict`); nothing changed.
+    """
+    import torch.distributed.checkpoint as dcp  # not at import: `import dmuon` changes nothing in torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    ctx = _check_optimizer(model, opt)
+    extra = {} if extra is None else extra
+    clash = sorted({MODEL_KEY, OPTIM_KEY} & set(extra))
+    if clash:
+        raise ValueError(f"dmuon: extra must not use the keys {clash}; dmuon.state_dict uses them")
+    live = state_dict(model, opt)
+    staging = _staged({**live, **extra})
+    failure: BaseException | None = None
+    try:
+        dcp.load(staging, checkpoint_id=checkpoint_id, **dcp_kwargs)
+    except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank, chained
+        failure = err  # DCP's CheckpointException is a BaseException
+    problems = [] if failure is None else [_first_error(failure)]
+    _agree(problems, ctx, f"loading checkpoint {str(checkpoint_id)!r} failed", RuntimeError, failure)
+    load_state_dict(model, opt, staging)
+    _apply(extra, {k: v for k, v in staging.items() if k not in (MODEL_KEY, OPTIM_KEY)})
+    return extra
 
 
 def _missing(expected: dict, got: Any, prefix: str = "") -> list[str]:

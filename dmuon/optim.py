@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -14,32 +15,65 @@ from dmuon.owners.update import ADJUST_LR_FNS, adamw_update_, muon_update_, ns_b
 NS_METHODS = ("gram", "standard")
 
 
-def validate_hyperparameters(*, lr: float, weight_decay: float, momentum: float,
-                             adjust_lr_fn: str | None,
-                             ns_method: str, ns_dtype: torch.dtype, adamw_lr: float | None,
-                             adamw_betas: tuple[float, float], ns_coefficients: Any,
-                             ns_steps: int) -> None:
-    """Check Muon's hyper-parameters once, at construction (not at the first step).
+def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                             adjust_lr_fn: str | None = None, ns_method: str = "gram",
+                             ns_dtype: torch.dtype = torch.float16, adamw_lr: float | None = None,
+                             adamw_betas: tuple[float, float] = (0.9, 0.999),
+                             ns_coefficients: Any = "polar_express", ns_steps: int = 5,
+                             eps: float = 1e-7, adamw_eps: float = 1e-8,
+                             adamw_weight_decay: float | None = None, where: str = "") -> None:
+    """Check Muon's and AdamW's hyper-parameters once, at construction (not at the first step).
+
+    The one check behind both entry points (``dmuon.Muon(model)`` and the
+    ``distributed_config`` path, also per param group) and the baselines. At least as strict as
+    ``torch.optim.Muon`` (``lr``, ``momentum``, ``weight_decay`` >= 0) and ``torch.optim.AdamW``
+    (``lr``, ``eps``, ``weight_decay`` >= 0, ``betas`` in [0, 1)), and stricter where torch
+    lets a NaN through (``nan < 0`` is False): every number must be finite, ``momentum`` in
+    [0, 1), ``ns_steps`` an integer >= 1.
+
+    Args:
+        lr ... adamw_weight_decay: as :class:`Muon` (``None`` for ``adamw_lr`` /
+            ``adamw_weight_decay``: taken from ``lr`` / ``weight_decay``).
+        where: names the param group in the message (``"param group 2: "``), or ``""``.
 
     Raises:
         ValueError: naming the hyper-parameter, its value and the accepted range.
+        TypeError: a hyper-parameter that is not a real number (a string, ``None``...).
     """
     from dmuon.kernels import resolve_coefficients
 
-    if lr < 0 or (adamw_lr is not None and adamw_lr < 0):
-        raise ValueError(f"dmuon: learning rates must be >= 0, got lr={lr}, adamw_lr={adamw_lr}")
-    if weight_decay < 0:
-        raise ValueError(f"dmuon: weight_decay must be >= 0, got {weight_decay}")
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"dmuon: momentum must be in [0, 1), got {momentum}")
+    def number(name: str, value: Any, low: float = 0.0, high: float | None = None) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            else:
+                raise TypeError(f"dmuon: {where}{name} must be a real number, got "
+                                f"{type(value).__name__} {value!r}")
+        if not math.isfinite(value) or value < low or (high is not None and value >= high):
+            accepted = f"in [{low:g}, {high:g})" if high is not None else f"a finite number >= {low:g}"
+            raise ValueError(f"dmuon: {where}{name} must be {accepted}, got {value!r}")
+
+    number("lr", lr)
+    number("weight_decay", weight_decay)
+    number("momentum", momentum, high=1.0)
+    number("eps", eps)
+    if adamw_lr is not None:
+        number("adamw_lr", adamw_lr)
+    if adamw_weight_decay is not None:
+        number("adamw_weight_decay", adamw_weight_decay)
+    number("adamw_eps", adamw_eps)
+    if not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2:
+        raise ValueError(f"dmuon: {where}adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r}")
+    number("adamw_betas[0]", adamw_betas[0], high=1.0)
+    number("adamw_betas[1]", adamw_betas[1], high=1.0)
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+        raise ValueError(f"dmuon: {where}ns_steps must be an integer >= 1, got {ns_steps!r}")
     if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"dmuon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+        raise ValueError(f"dmuon: {where}adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
     if ns_method not in NS_METHODS:
-        raise ValueError(f"dmuon: ns_method must be one of {NS_METHODS}, got {ns_method!r}")
+        raise ValueError(f"dmuon: {where}ns_method must be one of {NS_METHODS}, got {ns_method!r}")
     if ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(f"dmuon: ns_dtype must be a float dtype, got {ns_dtype}")
-    if not 0.0 <= adamw_betas[0] < 1.0 or not 0.0 <= adamw_betas[1] < 1.0:
-        raise ValueError(f"dmuon: adamw_betas must be in [0, 1), got {adamw_betas}")
+        raise ValueError(f"dmuon: {where}ns_dtype must be a float dtype, got {ns_dtype}")
     resolve_coefficients(ns_coefficients, ns_steps)
 
 
@@ -73,7 +107,9 @@ class Muon(torch.optim.Optimizer):
         max_batch_bytes: cap (bytes) on one same-shape Newton-Schulz batch.
 
     Raises:
-        ValueError: bad hyper-parameters, or ``dedicate_params`` not called on ``model``.
+        ValueError: bad hyper-parameters (:func:`validate_hyperparameters`), or
+            ``dedicate_params`` not called on ``model``.
+        TypeError: a hyper-parameter that is not a number.
     """
 
     def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> "Muon":
@@ -106,13 +142,14 @@ class Muon(torch.optim.Optimizer):
         max_batch_bytes: int = 1 << 30,
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise ValueError(
+            raise TypeError(
                 f"dmuon: Muon takes the model passed to dedicate_params, got {type(model).__name__}"
             )
         validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
                                  adamw_lr=adamw_lr, adamw_betas=adamw_betas,
-                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps)
+                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
+                                 adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
         self.state_ctx = get_state(model)
         self.state_ctx.ensure_bound()
         dedicated = [rec.master for rec in self.state_ctx.records]
@@ -150,6 +187,7 @@ class Muon(torch.optim.Optimizer):
                     self._step_muon(group)
                 else:
                     self._step_adamw(group)
+        ctx.step_check.after_step()
         ctx.publish_after_step()
         return loss
 

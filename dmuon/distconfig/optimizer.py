@@ -81,7 +81,8 @@ class ConfiguredMuon(Muon):
         validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
                                  adamw_lr=adamw_lr, adamw_betas=adamw_betas,
-                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps)
+                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
+                                 adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
         if distributed_config is not None and not isinstance(distributed_config, DistributedConfig):
             raise ValueError(f"dmuon: distributed_config must be a DistributedConfig or None; got "
                              f"{type(distributed_config).__name__}")
@@ -92,6 +93,14 @@ class ConfiguredMuon(Muon):
                               eps=adamw_eps,
                               weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
         groups = self._split_groups(params, muon_defaults, adamw_defaults)
+        for gi, group in enumerate(groups):  # a group's own keys override the checked defaults
+            if group["use_muon"]:
+                validate_hyperparameters(**{k: group[k] for k in _MUON_KEYS if k != "nesterov"},
+                                         where=f"param group {gi}: ")
+            else:
+                validate_hyperparameters(adamw_lr=group["lr"], adamw_betas=group["betas"],
+                                         adamw_eps=group["eps"], adamw_weight_decay=group["weight_decay"],
+                                         where=f"param group {gi}: ")
         self.ns_backend = ns_backend
         self.max_batch_bytes = max_batch_bytes
         self.distributed_config = distributed_config

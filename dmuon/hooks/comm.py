@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -20,15 +20,46 @@ from torch.autograd.profiler import record_function
 
 @dataclass(eq=False)
 class Pending:
-    """An in-flight collective and the buffers it reads or writes."""
+    """An in-flight collective and the buffers it reads or writes.
+
+    Attributes:
+        work: the ``dist.Work`` (or NCCL group call) to wait on; ``None`` once waited.
+        tensors: buffers that must stay alive until the wait.
+        what: what the collective does, for the error text (a string, or a callable that
+            builds it only on failure, e.g. naming the matrices).
+        group: the process group it runs on (its ranks are named on failure).
+    """
 
     work: Any
     tensors: tuple[torch.Tensor, ...]
+    what: str | Callable[[], str] = "a collective"
+    group: dist.ProcessGroup | None = None
 
     def wait(self) -> None:
+        """Wait; the group's timeout (the user's, :func:`dmuon.hooks.mesh.inherited_timeout`)
+        bounds it.
+
+        Raises:
+            RuntimeError: the collective failed or timed out, naming this rank, what dmuon was
+                waiting for, the group's ranks, and the backend's own message (chained).
+        """
         if self.work is not None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError as err:  # DistBackendError and gloo's timeouts subclass it
+                raise RuntimeError(wait_failure(self.what, self.group, err)) from err
             self.work = None
+
+
+def wait_failure(what: str | Callable[[], str], group: dist.ProcessGroup | None,
+                 err: BaseException) -> str:
+    """The message for a dmuon collective that failed or timed out."""
+    what = what() if callable(what) else what
+    ranks = dist.get_process_group_ranks(group) if group is not None else "?"
+    lines = str(err).strip().splitlines() or [type(err).__name__]
+    return (f"dmuon: rank {dist.get_rank()} waited in vain for {what} (dmuon group of ranks "
+            f"{ranks}): {lines[0]}. A rank is out of step (skipped or repeated opt.step() or "
+            f"backward), died or is stuck; the other ranks' errors say which.")
 
 
 @contextlib.contextmanager
@@ -57,39 +88,53 @@ def issued_together(group: dist.ProcessGroup, device: torch.device, pendings: li
         pend.work = manager
 
 
-def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup) -> Pending:
+def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup,
+            names: Callable[[], list[str]] | None = None) -> Pending:
     """Broadcast the owner's full weight into every rank's buffer (phase 1/4: publish).
 
     Args:
         tensor: full weight ``[rows, cols]`` in the compute dtype; read on the owner, written
             elsewhere (its storage must be allocated).
         owner: owner's rank within ``group``.
+        names: returns the FQNs of the matrices in ``tensor`` (called only for an error).
     """
+    src = dist.get_global_rank(group, owner)
     with record_function("dmuon::publish"), torch.no_grad():
-        work = dist.broadcast(tensor, src=dist.get_global_rank(group, owner), group=group, async_op=True)
-    return Pending(work, (tensor,))
+        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+    return Pending(work, (tensor,), lambda: f"the publication of {_names(names)} by owner rank {src}", group)
 
 
-def reduce_to_owner(grad: torch.Tensor, owner: int, group: dist.ProcessGroup) -> Pending:
+def reduce_to_owner(grad: torch.Tensor, owner: int, group: dist.ProcessGroup,
+                    names: Callable[[], list[str]] | None = None) -> Pending:
     """Sum a full local gradient onto its owner (phase 2: reduce-to-owner).
 
     Args:
         grad: this rank's local gradient ``[rows, cols]``; after ``wait()`` it holds the sum
             over the group on the owner and is undefined elsewhere. The caller divides.
         owner: owner's rank within ``group``.
+        names: returns the FQNs of the matrices in ``grad`` (called only for an error).
     """
+    dst = dist.get_global_rank(group, owner)
     with record_function("dmuon::reduce_to_owner"):
-        work = dist.reduce(grad, dst=dist.get_global_rank(group, owner), op=dist.ReduceOp.SUM,
-                           group=group, async_op=True)
-    return Pending(work, (grad,))
+        work = dist.reduce(grad, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return Pending(work, (grad,), lambda: f"the reduce-to-owner of {_names(names)} to owner rank {dst}",
+                   group)
 
 
-def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup) -> Pending:
+def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup,
+                   what: str | Callable[[], str] = "the gradient all-reduce") -> Pending:
     """Sum a flat buffer over the group: the gradients of replicated (non-dedicated) parameters,
     or a gradient bucket under ``reduce_mode="all_reduce"``."""
     with record_function("dmuon::all_reduce"):
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Pending(work, (flat,))
+    return Pending(work, (flat,), what, group)
+
+
+def _names(names: Callable[[], list[str]] | None) -> str:
+    if names is None:
+        return "a weight"
+    listed = names()
+    return f"{listed[:4]}{f' (+{len(listed) - 4} more)' if len(listed) > 4 else ''}"
 
 
 def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup) -> None:

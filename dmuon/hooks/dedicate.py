@@ -120,6 +120,7 @@ def dedicate_params(
     replicate_mode: str = "auto",
     reduce_mode: str = "reduce",
     group_cost: float | str = "auto",
+    step_check: bool = True,
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -162,17 +163,26 @@ def dedicate_params(
             which keeps the pure makespan plan; about a millisecond per pair on gloo).
             Blocks are known only when ``fully_shard`` ran first; otherwise each module is
             its own group.
+        step_check: compare every rank's ``opt.step()`` and backward counts at each forward and
+            backward, so a rank that skips one fails every rank at once, by name
+            (:mod:`dmuon.hooks.desync`: two small gloo all-reduces per step); ``False`` leaves
+            such a desync to the process-group timeout.
 
     Returns:
         The owner plan in use (identical on every rank).
 
     Raises:
-        ValueError: a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
+        TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` not a ``DeviceMesh`` (a
+            ``ProcessGroup``, say).
+        ValueError: a mesh that does not hold every rank of the job (on every rank), a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
             plan for another model or world size, ``prefetch < 1``, an unknown ``replicate_mode`` or
             ``reduce_mode``, a negative or unknown ``group_cost``.
         RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
             on the plan (raised on every rank, naming the ranks).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"dmuon: dedicate_params takes the model (an nn.Module), got {type(model).__name__}; "
+                        f"pass the module itself, not model.parameters() or a list of tensors")
     if getattr(model, STATE_ATTR, None) is not None:
         raise RuntimeError(
             "dmuon: dedicate_params was already called on this model; call it once per model "
@@ -210,6 +220,8 @@ def dedicate_params(
     state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
                           replicate_mode=replicate_mode, reduce_mode=reduce_mode)
+    if not step_check:
+        state.step_check.group = None
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:
         loads = plan.loads()

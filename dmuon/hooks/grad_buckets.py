@@ -90,11 +90,14 @@ class GradBucket:
                 self.flat[start: start + numel].zero_()
         with torch.profiler.record_function("dmuon::reduce_bucket"):
             if mode == "all_reduce":
-                self.pending.append(all_reduce_sum(self.flat, group))
+                self.pending.append(all_reduce_sum(
+                    self.flat, group, lambda: f"the gradient all-reduce of {[r.fqn for r in self.records][:4]}"))
             else:
                 with issued_together(group, self.device, self.pending):
                     for owner, start, numel in self.segments:
-                        self.pending.append(reduce_to_owner(self.flat[start: start + numel], owner, group))
+                        self.pending.append(reduce_to_owner(
+                            self.flat[start: start + numel], owner, group,
+                            lambda owner=owner: [r.fqn for r in self.records if r.owner == owner]))
 
     def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None]]:
         """Wait, then yield ``(record, average)`` for every record that had a gradient.

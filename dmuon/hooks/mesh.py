@@ -5,14 +5,23 @@ others, a single one is the data-parallel *shard* dimension (FSDP, or plain repl
 ``(replicate, shard)`` in that order (HSDP, as ``init_device_mesh(..., ("replicate", "shard"))``
 builds them). A 1-D mesh without names is data-parallel. dmuon creates its own process groups
 along each role so its broadcasts and reduces never interleave with FSDP2's collectives.
+
+Every group dmuon creates inherits the user's collective timeout (:func:`inherited_timeout`):
+``dist.new_group`` without ``timeout=`` would wait torch's default 30 minutes (gloo) whatever
+``init_process_group(timeout=...)`` said, so a desynchronised rank would hang the job.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 TP_NAMES = ("tp", "tensor", "model")
 
@@ -28,6 +37,11 @@ class MeshRoles:
         tp: group over the tensor-parallel dimension, or ``None``.
         shard_dim, replicate_dim, tp_dim: the mesh dimensions of each role (``None`` if absent).
         tp_name: the mesh dimension name of the TP role.
+        steps: group over the whole mesh for the step-agreement check only
+            (:mod:`dmuon.hooks.desync`), so its all-reduce can never pair with another
+            collective of a rank that is out of step.
+        timeout: the collective timeout every dmuon group was created with (``None``: torch's
+            default, when no group's timeout could be read).
     """
 
     shard: dist.ProcessGroup
@@ -39,6 +53,8 @@ class MeshRoles:
     tp_dim: int | None
     tp_name: str | None
     shape: tuple[int, ...]
+    steps: dist.ProcessGroup | None = None
+    timeout: timedelta | None = None
 
     @property
     def shard_size(self) -> int:
@@ -88,7 +104,86 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
     raise ValueError(f"dmuon: unsupported mesh {_describe(mesh)}")
 
 
-def _groups_along(mesh_ranks, dim: int | None, backend: str) -> dist.ProcessGroup | None:
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
+    """The collective timeout a process group was created with, or ``None`` if unreadable.
+
+    torch has no public getter; torch 2.13 keeps it in each backend's options
+    (``ProcessGroupGloo.options._timeout``, ``ProcessGroupNCCL.options._timeout``), which is
+    what this reads (tested on 2.13 only; on a torch without them it returns ``None`` and dmuon
+    falls back to torch's default timeout, with a warning).
+
+    Args:
+        group: a process group; ``None``: the default group.
+
+    Returns:
+        The shortest timeout of the group's backends (seconds resolution as given by the user).
+    """
+    if group is None:
+        group = dist.group.WORLD
+    found = []
+    for device in getattr(group, "_device_types", ()) or ():
+        try:
+            options = group._get_backend(torch.device(device)).options
+        except (AttributeError, RuntimeError, TypeError):
+            continue
+        timeout = getattr(options, "_timeout", None)
+        if isinstance(timeout, timedelta):
+            found.append(timeout)
+    return min(found) if found else None
+
+
+def inherited_timeout(mesh) -> timedelta | None:
+    """The timeout dmuon's groups for ``mesh`` get: the shortest of the default group's and the
+    mesh's own groups' timeouts (a 2-D ``init_device_mesh`` creates its sub-groups with torch's
+    default timeout, so the default group's carries the user's ``init_process_group`` setting).
+
+    Returns:
+        That timeout, or ``None`` (torch's default) when no group's timeout can be read.
+    """
+    groups = [dist.group.WORLD] + [mesh.get_group(d) for d in range(mesh.ndim)]
+    found = [t for t in (group_timeout(g) for g in groups) if t is not None]
+    if not found:
+        logger.warning("dmuon: cannot read the process groups' timeout in torch %s; dmuon's groups "
+                       "use torch's default", torch.__version__)
+        return None
+    return min(found)
+
+
+def check_mesh(mesh) -> None:
+    """Refuse what is not a ``DeviceMesh`` over every rank of the job, on every rank.
+
+    Local and identical on every rank (no collective), so no rank is left waiting.
+
+    Raises:
+        TypeError: ``mesh`` is a ``ProcessGroup`` or anything else that is not a ``DeviceMesh``.
+        ValueError: the mesh does not hold every rank of the default group (a rank outside it
+            would otherwise fail alone, the others waiting in dmuon's group creation).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, dist.ProcessGroup):
+        raise TypeError(
+            "dmuon: dedicate_params takes a DeviceMesh as mesh, got a ProcessGroup; wrap it with "
+            "DeviceMesh.from_group(group, device_type) or build one with "
+            "init_device_mesh(device_type, (world_size,))"
+        )
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"dmuon: dedicate_params takes a DeviceMesh as mesh, got "
+                        f"{type(mesh).__name__}; build one with init_device_mesh(device_type, (world_size,))")
+    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    world = dist.get_world_size()
+    if ranks != list(range(world)):
+        outside = sorted(set(range(world)) - set(ranks))
+        raise ValueError(
+            f"dmuon: the mesh ({_describe(mesh)}) holds ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''} "
+            f"but the job has {world} ranks (ranks {outside[:8]} are outside it; this is rank "
+            f"{dist.get_rank()}); dedicate_params needs a mesh over every rank, e.g. "
+            f"init_device_mesh(device_type, ({world},))"
+        )
+
+
+def _groups_along(mesh_ranks, dim: int | None, backend: str,
+                  timeout: timedelta | None = None) -> dist.ProcessGroup | None:
     """dmuon's own group along ``dim`` containing this rank (collective over the world)."""
     if dim is None:
         return None
@@ -102,25 +197,38 @@ def _groups_along(mesh_ranks, dim: int | None, backend: str) -> dist.ProcessGrou
     me = dist.get_rank()
     mine = None
     for ranks in rank_lists:  # every rank creates every group, in the same order
-        group = dist.new_group(ranks=ranks, backend=backend)
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
         if me in ranks:
             mine = group
     return mine
 
 
 def build_roles(mesh) -> MeshRoles:
-    """Create dmuon's groups for ``mesh`` (collective: every rank of the world calls it)."""
+    """Create dmuon's groups for ``mesh`` (collective: every rank of the world calls it).
+
+    Every group gets :func:`inherited_timeout`, so every dmuon collective fails within the
+    user's timeout instead of torch's 30-minute default.
+
+    Raises:
+        TypeError, ValueError: see :func:`check_mesh` and :func:`assign_roles`.
+    """
+    check_mesh(mesh)
+    timeout = inherited_timeout(mesh)
     shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(mesh)
     ranks = mesh.mesh
     backend = dist.get_backend(mesh.get_group(0))
     if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
         ranks = ranks.unsqueeze(0)
         shard_dim, tp_dim = 0, 1
-    world = dist.new_group(ranks=[int(r) for r in ranks.flatten().tolist()], backend=backend)
+    every = [int(r) for r in ranks.flatten().tolist()]
+    world = dist.new_group(ranks=every, backend=backend, timeout=timeout)
+    # gloo even in NCCL jobs: the step check's CPU tensors never synchronize a GPU stream.
+    steps = (dist.new_group(ranks=every, backend="gloo", timeout=timeout)
+             if dist.is_gloo_available() else None)
     return MeshRoles(
-        shard=_groups_along(ranks, shard_dim, backend), world=world,
-        replicate=_groups_along(ranks, replicate_dim, backend),
-        tp=_groups_along(ranks, tp_dim, backend),
+        shard=_groups_along(ranks, shard_dim, backend, timeout), world=world,
+        replicate=_groups_along(ranks, replicate_dim, backend, timeout),
+        tp=_groups_along(ranks, tp_dim, backend, timeout),
         shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim, tp_name=tp_name,
-        shape=tuple(ranks.shape),
+        shape=tuple(ranks.shape), steps=steps, timeout=timeout,
     )

@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_flatten
 from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, issued_together, publish
 from dmuon.hooks.compile import dynamo_disable
+from dmuon.hooks.desync import StepCheck
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
@@ -236,10 +237,12 @@ class DedicateState:
         self.unit_of_module: dict[int, Unit] = {}  # id(unit module) -> unit, set at bind
         self.unit_of_record: dict[int, Unit] = {}  # id(record) -> its unit
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
+        self.step_check = StepCheck(roles.steps)  # ranks agree on steps and backwards
         # Units are FSDP2 blocks, known only once fully_shard has run: binding (at dmuon.Muon
         # or, failing that, at the first forward, before FSDP2's root hook) creates them.
         self._bind_handle = model.register_forward_pre_hook(dynamo_disable(self._bind_at_first_forward),
                                                             prepend=True)
+        self._handles += self.step_check.install(model)  # prepended: in front of binding too
 
     # ------------------------------------------------------------------ binding
     def ensure_bound(self) -> None:
@@ -395,7 +398,8 @@ class DedicateState:
                 if not group.is_owner:
                     alloc_storage(group.flat)
                 with torch.autograd._unsafe_preserve_version_counter(group.flat):
-                    group.work = publish(group.flat, group.owner, self.group)
+                    group.work = publish(group.flat, group.owner, self.group,
+                                         lambda group=group: [r.fqn for r in group.members])
                 pendings.append(group.work)
                 group.live = True
                 group.bwd_done.clear()
@@ -420,6 +424,7 @@ class DedicateState:
         @dynamo_disable
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
+            self.step_check.before_forward()
             with torch.profiler.record_function("dmuon::pre_forward"):
                 if unit.in_backward or in_autograd_backward():
                     # Activation checkpointing recomputes this forward inside backward: the
@@ -449,6 +454,7 @@ class DedicateState:
     def _make_pre_backward(self, unit: Unit) -> Callable:
         @dynamo_disable
         def pre_backward(grad: Any) -> None:
+            self.step_check.before_backward()
             self._queue_final_callback()  # ends every unit's backward, even a frozen unit's
             with torch.profiler.record_function("dmuon::pre_backward"):
                 previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
@@ -464,6 +470,7 @@ class DedicateState:
     def _queue_final_callback(self) -> None:
         """First gradient hook of a backward: decide sync once, and wait at the end."""
         if not self._final_callback_queued:
+            self.step_check.before_backward()
             self._final_callback_queued = True
             self._sync_this_backward = self.sync_enabled and (
                 not self.fsdp_wrapped or fsdp.gradient_sync_enabled(self._fsdp_states))

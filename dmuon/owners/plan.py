@@ -17,6 +17,17 @@ from typing import Any, Iterable, Mapping, Sequence
 PLAN_SCHEMA_VERSION = 1
 
 
+def _as_int(value: Any, field: str, fqn: str | None = None) -> int:
+    """An integer field of a plan JSON, or a ValueError naming the field and the value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    where = f"matrix {fqn!r} has" if fqn is not None else "has"
+    raise ValueError(f"dmuon: the plan {where} {field}={value!r}; it must be an integer "
+                     f"(owners are ranks 0 .. world_size - 1)")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MatrixSpec:
     """One dedicated matrix of the plan.
@@ -46,6 +57,11 @@ class MatrixSpec:
                 f"dmuon: MatrixSpec.shape for {self.fqn!r} must be (rows, cols) with "
                 f"non-negative sizes, got {self.shape!r}"
             )
+        for name in ("owner", "tp_owner"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"dmuon: MatrixSpec for {self.fqn!r} has {name}={value!r} "
+                                f"({type(value).__name__}); owners are integer ranks")
         if self.owner < 0 or self.tp_owner < 0:
             raise ValueError(
                 f"dmuon: MatrixSpec for {self.fqn!r} has owner={self.owner}, "
@@ -161,14 +177,14 @@ class OwnerPlan:
             )
         try:
             matrices = tuple(
-                MatrixSpec(fqn=m["fqn"], shape=tuple(int(s) for s in m["shape"]),
-                           owner=int(m["owner"]), cost=float(m.get("cost", 0.0)),
-                           tp_owner=int(m.get("tp_owner", 0)))
+                MatrixSpec(fqn=m["fqn"], shape=tuple(_as_int(s, "shape", m["fqn"]) for s in m["shape"]),
+                           owner=_as_int(m["owner"], "owner", m["fqn"]), cost=float(m.get("cost", 0.0)),
+                           tp_owner=_as_int(m.get("tp_owner", 0), "tp_owner", m["fqn"]))
                 for m in data["matrices"]
             )
             return cls(
-                world_size=int(data["world_size"]), matrices=matrices,
-                tp_size=int(data.get("tp_size", 1)),
+                world_size=_as_int(data["world_size"], "world_size"), matrices=matrices,
+                tp_size=_as_int(data.get("tp_size", 1), "tp_size"),
                 method=str(data.get("method", "file")), cost_unit=str(data.get("cost_unit", "flops")),
                 makespan=float(data.get("makespan", 0.0)), lower_bound=float(data.get("lower_bound", 0.0)),
                 extra=dict(data.get("extra", {})),
@@ -178,8 +194,28 @@ class OwnerPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "OwnerPlan":
+        """Read a plan written by :meth:`save` (``python -m dmuon.profile --out``).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: the file is not JSON, or not a plan (naming the file, the position or
+                the field, and the value).
+        """
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(
+                    f"dmuon: plan file {str(path)!r} is not valid JSON ({e.msg}: line {e.lineno}, "
+                    f"column {e.colno}); write it with OwnerPlan.save or `python -m dmuon.profile --out`"
+                ) from None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"dmuon: plan file {str(path)!r} holds a JSON {type(data).__name__}, not "
+                             f"a plan object; write it with OwnerPlan.save or `python -m dmuon.profile --out`")
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{e} (plan file {str(path)!r})") from None
 
     # ------------------------------------------------------------- validation
     def check_matches(self, shape_by_fqn: Mapping[str, Sequence[int]], world_size: int,

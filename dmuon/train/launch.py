@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dmuon.train.data import DataConfig
 from dmuon.train.loop import OPTIMIZERS, TrainConfig, train_rank
+from dmuon.train.parallel import Layout
 
 _DEFAULTS = TrainConfig()
 _RANK_TIMEOUT = timedelta(minutes=30)  # rank 0 may generate the dataset while others wait
@@ -50,12 +51,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     a = p.parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
         p.error(f"--nproc {a.nproc}: must be >= 1")
-    cfg = TrainConfig(
-        optimizer=a.optimizer, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
-        adamw_lr=a.adamw_lr, weight_decay=a.weight_decay, warmup=a.warmup, ns_dtype=a.ns_dtype,
-        seed=a.seed, out=a.out, plot=a.plot, mesh=a.mesh, data=DataConfig(episodes=a.episodes),
-    )
+    # A CLI answers bad values with a usage error and exit code 2, not a traceback.
+    try:
+        cfg = TrainConfig(
+            optimizer=a.optimizer, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
+            adamw_lr=a.adamw_lr, weight_decay=a.weight_decay, warmup=a.warmup, ns_dtype=a.ns_dtype,
+            seed=a.seed, out=a.out, plot=a.plot, mesh=a.mesh, data=DataConfig(episodes=a.episodes),
+        )
+        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (a.nproc or _default_nproc())
+        Layout.parse(a.mesh, world)
+    except ValueError as e:
+        p.error(str(e).removeprefix("dmuon.train: "))
     return cfg, a.nproc
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _default_nproc() -> int:
+    """Local ranks without ``--nproc``: every GPU on CUDA, 4 on CPU."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 4
 
 
 def _free_port() -> int:
@@ -85,11 +101,11 @@ def _spawned_rank(local_rank: int, cfg: TrainConfig, world: int, port: int, thre
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m dmuon.train``."""
     cfg, nproc = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+    if _under_torchrun():
         _run_initialized(cfg)
         return
     if nproc is None:
-        nproc = torch.cuda.device_count() if torch.cuda.is_available() else 4
+        nproc = _default_nproc()
     if "OMP_NUM_THREADS" in os.environ:
         threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
     else:

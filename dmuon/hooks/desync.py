@@ -1,0 +1,144 @@
+"""Step agreement: a rank that skips or repeats ``opt.step()`` or ``backward()`` fails loudly.
+
+Stock FSDP2/DDP let a rank that skips ``opt.step()`` train on silently (the replicas diverge),
+and a rank that skips backward meets the others' gradient collectives with different ones
+(gloo aborts on a size mismatch). dmuon counts, on every rank, the optimizer steps and the
+backward passes, and compares the counts across ranks at the start of every forward (the
+model's forward pre-hook, placed first) and every backward (the first gradient of the model's
+output, or else dmuon's first pre-backward or gradient hook): one
+all-reduce of a ``[world, 3]`` int64 tensor (phase, steps, backwards) on a group of its own, so
+the check can only pair with another rank's check, never with a publication or a reduce.
+
+Why these two points: they are the first things a rank does in each phase, before it issues a
+collective that could pair with a different one on a rank that is out of step. A rank that
+skipped ``opt.step()`` meets the others at the next forward with one step fewer; a rank that
+skipped backward meets the others' backward check with its next forward's. A rank that runs
+more steps than the others waits at its next check; the group's timeout (the user's, see
+:func:`dmuon.hooks.mesh.inherited_timeout`) ends the wait with a named error.
+
+The group is gloo (CPU tensors) even in NCCL jobs, so the check never synchronizes a GPU
+stream; without gloo there is no check.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("forward", "backward")
+
+
+def _in_backward() -> bool:
+    """Whether autograd is executing a backward (activation checkpointing re-runs forwards)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class StepCheck:
+    """Per-rank step and backward counts, compared across ranks at each forward and backward.
+
+    Args:
+        group: the check's own process group over every rank of the mesh, or ``None`` (no
+            check: a single rank, or no gloo).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self.steps = 0  # opt.step() calls on this rank
+        self.backwards = 0  # backward passes that reached a dmuon hook
+        self._last: int | None = None  # phase checked last; None after a step
+        self.checks = 0  # collectives issued (for tests)
+
+    def install(self, model: nn.Module) -> list:
+        """Check at the model's own forward, in front of every other hook (FSDP2's root
+        all-gather included, when ``dedicate_params`` runs after ``fully_shard``), and at the
+        first gradient of its output, before FSDP2's pre-backward all-gathers.
+
+        Returns:
+            The hook handles (``remove()`` them to uninstall).
+        """
+        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            needs_grad = [t for t in tree_flatten(output)[0]
+                          if isinstance(t, torch.Tensor) and t.requires_grad]
+            if needs_grad and not _in_backward():  # the hook lives as long as the graph
+                register_multi_grad_hook(needs_grad, lambda grads: self.before_backward(), mode="any")
+
+        from dmuon.hooks.compile import dynamo_disable  # torch.compile runs them eagerly
+
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            self.before_forward()
+
+        return [model.register_forward_pre_hook(dynamo_disable(pre_forward), prepend=True),
+                model.register_forward_hook(dynamo_disable(post_forward), prepend=True)]
+
+    def before_forward(self) -> None:
+        """The first dmuon forward hook since the last backward or step (not inside backward)."""
+        if self._last == 0 or _in_backward():
+            return
+        self._last = 0
+        self._check(0)
+
+    def before_backward(self) -> None:
+        """The first dmuon backward hook since the last forward."""
+        if self._last == 1:
+            return
+        self._last = 1
+        self._check(1)
+        self.backwards += 1
+
+    def after_step(self) -> None:
+        """``opt.step()`` finished on this rank."""
+        self.steps += 1
+        self._last = None
+
+    def _check(self, phase: int) -> None:
+        if self.group is None or self.world_size == 1:
+            return
+        rows = torch.zeros(self.world_size, 3, dtype=torch.int64)
+        rows[self.rank, 0], rows[self.rank, 1], rows[self.rank, 2] = phase, self.steps, self.backwards
+        self.checks += 1
+        try:
+            dist.all_reduce(rows, group=self.group)
+        except RuntimeError as err:
+            global_rank = dist.get_rank()
+            raise RuntimeError(
+                f"dmuon: rank {global_rank} waited in vain for the other ranks at its "
+                f"{PHASES[phase]} after {self.steps} optimizer step(s) and {self.backwards} "
+                f"backward(s) (step check over ranks {dist.get_process_group_ranks(self.group)}): "
+                f"{_first_line(err)}. Another rank ran fewer steps, stopped, died or is stuck; "
+                f"every rank must run the same forwards, backwards and opt.step() calls."
+            ) from err
+        states = [tuple(int(v) for v in row) for row in rows.tolist()]
+        if len(set(states)) > 1:
+            raise RuntimeError(self.describe(states))
+
+    def describe(self, states: list[tuple[int, int, int]]) -> str:
+        """The error text for disagreeing ``(phase, steps, backwards)`` rows, one per rank."""
+        ranks = dist.get_process_group_ranks(self.group)
+        counts = Counter(states).most_common()
+        by_state = {s: [ranks[i] for i, x in enumerate(states) if x == s] for s, _ in counts}
+        where = "; ".join(f"ranks {r} are at a {PHASES[s[0]]} after {s[1]} opt.step() call(s) "
+                          f"and {s[2]} backward(s)" for s, r in by_state.items())
+        if len(counts) > 1 and counts[0][1] > counts[1][1]:
+            odd = sorted(r for s, rs in by_state.items() if s != counts[0][0] for r in rs)
+            culprit = f"Ranks {odd} skipped or repeated opt.step() or loss.backward()"
+        else:
+            culprit = "Some ranks skipped or repeated opt.step() or loss.backward()"
+        return (f"dmuon: ranks are out of step (seen on rank {dist.get_rank()}): {where}. "
+                f"{culprit}; every rank must run the same forwards, backwards and steps. "
+                f"Restart from the last checkpoint.")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
