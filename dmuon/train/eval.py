@@ -231,7 +231,7 @@ def _rollouts(make_actor: Callable[[], object], seeds: list[int], cfg: EvalConfi
     return [e for _, e in sorted(local, key=lambda x: x[0])]
 
 
-def evaluate(policy: Pi0Policy, cfg: EvalConfig, data: DataConfig, *, progress: bool = True,
+def evaluate(policy: Pi0Policy | None, cfg: EvalConfig, data: DataConfig, *, progress: bool = True,
              expert: bool = True) -> dict:
     """Rolls the policy (and the expert) out on the held-out initial states.
 
@@ -239,7 +239,8 @@ def evaluate(policy: Pi0Policy, cfg: EvalConfig, data: DataConfig, *, progress: 
     gets the whole result). Writes ``cfg.video`` on rank 0.
 
     Args:
-        policy: A plain policy (e.g. from :func:`dmuon.train.ckpt.load_policy`), eval mode.
+        policy: A plain policy (e.g. from :func:`dmuon.train.ckpt.load_policy`), eval mode;
+            ``None`` rolls out only the expert.
         cfg: Evaluation settings.
         data: The demonstrations' config (held-out seeds, image size, instruction).
         progress: tqdm bars on rank 0.
@@ -253,16 +254,18 @@ def evaluate(policy: Pi0Policy, cfg: EvalConfig, data: DataConfig, *, progress: 
         ValueError: On seeds that overlap the demonstrations' or an ``exec_horizon > H``.
     """
     seeds = cfg.seeds(data)
-    PolicyActor(policy, data, cfg)  # validates exec_horizon before any rollout
     out = {"config": dataclasses.asdict(cfg), "seeds": seeds}
-    runs = [("policy", lambda: PolicyActor(policy, data, cfg))]
+    runs = []
+    if policy is not None:
+        PolicyActor(policy, data, cfg)  # validates exec_horizon before any rollout
+        runs.append(("policy", lambda: PolicyActor(policy, data, cfg)))
     if expert:
         runs.append(("expert", ExpertActor))
     for name, make_actor in runs:
         episodes = _rollouts(make_actor, seeds, cfg, data, f"dmuon: {name} rollouts", progress)
         out[name] = {"episodes": episodes, "summary": summarize(episodes)}
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if cfg.video and rank == 0:
+    if cfg.video and rank == 0 and policy is not None:
         write_video(policy, cfg, data, seeds[: cfg.video_episodes])
     return out
 
