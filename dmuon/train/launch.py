@@ -59,12 +59,15 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
         p.error(f"--nproc {a.nproc}: must be >= 1")
     if a.save_every < 0 or (a.save_every and not a.save):
         p.error(f"--save-every {a.save_every}: must be >= 0 and needs --save DIR")
-    cfg = TrainConfig(
-        optimizer=a.optimizer, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
-        adamw_lr=a.adamw_lr, weight_decay=a.weight_decay, warmup=a.warmup, ns_dtype=a.ns_dtype,
-        seed=a.seed, out=a.out, plot=a.plot, mesh=a.mesh, data=DataConfig(episodes=a.episodes),
-        save=a.save, save_every=a.save_every, eval=eval_config_from(a, p),
-    )
+    try:
+        cfg = TrainConfig(
+            optimizer=a.optimizer, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
+            adamw_lr=a.adamw_lr, weight_decay=a.weight_decay, warmup=a.warmup, ns_dtype=a.ns_dtype,
+            seed=a.seed, out=a.out, plot=a.plot, mesh=a.mesh, data=DataConfig(episodes=a.episodes),
+            save=a.save, save_every=a.save_every, eval=eval_config_from(a, p),
+        )
+    except ValueError as exc:  # bad values across options (held-out seeds, --steps 0, ...)
+        p.error(str(exc))
     return cfg, a.nproc
 
 
