@@ -5,11 +5,12 @@ For each optimizer (``dmuon``, ``vanilla``, ``adamw``) and seed, trains the Pi0-
 every ``--save-every`` steps, then rolls every checkpoint out in PushT on the same held-out
 initial states (:mod:`dmuon.train.eval`, one process) and the scripted expert once on them.
 
-The learning rate comes from a small sweep on seed 0 (``--sweep-lrs``), picked by the mean final
-coverage of the last checkpoint. ``vanilla`` is the same update rule as ``dmuon``
+The learning rate comes from a small sweep on seed 0 (``--sweep-dmuon``, ``--sweep-adamw``; the
+first value is the default, run on every seed first), picked by the mean final coverage of the
+last checkpoint. ``vanilla`` is the same update rule as ``dmuon``
 (``torch.optim.Muon`` math, gather-then-compute; the parity tests show equal parameters), so it
-uses dmuon's lr; it is here for the wall-clock axis. Seeds are interleaved (seed, then
-optimizer) so the machine's load drifts over all optimizers alike.
+uses dmuon's lr; it is here for the wall-clock axis. ``--summarize-only`` writes the JSON and
+plot from the runs finished so far (``seeds_done`` per optimizer says how many).
 
 Wall-clock seconds are the sum of the training steps' measured times (``step_s_all`` of the
 run summary; forward + backward + optimizer step, excluding checkpoint writes and start-up).
@@ -46,15 +47,18 @@ OPTIMIZERS = ("dmuon", "vanilla", "adamw")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny smoke variant (CI)")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="train nothing: report the runs already in --work-dir (an unfinished study)")
+    p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=160)
-    p.add_argument("--save-every", type=int, default=40)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--eval-episodes", type=int, default=8)
-    p.add_argument("--eval-max-steps", type=int, default=200)
+    p.add_argument("--eval-episodes", type=int, default=6)
+    p.add_argument("--eval-max-steps", type=int, default=150)
     p.add_argument("--demo-episodes", type=int, default=DataConfig().episodes)
-    p.add_argument("--sweep-dmuon", default="0.01,0.02,0.05", help="Muon matrix lrs to sweep")
-    p.add_argument("--sweep-adamw", default="3e-4,1e-3,3e-3", help="AdamW lrs to sweep")
+    p.add_argument("--sweep-dmuon", default="0.02,0.05", help="Muon matrix lrs to sweep (first: default)")
+    p.add_argument("--sweep-adamw", default="1e-3,3e-3", help="AdamW lrs to sweep (first: default)")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--work-dir", default="/tmp/dmuon_pusht_study")
     a = p.parse_args(argv)
@@ -74,8 +78,7 @@ def train(a, opt: str, lr: float, seed: int) -> pathlib.Path:
            "--seed", str(seed), "--steps", str(a.steps), "--episodes", str(a.demo_episodes),
            "--save", str(run / "ckpt"), "--save-every", str(a.save_every), "--no-plot",
            "--out", str(run / "summary.tmp.json")]
-    if a.quick:
-        cmd += ["--batch-size", "8"]
+    cmd += ["--batch-size", str(8 if a.quick else a.batch_size)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -154,23 +157,30 @@ def main(argv=None) -> dict:
     seeds = list(range(a.seeds))
     t_start = time.perf_counter()
 
-    # 1. the lr sweep on seed 0 (last checkpoint's mean final coverage)
-    sweep: dict[str, list[dict]] = {}
-    for opt, text in (("dmuon", a.sweep_dmuon), ("adamw", a.sweep_adamw)):
-        for lr in (float(x) for x in text.split(",")):
-            run = train(a, opt, lr, 0)
-            ev = evaluate_run(a, run, eval_cfg, [a.steps])[0]
-            sweep.setdefault(opt, []).append({"lr": lr, "loss": ev["loss"], **pooled([ev])})
-    best_lr = {opt: max(rows, key=lambda r: r["final_coverage"]["mean"])["lr"] for opt, rows in sweep.items()}
-    best_lr["vanilla"] = best_lr["dmuon"]  # the same update rule (see the module docstring)
-    print(f"chosen lrs: {best_lr}", flush=True)
+    # Order: the seed grid at the default lrs first (interleaved seed, then optimizer, so the
+    # machine's load drifts over all optimizers alike), then the sweep's other lrs on seed 0.
+    default_lr = {"dmuon": float(a.sweep_dmuon.split(",")[0]), "adamw": float(a.sweep_adamw.split(",")[0])}
+    default_lr["vanilla"] = default_lr["dmuon"]
+    jobs = [(opt, default_lr[opt], seed) for seed in seeds for opt in OPTIMIZERS]
+    jobs += [(opt, float(lr), 0) for opt, text in (("dmuon", a.sweep_dmuon), ("adamw", a.sweep_adamw))
+             for lr in text.split(",")[1:]]
+    done: dict[tuple, list[dict]] = {}
+    for opt, lr, seed in jobs:
+        run = pathlib.Path(a.work_dir) / f"{opt}_lr{lr:g}_s{seed}"
+        if a.summarize_only and not (run / "summary.json").exists():
+            continue
+        done[(opt, lr, seed)] = evaluate_run(a, train(a, opt, lr, seed), eval_cfg, steps)
 
-    # 2. the study, interleaved seed by seed
-    runs: dict[str, list[list[dict]]] = {opt: [] for opt in OPTIMIZERS}
-    for seed in seeds:
-        for opt in OPTIMIZERS:
-            run = train(a, opt, best_lr[opt], seed)
-            runs[opt].append(evaluate_run(a, run, eval_cfg, steps))
+    # The sweep (seed 0): the last checkpoint's mean final coverage picks the lr.
+    sweep: dict[str, list[dict]] = {}
+    for (opt, lr, seed), evs in sorted(done.items()):
+        if seed == 0 and opt != "vanilla":
+            sweep.setdefault(opt, []).append({"lr": lr, "loss": evs[-1]["loss"], **pooled([evs[-1]])})
+    best_lr = {opt: max(rows, key=lambda r: r["final_coverage"]["mean"])["lr"] for opt, rows in sweep.items()}
+    best_lr["vanilla"] = best_lr.get("dmuon")  # the same update rule (see the module docstring)
+    runs = {opt: [done[(opt, best_lr.get(opt), s)] for s in seeds if (opt, best_lr.get(opt), s) in done]
+            for opt in OPTIMIZERS}
+    print(f"chosen lrs: {best_lr}; seeds done: { {o: len(r) for o, r in runs.items()} }", flush=True)
     expert_cache = pathlib.Path(a.work_dir) / f"expert_{eval_cfg.episodes}_{eval_cfg.max_steps}.json"
     if not expert_cache.exists():
         expert_cache.write_text(json.dumps(evaluate(None, eval_cfg, data, progress=False)["expert"]))
@@ -189,6 +199,8 @@ def main(argv=None) -> dict:
         "study_wall_s": time.perf_counter() - t_start,
     }
     for opt in OPTIMIZERS:
+        if not runs[opt]:
+            continue
         curve = []
         for i, step in enumerate(steps):
             at = [r[i] for r in runs[opt]]
@@ -196,13 +208,14 @@ def main(argv=None) -> dict:
                           "loss_mean": float(np.mean([x["loss"] for x in at])), **pooled(at)})
         best = max(curve, key=lambda c: c["final_coverage"]["mean"])
         result["optimizers"][opt] = {
-            "lr": best_lr[opt], "curve": curve, "last": curve[-1], "best": best,
+            "lr": best_lr[opt], "seeds_done": len(runs[opt]), "curve": curve, "last": curve[-1], "best": best,
             "per_seed_last_final_coverage": [float(np.mean([e["final_coverage"] for e in r[-1]["episodes"]]))
                                              for r in runs[opt]],
         }
     ref = expert["summary"]["final_coverage"]["mean"]
-    best_dmuon = result["optimizers"]["dmuon"]["best"]["final_coverage"]["mean"]
-    result["dmuon_best_over_expert_coverage"] = best_dmuon / ref if ref > 0 else None
+    if "dmuon" in result["optimizers"]:
+        best_dmuon = result["optimizers"]["dmuon"]["best"]["final_coverage"]["mean"]
+        result["dmuon_best_over_expert_coverage"] = best_dmuon / ref if ref > 0 else None
     out_dir = pathlib.Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "pusht_quick" if a.quick else "pusht_study"
