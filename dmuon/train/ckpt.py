@@ -20,6 +20,7 @@ import json
 import logging
 import pathlib
 import re
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -154,7 +155,10 @@ def load_policy(path: str | pathlib.Path, model_cfg: PolicyConfig | None = None)
     model = Pi0Policy(model_cfg)
     check_model_keys(path, model)
     sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(path))
+    with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the intent
+        if not dist.is_initialized():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=str(path))
     model.load_state_dict(sd["model"])
     return model.eval(), meta
 
