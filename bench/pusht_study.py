@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from dmuon.train import ckpt  # noqa: E402
 from dmuon.train.data import DataConfig  # noqa: E402
-from dmuon.train.eval import EvalConfig, evaluate, mean_ci, wilson_ci  # noqa: E402
+from dmuon.train.eval import EvalConfig, evaluate, summarize  # noqa: E402
 
 OPTIMIZERS = ("dmuon", "vanilla", "adamw")
 
@@ -105,11 +105,7 @@ def evaluate_run(a, run: pathlib.Path, eval_cfg: EvalConfig, steps: list[int]) -
 
 def pooled(evals: list[dict]) -> dict:
     """Success (Wilson) and coverage (normal 95% CI) pooled over seeds x episodes."""
-    eps = [e for ev in evals for e in ev["episodes"]]
-    return {"episodes": len(eps),
-            "success_rate": wilson_ci(sum(e["success"] for e in eps), len(eps)),
-            "final_coverage": mean_ci([e["final_coverage"] for e in eps]),
-            "max_coverage": mean_ci([e["max_coverage"] for e in eps])}
+    return summarize([e for ev in evals for e in ev["episodes"]])
 
 
 def plot(result: dict, path: pathlib.Path) -> None:

@@ -144,6 +144,7 @@ def test_confidence_intervals_match_published_values():
     assert ev.wilson_ci(5, 10)["ci95"] == pytest.approx([0.2366, 0.7634], abs=1e-4)
     m = ev.mean_ci([0.0, 1.0, 2.0, 3.0])  # sd = 1.29099, 1.96 * sd / 2 = 1.26518
     assert m["mean"] == 1.5 and m["ci95"] == pytest.approx([1.5 - 1.26518, 1.5 + 1.26518], abs=1e-5)
+    assert ev.mean_ci([0.0, 0.0, 0.9], (0.0, 1.0))["ci95"][0] == 0.0  # coverage cannot go below 0
 
 
 def test_video_writes_an_animated_gif_of_the_rollouts(dmuon_ckpt, tmp_path):

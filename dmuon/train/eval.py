@@ -185,12 +185,18 @@ def run_episode(env, seed: int, actor, max_steps: int, frames: list | None = Non
             "success": success}
 
 
-def mean_ci(xs: list[float]) -> dict:
-    """Mean and normal-approximation 95% interval ``mean +- 1.96 s / sqrt(n)`` (``s``: sample sd)."""
+def mean_ci(xs: list[float], bounds: tuple[float, float] | None = None) -> dict:
+    """Mean and normal-approximation 95% interval ``mean +- 1.96 s / sqrt(n)`` (``s``: sample sd).
+
+    ``bounds`` clips the interval to the quantity's range (coverage: ``(0, 1)``).
+    """
     n = len(xs)
     mean = float(np.mean(xs))
     half = _Z95 * float(np.std(xs, ddof=1)) / math.sqrt(n) if n > 1 else float("nan")
-    return {"mean": mean, "ci95": [mean - half, mean + half]}
+    lo, hi = mean - half, mean + half
+    if bounds is not None:
+        lo, hi = max(bounds[0], lo), min(bounds[1], hi)
+    return {"mean": mean, "ci95": [lo, hi]}
 
 
 def wilson_ci(successes: int, n: int) -> dict:
@@ -203,12 +209,12 @@ def wilson_ci(successes: int, n: int) -> dict:
 
 
 def summarize(episodes: list[dict]) -> dict:
-    """Success rate (Wilson 95% CI) and mean final / max coverage (normal 95% CI)."""
+    """Success rate (Wilson 95% CI) and mean final / max coverage (normal 95% CI in [0, 1])."""
     return {
         "episodes": len(episodes),
         "success_rate": wilson_ci(sum(e["success"] for e in episodes), len(episodes)),
-        "final_coverage": mean_ci([e["final_coverage"] for e in episodes]),
-        "max_coverage": mean_ci([e["max_coverage"] for e in episodes]),
+        "final_coverage": mean_ci([e["final_coverage"] for e in episodes], (0.0, 1.0)),
+        "max_coverage": mean_ci([e["max_coverage"] for e in episodes], (0.0, 1.0)),
     }
 
 
