@@ -142,8 +142,8 @@ def test_confidence_intervals_match_published_values():
     # Wilson (1927) score interval for 0/10 and 5/10 (Brown, Cai & DasGupta 2001, Table values).
     assert ev.wilson_ci(0, 10)["ci95"] == pytest.approx([0.0, 0.2775], abs=1e-4)
     assert ev.wilson_ci(5, 10)["ci95"] == pytest.approx([0.2366, 0.7634], abs=1e-4)
-    m = ev.mean_ci([0.0, 1.0, 2.0, 3.0])  # sd = 1.29099, 1.96 * sd / 2 = 1.26518
-    assert m["mean"] == 1.5 and m["ci95"] == pytest.approx([1.5 - 1.26518, 1.5 + 1.26518], abs=1e-5)
+    m = ev.mean_ci([0.0, 1.0, 2.0, 3.0])  # sd = 1.290994, z = 1.959964: z * sd / 2 = 1.265152
+    assert m["mean"] == 1.5 and m["ci95"] == pytest.approx([1.5 - 1.265152, 1.5 + 1.265152], abs=1e-5)
     assert ev.mean_ci([0.0, 0.0, 0.9], (0.0, 1.0))["ci95"][0] == 0.0  # coverage cannot go below 0
 
 
