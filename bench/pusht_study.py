@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
         "sweep": sweep,
         "expert": expert,
         "optimizers": {},
-        "study_wall_s": time.perf_counter() - t_start,
+        "study_wall_s": None if a.summarize_only else time.perf_counter() - t_start,
     }
     for opt in OPTIMIZERS:
         if not runs[opt]:
