@@ -218,6 +218,7 @@ def main(argv=None) -> dict:
     (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1))
     plot(result, out_dir / f"{name}.png")
     print(table(result), flush=True)
+    print(sweep_table(result), flush=True)
     return result
 
 
@@ -236,6 +237,20 @@ def table(result: dict) -> str:
     e = result["expert"]["summary"]
     rows.append(f"| scripted expert | | | {f(e['success_rate'])} | {f(e['final_coverage'])} | "
                 f"{f(e['max_coverage'])} | |")
+    return "\n".join(rows)
+
+
+def sweep_table(result: dict) -> str:
+    """Markdown table of the lr sweep (seed 0, last checkpoint)."""
+    def f(x: dict) -> str:
+        return f"{x['mean']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
+
+    rows = ["| optimizer | lr | final loss | success rate | final coverage | max coverage |",
+            "|---|---|---|---|---|---|"]
+    for opt, entries in result["sweep"].items():
+        for r in entries:
+            rows.append(f"| {opt} | {r['lr']:g} | {r['loss']:.3f} | {f(r['success_rate'])} | "
+                        f"{f(r['final_coverage'])} | {f(r['max_coverage'])} |")
     return "\n".join(rows)
 
 
