@@ -119,6 +119,7 @@ def test_sample_actions_integrates_the_velocity_with_euler_steps():
     (["--video", "x.gif"], "--video needs --eval-episodes"),
     (["--save-every", "5"], "needs --save"),
     (["--eval-episodes", "2", "--eval-seed", "10"], "demonstration seeds"),
+    (["--eval-episodes", "2", "--exec-horizon", "9"], "exceeds the action chunk H=8"),
 ])
 def test_bad_evaluation_arguments_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

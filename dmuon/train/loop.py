@@ -93,6 +93,9 @@ class TrainConfig:
             raise ValueError(f"dmuon.train: --save-every {self.save_every} must be >= 0 and needs --save DIR.")
         if self.eval is not None:
             self.eval.seeds(self.data)  # held-out seeds: fail before training
+            if self.eval.exec_horizon > self.model.horizon:
+                raise ValueError(f"dmuon.train: --exec-horizon {self.eval.exec_horizon} exceeds the action "
+                                 f"chunk H={self.model.horizon}; pass a value in 1..{self.model.horizon}.")
 
     def resolved_lr(self) -> float:
         """The lr actually used: ``lr``, else 1e-3 for AdamW and 0.02 for the Muon variants."""
