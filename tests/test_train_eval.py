@@ -156,8 +156,12 @@ def test_video_writes_an_animated_gif_of_the_rollouts(dmuon_ckpt, tmp_path):
     ev.evaluate(policy, cfg, ckpt.configs_from(meta)[1], progress=False, expert=False)
     with Image.open(tmp_path / "roll.gif") as gif:
         assert gif.size == (ev._VIDEO_SIZE, ev._VIDEO_SIZE) and gif.is_animated
-        # 2 episodes x (1 reset frame + 10 steps / stride 2) + 2 x 3 gap frames
-        assert gif.n_frames == 2 * (1 + 10 // ev._VIDEO_STRIDE) + 6
+        total_ms = 0
+        for i in range(gif.n_frames):  # Pillow merges identical frames, adding their durations
+            gif.seek(i)
+            total_ms += gif.info["duration"]
+    # 2 episodes x (1 reset frame + 10 steps / stride 2 + 1 black frame), 200 ms each (10 Hz / 2)
+    assert total_ms == 2 * (1 + 10 // ev._VIDEO_STRIDE + 1) * 200
 
 
 @pytest.mark.slow

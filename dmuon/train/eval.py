@@ -294,7 +294,7 @@ def write_video(policy: Pi0Policy, cfg: EvalConfig, data: DataConfig, seeds: lis
     frames: list[np.ndarray] = []
     for seed in seeds:
         run_episode(env, seed, actor, cfg.max_steps, frames)
-        frames.extend([np.zeros_like(frames[-1])] * 3)  # a short black gap between episodes
+        frames.append(np.zeros_like(frames[-1]))  # a black frame between episodes
     env.close()
     path = pathlib.Path(cfg.video)
     path.parent.mkdir(parents=True, exist_ok=True)
