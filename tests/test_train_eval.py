@@ -83,6 +83,7 @@ def test_evaluation_on_one_and_four_ranks_is_identical(dmuon_ckpt, dist_pool):
     assert len({e["final_coverage"] for e in one["policy"]["episodes"]}) > 1
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the one-process dcp.save below
 def test_checkpoint_of_another_model_names_the_mismatched_keys(dmuon_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"shape mismatches \['backbone.blocks.0.kv.weight: checkpoint"):
         ckpt.load_policy(dmuon_ckpt, PolicyConfig())  # the default sizes, not the tiny ones
