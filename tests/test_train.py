@@ -21,9 +21,7 @@ from dmuon.train import data as data_mod  # noqa: E402
 from dmuon.train.expert import evaluate_expert  # noqa: E402
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 
-TINY_DATA = data_mod.DataConfig(episodes=2, max_steps=12, image_size=16, horizon=4, seed=3)
-TINY_MODEL = PolicyConfig(image_size=16, patch=8, d_vis=32, vision_depth=1, d_model=64, depth=2,
-                          d_act=30, act_heads=2, head_dim=16, max_tokens=10, horizon=4)
+from tests.train_cases import TINY_DATA, TINY_MODEL, synthetic_batch  # noqa: E402
 
 
 def test_expert_beats_random_in_the_simulator():
@@ -75,22 +73,10 @@ def test_global_batch_is_independent_of_world_size(tmp_path, monkeypatch):
         demos.batch(0, 6, 0, 4, seed=1)
 
 
-def _synthetic_batch(batch: int, cfg: PolicyConfig, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "images": torch.rand(batch, 3, cfg.image_size, cfg.image_size, generator=g),
-        "state": torch.rand(batch, 2, generator=g) * 2 - 1,
-        "tokens": torch.randint(cfg.vocab_size, (batch, cfg.max_tokens), generator=g),
-        "actions": torch.rand(batch, cfg.horizon, 2, generator=g) * 2 - 1,
-        "noise": torch.randn(batch, cfg.horizon, 2, generator=g),
-        "time": torch.rand(batch, generator=g) * 0.999 + 0.001,
-    }
-
-
 def test_policy_shapes_flow_matching_loss_and_adamw_fit():
     torch.manual_seed(0)
     model = Pi0Policy(TINY_MODEL)
-    b = _synthetic_batch(6, TINY_MODEL, seed=1)
+    b = synthetic_batch(6, TINY_MODEL, seed=1)
     t = b["time"][:, None, None]
     x_t = t * b["noise"] + (1 - t) * b["actions"]
     vel = model.velocity(b["images"], b["state"], b["tokens"], x_t, b["time"])
@@ -130,7 +116,7 @@ def test_vanilla_matches_torch_muon_and_adamw_on_one_process():
     opt = VanillaMuon(model, lr=0.02, weight_decay=0.1, ns_coefficients="muon",
                       ns_method="standard", ns_dtype=torch.bfloat16, adamw_lr=3e-3)
     for step in range(3):
-        b = _synthetic_batch(4, TINY_MODEL, seed=10 + step)
+        b = synthetic_batch(4, TINY_MODEL, seed=10 + step)
         for m, opts in ((model, [opt]), (ref, ref_opts)):
             m(b).backward()
             for o in opts:

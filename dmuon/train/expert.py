@@ -142,12 +142,14 @@ class ScriptedPushExpert:
         return np.clip(agent + move, 0.0, 512.0)
 
 
-def make_env(image_size: int, max_steps: int):
+def make_env(image_size: int, max_steps: int, render_size: int = 680):
     """Creates a headless PushT environment with pixel + agent-position observations.
 
     Args:
         image_size: Side in pixels of the rendered observation image.
         max_steps: Episode time limit in control steps.
+        render_size: Side in pixels of ``env.render()`` frames (gym-pusht's visualization,
+            with the last action marked by a red cross); does not change observations.
 
     Returns:
         A ``gymnasium`` environment (``gym_pusht/PushT-v0``, ``obs_type="pixels_agent_pos"``).
@@ -172,6 +174,8 @@ def make_env(image_size: int, max_steps: int):
         render_mode="rgb_array",
         observation_width=image_size,
         observation_height=image_size,
+        visualization_width=render_size,
+        visualization_height=render_size,
         max_episode_steps=max_steps,
     )
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dmuon.train.data import DataConfig
+from dmuon.train.eval import add_eval_args, eval_config_from
 from dmuon.train.loop import OPTIMIZERS, TrainConfig, train_rank
 from dmuon.train.parallel import Layout
 
@@ -48,19 +51,26 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     p.add_argument("--out", default=None, help="write summary JSON here (rank 0)")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
                    help="write <out>_loss.png beside the summary (needs matplotlib)")
+    p.add_argument("--save", default=None,
+                   help="write DCP checkpoints (dmuon.state_dict) to DIR/step_NNNNNN at the end")
+    p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    add_eval_args(p, episodes_default=None)
     a = p.parse_args(argv)
     if a.nproc is not None and a.nproc < 1:
         p.error(f"--nproc {a.nproc}: must be >= 1")
+    if a.save_every < 0 or (a.save_every and not a.save):
+        p.error(f"--save-every {a.save_every}: must be >= 0 and needs --save DIR")
     # A CLI answers bad values with a usage error and exit code 2, not a traceback.
     try:
         cfg = TrainConfig(
             optimizer=a.optimizer, steps=a.steps, batch_size=a.batch_size, lr=a.lr,
             adamw_lr=a.adamw_lr, weight_decay=a.weight_decay, warmup=a.warmup, ns_dtype=a.ns_dtype,
             seed=a.seed, out=a.out, plot=a.plot, mesh=a.mesh, data=DataConfig(episodes=a.episodes),
+            save=a.save, save_every=a.save_every, eval=eval_config_from(a, p),
         )
         world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (a.nproc or _default_nproc())
         Layout.parse(a.mesh, world)
-    except ValueError as e:
+    except ValueError as e:  # bad values across options (held-out seeds, --steps 0, a mesh, ...)
         p.error(str(e).removeprefix("dmuon.train: "))
     return cfg, a.nproc
 
@@ -80,32 +90,43 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_initialized(cfg: TrainConfig) -> None:
+def _run_initialized(fn: Callable[[Any], Any], arg: Any) -> None:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend, timeout=_RANK_TIMEOUT)
     try:
-        train_rank(cfg)
+        fn(arg)
     finally:
         dist.destroy_process_group()
 
 
-def _spawned_rank(local_rank: int, cfg: TrainConfig, world: int, port: int, threads: int) -> None:
+def _spawned_rank(local_rank: int, fn: Callable[[Any], Any], arg: Any, world: int, port: int,
+                  threads: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
     torch.set_num_threads(threads)
-    _run_initialized(cfg)
+    _run_initialized(fn, arg)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of ``python -m dmuon.train``."""
-    cfg, nproc = parse_args(argv)
+def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None, *, spawn_one: bool = True) -> None:
+    """Runs ``fn(arg)`` on every rank: this process under torchrun, else ``nproc`` local ranks.
+
+    Args:
+        fn: A module-level function (picklable for ``spawn``); the process group is initialized.
+        arg: Its argument (picklable).
+        nproc: Local ranks; ``None``: every GPU, or 4 on CPU.
+        spawn_one: With ``nproc == 1``, still initialize a 1-rank process group (else call
+            ``fn`` in this process without one).
+    """
     if _under_torchrun():
-        _run_initialized(cfg)
+        _run_initialized(fn, arg)
         return
     if nproc is None:
         nproc = _default_nproc()
+    if nproc == 1 and not spawn_one:
+        fn(arg)
+        return
     if "OMP_NUM_THREADS" in os.environ:
         threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
     else:
@@ -113,8 +134,14 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the spawned ranks
     port = _free_port()
     if nproc == 1:
-        _spawned_rank(0, cfg, 1, port, threads)
+        _spawned_rank(0, fn, arg, 1, port, threads)
         return
     torch.multiprocessing.start_processes(
-        _spawned_rank, args=(cfg, nproc, port, threads), nprocs=nproc, join=True, start_method="spawn"
+        _spawned_rank, args=(fn, arg, nproc, port, threads), nprocs=nproc, join=True, start_method="spawn"
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``python -m dmuon.train``."""
+    cfg, nproc = parse_args(argv)
+    launch(train_rank, cfg, nproc)

@@ -12,7 +12,9 @@ import json
 import logging
 import os
 import pathlib
+import shutil
 import statistics
+import tempfile
 import time
 
 import torch
@@ -21,7 +23,9 @@ from torch import nn
 from torch.profiler import record_function
 
 from dmuon.train.parallel import Layout, shard_model
+from dmuon.train import ckpt
 from dmuon.train.data import DataConfig, PushTDemos, ensure_cached
+from dmuon.train.eval import EvalConfig, evaluate, format_summary
 from dmuon.train.model import Pi0Policy, PolicyConfig
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,9 @@ class TrainConfig:
         mesh: ``"fsdp"`` (1-D), ``"hsdp:RxS"`` or ``"fsdp-tp:DxT"`` (:mod:`dmuon.train.parallel`).
         data: Dataset generation parameters.
         model: Policy sizes.
+        save: Directory of DCP checkpoints (:mod:`dmuon.train.ckpt`), or ``None``.
+        save_every: Also checkpoint every this many steps (0: only after the last step).
+        eval: Closed-loop evaluation after training (:mod:`dmuon.train.eval`), or ``None``.
     """
 
     optimizer: str = "dmuon"
@@ -67,6 +74,9 @@ class TrainConfig:
     mesh: str = "fsdp"
     data: DataConfig = DataConfig()
     model: PolicyConfig = PolicyConfig()
+    save: str | None = None
+    save_every: int = 0
+    eval: EvalConfig | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -79,6 +89,13 @@ class TrainConfig:
             raise ValueError(
                 f"dmuon.train: --ns-dtype {self.ns_dtype!r}; choose auto, float16, bfloat16 or float32."
             )
+        if self.save_every < 0 or (self.save_every and self.save is None):
+            raise ValueError(f"dmuon.train: --save-every {self.save_every} must be >= 0 and needs --save DIR.")
+        if self.eval is not None:
+            self.eval.seeds(self.data)  # held-out seeds: fail before training
+            if self.eval.exec_horizon > self.model.horizon:
+                raise ValueError(f"dmuon.train: --exec-horizon {self.eval.exec_horizon} exceeds the action "
+                                 f"chunk H={self.model.horizon}; pass a value in 1..{self.model.horizon}.")
 
     def resolved_lr(self) -> float:
         """The lr actually used: ``lr``, else 1e-3 for AdamW and 0.02 for the Muon variants."""
@@ -203,7 +220,12 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         if rank == 0:
             print(f"step {step + 1:4d}/{cfg.steps}  loss {losses[-1]:.4f}  step {step_s[-1]:.3f}s  "
                   f"opt {opt_s[-1]:.3f}s", flush=True)
+        if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps):
+            path = ckpt.save_checkpoint(cfg.save, step + 1, model, opt, cfg.optimizer, dataclasses.asdict(cfg))
+            if rank == 0:
+                print(f"dmuon.train: checkpoint {path}", flush=True)
 
+    evaluation = _evaluate_trained(cfg, model, opt, rank) if cfg.eval is not None else None
     if rank != 0:
         return None
     summary = {
@@ -224,6 +246,8 @@ def train_rank(cfg: TrainConfig) -> dict | None:
                     "expert_final_coverage": float(demos.final_coverage.mean())},
         "torch": torch.__version__,
     }
+    if evaluation is not None:
+        summary["eval"] = evaluation
     print(f"dmuon.train: first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}, median step "
           f"{summary['step_s']:.3f}s, median optimizer step {summary['optimizer_step_s']:.3f}s", flush=True)
     if cfg.out:
@@ -233,6 +257,30 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         if cfg.plot:
             _plot(losses, out.with_name(out.stem + "_loss.png"), f"{cfg.optimizer}, {world} ranks")
     return summary
+
+
+def _evaluate_trained(cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer, rank: int) -> dict:
+    """Rolls the trained policy out: every rank loads the final weights into a plain policy.
+
+    The weights come from the last ``--save`` checkpoint, or from one written to a temporary
+    directory (removed afterwards); DCP assembles the FSDP2 shards and owners' masters.
+    """
+    tmp = None
+    if cfg.save:
+        path = ckpt.step_dir(cfg.save, cfg.steps)
+    else:
+        holder = [tempfile.mkdtemp(prefix="dmuon_eval_") if rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0)
+        tmp = holder[0]
+        path = ckpt.save_checkpoint(tmp, cfg.steps, model, opt, cfg.optimizer, dataclasses.asdict(cfg))
+    policy, _ = ckpt.load_policy(path, cfg.model)
+    result = evaluate(policy, cfg.eval, cfg.data)
+    dist.barrier()
+    if tmp is not None and rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if rank == 0:
+        print(format_summary(result), flush=True)
+    return result
 
 
 def _plot(losses: list[float], path: pathlib.Path, title: str) -> None:

@@ -286,9 +286,58 @@ class Pi0Policy(nn.Module):
         """Returns the transformer blocks in forward order, to ``fully_shard`` one by one."""
         return [*self.vision.blocks, *self.backbone.blocks, *self.expert.blocks]
 
+    def prefix_kv(self, images: torch.Tensor, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Backbone keys/values of the prefix ``[image patches, pooled image, text]``.
+
+        They do not depend on the noisy actions or the flow time, so sampling computes them
+        once per observation and reuses them at every flow step (Pi0's KV cache).
+
+        Args:
+            images: float [B, 3, S, S] in [0, 1].
+            tokens: int64 [B, L].
+
+        Returns:
+            One ``(k, v)`` per backbone layer, each float [B, 1, P, head_dim].
+        """
+        bb = self.backbone
+        text = bb.embed(tokens) + bb.text_pos.weight[: tokens.shape[1]]
+        prefix = torch.cat([self.vision(images), text], dim=1)
+        kvs = []
+        for block in bb.blocks:
+            prefix, k, v = block(prefix)
+            kvs.append((k, v))
+        return kvs
+
+    def suffix_velocity(self, kvs: list[tuple[torch.Tensor, torch.Tensor]], state: torch.Tensor,
+                        x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+        """The action expert's velocity given the prefix keys/values from :meth:`prefix_kv`.
+
+        Args:
+            kvs: :meth:`prefix_kv`'s output for the same batch.
+            state: float [B, state_dim], normalized.
+            x_t: float [B, H, action_dim], the noisy action chunk.
+            time: float [B] in (0, 1].
+
+        Returns:
+            float [B, H, action_dim], the predicted ``noise - actions``.
+        """
+        ex = self.expert
+        d = self.cfg.d_act
+        act = ex.action_in(x_t)
+        # In act's dtype: under a bf16 MixedPrecisionPolicy the float32 frequencies would
+        # promote the concatenation to float32 and the bf16 time_mlp_in would refuse it.
+        temb = sinusoidal_time(time, d).to(act.dtype)[:, None, :].expand(-1, x_t.shape[1], -1)
+        act = ex.time_mlp_out(F.silu(ex.time_mlp_in(torch.cat([act, temb], dim=-1))))
+        suffix = torch.cat([ex.state_in(state)[:, None, :], act], dim=1) + ex.action_pos.weight
+        p = kvs[0][0].shape[2]
+        mask = torch.cat([self.suffix_mask.new_ones(suffix.shape[1], p), self.suffix_mask], dim=1)
+        for block, (k, v) in zip(ex.blocks, kvs):
+            suffix = block(suffix, k, v, mask)
+        return ex.action_out(ex.norm(suffix[:, 1:]))
+
     def velocity(self, images: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor,
                  x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
-        """Predicts the flow velocity.
+        """Predicts the flow velocity (:meth:`prefix_kv` then :meth:`suffix_velocity`).
 
         Args:
             images: float [B, 3, S, S] in [0, 1].
@@ -300,25 +349,39 @@ class Pi0Policy(nn.Module):
         Returns:
             float [B, H, action_dim], the predicted ``noise - actions``.
         """
-        bb, ex = self.backbone, self.expert
-        text = bb.embed(tokens) + bb.text_pos.weight[: tokens.shape[1]]
-        prefix = torch.cat([self.vision(images), text], dim=1)
-        kvs = []
-        for block in bb.blocks:
-            prefix, k, v = block(prefix)
-            kvs.append((k, v))
-        d = self.cfg.d_act
-        act = ex.action_in(x_t)
-        # In act's dtype: under a bf16 MixedPrecisionPolicy the float32 frequencies would
-        # promote the concatenation to float32 and the bf16 time_mlp_in would refuse it.
-        temb = sinusoidal_time(time, d).to(act.dtype)[:, None, :].expand(-1, x_t.shape[1], -1)
-        act = ex.time_mlp_out(F.silu(ex.time_mlp_in(torch.cat([act, temb], dim=-1))))
-        suffix = torch.cat([ex.state_in(state)[:, None, :], act], dim=1) + ex.action_pos.weight
-        p = prefix.shape[1]
-        mask = torch.cat([self.suffix_mask.new_ones(suffix.shape[1], p), self.suffix_mask], dim=1)
-        for block, (k, v) in zip(ex.blocks, kvs):
-            suffix = block(suffix, k, v, mask)
-        return ex.action_out(ex.norm(suffix[:, 1:]))
+        return self.suffix_velocity(self.prefix_kv(images, tokens), state, x_t, time)
+
+    @torch.no_grad()
+    def sample_actions(self, images: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor,
+                       noise: torch.Tensor, steps: int = 10) -> torch.Tensor:
+        """Samples an action chunk by integrating the flow-matching ODE with Euler steps.
+
+        Pi0's sampler (Black et al. 2024, Sec. IV): start at ``x_1 = noise`` (t = 1) and step
+        ``x <- x - dt * v(x, t)`` with ``dt = 1 / steps`` down to t = 0; the prefix keys/values
+        are computed once.
+
+        Args:
+            images: float [B, 3, S, S] in [0, 1].
+            state: float [B, state_dim], normalized.
+            tokens: int64 [B, L].
+            noise: float [B, H, action_dim], a standard normal draw (the caller seeds it).
+            steps: Euler steps (>= 1).
+
+        Returns:
+            float [B, H, action_dim], normalized actions (``data.normalize_xy`` units).
+
+        Raises:
+            ValueError: If ``steps < 1``.
+        """
+        if steps < 1:
+            raise ValueError(f"dmuon.train: sample_actions steps={steps}; must be >= 1.")
+        kvs = self.prefix_kv(images, tokens)
+        x = noise
+        dt = 1.0 / steps
+        for i in range(steps):
+            t = torch.full((x.shape[0],), 1.0 - i * dt, dtype=x.dtype, device=x.device)
+            x = x - dt * self.suffix_velocity(kvs, state, x, t)
+        return x
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Flow-matching loss of a batch from :meth:`dmuon.train.data.PushTDemos.batch`.
