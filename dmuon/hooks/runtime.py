@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, issued_together, publish
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
+from dmuon.hooks.keep import KeepReplicas, resolve_replicas
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
 from dmuon.hooks.replicated import ReplicatedGrads
@@ -125,6 +126,8 @@ class DedicateState:
             :func:`choose_replicate_mode`).
         reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
             ``"all_reduce"`` (:mod:`dmuon.hooks.grad_buckets`).
+        replicas: plain replicated module only: ``"keep"`` (default there) or
+            ``"placeholder"`` (:mod:`dmuon.hooks.keep`).
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class DedicateState:
         bucket_bytes: int,
         replicate_mode: str = "auto",
         reduce_mode: str = "reduce",
+        replicas: str | None = None,
     ) -> None:
         self.model = model
         self.roles = roles
@@ -170,6 +174,10 @@ class DedicateState:
         self.record_of_master: dict[int, DedicatedParam] = {}  # id(master) -> record
         self._fsdp_states: list[Any] = []
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
+        # replicas="keep" (dmuon.hooks.keep): set at binding on a plain replicated module; every
+        # hook below that differs there hands over to it first.
+        self.replicas = replicas
+        self.keep: KeepReplicas | None = None
         self.unit_of_module: dict[int, Unit] = {}
         for sel in selected:
             if id(sel.module) not in self.unit_of_module:
@@ -191,6 +199,10 @@ class DedicateState:
             return
         self._fsdp_states = fsdp.fsdp_states(self.model)
         self.fsdp_wrapped = bool(self._fsdp_states)
+        # -- keep-mode dispatch (dmuon.hooks.keep) --
+        plain_1d = self.roles.tp is None and self.roles.replicate is None
+        if resolve_replicas(self.replicas, fsdp_wrapped=self.fsdp_wrapped, plain_1d=plain_1d) == "keep":
+            self.keep = KeepReplicas(self)
         specs = {m.fqn: m for m in self.plan.matrices}
         parents = fsdp.parent_map(self.model)
         slices, blocks = [], []
@@ -207,6 +219,8 @@ class DedicateState:
             slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,
                            reduce_dtype or param_dtype or sl.local.dtype))
             blocks.append(id(fsdp.publish_block(sel.module, parents)))
+        if self.keep is not None:  # keep-mode dispatch: publish groups and buckets per plan bucket
+            blocks = KeepReplicas.blocks(self)
         views = self._make_groups(slices, specs, blocks)
         for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(self.selected, slices)):
             spec = specs[sel.fqn]
@@ -233,7 +247,7 @@ class DedicateState:
                 unit.takes_grad = True
                 self._handles.append(rec.compute.register_post_accumulate_grad_hook(self._make_on_grad(rec)))
         for group in self.groups:
-            if not group.is_owner:
+            if not group.is_owner and self.keep is None:  # keep-mode dispatch: full weights stay
                 free_storage(group.flat)
         self.buckets = make_buckets(self.records, blocks)
         self.bucket_of = {id(rec): bucket for bucket in self.buckets for rec in bucket.records}
@@ -324,6 +338,8 @@ class DedicateState:
     def _make_pre_forward(self, unit: Unit) -> Callable:
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
+            if self.keep is not None:  # keep-mode dispatch
+                return self.keep.pre_forward(unit)
             with torch.profiler.record_function("dmuon::pre_forward"):
                 self._issue(self.units[unit.index: unit.index + 1 + self.prefetch])
                 self._wait(unit)
@@ -333,6 +349,8 @@ class DedicateState:
 
     def _make_post_forward(self, unit: Unit) -> Callable:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if self.keep is not None:  # keep-mode dispatch
+                return self.keep.post_forward(unit)
             for rec in unit.records:
                 rec.show("master")
             needs_grad = [t for t in tree_flatten(output)[0]
@@ -384,6 +402,8 @@ class DedicateState:
 
     def _backward_done(self, rec: DedicatedParam) -> None:
         """Free the group once every member that takes a gradient has its gradient."""
+        if self.keep is not None:  # keep-mode dispatch: nothing is freed
+            return
         group = self.group_of[id(rec)]
         group.bwd_done.add(id(rec))
         if group.bwd_done >= group.grad_members:
@@ -442,6 +462,8 @@ class DedicateState:
             issue: issue the first ``prefetch`` units' broadcasts now (after a step); ``False``
                 only invalidates (after loading a state dict).
         """
+        if self.keep is not None:  # keep-mode dispatch
+            return self.keep.publish_after_step(issue)
         with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
             if issue and self.roles.replicate is not None:
                 self._broadcast_from_replica0()
