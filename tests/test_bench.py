@@ -184,3 +184,25 @@ def test_fixed_global_batch_accumulates_and_amortizes_the_optimizer():
     assert extra(fixed) >= extra(weak)  # the NS time is still paid, once, plus per-pass comm
     with pytest.raises(ValueError, match="qwen2.5-7b"):
         simulate.predict(("pi0",), ("h100",), (8,), global_tokens=simulate.GLOBAL_TOKENS)
+
+
+def test_replicated_path_model_bytes_and_optimizer():
+    """Replicated path (--replicated): DDP's backward is the ring all-reduce of every gradient;
+    dmuon's is one reduce per matrix bucket (half its bytes) plus the others' all-reduce, and
+    its broadcasts go to forward. NS: vanilla runs all of it on every rank, dmuon the most
+    loaded owner's share, at least total / p."""
+    work = simulate.workloads()["pi0"]
+    cluster = sim_model.H100
+    row = simulate.predict_replicated(work, cluster, 8)
+    comm = sim_model.AlphaBeta(cluster, 8)
+    matrix_bytes = 4 * sum(r * c for _, (r, c) in simulate.inventory("pi0"))
+    assert row["buckets"] >= 8 and row["ns_share_max"] < 0.2
+    # every byte of the matrices is broadcast once (forward list) and reduced once (backward)
+    fwd = row["dmuon"]["exposed_comm_forward"]
+    assert 0 < fwd <= matrix_bytes / comm.bw + row["buckets"] * 7 * comm.alpha
+    rate = cluster.peak_flops * cluster.mfu_ns
+    total_ns = sum(simulate.ns_flops(r, c, steps=5, method="gram") for _, (r, c) in
+                   simulate.inventory("pi0")) / rate
+    assert row["vanilla"]["optimizer"] >= total_ns
+    assert total_ns / 8 <= row["dmuon"]["optimizer"] < row["vanilla"]["optimizer"] / 4
+    assert row["adamw"]["exposed_comm_forward"] == 0
