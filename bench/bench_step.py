@@ -18,11 +18,13 @@ Timing (wall clock, ``time.perf_counter``), per step and rank:
   dmuon's end-of-backward callback that waits for the reduces); ``step``: ``opt.step()`` +
   ``opt.zero_grad()`` (for dmuon this includes issuing the next publications); ``total``: sum.
 * the breakdown comes from dmuon's own ``torch.profiler.record_function`` labels (no wrapping of
-  dmuon's code): the last step of every block runs each phase under ``torch.profiler`` and
+  dmuon's code): the last step of every block runs each phase under torch's CPU profiler
+  (``torch.autograd.profiler.profile(use_kineto=False)``: Kineto crashed once here) and
   records ``label_<name>_<phase>``, the CPU time inside label ``dmuon::<name>`` during that
   phase (``pre_forward``: waiting for the publications; ``finish_backward``: waiting for the
   reduces; ``vanilla_all_gather``: vanilla's per-matrix all-gather, ...; see :data:`LABELS`).
-  That step carries the profiler's overhead, so it is not among the measured steps.
+  That step carries the profiler's overhead, and waits for dmuon's in-flight publications
+  before each profiler stops (:func:`_drain`), so it is not among the measured steps.
 * ``ns``: the Newton-Schulz labels in the profiled step (dmuon: ``dmuon::newton_schulz``,
   momentum included; vanilla: ``dmuon::vanilla_newton_schulz``).
 
@@ -178,12 +180,25 @@ def _label_times(prof) -> dict[str, float]:
     return out
 
 
+def _drain(model) -> None:
+    """Wait for dmuon's publications still in flight. c10d records a collective's end in the
+    profiler from gloo's worker thread when it completes; one still running when the profiler
+    stops crashed rank 0 (SIGSEGV) in two runs, both right after a profiled dmuon step whose
+    broadcasts were in flight (with Kineto, and without it)."""
+    state = getattr(model, "_dmuon_state", None)
+    for group in getattr(state, "groups", ()):
+        if group.work is not None:
+            group.work.wait()
+
+
 def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) -> dict:
     """One step, timed by wall clock per phase; with ``profile`` each phase also runs under
     ``torch.profiler`` and the record carries ``label_<name>_<phase>`` (seconds inside that
     dmuon ``record_function`` label) and ``ns``. A profiled step's wall times carry the
     profiler's overhead: the caller does not count them as measured."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    # torch's CPU profiler without Kineto (use_kineto=False): no libkineto in the crash path
+    # (see _drain) and no USDT lines on stderr.
+    from torch.autograd.profiler import profile as torch_profile
 
     def now() -> float:
         if device.type == "cuda":
@@ -195,8 +210,9 @@ def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) 
     def phase(name: str, fn):
         if not profile:
             return fn()
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        with torch_profile(use_kineto=False) as prof:
             out = fn()
+            _drain(model)
         for key, s in _label_times(prof).items():
             labels[f"label_{key.removeprefix('dmuon::')}_{name}"] = s
         return out
