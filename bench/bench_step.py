@@ -1,11 +1,13 @@
 """Step-time benchmark: AdamW vs vanilla (gather-then-compute) Muon vs dmuon, interleaved.
 
 One process group, three copies of the same ``dmuon.train`` model (same seed, each sharded by
-FSDP2 ``fully_shard`` per block and root, built with :func:`dmuon.train.loop.build_optimizer`),
-stepped in *blocks*: each round runs every variant for ``1 + block_steps`` steps, in an order
+FSDP2 ``fully_shard`` per block and root, built with :func:`dmuon.train.loop.build_optimizer`;
+with ``--mesh replicate`` not sharded: ``adamw`` and ``vanilla`` under torch
+``DistributedDataParallel``, dmuon on the plain module with its DDP-style ``replicas="keep"``),
+stepped in *blocks*: each round runs every variant for ``2 + block_steps`` steps, in an order
 that rotates every round. The first step of a block is discarded (dmuon's publications issued at
 the end of its previous block completed during the other variants' blocks, which would flatter
-it), the others are measured. Every variant sees the same global batches (batch ``j`` at its
+it), the next ``block_steps`` are measured, the last is profiled. Every variant sees the same global batches (batch ``j`` at its
 ``j``-th step).
 
 Timing (wall clock, ``time.perf_counter``), per step and rank:
@@ -15,13 +17,16 @@ Timing (wall clock, ``time.perf_counter``), per step and rank:
 * ``forward``: ``loss = model(batch)``; ``backward``: ``loss.backward()`` (this includes
   dmuon's end-of-backward callback that waits for the reduces); ``step``: ``opt.step()`` +
   ``opt.zero_grad()`` (for dmuon this includes issuing the next publications); ``total``: sum.
-* exposed communication, measured by wrapping (not editing) dmuon: time spent inside
-  ``dmuon.hooks.comm.Pending.wait`` tagged by the collective that issued it (``publish`` or
-  ``reduce``) and by the phase it fell in; for vanilla, time inside ``DTensor.full_tensor``
-  (the per-matrix all-gather) during the step. FSDP2's own all-gather/reduce-scatter waits (all
-  variants) are not separated; they are inside forward/backward.
-* ``ns``: time inside the Newton-Schulz part of the step (dmuon: ``dmuon.optim.muon_update_``,
-  momentum included; vanilla: ``dmuon.baselines.newton_schulz``).
+* the breakdown comes from dmuon's own ``torch.profiler.record_function`` labels (no wrapping of
+  dmuon's code): the last step of every block runs each phase under torch's CPU profiler
+  (``torch.autograd.profiler.profile(use_kineto=False)``: Kineto crashed once here) and
+  records ``label_<name>_<phase>``, the CPU time inside label ``dmuon::<name>`` during that
+  phase (``pre_forward``: waiting for the publications; ``finish_backward``: waiting for the
+  reduces; ``vanilla_all_gather``: vanilla's per-matrix all-gather, ...; see :data:`LABELS`).
+  That step carries the profiler's overhead, and waits for dmuon's in-flight publications
+  before each profiler stops (:func:`_drain`), so it is not among the measured steps.
+* ``ns``: the Newton-Schulz labels in the profiled step (dmuon: ``dmuon::newton_schulz``,
+  momentum included; vanilla: ``dmuon::vanilla_newton_schulz``).
 
 A step's phase time is the maximum over ranks (the slowest rank gates the step); the JSON
 reports medians and quartiles of that over the measured steps. It also records calibration
@@ -33,11 +38,12 @@ Usage::
     python bench/bench_step.py --nproc 4 --out bench/results/step_cpu_4r.json
     python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
     python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_allreduce ...   # diagnostic variants
+    python bench/bench_step.py --nproc 4 --mesh replicate --out bench/results/step_cpu_4r_replicate.json
 
 GPU mode: ``--device cuda`` runs NCCL ranks, one GPU each, with ``torch.cuda.synchronize()``
 before every timestamp (so a phase's time includes its kernels), NS in float16 as ``dmuon.train``
-picks on CUDA, and no gloo calibration. The publish/reduce wait timers then only see host-side
-waits (NCCL waits are stream waits), so only the phase times mean something there. ``--extra
+picks on CUDA, and no gloo calibration. The profiled labels then only see host-side time (NCCL
+waits are stream waits), so only the phase times mean something there. ``--extra
 torch_muon`` (one rank only) adds single-process ``torch.optim.Muon`` on the same matrices plus
 ``AdamW`` on the rest, unsharded: the reference a single GPU can run. The GPU mode has not run on a
 GPU yet (none was lent to the session that wrote it); on CPU it is tested at world size 1.
@@ -64,7 +70,6 @@ import socket
 import statistics
 import sys
 import time
-from collections import defaultdict
 from datetime import timedelta
 
 import torch
@@ -85,15 +90,17 @@ VARIANTS = ("adamw", "vanilla", "dmuon")
 #: gradient bucket with one all-reduce instead of one reduce per owner (the default);
 #: ``dmuon_prefetch2`` issues publications two units ahead; ``dmuon_spread`` balances owners
 #: by Newton-Schulz makespan alone (``group_cost=0``, NCCL's default) where gloo's default
-#: also counts one publication per (block, owner). ``torch_muon`` is not dmuon: single-process
+#: also counts one publication per (block, owner); ``dmuon_placeholder`` (``--mesh replicate``
+#: only) is the replicated path's memory-saving mode. ``torch_muon`` is not dmuon: single-process
 #: ``torch.optim.Muon`` + ``AdamW`` on the unsharded model (world size 1 only).
 #: ``dmuon_nocheck`` is dmuon with the step check (:mod:`dmuon.hooks.desync`) switched off, to
-#: measure what the check costs.
+#: measure what the check costs (its own time is the ``step_check`` label).
 EXTRA_VARIANTS = {"dmuon_nocheck": dict(step_check=False),
                   "dmuon_keep": dict(reshard_after_forward=False),
                   "dmuon_allreduce": dict(reduce_mode="all_reduce"),
                   "dmuon_prefetch2": dict(prefetch=2),
                   "dmuon_spread": dict(group_cost=0.0),
+                  "dmuon_placeholder": dict(replicas="placeholder"),  # --mesh replicate only
                   "torch_muon": None}
 PHASES = ("forward", "backward", "step", "total")
 #: Message sizes (bytes, float32 payload) of the gloo calibration; 1 KiB .. 4 MiB.
@@ -125,6 +132,9 @@ class BenchConfig:
         out: JSON path (written by rank 0), or ``None``.
         extra_variants: Diagnostic variants from :data:`EXTRA_VARIANTS` run beside the three.
         device: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL, one GPU per rank).
+        mesh: ``"fsdp"`` (every variant under FSDP2) or ``"replicate"`` (the DDP setting:
+            ``adamw`` and ``vanilla`` under torch ``DistributedDataParallel``, dmuon on the
+            plain module with ``replicas="keep"``).
         model: ``"tiny"``, ``"default"`` or ``"gpu"`` (:data:`MODELS`); ``tiny=True`` means ``"tiny"``.
         synthetic: random batches of the model's input format instead of PushT demonstrations.
         bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every
@@ -141,6 +151,7 @@ class BenchConfig:
     out: str | None = None
     extra_variants: tuple[str, ...] = ()
     device: str = "cpu"
+    mesh: str = "fsdp"
     model: str = "default"
     synthetic: bool = False
     bf16: bool = False
@@ -148,6 +159,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"bench_step: model={self.model!r}; choose one of {sorted(MODELS)}.")
+        if self.mesh not in ("fsdp", "replicate"):
+            raise ValueError(f"bench_step: mesh={self.mesh!r}; choose 'fsdp' or 'replicate'.")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"bench_step: device={self.device!r}; choose 'cpu' or 'cuda'.")
         if self.device == "cuda" and torch.cuda.device_count() < self.nproc:
@@ -175,107 +188,108 @@ class BenchConfig:
             )
 
 
-class StepTimers:
-    """Per-step accumulators filled by the wrappers that :meth:`install` puts around dmuon.
+#: Labels whose inclusive CPU time the profiled step reports (dmuon's ``record_function``
+#: names; ``vanilla_*`` are :class:`dmuon.baselines.VanillaMuon`'s).
+LABELS = ("dmuon::step_check", "dmuon::pre_forward", "dmuon::pre_backward", "dmuon::reduce_bucket", "dmuon::all_reduce",
+          "dmuon::finish_backward", "dmuon::optimizer_step", "dmuon::newton_schulz", "dmuon::adamw",
+          "dmuon::publish_after_step", "dmuon::publish", "dmuon::vanilla_all_gather",
+          "dmuon::vanilla_newton_schulz", "dmuon::vanilla_adamw")
+NS_LABELS = ("dmuon::newton_schulz", "dmuon::vanilla_newton_schulz")
 
-    ``phase`` is set by the step loop; waits are added to ``waits[(kind, phase)]`` in seconds.
+
+def _label_times(prof) -> dict[str, float]:
+    """Inclusive CPU seconds per dmuon label recorded by ``prof`` (0-size labels omitted)."""
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        if evt.key in LABELS:
+            out[evt.key] = out.get(evt.key, 0.0) + evt.cpu_time_total * 1e-6
+    return out
+
+
+def _drain(model) -> None:
+    """Wait for dmuon's publications still in flight. c10d records a collective's end in the
+    profiler from gloo's worker thread when it completes; one still running when the profiler
+    stops crashed rank 0 (SIGSEGV) in two runs, both right after a profiled dmuon step whose
+    broadcasts were in flight (with Kineto, and without it)."""
+    state = getattr(model, "_dmuon_state", None)
+    for group in getattr(state, "groups", ()):
+        if group.work is not None:
+            group.work.wait()
+
+
+def synthetic_batch(cfg: PolicyConfig, step: int, global_batch: int, rank: int, world: int,
+                    seed: int) -> dict[str, torch.Tensor]:
+    """Random batch in :meth:`dmuon.train.data.PushTDemos.batch`'s format (this rank's rows).
+
+    Depends only on ``(seed, step, global_batch)``, like the demonstrations, so every variant
+    and world size sees the same data. Shapes: ``images`` float32 [b, 3, S, S] in [0, 1],
+    ``state`` [b, state_dim], ``tokens`` int64 [b, max_tokens], ``actions``/``noise`` [b, H,
+    action_dim], ``time`` [b] in (0, 1], with ``b = global_batch / world``.
     """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    n, s, h = global_batch, cfg.image_size, cfg.horizon
+    full = {"images": torch.rand(n, 3, s, s, generator=gen),
+            "state": torch.rand(n, cfg.state_dim, generator=gen) * 2 - 1,
+            "tokens": torch.randint(2, cfg.vocab_size, (n, cfg.max_tokens), generator=gen),
+            "actions": torch.rand(n, h, cfg.action_dim, generator=gen) * 2 - 1,
+            "noise": torch.randn(n, h, cfg.action_dim, generator=gen),
+            "time": torch.rand(n, generator=gen).pow(1.0 / 1.5) * 0.999 + 0.001}
+    b = global_batch // world
+    return {k: v[rank * b:(rank + 1) * b] for k, v in full.items()}
 
-    def __init__(self) -> None:
-        self.phase: str | None = None
-        self.waits: dict[tuple[str, str], float] = defaultdict(float)
-        self.ns_s = 0.0
-        self.inside: dict[tuple[str, str], float] = defaultdict(float)
-        self._restore: list[tuple[object, str, object]] = []
 
-    def reset(self) -> None:
-        self.waits.clear()
-        self.inside.clear()
-        self.ns_s = 0.0
+def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) -> dict:
+    """One step, timed by wall clock per phase; with ``profile`` each phase also runs under
+    ``torch.profiler`` and the record carries ``label_<name>_<phase>`` (seconds inside that
+    dmuon ``record_function`` label) and ``ns``. A profiled step's wall times carry the
+    profiler's overhead: the caller does not count them as measured."""
+    # torch's CPU profiler without Kineto (use_kineto=False): no libkineto in the crash path
+    # (see _drain) and no USDT lines on stderr.
+    from torch.autograd.profiler import profile as torch_profile
 
-    def _patch(self, owner: object, name: str, new: object) -> None:
-        self._restore.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, new)
+    def now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
-    def install(self) -> None:
-        """Wraps dmuon's collectives, waits and NS entry points (undo with :meth:`remove`)."""
-        import dmuon.baselines as baselines
-        import dmuon.hooks.comm as comm
-        import dmuon.hooks.desync as desync
-        import dmuon.hooks.grad_buckets as grad_buckets
-        import dmuon.hooks.runtime as runtime
-        import dmuon.optim as optim
-        from torch.distributed.tensor import DTensor
+    labels: dict[str, float] = {}
 
-        timers = self
+    def phase(name: str, fn):
+        if not profile:
+            return fn()
+        with torch_profile(use_kineto=False) as prof:
+            out = fn()
+            _drain(model)
+        for key, s in _label_times(prof).items():
+            labels[f"label_{key.removeprefix('dmuon::')}_{name}"] = s
+        return out
 
-        def tagging(fn, kind):
-            def issue(*args, **kwargs):
-                pend = fn(*args, **kwargs)
-                pend.bench_kind = kind  # Pending is a plain dataclass: the tag rides along
-                return pend
-            return issue
+    def step():
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-        orig_wait = comm.Pending.wait
-
-        def wait(pend):
-            if pend.work is None:
-                return orig_wait(pend)
-            t0 = time.perf_counter()
-            try:
-                return orig_wait(pend)
-            finally:
-                key = (getattr(pend, "bench_kind", "other"), timers.phase or "idle")
-                timers.waits[key] += time.perf_counter() - t0
-
-        def timed(fn, attr):
-            def call(*args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    setattr(timers, attr, getattr(timers, attr) + time.perf_counter() - t0)
-            return call
-
-        orig_full = DTensor.full_tensor
-
-        def full_tensor(dt, *args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return orig_full(dt, *args, **kwargs)
-            finally:
-                timers.waits[("all_gather", timers.phase or "idle")] += time.perf_counter() - t0
-
-        def inside(fn, key):
-            def call(*args, **kwargs):
-                t0 = time.perf_counter()
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    timers.inside[(key, timers.phase or "idle")] += time.perf_counter() - t0
-            return call
-
-        # Diagnostics (inclusive times): issuing a collective, materializing/freeing weights.
-        for cls, name, key in ((runtime.DedicateState, "_issue", "issue"),
-                               (runtime.DedicateState, "_release", "release"),
-                               (runtime.DedicateState, "publish_after_step", "publish_after_step"),
-                               (runtime.DedicateState, "finish_backward", "finish_backward"),
-                               (runtime.DedicatedParam, "show", "show"),
-                               (desync.StepCheck, "_check", "step_check")):
-            if hasattr(cls, name):  # private names may move; the benchmark must not break
-                self._patch(cls, name, inside(getattr(cls, name), key))
-        self._patch(runtime, "publish", inside(tagging(runtime.publish, "publish"), "publish_call"))
-        for name in ("reduce_to_owner", "all_reduce_sum"):  # a gradient bucket's collectives
-            self._patch(grad_buckets, name, tagging(getattr(grad_buckets, name), "reduce"))
-        self._patch(comm.Pending, "wait", wait)
-        self._patch(optim, "muon_update_", timed(optim.muon_update_, "ns_s"))
-        self._patch(baselines, "newton_schulz", timed(baselines.newton_schulz, "ns_s"))
-        self._patch(DTensor, "full_tensor", full_tensor)
-
-    def remove(self) -> None:
-        for owner, name, old in reversed(self._restore):
-            setattr(owner, name, old)
-        self._restore.clear()
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
+    t0 = now()
+    loss = phase("forward", lambda: model(batch))
+    t1 = now()
+    phase("backward", loss.backward)
+    t2 = now()
+    phase("step", step)
+    t3 = now()
+    rec = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
+           "loss": float(loss.detach())}
+    if device.type == "cuda":  # bytes: see _summarize
+        rec["transient_peak_bytes"] = float(torch.cuda.max_memory_allocated(device) - start_bytes)
+        rec["alloc_delta_bytes"] = float(torch.cuda.memory_allocated(device) - start_bytes)
+    if profile:
+        rec.update(labels)
+        rec["ns"] = sum(s for k, s in labels.items() if any(k == f"label_{n.removeprefix('dmuon::')}_step"
+                                                            for n in NS_LABELS))
+    return rec
 
 
 def _calibrate_comm(world: int, sizes: tuple[int, ...] = CALIB_BYTES) -> dict:
@@ -317,63 +331,6 @@ def _calibrate_ns(shapes: list[tuple[int, int]], ns_dtype: torch.dtype) -> list[
     return out
 
 
-def synthetic_batch(cfg: PolicyConfig, step: int, global_batch: int, rank: int, world: int,
-                    seed: int) -> dict[str, torch.Tensor]:
-    """Random batch in :meth:`dmuon.train.data.PushTDemos.batch`'s format (this rank's rows).
-
-    Depends only on ``(seed, step, global_batch)``, like the demonstrations, so every variant
-    and world size sees the same data. Shapes: ``images`` float32 [b, 3, S, S] in [0, 1],
-    ``state`` [b, state_dim], ``tokens`` int64 [b, max_tokens], ``actions``/``noise`` [b, H,
-    action_dim], ``time`` [b] in (0, 1], with ``b = global_batch / world``.
-    """
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    n, s, h = global_batch, cfg.image_size, cfg.horizon
-    full = {"images": torch.rand(n, 3, s, s, generator=gen),
-            "state": torch.rand(n, cfg.state_dim, generator=gen) * 2 - 1,
-            "tokens": torch.randint(2, cfg.vocab_size, (n, cfg.max_tokens), generator=gen),
-            "actions": torch.rand(n, h, cfg.action_dim, generator=gen) * 2 - 1,
-            "noise": torch.randn(n, h, cfg.action_dim, generator=gen),
-            "time": torch.rand(n, generator=gen).pow(1.0 / 1.5) * 0.999 + 0.001}
-    b = global_batch // world
-    return {k: v[rank * b:(rank + 1) * b] for k, v in full.items()}
-
-
-def _timed_step(model, opt, batch, timers: StepTimers, device: torch.device) -> dict:
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    dist.barrier()
-    timers.reset()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start_bytes = torch.cuda.memory_allocated(device)
-    t0 = now()
-    timers.phase = "forward"
-    loss = model(batch)
-    t1 = now()
-    timers.phase = "backward"
-    loss.backward()
-    t2 = now()
-    timers.phase = "step"
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    t3 = now()
-    timers.phase = None
-    rec = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
-           "ns": timers.ns_s, "loss": float(loss.detach())}
-    if device.type == "cuda":  # bytes: see _summarize
-        rec["transient_peak_bytes"] = float(torch.cuda.max_memory_allocated(device) - start_bytes)
-        rec["alloc_delta_bytes"] = float(torch.cuda.memory_allocated(device) - start_bytes)
-    for (kind, phase), s in timers.waits.items():
-        rec[f"wait_{kind}_{phase}"] = s
-    for (key, phase), s in timers.inside.items():
-        rec[f"in_{key}_{phase}"] = s
-    return rec
-
-
 def _rank_main(rank: int, cfg: BenchConfig, port: int, threads: int) -> None:
     import warnings
 
@@ -401,10 +358,11 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     """Benchmark body on one rank of an initialized gloo world; the result dict on rank 0."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from dmuon.hooks.dedicate import get_state
+    from torch.nn.parallel import DistributedDataParallel
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from dmuon.hooks.dedicate import get_state
 
     world = dist.get_world_size()
     model_cfg = MODELS["tiny" if cfg.tiny else cfg.model]
@@ -435,9 +393,12 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
             models[variant], opts[variant] = model, _MuonAndAdamW(model, tcfg)
             build_bytes[variant] = float(torch.cuda.memory_allocated(device) - alloc0) if device.type == "cuda" else 0.0
             continue
-        for block in model.shardable_blocks():
-            fully_shard(block, mesh=mesh, **shard_kwargs)
-        fully_shard(model, mesh=mesh, **shard_kwargs)
+        if cfg.mesh == "fsdp":
+            for block in model.shardable_blocks():
+                fully_shard(block, mesh=mesh, **shard_kwargs)
+            fully_shard(model, mesh=mesh, **shard_kwargs)
+        elif family != "dmuon":  # --mesh replicate: the baselines under torch DDP, as users run them
+            model = DistributedDataParallel(model, device_ids=[rank] if device.type == "cuda" else None)
         if variant in EXTRA_VARIANTS:  # dmuon.train's optimizer, other dedicate_params arguments
             import dmuon
 
@@ -452,10 +413,13 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     state.ensure_bound()
     inventory = [{"fqn": r.fqn, "shape": list(r.shape), "owner": r.owner} for r in state.records]
     # What the measured dmuon build issues per step (sim_validate models exactly this).
-    collectives = {"publish": "one broadcast per (FSDP2 block, owner)",
+    collectives = {"publish": ("one broadcast per (FSDP2 block, owner)" if state.keep is None else
+                               "replicas='keep': one broadcast per bucket after the step"),
                    "reduce_mode": state.reduce_mode, "buckets": len(state.buckets),
                    "publish_groups": len(state.groups),
                    "group_cost": state.plan.extra.get("group_cost", 0.0)}
+    if state.replicated is not None:  # the other parameters' all-reduce buckets (DDP-style)
+        collectives["all_reduce_buckets"] = len(state.replicated.buckets)
     if "dmuon_spread" in models:
         collectives["spread_publish_groups"] = len(get_state(models["dmuon_spread"]).groups)
     n_params = sum(p.numel() for p in Pi0Policy(model_cfg).parameters())
@@ -473,24 +437,21 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
             batch = demos.batch(index, cfg.batch_size, rank, world, cfg.seed)
         return {k: v.to(device) for k, v in batch.items()}
 
-    timers = StepTimers()
-    timers.install()
     records: dict[str, list[dict]] = {v: [] for v in variants}
     next_batch = {v: 0 for v in variants}
-    resident_bytes: dict[str, float] = {}
     t_start = time.perf_counter()
-    try:
-        for rnd in range(cfg.rounds):
-            order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
-            for variant in order:
-                for k in range(1 + cfg.block_steps):
-                    batch = get_batch(next_batch[variant])
-                    next_batch[variant] += 1
-                    rec = _timed_step(models[variant], opts[variant], batch, timers, device)
-                    rec.update(round=rnd, measured=k > 0, batch_index=next_batch[variant] - 1)
-                    records[variant].append(rec)
-    finally:
-        timers.remove()
+    for rnd in range(cfg.rounds):
+        order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+        for variant in order:
+            # 1 discarded + block_steps measured (wall clock) + 1 profiled (label breakdown)
+            for k in range(2 + cfg.block_steps):
+                batch = get_batch(next_batch[variant])
+                next_batch[variant] += 1
+                profiled = k == 1 + cfg.block_steps
+                rec = _timed_step(models[variant], opts[variant], batch, device, profile=profiled)
+                rec.update(round=rnd, measured=0 < k and not profiled, profiled=profiled,
+                           batch_index=next_batch[variant] - 1)
+                records[variant].append(rec)
     wall_s = time.perf_counter() - t_start
 
     gathered: list[dict] = [None] * world  # type: ignore[list-item]
@@ -523,6 +484,10 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "fences": "dist.barrier() before every step; none between forward/backward/step"
                   + ("; torch.cuda.synchronize() before every timestamp" if device.type == "cuda" else ""),
         "discarded": "first step of every block (warm-up; previous block's publications)",
+        "labels": "label_<name>_<phase>: inclusive CPU time inside dmuon's record_function <name> "
+                  "during <phase>, from torch.profiler on the last step of every block (not "
+                  "counted in the phase medians); ns: Newton-Schulz labels during the step",
+        "mesh": cfg.mesh,
         "wall_s": wall_s,
         "variants": summary,
         "ratios": _ratios(summary),
@@ -554,14 +519,18 @@ class _MuonAndAdamW:
 
 
 def _summarize(per_rank: list[list[dict]]) -> dict:
-    """Per-step max over ranks, then median and quartiles over the measured steps (seconds);
-    ``transient_peak_bytes``: the largest over measured steps and ranks."""
+    """Per-step max over ranks, then median and quartiles over the measured steps (phases) or
+    the profiled steps (labels, ns), in seconds; ``transient_peak_bytes``: the largest over
+    measured steps and ranks."""
     steps = [i for i, rec in enumerate(per_rank[0]) if rec["measured"]]
+    profiled = [i for i, rec in enumerate(per_rank[0]) if rec.get("profiled")]
     keys = sorted({k for recs in per_rank for rec in recs for k in rec
-                   if k not in ("loss", "round", "measured", "batch_index") and not k.endswith("_bytes")})
-    out: dict = {"measured_steps": len(steps)}
+                   if k not in ("loss", "round", "measured", "profiled", "batch_index")
+                   and not k.endswith("_bytes")})
+    out: dict = {"measured_steps": len(steps), "profiled_steps": len(profiled)}
     for key in keys:
-        series = [max(recs[i].get(key, 0.0) for recs in per_rank) for i in steps]
+        which = steps if key in PHASES else profiled
+        series = [max(recs[i].get(key, 0.0) for recs in per_rank) for i in which]
         q = statistics.quantiles(series, n=4) if len(series) > 1 else [series[0]] * 3
         out[key] = {"median_s": statistics.median(series), "q1_s": q[0], "q3_s": q[2]}
     out["losses"] = [statistics.fmean(recs[i]["loss"] for recs in per_rank) for i in range(len(per_rank[0]))]
@@ -606,12 +575,12 @@ def run(cfg: BenchConfig) -> dict:
 def format_table(result: dict) -> str:
     """Human-readable table of the medians (milliseconds) and the target ratios."""
     cols = ("forward", "backward", "step", "total", "ns")
-    lines = [f"{result['model']}, {result['world_size']} {result['backend']} ranks, {result['device']}",
-             f"{'variant':10s} " + " ".join(f"{c:>10s}" for c in cols) + "   exposed waits (ms)"]
+    lines = [f"{result['model']}, {result['world_size']} {result['backend']} ranks, {result['device']}, "
+             f"--mesh {result.get('mesh', 'fsdp')}",
+             f"{'variant':10s} " + " ".join(f"{c:>10s}" for c in cols) + "   profiled labels (ms)"]
     for v in result["variants"]:
         s = result["variants"][v]
-        waits = ", ".join(f"{k[5:]}={s[k]['median_s'] * 1e3:.1f}" for k in s if k.startswith("wait_"))
-        waits += "".join(f"; {k}={s[k]['median_s'] * 1e3:.1f}" for k in s if k.startswith("in_"))
+        waits = ", ".join(f"{k[6:]}={s[k]['median_s'] * 1e3:.1f}" for k in s if k.startswith("label_"))
         lines.append(f"{v:10s} " + " ".join(f"{s[c]['median_s'] * 1e3:10.1f}" if c in s else f"{'-':>10s}"
                                            for c in cols) + f"   {waits or '-'}")
     r = result["ratios"]
@@ -633,16 +602,18 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--out", default=None)
     p.add_argument("--extra", nargs="*", default=[], choices=sorted(EXTRA_VARIANTS),
                    help="diagnostic variants run interleaved with the three")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device,
+                   help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
+    p.add_argument("--mesh", choices=("fsdp", "replicate"), default=defaults.mesh,
+                   help="fsdp: all under FSDP2; replicate: baselines under DDP, dmuon replicas='keep'")
     p.add_argument("--model", choices=sorted(MODELS), default=defaults.model, help="model size")
     p.add_argument("--synthetic", action="store_true", help="random batches, no PushT simulator")
     p.add_argument("--bf16", action="store_true", help="bf16 MixedPrecisionPolicy on every fully_shard")
-    p.add_argument("--device", choices=("cpu", "cuda"), default=defaults.device,
-                   help="cpu: gloo ranks; cuda: NCCL, one GPU per rank")
     a = p.parse_args(argv)
     return BenchConfig(nproc=a.nproc, rounds=a.rounds, block_steps=a.block_steps,
                        batch_size=a.batch_size or (8 if a.tiny else defaults.batch_size), tiny=a.tiny,
                        calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra),
-                       device=a.device, model=a.model, synthetic=a.synthetic, bf16=a.bf16)
+                       device=a.device, mesh=a.mesh, model=a.model, synthetic=a.synthetic, bf16=a.bf16)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,19 @@ GPUs (8 per node, weak scaling: fixed work per GPU):
   rank (``ns_call_s`` per matrix: it does not batch), plus elementwise work;
 * AdamW: the elementwise update of the local shard (28 bytes per element at HBM speed).
 
+Replicated (DDP-style) path (``predict_replicated``, ``--replicated``): the model replicated on
+every GPU, fp32 weights and gradients, ``bucket_cap_mb`` 25 as DDP:
+
+* DDP + AdamW: every parameter's gradient all-reduced in 25 MB buckets in backward (ring:
+  ``2 (p - 1)`` latencies, ``2 n (p - 1) / p`` bytes per link), AdamW on every parameter on
+  every rank (28 bytes per element at HBM speed);
+* dmuon (``replicas="keep"``, as built): the matrices in the buckets of
+  :func:`dmuon.owners.plan.build_bucket_plan`, one fp32 ``reduce`` per bucket in backward and
+  one fp32 ``broadcast`` per bucket after the step, overlapping the next forward; the other
+  parameters all-reduced in 25 MB buckets; optimizer step = the most loaded owner's NS seconds
+  (plus ``ns_call_s`` per shape it owns) and its elementwise work, plus AdamW on the others;
+* vanilla Muon under DDP: DDP's all-reduce, then every rank runs NS on every matrix.
+
 CPU validation (``validate``): the same step model with constants calibrated from a
 ``bench_step.py`` JSON (gloo broadcast/reduce/all-gather fits, per-shape NS seconds measured
 under the run's contention, forward/backward compute = AdamW's measured phases minus its modeled
@@ -180,6 +193,81 @@ def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto
     return out
 
 
+def _ring_all_reduce(comm: AlphaBeta, nbytes: float) -> float:
+    """NCCL ring all-reduce: reduce-scatter + all-gather of ``nbytes``."""
+    return comm.reduce_scatter(nbytes) + comm.all_gather(nbytes)
+
+
+def _buckets(sizes: list[float], cap: float) -> list[float]:
+    """DDP's bucketing of element counts in backward order: close a bucket at ``cap``."""
+    out, cur = [], 0.0
+    for n in reversed(sizes):
+        cur += n
+        if cur >= cap:
+            out.append(cur)
+            cur = 0.0
+    return out + ([cur] if cur else [])
+
+
+def predict_replicated(work: Workload, cluster: Cluster, p: int, *, bucket_cap_mb: float = 25.0) -> dict:
+    """Predicted phase times (s) on the replicated path: DDP + AdamW, vanilla under DDP, dmuon keep."""
+    from dmuon.owners.plan import build_bucket_plan
+
+    inv = inventory(work.name)
+    comm = AlphaBeta(cluster, p)
+    shapes = [s for _, s in inv]
+    matrix_n = float(sum(r * c for r, c in shapes))
+    other = work.other_params
+    cap = bucket_cap_mb * 2**20
+    fwd = work.fb_flops / 3 / (cluster.peak_flops * cluster.mfu_fb)
+    common = dict(forward_s=fwd, backward_s=2 * fwd, overlap=cluster.overlap, micro_batches=work.micro_batches)
+    rate = cluster.peak_flops * cluster.mfu_ns
+    ns_s = [ns_flops(r, c, steps=5, method="gram") / rate for r, c in shapes]
+    # DDP: every parameter (model order: the embedding first, then the matrices), fp32 grads
+    ddp_b = tuple(_ring_all_reduce(comm, 4 * n) for n in _buckets([other] + [r * c for r, c in shapes], cap / 4))
+    adamw_all = 28.0 * (matrix_n + other) / cluster.hbm_Bps
+    plan = build_bucket_plan(inv, p, bucket_bytes=int(cap), costs=ns_s, cost_unit="s")
+    bucket_n: dict[int, float] = {}
+    owner_of: dict[int, int] = {}
+    for m in plan.matrices:
+        bucket_n[m.bucket] = bucket_n.get(m.bucket, 0.0) + m.shape[0] * m.shape[1]
+        owner_of[m.bucket] = m.owner
+    order = sorted(bucket_n)  # bucket 0 is reduced first (the end of the model)
+    dm_b = tuple([comm.reduce(4 * bucket_n[b]) for b in order]
+                 + [_ring_all_reduce(comm, 4 * n) for n in _buckets([other], cap / 4)])
+    dm_f = tuple(comm.broadcast(4 * bucket_n[b]) for b in reversed(order))  # forward order
+    ns_by, elem_by, classes = [0.0] * p, [0.0] * p, [set() for _ in range(p)]
+    for m, t in zip(plan.matrices, ns_s):
+        ns_by[m.owner] += t
+        elem_by[m.owner] += m.shape[0] * m.shape[1]
+        classes[m.owner].add(m.shape)
+    owner_s = [ns_by[r] + cluster.ns_call_s * len(classes[r]) + 30.0 * elem_by[r] / cluster.hbm_Bps
+               for r in range(p)]
+    dm_opt = max(owner_s) + 28.0 * other / cluster.hbm_Bps
+    van_opt = sum(ns_s) + cluster.ns_call_s * len(shapes) + 24.0 * matrix_n / cluster.hbm_Bps \
+        + 28.0 * other / cluster.hbm_Bps
+    out = {"gpus": p, "nodes": max(1, p // cluster.gpus_per_node), "buckets": len(order),
+           "bucket_cap_bytes": plan.extra["bucket_cap_bytes"],
+           "ns_share_max": max(plan.extra["ns_share"]), "bytes_share_max": max(plan.extra["bytes_share"])}
+    out["adamw"] = step_times(StepInputs(comm_forward=(), comm_backward=ddp_b, optimizer_s=adamw_all, **common))
+    out["vanilla"] = step_times(StepInputs(comm_forward=(), comm_backward=ddp_b, optimizer_s=van_opt, **common))
+    out["dmuon"] = step_times(StepInputs(comm_forward=dm_f, comm_backward=dm_b, optimizer_s=dm_opt, **common))
+    out["dmuon_over_adamw"] = out["dmuon"]["total"] / out["adamw"]["total"]
+    out["dmuon_opt_over_vanilla_opt"] = out["dmuon"]["optimizer"] / out["vanilla"]["optimizer"]
+    return out
+
+
+def format_replicated_table(rows: list[dict]) -> str:
+    """Replicated-path table: step seconds, dmuon / DDP+AdamW, optimizer step vs vanilla."""
+    lines = [f"{'model':6s} {'cluster':9s} {'GPUs':>4s} {'buckets':>7s} {'DDP+AdamW s':>11s} {'vanilla s':>9s} "
+             f"{'dmuon s':>8s} {'dmuon/DDP+AdamW':>15s} {'opt dmuon/vanilla':>17s}"]
+    for r in rows:
+        lines.append(f"{r['model']:6s} {r['cluster']:9s} {r['gpus']:4d} {r['buckets']:7d} {r['adamw']['total']:11.4f} "
+                     f"{r['vanilla']['total']:9.4f} {r['dmuon']['total']:8.4f} {r['dmuon_over_adamw']:15.4f} "
+                     f"{r['dmuon_opt_over_vanilla_opt']:17.4f}")
+    return "\n".join(lines)
+
+
 #: Global batch of the fixed-batch (strong scaling) variant: Qwen2.5-7B at 4M tokens per
 #: optimizer step at every scale, reached by gradient accumulation of 16,384-token micro-batches.
 GLOBAL_TOKENS = 4 * 1024 * 1024
@@ -265,7 +353,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--validate", nargs="*", default=[], help="bench_step.py JSON(s) to validate against")
     p.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     p.add_argument("--tiny", action="store_true", help="CI smoke mode: Qwen on H100 at 8 and 16 GPUs, greedy plans")
+    p.add_argument("--replicated", action="store_true",
+                   help="only the replicated (DDP-style) path: Pi0 at 8-64 GPUs, dmuon vs DDP + AdamW")
     a = p.parse_args(argv)
+    if a.replicated:
+        rows = [{"model": "pi0", "cluster": CLUSTERS[c].name,
+                 **predict_replicated(workloads()["pi0"], CLUSTERS[c], g)}
+                for c in ("a800", "h100") for g in (8, 16, 32, 64)]
+        print("SIMULATED (not measured), replicated path:")
+        print(format_replicated_table(rows))
+        if a.out:
+            out = pathlib.Path(a.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"what": "simulated replicated-path step times (s); see "
+                                               "bench/simulate.py docstring", "bucket_cap_mb": 25,
+                                       "clusters": {k: dataclasses.asdict(c) for k, c in CLUSTERS.items()},
+                                       "workload": dataclasses.asdict(workloads()["pi0"]), "rows": rows},
+                                      indent=1))
+        return
     if a.tiny:
         rows = predict(("qwen2.5-7b",), ("h100",), (8, 16), method="greedy")
     else:

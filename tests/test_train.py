@@ -150,14 +150,16 @@ def test_cli_end_to_end_two_ranks(tmp_path):
 
 
 def test_cli_meshes_train_the_same_as_fsdp(tmp_path):
-    """--mesh fsdp-tp:2x2 (TP MLPs + FSDP2) follows the 1-D FSDP run of the same global batch."""
+    """--mesh fsdp-tp:2x2 (TP MLPs + FSDP2) and --mesh replicate (dmuon's DDP-style path) follow
+    the 1-D FSDP run of the same global batch. (The baselines under torch DDP are covered by
+    tests/test_bench.py::test_bench_step_replicate_mode, without another 4-rank launch.)"""
     env = {**os.environ, "DMUON_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     losses = {}
-    for mesh in ("fsdp", "fsdp-tp:2x2"):
-        out = tmp_path / f"{mesh.replace(':', '_')}.json"
+    for mesh, optimizer in (("fsdp", "dmuon"), ("fsdp-tp:2x2", "dmuon"), ("replicate", "dmuon")):
+        out = tmp_path / f"{mesh.replace(':', '_')}_{optimizer}.json"
         proc = subprocess.run(
             [sys.executable, "-m", "dmuon.train", "--nproc", "4", "--mesh", mesh, "--steps", "3",
-             "--optimizer", "dmuon", "--ns-dtype", "float32", "--episodes", "1", "--batch-size", "8",
+             "--optimizer", optimizer, "--ns-dtype", "float32", "--episodes", "1", "--batch-size", "8",
              "--no-plot", "--out", str(out)],
             env=env, capture_output=True, text=True, timeout=240,
             cwd=pathlib.Path(__file__).resolve().parents[1],
@@ -165,6 +167,8 @@ def test_cli_meshes_train_the_same_as_fsdp(tmp_path):
         assert proc.returncode == 0, proc.stderr[-3000:]
         summary = json.loads(out.read_text())
         assert summary["mesh"] == mesh and summary["world_size"] == 4
-        losses[mesh] = summary["losses"]
-    np.testing.assert_allclose(losses["fsdp-tp:2x2"], losses["fsdp"], rtol=1e-4)
-    assert losses["fsdp"][0] != losses["fsdp"][-1]
+        losses[(mesh, optimizer)] = summary["losses"]
+    reference = losses[("fsdp", "dmuon")]
+    for key in (("fsdp-tp:2x2", "dmuon"), ("replicate", "dmuon")):
+        np.testing.assert_allclose(losses[key], reference, rtol=1e-4, err_msg=str(key))
+    assert reference[0] != reference[-1]

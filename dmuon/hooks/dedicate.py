@@ -11,9 +11,10 @@ from torch import nn
 
 from dmuon.hooks.comm import check_same_on_all_ranks
 from dmuon.hooks.grad_buckets import REDUCE_MODES
+from dmuon.hooks.keep import resolve_replicas
 from dmuon.hooks.mesh import build_roles
 from dmuon.hooks.runtime import DedicateState, Selected
-from dmuon.owners.plan import OwnerPlan, build_plan
+from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +117,12 @@ def dedicate_params(
     plan: OwnerPlan | str | os.PathLike | None = None,
     prefetch: int = 1,
     reshard_after_forward: bool | None = None,
-    bucket_bytes: int = 25 * 2**20,
+    bucket_cap_mb: float = 25.0,
     replicate_mode: str = "auto",
     reduce_mode: str = "reduce",
     group_cost: float | str = "auto",
     step_check: bool = True,
+    replicas: str | None = None,
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -131,7 +133,8 @@ def dedicate_params(
         model: an ``nn.Module`` wrapped by FSDP2 ``fully_shard`` (per block and root; HSDP
             and FSDP x TP included), a tensor-parallel module (``parallelize_module``), or a
             plain module replicated on every rank of a 1-D mesh (dmuon then also averages the
-            gradients of the other parameters, DDP-style).
+            gradients of the other parameters, DDP-style; pass the module itself, not a
+            ``DistributedDataParallel`` wrapper).
         mesh: the ``DeviceMesh``: 1-D data parallel; ``("replicate", "shard")`` HSDP;
             ``("dp", "tp")`` FSDP x TP; ``("replicate", "shard", "tp")``; or 1-D ``("tp",)``
             (roles by dimension name, :mod:`dmuon.hooks.mesh`).
@@ -148,7 +151,9 @@ def dedicate_params(
             each block follows its ``fully_shard(reshard_after_forward=...)``, and the root
             block keeps them (:func:`dmuon.hooks.fsdp.reshards_after_forward`); ``True`` /
             ``False`` apply to every block. Without FSDP2, ``None`` frees them.
-        bucket_bytes: bucket size (bytes) for replicated gradient all-reduces.
+        bucket_cap_mb: plain replicated module only: cap (MiB, > 0) of one gradient bucket, as
+            DDP's ``bucket_cap_mb``: the matrices' reduce-to-owner and broadcast buckets
+            (``replicas="keep"``) and the other parameters' all-reduce buckets.
         replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz on the
             all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts)
             or ``"auto"`` (per matrix, the cheaper by a cost model); all exact.
@@ -167,6 +172,16 @@ def dedicate_params(
             backward, so a rank that skips one fails every rank at once, by name
             (:mod:`dmuon.hooks.desync`: two small gloo all-reduces per step); ``False`` leaves
             such a desync to the process-group timeout.
+        replicas: plain replicated module on a 1-D mesh only (``None`` elsewhere):
+            ``"keep"`` (the default there): every rank keeps every matrix whole (one compute
+            copy per matrix per rank); gradients go to their owners in ``bucket_cap_mb``
+            buckets during backward and the updated matrices come back in the same buckets
+            after ``step()``: one reduce and one broadcast per bucket per step, the bytes of
+            DDP's all-reduce. ``"placeholder"``: non-owners hold zero-size placeholders (saves
+            that copy: ``(D - 1) / D`` of the matrices' memory) at the cost of one broadcast per
+            module before forward and again before backward (:mod:`dmuon.hooks.keep`). The
+            default plan then gives each bucket one owner
+            (:func:`dmuon.owners.plan.build_bucket_plan`).
 
     Returns:
         The owner plan in use (identical on every rank).
@@ -176,7 +191,9 @@ def dedicate_params(
             ``ProcessGroup``, say).
         ValueError: a mesh that does not hold every rank of the job (on every rank), a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
             plan for another model or world size, ``prefetch < 1``, an unknown ``replicate_mode`` or
-            ``reduce_mode``, a negative or unknown ``group_cost``.
+            ``reduce_mode``, a negative or unknown ``group_cost``, ``bucket_cap_mb <= 0``,
+            ``replicas`` not ``"keep"``/``"placeholder"`` or given for an FSDP2 model or a 2-D
+            mesh, a model wrapped in ``DistributedDataParallel``.
         RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
             on the plan (raised on every rank, naming the ranks).
     """
@@ -197,14 +214,26 @@ def dedicate_params(
                          f"got {reshard_after_forward!r}")
     if reduce_mode not in REDUCE_MODES:
         raise ValueError(f"dmuon: reduce_mode must be one of {REDUCE_MODES}, got {reduce_mode!r}")
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+        raise ValueError(f"dmuon: bucket_cap_mb must be a number of MiB > 0 (DDP's default is 25), "
+                         f"got {bucket_cap_mb!r}")
+    bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
+    _refuse_ddp(model)
     if not dist.is_initialized():
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
     roles = build_roles(mesh)
+    from dmuon.hooks import fsdp
+
+    plain_1d = roles.tp is None and roles.replicate is None
+    keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
     selected = select_matrices(model, predicate or default_predicate(model))
     shapes = {s.fqn: s.shape for s in selected}
     world_size, tp_size = roles.shard_size, roles.tp_size
     cost = _group_cost(group_cost, dist.get_backend(roles.shard))
+    if plan is None and keep:  # DDP-style path: one owner per bucket, deterministic
+        plan = build_bucket_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
+                                 element_size=_element_size(selected))
     if plan is None:
         # The MILP is time-limited, hence not reproducible across ranks: one rank solves.
         solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
@@ -219,7 +248,7 @@ def dedicate_params(
     check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
     state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
-                          replicate_mode=replicate_mode, reduce_mode=reduce_mode)
+                          replicate_mode=replicate_mode, reduce_mode=reduce_mode, replicas=replicas)
     if not step_check:
         state.step_check.group = None
     object.__setattr__(model, STATE_ATTR, state)
@@ -232,6 +261,28 @@ def dedicate_params(
             plan.lower_bound, min(loads) if loads else 0, max(loads) if loads else 0,
         )
     return plan
+
+
+def _refuse_ddp(model: nn.Module) -> None:
+    """dmuon swaps each dedicated matrix for its own parameters, which DDP's reducer never sees
+    (it would wait for their gradients forever), and DDP would all-reduce the matrices that
+    dmuon already reduces to their owners: refuse, and say what to pass instead."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name, module in model.named_modules():
+        if isinstance(module, DistributedDataParallel):
+            where = "the model" if not name else f"its submodule {name!r}"
+            raise ValueError(
+                f"dmuon: {where} is wrapped in torch DistributedDataParallel; dedicate_params needs "
+                f"the plain module (dedicate_params(ddp_model.module, mesh)). dmuon averages the "
+                f"gradients of the other parameters itself, in DDP-style buckets (bucket_cap_mb)."
+            )
+
+
+def _element_size(selected: list[Selected]) -> int:
+    """Bytes per gradient element of the dedicated matrices (their parameters' dtype)."""
+    sizes = {sel.module._parameters[sel.attr].element_size() for sel in selected}
+    return max(sizes, default=4)
 
 
 def _group_cost(group_cost: float | str, backend: str) -> float:

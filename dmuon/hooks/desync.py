@@ -108,7 +108,8 @@ class StepCheck:
         rows[self.rank, 0], rows[self.rank, 1], rows[self.rank, 2] = phase, self.steps, self.backwards
         self.checks += 1
         try:
-            dist.all_reduce(rows, group=self.group)
+            with torch.profiler.record_function("dmuon::step_check"):
+                dist.all_reduce(rows, group=self.group)
         except RuntimeError as err:
             global_rank = dist.get_rank()
             raise RuntimeError(

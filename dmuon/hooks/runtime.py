@@ -44,6 +44,7 @@ from dmuon.hooks.comm import Pending, issued_together, publish
 from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.desync import StepCheck
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
+from dmuon.hooks.keep import KeepReplicas, resolve_replicas
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
 from dmuon.hooks.replicated import ReplicatedGrads
@@ -190,6 +191,8 @@ class DedicateState:
             :func:`choose_replicate_mode`).
         reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
             ``"all_reduce"`` (:mod:`dmuon.hooks.grad_buckets`).
+        replicas: plain replicated module only: ``"keep"`` (default there) or
+            ``"placeholder"`` (:mod:`dmuon.hooks.keep`).
     """
 
     def __init__(
@@ -204,6 +207,7 @@ class DedicateState:
         bucket_bytes: int,
         replicate_mode: str = "auto",
         reduce_mode: str = "reduce",
+        replicas: str | None = None,
     ) -> None:
         self.model = model
         self.roles = roles
@@ -237,6 +241,10 @@ class DedicateState:
         self.unit_of_module: dict[int, Unit] = {}  # id(unit module) -> unit, set at bind
         self.unit_of_record: dict[int, Unit] = {}  # id(record) -> its unit
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
+        # replicas="keep" (dmuon.hooks.keep): set at binding on a plain replicated module; the
+        # hooks below that differ there hand over to it.
+        self.replicas = replicas
+        self.keep: KeepReplicas | None = None
         self.step_check = StepCheck(roles.steps)  # ranks agree on steps and backwards
         # Units are FSDP2 blocks, known only once fully_shard has run: binding (at dmuon.Muon
         # or, failing that, at the first forward, before FSDP2's root hook) creates them.
@@ -257,6 +265,10 @@ class DedicateState:
         self._bind_handle.remove()
         self._fsdp_states = fsdp.fsdp_states(self.model)
         self.fsdp_wrapped = bool(self._fsdp_states)
+        # -- keep-mode dispatch (dmuon.hooks.keep) --
+        plain_1d = self.roles.tp is None and self.roles.replicate is None
+        if resolve_replicas(self.replicas, fsdp_wrapped=self.fsdp_wrapped, plain_1d=plain_1d) == "keep":
+            self.keep = KeepReplicas(self)
         specs = {m.fqn: m for m in self.plan.matrices}
         parents = fsdp.parent_map(self.model)
         unit_modules = [fsdp.publish_block(sel.module, parents) for sel in self.selected]
@@ -280,6 +292,9 @@ class DedicateState:
             slices.append((sl, param.requires_grad, compute_dtype,
                            reduce_dtype or param_dtype or sl.local.dtype))
             blocks.append(id(unit_module))
+        unit_keys = list(blocks)
+        if self.keep is not None:  # keep-mode dispatch: publish groups and buckets per plan bucket
+            blocks = KeepReplicas.blocks(self)
         views = self._make_groups(slices, specs, blocks)
         for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(self.selected, slices)):
             spec = specs[sel.fqn]
@@ -298,7 +313,7 @@ class DedicateState:
             self.group_of[id(rec)] = group
             self.record_of_master[id(rec.master)] = rec
             self.records.append(rec)
-            unit = self.unit_of_module[blocks[order]]
+            unit = self.unit_of_module[unit_keys[order]]
             unit.records.append(rec)
             self.unit_of_record[id(rec)] = unit
             if group not in unit.groups:
@@ -307,7 +322,7 @@ class DedicateState:
                 unit.takes_grad = True
                 self._handles.append(rec.compute.register_post_accumulate_grad_hook(self._make_on_grad(rec)))
         for group in self.groups:
-            if not group.is_owner:
+            if not group.is_owner and self.keep is None:  # keep-mode dispatch: full weights stay
                 free_storage(group.flat)
         self.buckets = make_buckets(self.records, blocks)
         self.bucket_of = {id(rec): bucket for bucket in self.buckets for rec in bucket.records}
@@ -425,6 +440,9 @@ class DedicateState:
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
             self.step_check.before_forward()
+            if self.keep is not None:  # keep-mode dispatch: wait for the unit's buckets only
+                self.keep.pre_forward(unit)
+                return
             with torch.profiler.record_function("dmuon::pre_forward"):
                 if unit.in_backward or in_autograd_backward():
                     # Activation checkpointing recomputes this forward inside backward: the
@@ -444,7 +462,7 @@ class DedicateState:
             unit.show("master")
             needs_grad = [t for t in tree_flatten(output)[0]
                           if isinstance(t, torch.Tensor) and t.requires_grad]
-            if unit.reshard or not needs_grad:
+            if (unit.reshard or not needs_grad) and self.keep is None:  # keep mode: weights stay
                 for group in unit.groups:
                     self._release(group)
             if needs_grad:
@@ -456,11 +474,12 @@ class DedicateState:
         def pre_backward(grad: Any) -> None:
             self.step_check.before_backward()
             self._queue_final_callback()  # ends every unit's backward, even a frozen unit's
-            with torch.profiler.record_function("dmuon::pre_backward"):
-                previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
-                self._issue([unit] + [prev for prev in previous
-                                      if prev.takes_grad and not prev.backward_finished])
-                self._wait(unit)
+            if self.keep is None:  # keep mode: the weights never left
+                with torch.profiler.record_function("dmuon::pre_backward"):
+                    previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
+                    self._issue([unit] + [prev for prev in previous
+                                          if prev.takes_grad and not prev.backward_finished])
+                    self._wait(unit)
             # Like FSDP2's pre-backward unshard: a recomputed forward reads the module's weights.
             unit.in_backward = True
             unit.show("compute")
@@ -499,7 +518,7 @@ class DedicateState:
         the unit's backward (masters back on the modules) once all of its records have."""
         group = self.group_of[id(rec)]
         group.bwd_done.add(id(rec))
-        if group.bwd_done >= group.grad_members:
+        if group.bwd_done >= group.grad_members and self.keep is None:  # keep mode: weights stay
             self._release(group)
         unit = self.unit_of_record[id(rec)]
         unit.grads_done.add(id(rec))
@@ -569,6 +588,8 @@ class DedicateState:
             issue: issue the first ``prefetch`` units' broadcasts now (after a step); ``False``
                 only invalidates (after loading a state dict).
         """
+        if self.keep is not None:  # keep-mode dispatch
+            return self.keep.publish_after_step(issue)
         with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
             if issue and self.roles.replicate is not None:
                 self._broadcast_from_replica0()

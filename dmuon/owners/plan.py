@@ -41,6 +41,9 @@ class MatrixSpec:
         cost: Newton-Schulz cost the balancer used (unit in ``OwnerPlan.cost_unit``).
         tp_owner: TP rank (within the TP group of the DP owner) that gathers the slices and
             runs Newton-Schulz on the full matrix; 0 without tensor parallelism.
+        bucket: DDP-style path (``replicas="keep"``) only: the gradient/broadcast bucket the
+            matrix travels in (0 = the first to be reduced in backward;
+            :func:`build_bucket_plan`); ``None`` elsewhere.
     """
 
     fqn: str
@@ -48,6 +51,7 @@ class MatrixSpec:
     owner: int
     cost: float = 0.0
     tp_owner: int = 0
+    bucket: int | None = None
 
     def __post_init__(self) -> None:
         if not self.fqn:
@@ -62,6 +66,8 @@ class MatrixSpec:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"dmuon: MatrixSpec for {self.fqn!r} has {name}={value!r} "
                                 f"({type(value).__name__}); owners are integer ranks")
+        if self.bucket is not None and self.bucket < 0:
+            raise ValueError(f"dmuon: MatrixSpec for {self.fqn!r} has bucket={self.bucket}; buckets are >= 0")
         if self.owner < 0 or self.tp_owner < 0:
             raise ValueError(
                 f"dmuon: MatrixSpec for {self.fqn!r} has owner={self.owner}, "
@@ -148,17 +154,19 @@ class OwnerPlan:
             "lower_bound": self.lower_bound,
             "matrices": [
                 {"fqn": m.fqn, "shape": list(m.shape), "owner": m.owner, "cost": m.cost,
-                 "tp_owner": m.tp_owner}
+                 "tp_owner": m.tp_owner, **({} if m.bucket is None else {"bucket": m.bucket})}
                 for m in self.matrices
             ],
             "extra": dict(self.extra),
         }
 
     def digest(self) -> str:
-        """SHA-256 over what every rank must agree on: world size, names, shapes, owners."""
+        """SHA-256 over what every rank must agree on: world size, names, shapes, owners
+        (and buckets, where the plan has them)."""
         canon = json.dumps(
             [self.world_size, self.tp_size,
-             [(m.fqn, list(m.shape), m.owner, m.tp_owner) for m in self.matrices]],
+             [(m.fqn, list(m.shape), m.owner, m.tp_owner) + (() if m.bucket is None else (m.bucket,))
+              for m in self.matrices]],
             separators=(",", ":"),
         )
         return hashlib.sha256(canon.encode()).hexdigest()
@@ -179,7 +187,8 @@ class OwnerPlan:
             matrices = tuple(
                 MatrixSpec(fqn=m["fqn"], shape=tuple(_as_int(s, "shape", m["fqn"]) for s in m["shape"]),
                            owner=_as_int(m["owner"], "owner", m["fqn"]), cost=float(m.get("cost", 0.0)),
-                           tp_owner=_as_int(m.get("tp_owner", 0), "tp_owner", m["fqn"]))
+                           tp_owner=_as_int(m.get("tp_owner", 0), "tp_owner", m["fqn"]),
+                           bucket=None if m.get("bucket") is None else _as_int(m["bucket"], "bucket", m["fqn"]))
                 for m in data["matrices"]
             )
             return cls(
@@ -328,4 +337,59 @@ def build_plan(
         makespan=float(result.makespan), lower_bound=float(result.lower_bound),
         extra=({"group_cost": float(group_cost), "publish_pairs": result.publish_pairs}
                if result.group_cost > 0 else {}),
+    )
+
+
+def build_bucket_plan(
+    named_shapes: Iterable[tuple[str, tuple[int, int]]],
+    world_size: int,
+    *,
+    bucket_bytes: int,
+    element_size: int = 4,
+    costs: Sequence[float] | None = None,
+    cost_unit: str = "flops",
+) -> OwnerPlan:
+    """The plan of the DDP-style path (``replicas="keep"``): one owner per gradient bucket.
+
+    Matrices are cut into size-capped buckets in backward (reverse model) order and each
+    bucket goes to one owner, balancing Newton-Schulz cost and broadcast bytes
+    (:func:`dmuon.balance.buckets.assign_buckets`); ``MatrixSpec.bucket`` records the bucket.
+
+    Args:
+        named_shapes: ``(fqn, (rows, cols))`` per dedicated matrix, in model order.
+        world_size: number of ranks.
+        bucket_bytes: the bucket cap in bytes (``bucket_cap_mb * 2**20``, > 0).
+        element_size: bytes per gradient element (4 for fp32).
+        costs: per-matrix Newton-Schulz cost; defaults to the Gram FLOP model.
+
+    Returns:
+        The plan; ``makespan``/``lower_bound`` are in ``cost_unit`` (NS cost only) and
+        ``extra`` holds ``buckets``, ``bucket_cap_bytes``, ``ns_share`` and ``bytes_share``
+        per rank.
+
+    Raises:
+        ValueError: ``bucket_bytes <= 0`` or ``world_size < 1``.
+    """
+    from dmuon.balance.buckets import assign_buckets
+    from dmuon.kernels import ns_flops
+
+    named_shapes = [(fqn, (int(s[0]), int(s[1]))) for fqn, s in named_shapes]
+    if costs is None:
+        costs = [float(ns_flops(*shape, method="gram")) for _, shape in named_shapes]
+    nbytes = [shape[0] * shape[1] * element_size for _, shape in named_shapes]
+    result = assign_buckets(costs, nbytes, world_size, bucket_bytes)
+    matrices = tuple(
+        MatrixSpec(fqn=fqn, shape=shape, owner=result.owner_of_bucket[b], cost=float(cost), bucket=b)
+        for (fqn, shape), cost, b in zip(named_shapes, costs, result.bucket)
+    )
+    loads = [0.0] * world_size
+    for m in matrices:
+        loads[m.owner] += m.cost
+    total = sum(costs)
+    return OwnerPlan(
+        world_size=world_size, matrices=matrices, method="buckets", cost_unit=cost_unit,
+        makespan=max(loads, default=0.0),
+        lower_bound=max(total / world_size, max(costs, default=0.0)),
+        extra={"buckets": len(result.owner_of_bucket), "bucket_cap_bytes": result.cap_bytes,
+               "ns_share": list(result.ns_share), "bytes_share": list(result.bytes_share)},
     )

@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
     p.add_argument("--ns-dtype", default="auto", choices=("auto", "float16", "bfloat16", "float32"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", default="fsdp",
-                   help="fsdp (1-D), hsdp:RxS (replicate x shard) or fsdp-tp:DxT (data x tensor parallel)")
+                   help="fsdp (1-D), replicate (DDP-style, no FSDP2), hsdp:RxS (replicate x shard) or fsdp-tp:DxT (data x tensor parallel)")
     p.add_argument("--episodes", type=int, default=DataConfig().episodes, help="demonstrations to generate")
     p.add_argument("--out", default=None, help="write summary JSON here (rank 0)")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,

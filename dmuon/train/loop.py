@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from dmuon.train.parallel import Layout, shard_model
 from dmuon.train import ckpt
+from dmuon.train.parallel import Layout, shard_model, wrap_data_parallel
 from dmuon.train.data import DataConfig, PushTDemos, ensure_cached
 from dmuon.train.eval import EvalConfig, evaluate, format_summary
 from dmuon.train.model import Pi0Policy, PolicyConfig
@@ -51,7 +51,7 @@ class TrainConfig:
         out: Path of ``summary.json`` (rank 0), or ``None``.
         plot: Write ``<out stem>_loss.png`` beside the summary when matplotlib is present.
         timing_warmup: Leading steps left out of the timing medians (when steps allow).
-        mesh: ``"fsdp"`` (1-D), ``"hsdp:RxS"`` or ``"fsdp-tp:DxT"`` (:mod:`dmuon.train.parallel`).
+        mesh: ``"fsdp"`` (1-D), ``"replicate"`` (no FSDP2; DDP for the baselines), ``"hsdp:RxS"`` or ``"fsdp-tp:DxT"`` (:mod:`dmuon.train.parallel`).
         data: Dataset generation parameters.
         model: Policy sizes.
         save: Directory of DCP checkpoints (:mod:`dmuon.train.ckpt`), or ``None``.
@@ -183,6 +183,7 @@ def train_rank(cfg: TrainConfig) -> dict | None:
     counts = parameter_counts(model)
     layout = Layout.parse(cfg.mesh, world)
     mesh, dp_index, dp_count = shard_model(model, model.shardable_blocks(), layout, device)
+    model = wrap_data_parallel(model, layout, cfg.optimizer, device)
     opt = build_optimizer(cfg, model, mesh, device)
     warm = max(1, cfg.warmup)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))

@@ -1,0 +1,98 @@
+"""The DDP-style path (``replicas="keep"``, issue 16): exact, and one collective per bucket.
+
+Each case trains the plain replicated test model (tests/models.py) on gloo ranks and compares
+every parameter, and every rank's full compute copy, with single-process ``torch.optim.Muon`` +
+``AdamW`` on the global batch (tests/models.py:run_reference), and counts the collectives dmuon
+issues per step (tests/keep_cases.py). The placeholder path this replaces as the default
+broadcasts every module's matrices before forward and again before backward, and fails the count
+(checked by test_placeholder_mode_still_exact; one-bucket-per-matrix blocks fail it too).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dmuon.balance.buckets import assign_buckets, cut_buckets
+from tests import models
+from tests.test_core import FP32_ATOL, compare
+
+STEPS = 4
+
+
+@pytest.mark.parametrize("world_size,bucket_cap_mb,micro_batches", [
+    (2, 25.0, 1), (3, 25.0, 3), (2, 1e-3, 1), (3, 1e-3, 3)])
+def test_keep_exact_and_one_reduce_one_broadcast_per_bucket(dist_pool, world_size, bucket_cap_mb,
+                                                            micro_batches):
+    out = dist_pool.run(world_size, "tests.keep_cases:train_counting",
+                        dict(steps=STEPS, micro_batches=micro_batches,
+                             dedicate_kwargs=dict(bucket_cap_mb=bucket_cap_mb)), timeout_s=180)
+    ref, _, _ = models.run_reference(world_size, STEPS, micro_batches=micro_batches)
+    compare(out[0]["params"], ref, FP32_ATOL)  # owners' masters and the AdamW replicas
+    names = models.matrix_names(models.make_model())
+    for o in out:  # every rank computes with the reference weights (the buckets' broadcasts)
+        assert o["keep"] and o["allocated"], o
+        compare(o["compute"], {n: ref[n] for n in names}, FP32_ATOL)
+    plan_buckets = out[0]["plan_buckets"]
+    n_buckets = len(set(plan_buckets.values()))
+    # one owner per bucket, and buckets are contiguous runs of the model's matrices
+    for b in set(plan_buckets.values()):
+        members = [n for n in names if plan_buckets[n] == b]
+        assert len({out[0]["plan_owners"][n] for n in members}) == 1, (b, members)
+        idx = [names.index(n) for n in members]
+        assert idx == list(range(min(idx), max(idx) + 1)), (b, members)
+    if bucket_cap_mb < 1:  # 1 KiB cap: several buckets; per-matrix code would need 7 + 7
+        assert 2 <= n_buckets < len(names), plan_buckets
+    for o in out:
+        assert o["reduce_buckets"] == n_buckets and o["publish_groups"] == n_buckets, o
+        for step, counts in enumerate(o["per_step"]):
+            # step 0's first forward also issues the initial publication of every bucket
+            broadcasts = n_buckets * (2 if step == 0 else 1)
+            assert counts.get("reduce", 0) == n_buckets, (step, counts)
+            assert counts.get("broadcast", 0) == broadcasts, (step, counts)
+            assert counts.get("all_reduce", 0) == o["adamw_buckets"], (step, counts)
+        assert o["adamw_buckets"] >= 1
+        if bucket_cap_mb >= 1:  # the other parameters fit one 25 MiB bucket
+            assert o["adamw_buckets"] == 1
+
+
+def test_placeholder_mode_still_exact(dist_pool):
+    out = dist_pool.run(2, "tests.keep_cases:train_counting",
+                        dict(steps=3, micro_batches=3, dedicate_kwargs=dict(replicas="placeholder")),
+                        timeout_s=180)
+    ref, _, _ = models.run_reference(2, 3, micro_batches=3)
+    compare(out[0]["params"], ref, FP32_ATOL)
+    assert not out[0]["keep"]
+    # placeholders: every unit publishes before forward and again before backward
+    assert out[0]["per_step"][1]["broadcast"] > 2 * out[0]["publish_groups"] - 1
+
+
+@pytest.mark.parametrize("case,words", [
+    ("bucket-cap-zero", ["ValueError", "bucket_cap_mb", "> 0", "0"]),
+    ("bucket-cap-negative", ["ValueError", "bucket_cap_mb", "-1.5"]),
+    ("replicas-unknown", ["ValueError", "replicas", "'keep'", "'placeholder'", "'full'"]),
+    ("replicas-on-fsdp", ["ValueError", "replicas='keep'", "FSDP2"]),
+    ("replicas-keep-then-fully-shard", ["ValueError", "replicas='keep'", "FSDP2"]),
+    ("ddp-wrapped", ["ValueError", "DistributedDataParallel", "ddp_model.module"]),
+])
+def test_bad_input_names_the_argument(dist_pool, case, words):
+    out = dist_pool.run(2, "tests.keep_cases:bad_input", dict(case=case), timeout_s=60)
+    for message in out:
+        for word in words:
+            assert word in message, (case, message)
+
+
+def test_bucket_plan_balances_ns_and_bytes():
+    """Pure function: cut in backward order by the cap, one owner per bucket by LPT on the
+    normalized NS + bytes load. Four equal 100-byte matrices, cap 100, 2 ranks: 4 buckets,
+    2 per rank; a cap above the model is lowered to total / world_size."""
+    assert cut_buckets([100, 100, 100, 100], 100) == [3, 2, 1, 0]
+    assert cut_buckets([60, 60, 60], 100) == [1, 0, 0]
+    a = assign_buckets([1.0] * 4, [100] * 4, 2, 100)
+    assert sorted(a.owner_of_bucket) == [0, 0, 1, 1] and a.ns_share == (0.5, 0.5)
+    big = assign_buckets([1.0] * 4, [100] * 4, 2, 25 * 2**20)
+    assert big.cap_bytes == 200 and big.bucket == (1, 1, 0, 0) and big.owner_of_bucket == (0, 1)
+    # one large-NS bucket: the other rank takes the rest, whatever their bytes
+    skew = assign_buckets([10.0, 1.0, 1.0, 1.0], [100] * 4, 2, 100)
+    assert skew.owner_of_bucket[3] != skew.owner_of_bucket[0] == skew.owner_of_bucket[1] == skew.owner_of_bucket[2]
+    with pytest.raises(ValueError, match="bucket cap"):
+        cut_buckets([1], 0)
