@@ -75,28 +75,34 @@ def enclosing_fsdp_module(module: nn.Module, parents: dict[int, nn.Module]) -> n
     return None
 
 
-# Modules that only hold children: their own forward never runs (ModuleList, ModuleDict) or
-# does nothing but call each child (Sequential), so no reader hides behind them.
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+# torch modules whose forward reads their children's weights without calling the children:
+# nn.MultiheadAttention reads out_proj.weight; the encoder and decoder layers' inference fast
+# path (torch._transformer_encoder_layer_fwd) reads linear1/linear2 and the attention weights.
+READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 def publish_block(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module:
     """The unit a dedicated matrix of ``module`` is published for (and reduced with).
 
     Under FSDP2 it is the enclosing ``fully_shard`` module, exactly the unit FSDP2 all-gathers,
-    so every code that may read the weight in forward (a parent reading a child's weight
-    without calling it, as ``nn.MultiheadAttention`` reads ``out_proj.weight``) runs inside
-    it. Without FSDP2 it is ``module``'s parent (``nn.MultiheadAttention`` for its
-    ``out_proj``, an attention block for its projections), or ``module`` itself when the
-    parent is a container or there is none: a weight read by code outside its module's
-    parent's forward is not covered there (use FSDP2, or a predicate that leaves it to AdamW).
-    The balancer's groups and the runtime's units both come from here.
+    so all code that may read the weight in forward (a parent reading a child's weight without
+    calling it, as ``nn.MultiheadAttention`` reads ``out_proj.weight``) runs inside it. Without
+    FSDP2 it is ``module`` itself, or its outermost ancestor among :data:`READS_CHILD_WEIGHTS`
+    (torch's attention and transformer layers). A weight that other code reads outside its own
+    module's forward is covered under FSDP2 only (or leave it to AdamW with a predicate): a
+    parent module need not run at all (a container whose children a grandparent calls), so
+    widening every unit to its parent would be wrong in the other direction. The balancer's
+    groups and the runtime's units both come from here.
     """
     block = enclosing_fsdp_module(module, parents)
     if block is not None:
         return block
-    parent = parents.get(id(module))
-    return module if parent is None or isinstance(parent, _CONTAINERS) else parent
+    unit, node = module, parents.get(id(module))
+    while node is not None:
+        if isinstance(node, READS_CHILD_WEIGHTS):
+            unit = node
+        node = parents.get(id(node))
+    return unit
 
 
 def reshards_after_forward(block: nn.Module | None, parents: dict[int, nn.Module]) -> bool:
