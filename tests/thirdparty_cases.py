@@ -235,6 +235,14 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3,
     fully_shard(model, mesh=mesh)
     dmuon.dedicate_params(model, mesh, group_cost=0.0)  # owners spread inside every block
     opt = dmuon.Muon(model, **OPT_KWARGS)
+    losses, violations = train_steps(model, opt, case, steps, rank, world_size)
+    return dict(params=full_params(model, rank), losses=losses, violations=violations,
+                dedicated=sorted(rec.fqn for rec in model._dmuon_state.records))
+
+
+def train_steps(model: nn.Module, opt, case: str, steps: int, rank: int, world_size: int
+                ) -> tuple[list[float], list[str]]:
+    """``steps`` steps of ``case``'s loss; the losses and the contract violations after each."""
     losses, violations = [], []
     for step in range(steps):
         loss = CASES[case].loss(model, *local_batch(case, step, rank, world_size))
@@ -243,8 +251,7 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3,
         opt.zero_grad()
         losses.append(loss.item())
         violations += [f"step {step}: {v}" for v in contract_violations(model)]
-    return dict(params=full_params(model, rank), losses=losses, violations=violations,
-                dedicated=sorted(rec.fqn for rec in model._dmuon_state.records))
+    return losses, violations
 
 
 def reference(case: str, world_size: int, steps: int = 3,
@@ -348,14 +355,7 @@ def meta_init_train(rank: int, world_size: int, *, case: str, steps: int = 3,
     model = meta_build(case, mesh, dedicate=True, dedicate_first=dedicate_first)
     opt = dmuon.Muon(model, **OPT_KWARGS)
     dmuon_initial = full_params(model, rank)
-    losses, violations = [], []
-    for step in range(steps):
-        loss = CASES[case].loss(model, *local_batch(case, step, rank, world_size))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        violations += [f"step {step}: {v}" for v in contract_violations(model)]
+    losses, violations = train_steps(model, opt, case, steps, rank, world_size)
     return dict(fsdp_initial=fsdp_initial if rank == 0 else {}, dmuon_initial=dmuon_initial,
                 params=full_params(model, rank), losses=losses, violations=violations)
 

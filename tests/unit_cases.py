@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 import dmuon
 from tests import models
 from tests.dist_cases import full_params
+from tests.thirdparty_cases import contract_violations
 
 EXACT = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32,
              ns_coefficients="muon")
@@ -72,34 +73,34 @@ def dedicated_names(model: nn.Module) -> list[str]:
             and not n.startswith("emb")]
 
 
-def reference(kind: str, world_size: int, steps: int) -> dict[str, torch.Tensor]:
-    """Single-process ``torch.optim.Muon`` (fp32 iteration) + ``AdamW`` on the global batch."""
-    model = make(kind)
+def reference_optimizers(model: nn.Module) -> tuple[torch.optim.Muon, torch.optim.AdamW]:
+    """``torch.optim.Muon`` on :func:`dedicated_names`, ``AdamW`` on the rest (EXACT's values)."""
     names = set(dedicated_names(model))
     muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in names], lr=0.02,
                             weight_decay=0.1, ns_coefficients=models.MUON_COEFFICIENTS)
     adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if n not in names],
                               lr=0.01, weight_decay=0.1)
+    return muon, adamw
+
+
+def reference(kind: str, world_size: int, steps: int) -> dict[str, torch.Tensor]:
+    """Single-process ``torch.optim.Muon`` (fp32 iteration) + ``AdamW`` on the global batch."""
+    model = make(kind)
+    optimizers = reference_optimizers(model)
     with models.reference_ns(torch.float32):
         for step in range(steps):
             models.loss_fn(model, *models.global_batch(step, world_size)).backward()
-            for opt in (muon, adamw):
+            for opt in optimizers:
                 opt.step()
                 opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def contract_holds(model: nn.Module) -> bool:
-    """After a step: every dedicated matrix's module holds the record's master (fp32, full
-    on the owner, zero-size elsewhere), never the compute copy."""
-    for rec in model._dmuon_state.records:
-        if rec.module._parameters[rec.attr] is not rec.master:
-            return False
-        if rec.master.dtype != torch.float32:
-            return False
-        if rec.is_owner != (tuple(rec.master.shape) == rec.shape) or (not rec.is_owner and rec.master.numel()):
-            return False
-    return True
+    """Outside forward and backward every dedicated matrix's module holds the record's fp32
+    master (full on the owner, zero-size elsewhere), never the compute copy."""
+    return not contract_violations(model) and all(rec.master.dtype == torch.float32
+                                                  for rec in model._dmuon_state.records)
 
 
 def train(rank: int, world_size: int, *, kind: str = "plain", mode: str = "fsdp", ac: str = "none",
@@ -182,11 +183,7 @@ def mixed_precision_reference(world_size: int, steps: int) -> dict[str, torch.Te
 
 def _mixed_precision_reference(world_size: int, steps: int) -> dict[str, torch.Tensor]:
     model = make("plain")
-    names = set(dedicated_names(model))
-    muon = torch.optim.Muon([p for n, p in model.named_parameters() if n in names], lr=0.02,
-                            weight_decay=0.1, ns_coefficients=models.MUON_COEFFICIENTS)
-    adamw = torch.optim.AdamW([p for n, p in model.named_parameters() if n not in names],
-                              lr=0.01, weight_decay=0.1)
+    optimizers = reference_optimizers(model)
     with models.reference_ns(torch.float32):
         for step in range(steps):
             total: dict[str, torch.Tensor] = {}
@@ -200,7 +197,7 @@ def _mixed_precision_reference(world_size: int, steps: int) -> dict[str, torch.T
                     total[n] = g if n not in total else total[n] + g
             for n, p in model.named_parameters():
                 p.grad = total[n] / world_size
-            for opt in (muon, adamw):
+            for opt in optimizers:
                 opt.step()
                 opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
