@@ -8,10 +8,11 @@ Phase 1, forward materialization: a forward pre-hook on each *unit* waits for th
 publication, issued earlier, and prefetches the next ``prefetch`` units; a post-hook puts the
 placeholders back and, with ``reshard_after_forward``, frees the full weights until a
 pre-backward hook re-publishes them. A unit is what FSDP2 gathers: the module ``fully_shard``
-was called on (on a plain replicated module, the parent of the modules holding the matrices,
-:func:`dmuon.hooks.fsdp.publish_block`), never the leaf holding the parameter, so a parent
-that reads a child's weight without calling the child (``nn.MultiheadAttention.out_proj``),
-a module called twice and a block reused across depth all see full weights.
+was called on, never the leaf holding the parameter, so a parent that reads a child's weight
+without calling the child (``nn.MultiheadAttention.out_proj``), a module called twice and a
+block reused across depth all see full weights. On a plain replicated module it is the module
+holding the matrix or its enclosing torch attention/transformer layer
+(:func:`dmuon.hooks.fsdp.publish_block`).
 
 Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
 pre-backward until its post-backward (its last gradient is in), and its forward hooks do
@@ -174,6 +175,24 @@ def check_materialized(selected: list[Selected]) -> None:
         )
 
 
+def _check_param_dtypes(selected: list[Selected],
+                        policies: list[tuple[torch.dtype | None, torch.dtype | None]]) -> None:
+    """Refuse an FSDP2 ``param_dtype`` dmuon cannot publish, on every rank alike (the policies
+    are the same everywhere), before binding changes anything.
+
+    Raises:
+        ValueError: naming the matrix, the dtype and the fix.
+    """
+    for sel, (param_dtype, _) in zip(selected, policies):
+        if param_dtype is not None and (not param_dtype.is_floating_point or param_dtype.itemsize < 2):
+            raise ValueError(
+                f"dmuon: the FSDP2 block holding {sel.fqn!r} computes in {param_dtype} "
+                f"(MixedPrecisionPolicy.param_dtype); dmuon publishes float16, bfloat16, float32 "
+                f"or float64 weights. Use one of those, or pass predicate=... to leave the matrix "
+                f"on AdamW."
+            )
+
+
 class DedicateState:
     """Everything dmuon keeps for one model on one rank.
 
@@ -272,24 +291,17 @@ class DedicateState:
         specs = {m.fqn: m for m in self.plan.matrices}
         parents = fsdp.parent_map(self.model)
         unit_modules = [fsdp.publish_block(sel.module, parents) for sel in self.selected]
+        policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))
+                    for sel in self.selected]
+        _check_param_dtypes(self.selected, policies)  # before anything is taken from FSDP2
         self._make_units(unit_modules, parents)
         slices, blocks = [], []
-        for sel, unit_module in zip(self.selected, unit_modules):
+        for sel, unit_module, (param_dtype, reduce_dtype) in zip(self.selected, unit_modules, policies):
             # collective redistributes, in the same order on every rank
             param = sel.module._parameters[sel.attr]
             taken = fsdp.take_from_fsdp(self.model, sel.module, sel.attr)
             sl = local_slice(taken if taken is not None else param, sel.fqn, self.roles.tp_name)
-            block = fsdp.enclosing_fsdp_module(sel.module, parents)
-            param_dtype, reduce_dtype = fsdp.mixed_precision_dtypes(block)
-            compute_dtype = param_dtype or sl.local.dtype
-            if not compute_dtype.is_floating_point or compute_dtype.itemsize < 2:
-                raise ValueError(
-                    f"dmuon: the FSDP2 block {type(block).__name__} holding {sel.fqn!r} computes "
-                    f"in {compute_dtype}; dmuon publishes float16, bfloat16, float32 or float64 "
-                    f"weights. Use one of those as MixedPrecisionPolicy(param_dtype=...) or pass "
-                    f"predicate=... to leave the matrix on AdamW."
-                )
-            slices.append((sl, param.requires_grad, compute_dtype,
+            slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,
                            reduce_dtype or param_dtype or sl.local.dtype))
             blocks.append(id(unit_module))
         unit_keys = list(blocks)
