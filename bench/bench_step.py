@@ -413,7 +413,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     state.ensure_bound()
     inventory = [{"fqn": r.fqn, "shape": list(r.shape), "owner": r.owner} for r in state.records]
     # What the measured dmuon build issues per step (sim_validate models exactly this).
-    collectives = {"publish": ("one broadcast per (FSDP2 block, owner)" if state.keep is None else
+    collectives = {"publish": ("one broadcast per (FSDP2 block, owner)" if not state.keep else
                                "replicas='keep': one broadcast per bucket after the step"),
                    "reduce_mode": state.reduce_mode, "buckets": len(state.buckets),
                    "publish_groups": len(state.groups),

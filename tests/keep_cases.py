@@ -50,7 +50,7 @@ def train_counting(rank: int, world_size: int, *, steps: int = 4, micro_batches:
     compute = {rec.fqn: rec.buffer.detach().numpy().copy() for rec in state.records}
     allocated = all(rec.buffer.untyped_storage().size() > 0 for rec in state.records)
     return dict(params=full_params(model, rank), per_step=per_step, compute=compute,
-                allocated=allocated, keep=state.keep is not None,
+                allocated=allocated, keep=state.keep,
                 plan_buckets={m.fqn: m.bucket for m in state.plan.matrices},
                 plan_owners={m.fqn: m.owner for m in state.plan.matrices},
                 reduce_buckets=len(state.buckets), publish_groups=len(state.groups),

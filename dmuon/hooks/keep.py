@@ -24,21 +24,14 @@ step, issued one per unit instead of one per bucket.
 The non-dedicated parameters keep dmuon's DDP-style bucketed all-reduce
 (:class:`dmuon.hooks.replicated.ReplicatedGrads`): AdamW runs on every rank, as under DDP.
 
-Kept out of :mod:`dmuon.hooks.runtime`: the runtime calls this module at binding, in a unit's
-forward pre-hook and after the step; elsewhere it only skips freeing and re-publishing (a
-unit's forward and backward bookkeeping, activation checkpointing included, is the runtime's).
+The runtime (:mod:`dmuon.hooks.runtime`) runs this mode with its ordinary publication
+machinery: groups keyed by bucket (:func:`bucket_keys`), non-owners' buffers never freed,
+nothing released after forward or backward, and every group issued at once (after the step,
+or at the first forward) instead of ``prefetch`` units ahead. This module only decides the
+mode and the buckets.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-import torch
-
-from dmuon.hooks.comm import issued_together, publish
-
-if TYPE_CHECKING:  # the runtime imports this module
-    from dmuon.hooks.runtime import DedicateState, PublishGroup, Unit
 
 REPLICAS = ("keep", "placeholder")
 
@@ -71,73 +64,13 @@ def resolve_replicas(replicas: str | None, *, fsdp_wrapped: bool, plain_1d: bool
     return replicas or "keep"
 
 
-class KeepReplicas:
-    """The keep-mode side of one :class:`DedicateState` (see the module docstring).
+def bucket_keys(plan, selected, bucket_bytes: int) -> list[int]:
+    """Each selected matrix's bucket, which keys its publish group and gradient bucket: the
+    plan's (:func:`dmuon.owners.plan.build_bucket_plan`), or, for a plan without buckets (a
+    file solved for another path), buckets cut here by the same cap (fp32 bytes)."""
+    specs = {m.fqn: m for m in plan.matrices}
+    if all(specs[sel.fqn].bucket is not None for sel in selected):
+        return [specs[sel.fqn].bucket for sel in selected]
+    from dmuon.balance.buckets import cut_buckets
 
-    Every rank holds every publish group's flat buffer (``group.flat``) allocated; a group is
-    ``live`` when its current weights are on every rank or on their way (``group.work``).
-    """
-
-    def __init__(self, state: "DedicateState") -> None:
-        self.state = state
-
-    @staticmethod
-    def blocks(state: "DedicateState") -> list[int]:
-        """The key that groups matrices into publish groups and gradient buckets: the plan's
-        bucket (:func:`dmuon.owners.plan.build_bucket_plan`), or, for a plan without buckets
-        (a file solved for another path), buckets cut here by the same cap."""
-        specs = {m.fqn: m for m in state.plan.matrices}
-        if all(specs[sel.fqn].bucket is not None for sel in state.selected):
-            return [specs[sel.fqn].bucket for sel in state.selected]
-        from dmuon.balance.buckets import cut_buckets
-
-        return cut_buckets([4 * sel.shape[0] * sel.shape[1] for sel in state.selected], state.bucket_bytes)
-
-    def _issue_all(self) -> None:
-        """Broadcast every group that is not live from its owner, in forward order."""
-        groups = [g for g in self.state.groups if not g.live]
-        by_device: dict[torch.device, list["PublishGroup"]] = {}
-        for group in groups:
-            by_device.setdefault(group.flat.device, []).append(group)
-        for device, same in by_device.items():
-            pendings: list = []
-            with issued_together(self.state.group, device, pendings):
-                for group in same:
-                    with torch.autograd._unsafe_preserve_version_counter(group.flat):
-                        group.work = publish(group.flat, group.owner, self.state.group)
-                    pendings.append(group.work)
-                    group.live = True
-
-    def pre_forward(self, unit: "Unit") -> None:
-        """Wait for this unit's buckets only; the first forward (or one after loading a state
-        dict) first issues every bucket's broadcast, in the same order on every rank."""
-        with torch.profiler.record_function("dmuon::pre_forward"):
-            if any(not g.live for g in unit.groups):
-                self._issue_all()
-            for group in unit.groups:
-                if group.work is not None:
-                    group.work.wait()
-                    group.work = None
-        for rec in unit.records:
-            rec.show("compute")
-
-    def publish_after_step(self, issue: bool) -> None:
-        """Owners copy their fp32 masters into the compute buffers; with ``issue`` every bucket
-        is broadcast now (overlapping the next forward), else at the next forward."""
-        with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
-            for group in self.state.groups:
-                if group.work is not None:  # a broadcast no forward waited for
-                    group.work.wait()
-                    group.work = None
-                if group.is_owner:
-                    with torch.autograd._unsafe_preserve_version_counter(group.flat):
-                        for rec in group.members:
-                            rec.buffer.detach().copy_(rec.master)
-                group.live = False
-            for rec in self.state.records:
-                rec.had_grad = False
-            if issue and self.state.world_size > 1:
-                self._issue_all()
-            elif self.state.world_size == 1:
-                for group in self.state.groups:
-                    group.live = True
+    return cut_buckets([4 * sel.shape[0] * sel.shape[1] for sel in selected], bucket_bytes)

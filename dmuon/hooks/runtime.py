@@ -45,7 +45,7 @@ from dmuon.hooks.comm import Pending, issued_together, publish
 from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.desync import StepCheck
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
-from dmuon.hooks.keep import KeepReplicas, resolve_replicas
+from dmuon.hooks.keep import bucket_keys, resolve_replicas
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
 from dmuon.hooks.replicated import ReplicatedGrads
@@ -263,7 +263,7 @@ class DedicateState:
         # replicas="keep" (dmuon.hooks.keep): set at binding on a plain replicated module; the
         # hooks below that differ there hand over to it.
         self.replicas = replicas
-        self.keep: KeepReplicas | None = None
+        self.keep = False  # replicas="keep": every rank keeps the full weights (set at bind)
         self.step_check = StepCheck(roles.steps)  # ranks agree on steps and backwards
         # Units are FSDP2 blocks, known only once fully_shard has run: binding (at dmuon.Muon
         # or, failing that, at the first forward, before FSDP2's root hook) creates them.
@@ -287,7 +287,7 @@ class DedicateState:
         # -- keep-mode dispatch (dmuon.hooks.keep) --
         plain_1d = self.roles.tp is None and self.roles.replicate is None
         if resolve_replicas(self.replicas, fsdp_wrapped=self.fsdp_wrapped, plain_1d=plain_1d) == "keep":
-            self.keep = KeepReplicas(self)
+            self.keep = True
         specs = {m.fqn: m for m in self.plan.matrices}
         parents = fsdp.parent_map(self.model)
         unit_modules = [fsdp.publish_block(sel.module, parents) for sel in self.selected]
@@ -305,8 +305,8 @@ class DedicateState:
                            reduce_dtype or param_dtype or sl.local.dtype))
             blocks.append(id(unit_module))
         unit_keys = list(blocks)
-        if self.keep is not None:  # keep-mode dispatch: publish groups and buckets per plan bucket
-            blocks = KeepReplicas.blocks(self)
+        if self.keep:  # publish groups and gradient buckets per plan bucket
+            blocks = bucket_keys(self.plan, self.selected, self.bucket_bytes)
         views = self._make_groups(slices, specs, blocks)
         for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(self.selected, slices)):
             spec = specs[sel.fqn]
@@ -334,7 +334,7 @@ class DedicateState:
                 unit.takes_grad = True
                 self._handles.append(rec.compute.register_post_accumulate_grad_hook(self._make_on_grad(rec)))
         for group in self.groups:
-            if not group.is_owner and self.keep is None:  # keep-mode dispatch: full weights stay
+            if not group.is_owner and not self.keep:  # keep mode: full weights stay
                 free_storage(group.flat)
         self.buckets = make_buckets(self.records, blocks)
         self.bucket_of = {id(rec): bucket for bucket in self.buckets for rec in bucket.records}
@@ -413,7 +413,8 @@ class DedicateState:
     def _issue(self, units: list[Unit]) -> None:
         """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
         by_device: dict[torch.device, list[PublishGroup]] = {}
-        for group in (g for unit in units for g in unit.groups if not g.live):
+        for group in dict.fromkeys(g for unit in units for g in unit.groups if not g.live):
+            # dict.fromkeys: in keep mode a group (a bucket) may span several units
             by_device.setdefault(group.flat.device, []).append(group)
         for device, groups in by_device.items():
             self._issue_groups(groups, device)
@@ -438,11 +439,12 @@ class DedicateState:
                 group.work = None
 
     def _release(self, group: PublishGroup) -> None:
-        """Free a non-owner's copy of the group (the owner keeps it: it is the source)."""
+        """Free a non-owner's copy of the group (the owner keeps it: it is the source; in keep
+        mode every rank keeps it, and the group only stops being live)."""
         if group.work is not None:
             group.work.wait()
             group.work = None
-        if not group.is_owner:
+        if not group.is_owner and not self.keep:
             free_storage(group.flat)
         group.live = False
         group.bwd_done.clear()
@@ -452,16 +454,13 @@ class DedicateState:
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.ensure_bound()
             self.step_check.before_forward()
-            if self.keep is not None:  # keep-mode dispatch: wait for the unit's buckets only
-                self.keep.pre_forward(unit)
-                return
             with torch.profiler.record_function("dmuon::pre_forward"):
                 if unit.in_backward or in_autograd_backward():
                     # Activation checkpointing recomputes this forward inside backward: the
                     # weights must be whole, and stay so until the unit's post-backward.
                     self._issue([unit])
-                else:
-                    self._issue(self.units[unit.index: unit.index + 1 + self.prefetch])
+                else:  # keep mode: every bucket goes out at once, the unit waits for its own
+                    self._issue(self.units if self.keep else self.units[unit.index: unit.index + 1 + self.prefetch])
                 self._wait(unit)
             unit.show("compute")
         return pre_forward
@@ -474,7 +473,7 @@ class DedicateState:
             unit.show("master")
             needs_grad = [t for t in tree_flatten(output)[0]
                           if isinstance(t, torch.Tensor) and t.requires_grad]
-            if (unit.reshard or not needs_grad) and self.keep is None:  # keep mode: weights stay
+            if (unit.reshard or not needs_grad) and not self.keep:  # keep mode: weights stay
                 for group in unit.groups:
                     self._release(group)
             if needs_grad:
@@ -486,7 +485,7 @@ class DedicateState:
         def pre_backward(grad: Any) -> None:
             self.step_check.before_backward()
             self._queue_final_callback()  # ends every unit's backward, even a frozen unit's
-            if self.keep is None:  # keep mode: the weights never left
+            if not self.keep:  # keep mode: the weights never left
                 with torch.profiler.record_function("dmuon::pre_backward"):
                     previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
                     self._issue([unit] + [prev for prev in previous
@@ -530,7 +529,7 @@ class DedicateState:
         the unit's backward (masters back on the modules) once all of its records have."""
         group = self.group_of[id(rec)]
         group.bwd_done.add(id(rec))
-        if group.bwd_done >= group.grad_members and self.keep is None:  # keep mode: weights stay
+        if group.bwd_done >= group.grad_members and not self.keep:  # keep mode: weights stay
             self._release(group)
         unit = self.unit_of_record[id(rec)]
         unit.grads_done.add(id(rec))
@@ -600,8 +599,6 @@ class DedicateState:
             issue: issue the first ``prefetch`` units' broadcasts now (after a step); ``False``
                 only invalidates (after loading a state dict).
         """
-        if self.keep is not None:  # keep-mode dispatch
-            return self.keep.publish_after_step(issue)
         with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
             if issue and self.roles.replicate is not None:
                 self._broadcast_from_replica0()
@@ -618,8 +615,8 @@ class DedicateState:
                     group.live = False
                 else:
                     self._release(group)
-            if issue:
-                self._issue(self.units[: self.prefetch])
+            if issue:  # keep mode: every bucket, overlapping the next forward
+                self._issue(self.units if self.keep else self.units[: self.prefetch])
 
     def _broadcast_from_replica0(self) -> None:
         """HSDP "broadcast" matrices: replica 0's owner stepped; the other replicas copy.
