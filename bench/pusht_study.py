@@ -222,35 +222,35 @@ def main(argv=None) -> dict:
     return result
 
 
+def _interval(s: dict) -> str:
+    """``mean [low, high]`` of a summary with a 95% interval."""
+    return f"{s['mean']:.2f} [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]"
+
+
 def table(result: dict) -> str:
     """Markdown table: success and final coverage at the last and the best checkpoint."""
-    def f(s: dict) -> str:
-        return f"{s['mean']:.2f} [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]"
-
     rows = ["| policy | lr | checkpoint | success rate | final coverage | max coverage | train s |",
             "|---|---|---|---|---|---|---|"]
     for opt, rec in result["optimizers"].items():
         for which in ("last", "best"):
             c = rec[which]
-            rows.append(f"| {opt} | {rec['lr']:g} | {which} (step {c['step']}) | {f(c['success_rate'])} | "
-                        f"{f(c['final_coverage'])} | {f(c['max_coverage'])} | {c['train_s_mean']:.0f} |")
+            rows.append(f"| {opt} | {rec['lr']:g} | {which} (step {c['step']}) | "
+                        f"{_interval(c['success_rate'])} | {_interval(c['final_coverage'])} | "
+                        f"{_interval(c['max_coverage'])} | {c['train_s_mean']:.0f} |")
     e = result["expert"]["summary"]
-    rows.append(f"| scripted expert | | | {f(e['success_rate'])} | {f(e['final_coverage'])} | "
-                f"{f(e['max_coverage'])} | |")
+    rows.append(f"| scripted expert | | | {_interval(e['success_rate'])} | {_interval(e['final_coverage'])} | "
+                f"{_interval(e['max_coverage'])} | |")
     return "\n".join(rows)
 
 
 def sweep_table(result: dict) -> str:
     """Markdown table of the lr sweep (seed 0, last checkpoint)."""
-    def f(x: dict) -> str:
-        return f"{x['mean']:.2f} [{x['ci95'][0]:.2f}, {x['ci95'][1]:.2f}]"
-
     rows = ["| optimizer | lr | final loss | success rate | final coverage | max coverage |",
             "|---|---|---|---|---|---|"]
     for opt, entries in result["sweep"].items():
         for r in entries:
-            rows.append(f"| {opt} | {r['lr']:g} | {r['loss']:.3f} | {f(r['success_rate'])} | "
-                        f"{f(r['final_coverage'])} | {f(r['max_coverage'])} |")
+            rows.append(f"| {opt} | {r['lr']:g} | {r['loss']:.3f} | {_interval(r['success_rate'])} | "
+                        f"{_interval(r['final_coverage'])} | {_interval(r['max_coverage'])} |")
     return "\n".join(rows)
 
 

@@ -37,8 +37,9 @@ logger = logging.getLogger(__name__)
 PHASES = ("forward", "backward")
 
 
-def _in_backward() -> bool:
-    """Whether autograd is executing a backward (activation checkpointing re-runs forwards)."""
+def in_autograd_backward() -> bool:
+    """True while the autograd engine runs a backward pass (activation checkpointing re-runs
+    forwards there); the runtime's unit hooks ask the same."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -70,7 +71,7 @@ class StepCheck:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
             needs_grad = [t for t in tree_flatten(output)[0]
                           if isinstance(t, torch.Tensor) and t.requires_grad]
-            if needs_grad and not _in_backward():  # the hook lives as long as the graph
+            if needs_grad and not in_autograd_backward():  # the hook lives as long as the graph
                 register_multi_grad_hook(needs_grad, lambda grads: self.before_backward(), mode="any")
 
         from dmuon.hooks.compile import dynamo_disable  # torch.compile runs them eagerly
@@ -83,7 +84,7 @@ class StepCheck:
 
     def before_forward(self) -> None:
         """The first dmuon forward hook since the last backward or step (not inside backward)."""
-        if self._last == 0 or _in_backward():
+        if self._last == 0 or in_autograd_backward():
             return
         self._last = 0
         self._check(0)

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 from dmuon.hooks import fsdp
 from dmuon.hooks.comm import Pending, issued_together, publish
 from dmuon.hooks.compile import dynamo_disable
-from dmuon.hooks.desync import StepCheck
+from dmuon.hooks.desync import StepCheck, in_autograd_backward
 from dmuon.hooks.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.keep import bucket_keys, resolve_replicas
 from dmuon.hooks.mesh import MeshRoles
@@ -135,11 +135,6 @@ class Unit:
 
     def grads_complete(self) -> bool:
         return all(id(rec) in self.grads_done for rec in self.records if rec.compute.requires_grad)
-
-
-def in_autograd_backward() -> bool:
-    """True while the autograd engine runs a backward pass (checkpoint recomputation runs here)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 @dataclass(eq=False)
@@ -483,8 +478,7 @@ class DedicateState:
     def _make_pre_backward(self, unit: Unit) -> Callable:
         @dynamo_disable
         def pre_backward(grad: Any) -> None:
-            self.step_check.before_backward()
-            self._queue_final_callback()  # ends every unit's backward, even a frozen unit's
+            self._queue_final_callback()  # the step check; ends every unit's backward, even a frozen unit's
             if not self.keep:  # keep mode: the weights never left
                 with torch.profiler.record_function("dmuon::pre_backward"):
                     previous = self.units[max(0, unit.index - self.prefetch): unit.index][::-1]
