@@ -248,9 +248,8 @@ def dedicate_params(
     check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
     state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
-                          replicate_mode=replicate_mode, reduce_mode=reduce_mode, replicas=replicas)
-    if not step_check:
-        state.step_check.group = None
+                          replicate_mode=replicate_mode, reduce_mode=reduce_mode, replicas=replicas,
+                          step_check=step_check)
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:
         loads = plan.loads()

@@ -207,6 +207,7 @@ class DedicateState:
             ``"all_reduce"`` (:mod:`dmuon.hooks.grad_buckets`).
         replicas: plain replicated module only: ``"keep"`` (default there) or
             ``"placeholder"`` (:mod:`dmuon.hooks.keep`).
+        step_check: compare step and backward counts across ranks (:mod:`dmuon.hooks.desync`).
     """
 
     def __init__(
@@ -222,6 +223,7 @@ class DedicateState:
         replicate_mode: str = "auto",
         reduce_mode: str = "reduce",
         replicas: str | None = None,
+        step_check: bool = True,
     ) -> None:
         self.model = model
         self.roles = roles
@@ -259,7 +261,8 @@ class DedicateState:
         # hooks below that differ there hand over to it.
         self.replicas = replicas
         self.keep = False  # replicas="keep": every rank keeps the full weights (set at bind)
-        self.step_check = StepCheck(roles.steps)  # ranks agree on steps and backwards
+        # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
+        self.step_check = StepCheck(roles.steps if step_check else None)
         # Units are FSDP2 blocks, known only once fully_shard has run: binding (at dmuon.Muon
         # or, failing that, at the first forward, before FSDP2's root hook) creates them.
         self._bind_handle = model.register_forward_pre_hook(dynamo_disable(self._bind_at_first_forward),
