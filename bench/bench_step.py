@@ -452,6 +452,9 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
                 rec.update(round=rnd, measured=0 < k and not profiled, profiled=profiled,
                            batch_index=next_batch[variant] - 1)
                 records[variant].append(rec)
+        if rank == 0:
+            print(f"[bench_step] round {rnd + 1}/{cfg.rounds}: {time.perf_counter() - t_start:.1f} s",
+                  file=sys.stderr, flush=True)
     wall_s = time.perf_counter() - t_start
 
     gathered: list[dict] = [None] * world  # type: ignore[list-item]

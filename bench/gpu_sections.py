@@ -45,6 +45,12 @@ from dmuon.kernels import newton_schulz, ns_flops, orthogonalize_by_shape, resol
 #: units of roundoff of the output dtype (fp16 2^-11, bf16 2^-8); accumulation is fp32. The
 #: same table as tests/test_kernels_triton.py.
 PRODUCT_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+#: A product's error may also be this many times the error of storing the exact (float64)
+#: product in the output dtype: no kernel that writes fp16 can do better. It matters for fp16
+#: at large ``m``: with ``||X||_F = 1`` the off-diagonal entries of ``X X^T`` are about
+#: ``1 / (m sqrt(n))``, below fp16's smallest normal (6.1e-5), where fewer mantissa bits remain
+#: (the first H100 run: 3584 x 18944 gave 3.4e-3 for the kernel and for torch's fp16 product).
+ROUNDING_FACTOR = 1.5
 #: Triton Gram NS error may be this many times the torch Gram path's (+1e-3): keeping one
 #: triangle and mirroring measured 1.2-1.9x torch's error under the interpreter (see
 #: tests/test_kernels_triton.py).
@@ -181,7 +187,8 @@ def check_shape(shape: list[int], device: torch.device, coefficient_sets: tuple[
 
     Returns:
         ``{"errors": {...}, "checks": {name: bool}, "fp16_gram_err", "torch_muon_bf16_err"}``;
-        the checks are the tolerances of :data:`PRODUCT_TOL` and :data:`NS_FACTOR`.
+        the checks are the tolerances of :data:`PRODUCT_TOL` (or :data:`ROUNDING_FACTOR` times the
+        error of rounding the float64 product to the dtype, whichever is larger) and :data:`NS_FACTOR`.
     """
     from dmuon.kernels.triton_syrk import triton_syrk
 
@@ -200,9 +207,11 @@ def check_shape(shape: list[int], device: torch.device, coefficient_sets: tuple[
         Xd = X.to(dtype)
         S = triton_syrk(Xd)
         e = {"syrk_vs_f64": _rel(S, syrk_ref), "syrk_vs_torch": _rel(S, (Xd @ Xd.mT).double()),
-             "syrk_symmetric": bool(torch.equal(S, S.mT)), "syrk_finite": bool(torch.isfinite(S).all())}
+             "syrk_symmetric": bool(torch.equal(S, S.mT)), "syrk_finite": bool(torch.isfinite(S).all()),
+             "output_rounding": _rel(syrk_ref.to(dtype), syrk_ref)}
+        e["syrk_tol"] = max(PRODUCT_TOL[dtype], ROUNDING_FACTOR * e["output_rounding"])
         checks[f"{dname}_syrk"] = (e["syrk_finite"] and e["syrk_symmetric"]
-                                   and e["syrk_vs_f64"] <= PRODUCT_TOL[dtype])
+                                   and e["syrk_vs_f64"] <= e["syrk_tol"])
         for c in coefficient_sets:
             kw = dict(coefficients=c, method="gram", dtype=dtype)
             tri = newton_schulz(G, backend="triton", **kw)
@@ -237,7 +246,8 @@ def correctness(opts: SuiteOptions) -> dict:
     failed = [(r["source"], r["shape"], k) for r in rows for k, ok in r["checks"].items() if not ok]
     inventory_rows = [r for r in rows if r["source"] != "awkward"]
     return {"coefficient_sets": list(coefficient_sets), "tolerances": {
-                "syrk_vs_f64": {k: PRODUCT_TOL[v] for k, v in DTYPES.items()},
+                "syrk_vs_f64": {k: f"<= max({PRODUCT_TOL[v]}, {ROUNDING_FACTOR} x output rounding)"
+                                for k, v in DTYPES.items()},
                 "gram_triton_vs_f64": f"<= {NS_FACTOR} x torch Gram error + 1e-3"},
             "rows": rows, "failed_checks": failed, "all_checks_pass": not failed,
             "target_fp16_gram_le_bf16_muon": {

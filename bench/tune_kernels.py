@@ -39,7 +39,7 @@ CANDIDATES = [
     dict(block=b, block_k=bk, num_warps=w, num_stages=s)
     for b, bk, w, s in itertools.product((64, 128), (32, 64), (4, 8), (3, 4))
     if not (b == 64 and w == 8)
-]
+] + [dict(block=128, block_k=128, num_warps=8, num_stages=s) for s in (2, 3)]  # 64-192 KB of smem
 
 
 def _time_ms(fn: Callable[[], object], reps: int = 10) -> float:

@@ -131,22 +131,38 @@ def adamw_update_(
 ) -> None:
     """One AdamW step, element-wise, on whatever each tensor is (full, local shard or DTensor).
 
-    ``states[i]`` holds ``step`` (0-d fp32 tensor), ``exp_avg`` and ``exp_avg_sq`` (like param),
-    created on first use exactly as ``torch.optim.AdamW`` names them, so state dicts interoperate.
+    ``states[i]`` holds ``step`` (0-d fp32 CPU tensor), ``exp_avg`` and ``exp_avg_sq`` (like
+    param), created on first use exactly as ``torch.optim.AdamW`` names them, so state dicts
+    interoperate. The math is ``_single_tensor_adam``'s, op for op, but run as one ``torch._foreach_*``
+    call per op over the local tensors (a DTensor's ``to_local()`` aliases its storage, and AdamW is
+    element-wise, so updating the shards updates the DTensors): a per-tensor loop over DTensors
+    paid DTensor dispatch ~8 times per parameter, 110 ms of a 145 ms optimizer step on the
+    194 M-parameter GPU model (H100, 2026-11-22), where FSDP2 + ``torch.optim.AdamW`` took 28 ms.
     """
+    if not params:
+        return
     beta1, beta2 = betas
-    for param, grad, state in zip(params, grads, states):
+    for param, state in zip(params, states):
         if not state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["step"] += 1
-        step = state["step"].item()
-        param.mul_(1 - lr * weight_decay)
-        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step_size = lr / (1 - beta1**step)
-        bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-step_size)
+    steps = [state["step"].item() for state in states]
+    local = [_to_local(t) for t in params]
+    exp_avgs = [_to_local(state["exp_avg"]) for state in states]
+    exp_avg_sqs = [_to_local(state["exp_avg_sq"]) for state in states]
+    local_grads = [_to_local(g) for g in grads]
+    torch._foreach_mul_(local, 1 - lr * weight_decay)
+    torch._foreach_lerp_(exp_avgs, local_grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, local_grads, local_grads, value=1 - beta2)
+    denoms = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denoms, [math.sqrt(1 - beta2**step) for step in steps])
+    torch._foreach_add_(denoms, eps)
+    torch._foreach_addcdiv_(local, exp_avgs, denoms, [-lr / (1 - beta1**step) for step in steps])
+
+
+def _to_local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (same storage), any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
