@@ -30,6 +30,7 @@ class ReplicatedGrads:
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int) -> None:
         self.group = group
+        self.params = params
         self.world_size = dist.get_world_size(group)
         self.buckets: list[list[nn.Parameter]] = []
         current, size = [], 0
