@@ -1,8 +1,12 @@
-"""The per-model runtime: hooks for the four phases of a dmuon step.
+"""The per-model runtime: hooks for the four phases of a dmuon step, in FSDP2's shape.
 
-One :class:`DedicateState` per model holds all mutable per-step state (FSDP2's
-``FSDPStateContext`` pattern). Hooks only enqueue work (issue a broadcast, issue a reduce,
-mark a record); the math lives in :mod:`dmuon.owners`.
+As FSDP2 splits ``FSDPState`` (dispatches hooks), ``FSDPParamGroup`` (one unit) and
+``FSDPParam``, dmuon has :class:`DedicateState` (one per model: registers every hook, holds what
+the units share, finishes a backward, publishes after a step), :class:`dmuon.hooks.unit.Unit`
+(one per unit: its forward and backward hooks) with its :class:`dmuon.hooks.unit.PublishGroup`
+buffers (publish, wait, release) and :class:`dmuon.owners.dedicated.DedicatedParam` (one
+matrix). :mod:`dmuon.hooks.bind` builds them. Hooks only enqueue work (issue a broadcast, issue
+a reduce, mark a record); the math lives in :mod:`dmuon.owners`.
 
 Phase 1, forward materialization: a forward pre-hook on each *unit* waits for the unit's
 publication, issued earlier, and prefetches the next ``prefetch`` units; a post-hook puts the
@@ -18,14 +22,15 @@ Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from i
 pre-backward until its post-backward (its last gradient is in), and its forward hooks do
 nothing while autograd runs: activation checkpointing re-runs forwards inside backward,
 and cuts them short (early stop) so their post-forward never runs.
-Phase 2, reduce-to-owner: a post-accumulate-grad hook on each full weight issues an async
-``reduce`` of its gradient to the owner; a callback at the end of backward waits and averages.
+Phase 2, reduce-to-owner: a post-accumulate-grad hook on each full weight puts its gradient in
+its unit's :class:`dmuon.hooks.grad_buckets.GradBucket`, which issues an async reduce to the
+owners once full; a callback at the end of backward waits and averages.
 Phase 4, publication: :meth:`DedicateState.publish_after_step` refreshes the owners' compute
 copies and issues the first units' broadcasts so they overlap the next forward.
 
-Which ranks hold what is a function of one rank-independent flag per matrix, ``live`` ("the
-current weights are published or being published"), so every rank issues the same collectives
-in the same order without talking about it.
+Which ranks hold what is a function of one rank-independent flag per publish group, ``live``
+("the current weights are published or being published"), so every rank issues the same
+collectives in the same order without talking about it.
 """
 
 from __future__ import annotations
@@ -39,10 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.hooks import fsdp
-from dmuon.hooks.bind import Selected, bind, check_materialized
+from dmuon.hooks.bind import Selected, Wiring, bind, check_materialized
 from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.desync import StepCheck
-from dmuon.hooks.grad_buckets import GradBucket
+from dmuon.hooks.grad_buckets import GradBucket, finish_buckets
 from dmuon.hooks.mesh import MeshRoles
 from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
 from dmuon.hooks.replicated import ReplicatedGrads
@@ -84,8 +89,7 @@ class DedicateState:
         selected: the dedicated matrices, in model order.
         prefetch: how many units ahead a publication is issued (>= 1).
         reshard_after_forward: free non-owners' full weights after forward and publish again
-            before backward (less memory, one more broadcast per matrix); ``None`` follows
-            each enclosing FSDP2 block (:func:`dmuon.hooks.fsdp.reshards_after_forward`).
+            before backward; ``None`` follows FSDP2 (:func:`dmuon.hooks.fsdp.reshards_after_forward`).
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
         replicate_mode: HSDP: ``"compute"``, ``"broadcast"`` or ``"auto"`` (per matrix, by
             :func:`choose_replicate_mode`).
@@ -136,8 +140,7 @@ class DedicateState:
         self.keep = False  # replicas="keep": every rank keeps the full weights
         self.fsdp_wrapped = False
         self._fsdp_states: list[Any] = []
-        # The optimizer's view: its parameters (the masters) to their records. Parameters are
-        # what torch.optim hands back, so a lookup by parameter cannot be avoided.
+        # torch.optim hands back parameters (the masters): the one lookup by object we keep
         self.record_of_master: dict[int, DedicatedParam] = {}  # id(master) -> record
         # Per backward:
         self.sync_enabled = True  # False inside dmuon.no_sync
@@ -148,22 +151,19 @@ class DedicateState:
         self.step_check = StepCheck(roles.steps if step_check else None)
         self._handles: list[Any] = []
         self._bind_handle: Any = None
-        self._wiring: list[Any] = []  # where each gradient goes (dmuon.hooks.bind.Wiring)
         self._register_hooks()
 
     # ------------------------------------------------------------------ hooks
-    def _register_hooks(self) -> None:
-        """Every hook dmuon installs, here. Before binding: the step check (prepended, in front
-        of everything) and the binding pre-hook (in front of FSDP2's root hook); units are FSDP2
-        blocks, known only once ``fully_shard`` has run, so binding (at ``dmuon.Muon`` or,
-        failing that, the first forward) calls this again for the units' and gradients' hooks.
-        """
-        if not self.bound:
+    def _register_hooks(self, wiring: list[Wiring] | None = None) -> None:
+        """Every hook dmuon installs. Without ``wiring`` (construction): the step check and the
+        binding pre-hook, both in front of FSDP2's root hook. Units are FSDP2 blocks, known once
+        ``fully_shard`` has run: binding passes ``wiring`` for the units' and gradients' hooks."""
+        if wiring is None:
             self._bind_handle = self.model.register_forward_pre_hook(
                 dynamo_disable(self._bind_at_first_forward), prepend=True)
             self._handles += self.step_check.install(self.model)  # prepended: in front of binding too
             return
-        for w in self._wiring:
+        for w in wiring:  # where each gradient goes
             self._handles.append(w.rec.compute.register_post_accumulate_grad_hook(
                 functools.partial(w.unit.on_grad, w.rec, w.group, w.bucket)))
         if self.replicated is not None:
@@ -202,9 +202,8 @@ class DedicateState:
         self.record_of_master = {id(rec.master): rec for rec in self.records}
         if binding.replicated:
             self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes)
-        self._wiring = binding.wiring  # kept for _register_hooks
         self.bound = True
-        self._register_hooks()
+        self._register_hooks(binding.wiring)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
 
@@ -249,18 +248,12 @@ class DedicateState:
         with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
             combine = (ReplicaCombine(group=self.roles.replicate, replicate_rank=self.replicate_rank)
                        if replicas > 1 else None)  # records are queued in bucket order
-            for bucket in self.buckets:
-                if bucket.flat is None:
-                    continue
-                if not bucket.issued:  # a member took no gradient in this backward
-                    bucket.issue(self.group, self.reduce_mode)
-                for rec, avg in bucket.take(self.world_size):
-                    if avg is not None:
-                        if combine is not None:
-                            combine.add(rec, avg)
-                        else:
-                            _accumulate(rec, avg)
-                    rec.had_grad = True
+            for rec, avg in finish_buckets(self.buckets, self.group, self.reduce_mode, self.world_size):
+                rec.had_grad = True
+                if avg is not None and combine is not None:  # avg: on the owner only
+                    combine.add(rec, avg)
+                elif avg is not None:
+                    _accumulate(rec, avg)
             if combine is not None:
                 combine.issue()
                 for rec, summed in combine.wait():
@@ -277,13 +270,11 @@ class DedicateState:
                 only invalidates (after loading a state dict).
         """
         with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
-            if issue and self.roles.replicate is not None:
-                # HSDP "broadcast" matrices: replica 0's owner stepped; the other replicas copy.
-                # One flat broadcast per dtype of the owned masters that had a gradient (the same
-                # list on every replica: the plan and the matrices with a gradient are the same).
-                masters = [rec.master.data for rec in self.records
-                           if rec.is_owner and rec.replicate_mode == "broadcast" and rec.had_grad]
-                broadcast_masters(masters, self.roles.replicate, self.replicate_rank)
+            if issue and self.roles.replicate is not None:  # HSDP "broadcast": replica 0 stepped
+                # the same list on every replica: the plan and the matrices with a gradient agree
+                broadcast_masters([rec.master.data for rec in self.records if rec.is_owner and
+                                   rec.replicate_mode == "broadcast" and rec.had_grad],
+                                  self.roles.replicate, self.replicate_rank)
             for rec in self.records:
                 rec.had_grad = False
             for group in self.groups:
