@@ -203,7 +203,7 @@ def tied_dedicated_refused(rank: int, world_size: int) -> str:
 def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: bool = False,
                    keep_block: int | None = None, reshard: bool | None = None) -> dict:
     """Broadcasts dmuon issues per training step (forward, backward and the step's own
-    publication), counted by wrapping ``dmuon.hooks.runtime.publish``, and the number of
+    publication), counted by wrapping ``dmuon.hooks.comm.publish`` (what each publish group calls), and the number of
     (block, owner) publish groups per FSDP2 block, counted from the plan's owners.
 
     Args:
@@ -212,7 +212,7 @@ def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: boo
         keep_block: ``fully_shard`` this block with ``reshard_after_forward=False``.
         reshard: dmuon's ``reshard_after_forward`` (None: follow FSDP2).
     """
-    import dmuon.hooks.runtime as runtime
+    import dmuon.hooks.comm as comm
 
     plan = None
     if one_owner:
@@ -223,13 +223,13 @@ def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: boo
     model, _ = build(world_size, "fsdp", plan=plan, keep_block=keep_block, reshard_after_forward=reshard)
     opt = dmuon.Muon(model, lr=0.02, ns_dtype=torch.float32)
     calls = []
-    original = runtime.publish
+    original = comm.publish
 
     def counting(*args, **kwargs):
         calls.append(args[1])
         return original(*args, **kwargs)
 
-    runtime.publish = counting
+    comm.publish = counting
     try:
         per_step = []
         for step in range(steps):
@@ -240,7 +240,7 @@ def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: boo
             opt.zero_grad()
             per_step.append(len(calls) - before)
     finally:
-        runtime.publish = original
+        comm.publish = original
     state = model._dmuon_state
     owners: dict[str, set[int]] = {}
     for spec in state.plan.matrices:

@@ -13,7 +13,8 @@ from dmuon.hooks.comm import check_same_on_all_ranks
 from dmuon.hooks.grad_buckets import REDUCE_MODES
 from dmuon.hooks.keep import resolve_replicas
 from dmuon.hooks.mesh import build_roles
-from dmuon.hooks.runtime import DedicateState, Selected
+from dmuon.hooks.bind import Selected
+from dmuon.hooks.runtime import DedicateState
 from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
 
 logger = logging.getLogger(__name__)

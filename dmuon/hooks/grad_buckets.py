@@ -47,26 +47,26 @@ class GradBucket:
     Attributes:
         records: the block's matrices, owner-major (stable within an owner).
         slots: ``(start, numel)`` of each record in ``flat``, in ``records`` order.
-        index: ``id(record)`` -> its position in ``records``.
+        index: record -> its position in ``records``.
         segments: ``(owner, start, numel)``, one per owner that owns a matrix of the block.
         dtype: the reduce dtype of every member.
         device: the device of every member.
-        expected: ids of the records that take a gradient (``compute.requires_grad``).
+        expected: the records that take a gradient (``compute.requires_grad``).
         flat: ``[sum of numels]`` in ``dtype``; allocated at the first gradient of a backward,
             dropped after :meth:`take`.
-        ready: ids of the records whose gradient is in ``flat`` this backward.
+        ready: the records whose gradient is in ``flat`` this backward.
         pending: this backward's collectives, once issued.
     """
 
     records: list[DedicatedParam]
     slots: list[tuple[int, int]]
-    index: dict[int, int]
+    index: dict[DedicatedParam, int]
     segments: list[tuple[int, int, int]]
     dtype: torch.dtype
     device: torch.device
-    expected: frozenset[int]
+    expected: frozenset[DedicatedParam]
     flat: torch.Tensor | None = None
-    ready: set = field(default_factory=set)
+    ready: set[DedicatedParam] = field(default_factory=set)
     pending: list[Pending] = field(default_factory=list)
 
     @property
@@ -78,15 +78,15 @@ class GradBucket:
         """Copy ``rec``'s local gradient ``[rows, cols]`` into its slot; True once all are in."""
         if self.flat is None:
             self.flat = torch.empty(sum(n for _, n in self.slots), dtype=self.dtype, device=self.device)
-        start, numel = self.slots[self.index[id(rec)]]
+        start, numel = self.slots[self.index[rec]]
         self.flat[start: start + numel].view_as(grad).copy_(grad)
-        self.ready.add(id(rec))
+        self.ready.add(rec)
         return self.ready >= self.expected
 
     def issue(self, group: dist.ProcessGroup, mode: str) -> None:
         """Start the bucket's collective(s); slots without a gradient are zeroed first."""
         for rec, (start, numel) in zip(self.records, self.slots):
-            if id(rec) not in self.ready:
+            if rec not in self.ready:
                 self.flat[start: start + numel].zero_()
         with torch.profiler.record_function("dmuon::reduce_bucket"):
             if mode == "all_reduce":
@@ -108,7 +108,7 @@ class GradBucket:
         for pend in self.pending:
             pend.wait()
         for rec, (start, numel) in zip(self.records, self.slots):
-            if id(rec) not in self.ready:
+            if rec not in self.ready:
                 continue
             avg = None
             if rec.is_owner:
@@ -120,12 +120,24 @@ class GradBucket:
         self.pending.clear()
 
 
+def finish_buckets(buckets: list[GradBucket], group: dist.ProcessGroup, mode: str,
+                   world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None]]:
+    """End of backward: issue the buckets a member of which took no gradient, wait for every
+    bucket, and yield :meth:`GradBucket.take`'s ``(record, average)`` pairs in bucket order."""
+    for bucket in buckets:
+        if bucket.flat is None:
+            continue
+        if not bucket.issued:  # a member took no gradient in this backward
+            bucket.issue(group, mode)
+        yield from bucket.take(world_size)
+
+
 def make_buckets(records: list[DedicatedParam], blocks: list[int]) -> list[GradBucket]:
     """One :class:`GradBucket` per (block, reduce dtype, device), in first-member order.
 
     Args:
         records: every dedicated matrix of the model, in model order.
-        blocks: for each record, an id of its FSDP2 block (its module without FSDP2).
+        blocks: for each record, a key of its unit (its index) or, in keep mode, its bucket.
     """
     keyed: dict[tuple, list[DedicatedParam]] = {}
     for rec, block in zip(records, blocks):
@@ -143,8 +155,8 @@ def make_buckets(records: list[DedicatedParam], blocks: list[int]) -> list[GradB
             else:
                 segments.append((rec.owner, start, numel))
             start += numel
-        expected = frozenset(id(r) for r in members if r.compute.requires_grad)
-        index = {id(r): i for i, r in enumerate(members)}
+        expected = frozenset(r for r in members if r.compute.requires_grad)
+        index = {r: i for i, r in enumerate(members)}  # records hash by identity (eq=False)
         buckets.append(GradBucket(members, slots, index, segments, dtype, device, expected))
     logger.debug("dmuon: %d gradient buckets for %d matrices", len(buckets), len(records))
     return buckets

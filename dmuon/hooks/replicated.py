@@ -30,6 +30,7 @@ class ReplicatedGrads:
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int) -> None:
         self.group = group
+        self.params = params
         self.world_size = dist.get_world_size(group)
         self.buckets: list[list[nn.Parameter]] = []
         current, size = [], 0
@@ -41,9 +42,9 @@ class ReplicatedGrads:
                 current, size = [], 0
         if current:
             self.buckets.append(current)
-        self.bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self.incoming: dict[int, torch.Tensor] = {}
-        self.unsynced: dict[int, torch.Tensor] = {}  # local sums of no_sync micro-batches
+        # keyed by the parameter itself (tensors hash by identity)
+        self.incoming: dict[nn.Parameter, torch.Tensor] = {}
+        self.unsynced: dict[nn.Parameter, torch.Tensor] = {}  # local sums of no_sync micro-batches
         self.pending: list[tuple[int, Pending]] = []
         self.next_bucket = 0
 
@@ -58,29 +59,29 @@ class ReplicatedGrads:
         With ``sync=False`` (``no_sync`` micro-batches) the gradient is only summed locally and
         goes out with the next synchronized backward.
         """
-        earlier = self.unsynced.pop(id(param), None)
+        earlier = self.unsynced.pop(param, None)
         if earlier is not None:
             grad = earlier + grad
         if not sync:
-            self.unsynced[id(param)] = grad
+            self.unsynced[param] = grad
             return torch.zeros_like(grad)
-        self.incoming[id(param)] = grad
+        self.incoming[param] = grad
         self._launch_ready(final=False)
         return torch.zeros_like(grad)
 
     def _launch_ready(self, final: bool) -> None:
         while self.next_bucket < len(self.buckets):
             bucket = self.buckets[self.next_bucket]
-            if not final and any(id(p) not in self.incoming for p in bucket):
+            if not final and any(p not in self.incoming for p in bucket):
                 return
             pieces = []
             for p in bucket:
-                g = self.incoming.get(id(p))
+                g = self.incoming.get(p)
                 pieces.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if g is None
                               else g.detach().reshape(-1).to(torch.float32))
             # One extra element per parameter counts the ranks that produced a gradient, so a
             # parameter unused everywhere keeps grad=None, as in single-process training.
-            flags = torch.tensor([float(id(p) in self.incoming) for p in bucket], device=bucket[0].device)
+            flags = torch.tensor([float(p in self.incoming) for p in bucket], device=bucket[0].device)
             flat = torch.cat(pieces + [flags])
             self.pending.append((self.next_bucket, all_reduce_sum(flat, self.group)))
             self.next_bucket += 1

@@ -1,0 +1,237 @@
+"""Binding: from the selected matrices to owners' masters, placeholders, units and buckets.
+
+Runs once per model, at ``dmuon.Muon`` construction or at the first forward (whichever comes
+first), once the user's ``fully_shard`` calls have made the FSDP2 blocks known. Collective: the
+matrices are taken from FSDP2 (a redistribute each) and, on a plain replicated module, the other
+parameters are broadcast from rank 0, in the same order on every rank. Registers no hook: the
+runtime (:class:`dmuon.hooks.runtime.DedicateState`) registers them all from the
+:class:`Binding` this module returns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.hooks import fsdp
+from dmuon.hooks.grad_buckets import GradBucket, make_buckets
+from dmuon.hooks.keep import bucket_keys, resolve_replicas
+from dmuon.hooks.tp import as_compute_param, local_slice
+from dmuon.hooks.unit import PublishGroup, Unit
+from dmuon.owners.dedicated import DedicatedParam, free_storage, make_dedicated
+
+if TYPE_CHECKING:
+    from dmuon.hooks.runtime import DedicateState
+
+
+@dataclass(eq=False)
+class Selected:
+    """A dedicated matrix found at ``dedicate_params`` time, before binding."""
+
+    fqn: str
+    module: nn.Module
+    attr: str
+    shape: tuple[int, int]
+
+
+@dataclass(eq=False)
+class Wiring:
+    """Where one dedicated matrix's gradient goes: its unit, publish group and gradient bucket."""
+
+    rec: DedicatedParam
+    unit: Unit
+    group: PublishGroup
+    bucket: GradBucket
+
+
+@dataclass(eq=False)
+class Binding:
+    """What binding made (the runtime keeps it and registers the hooks).
+
+    Attributes:
+        records: every dedicated matrix, in model order.
+        units: in the order their forward pre-hooks fire.
+        groups: every publish group.
+        buckets: every gradient bucket.
+        wiring: for each record whose compute weight takes a gradient, where the gradient goes.
+        replicated: plain replicated module on more than one rank: the other trainable
+            parameters, whose gradients dmuon averages (DDP-style); empty otherwise.
+        fsdp_states: the model's FSDP2 states (empty without FSDP2).
+        keep: ``replicas="keep"``: every rank keeps every matrix whole.
+    """
+
+    records: list[DedicatedParam]
+    units: list[Unit]
+    groups: list[PublishGroup]
+    buckets: list[GradBucket]
+    wiring: list[Wiring]
+    replicated: list[nn.Parameter]
+    fsdp_states: list[Any]
+    keep: bool
+
+
+def check_materialized(selected: list[Selected]) -> None:
+    """Refuse to bind matrices that still live on the meta device.
+
+    Binding copies each matrix's current value into its owner's master and leaves a zero-size
+    placeholder on the module; a meta tensor has no value, and an init run after binding
+    would see placeholders. Same on every rank (meta-ness does not depend on the rank), so
+    every rank raises before any collective: no hang.
+
+    Raises:
+        RuntimeError: naming the first meta parameters and the order of calls that works.
+    """
+    on_meta = [sel.fqn for sel in selected if sel.module._parameters[sel.attr].is_meta]
+    if on_meta:
+        shown = ", ".join(repr(n) for n in on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
+        raise RuntimeError(
+            f"dmuon: {len(on_meta)} dedicated matrices are still on the meta device ({shown}); "
+            f"dmuon.Muon (or the first forward) builds the owners' masters from the current "
+            f"values. Call, in this order: fully_shard(...), dmuon.dedicate_params(model, mesh), "
+            f"model.to_empty(device=...), the model's own init (reset_parameters() / "
+            f"init_weights()), then dmuon.Muon(model, ...)."
+        )
+
+
+def check_param_dtypes(selected: list[Selected],
+                       policies: list[tuple[torch.dtype | None, torch.dtype | None]]) -> None:
+    """Refuse an FSDP2 ``param_dtype`` dmuon cannot publish, on every rank alike (the policies
+    are the same everywhere), before binding changes anything.
+
+    Raises:
+        ValueError: naming the matrix, the dtype and the fix.
+    """
+    for sel, (param_dtype, _) in zip(selected, policies):
+        if param_dtype is not None and (not param_dtype.is_floating_point or param_dtype.itemsize < 2):
+            raise ValueError(
+                f"dmuon: the FSDP2 block holding {sel.fqn!r} computes in {param_dtype} "
+                f"(MixedPrecisionPolicy.param_dtype); dmuon publishes float16, bfloat16, float32 "
+                f"or float64 weights. Use one of those, or pass predicate=... to leave the matrix "
+                f"on AdamW."
+            )
+
+
+def bind(ctx: DedicateState, replicate_mode_of: Callable[[tuple[int, int]], str]) -> Binding:
+    """Take the selected matrices from the model (FSDP2 or plain) and build the runtime's parts.
+
+    Args:
+        ctx: the model's runtime state (model, roles, plan, selection and options).
+        replicate_mode_of: HSDP mode (``"compute"``/``"broadcast"``) of a matrix of full shape
+            ``(rows, cols)``.
+
+    The caller runs :func:`check_materialized` first.
+
+    Raises:
+        ValueError: an FSDP2 ``param_dtype`` dmuon cannot publish, an unknown ``replicas``
+            or one given where it does not apply, an HSDP or TP mesh without FSDP2.
+    """
+    selected, model, roles = ctx.selected, ctx.model, ctx.roles
+    fsdp_states = fsdp.fsdp_states(model)
+    plain_1d = roles.tp is None and roles.replicate is None
+    keep = resolve_replicas(ctx.replicas, fsdp_wrapped=bool(fsdp_states), plain_1d=plain_1d) == "keep"
+    specs = {m.fqn: m for m in ctx.plan.matrices}
+    parents = fsdp.parent_map(model)
+    unit_modules = [fsdp.publish_block(sel.module, parents) for sel in selected]
+    policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))
+                for sel in selected]
+    check_param_dtypes(selected, policies)  # before anything is taken from FSDP2
+    units = make_units(ctx, unit_modules, parents)
+    slices = []
+    for sel, (param_dtype, reduce_dtype) in zip(selected, policies):
+        # collective redistributes, in the same order on every rank
+        param = sel.module._parameters[sel.attr]
+        taken = fsdp.take_from_fsdp(model, sel.module, sel.attr)
+        sl = local_slice(taken if taken is not None else param, sel.fqn, roles.tp_name)
+        slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,
+                       reduce_dtype or param_dtype or sl.local.dtype))
+    unit_of = [next(u for u in units if u.module is m) for m in unit_modules]
+    # keep mode: publish groups and gradient buckets per plan bucket; else per unit
+    keys = bucket_keys(ctx.plan, selected, ctx.bucket_bytes) if keep else [u.index for u in unit_of]
+    views = make_groups(slices, [specs[sel.fqn].owner for sel in selected], keys, ctx.rank, keep)
+    records = []
+    for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(selected, slices)):
+        spec = specs[sel.fqn]
+        group, storage = views[order]
+        rec = make_dedicated(
+            fqn=sel.fqn, module=sel.module, attr=sel.attr, full=sl.local,
+            owner=spec.owner, rank=ctx.rank, compute_dtype=compute_dtype,
+            reduce_dtype=reduce_dtype, requires_grad=requires_grad, order=order,
+            wrap=lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape),
+            storage=storage, full_shape=sel.shape, tp_shard_dim=sl.shard_dim,
+            tp_owner=spec.tp_owner, replicate_mode=replicate_mode_of(sel.shape),
+        )
+        group.members.append(rec)
+        if rec.compute.requires_grad:
+            group.grad_members.add(rec)
+        unit_of[order].add(rec, group)
+        records.append(rec)
+    groups = list(dict.fromkeys(group for group, _ in views))
+    for group in groups:
+        if not group.is_owner and not keep:  # keep mode: full weights stay
+            free_storage(group.flat)
+    buckets = make_buckets(records, keys)
+    bucket_of = {rec: bucket for bucket in buckets for rec in bucket.records}  # local to binding
+    wiring = [Wiring(rec, unit_of[i], views[i][0], bucket_of[rec])
+              for i, rec in enumerate(records) if rec.compute.requires_grad]
+    replicated = []
+    if not fsdp_states and ctx.world_size > 1:
+        replicated = replicate_others(ctx, records)
+    return Binding(records=records, units=units, groups=groups, buckets=buckets, wiring=wiring,
+                   replicated=replicated, fsdp_states=fsdp_states, keep=keep)
+
+
+def make_units(ctx: DedicateState, unit_modules: list[nn.Module], parents: dict[int, nn.Module]) -> list[Unit]:
+    """One :class:`Unit` per distinct unit module, in the order their forward pre-hooks
+    fire when modules run in registration order (an enclosing unit, such as the FSDP2
+    root, before the units inside it)."""
+    wanted = {id(m) for m in unit_modules}  # modules compared by identity, as FSDP2 does
+    units: list[Unit] = []
+    for module in ctx.model.modules():  # modules() yields each module once
+        if id(module) in wanted:
+            # FSDP2's setting, read before its groups lose our matrices
+            reshard = (ctx.reshard_after_forward if ctx.reshard_after_forward is not None
+                       else fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(module, parents), parents))
+            units.append(Unit(ctx=ctx, index=len(units), module=module, reshard=reshard))
+    return units
+
+
+def make_groups(slices: list, owners: list[int], keys: list, rank: int,
+                keep: bool) -> list[tuple[PublishGroup, torch.Tensor]]:
+    """One :class:`PublishGroup` per (unit or bucket key, owner, dtype, device); returns each
+    matrix's group and its view of the group's flat buffer, in selection order."""
+    keyed: dict[tuple, list[int]] = {}
+    for i, ((sl, _, dtype, _), owner) in enumerate(zip(slices, owners)):
+        keyed.setdefault((keys[i], owner, dtype, sl.local.device), []).append(i)
+    views: list[Any] = [None] * len(slices)
+    for (_, owner, dtype, device), indices in keyed.items():
+        numels = [slices[i][0].local.numel() for i in indices]
+        flat = torch.empty(sum(numels), dtype=dtype, device=device)
+        group = PublishGroup(owner=owner, is_owner=owner == rank, flat=flat, keep=keep)
+        for i, piece in zip(indices, torch.split(flat, numels)):
+            views[i] = (group, piece)
+    return views
+
+
+def replicate_others(ctx: DedicateState, records: list[DedicatedParam]) -> list[nn.Parameter]:
+    """Plain replicated module: start every other parameter from rank 0's values, as DDP does
+    (collective), and return the trainable ones (their gradients are averaged DDP-style).
+
+    Raises:
+        ValueError: on an HSDP or tensor-parallel mesh (those need FSDP2).
+    """
+    if ctx.roles.tp is not None or ctx.roles.replicate is not None:
+        raise ValueError(
+            "dmuon: HSDP and tensor-parallel meshes need FSDP2 (fully_shard) on the "
+            "data-parallel dimensions; a plain replicated module is supported on a 1-D mesh"
+        )
+    masters = {rec.master for rec in records}  # parameters, hashed by identity
+    params = [p for p in ctx.model.parameters() if p not in masters and not hasattr(p, "placements")]
+    src = dist.get_global_rank(ctx.group, 0)
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=src, group=ctx.group)
+    return [p for p in params if p.requires_grad]

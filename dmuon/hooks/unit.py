@@ -1,0 +1,246 @@
+"""One unit of publication: FSDP2's ``FSDPParamGroup`` for dmuon's dedicated matrices.
+
+A :class:`Unit` is what is published together before one module runs (an FSDP2 block, or
+without FSDP2 the block :func:`dmuon.hooks.fsdp.publish_block` picks); it runs its own pre/post
+forward and backward bookkeeping, as ``FSDPParamGroup`` runs its unshard/reshard. Its matrices
+travel in :class:`PublishGroup` buffers, one per owner and compute dtype, each issued, waited
+on and freed by itself (one broadcast per group, as FSDP2 all-gathers a group into one buffer).
+The model's :class:`dmuon.hooks.runtime.DedicateState` only dispatches the hooks and holds what
+every unit shares (the process group, ``prefetch``, the unit order, the keep mode).
+
+Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
+pre-backward until its post-backward (its last gradient is in), and its forward hooks do
+nothing while autograd runs: activation checkpointing re-runs forwards inside backward, and
+cuts them short (early stop) so their post-forward never runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from dmuon.hooks import comm
+from dmuon.hooks.comm import Pending, issued_together
+from dmuon.hooks.desync import in_autograd_backward
+from dmuon.hooks.grad_buckets import GradBucket
+from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
+
+if TYPE_CHECKING:
+    from dmuon.hooks.runtime import DedicateState
+
+
+@dataclass(eq=False)
+class PublishGroup:
+    """Dedicated matrices of one unit with the same owner, published by one broadcast.
+
+    Their compute weights are views of ``flat`` (``[sum of numels]``, compute dtype), so the
+    group is materialized, published and freed as one tensor, as FSDP2 all-gathers a unit's
+    parameters into one buffer. ``live`` is rank-independent ("the current weights are
+    published or being published"); ``bwd_done`` collects members whose gradient is in since
+    the group went live, and the group is freed when every member that takes one has it.
+
+    Attributes:
+        owner: the rank (in the dmuon group) that holds the masters and broadcasts.
+        is_owner: whether this rank is ``owner``.
+        flat: ``[sum of numels]`` compute-dtype buffer; storage freed on non-owners while not
+            live (never in keep mode).
+        keep: ``replicas="keep"``: every rank keeps ``flat``; release only ends ``live``.
+        members: the matrices whose compute weights are views of ``flat``, in model order.
+        grad_members: the members that take a gradient.
+    """
+
+    owner: int
+    is_owner: bool
+    flat: torch.Tensor
+    keep: bool = False
+    members: list[DedicatedParam] = field(default_factory=list)
+    grad_members: set[DedicatedParam] = field(default_factory=set)
+    live: bool = False
+    work: Pending | None = None
+    bwd_done: set[DedicatedParam] = field(default_factory=set)
+
+    def issue(self, group: dist.ProcessGroup) -> Pending:
+        """Allocate a non-owner's buffer and start the owner's broadcast into it."""
+        if not self.is_owner:
+            alloc_storage(self.flat)
+        with torch.autograd._unsafe_preserve_version_counter(self.flat):
+            self.work = comm.publish(self.flat, self.owner, group, lambda: [r.fqn for r in self.members])
+        self.live = True
+        self.bwd_done.clear()
+        return self.work
+
+    def wait(self) -> None:
+        """Wait for this group's broadcast, if one is in flight."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+    def release(self) -> None:
+        """Free a non-owner's copy of the group (the owner keeps it: it is the source; in keep
+        mode every rank keeps it, and the group only stops being live)."""
+        self.wait()
+        if not self.is_owner and not self.keep:
+            free_storage(self.flat)
+        self.live = False
+        self.bwd_done.clear()
+
+    def grad_in(self, rec: DedicatedParam) -> None:
+        """``rec``'s gradient is in: release once every member that takes one has it (never in
+        keep mode: the weights stay)."""
+        self.bwd_done.add(rec)
+        if self.bwd_done >= self.grad_members and not self.keep:
+            self.release()
+
+    def refresh(self) -> None:
+        """After a step: the owner copies its stepped masters into its compute copy (the next
+        publication's source); the others free theirs. Either way the group is no longer live."""
+        if not self.is_owner:
+            self.release()
+            return
+        self.wait()
+        with torch.autograd._unsafe_preserve_version_counter(self.flat):
+            for rec in self.members:
+                rec.buffer.detach().copy_(rec.master)
+        self.live = False
+
+
+def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
+    """Publish ``groups`` (each once, in order), one NCCL group call per device if possible."""
+    by_device: dict[torch.device, list[PublishGroup]] = {}
+    for pub in dict.fromkeys(groups):  # in keep mode a group (a bucket) may span several units
+        by_device.setdefault(pub.flat.device, []).append(pub)
+    for device, pubs in by_device.items():
+        pendings: list[Pending] = []
+        with issued_together(group, device, pendings):
+            for pub in pubs:
+                pendings.append(pub.issue(group))
+
+
+@dataclass(eq=False)
+class Unit:
+    """The dedicated matrices published together before one module runs, and their hooks.
+
+    Attributes:
+        ctx: the model's runtime state (process group, unit order, ``prefetch``, keep mode).
+        index: position in forward order (the order units are prefetched in).
+        module: the FSDP2 block (``fully_shard`` module) or, without FSDP2, the matrices'
+            parent module (:func:`dmuon.hooks.fsdp.publish_block`).
+        records: its dedicated matrices, in model order.
+        groups: its publish groups (one per owner and compute dtype).
+        takes_grad: some record's compute weight requires grad (set at bind).
+        reshard: free non-owners' copies after forward (set at bind, FSDP2's rule).
+        in_backward: between the unit's pre-backward and its post-backward; forward hooks
+            (activation-checkpointing recomputation) then leave the full weights alone.
+        grads_done: records whose gradient is in during this backward.
+        backward_finished: every gradient of the unit is in during this backward (an
+            enclosing unit, e.g. FSDP2's root holding the head, may finish before the units
+            it encloses): backward prefetch skips it.
+    """
+
+    ctx: DedicateState
+    index: int
+    module: nn.Module
+    reshard: bool = True
+    records: list[DedicatedParam] = field(default_factory=list)
+    groups: list[PublishGroup] = field(default_factory=list)
+    takes_grad: bool = False
+    in_backward: bool = False
+    grads_done: set[DedicatedParam] = field(default_factory=set)
+    backward_finished: bool = False
+    pre_backward_hook: Any = None  # the dynamo-disabled pre_backward, made at bind
+
+    def add(self, rec: DedicatedParam, group: PublishGroup) -> None:
+        """Bind one dedicated matrix and its publish group to this unit."""
+        self.records.append(rec)
+        if group not in self.groups:
+            self.groups.append(group)
+        if rec.compute.requires_grad:
+            self.takes_grad = True
+
+    def show(self, which: str) -> None:
+        """Register every record's ``"compute"`` weight (or ``"master"``) on its module."""
+        for rec in self.records:
+            rec.show(which)
+
+    def wait(self) -> None:
+        """Wait for every publication of this unit."""
+        for group in self.groups:
+            group.wait()
+
+    def grads_complete(self) -> bool:
+        return all(rec in self.grads_done for rec in self.records if rec.compute.requires_grad)
+
+    # --------------------------------------------------------------- forward
+    def pre_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook: publish this unit (and prefetch the next), wait, show compute."""
+        ctx = self.ctx
+        ctx.ensure_bound()
+        ctx.step_check.before_forward()
+        with torch.profiler.record_function("dmuon::pre_forward"):
+            if self.in_backward or in_autograd_backward():
+                # Activation checkpointing recomputes this forward inside backward: the
+                # weights must be whole, and stay so until the unit's post-backward.
+                ctx.issue([self])
+            else:  # keep mode: every bucket goes out at once, the unit waits for its own
+                ctx.issue(ctx.units if ctx.keep else ctx.units[self.index: self.index + 1 + ctx.prefetch])
+            self.wait()
+        self.show("compute")
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook: masters back; free (reshard) unless kept; arm the pre-backward."""
+        if self.in_backward or in_autograd_backward():
+            return  # a recomputation: the unit's post-backward puts the masters back
+        self.show("master")
+        needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if (self.reshard or not needs_grad) and not self.ctx.keep:  # keep mode: weights stay
+            for group in self.groups:
+                group.release()
+        if needs_grad:
+            register_multi_grad_hook(needs_grad, self.pre_backward_hook, mode="any")
+
+    # -------------------------------------------------------------- backward
+    def pre_backward(self, grad: Any) -> None:
+        """First gradient of the unit's output: publish it again (and prefetch the previous
+        units), wait, and show the compute weights until its post-backward."""
+        ctx = self.ctx
+        ctx.queue_final_callback()  # the step check; ends every unit's backward, even a frozen unit's
+        if not ctx.keep:  # keep mode: the weights never left
+            with torch.profiler.record_function("dmuon::pre_backward"):
+                previous = ctx.units[max(0, self.index - ctx.prefetch): self.index][::-1]
+                ctx.issue([self] + [prev for prev in previous if prev.takes_grad and not prev.backward_finished])
+                self.wait()
+        # Like FSDP2's pre-backward unshard: a recomputed forward reads the module's weights.
+        self.in_backward = True
+        self.show("compute")
+
+    def on_grad(self, rec: DedicatedParam, group: PublishGroup, bucket: GradBucket, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of ``rec.compute``: its gradient goes into its bucket (the
+        bucket's reduce-to-owner starts once full); then the group and unit bookkeeping."""
+        ctx = self.ctx
+        ctx.queue_final_callback()
+        if ctx.sync_this_backward:
+            grad = param.grad
+            param.grad = None
+            if hasattr(grad, "to_local"):  # the TP slice's gradient
+                grad = grad.to_local()
+            if bucket.add(rec, grad):
+                bucket.issue(ctx.group, ctx.reduce_mode)
+        # else gradient accumulation: keep the local sum in compute.grad (full size on every
+        # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
+        group.grad_in(rec)
+        self.grads_done.add(rec)
+        if self.grads_complete():
+            self.post_backward()
+            self.backward_finished = True
+
+    def post_backward(self) -> None:
+        """Masters back on the modules; the unit's backward is over."""
+        self.show("master")
+        self.in_backward = False
+        self.grads_done.clear()
