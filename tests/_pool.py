@@ -321,12 +321,6 @@ class DistPool:
         self._worlds: dict[int, _World] = {}
         self.starts = 0  # how many worlds were started (tests check recovery with it)
 
-    def __enter__(self) -> DistPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _world(self, world_size: int) -> _World:
         world = self._worlds.get(world_size)
         if world is not None and all(p.is_alive() for p in world.procs):
