@@ -548,13 +548,17 @@ def _ratios(summary: dict) -> dict:
     }
 
 
-def run(cfg: BenchConfig) -> dict:
+def run(cfg: BenchConfig, threads: int | None = None) -> dict:
     """Spawns ``cfg.nproc`` ranks (gloo, or NCCL with ``device="cuda"``), runs the benchmark, returns (and writes) the result.
 
+    ``threads``: intra-op threads per rank (default ``cpus // nproc``, at least 1). One rank
+    runs in this process (:func:`dmuon.launch.launch`).
+
     Raises:
-        RuntimeError: If the ranks fail (the child's traceback is chained).
+        torch.multiprocessing.ProcessRaisedException: If a spawned rank raised (its traceback
+            is in the message); with one rank, the exception itself.
     """
-    threads = max(1, (os.cpu_count() or 1) // cfg.nproc)
+    threads = threads or max(1, (os.cpu_count() or 1) // cfg.nproc)
     out = cfg.out or str(pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_step_{os.getpid()}.json")
     cfg = dataclasses.replace(cfg, out=out)
     launch(_rank_main, cfg, cfg.nproc, backend="nccl" if cfg.device == "cuda" else "gloo",

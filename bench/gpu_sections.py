@@ -446,6 +446,6 @@ def step(opts: SuiteOptions) -> dict:
         nproc=1, rounds=(3 if opts.quick else 5) if cuda else 1, block_steps=2 if cuda else 1,
         batch_size=32 if cuda else 4, tiny=not cuda, model="gpu", calibrate=False,
         extra_variants=("torch_muon",), device=opts.device, synthetic=True, bf16=True, out=str(path))
-    raw = bench_step.run(cfg)  # one rank, in this process (dmuon.launch with nproc=1)
+    raw = bench_step.run(cfg, threads=torch.get_num_threads())  # one rank, in this process
     raw["dedicated_matrices"] = len(raw["dedicated_matrices"])  # 148 rows on the GPU model
     return raw
