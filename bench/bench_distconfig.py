@@ -1,6 +1,6 @@
 """Optimizer-step time of ``dmuon.Muon(params, distributed_config=...)`` by schedule.
 
-4 gloo ranks (tests/_pool.py workers, one thread each), FSDP-style ``Shard(0)`` DTensor
+4 gloo ranks (started by :func:`dmuon.launch.launch`, one thread each), FSDP-style ``Shard(0)`` DTensor
 matrices from ``create_dtensor_config()``; variants ``prefetch_count`` 0/1/2 x
 ``async_gpu_parallelism`` on/off, plus the per-matrix (unbatched) gather path, interleaved step
 by step in one run; medians and spread over the timed steps; ratios against
@@ -18,7 +18,9 @@ import json
 import platform
 import statistics
 import sys
+import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,8 +31,9 @@ SHAPES = [(256, 512)] * 8 + [(512, 256)] * 4 + [(384, 384)] * 4
 VARIANTS = [(p, a, True) for a in (False, True) for p in (0, 1, 2)] + [(1, True, False)]
 
 
-def rank_fn(rank: int, world_size: int, steps: int) -> dict:
-    """Runs on every rank: build the matrices and one optimizer per variant, time each step."""
+def rank_fn(job: tuple[int, str]) -> None:
+    """Runs on every rank: build the matrices and one optimizer per variant, time each step;
+    rank 0 writes ``{"times_ms": [[ms per timed step] per variant]}`` to ``job[1]`` (JSON)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -39,7 +42,9 @@ def rank_fn(rank: int, world_size: int, steps: int) -> dict:
     import dmuon
     from dmuon.distconfig import create_dtensor_config
 
-    mesh = init_device_mesh("cpu", (world_size,))
+    steps, times_path = job
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     g = torch.Generator().manual_seed(0)
     fulls = [torch.randn(*s, generator=g) for s in SHAPES]
     opts, params = [], []
@@ -63,7 +68,8 @@ def rank_fn(rank: int, world_size: int, steps: int) -> dict:
             dist.barrier()
             if step:
                 times[v].append((time.perf_counter() - t0) * 1e3)
-    return dict(times_ms=times)
+    if dist.get_rank() == 0:
+        Path(times_path).write_text(json.dumps(dict(times_ms=times)))
 
 
 def main() -> None:
@@ -74,11 +80,13 @@ def main() -> None:
     import torch
 
     from dmuon.kernels import ns_flops
-    from tests._pool import DistPool
+    from dmuon.launch import launch
 
-    with DistPool() as pool:
-        out = pool.run(4, "bench.bench_distconfig:rank_fn", {"steps": args.steps}, timeout_s=540)
-    times = out[0]["times_ms"]  # barriers: every rank sees the same step time
+    with tempfile.TemporaryDirectory() as tmp:
+        times_path = f"{tmp}/times.json"
+        launch(rank_fn, (args.steps, times_path), 4, backend="gloo", threads=1,
+               timeout=timedelta(seconds=540), torchrun=False)
+        times = json.loads(Path(times_path).read_text())["times_ms"]  # barriers: same on every rank
     base = statistics.median(times[0])
     rows = []
     for (prefetch, async_, batched), ts in zip(VARIANTS, times):

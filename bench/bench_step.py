@@ -66,7 +66,6 @@ import logging
 import os
 import pathlib
 import platform
-import socket
 import statistics
 import sys
 import time
@@ -78,6 +77,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from dmuon.launch import launch  # noqa: E402
 from dmuon.train.data import DataConfig, PushTDemos, ensure_cached  # noqa: E402
 from dmuon.train.loop import TrainConfig, build_optimizer  # noqa: E402
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
@@ -331,27 +331,20 @@ def _calibrate_ns(shapes: list[tuple[int, int]], ns_dtype: torch.dtype) -> list[
     return out
 
 
-def _rank_main(rank: int, cfg: BenchConfig, port: int, threads: int) -> None:
+def _rank_main(cfg: BenchConfig) -> None:
+    """One rank of :func:`run`, started by :func:`dmuon.launch.launch` (process group initialized)."""
     import warnings
 
     # FSDP2's view-output warning and gloo's all_gather_into_tensor deprecation, once per rank
     # and step, would bury the table; they do not affect timing.
     warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(cfg.nproc))
-    torch.set_num_threads(threads)
-    if cfg.device == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if cfg.device == "cuda" else "gloo", timeout=timedelta(minutes=10))
-    try:
-        result = _run_rank(rank, cfg)
-        if rank == 0 and cfg.out:
-            path = pathlib.Path(cfg.out)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(result, indent=1))
-    finally:
-        dist.destroy_process_group()
+    rank = dist.get_rank()
+    result = _run_rank(rank, cfg)
+    if rank == 0 and cfg.out:
+        path = pathlib.Path(cfg.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
 
 
 def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
@@ -558,20 +551,21 @@ def _ratios(summary: dict) -> dict:
     }
 
 
-def run(cfg: BenchConfig) -> dict:
+def run(cfg: BenchConfig, threads: int | None = None) -> dict:
     """Spawns ``cfg.nproc`` ranks (gloo, or NCCL with ``device="cuda"``), runs the benchmark, returns (and writes) the result.
 
+    ``threads``: intra-op threads per rank (default ``cpus // nproc``, at least 1). One rank
+    runs in this process (:func:`dmuon.launch.launch`).
+
     Raises:
-        RuntimeError: If the ranks fail (the child's traceback is chained).
+        torch.multiprocessing.ProcessRaisedException: If a spawned rank raised (its traceback
+            is in the message); with one rank, the exception itself.
     """
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    threads = max(1, (os.cpu_count() or 1) // cfg.nproc)
-    out = cfg.out or str(pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_step_{port}.json")
+    threads = threads or max(1, (os.cpu_count() or 1) // cfg.nproc)
+    out = cfg.out or str(pathlib.Path(os.environ.get("TMPDIR", "/tmp")) / f"bench_step_{os.getpid()}.json")
     cfg = dataclasses.replace(cfg, out=out)
-    torch.multiprocessing.start_processes(_rank_main, args=(cfg, port, threads), nprocs=cfg.nproc,
-                                          join=True, start_method="spawn")
+    launch(_rank_main, cfg, cfg.nproc, backend="nccl" if cfg.device == "cuda" else "gloo",
+           threads=threads, timeout=timedelta(minutes=10), torchrun=False)
     return json.loads(pathlib.Path(out).read_text())
 
 

@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -452,15 +451,11 @@ def step(opts: SuiteOptions) -> dict:
     import bench_step
 
     cuda = opts.torch_device().type == "cuda"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     path = opts.work / "step_raw.json"
     cfg = bench_step.BenchConfig(
         nproc=1, rounds=(3 if opts.quick else 5) if cuda else 1, block_steps=2 if cuda else 1,
         batch_size=32 if cuda else 4, tiny=not cuda, model="gpu", calibrate=False,
         extra_variants=("torch_muon",), device=opts.device, synthetic=True, bf16=True, out=str(path))
-    bench_step._rank_main(0, cfg, port, torch.get_num_threads())
-    raw = json.loads(path.read_text())
+    raw = bench_step.run(cfg, threads=torch.get_num_threads())  # one rank, in this process
     raw["dedicated_matrices"] = len(raw["dedicated_matrices"])  # 148 rows on the GPU model
     return raw

@@ -31,16 +31,18 @@ import os
 import pathlib
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
 import warnings
+from datetime import timedelta
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run from a checkout
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from dmuon.launch import launch  # noqa: E402
 
 VARIANTS = ("dmuon", "adamw")
 OBJECT_EVERY = 50  # steps between two counts of live Python objects (~20 ms each)
@@ -61,12 +63,10 @@ def live_objects() -> tuple[int, int]:
         return len(objs), sum(1 for o in objs if isinstance(o, torch.Tensor))
 
 
-def _rank_main(rank: int, world: int, port: int, variant: str, steps: int, batch_size: int,
-               result_dir: str, trim: bool) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _rank_main(job: tuple[str, int, int, str, bool]) -> None:
+    """One rank, started by :func:`dmuon.launch.launch` (gloo group initialized, 1 thread)."""
+    variant, steps, batch_size, result_dir, trim = job
+    rank, world = dist.get_rank(), dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -109,13 +109,6 @@ def _rank_main(rank: int, world: int, port: int, variant: str, steps: int, batch
                ru_maxrss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     pathlib.Path(result_dir, f"{variant}_rank{rank}.json").write_text(json.dumps(out))
     dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def summarize(rss: list[int], warmup: int) -> dict:
@@ -133,9 +126,8 @@ def summarize(rss: list[int], warmup: int) -> dict:
 
 def run_variant(variant: str, steps: int, nproc: int, batch_size: int, tmp: pathlib.Path,
                 trim: bool = False) -> list[dict]:
-    torch.multiprocessing.start_processes(
-        _rank_main, args=(nproc, _free_port(), variant, steps, batch_size, str(tmp), trim),
-        nprocs=nproc, join=True, start_method="spawn")
+    launch(_rank_main, (variant, steps, batch_size, str(tmp), trim), nproc, backend="gloo",
+           threads=1, timeout=timedelta(minutes=30), torchrun=False)
     return [json.loads((tmp / f"{variant}_rank{r}.json").read_text()) for r in range(nproc)]
 
 

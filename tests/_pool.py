@@ -1,19 +1,15 @@
-"""Pools of gloo worker processes for fast multi-rank tests (and benchmarks).
+"""A session pool of gloo worker processes for fast multi-rank tests.
 
-Spawning a world of processes costs ~2.5 s per test on a 2-core machine (mostly `import torch`
-in every child). :class:`DistPool` pays that once per world size: it keeps one set of worker
-processes per world size, each with an initialized gloo default process group on CPU, and runs
-many "module:function" calls on them. Workers are forked from a forkserver that has torch
-imported, so even a restart costs ~0.1-0.3 s. :func:`spawn_world` runs one call on fresh
-processes, for tests that kill a rank on purpose.
+Spawning a world of processes costs ~2.5 s per test on a 2-core machine (mostly ``import torch``
+in every child). :class:`DistPool` pays that once per world size: it keeps one set of workers
+per world size, started by :func:`dmuon.launch.start_ranks` from a forkserver that has torch
+imported (a restart costs ~0.1-0.3 s), each joined to a gloo default group by
+:func:`dmuon.launch.init_rank`, and runs many ``"module:function"`` calls on them.
+:func:`spawn_world` runs one call on fresh processes, for tests that kill a rank on purpose.
 
 Every call has a timeout. A rank that raises, dies or hangs makes the call raise an error that
 names the ranks, with their tracebacks or (hung) :mod:`faulthandler` stacks; the world is then
-killed and restarted lazily, as a failed call may leave the ranks out of step in their
-collectives. Usable outside pytest (no pytest import):
-
-    with DistPool() as pool:
-        sums = pool.run(world_size=4, fn="tests.dist_cases:my_case", kwargs={"n": 3})
+killed and restarted on next use, as a failed call may leave the ranks out of step.
 """
 
 from __future__ import annotations
@@ -31,19 +27,20 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from dmuon.launch import init_rank, start_ranks
+
 logger = logging.getLogger(__name__)
 
-#: Repository root: put first on the workers' ``sys.path`` so ``tests.*`` and ``dmuon`` import.
+#: Repository root: first on the workers' ``sys.path`` so ``tests.*`` and ``dmuon`` import.
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
-# Environment of every worker, set before torch is imported there. One thread per rank: the
-# machine has 2 cores shared by up to 8 ranks, and oversubscribed OpenMP makes gloo tests crawl.
-_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
+# Set in every worker. One thread per rank: 2 cores shared by up to 8 ranks, and oversubscribed
+# OpenMP makes gloo tests crawl.
+_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _STACK_DUMP_WAIT_S = 1.0  # longest wait for hung ranks' stack dumps; they take ~10 ms
 
 
@@ -57,36 +54,15 @@ class RankTimeoutError(DistPoolError):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RankExit:
-    """How a rank of :func:`spawn_world` ended when it did not return a value.
-
-    Attributes:
-        rank: Global rank of the process.
-        exitcode: Process exit code; ``-N`` means killed by signal ``N``.
-        traceback: Traceback text if the function raised, else ``None`` (e.g. the rank died).
-    """
+    """How a rank of :func:`spawn_world` ended without returning: its rank, exit code (``-N``:
+    killed by signal ``N``) and traceback text if ``fn`` raised (else ``None``)."""
 
     rank: int
     exitcode: int | None
     traceback: str | None
 
 
-def resolve_fn(fn: str) -> Callable[..., Any]:
-    """Import the function named by a ``"package.module:function"`` string.
-
-    Raises:
-        ValueError: If ``fn`` has no single ``:`` or the attribute is not callable.
-        ImportError: If the module cannot be imported.
-    """
-    _check_args(1, fn)
-    module_name, _, attr = fn.partition(":")
-    target = getattr(importlib.import_module(module_name), attr, None)
-    if not callable(target):
-        raise ValueError(f"{fn!r}: module {module_name!r} has no callable named {attr!r}")
-    return target
-
-
-def _check_args(world_size: int, fn: str, kwargs: dict[str, Any] | None = None) -> None:
-    """Validate the arguments shared by :meth:`DistPool.run` and :func:`spawn_world`."""
+def _check_args(world_size: int, fn: str, kwargs: dict[str, Any] | None) -> None:
     if kwargs is not None and ({"rank", "world_size"} & set(kwargs)):
         raise ValueError(f"kwargs must not contain 'rank' or 'world_size' (every rank receives "
                          f"its own), got keys {sorted(kwargs)}")
@@ -97,68 +73,22 @@ def _check_args(world_size: int, fn: str, kwargs: dict[str, Any] | None = None) 
         raise ValueError(f"fn must look like 'package.module:function', got {fn!r}")
 
 
-def _context(start_method: str) -> Any:
-    """Multiprocessing context for workers; the forkserver preloads torch so forks are cheap.
-
-    Forking the forkserver is safe: it imports torch but never runs an op, so no OpenMP pool
-    exists yet (OpenBLAS's thread is handled by its fork handlers). On 2 busy cores a 4-rank
-    world starts in ~0.1 s so, ~6 s with "spawn". The preload list is process-wide and only
-    applies if the forkserver is not running yet.
-
-    Raises:
-        ValueError: If ``start_method`` is not ``"forkserver"`` or ``"spawn"``.
-    """
-    if start_method not in ("forkserver", "spawn"):
-        raise ValueError(f"start_method must be 'forkserver' or 'spawn' (fork is unsafe after "
-                         f"torch starts threads), got {start_method!r}")
-    ctx = multiprocessing.get_context(start_method)
-    if start_method == "forkserver":
-        # pytest too when running under it: test modules imported by workers import it (~0.15 s
-        # per fresh worker otherwise).
-        extra = ["pytest"] if "pytest" in sys.modules else []
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", *extra])
-    return ctx
-
-
-def _init_worker(rank: int, world_size: int, port: int, stack_file: str, sys_path: list[str],
-                 pg_timeout_s: float) -> None:
-    """Set up one rank: parent watchdog, environment, stack dumps, gloo default process group."""
-    import faulthandler
-    import threading
-
-    parent = multiprocessing.parent_process()
-    if parent is not None:  # die with the parent even when stuck in a C++ collective
-        threading.Thread(target=lambda: (mp_connection.wait([parent.sentinel]), os._exit(3)),
-                         name="dmuon-pool-parent-watch", daemon=True).start()
-    os.environ.update(_WORKER_ENV)
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo resolves the hostname otherwise
-    sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    # faulthandler keeps a reference to the file, which stays open for the process life.
-    stack_dump = open(stack_file, "w")  # noqa: SIM115
-    faulthandler.register(signal.SIGUSR1, file=stack_dump, all_threads=True)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timedelta(seconds=pg_timeout_s))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=pg_timeout_s))
-
-
-def _call(fn: str, rank: int, world_size: int, kwargs: dict[str, Any],
-          seed: int) -> tuple[str, bytes]:
-    """Seed and run one call on this rank; return ``(kind, pickled (kind, value or text))``."""
+def _call(request: tuple[str, dict, int], rank: int, world_size: int) -> tuple[str, bytes]:
+    """Seed python/numpy/torch, run ``fn(rank=, world_size=, **kwargs)``; ``(kind, pickled
+    (kind, value or traceback text))``."""
     import numpy
     import torch
 
+    fn, kwargs, seed = request
     try:
         random.seed(seed)
         numpy.random.seed(seed)
         torch.manual_seed(seed)
-        value = resolve_fn(fn)(rank=rank, world_size=world_size, **kwargs)
+        module_name, _, attr = fn.partition(":")
+        target = getattr(importlib.import_module(module_name), attr, None)
+        if not callable(target):
+            raise ValueError(f"{fn!r}: module {module_name!r} has no callable named {attr!r}")
+        value = target(rank=rank, world_size=world_size, **kwargs)
     except BaseException:  # noqa: BLE001 - any failure goes back to the parent as text
         return "err", pickle.dumps(("err", traceback.format_exc()))
     try:
@@ -183,26 +113,46 @@ def _cleanup_after_call() -> None:
     torch.set_num_threads(1)
 
 
-def _worker_main(rank: int, world_size: int, port: int, conn: Any, stack_file: str,
-                 sys_path: list[str], pg_timeout_s: float, once: tuple | None = None) -> None:
-    """Pool worker (``once is None``): report ``ready``, then answer pickled ``(fn, kwargs,
-    seed)`` requests until ``None`` or EOF. With ``once`` (such a triple, for
-    :func:`spawn_world`): run it, report, exit with 0 (returned) or 1 (raised)."""
+def _worker_main(rank: int, world_size: int, port: int, conns: tuple, stack_files: list[str],
+                 pg_timeout_s: float, once: tuple | None) -> None:
+    """A rank started by :func:`dmuon.launch.start_ranks`. Pool worker (``once is None``):
+    report ``ready``, then answer pickled ``(fn, kwargs, seed)`` requests until ``None`` or EOF.
+    With ``once`` (such a triple): run it, report, exit with 0 (returned) or 1 (raised)."""
+    import faulthandler
+    import threading
+
+    conn = conns[rank]
+    for other in conns:  # every rank received every pipe end; the parent must see EOF per rank
+        if other is not conn:
+            other.close()
     try:
-        _init_worker(rank, world_size, port, stack_file, sys_path, pg_timeout_s)
+        parent = multiprocessing.parent_process()
+        if parent is not None:  # die with the parent even when stuck in a C++ collective
+            threading.Thread(target=lambda: (mp_connection.wait([parent.sentinel]), os._exit(3)),
+                             name="dmuon-pool-parent-watch", daemon=True).start()
+        os.environ.update(_WORKER_ENV)
+        if sys.platform.startswith("linux"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo resolves the hostname otherwise
+        sys.path[:0] = [REPO_ROOT] * (REPO_ROOT not in sys.path)
+        # faulthandler keeps a reference to the file, which stays open for the process life.
+        faulthandler.register(signal.SIGUSR1, file=open(stack_files[rank], "w"),  # noqa: SIM115
+                              all_threads=True)
+        import torch.distributed as dist
+
+        timeout = timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+        init_rank(rank, world_size, port=port, store=store, backend="gloo", threads=1,
+                  timeout=timeout)
         kind, answer = "ready", pickle.dumps(("ready", None))
     except BaseException:  # noqa: BLE001
         kind, answer = "err", pickle.dumps(("err", traceback.format_exc()))
     if once is not None and kind == "ready":
-        kind, answer = _call(once[0], rank, world_size, once[1], once[2])
+        kind, answer = _call(once, rank, world_size)
     serve = once is None and kind == "ready"
     try:
         conn.send_bytes(answer)
-        while serve:
-            request = pickle.loads(conn.recv_bytes())
-            if request is None:
-                break
-            kind, answer = _call(request[0], rank, world_size, request[1], request[2])
+        while serve and (request := pickle.loads(conn.recv_bytes())) is not None:
+            kind, answer = _call(request, rank, world_size)
             if kind == "ok":
                 try:
                     _cleanup_after_call()
@@ -220,7 +170,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Any, stack_file: s
 class _World:
     """One set of ``world_size`` worker processes and the TCP store they rendezvous on."""
 
-    def __init__(self, world_size: int, ctx: Any, pg_timeout_s: float,
+    def __init__(self, world_size: int, start_method: str, pg_timeout_s: float,
                  once: tuple | None = None) -> None:
         import torch.distributed as dist
 
@@ -228,33 +178,37 @@ class _World:
         # The parent hosts the store on a port the OS picks: no free-port race between ranks.
         self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
                                     timeout=timedelta(seconds=pg_timeout_s))
-        self.port = self._store.port
         self._tmp = tempfile.TemporaryDirectory(prefix=f"dmuon-pool-w{world_size}-")
         self.stack_files = [f"{self._tmp.name}/rank{r}.stack" for r in range(world_size)]
-        self.conns, self.procs = [], []  # parent pipe ends and processes, by rank
+        pipes = [multiprocessing.Pipe(duplex=True) for _ in range(world_size)]
+        self.conns = [parent_end for parent_end, _ in pipes]  # by rank
+        self.procs: list = []
         try:
-            for rank in range(world_size):
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                self.conns.append(parent_end)
-                proc = ctx.Process(
-                    target=_worker_main, name=f"dmuon-pool-w{world_size}-r{rank}", daemon=True,
-                    args=(rank, world_size, self.port, child_end, self.stack_files[rank],
-                          [REPO_ROOT, *sys.path], pg_timeout_s, once))
-                proc.start()
-                child_end.close()
-                self.procs.append(proc)
+            if start_method == "forkserver":
+                # pytest too when running under it: test modules the workers import import it.
+                extra = ["pytest"] if "pytest" in sys.modules else []
+                multiprocessing.get_context("forkserver").set_forkserver_preload(
+                    ["torch", "torch.distributed", "numpy", "dmuon.launch", *extra])
+            context = start_ranks(
+                _worker_main, world_size, start_method=start_method, join=False, daemon=True,
+                args=(world_size, self._store.port, tuple(c for _, c in pipes), self.stack_files,
+                      pg_timeout_s, once))
+            self.procs = context.processes
         except BaseException:
             self.kill()
             raise
+        finally:
+            for _, child_end in pipes:
+                child_end.close()
 
     def collect(self, timeout_s: float, grace_s: float | None) -> tuple[dict, dict, list[int]]:
-        """Wait up to ``timeout_s`` seconds for one message per rank; once a rank raised or
-        died, the others get at most ``grace_s`` more (``None``: the full timeout).
+        """Wait up to ``timeout_s`` s for one message per rank; once a rank raised or died, the
+        others get at most ``grace_s`` more (``None``: the full timeout).
 
         Returns:
-            ``(answers, dead, silent)``: ``answers[rank] = (kind, payload)`` for ranks that sent
-            a message, ``dead[rank] = exitcode`` for ranks that exited without one, and the
-            sorted ranks that neither answered nor died before the deadline.
+            ``(answers, dead, silent)``: ``answers[rank] = (kind, payload)``, ``dead[rank] =
+            exitcode`` for ranks that exited without a message, and the sorted ranks that did
+            neither before the deadline.
         """
         answers: dict[int, tuple[str, Any]] = {}
         dead: dict[int, int | None] = {}
@@ -262,20 +216,18 @@ class _World:
         by_object = {c: r for r, c in enumerate(self.conns)}
         by_object.update({p.sentinel: r for r, p in enumerate(self.procs)})
         while len(answers) + len(dead) < self.world_size and time.monotonic() < deadline:
-            remaining = deadline - time.monotonic()
             pending = [o for o, r in by_object.items() if r not in answers and r not in dead]
-            for obj in mp_connection.wait(pending, timeout=max(0.0, remaining)):
+            for obj in mp_connection.wait(pending, timeout=max(0.0, deadline - time.monotonic())):
                 rank = by_object[obj]
                 if rank in answers or rank in dead:
                     continue
-                conn = self.conns[rank]
                 try:
-                    if conn.poll():
-                        answers[rank] = pickle.loads(conn.recv_bytes())
+                    if self.conns[rank].poll():
+                        answers[rank] = pickle.loads(self.conns[rank].recv_bytes())
                         continue
                 except (EOFError, OSError):
                     pass
-                if obj is conn:  # pipe closed without a message: the sentinel will follow
+                if obj is self.conns[rank]:  # pipe closed without a message: the sentinel follows
                     self.procs[rank].join(1.0)
                 dead[rank] = self.procs[rank].exitcode
             failed = any(kind == "err" for kind, _ in answers.values()) or dead
@@ -284,7 +236,7 @@ class _World:
         silent = [r for r in range(self.world_size) if r not in answers and r not in dead]
         return answers, dead, silent
 
-    def stacks(self, ranks: Sequence[int]) -> dict[int, str]:
+    def stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask hung ranks for their Python stacks (faulthandler on SIGUSR1) and read them."""
         files = {r: Path(self.stack_files[r]) for r in ranks if self.procs[r].is_alive()}
         for rank in files:
@@ -300,12 +252,8 @@ class _World:
         return {r: text(r) or "(no stack dump)" for r in ranks}
 
     def kill(self, graceful_s: float = 0.0) -> None:
-        """Stop every worker, reap it and free the world's resources.
-
-        Args:
-            graceful_s: Time (seconds) the workers get to exit on request first; then SIGKILL
-                (a worker stuck in a C++ collective ignores anything milder).
-        """
+        """Stop and reap every worker (after ``graceful_s`` s to exit on request, SIGKILL: a
+        worker stuck in a C++ collective ignores anything milder); free the world's resources."""
         if graceful_s > 0:
             for conn in self.conns:
                 try:
@@ -320,7 +268,7 @@ class _World:
                 proc.kill()
             proc.join(5.0)
             if proc.is_alive():
-                logger.warning("dmuon test pool: %s (pid %s) survived SIGKILL", proc.name, proc.pid)
+                logger.warning("dmuon test pool: worker pid %s survived SIGKILL", proc.pid)
             else:
                 proc.close()
         for conn in self.conns:
@@ -350,12 +298,12 @@ class DistPool:
 
     Args:
         start_method: ``"forkserver"`` (default, torch preloaded: worlds start in ~0.1 s) or
-            ``"spawn"`` (~2.5 s per world); never ``"fork"`` (see :func:`_context`).
-        grace_s: After a rank raised or died, how long (seconds) the others get to answer before
-            the call gives up on them (they are likely stuck in a collective).
-        startup_timeout_s: Limit (seconds) for a world's workers to import torch and join the
-            process group; counted apart from a call's ``timeout_s``.
-        pg_timeout_s: gloo's own collective timeout (seconds) inside the workers.
+            ``"spawn"`` (~2.5 s per world); ``"fork"`` is refused.
+        grace_s: After a rank raised or died, how long (s) the others get to answer before the
+            call gives up on them (they are likely stuck in a collective).
+        startup_timeout_s: Limit (s) for a world's workers to join the process group; apart
+            from a call's ``timeout_s``.
+        pg_timeout_s: gloo's own collective timeout (s) inside the workers.
 
     Raises:
         ValueError: If ``start_method`` is not ``"spawn"`` or ``"forkserver"``.
@@ -363,18 +311,15 @@ class DistPool:
 
     def __init__(self, start_method: str = "forkserver", grace_s: float = 10.0,
                  startup_timeout_s: float = 180.0, pg_timeout_s: float = 300.0) -> None:
-        self._ctx = _context(start_method)
+        if start_method not in ("forkserver", "spawn"):
+            raise ValueError(f"start_method must be 'forkserver' or 'spawn' (fork is unsafe "
+                             f"after torch starts threads), got {start_method!r}")
+        self.start_method = start_method
         self.grace_s = grace_s
         self.startup_timeout_s = startup_timeout_s
         self.pg_timeout_s = pg_timeout_s
         self._worlds: dict[int, _World] = {}
         self.starts = 0  # how many worlds were started (tests check recovery with it)
-
-    def __enter__(self) -> DistPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _world(self, world_size: int) -> _World:
         world = self._worlds.get(world_size)
@@ -384,8 +329,7 @@ class DistPool:
             logger.warning("dmuon test pool: a worker of world_size=%d died between calls; "
                            "restarting that world", world_size)
             self._drop(world_size)
-        started = time.monotonic()
-        world = _World(world_size, self._ctx, self.pg_timeout_s)
+        world = _World(world_size, self.start_method, self.pg_timeout_s)
         try:
             answers, dead, silent = world.collect(self.startup_timeout_s, grace_s=self.grace_s)
         except BaseException:  # e.g. pytest-timeout fired during startup
@@ -397,8 +341,6 @@ class DistPool:
             raise DistPoolError(_failure_message(
                 f"dmuon test pool: starting {world_size} gloo workers failed.",
                 self.startup_timeout_s, answers, dead, silent, stacks))
-        logger.info("dmuon test pool: world_size=%d up in %.1f s", world_size,
-                    time.monotonic() - started)
         self._worlds[world_size] = world
         self.starts += 1
         return world
@@ -411,20 +353,19 @@ class DistPool:
             timeout_s: float = 60.0, seed: int = 0, fresh: bool = False) -> list[Any]:
         """Run ``fn(rank=r, world_size=world_size, **kwargs)`` on every rank of a gloo world.
 
-        The default process group is initialized (gloo, CPU, ranks ``0..world_size-1``) before
-        the call; python, numpy and torch are seeded with ``seed`` on every rank; process
-        groups the call created are destroyed after it (locally, no collective).
+        Before the call python, numpy and torch are seeded with ``seed`` on every rank; after
+        it, the process groups it created are destroyed (locally, no collective).
 
         Args:
             world_size: Number of ranks (>= 1).
             fn: ``"package.module:function"`` importable in the workers (the repository root is
                 on their ``sys.path``).
             kwargs: Keyword arguments for every rank, pickled (tensors travel by value).
-            timeout_s: Limit (seconds) for all ranks to answer.
+            timeout_s: Limit (s) for all ranks to answer.
             seed: Seed for ``random``, ``numpy.random`` and ``torch`` on every rank.
-            fresh: run in a newly started world (~0.1 s with the forkserver): for cases that
+            fresh: Run in a newly started world (~0.1 s with the forkserver): for cases that
                 build multi-dimensional DeviceMeshes, whose sub-groups do not survive the
-                group cleanup between calls.
+                cleanup between calls.
 
         Returns:
             The value each rank returned, indexed by rank.
@@ -469,13 +410,11 @@ def spawn_world(world_size: int, fn: str, kwargs: dict[str, Any] | None = None,
                 start_method: str = "forkserver", pg_timeout_s: float = 300.0) -> list[Any]:
     """Run ``fn`` once on ``world_size`` fresh processes (for tests that kill ranks).
 
-    Same calling convention as :meth:`DistPool.run`, but every call starts new processes
-    (~0.1-0.3 s with the forkserver, ~2.5 s with "spawn") and a rank that raises or dies is
-    reported in the result, not raised.
+    Same calling convention as :meth:`DistPool.run`, but a rank that raises or dies is reported
+    in the result, not raised.
 
     Returns:
-        Per rank (index = rank): the value ``fn`` returned, or a :class:`RankExit` with the
-        exit code (and traceback text if ``fn`` raised).
+        Per rank: the value ``fn`` returned, or a :class:`RankExit`.
 
     Raises:
         ValueError: If ``world_size`` < 1 or ``start_method`` is not spawn/forkserver.
@@ -483,15 +422,13 @@ def spawn_world(world_size: int, fn: str, kwargs: dict[str, Any] | None = None,
             killed and named, with their stacks.
     """
     _check_args(world_size, fn, kwargs)
-    ctx = _context(start_method)
-    world = _World(world_size, ctx, pg_timeout_s, once=(fn, dict(kwargs or {}), seed))
+    world = _World(world_size, start_method, pg_timeout_s, once=(fn, dict(kwargs or {}), seed))
     try:
         answers, dead, silent = world.collect(timeout_s, grace_s=None)
         if silent:
-            stacks = world.stacks(silent)
             raise RankTimeoutError(_failure_message(
                 f"dmuon spawn_world: {fn} on world_size={world_size} hung; all ranks killed.",
-                timeout_s, answers, dead, silent, stacks))
+                timeout_s, answers, dead, silent, world.stacks(silent)))
         for proc in world.procs:
             proc.join(5.0)
         results: list[Any] = []

@@ -1,7 +1,9 @@
-"""Tests of the multi-rank test pool (tests/_pool.py): right answers, loud failures, recovery.
+"""Tests of the multi-rank test pool (tests/_pool.py) and of the launcher it stands on
+(dmuon/launch.py): right answers, loud failures, recovery.
 
-The ``_case_*`` functions run inside the gloo workers (``fn="tests.test_pool:_case_..."``).
-Failure tests shorten the pool's grace period so that the whole file stays within ~25 s.
+The ``_case_*`` functions run inside the gloo workers (``fn="tests.test_pool:_case_..."``),
+``_launched_*`` in ranks started by :func:`dmuon.launch.launch`. Failure tests shorten the
+pool's grace period so that the whole file stays within ~35 s.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dmuon.launch import init_rank, launch, start_ranks
 from tests._pool import DistPool, DistPoolError, RankExit, RankTimeoutError, spawn_world
 
 _HERE = "tests.test_pool"
@@ -76,6 +79,24 @@ def _case_subgroup(rank: int, world_size: int) -> float:
     if rank % 2 == 0:
         dist.all_reduce(value, group=evens)
     return value.item()
+
+
+def _launched_rank(out_dir: str) -> None:
+    """A rank of :func:`dmuon.launch.launch`: all-reduce ``rank + 1`` and write what it saw."""
+    import json
+
+    total = torch.tensor([float(dist.get_rank() + 1)], dtype=torch.float64)
+    dist.all_reduce(total)
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(dict(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend(),
+        env=[os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")],
+        threads=torch.get_num_threads(), total=total.item())))
+
+
+def _launched_raise(arg: int) -> None:
+    """Rank 1 raises; rank 0 returns."""
+    if dist.get_rank() == 1:
+        raise ValueError(f"deliberate failure on launched rank 1 (arg {arg})")
 
 
 # ----- tests -----------------------------------------------------------------------------------
@@ -204,3 +225,51 @@ def test_close_reaps_every_worker():
     pool.close()
     # A zombie keeps its /proc entry until reaped, so this also catches unreaped children.
     assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
+
+
+# ----- dmuon.launch: the one launcher of local ranks ------------------------------------------
+
+def test_launch_runs_every_rank_in_one_gloo_group(tmp_path):
+    launch(_launched_rank, str(tmp_path), 2, backend="gloo", threads=1, torchrun=False)
+    import json
+
+    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, rank in enumerate(seen):
+        assert (rank["rank"], rank["world_size"], rank["backend"]) == (r, 2, "gloo")
+        assert rank["env"] == [str(r), str(r), "2", "127.0.0.1"] and rank["threads"] == 1
+        assert rank["total"] == 3.0  # 1 + 2, the reference sum of rank + 1
+
+
+def test_launch_reraises_a_rank_exception_with_its_traceback():
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException,
+                       match="deliberate failure on launched rank 1 \\(arg 7\\)"):
+        launch(_launched_raise, 7, 2, backend="gloo", threads=1, torchrun=False)
+
+
+def test_launch_under_torchrun_runs_in_this_process(tmp_path, monkeypatch):
+    from dmuon.launch import free_port
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    launch(_launched_rank, str(tmp_path), 5, backend="gloo")  # nproc ignored under torchrun
+    assert not dist.is_initialized()  # destroyed after fn
+    import json
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.json"]
+    assert json.loads((tmp_path / "rank0.json").read_text())["total"] == 1.0
+
+
+def test_launcher_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="nproc must be an int >= 1, got 0"):
+        launch(_launched_rank, "", 0, torchrun=False)
+    with pytest.raises(ValueError, match="nproc must be an int >= 1, got 0"):
+        start_ranks(_launched_rank, 0)
+    with pytest.raises(ValueError, match="start_method must be 'forkserver' or 'spawn'"):
+        start_ranks(_launched_rank, 2, start_method="fork")
+    with pytest.raises(ValueError, match="rank 2 is outside 0..1"):
+        init_rank(2, 2, port=1)
+    with pytest.raises(ValueError, match="rank 0 needs a rendezvous"):
+        init_rank(0, 2)

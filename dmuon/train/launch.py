@@ -2,28 +2,24 @@
 
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank. Otherwise it
 spawns ``--nproc`` local ranks (gloo on CPU, NCCL on CUDA) with a free rendezvous port, giving
-each ``OMP_NUM_THREADS = cpus // nproc`` (at least 1) unless the user set it.
+each ``OMP_NUM_THREADS = cpus // nproc`` (at least 1) unless the user set it: see
+:func:`dmuon.launch.launch`, re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
-from collections.abc import Callable
-from datetime import timedelta
-from typing import Any
 
-import torch
-import torch.distributed as dist
-
+from dmuon.launch import default_nproc, launch, under_torchrun
 from dmuon.train.data import DataConfig
 from dmuon.train.eval import add_eval_args, eval_config_from
 from dmuon.train.loop import OPTIMIZERS, TrainConfig, train_rank
 from dmuon.train.parallel import Layout
 
+__all__ = ["launch", "main", "parse_args"]
+
 _DEFAULTS = TrainConfig()
-_RANK_TIMEOUT = timedelta(minutes=30)  # rank 0 may generate the dataset while others wait
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
@@ -68,77 +64,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
             seed=a.seed, out=a.out, plot=a.plot, mesh=a.mesh, data=DataConfig(episodes=a.episodes),
             save=a.save, save_every=a.save_every, eval=eval_config_from(a, p),
         )
-        world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else (a.nproc or _default_nproc())
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (a.nproc or default_nproc())
         Layout.parse(a.mesh, world)
     except ValueError as e:  # bad values across options (held-out seeds, --steps 0, a mesh, ...)
         p.error(str(e).removeprefix("dmuon.train: "))
     return cfg, a.nproc
-
-
-def _under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def _default_nproc() -> int:
-    """Local ranks without ``--nproc``: every GPU on CUDA, 4 on CPU."""
-    return torch.cuda.device_count() if torch.cuda.is_available() else 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_initialized(fn: Callable[[Any], Any], arg: Any) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(backend, timeout=_RANK_TIMEOUT)
-    try:
-        fn(arg)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawned_rank(local_rank: int, fn: Callable[[Any], Any], arg: Any, world: int, port: int,
-                  threads: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(threads)
-    _run_initialized(fn, arg)
-
-
-def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None, *, spawn_one: bool = True) -> None:
-    """Runs ``fn(arg)`` on every rank: this process under torchrun, else ``nproc`` local ranks.
-
-    Args:
-        fn: A module-level function (picklable for ``spawn``); the process group is initialized.
-        arg: Its argument (picklable).
-        nproc: Local ranks; ``None``: every GPU, or 4 on CPU.
-        spawn_one: With ``nproc == 1``, still initialize a 1-rank process group (else call
-            ``fn`` in this process without one).
-    """
-    if _under_torchrun():
-        _run_initialized(fn, arg)
-        return
-    if nproc is None:
-        nproc = _default_nproc()
-    if nproc == 1 and not spawn_one:
-        fn(arg)
-        return
-    if "OMP_NUM_THREADS" in os.environ:
-        threads = max(1, int(os.environ["OMP_NUM_THREADS"]))
-    else:
-        threads = max(1, (os.cpu_count() or 1) // nproc)
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # inherited by the spawned ranks
-    port = _free_port()
-    if nproc == 1:
-        _spawned_rank(0, fn, arg, 1, port, threads)
-        return
-    torch.multiprocessing.start_processes(
-        _spawned_rank, args=(fn, arg, nproc, port, threads), nprocs=nproc, join=True, start_method="spawn"
-    )
 
 
 def main(argv: list[str] | None = None) -> None:
