@@ -153,7 +153,7 @@ def gather_redistribute(rank: int, world_size: int, strategy: str) -> dict:
 
 def equivalence(rank: int, world_size: int, strategy: str, async_gpu_parallelism: bool = True,
                 prefetch_count: int = 1, batched: bool = True, steps: int = 3) -> dict:
-    """ConfiguredMuon on ``strategy`` vs torch.optim.Muon + AdamW on the full tensors."""
+    """dmuon.Muon(params, distributed_config=...) on ``strategy`` vs torch.optim.Muon + AdamW on the full tensors."""
     mats, vecs, fulls, cfg = build(strategy, world_size)
     cfg = dataclasses.replace(cfg, async_gpu_parallelism=async_gpu_parallelism,
                               prefetch_count=prefetch_count)
@@ -178,7 +178,7 @@ def equivalence(rank: int, world_size: int, strategy: str, async_gpu_parallelism
         [p.detach() for p in ref_mats], [p.detach() for p in ref_vecs]))
     diffs = [float((_local(t.detach()) - _local(w.detach())).abs().max()) if _local(t).numel() else 0.0
              for t, w in zip(mats + vecs, want_mats + want_vecs)]
-    return dict(max_diff=max(diffs), rounds=len(opt._rounds))
+    return dict(max_diff=max(diffs), rounds=len(opt.strategy.rounds))
 
 
 def fsdp_training(rank: int, world_size: int, steps: int = 3) -> dict:

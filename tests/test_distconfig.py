@@ -1,5 +1,6 @@
-"""DistributedConfig / ConfiguredMuon: gather and redistribute per strategy, equivalence with
-single-process torch.optim.Muon + AdamW, validation, and failure propagation.
+"""DistributedConfig / dmuon.Muon(params, distributed_config=...): gather and redistribute per
+strategy, equivalence with single-process torch.optim.Muon + AdamW, validation, and failure
+propagation.
 
 Strategies: FSDP (fully_shard), TP Shard(0)/Shard(1) (distribute_tensor), DDP (plain
 replicas), FSDP x TP (parallelize_module + fully_shard: ``_StridedShard``), HSDP
@@ -41,7 +42,7 @@ def test_gather_redistribute(dist_pool, strategy):
     ("plain_fsdp", True, 1, True), ("plain_fsdp_tp", False, 1, False),
 ])
 def test_equivalence_with_single_process(dist_pool, strategy, async_, prefetch, batched):
-    """3 steps of ConfiguredMuon (dmuon.Muon(params, distributed_config=...)) equal
+    """3 steps of dmuon.Muon(params, distributed_config=...) equal
     torch.optim.Muon + AdamW on the full tensors within 1e-5, for every schedule."""
     out = dist_pool.run(4, f"{CASES}:equivalence", dict(
         strategy=strategy, async_gpu_parallelism=async_, prefetch_count=prefetch, batched=batched),
