@@ -112,7 +112,7 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create zero optimizer state where none exists yet, so ``dcp.load`` has tensors to fill.
 
     Zero state with ``step == 0`` is what the first step creates anyway (see
-    :func:`dmuon.owners.update.adamw_update_` and ``Muon._step_muon``), so this changes no
+    :func:`dmuon.owners.update.adamw_update_` and ``OwnerUpdate.step_muon``), so this changes no
     update.
     """
     for group in opt.param_groups:
@@ -120,13 +120,20 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
             state = opt.state[p]
             if not p.requires_grad:  # frozen: the optimizer never creates state for it
                 continue
-            if group["kind"] == "muon":
-                if p.numel() and "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["kind"] != "muon" or p.numel():
+                _zero_state(state, p, group["kind"] == "muon")
+
+
+def _zero_state(state: dict[str, Any], like: torch.Tensor, is_muon: bool) -> None:
+    """Create the state the first step would: Muon's ``momentum_buffer``, or AdamW's ``step``
+    (0-d fp32 0) and ``exp_avg`` / ``exp_avg_sq``, zeros like ``like``; existing state is kept."""
+    if is_muon:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+    elif not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
 
 
 def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> DedicateState:
@@ -207,13 +214,7 @@ def _configured_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict
             if not p.requires_grad:
                 continue
             state = opt.state[p]
-            local = local_tensor(p)
-            if group["use_muon"] and "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(local, memory_format=torch.preserve_format)
-            elif not group["use_muon"] and not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(local, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(local, memory_format=torch.preserve_format)
+            _zero_state(state, local_tensor(p), group["use_muon"])
             optim_state[fqn] = {k: _laid_out_like(p, v) for k, v in state.items()}
     groups = {str(gi): {k: v for k, v in g.items() if k != "params"}
               for gi, g in enumerate(opt.param_groups)}

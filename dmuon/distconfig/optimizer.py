@@ -264,11 +264,6 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                 handles.append(_Done(cfg.gather_fn(x, dst_rank=o, state=cfg.state)))
         return _Done(handles)
 
-    def _wait_gather(self, handle: Any) -> list[Any]:
-        if self.config.batch_gather_fn is not None:
-            return handle.wait()
-        return [h.wait() for h in handle.wait()]
-
     def _issue_redistribute(self, k: int, updates: list[Any], device: torch.device, dtype) -> Any:
         cfg, rnd = self.config, self.rounds[k]
         owners = [self.owners[i] for i in rnd]
@@ -281,8 +276,9 @@ class ConfiguredUpdate(SingleDeviceUpdate):
         return _Done([_Done(cfg.redistribute_fn(u, src_rank=o, state=cfg.state))
                       for u, o in zip(updates, owners)])
 
-    def _wait_redistribute(self, handle: Any) -> list[Tensor]:
-        if self.config.batch_redistribute_fn is not None:
+    def _wait(self, handle: Any) -> list[Any]:
+        """A round's results: one batched handle, or a handle over per-matrix handles."""
+        if self.config.batch_gather_fn is not None:  # set together with batch_redistribute_fn
             return handle.wait()
         return [h.wait() for h in handle.wait()]
 
@@ -331,7 +327,7 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                 with torch.profiler.record_function("dmuon::gather"):
                     gathers[issued] = self._issue_gather(issued, entries, inputs)
                 issued += 1
-            fulls = self._wait_gather(gathers.pop(k))
+            fulls = self._wait(gathers.pop(k))
             mine = []
             for i, full in zip(rnd, fulls):
                 self._check_full(i, full)
@@ -357,32 +353,8 @@ class ConfiguredUpdate(SingleDeviceUpdate):
             self._finish_round(k, handle, entries)
 
     def _finish_round(self, k: int, handle: Any, entries) -> None:
-        for i, update in zip(self.rounds[k], self._wait_redistribute(handle)):
+        for i, update in zip(self.rounds[k], self._wait(handle)):
             self._apply(i, entries[i], update)
-
-    def is_counted(self, param: Tensor, muon_index: int | None) -> bool:
-        """Whether this rank's local piece of ``param`` (or of its gradient) is the one copy
-        a global sum over the group counts: the first copy of a DTensor piece
-        (:func:`~dmuon.owners.clip.is_first_copy`), the source of a plain Muon matrix's piece
-        in its layout (``state["layouts"]``, set by the helper configs), and group rank 0's copy
-        of any other plain tensor (a replica, as DDP holds it).
-
-        Raises:
-            ValueError: a plain Muon matrix without a layout (a hand-made config whose
-                ``assign_fn`` stored no ``state["layouts"]``), naming the matrix.
-        """
-        if hasattr(param, "device_mesh"):
-            return is_first_copy(param, dist.get_process_group_ranks(self.group or dist.group.WORLD))
-        if muon_index is None:
-            return self.rank == 0
-        layouts = self.config.state.get("layouts")
-        if layouts is None:
-            raise ValueError(
-                f"dmuon: Muon matrix {muon_index} (local shape {tuple(param.shape)}) is a plain "
-                f"tensor and the distributed_config's state has no 'layouts', so dmuon cannot "
-                f"tell which ranks hold copies of it. Use a helper config (create_*_config) or "
-                f"store state['layouts'] (dmuon.owners.slices.MatrixLayout per matrix) in assign_fn.")
-        return layouts[muon_index].sources[self.rank] == self.rank
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
         """Clip every gradient of the optimizer by the norm of the full gradients (collective
@@ -395,7 +367,33 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                     continue
                 local = local_tensor(p.grad)
                 clipped.append(local)
-                if self.is_counted(p, index.get(id(p))):
+                if is_counted(self, p, index.get(id(p))):
                     counted.append(local)
         return clip_by_total_norm_(counted, clipped, max_norm=max_norm, norm_type=norm_type,
                                    error_if_nonfinite=error_if_nonfinite, group=self.group)
+
+
+def is_counted(update: ConfiguredUpdate, param: Tensor, muon_index: int | None) -> bool:
+    """Whether this rank's local piece of ``param`` (a parameter of ``update``'s optimizer),
+    or of its gradient, is the one copy a sum over the group counts: the first copy of a DTensor piece
+    (:func:`~dmuon.owners.clip.is_first_copy`), the source of a plain Muon matrix's piece
+    in its layout (``state["layouts"]``, set by the helper configs), and group rank 0's copy
+    of any other plain tensor (a replica, as DDP holds it).
+
+    Raises:
+        ValueError: a plain Muon matrix without a layout (a hand-made config whose
+            ``assign_fn`` stored no ``state["layouts"]``), naming the matrix.
+    """
+    if hasattr(param, "device_mesh"):
+        return is_first_copy(param, dist.get_process_group_ranks(
+            update.group if update.group is not None else dist.group.WORLD))
+    if muon_index is None:
+        return update.rank == 0
+    layouts = update.config.state.get("layouts")
+    if layouts is None:
+        raise ValueError(
+            f"dmuon: Muon matrix {muon_index} (local shape {tuple(param.shape)}) is a plain "
+            f"tensor and the distributed_config's state has no 'layouts', so dmuon cannot "
+            f"tell which ranks hold copies of it. Use a helper config (create_*_config) or "
+            f"store state['layouts'] (dmuon.owners.slices.MatrixLayout per matrix) in assign_fn.")
+    return layouts[muon_index].sources[update.rank] == update.rank
