@@ -305,26 +305,30 @@ def checkpoint_roundtrip(rank: int, world_size: int, strategy: str, path: str) -
     return dict(error=None, max_diff=max(diffs), lr=opt2.param_groups[0]["lr"])
 
 
-def clip(rank: int, world_size: int, strategy: str, norm_type: float) -> dict:
+def clip(rank: int, world_size: int, strategy: str, norm_types: list[float]) -> list[dict]:
     """dmuon.clip_grad_norm_(opt) on sharded gradients vs torch.nn.utils.clip_grad_norm_ on the
-    full gradients (single process): the total norm and every rank's clipped piece."""
+    full gradients (single process): the total norm and every rank's clipped piece, per norm."""
     init_mats, init_vecs = initial_fulls(strategy)
     g = torch.Generator().manual_seed(11)
     grad_mats = [10 * torch.randn(t.shape, generator=g) for t in init_mats]
     grad_vecs = [10 * torch.randn(t.shape, generator=g) for t in init_vecs]
     mats, vecs, _, cfg = build(strategy, world_size)
     shard_mats, shard_vecs, _, _ = build(strategy, world_size, init=(grad_mats, grad_vecs))
-    for p, s in zip(mats + vecs, shard_mats + shard_vecs):
-        p.grad = s.detach().clone()
     opt = dmuon.Muon([{"params": mats}, {"params": vecs, "use_muon": False}], distributed_config=cfg, **EXACT)
-    total = dmuon.clip_grad_norm_(opt, max_norm=1.0, norm_type=norm_type)
-    refs = [nn.Parameter(torch.zeros_like(t)) for t in grad_mats + grad_vecs]
-    for r, t in zip(refs, grad_mats + grad_vecs):
-        r.grad = t.clone()
-    ref_total = torch.nn.utils.clip_grad_norm_(refs, max_norm=1.0, norm_type=norm_type)
     n = len(grad_mats)
-    want_mats, want_vecs, _, _ = build(strategy, world_size, init=(
-        [r.grad for r in refs[:n]], [r.grad for r in refs[n:]]))
-    diffs = [float((_local(p.grad) - _local(w.detach())).abs().max()) if _local(p.grad).numel() else 0.0
-             for p, w in zip(mats + vecs, want_mats + want_vecs)]
-    return dict(total=float(total), ref_total=float(ref_total), max_diff=max(diffs))
+    results = []
+    for norm_type in norm_types:
+        for p, s in zip(mats + vecs, shard_mats + shard_vecs):
+            p.grad = s.detach().clone()
+        total = dmuon.clip_grad_norm_(opt, max_norm=1.0, norm_type=norm_type)
+        refs = [nn.Parameter(torch.zeros_like(t)) for t in grad_mats + grad_vecs]
+        for r, t in zip(refs, grad_mats + grad_vecs):
+            r.grad = t.clone()
+        ref_total = torch.nn.utils.clip_grad_norm_(refs, max_norm=1.0, norm_type=norm_type)
+        want_mats, want_vecs, _, _ = build(strategy, world_size, init=(
+            [r.grad for r in refs[:n]], [r.grad for r in refs[n:]]))
+        diffs = [float((_local(p.grad) - _local(w.detach())).abs().max()) if _local(p.grad).numel() else 0.0
+                 for p, w in zip(mats + vecs, want_mats + want_vecs)]
+        results.append(dict(norm_type=norm_type, total=float(total), ref_total=float(ref_total),
+                            max_diff=max(diffs)))
+    return results
