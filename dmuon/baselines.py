@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
 from dmuon.kernels import newton_schulz
-from dmuon.optim import validate_hyperparameters
-from dmuon.owners.update import apply_update_, momentum_update_
+from dmuon.owners.update import apply_update_, momentum_update_, validate_hyperparameters
 
 logger = logging.getLogger(__name__)
 

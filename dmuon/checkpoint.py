@@ -47,6 +47,15 @@ HSDP, HSDP "auto" with both modes in use -> "compute" and "broadcast" -> "auto",
 Save each checkpoint to a new directory: DCP writes ``.metadata`` last, so a directory without
 it is an interrupted save and the previous directory stays loadable.
 
+**``dmuon.Muon(params, distributed_config=...)``** (and single-device ``dmuon.Muon(params)``):
+the parameters are the user's own (FSDP2/TP DTensors, or plain replicas); the model entries
+are ``model.state_dict()`` as it is, and each optimizer state tensor (a local piece, as the
+step keeps it) enters as a DTensor with its parameter's mesh and placements, so DCP reshards
+it with the parameter. Param groups are saved by index (``"0"``, ``"1"``, ...). Plain sharded
+Muon matrices (``create_processgroup_config(fsdp_pg=...)``) cannot be described to DCP
+(different local shapes under one key) and raise ``ValueError``; plain non-matrix tensors
+are taken for replicas.
+
 Typical use::
 
     sd = dmuon.checkpoint.state_dict(model, opt)
@@ -68,7 +77,9 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.runtime import DedicateState
+from dmuon.optim import OwnerUpdate
 from dmuon.owners.dedicated import DedicatedParam
+from dmuon.owners.slices import local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +112,7 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
     """Create zero optimizer state where none exists yet, so ``dcp.load`` has tensors to fill.
 
     Zero state with ``step == 0`` is what the first step creates anyway (see
-    :func:`dmuon.owners.update.adamw_update_` and ``Muon._step_muon``), so this changes no
+    :func:`dmuon.owners.update.adamw_update_` and ``OwnerUpdate.step_muon``), so this changes no
     update.
     """
     for group in opt.param_groups:
@@ -109,13 +120,20 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
             state = opt.state[p]
             if not p.requires_grad:  # frozen: the optimizer never creates state for it
                 continue
-            if group["kind"] == "muon":
-                if p.numel() and "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if group["kind"] != "muon" or p.numel():
+                _zero_state(state, p, group["kind"] == "muon")
+
+
+def _zero_state(state: dict[str, Any], like: torch.Tensor, is_muon: bool) -> None:
+    """Create the state the first step would: Muon's ``momentum_buffer``, or AdamW's ``step``
+    (0-d fp32 0) and ``exp_avg`` / ``exp_avg_sq``, zeros like ``like``; existing state is kept."""
+    if is_muon:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+    elif not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
 
 
 def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> DedicateState:
@@ -134,6 +152,88 @@ def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> DedicateSt
     return ctx
 
 
+def _on_owner_runtime(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` steps a model on the owner runtime (or is not a dmuon.Muon at all:
+    the owner path's check then names the mistake)."""
+    strategy = getattr(opt, "strategy", None)
+    return strategy is None or isinstance(strategy, OwnerUpdate)
+
+
+def _agreement_group(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    """The process group whose ranks agree on a load (checks ``opt`` against ``model``)."""
+    if _on_owner_runtime(opt):
+        return _check_optimizer(model, opt).roles.world
+    _fqns(model, opt)
+    return opt.strategy.group
+
+
+def _fqns(model: nn.Module, opt: torch.optim.Optimizer) -> dict[int, str]:
+    """``{id(param): fqn}`` for every parameter of ``opt`` (``Muon(params, ...)``).
+
+    Raises:
+        ValueError: a parameter of ``opt`` that is not in ``model.named_parameters()``.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(
+                    f"dmuon: a parameter of shape {tuple(p.shape)} in param group {gi} of the "
+                    f"optimizer is not in model.named_parameters(); pass the model whose "
+                    f"parameters the optimizer was built over")
+    return names
+
+
+def _configured_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """:func:`state_dict` for ``dmuon.Muon(params, distributed_config=... | None)``.
+
+    Creates missing optimizer state as the first step would (zeros like the local piece,
+    ``step`` 0), then offers each state tensor as its parameter is laid out (a DTensor with the
+    parameter's mesh, placements, global shape and stride, aliasing the local piece).
+
+    Raises:
+        ValueError: see :func:`state_dict`.
+    """
+    names = _fqns(model, opt)
+    strategy = opt.strategy
+    layouts = getattr(strategy, "config", None) and strategy.config.state.get("layouts")
+    muon_index = 0
+    optim_state: dict[str, dict[str, Any]] = {}
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            fqn = names[id(p)]
+            if group["use_muon"]:
+                if layouts is not None and not hasattr(p, "device_mesh") \
+                        and len(layouts[muon_index].representatives()) > 1:
+                    raise ValueError(
+                        f"dmuon: Muon matrix {fqn!r} is a plain tensor sharded over ranks (local "
+                        f"shape {tuple(p.shape)} of {layouts[muon_index].full_shape}); DCP cannot "
+                        f"place plain shards. Make the parameters DTensors (fully_shard, "
+                        f"distribute_tensor) to checkpoint them.")
+                muon_index += 1
+            if not p.requires_grad:
+                continue
+            state = opt.state[p]
+            _zero_state(state, local_tensor(p), group["use_muon"])
+            optim_state[fqn] = {k: _laid_out_like(p, v) for k, v in state.items()}
+    groups = {str(gi): {k: v for k, v in g.items() if k != "params"}
+              for gi, g in enumerate(opt.param_groups)}
+    return {MODEL_KEY: dict(model.state_dict()),
+            OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
+
+
+def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
+    """``local`` (a state tensor shaped like ``param``'s local piece) as a DTensor aliasing it,
+    with ``param``'s mesh, placements, global shape and stride; other values unchanged."""
+    if not hasattr(param, "device_mesh") or not isinstance(local, torch.Tensor) \
+            or tuple(local.shape) != tuple(param.to_local().shape):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
 def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The model and optimizer state, sharded, keyed by FQN, for ``dcp.save`` / ``dcp.load``.
 
@@ -143,7 +243,8 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     step would create), so a fresh job can load into it.
 
     Args:
-        model: a model passed to :func:`dmuon.dedicate_params`.
+        model: a model passed to :func:`dmuon.dedicate_params`; or, for a
+            ``dmuon.Muon(params, ...)``, the model whose parameters ``params`` are.
         opt: the :class:`dmuon.Muon` built over ``model``.
 
     Returns:
@@ -152,12 +253,16 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
         (``[rows, cols]`` fp32, full) and their ``momentum_buffer`` appear only on their owner
         (a TP-split matrix: a DTensor of global shape ``[rows, cols]`` over this TP rank's
         slice; HSDP "broadcast" matrices: the buffer on replica 0 only); FSDP2 parameters and
-        AdamW moments are DTensor shards; the rest is replicated.
+        AdamW moments are DTensor shards; the rest is replicated. For ``Muon(params, ...)``:
+        see the module docstring (groups keyed ``"0"``, ``"1"``, ...).
 
     Raises:
-        ValueError: if ``dedicate_params`` was not called on ``model`` or ``opt`` belongs to
-            another model.
+        ValueError: if ``dedicate_params`` was not called on ``model``, ``opt`` belongs to
+            another model, or (``Muon(params, ...)``) a parameter of ``opt`` is not in
+            ``model`` or a Muon matrix is a plain shard.
     """
+    if not _on_owner_runtime(opt):
+        return _configured_state_dict(model, opt)
     ctx = _check_optimizer(model, opt)
     ctx.ensure_bound()
     _ensure_optimizer_state(opt)
@@ -247,18 +352,22 @@ def _pairs(expected: dict[str, Any], sd: dict[str, Any]) -> list[tuple[torch.Ten
     return pairs
 
 
-def _agree(problems: list[str], ctx: DedicateState, what: str, error: type[Exception],
+def _agree(problems: list[str], group: Any, what: str, error: type[Exception],
            cause: BaseException | None = None) -> None:
-    """Raise ``error`` on every rank if any rank has problems (one all-gather over the mesh).
+    """Raise ``error`` on every rank if any rank has problems (one all-gather over ``group``,
+    the default group for ``None``; local only when torch.distributed is not initialized).
 
     Raises:
         ``error``: naming each rank with problems and its first ones; nothing was changed.
     """
     import torch.distributed as dist
 
-    everyone: list[Any] = [None] * dist.get_world_size(ctx.roles.world)
-    dist.all_gather_object(everyone, problems, group=ctx.roles.world)
-    ranks = dist.get_process_group_ranks(ctx.roles.world)
+    if dist.is_available() and dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, problems, group=group)
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    else:
+        everyone, ranks = [problems], [0]
     bad = {ranks[i]: p for i, p in enumerate(everyone) if p}
     if bad:
         same: dict[tuple, list[int]] = {}  # identical problems (DCP reports every rank's) once
@@ -294,7 +403,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
             tensor of the wrong kind, shape or dtype (a checkpoint of another model); naming the
             ranks and entries. Nothing is written.
     """
-    ctx = _check_optimizer(model, opt)
+    group = _agreement_group(model, opt)
     problems: list[str] = []
     if not isinstance(sd, dict) or MODEL_KEY not in sd or OPTIM_KEY not in sd:
         problems.append(f"the checkpoint state dict has keys {sorted(sd) if isinstance(sd, dict) else type(sd).__name__}; "
@@ -308,17 +417,24 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
                                 f"({len(missing)} in all)")
     if not problems and not isinstance(sd[OPTIM_KEY].get("param_groups"), dict):
         problems.append("the checkpoint state dict's optimizer param_groups are not a dict by kind")
+    if not problems and not _on_owner_runtime(opt) and set(sd[OPTIM_KEY]["param_groups"]) != set(
+            expected[OPTIM_KEY]["param_groups"]):
+        problems.append(f"the checkpoint has param groups {sorted(sd[OPTIM_KEY]['param_groups'])}, "
+                        f"the optimizer {sorted(expected[OPTIM_KEY]['param_groups'])}")
     if not problems:
         problems = [p for p in (_problem(t, v, w) for t, v, w in _pairs(expected, sd)) if p]
-    _agree(problems, ctx, "the checkpoint state dict does not fit this model", ValueError)
+    _agree(problems, group, "the checkpoint state dict does not fit this model", ValueError)
     for target, value, _ in _pairs(expected, sd):
         _copy_into(target, value)
     saved_groups = sd[OPTIM_KEY]["param_groups"]
-    for group in opt.param_groups:
-        for key, value in saved_groups.get(group["kind"], {}).items():
-            group[key] = value
-    ctx.publish_after_step(issue=False)
-    logger.debug("dmuon: rank %d loaded %d model entries", ctx.rank, len(expected[MODEL_KEY]))
+    for index, group in enumerate(opt.param_groups):
+        key = group["kind"] if _on_owner_runtime(opt) else str(index)
+        for name, value in saved_groups.get(key, {}).items():
+            group[name] = value
+    if _on_owner_runtime(opt):
+        ctx = get_state(model)
+        ctx.publish_after_step(issue=False)
+        logger.debug("dmuon: rank %d loaded %d model entries", ctx.rank, len(expected[MODEL_KEY]))
 
 
 def _first_error(err: BaseException) -> str:
@@ -394,7 +510,7 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
     import torch.distributed.checkpoint as dcp  # not at import: `import dmuon` changes nothing in torch
     from torch.distributed.checkpoint.api import CheckpointException
 
-    ctx = _check_optimizer(model, opt)
+    group = _agreement_group(model, opt)
     extra = {} if extra is None else extra
     clash = sorted({MODEL_KEY, OPTIM_KEY} & set(extra))
     if clash:
@@ -407,7 +523,7 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank, chained
         failure = err  # DCP's CheckpointException is a BaseException
     problems = [] if failure is None else [_first_error(failure)]
-    _agree(problems, ctx, f"loading checkpoint {str(checkpoint_id)!r} failed", RuntimeError, failure)
+    _agree(problems, group, f"loading checkpoint {str(checkpoint_id)!r} failed", RuntimeError, failure)
     load_state_dict(model, opt, staging)
     _apply(extra, {k: v for k, v in staging.items() if k not in (MODEL_KEY, OPTIM_KEY)})
     return extra

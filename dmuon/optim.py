@@ -1,93 +1,56 @@
-"""``dmuon.Muon``: Muon on the owners' dedicated matrices, AdamW on everything else."""
+"""``dmuon.Muon``: Muon on the matrices, AdamW on everything else, over one of three update
+strategies picked by the constructor and held as ``opt.strategy``:
+
+* :class:`OwnerUpdate` -- ``Muon(model)`` for a model passed to :func:`dmuon.dedicate_params`
+  (the owner runtime: owners step their masters, then publish);
+* :class:`~dmuon.distconfig.optimizer.ConfiguredUpdate` -- ``Muon(params,
+  distributed_config=...)`` (hook-free owner-centric Muon over the user's own sharding);
+* :class:`~dmuon.distconfig.optimizer.SingleDeviceUpdate` -- ``Muon(params)`` (plain tensors).
+
+The strategies import downward only (``dmuon.distconfig`` never imports this module).
+"""
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from dmuon.distconfig.config import DistributedConfig
+from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
+from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.tp import TPItem, orthogonalize_tp
-from dmuon.owners.update import ADJUST_LR_FNS, adamw_update_, muon_update_, ns_by_shape
-
-NS_METHODS = ("gram", "standard")
-
-
-def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                             adjust_lr_fn: str | None = None, ns_method: str = "gram",
-                             ns_dtype: torch.dtype = torch.float16, adamw_lr: float | None = None,
-                             adamw_betas: tuple[float, float] = (0.9, 0.999),
-                             ns_coefficients: Any = "polar_express", ns_steps: int = 5,
-                             eps: float = 1e-7, adamw_eps: float = 1e-8,
-                             adamw_weight_decay: float | None = None, where: str = "") -> None:
-    """Check Muon's and AdamW's hyper-parameters once, at construction (not at the first step).
-
-    The one check behind both entry points (``dmuon.Muon(model)`` and the
-    ``distributed_config`` path, also per param group) and the baselines. At least as strict as
-    ``torch.optim.Muon`` (``lr``, ``momentum``, ``weight_decay`` >= 0) and ``torch.optim.AdamW``
-    (``lr``, ``eps``, ``weight_decay`` >= 0, ``betas`` in [0, 1)), and stricter where torch
-    lets a NaN through (``nan < 0`` is False): every number must be finite, ``momentum`` in
-    [0, 1), ``ns_steps`` an integer >= 1.
-
-    Args:
-        lr ... adamw_weight_decay: as :class:`Muon` (``None`` for ``adamw_lr`` /
-            ``adamw_weight_decay``: taken from ``lr`` / ``weight_decay``).
-        where: names the param group in the message (``"param group 2: "``), or ``""``.
-
-    Raises:
-        ValueError: naming the hyper-parameter, its value and the accepted range.
-        TypeError: a hyper-parameter that is not a real number (a string, ``None``...).
-    """
-    from dmuon.kernels import resolve_coefficients
-
-    def number(name: str, value: Any, low: float = 0.0, high: float | None = None) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            else:
-                raise TypeError(f"dmuon: {where}{name} must be a real number, got "
-                                f"{type(value).__name__} {value!r}")
-        if not math.isfinite(value) or value < low or (high is not None and value >= high):
-            accepted = f"in [{low:g}, {high:g})" if high is not None else f"a finite number >= {low:g}"
-            raise ValueError(f"dmuon: {where}{name} must be {accepted}, got {value!r}")
-
-    number("lr", lr)
-    number("weight_decay", weight_decay)
-    number("momentum", momentum, high=1.0)
-    number("eps", eps)
-    if adamw_lr is not None:
-        number("adamw_lr", adamw_lr)
-    if adamw_weight_decay is not None:
-        number("adamw_weight_decay", adamw_weight_decay)
-    number("adamw_eps", adamw_eps)
-    if not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2:
-        raise ValueError(f"dmuon: {where}adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r}")
-    number("adamw_betas[0]", adamw_betas[0], high=1.0)
-    number("adamw_betas[1]", adamw_betas[1], high=1.0)
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
-        raise ValueError(f"dmuon: {where}ns_steps must be an integer >= 1, got {ns_steps!r}")
-    if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"dmuon: {where}adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
-    if ns_method not in NS_METHODS:
-        raise ValueError(f"dmuon: {where}ns_method must be one of {NS_METHODS}, got {ns_method!r}")
-    if ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(f"dmuon: {where}ns_dtype must be a float dtype, got {ns_dtype}")
-    resolve_coefficients(ns_coefficients, ns_steps)
+from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its old import path
+    NS_METHODS,
+    adamw_update_,
+    muon_update_,
+    ns_by_shape,
+    validate_hyperparameters,
+)
 
 
 class Muon(torch.optim.Optimizer):
-    """Owner-centric Muon for a model passed to :func:`dmuon.dedicate_params`.
+    """Muon for the matrices and AdamW for the rest, on the owner runtime, a
+    ``distributed_config`` or a single device.
 
+    With a model passed to :func:`dmuon.dedicate_params` (:class:`OwnerUpdate`):
     ``param_groups[0]`` holds every dedicated matrix (its fp32 master on the owner, a
     zero-size placeholder elsewhere; identical group layout on every rank, so LR schedulers
     work), ``param_groups[1]`` every other trainable parameter (FSDP2 shards or replicas),
-    stepped by AdamW. The update equals ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the
-    global batch (Jordan et al. 2024; Loshchilov & Hutter 2019); see :mod:`dmuon.owners.update`.
+    stepped by AdamW. With parameters or param groups, each group is marked ``use_muon`` (see
+    :func:`~dmuon.distconfig.optimizer.split_param_groups`) and stepped on one device or
+    through ``distributed_config``. The update equals ``torch.optim.Muon`` +
+    ``torch.optim.AdamW`` on the global batch (Jordan et al. 2024; Loshchilov & Hutter 2019);
+    see :mod:`dmuon.owners.update`.
 
     Args:
-        model: the model given to ``dedicate_params``.
+        params: the model given to ``dedicate_params``; or parameters / param groups (dicts
+            with ``"params"``; a group may set ``"use_muon"`` and override any hyper-parameter).
+        distributed_config: with parameters: how matrices are assigned, gathered and
+            redistributed (:class:`dmuon.DistributedConfig`); ``None``: single-device Muon.
+            Not accepted with a model (the owner runtime distributes it).
         lr: Muon learning rate; weight decay is applied as ``p *= 1 - lr * weight_decay``.
         weight_decay: decoupled weight decay of the matrices.
         momentum: Muon momentum (``buf.lerp_(grad, 1 - momentum)``).
@@ -106,24 +69,24 @@ class Muon(torch.optim.Optimizer):
         ns_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`dmuon.kernels.newton_schulz`).
         max_batch_bytes: cap (bytes) on one same-shape Newton-Schulz batch.
 
+    Attributes:
+        strategy: the update strategy (:class:`OwnerUpdate`, ``ConfiguredUpdate`` or
+            ``SingleDeviceUpdate``).
+
     Raises:
-        ValueError: bad hyper-parameters (:func:`validate_hyperparameters`), or
-            ``dedicate_params`` not called on ``model``.
-        TypeError: a hyper-parameter that is not a number.
+        ValueError: bad hyper-parameters (:func:`validate_hyperparameters`, also per param
+            group), ``dedicate_params`` not called on the model, a model together with a
+            ``distributed_config``, a ``distributed_config`` that is not a
+            ``DistributedConfig``, an empty parameter list, or a bad ``assign_fn`` result.
+        TypeError: a hyper-parameter that is not a number, or ``params`` of neither kind.
+        RuntimeError: ranks computed different ``assign_fn`` assignments.
     """
-
-    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any) -> "Muon":
-        # ``Muon(params, distributed_config=...)``: the hook-free entry point (dmuon.distconfig).
-        if cls is Muon and model is not None and not isinstance(model, nn.Module):
-            from dmuon.distconfig import ConfiguredMuon
-
-            return super().__new__(ConfiguredMuon)
-        return super().__new__(cls)
 
     def __init__(
         self,
-        model: nn.Module,
+        params: Any,
         *,
+        distributed_config: DistributedConfig | None = None,
         lr: float = 1e-3,
         weight_decay: float = 0.1,
         momentum: float = 0.95,
@@ -141,37 +104,48 @@ class Muon(torch.optim.Optimizer):
         ns_backend: str = "auto",
         max_batch_bytes: int = 1 << 30,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"dmuon: Muon takes the model passed to dedicate_params, got {type(model).__name__}"
-            )
         validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
                                  adamw_lr=adamw_lr, adamw_betas=adamw_betas,
                                  ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
                                  adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
-        self.state_ctx = get_state(model)
-        self.state_ctx.ensure_bound()
-        dedicated = [rec.master for rec in self.state_ctx.records]
-        others = [p for p in model.parameters()
-                  if id(p) not in self.state_ctx.record_of_master and p.requires_grad]
-        muon_group = dict(
-            params=dedicated, kind="muon", lr=lr, weight_decay=weight_decay, momentum=momentum,
-            nesterov=nesterov, ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-            adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
-        )
-        adamw_group = dict(
-            params=others, kind="adamw", lr=lr if adamw_lr is None else adamw_lr,
-            betas=tuple(adamw_betas), eps=adamw_eps,
-            weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
-        )
+        muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
+                             adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype)
+        adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas),
+                              eps=adamw_eps,
+                              weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
+        if isinstance(params, nn.Module):
+            if distributed_config is not None:
+                raise ValueError(
+                    f"dmuon: Muon got a model ({type(params).__name__}) and a distributed_config; "
+                    f"a model passed to dedicate_params is distributed by dmuon's owner runtime. "
+                    f"Pass the model alone, or its parameters with the distributed_config.")
+            groups = OwnerUpdate.param_groups(params, muon_defaults, adamw_defaults)
+        elif params is None or isinstance(params, (str, bytes)):
+            raise TypeError(f"dmuon: Muon takes the model passed to dedicate_params, or parameters "
+                            f"/ param groups; got {type(params).__name__}")
+        else:
+            if distributed_config is not None and not isinstance(distributed_config, DistributedConfig):
+                raise ValueError(f"dmuon: distributed_config must be a DistributedConfig or None; "
+                                 f"got {type(distributed_config).__name__}")
+            groups = split_param_groups(params, muon_defaults, adamw_defaults)
         self.ns_backend = ns_backend
         self.max_batch_bytes = max_batch_bytes
-        super().__init__([muon_group, adamw_group], defaults={})
+        super().__init__(groups, defaults={})
+        if isinstance(params, nn.Module):
+            self.strategy: Any = OwnerUpdate(self, params)
+            self.state_ctx = self.strategy.ctx
+        elif distributed_config is None:
+            self.strategy = SingleDeviceUpdate(self)
+        else:
+            self.strategy = ConfiguredUpdate(self, distributed_config)
+        self.distributed_config = distributed_config
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step, then the asynchronous publication of the new weights.
+        """One optimizer step (on the owner runtime, then the asynchronous publication of the
+        new weights).
 
         Returns:
             ``closure()``'s value when a closure is given.
@@ -180,24 +154,60 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        ctx = self.state_ctx
-        with torch.profiler.record_function("dmuon::optimizer_step"):
-            for group in self.param_groups:
-                if group["kind"] == "muon":
-                    self._step_muon(group)
-                else:
-                    self._step_adamw(group)
-        ctx.step_check.after_step()
-        ctx.publish_after_step()
+        self.strategy.step()
         return loss
 
-    def _step_muon(self, group: dict) -> None:
-        ctx = self.state_ctx
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+
+
+class OwnerUpdate:
+    """The owner runtime's update: Muon on the masters this rank owns (TP matrices through
+    their TP owner), AdamW on the other parameters, then the publication of the new weights.
+
+    Args:
+        opt: the :class:`Muon` built over ``model`` (groups from :meth:`param_groups`).
+        model: the model passed to :func:`dmuon.dedicate_params`.
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, model: nn.Module) -> None:
+        self.opt, self.model = opt, model
+        self.ctx = get_state(model)
+
+    @staticmethod
+    def param_groups(model: nn.Module, muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
+        """``[muon group (every dedicated master), adamw group (every other trainable
+        parameter)]``, keyed ``kind``; binds the model's matrices if not done yet.
+
+        Raises:
+            ValueError: ``dedicate_params`` was not called on ``model``.
+        """
+        ctx = get_state(model)
+        ctx.ensure_bound()
+        dedicated = [rec.master for rec in ctx.records]
+        others = [p for p in model.parameters() if id(p) not in ctx.record_of_master and p.requires_grad]
+        return [dict(params=dedicated, kind="muon", **muon_defaults),
+                dict(params=others, kind="adamw", **adamw_defaults)]
+
+    def step(self) -> None:
+        """Muon then AdamW, then the step check and the publication."""
+        with torch.profiler.record_function("dmuon::optimizer_step"):
+            for group in self.opt.param_groups:
+                if group["kind"] == "muon":
+                    self.step_muon(group)
+                else:
+                    self.step_adamw(group)
+        self.ctx.step_check.after_step()
+        self.ctx.publish_after_step()
+
+    def step_muon(self, group: dict) -> None:
+        """Muon on the masters of ``group`` this rank owns (placeholders are skipped)."""
+        ctx = self.ctx
         params, grads, bufs, recs = [], [], [], []
         for p in group["params"]:
             if p.grad is None or p.numel() == 0:  # placeholders: someone else owns it
                 continue
-            state = self.state[p]
+            state = self.opt.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
@@ -206,8 +216,8 @@ class Muon(torch.optim.Optimizer):
             recs.append(ctx.record_of_master[id(p)])
         ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
                          method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
-                         backend=self.ns_backend)
-        orthogonalize = ns_by_shape(ns_kwargs, self.max_batch_bytes)
+                         backend=self.opt.ns_backend)
+        orthogonalize = ns_by_shape(ns_kwargs, self.opt.max_batch_bytes)
         if ctx.roles.tp is not None:
             local_ns = orthogonalize
 
@@ -224,43 +234,55 @@ class Muon(torch.optim.Optimizer):
             )
         ctx.ns_matrices += sum(1 for r in recs if ctx.roles.tp is None or r.tp_owner == ctx.tp_rank)
 
-    def _step_adamw(self, group: dict) -> None:
+    def step_adamw(self, group: dict) -> None:
+        """AdamW on ``group`` (FSDP2 shards or replicas), element-wise."""
         params = [p for p in group["params"] if p.grad is not None]
         with torch.profiler.record_function("dmuon::adamw"):
             adamw_update_(
-                params, [p.grad for p in params], [self.state[p] for p in params],
+                params, [p.grad for p in params], [self.opt.state[p] for p in params],
                 lr=group["lr"], betas=group["betas"], eps=group["eps"],
                 weight_decay=group["weight_decay"],
             )
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
 
-
-def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute.
 
     Call it between ``backward()`` and ``step()``; it clips the averaged gradients *before*
     Newton-Schulz (which is scale-invariant up to ``eps``, so clipping changes Muon's update only
-    through momentum, exactly as it does for ``torch.optim.Muon``). Collective over the mesh.
+    through momentum, exactly as it does for ``torch.optim.Muon``). Collective over the mesh
+    (the owner runtime) or over the ``distributed_config``'s group; the math is
+    :func:`dmuon.owners.clip.clip_by_total_norm_`.
 
     Args:
-        model: the model given to ``dedicate_params``.
+        model_or_optimizer: the model given to ``dedicate_params``, or a :class:`Muon` (any
+            strategy; with ``distributed_config`` pass the optimizer: the norm covers its
+            parameters, and plain non-matrix tensors are taken for replicas, as DDP holds them).
         max_norm: largest allowed norm (same unit as the gradients).
         norm_type: p of the p-norm; ``float("inf")`` for the max norm.
+        error_if_nonfinite: raise instead of clipping by a nan/inf norm.
 
     Returns:
         The total norm (0-d fp32 tensor, identical on every rank) before clipping.
 
     Raises:
         RuntimeError: if ``error_if_nonfinite`` and the norm is nan or inf.
+        ValueError: a model not passed to ``dedicate_params``, or (``distributed_config``) a
+            plain Muon matrix whose layout the config does not record.
+        TypeError: neither a model nor a :class:`Muon`.
     """
-    import torch.distributed as dist
-
+    if isinstance(model_or_optimizer, Muon):
+        strategy = model_or_optimizer.strategy
+        if not isinstance(strategy, OwnerUpdate):
+            return strategy.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        model_or_optimizer = strategy.model
+    if not isinstance(model_or_optimizer, nn.Module):
+        raise TypeError(f"dmuon: clip_grad_norm_ takes the model passed to dedicate_params or a "
+                        f"dmuon.Muon; got {type(model_or_optimizer).__name__}")
+    model = model_or_optimizer
     ctx = get_state(model)
     ctx.ensure_bound()
-    norm_type = float(norm_type)
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
         if rec.master.grad is None:
@@ -280,34 +302,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         else:
             replicated.append(g)
             clipped.append(g)
-    device = next((g.device for g in clipped), torch.device("cpu"))
-    is_inf = norm_type == float("inf")
-
-    def local(gs: Sequence[torch.Tensor]) -> torch.Tensor:
-        if not gs:
-            return torch.zeros((), device=device)
-        if is_inf:
-            return torch.stack([g.detach().abs().max().float() if g.numel() else torch.zeros((), device=device)
-                                for g in gs]).max()
-        return sum(g.detach().float().abs().pow(norm_type).sum() for g in gs)
-
-    total = local(counted)
-    world = ctx.roles.world
-    if is_inf:
-        total = torch.maximum(total, local(replicated))
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=world)
-    else:
-        if ctx.rank == 0:  # replicas are identical: count them once
-            total = total + local(replicated)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=world)
-        total = total.pow(1.0 / norm_type)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(f"dmuon: the total gradient norm is {total.item()}; refusing to clip")
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    with torch.no_grad():
-        for g in clipped:
-            g.mul_(coef.to(g.dtype))
-    return total
+    return clip_by_total_norm_(counted, clipped, max_norm=max_norm, norm_type=norm_type,
+                               error_if_nonfinite=error_if_nonfinite, group=ctx.roles.world,
+                               replicated=replicated, count_replicated=ctx.rank == 0)
 
 
 def _first_replica(dtensor_grad: torch.Tensor, ctx) -> bool:

@@ -244,8 +244,8 @@ def _install_kill(model: nn.Module, opt: torch.optim.Optimizer, phase: str, cloc
     elif phase == "backward":
         model.blocks[1].register_full_backward_pre_hook(lambda module, grad: die())
     elif phase == "step":  # after the Muon group's update, before AdamW's
-        step_adamw = opt._step_adamw
-        opt._step_adamw = lambda group: (die(), step_adamw(group))
+        step_adamw = opt.strategy.step_adamw
+        opt.strategy.step_adamw = lambda group: (die(), step_adamw(group))
     else:
         raise KeyError(phase)
 

@@ -153,7 +153,7 @@ def gather_redistribute(rank: int, world_size: int, strategy: str) -> dict:
 
 def equivalence(rank: int, world_size: int, strategy: str, async_gpu_parallelism: bool = True,
                 prefetch_count: int = 1, batched: bool = True, steps: int = 3) -> dict:
-    """ConfiguredMuon on ``strategy`` vs torch.optim.Muon + AdamW on the full tensors."""
+    """dmuon.Muon(params, distributed_config=...) on ``strategy`` vs torch.optim.Muon + AdamW on the full tensors."""
     mats, vecs, fulls, cfg = build(strategy, world_size)
     cfg = dataclasses.replace(cfg, async_gpu_parallelism=async_gpu_parallelism,
                               prefetch_count=prefetch_count)
@@ -178,7 +178,7 @@ def equivalence(rank: int, world_size: int, strategy: str, async_gpu_parallelism
         [p.detach() for p in ref_mats], [p.detach() for p in ref_vecs]))
     diffs = [float((_local(t.detach()) - _local(w.detach())).abs().max()) if _local(t).numel() else 0.0
              for t, w in zip(mats + vecs, want_mats + want_vecs)]
-    return dict(max_diff=max(diffs), rounds=len(opt._rounds))
+    return dict(max_diff=max(diffs), rounds=len(opt.strategy.rounds))
 
 
 def fsdp_training(rank: int, world_size: int, steps: int = 3) -> dict:
@@ -256,3 +256,79 @@ def comm_failure(rank: int, world_size: int) -> dict:
     except RuntimeError as err:  # gloo: peer closed the connection (DistBackendError)
         return dict(raised=type(err).__name__, message=str(err)[:300])
     return dict(raised=None, message="")
+
+
+def _holder(mats: list, vecs: list) -> nn.Module:
+    """A module whose parameters are ``mats`` and ``vecs`` (FQNs ``mats.i`` / ``vecs.i``)."""
+    holder = nn.Module()
+    holder.mats = nn.ParameterList(mats)
+    holder.vecs = nn.ParameterList(vecs)
+    return holder
+
+
+def _train(opt: Any, params: list, steps: range) -> None:
+    for step in steps:
+        for p in params:  # elementwise in p: commutes with any sharding, depends on the state
+            p.grad = torch.sin(3 * p.detach() + step)
+        opt.step()
+        opt.zero_grad()
+
+
+def checkpoint_roundtrip(rank: int, world_size: int, strategy: str, path: str) -> dict:
+    """Save dmuon.state_dict after 2 steps (group 0's lr changed as a scheduler would), load it
+    with dmuon.load into a fresh model and optimizer built from other weights and the old lr,
+    run 2 more steps; the local pieces must equal an uninterrupted 4-step run's."""
+    mats, vecs, _, cfg = build(strategy, world_size)
+    model = _holder(mats, vecs)
+    opt = dmuon.Muon([{"params": mats}, {"params": vecs, "use_muon": False}], distributed_config=cfg,
+                     lr=0.02, adamw_lr=0.01, weight_decay=0.1, **EXACT)
+    _train(opt, mats + vecs, range(2))
+    opt.param_groups[0]["lr"] = 0.013
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        sd = dmuon.state_dict(model, opt)
+    except ValueError as err:
+        return dict(error=str(err))
+    dcp.save(sd, checkpoint_id=path)
+    _train(opt, mats + vecs, range(2, 4))
+    init_mats, init_vecs = initial_fulls(strategy)
+    mats2, vecs2, _, cfg2 = build(strategy, world_size, init=([m + 1 for m in init_mats],
+                                                                [v - 1 for v in init_vecs]))
+    model2 = _holder(mats2, vecs2)
+    opt2 = dmuon.Muon([{"params": mats2}, {"params": vecs2, "use_muon": False}], distributed_config=cfg2,
+                      lr=0.02, adamw_lr=0.01, weight_decay=0.1, **EXACT)
+    dmuon.load(model2, opt2, path)
+    _train(opt2, mats2 + vecs2, range(2, 4))
+    diffs = [float((_local(a.detach()) - _local(b.detach())).abs().max()) if _local(a).numel() else 0.0
+             for a, b in zip(mats + vecs, mats2 + vecs2)]
+    return dict(error=None, max_diff=max(diffs), lr=opt2.param_groups[0]["lr"])
+
+
+def clip(rank: int, world_size: int, strategy: str, norm_types: list[float]) -> list[dict]:
+    """dmuon.clip_grad_norm_(opt) on sharded gradients vs torch.nn.utils.clip_grad_norm_ on the
+    full gradients (single process): the total norm and every rank's clipped piece, per norm."""
+    init_mats, init_vecs = initial_fulls(strategy)
+    g = torch.Generator().manual_seed(11)
+    grad_mats = [10 * torch.randn(t.shape, generator=g) for t in init_mats]
+    grad_vecs = [10 * torch.randn(t.shape, generator=g) for t in init_vecs]
+    mats, vecs, _, cfg = build(strategy, world_size)
+    shard_mats, shard_vecs, _, _ = build(strategy, world_size, init=(grad_mats, grad_vecs))
+    opt = dmuon.Muon([{"params": mats}, {"params": vecs, "use_muon": False}], distributed_config=cfg, **EXACT)
+    n = len(grad_mats)
+    results = []
+    for norm_type in norm_types:
+        for p, s in zip(mats + vecs, shard_mats + shard_vecs):
+            p.grad = s.detach().clone()
+        total = dmuon.clip_grad_norm_(opt, max_norm=1.0, norm_type=norm_type)
+        refs = [nn.Parameter(torch.zeros_like(t)) for t in grad_mats + grad_vecs]
+        for r, t in zip(refs, grad_mats + grad_vecs):
+            r.grad = t.clone()
+        ref_total = torch.nn.utils.clip_grad_norm_(refs, max_norm=1.0, norm_type=norm_type)
+        want_mats, want_vecs, _, _ = build(strategy, world_size, init=(
+            [r.grad for r in refs[:n]], [r.grad for r in refs[n:]]))
+        diffs = [float((_local(p.grad) - _local(w.detach())).abs().max()) if _local(p.grad).numel() else 0.0
+                 for p, w in zip(mats + vecs, want_mats + want_vecs)]
+        results.append(dict(norm_type=norm_type, total=float(total), ref_total=float(ref_total),
+                            max_diff=max(diffs)))
+    return results

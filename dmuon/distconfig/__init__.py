@@ -4,11 +4,13 @@ For users who keep FSDP2's (or DDP's, TP's) own sharding and want only Muon's st
 owner-centric::
 
     cfg = create_dtensor_config()                 # or create_processgroup_config / _devicemesh_
-    opt = ConfiguredMuon(model.parameters(), distributed_config=cfg, lr=0.02)
+    opt = dmuon.Muon(model.parameters(), distributed_config=cfg, lr=0.02)
+
+The update itself lives in :mod:`dmuon.distconfig.optimizer` (the strategies ``dmuon.Muon``
+picks); this package never imports :mod:`dmuon.optim`.
 """
 
 from dmuon.distconfig.config import DistributedConfig
-from dmuon.distconfig.optimizer import ConfiguredMuon
 from dmuon.distconfig.strategies import (
     create_devicemesh_config,
     create_dtensor_config,
@@ -16,7 +18,6 @@ from dmuon.distconfig.strategies import (
 )
 
 __all__ = [
-    "ConfiguredMuon",
     "DistributedConfig",
     "create_devicemesh_config",
     "create_dtensor_config",

@@ -15,38 +15,16 @@ Only one copy of a replicated piece travels to the owner, and none when the owne
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.distconfig.layout import MatrixLayout, put, take
+from dmuon.hooks.comm import Pending
+from dmuon.owners.slices import MatrixLayout, put, take
 
 logger = logging.getLogger(__name__)
-
-
-class Pending:
-    """An in-flight exchange; :meth:`wait` finishes it once and returns its result.
-
-    Keeps the send and receive buffers alive until the collective is waited on (a freed
-    buffer under an in-flight collective corrupts memory on GPU).
-    """
-
-    __slots__ = ("_work", "_finish", "_buffers", "_result", "_done")
-
-    def __init__(self, work: Any, finish: Callable[[], Any], buffers: tuple = ()) -> None:
-        self._work, self._finish, self._buffers = work, finish, buffers
-        self._result, self._done = None, False
-
-    def wait(self) -> Any:
-        """Wait for the collective (errors of the collective propagate), then unpack."""
-        if not self._done:
-            if self._work is not None:
-                self._work.wait()
-            self._result = self._finish()
-            self._done, self._work, self._buffers = True, None, ()
-        return self._result
 
 
 def _all_to_all(send: Tensor, send_splits: list[int], recv_splits: list[int], group: Any,
@@ -131,7 +109,8 @@ def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLay
             out.append(full)
         return out
 
-    return Pending(work, finish, (send, recv))
+    return Pending(work, (send, recv), f"the gather of {len(layouts)} matrices to their owners",
+                   group, finish)
 
 
 def scatter_from_owners(fulls: Sequence[Tensor | None], layouts: Sequence[MatrixLayout],
@@ -193,4 +172,5 @@ def scatter_from_owners(fulls: Sequence[Tensor | None], layouts: Sequence[Matrix
             offsets[owner] += n
         return out
 
-    return Pending(work, finish, (send, recv))
+    return Pending(work, (send, recv), f"the scatter of {len(layouts)} updates from their owners",
+                   group, finish)

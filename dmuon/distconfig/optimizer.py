@@ -1,11 +1,12 @@
-"""``ConfiguredMuon``: Muon over parameters or param groups, owner-centric via a
-:class:`~dmuon.distconfig.config.DistributedConfig`, without hooks.
+""":class:`dmuon.Muon`'s update strategies over parameters or param groups (no hooks):
+single-device Muon, and owner-centric Muon through a
+:class:`~dmuon.distconfig.config.DistributedConfig`.
 
-The step follows the PyTorch design "Muon Distributed Training": momentum is updated on each
-rank's local shard, ``gather_fn`` assembles the Newton-Schulz input on the matrix's assigned
-rank, that rank alone orthogonalizes it, ``redistribute_fn`` sends every rank its piece of the
-update, and each rank applies it to its shard. The math is ``torch.optim.Muon``'s
-(:mod:`dmuon.owners.update`): with ``distributed_config=None`` this is
+The distributed step follows the PyTorch design "Muon Distributed Training": momentum is
+updated on each rank's local shard, ``gather_fn`` assembles the Newton-Schulz input on the
+matrix's assigned rank, that rank alone orthogonalizes it, ``redistribute_fn`` sends every rank
+its piece of the update, and each rank applies it to its shard. The math is
+``torch.optim.Muon``'s (:mod:`dmuon.owners.update`): with ``distributed_config=None`` this is
 :func:`~dmuon.owners.update.muon_update_` verbatim; the distributed path runs the same three
 element-wise lines around the communication.
 
@@ -15,12 +16,17 @@ only at the end of the step; without it a round is one matrix, finished before t
 ``prefetch_count`` rounds of gathers are in flight ahead of the round being orthogonalized.
 Collectives are issued in the same order on every rank: ``G(0..p)``, then per round ``k``:
 ``R(k)``, ``G(k+p+1)``.
+
+This module does not import :mod:`dmuon.optim`: ``dmuon.Muon`` builds a strategy from here and
+holds it as ``opt.strategy``; the strategy reads and writes the optimizer's ``param_groups``
+and ``state``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
@@ -28,17 +34,21 @@ from torch import Tensor
 
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
 from dmuon.distconfig.strategies import supports_async
-from dmuon.optim import Muon, validate_hyperparameters
-from dmuon.owners.update import adamw_update_, apply_update_, momentum_update_, muon_update_
+from dmuon.hooks.comm import check_same_on_all_ranks
+from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
+from dmuon.owners.slices import local_tensor
+from dmuon.owners.update import (
+    adamw_update_,
+    apply_update_,
+    momentum_update_,
+    muon_update_,
+    validate_hyperparameters,
+)
 
 logger = logging.getLogger(__name__)
 
-_MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-              "adjust_lr_fn", "ns_method", "ns_dtype")
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
+MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
+             "adjust_lr_fn", "ns_method", "ns_dtype")
 
 
 class _Done:
@@ -53,188 +63,190 @@ class _Done:
         return self.value
 
 
-class ConfiguredMuon(Muon):
-    """Muon for parameters or param groups; distributed through a ``DistributedConfig``.
+def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
+    """Param groups for ``dmuon.Muon(params, ...)``, each marked ``use_muon`` True or False.
 
     Args:
-        params: parameters or param groups (dicts with ``"params"``). A group may set
+        params: tensors, or param groups (dicts with ``"params"``). A group may set
             ``"use_muon": False`` (AdamW) or ``True`` (Muon; every tensor must be 2-D); without
-            it, 2-D tensors go to Muon and the rest to AdamW. Group keys override the defaults.
-        distributed_config: how matrices are assigned, gathered and redistributed; ``None``:
-            single-device Muon (plain full tensors).
-        lr ... max_batch_bytes: as :class:`dmuon.Muon` (the same defaults and meanings).
+            it, 2-D tensors go to Muon and the rest to AdamW. A group's own keys override the
+            defaults and are checked like them.
+        muon_defaults, adamw_defaults: the constructor's hyper-parameters per kind.
 
     Raises:
-        ValueError: bad hyper-parameters, a non-2-D tensor in a ``use_muon=True`` group, or an
-            ``assign_fn`` result that misses indices or names ranks out of range.
-        RuntimeError: ranks computed different assignments.
+        ValueError: an empty parameter list, a non-2-D tensor in a ``use_muon=True`` group, or a
+            bad hyper-parameter of a group (naming the group).
+        TypeError: a group hyper-parameter that is not a number.
+    """
+    items = list(params)
+    if not items:
+        raise ValueError("dmuon: Muon got an empty parameter list")
+    raw = items if isinstance(items[0], dict) else [{"params": items}]
+    groups = []
+    for gi, group in enumerate(raw):
+        tensors = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+        options = {k: v for k, v in group.items() if k not in ("params", "use_muon")}
+        use = group.get("use_muon")
+        if use is True:
+            bad = [tuple(t.shape) for t in tensors if t.ndim != 2]
+            if bad:
+                raise ValueError(f"dmuon: param group {gi} has use_muon=True but holds tensors of "
+                                 f"shapes {bad}; Muon takes 2-D matrices. Put them in a group "
+                                 f"with use_muon=False (AdamW).")
+        split = ([(True, tensors)] if use is True else [(False, tensors)] if use is False else
+                 [(True, [t for t in tensors if t.ndim == 2]), (False, [t for t in tensors if t.ndim != 2])])
+        for is_muon, ts in split:
+            if not ts and use is None:
+                continue
+            base = dict(muon_defaults if is_muon else adamw_defaults)
+            base.update(options)
+            base.update(params=ts, use_muon=is_muon)
+            groups.append(base)
+    for gi, group in enumerate(groups):  # a group's own keys override the checked defaults
+        if group["use_muon"]:
+            validate_hyperparameters(**{k: group[k] for k in MUON_KEYS if k != "nesterov"},
+                                     where=f"param group {gi}: ")
+        else:
+            validate_hyperparameters(adamw_lr=group["lr"], adamw_betas=group["betas"],
+                                     adamw_eps=group["eps"], adamw_weight_decay=group["weight_decay"],
+                                     where=f"param group {gi}: ")
+    return groups
+
+
+class SingleDeviceUpdate:
+    """``distributed_config=None``: Muon on plain full tensors, AdamW on the rest.
+
+    Args:
+        opt: the :class:`dmuon.Muon` whose ``param_groups`` (from :func:`split_param_groups`)
+            and ``state`` this strategy steps.
     """
 
-    def __init__(self, params: Iterable[Any], *, distributed_config: DistributedConfig | None = None,
-                 lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
-                 nesterov: bool = True, ns_coefficients: Any = "polar_express", eps: float = 1e-7,
-                 ns_steps: int = 5, adjust_lr_fn: str | None = None, ns_method: str = "gram",
-                 ns_dtype: torch.dtype = torch.float16, adamw_lr: float | None = None,
-                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float | None = None, ns_backend: str = "auto",
-                 max_batch_bytes: int = 1 << 30) -> None:
-        validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                 adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
-                                 adamw_lr=adamw_lr, adamw_betas=adamw_betas,
-                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
-                                 adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
-        if distributed_config is not None and not isinstance(distributed_config, DistributedConfig):
-            raise ValueError(f"dmuon: distributed_config must be a DistributedConfig or None; got "
-                             f"{type(distributed_config).__name__}")
-        muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                             ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
-                             adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype)
-        adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas),
-                              eps=adamw_eps,
-                              weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
-        groups = self._split_groups(params, muon_defaults, adamw_defaults)
-        for gi, group in enumerate(groups):  # a group's own keys override the checked defaults
+    group: Any = None  # the process group of collective helpers (none: single device)
+
+    def __init__(self, opt: torch.optim.Optimizer) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        """AdamW on the ``use_muon=False`` groups, then Muon on the others."""
+        self.step_adamw()
+        for group in self.opt.param_groups:
             if group["use_muon"]:
-                validate_hyperparameters(**{k: group[k] for k in _MUON_KEYS if k != "nesterov"},
-                                         where=f"param group {gi}: ")
-            else:
-                validate_hyperparameters(adamw_lr=group["lr"], adamw_betas=group["betas"],
-                                         adamw_eps=group["eps"], adamw_weight_decay=group["weight_decay"],
-                                         where=f"param group {gi}: ")
-        self.ns_backend = ns_backend
-        self.max_batch_bytes = max_batch_bytes
-        self.distributed_config = distributed_config
-        torch.optim.Optimizer.__init__(self, groups, defaults={})
-        self._setup_distributed()
+                self._step_single(group)
 
-    @staticmethod
-    def _split_groups(params: Iterable[Any], muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
-        items = list(params)
-        if not items:
-            raise ValueError("dmuon: Muon got an empty parameter list")
-        raw = items if isinstance(items[0], dict) else [{"params": items}]
-        groups = []
-        for gi, group in enumerate(raw):
-            tensors = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
-            options = {k: v for k, v in group.items() if k not in ("params", "use_muon")}
-            use = group.get("use_muon")
-            if use is True:
-                bad = [tuple(t.shape) for t in tensors if t.ndim != 2]
-                if bad:
-                    raise ValueError(f"dmuon: param group {gi} has use_muon=True but holds tensors of "
-                                     f"shapes {bad}; Muon takes 2-D matrices. Put them in a group "
-                                     f"with use_muon=False (AdamW).")
-            split = ([(True, tensors)] if use is True else [(False, tensors)] if use is False else
-                     [(True, [t for t in tensors if t.ndim == 2]), (False, [t for t in tensors if t.ndim != 2])])
-            for is_muon, ts in split:
-                if not ts and use is None:
-                    continue
-                base = dict(muon_defaults if is_muon else adamw_defaults)
-                base.update(options)
-                base.update(params=ts, use_muon=is_muon)
-                groups.append(base)
-        return groups
-
-    def _muon_params(self) -> list[tuple[Tensor, dict]]:
-        return [(p, g) for g in self.param_groups if g["use_muon"] for p in g["params"]]
-
-    def _setup_distributed(self) -> None:
-        cfg = self.distributed_config
-        self._rounds: list[list[int]] = []
-        if cfg is None:
-            return
-        params = [p for p, _ in self._muon_params()]
-        state = cfg.state
-        group = state.get("group")
-        world = dist.get_world_size(group)
-        rank = dist.get_rank(group)
-        owners = validate_assignments(cfg.assign_fn(params, state), len(params), world)
-        digests: list[Any] = [None] * world
-        dist.all_gather_object(digests, owners, group=group)
-        if any(d != owners for d in digests):
-            differ = [r for r, d in enumerate(digests) if d != owners]
-            raise RuntimeError(f"dmuon: assign_fn gave different owners on ranks {differ} than on "
-                               f"rank {rank}; it must be deterministic (same result on every rank)")
-        state["assignments"] = dict(enumerate(owners))
-        state["rank"] = rank
-        self._owners, self._rank, self._world = owners, rank, world
-        shapes = state.get("full_shapes")
-        self._full_shapes = [tuple(int(s) for s in (shapes[i] if shapes is not None else p.shape))
-                             for i, p in enumerate(params)]
-        if cfg.async_gpu_parallelism:  # round k: the k-th matrix of every owner
-            per_owner: list[list[int]] = [[] for _ in range(world)]
-            for i, o in enumerate(owners):
-                per_owner[o].append(i)
-            depth = max((len(x) for x in per_owner), default=0)
-            self._rounds = [sorted(x[k] for x in per_owner if k < len(x)) for k in range(depth)]
-        else:
-            self._rounds = [[i] for i in range(len(params))]
-        self._async_fns = supports_async(cfg.gather_fn) and supports_async(cfg.redistribute_fn)
-        logger.debug("dmuon: %d matrices in %d rounds on rank %d", len(params), len(self._rounds), rank)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One step: AdamW on the ``use_muon=False`` groups, Muon (distributed) on the rest.
-
-        Raises:
-            RuntimeError: a gathered or redistributed tensor of the wrong shape (names the
-                parameter index, rank and shapes). Collective failures propagate unchanged.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
+    def step_adamw(self) -> None:
+        """AdamW on every ``use_muon=False`` group, element-wise on local shards."""
+        opt = self.opt
+        for group in opt.param_groups:
             if not group["use_muon"]:
                 ps = [p for p in group["params"] if p.grad is not None]
-                adamw_update_([_local(p) for p in ps], [_local(p.grad) for p in ps],
-                              [self.state[p] for p in ps], lr=group["lr"], betas=group["betas"],
+                adamw_update_([local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
+                              [opt.state[p] for p in ps], lr=group["lr"], betas=group["betas"],
                               eps=group["eps"], weight_decay=group["weight_decay"])
-        if self.distributed_config is None:
-            for group in self.param_groups:
-                if group["use_muon"]:
-                    self._step_single(group)
-        else:
-            with torch.profiler.record_function("dmuon::configured_muon"):
-                self._step_distributed()
-        return loss
 
-    def _ns_kwargs(self, group: dict) -> dict:
+    def ns_kwargs(self, group: dict) -> dict:
+        """Newton-Schulz keyword arguments of ``group``."""
         return dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
                     method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
-                    backend=self.ns_backend)
+                    backend=self.opt.ns_backend)
 
     def _step_single(self, group: dict) -> None:
+        opt = self.opt
         ps = [p for p in group["params"] if p.grad is not None]
         bufs = []
         for p in ps:
-            st = self.state[p]
+            st = opt.state[p]
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
         muon_update_(ps, [p.grad for p in ps], bufs, lr=group["lr"], weight_decay=group["weight_decay"],
                      momentum=group["momentum"], nesterov=group["nesterov"],
-                     adjust_lr_fn=group["adjust_lr_fn"], ns_kwargs=self._ns_kwargs(group),
-                     max_batch_bytes=self.max_batch_bytes)
+                     adjust_lr_fn=group["adjust_lr_fn"], ns_kwargs=self.ns_kwargs(group),
+                     max_batch_bytes=opt.max_batch_bytes)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every parameter of the optimizer."""
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
+
+
+class ConfiguredUpdate(SingleDeviceUpdate):
+    """Owner-centric Muon through a :class:`DistributedConfig` (see the module docstring).
+
+    Collective at construction: ``assign_fn`` runs on every rank and the ranks compare their
+    assignments (one ``all_gather_object``).
+
+    Args:
+        opt: the :class:`dmuon.Muon` (its ``param_groups`` from :func:`split_param_groups`).
+        config: how matrices are assigned, gathered and redistributed.
+
+    Raises:
+        ValueError: an ``assign_fn`` result that misses indices or names ranks out of range.
+        RuntimeError: ranks computed different assignments (on every rank).
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, config: DistributedConfig) -> None:
+        super().__init__(opt)
+        self.config = config
+        params = [p for p, _ in self.muon_params()]
+        state = config.state
+        self.group = state.get("group")
+        world = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        owners = validate_assignments(config.assign_fn(params, state), len(params), world)
+        check_same_on_all_ranks(hashlib.sha256(repr(owners).encode()).hexdigest(),
+                                "Muon matrix assignment of assign_fn", self.group,
+                                fix="assign_fn must be deterministic (the same result on every rank).")
+        state["assignments"] = dict(enumerate(owners))
+        state["rank"] = rank
+        self.owners, self.rank, self.world = owners, rank, world
+        shapes = state.get("full_shapes")
+        self.full_shapes = [tuple(int(s) for s in (shapes[i] if shapes is not None else p.shape))
+                            for i, p in enumerate(params)]
+        if config.async_gpu_parallelism:  # round k: the k-th matrix of every owner
+            per_owner: list[list[int]] = [[] for _ in range(world)]
+            for i, o in enumerate(owners):
+                per_owner[o].append(i)
+            depth = max((len(x) for x in per_owner), default=0)
+            self.rounds = [sorted(x[k] for x in per_owner if k < len(x)) for k in range(depth)]
+        else:
+            self.rounds = [[i] for i in range(len(params))]
+        self._async_fns = supports_async(config.gather_fn) and supports_async(config.redistribute_fn)
+        logger.debug("dmuon: %d matrices in %d rounds on rank %d", len(params), len(self.rounds), rank)
+
+    def muon_params(self) -> list[tuple[Tensor, dict]]:
+        """``(matrix, its group)`` in param-group order (the indices ``assign_fn`` saw)."""
+        return [(p, g) for g in self.opt.param_groups if g["use_muon"] for p in g["params"]]
+
+    def step(self) -> None:
+        """AdamW on the ``use_muon=False`` groups, then distributed Muon on the rest.
+
+        Raises:
+            RuntimeError: a gathered or redistributed tensor of the wrong shape (names the
+                parameter index, rank and shapes). Collective failures propagate unchanged.
+        """
+        self.step_adamw()
+        with torch.profiler.record_function("dmuon::configured_muon"):
+            self._step_distributed()
 
     def _ns_inputs(self, entries: list[tuple[Tensor, dict]]) -> list[Tensor]:
         """Momentum update on local shards; the Newton-Schulz inputs (local), as muon_update_."""
         inputs = []
         for i, (p, g) in enumerate(entries):
             if p.grad is None:
-                raise RuntimeError(f"dmuon: Muon matrix {i} (shape {self._full_shapes[i]}) has no "
-                                   f"gradient on rank {self._rank}; with a distributed_config every "
+                raise RuntimeError(f"dmuon: Muon matrix {i} (shape {self.full_shapes[i]}) has no "
+                                   f"gradient on rank {self.rank}; with a distributed_config every "
                                    f"matrix takes part in every step (use zeros, or a use_muon=False group)")
-            st = self.state[p]
+            st = self.opt.state[p]
             if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(_local(p), memory_format=torch.preserve_format)
-            inputs.append(momentum_update_(_local(p.grad), st["momentum_buffer"],
+                st["momentum_buffer"] = torch.zeros_like(local_tensor(p), memory_format=torch.preserve_format)
+            inputs.append(momentum_update_(local_tensor(p.grad), st["momentum_buffer"],
                                            momentum=g["momentum"], nesterov=g["nesterov"]))
         return inputs
 
     def _issue_gather(self, k: int, entries, inputs) -> Any:
-        cfg, rnd = self.distributed_config, self._rounds[k]
-        owners = [self._owners[i] for i in rnd]
+        cfg, rnd = self.config, self.rounds[k]
+        owners = [self.owners[i] for i in rnd]
         if cfg.batch_gather_fn is not None:
             return cfg.batch_gather_fn([inputs[i] for i in rnd], rnd, owners, cfg.state,
                                        dtype=inputs[rnd[0]].dtype, async_op=True)
@@ -252,15 +264,9 @@ class ConfiguredMuon(Muon):
                 handles.append(_Done(cfg.gather_fn(x, dst_rank=o, state=cfg.state)))
         return _Done(handles)
 
-    def _wait_gather(self, handle: Any) -> list[Any]:
-        cfg = self.distributed_config
-        if cfg.batch_gather_fn is not None:
-            return handle.wait()
-        return [h.wait() for h in handle.wait()]
-
     def _issue_redistribute(self, k: int, updates: list[Any], device: torch.device, dtype) -> Any:
-        cfg, rnd = self.distributed_config, self._rounds[k]
-        owners = [self._owners[i] for i in rnd]
+        cfg, rnd = self.config, self.rounds[k]
+        owners = [self.owners[i] for i in rnd]
         if cfg.batch_redistribute_fn is not None:
             return cfg.batch_redistribute_fn(updates, rnd, owners, cfg.state, dtype=dtype,
                                              device=device, async_op=True)
@@ -270,48 +276,49 @@ class ConfiguredMuon(Muon):
         return _Done([_Done(cfg.redistribute_fn(u, src_rank=o, state=cfg.state))
                       for u, o in zip(updates, owners)])
 
-    def _wait_redistribute(self, handle: Any) -> list[Tensor]:
-        if self.distributed_config.batch_redistribute_fn is not None:
+    def _wait(self, handle: Any) -> list[Any]:
+        """A round's results: one batched handle, or a handle over per-matrix handles."""
+        if self.config.batch_gather_fn is not None:  # set together with batch_redistribute_fn
             return handle.wait()
         return [h.wait() for h in handle.wait()]
 
     def _check_full(self, i: int, full: Any) -> None:
-        expected = self._full_shapes[i]
-        if self._owners[i] == self._rank:
+        expected = self.full_shapes[i]
+        if self.owners[i] == self.rank:
             if full is None or tuple(full.shape) != expected:
                 got = None if full is None else tuple(full.shape)
                 raise RuntimeError(
                     f"dmuon: gather_fn returned {got} for Muon matrix {i} on its assigned rank "
-                    f"{self._rank}; expected the full matrix of shape {expected}. gather_fn must "
+                    f"{self.rank}; expected the full matrix of shape {expected}. gather_fn must "
                     f"return the whole [rows, cols] tensor on dst_rank (state['full_shapes'] "
                     f"gives the full shapes of plain shards).")
         elif full is not None:
             raise RuntimeError(
                 f"dmuon: gather_fn returned a tensor of shape {tuple(full.shape)} for Muon matrix "
-                f"{i} on rank {self._rank}, which is not its assigned rank {self._owners[i]}; it "
+                f"{i} on rank {self.rank}, which is not its assigned rank {self.owners[i]}; it "
                 f"must return None there.")
 
     def _apply(self, i: int, entry: tuple[Tensor, dict], update: Tensor) -> None:
         p, g = entry
-        local = _local(p)
+        local = local_tensor(p)
         if update is None or tuple(update.shape) != tuple(local.shape):
             got = None if update is None else tuple(update.shape)
             raise RuntimeError(
-                f"dmuon: redistribute_fn returned {got} for Muon matrix {i} on rank {self._rank}; "
+                f"dmuon: redistribute_fn returned {got} for Muon matrix {i} on rank {self.rank}; "
                 f"expected this rank's local piece of shape {tuple(local.shape)} (full "
-                f"{self._full_shapes[i]}).")
+                f"{self.full_shapes[i]}).")
         apply_update_(local, update, lr=g["lr"], weight_decay=g["weight_decay"],
-                      adjust_lr_fn=g["adjust_lr_fn"], shape=self._full_shapes[i])
+                      adjust_lr_fn=g["adjust_lr_fn"], shape=self.full_shapes[i])
 
     def _step_distributed(self) -> None:
         from dmuon.kernels import orthogonalize_by_shape
 
-        cfg = self.distributed_config
-        entries = self._muon_params()
+        cfg = self.config
+        entries = self.muon_params()
         if not entries:
             return
         inputs = self._ns_inputs(entries)
-        rounds, prefetch = self._rounds, cfg.prefetch_count
+        rounds, prefetch = self.rounds, cfg.prefetch_count
         gathers: dict[int, Any] = {}
         scatters: list[tuple[int, Any]] = []
         issued = 0
@@ -320,7 +327,7 @@ class ConfiguredMuon(Muon):
                 with torch.profiler.record_function("dmuon::gather"):
                     gathers[issued] = self._issue_gather(issued, entries, inputs)
                 issued += 1
-            fulls = self._wait_gather(gathers.pop(k))
+            fulls = self._wait(gathers.pop(k))
             mine = []
             for i, full in zip(rnd, fulls):
                 self._check_full(i, full)
@@ -331,8 +338,8 @@ class ConfiguredMuon(Muon):
                 for group in {id(entries[i][1]): entries[i][1] for i in mine}.values():
                     ids = [i for i in mine if entries[i][1] is group]
                     outs = orthogonalize_by_shape([fulls[rnd.index(i)] for i in ids],
-                                                  max_batch_bytes=self.max_batch_bytes,
-                                                  **self._ns_kwargs(group))
+                                                  max_batch_bytes=self.opt.max_batch_bytes,
+                                                  **self.ns_kwargs(group))
                     for i, out in zip(ids, outs):
                         updates[rnd.index(i)] = out
             ns_dtype = entries[rnd[0]][1]["ns_dtype"]
@@ -346,5 +353,47 @@ class ConfiguredMuon(Muon):
             self._finish_round(k, handle, entries)
 
     def _finish_round(self, k: int, handle: Any, entries) -> None:
-        for i, update in zip(self._rounds[k], self._wait_redistribute(handle)):
+        for i, update in zip(self.rounds[k], self._wait(handle)):
             self._apply(i, entries[i], update)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
+        """Clip every gradient of the optimizer by the norm of the full gradients (collective
+        over the group); see :func:`dmuon.clip_grad_norm_`."""
+        counted, clipped = [], []
+        index = {id(p): i for i, (p, _) in enumerate(self.muon_params())}
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                local = local_tensor(p.grad)
+                clipped.append(local)
+                if is_counted(self, p, index.get(id(p))):
+                    counted.append(local)
+        return clip_by_total_norm_(counted, clipped, max_norm=max_norm, norm_type=norm_type,
+                                   error_if_nonfinite=error_if_nonfinite, group=self.group)
+
+
+def is_counted(update: ConfiguredUpdate, param: Tensor, muon_index: int | None) -> bool:
+    """Whether this rank's local piece of ``param`` (a parameter of ``update``'s optimizer),
+    or of its gradient, is the one copy a sum over the group counts: the first copy of a DTensor piece
+    (:func:`~dmuon.owners.clip.is_first_copy`), the source of a plain Muon matrix's piece
+    in its layout (``state["layouts"]``, set by the helper configs), and group rank 0's copy
+    of any other plain tensor (a replica, as DDP holds it).
+
+    Raises:
+        ValueError: a plain Muon matrix without a layout (a hand-made config whose
+            ``assign_fn`` stored no ``state["layouts"]``), naming the matrix.
+    """
+    if hasattr(param, "device_mesh"):
+        return is_first_copy(param, dist.get_process_group_ranks(
+            update.group if update.group is not None else dist.group.WORLD))
+    if muon_index is None:
+        return update.rank == 0
+    layouts = update.config.state.get("layouts")
+    if layouts is None:
+        raise ValueError(
+            f"dmuon: Muon matrix {muon_index} (local shape {tuple(param.shape)}) is a plain "
+            f"tensor and the distributed_config's state has no 'layouts', so dmuon cannot "
+            f"tell which ranks hold copies of it. Use a helper config (create_*_config) or "
+            f"store state['layouts'] (dmuon.owners.slices.MatrixLayout per matrix) in assign_fn.")
+    return layouts[muon_index].sources[update.rank] == update.rank

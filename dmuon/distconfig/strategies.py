@@ -33,7 +33,7 @@ from torch import Tensor
 
 from dmuon.distconfig.comm import gather_to_owners, scatter_from_owners
 from dmuon.distconfig.config import DistributedConfig
-from dmuon.distconfig.layout import MatrixLayout, dtensor_layout
+from dmuon.owners.slices import MatrixLayout, dtensor_layout, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +44,6 @@ _INDEPENDENT_NAMES = ("ep", "pp")
 
 def _is_dtensor(t: Tensor) -> bool:
     return hasattr(t, "device_mesh") and hasattr(t, "placements")
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if _is_dtensor(t) else t
 
 
 def _group_ranks(group: Any) -> list[int]:
@@ -189,7 +185,7 @@ def gather_fn(momentum_buffer: Tensor, dst_rank: int, state: dict, async_op: boo
     in the same order as the gathers) knows the pieces.
     """
     layout = _layout_of(momentum_buffer, state)
-    local = _local(momentum_buffer)
+    local = local_tensor(momentum_buffer)
     state.setdefault("inflight", collections.deque()).append((layout, local.dtype, local.device))
     pending = gather_to_owners([local], [layout], [dst_rank], group=state["group"],
                                rank=state["rank"], world_size=state["world_size"],
@@ -217,7 +213,7 @@ def redistribute_fn(update: Optional[Tensor], src_rank: int, state: dict, async_
 
 
 class _first:
-    """Handle over a one-matrix :class:`~dmuon.distconfig.comm.Pending`: ``wait()`` -> item 0."""
+    """Handle over a one-matrix :class:`~dmuon.hooks.comm.Pending`: ``wait()`` -> item 0."""
 
     __slots__ = ("pending",)
 

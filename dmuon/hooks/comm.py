@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -20,24 +20,36 @@ from torch.autograd.profiler import record_function
 
 @dataclass(eq=False)
 class Pending:
-    """An in-flight collective and the buffers it reads or writes.
+    """An in-flight collective, the buffers it reads or writes, and how to unpack its result.
+
+    The one handle of every dmuon collective: the runtime's publish / reduce-to-owner /
+    all-reduce and the ``distributed_config`` path's all-to-all exchanges
+    (:mod:`dmuon.distconfig.comm`).
 
     Attributes:
-        work: the ``dist.Work`` (or NCCL group call) to wait on; ``None`` once waited.
+        work: the ``dist.Work`` (or NCCL group call) to wait on; ``None`` once waited (or when
+            nothing was issued).
         tensors: buffers that must stay alive until the wait.
         what: what the collective does, for the error text (a string, or a callable that
             builds it only on failure, e.g. naming the matrices).
         group: the process group it runs on (its ranks are named on failure).
+        finish: called once after the wait; its value is what :meth:`wait` returns (e.g. the
+            received pieces unpacked into full matrices). ``None``: :meth:`wait` returns ``None``.
     """
 
     work: Any
     tensors: tuple[torch.Tensor, ...]
     what: str | Callable[[], str] = "a collective"
     group: dist.ProcessGroup | None = None
+    finish: Callable[[], Any] | None = None
+    result: Any = field(default=None, init=False, repr=False)
 
-    def wait(self) -> None:
+    def wait(self) -> Any:
         """Wait; the group's timeout (the user's, :func:`dmuon.hooks.mesh.inherited_timeout`)
-        bounds it.
+        bounds it. Waiting again returns the same result without waiting.
+
+        Returns:
+            ``finish()``'s value (computed on the first wait), or ``None`` without ``finish``.
 
         Raises:
             RuntimeError: the collective failed or timed out, naming this rank, what dmuon was
@@ -49,6 +61,9 @@ class Pending:
             except RuntimeError as err:  # DistBackendError and gloo's timeouts subclass it
                 raise RuntimeError(wait_failure(self.what, self.group, err)) from err
             self.work = None
+        if self.finish is not None:
+            self.result, self.finish = self.finish(), None
+        return self.result
 
 
 def wait_failure(what: str | Callable[[], str], group: dist.ProcessGroup | None,
@@ -137,8 +152,19 @@ def _names(names: Callable[[], list[str]] | None) -> str:
     return f"{listed[:4]}{f' (+{len(listed) - 4} more)' if len(listed) > 4 else ''}"
 
 
-def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup) -> None:
-    """Raise on every rank if ``value`` differs between ranks of ``group``.
+_SAME_MODEL = ("Every rank must build the same model and pass the same predicate and plan to "
+               "dedicate_params.")
+
+
+def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup | None,
+                            fix: str = _SAME_MODEL) -> None:
+    """Raise on every rank if ``value`` (a digest string) differs between ranks of ``group``.
+
+    Args:
+        value: this rank's digest.
+        what: what the digest is of, for the message (``"owner plan digest"``).
+        group: the process group (``None``: the default group).
+        fix: the last sentence of the message: how to make the ranks agree.
 
     Raises:
         RuntimeError: naming each rank whose value differs from rank 0's, on every rank
@@ -150,6 +176,5 @@ def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup) -> 
     if bad:
         raise RuntimeError(
             f"dmuon: the {what} differs between ranks: rank 0 has {values[0][:16]}..., ranks "
-            f"{bad} have {[str(values[r])[:16] + '...' for r in bad]}. Every rank must build the "
-            f"same model and pass the same predicate and plan to dedicate_params."
+            f"{bad} have {[str(values[r])[:16] + '...' for r in bad]}. {fix}"
         )

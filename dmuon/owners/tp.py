@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dmuon.owners.slices import chunk_sizes
+
 
 @dataclass(frozen=True, slots=True)
 class TPItem:
@@ -33,12 +35,6 @@ class TPItem:
     shard_dim: int | None
     full_shape: tuple[int, int]
     tp_owner: int
-
-
-def chunk_sizes(size: int, parts: int) -> list[int]:
-    """Sizes ``torch.chunk`` (and DTensor's ``Shard``) gives ``size`` rows over ``parts`` ranks."""
-    step = -(-size // parts) if size else 0
-    return [max(0, min(step, size - i * step)) for i in range(parts)]
 
 
 def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:

@@ -17,6 +17,70 @@ from typing import Any, Callable, Sequence
 import torch
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+NS_METHODS = ("gram", "standard")
+
+
+def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                             adjust_lr_fn: str | None = None, ns_method: str = "gram",
+                             ns_dtype: torch.dtype = torch.float16, adamw_lr: float | None = None,
+                             adamw_betas: tuple[float, float] = (0.9, 0.999),
+                             ns_coefficients: Any = "polar_express", ns_steps: int = 5,
+                             eps: float = 1e-7, adamw_eps: float = 1e-8,
+                             adamw_weight_decay: float | None = None, where: str = "") -> None:
+    """Check Muon's and AdamW's hyper-parameters once, at construction (not at the first step).
+
+    The one check behind every :class:`dmuon.Muon` path (``dmuon.Muon(model)`` and the
+    ``distributed_config`` path, also per param group) and the baselines. At least as strict as
+    ``torch.optim.Muon`` (``lr``, ``momentum``, ``weight_decay`` >= 0) and ``torch.optim.AdamW``
+    (``lr``, ``eps``, ``weight_decay`` >= 0, ``betas`` in [0, 1)), and stricter where torch
+    lets a NaN through (``nan < 0`` is False): every number must be finite, ``momentum`` in
+    [0, 1), ``ns_steps`` an integer >= 1.
+
+    Args:
+        lr ... adamw_weight_decay: as :class:`dmuon.Muon` (``None`` for ``adamw_lr`` /
+            ``adamw_weight_decay``: taken from ``lr`` / ``weight_decay``).
+        where: names the param group in the message (``"param group 2: "``), or ``""``.
+
+    Raises:
+        ValueError: naming the hyper-parameter, its value and the accepted range.
+        TypeError: a hyper-parameter that is not a real number (a string, ``None``...).
+    """
+    from dmuon.kernels import resolve_coefficients
+
+    def number(name: str, value: Any, low: float = 0.0, high: float | None = None) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            else:
+                raise TypeError(f"dmuon: {where}{name} must be a real number, got "
+                                f"{type(value).__name__} {value!r}")
+        if not math.isfinite(value) or value < low or (high is not None and value >= high):
+            accepted = f"in [{low:g}, {high:g})" if high is not None else f"a finite number >= {low:g}"
+            raise ValueError(f"dmuon: {where}{name} must be {accepted}, got {value!r}")
+
+    number("lr", lr)
+    number("weight_decay", weight_decay)
+    number("momentum", momentum, high=1.0)
+    number("eps", eps)
+    if adamw_lr is not None:
+        number("adamw_lr", adamw_lr)
+    if adamw_weight_decay is not None:
+        number("adamw_weight_decay", adamw_weight_decay)
+    number("adamw_eps", adamw_eps)
+    if not isinstance(adamw_betas, (tuple, list)) or len(adamw_betas) != 2:
+        raise ValueError(f"dmuon: {where}adamw_betas must be a pair (beta1, beta2), got {adamw_betas!r}")
+    number("adamw_betas[0]", adamw_betas[0], high=1.0)
+    number("adamw_betas[1]", adamw_betas[1], high=1.0)
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+        raise ValueError(f"dmuon: {where}ns_steps must be an integer >= 1, got {ns_steps!r}")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"dmuon: {where}adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    if ns_method not in NS_METHODS:
+        raise ValueError(f"dmuon: {where}ns_method must be one of {NS_METHODS}, got {ns_method!r}")
+    if ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"dmuon: {where}ns_dtype must be a float dtype, got {ns_dtype}")
+    resolve_coefficients(ns_coefficients, ns_steps)
+
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:

@@ -1,4 +1,6 @@
-"""Where each rank's piece of a matrix lives: index math for Shard, ``_StridedShard``, Replicate.
+"""Which slice of a matrix each rank holds: the one place of index math for Shard,
+``_StridedShard`` and Replicate (used by the ``distributed_config`` exchanges, the TP
+Newton-Schulz gather/scatter and the gradient-norm clip).
 
 A :class:`MatrixLayout` says, for every rank of the optimizer's process group, which rows and
 which columns of the full ``[rows, cols]`` matrix that rank holds locally (its local tensor is
@@ -34,6 +36,18 @@ logger = logging.getLogger(__name__)
 Runs = tuple[tuple[int, int], ...]
 
 
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's local piece of a DTensor (``to_local()``, no copy), or ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """Sizes ``torch.chunk`` (and DTensor's ``Shard``) gives ``size`` indices over ``parts``
+    ranks: ``ceil(size / parts)`` each, trailing chunks shorter or empty."""
+    step = -(-size // parts) if size else 0
+    return [max(0, min(step, size - i * step)) for i in range(parts)]
+
+
 def runs_length(runs: Runs) -> int:
     """Number of indices in ``runs``."""
     return sum(stop - start for start, stop in runs)
@@ -57,9 +71,9 @@ def sub_runs(runs: Runs, start: int, stop: int) -> Runs:
 
 def chunk_runs(runs: Runs, num_chunks: int, index: int) -> Runs:
     """Chunk ``index`` of ``torch.chunk(sequence, num_chunks)`` (empty past the last chunk)."""
-    n = runs_length(runs)
-    size = -(-n // num_chunks) if n else 0
-    return sub_runs(runs, min(index * size, n), min((index + 1) * size, n))
+    sizes = chunk_sizes(runs_length(runs), num_chunks)
+    start = sum(sizes[:index])
+    return sub_runs(runs, start, start + (sizes[index] if index < num_chunks else 0))
 
 
 def apply_placement(runs: Runs, placement: object, mesh_size: int, coord: int) -> tuple[int | None, Runs]:
