@@ -56,27 +56,6 @@ from dmuon.owners.plan import OwnerPlan
 logger = logging.getLogger(__name__)
 
 
-# HSDP per-matrix choice (DESIGN.md "Meshes"): running NS on every replica's owner costs
-# ~flops(m, n) / peak; having replica 0 compute and broadcast the fp32 master costs
-# 4 m n bytes / inter-node bandwidth. With the Gram NS count (~8 m^2 n + 28 m^3 for 5 steps),
-# an H100 at ~400 TFLOP/s effective fp16 and 25 GB/s per-GPU InfiniBand (200 Gb/s), the broadcast
-# wins when min(m, n) is above ~2,300. The constants are the A800/H100 cluster figures of the
-# DMuon paper's setup; "compute" and "broadcast" can be forced.
-NS_FLOPS_PER_S = 400e12
-REPLICA_BYTES_PER_S = 25e9
-
-
-def choose_replicate_mode(shape: tuple[int, int], mode: str) -> str:
-    """Per-matrix HSDP mode: ``"compute"`` or ``"broadcast"`` (``mode="auto"`` by cost)."""
-    if mode != "auto":
-        return mode
-    from dmuon.kernels import ns_flops
-
-    compute_s = ns_flops(shape[0], shape[1], method="gram") / NS_FLOPS_PER_S
-    broadcast_s = 4 * shape[0] * shape[1] / REPLICA_BYTES_PER_S
-    return "compute" if compute_s <= broadcast_s else "broadcast"
-
-
 @dataclass(eq=False)
 class PublishGroup:
     """Dedicated matrices of one unit with the same owner, published by one broadcast.
@@ -201,8 +180,8 @@ class DedicateState:
             before backward (less memory, one more broadcast per matrix); ``None`` follows
             each enclosing FSDP2 block (:func:`dmuon.hooks.fsdp.reshards_after_forward`).
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
-        replicate_mode: HSDP: ``"compute"``, ``"broadcast"`` or ``"auto"`` (per matrix, by
-            :func:`choose_replicate_mode`).
+        replicate_mode: unused; the plan holds each matrix's HSDP mode
+            (:attr:`dmuon.owners.plan.MatrixSpec.replicate_mode`).
         reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
             ``"all_reduce"`` (:mod:`dmuon.hooks.grad_buckets`).
         replicas: plain replicated module only: ``"keep"`` (default there) or
@@ -314,7 +293,7 @@ class DedicateState:
                 reduce_dtype=reduce_dtype, requires_grad=requires_grad, order=order,
                 wrap=lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape),
                 storage=views[order][1], full_shape=sel.shape, tp_shard_dim=sl.shard_dim,
-                tp_owner=spec.tp_owner, replicate_mode=choose_replicate_mode(sel.shape, self.replicate_mode),
+                tp_owner=spec.tp_owner, replicate_mode=spec.replicate_mode or "compute",  # the plan decides
             )
             group = views[order][0]
             group.members.append(rec)
