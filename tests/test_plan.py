@@ -119,3 +119,13 @@ def test_balance_imports_run_one_way():
     assert "solver" in graph and graph.out_degree("solver") >= 4, sorted(graph.edges)
     assert nx.is_directed_acyclic_graph(graph), nx.find_cycle(graph)
     assert not list(graph.predecessors("solver")), sorted(graph.edges)
+
+
+def test_bucket_path_refuses_options_it_does_not_take():
+    """The DDP-style bucket plan is one path of the one author; options of the other paths
+    would be silently dropped, so they raise, naming them."""
+    inv = inventory("pi0-tiny")
+    plan = build_plan(inv, 2, bucket_bytes=2 ** 16)
+    assert plan.method == "buckets" and all(m.bucket is not None for m in plan.matrices)
+    with pytest.raises(ValueError, match=r"takes no \['tp_size', 'replicate_mode'\]"):
+        build_plan(inv, 2, bucket_bytes=2 ** 16, tp_size=2, replicate_mode="auto")

@@ -332,6 +332,8 @@ def build_plan(
     replicate_mode: str | None = None,
     replica_cost: ReplicaCost | None = None,
     solver_report: bool = False,
+    bucket_bytes: int | None = None,
+    element_size: int = 4,
 ) -> OwnerPlan:
     """Every per-matrix decision of an owner plan, from a model's matrices or an inventory.
 
@@ -375,15 +377,25 @@ def build_plan(
             :class:`dmuon.balance.cost.ReplicaCost`).
         solver_report: record the solver's ``proven_bound``, ``optimal``, ``detail``,
             ``solve_s``, the layout and ``memory_by_rank`` (bytes) in ``extra``.
+        bucket_bytes: the DDP-style path (``replicas="keep"``, plain module on a 1-D mesh):
+            matrices are cut into buckets of at most this many bytes (``bucket_cap_mb *
+            2**20``, > 0) in backward (reverse model) order and each bucket gets one owner,
+            balancing Newton-Schulz cost and broadcast bytes
+            (:func:`dmuon.balance.buckets.assign_buckets`); ``MatrixSpec.bucket`` records it.
+            Takes none of ``tp_size > 1``, ``groups``, ``group_cost``, ``layout``,
+            ``memory_cap_bytes``, ``batch_overhead``, ``replicate_mode``.
+        element_size: bucket path: bytes per gradient element (4 for fp32).
 
     Returns:
         The plan, with makespan and lower bound from the solver; ``extra`` records
-        ``group_cost`` and ``publish_pairs`` when a group cost was used (and the report above).
+        ``group_cost`` and ``publish_pairs`` when a group cost was used (and the report above);
+        on the bucket path ``buckets``, ``bucket_cap_bytes``, ``ns_share`` and ``bytes_share``.
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (bad costs, ``group_cost`` without
             ``groups``, an infeasible memory cap), a ``layout`` that does not cover the ranks,
-            or an unknown ``replicate_mode``.
+            an unknown ``replicate_mode``, ``bucket_bytes <= 0`` or with an option the bucket
+            path does not take.
     """
     from dmuon.balance import solve
     from dmuon.balance.cost import owner_memory
@@ -394,6 +406,14 @@ def build_plan(
     shapes = [shape for _, shape in named_shapes]
     if costs is None:
         costs = [float(ns_flops(*shape, method="gram")) for shape in shapes]
+    if bucket_bytes is not None:
+        given = {"tp_size": tp_size != 1, "groups": groups is not None, "group_cost": group_cost != 0,
+                 "layout": layout is not None, "memory_cap_bytes": memory_cap_bytes is not None,
+                 "batch_overhead": bool(batch_overhead), "replicate_mode": replicate_mode is not None}
+        if any(given.values()):
+            raise ValueError(f"dmuon: build_plan(bucket_bytes=...) is the plain replicated module's "
+                             f"path and takes no {[k for k, v in given.items() if v]}; leave them out")
+        return _bucket_plan(named_shapes, world_size, costs, cost_unit, bucket_bytes, element_size)
     if layout is not None and layout[0] * layout[1] != world_size * tp_size:
         raise ValueError(
             f"dmuon: build_plan(layout={tuple(layout)!r}) covers {layout[0] * layout[1]} ranks but "
@@ -451,33 +471,17 @@ def build_bucket_plan(
     costs: Sequence[float] | None = None,
     cost_unit: str = "flops",
 ) -> OwnerPlan:
-    """The plan of the DDP-style path (``replicas="keep"``): one owner per gradient bucket.
+    """The plan of the DDP-style path (``replicas="keep"``): :func:`build_plan` with
+    ``bucket_bytes`` (kept for its callers; see there)."""
+    return build_plan(named_shapes, world_size, bucket_bytes=bucket_bytes, element_size=element_size,
+                      costs=costs, cost_unit=cost_unit)
 
-    Matrices are cut into size-capped buckets in backward (reverse model) order and each
-    bucket goes to one owner, balancing Newton-Schulz cost and broadcast bytes
-    (:func:`dmuon.balance.buckets.assign_buckets`); ``MatrixSpec.bucket`` records the bucket.
 
-    Args:
-        named_shapes: ``(fqn, (rows, cols))`` per dedicated matrix, in model order.
-        world_size: number of ranks.
-        bucket_bytes: the bucket cap in bytes (``bucket_cap_mb * 2**20``, > 0).
-        element_size: bytes per gradient element (4 for fp32).
-        costs: per-matrix Newton-Schulz cost; defaults to the Gram FLOP model.
-
-    Returns:
-        The plan; ``makespan``/``lower_bound`` are in ``cost_unit`` (NS cost only) and
-        ``extra`` holds ``buckets``, ``bucket_cap_bytes``, ``ns_share`` and ``bytes_share``
-        per rank.
-
-    Raises:
-        ValueError: ``bucket_bytes <= 0`` or ``world_size < 1``.
-    """
+def _bucket_plan(named_shapes, world_size, costs, cost_unit, bucket_bytes, element_size) -> OwnerPlan:
+    """:func:`build_plan`'s DDP-style path: size-capped buckets in backward order, one owner each
+    (:func:`dmuon.balance.buckets.assign_buckets`)."""
     from dmuon.balance.buckets import assign_buckets
-    from dmuon.kernels import ns_flops
 
-    named_shapes = [(fqn, (int(s[0]), int(s[1]))) for fqn, s in named_shapes]
-    if costs is None:
-        costs = [float(ns_flops(*shape, method="gram")) for _, shape in named_shapes]
     nbytes = [shape[0] * shape[1] * element_size for _, shape in named_shapes]
     result = assign_buckets(costs, nbytes, world_size, bucket_bytes)
     matrices = tuple(
