@@ -32,10 +32,11 @@ CPU_NS_FLOP_PER_S = 6e10
 
 # HSDP per-matrix replicate mode (DESIGN.md "Meshes"): running NS on every replica's owner costs
 # ~flops(m, n) / peak; having replica 0 compute and broadcast the fp32 master costs
-# 4 m n bytes / inter-node bandwidth. With the Gram NS count (~8 m^2 n + 28 m^3 for 5 steps),
-# an H100 at ~400 TFLOP/s effective fp16 and 25 GB/s per-GPU InfiniBand (200 Gb/s), the broadcast
-# wins when min(m, n) is above ~2,300. The constants are the A800/H100 cluster figures of the
-# DMuon paper's setup.
+# 4 m n bytes / inter-node bandwidth. With an H100 at ~400 TFLOP/s effective fp16 and 25 GB/s
+# per-GPU InfiniBand (200 Gb/s), the broadcast wins for square matrices above ~2,150 rows (the
+# standard NS count, 30 p^3 for 5 steps) and for a [p, q] matrix with q >> p above p ~ 8,000
+# (the Gram count, ~8 p^2 q). The constants are the A800/H100 cluster figures of the DMuon
+# paper's setup.
 #: Newton-Schulz throughput (FLOP/s) of one owner, for :class:`ReplicaCost`.
 NS_FLOPS_PER_S = 400e12
 #: Bandwidth (bytes/s) of one fp32 master's broadcast across HSDP replicas, for :class:`ReplicaCost`.
