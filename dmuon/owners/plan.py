@@ -430,7 +430,8 @@ def build_plan(
     if layout is not None and groups is None:
         groups = layer_groups([fqn for fqn, _ in named_shapes])
     xor = layout is not None and group_cost == 0  # a group cost keeps groups on few owners instead
-    memory = owner_memory(shapes)
+    # bytes per matrix only where asked for (a cap, or the per-rank report)
+    memory = owner_memory(shapes) if memory_cap_bytes is not None or solver_report else None
     result = solve(list(costs), world_size * tp_size, classes=shapes, method=method,
                    time_limit_s=time_limit_s, memory=memory, memory_cap=memory_cap_bytes,
                    batch_overhead=batch_overhead or None,
