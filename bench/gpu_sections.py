@@ -416,7 +416,7 @@ def ns_speed(opts: SuiteOptions) -> dict:
         gen = torch.Generator(device=device).manual_seed(0)
         mats = [torch.randn(s, generator=gen, device=device) for s in shapes]
         variants = {k: v for k, v in _variants(device).items() if k != "dmuon_standard"}
-        times = _interleaved_ms({k: (lambda f=f: f(mats)) for k, f in variants.items()}, rounds, device)
+        times = _interleaved_ms({k: (lambda f=f, m=mats: f(m)) for k, f in variants.items()}, rounds, device)
         std = _model_flops(shapes, "standard", False)
         own = {"torch_muon_bf16": std, "dmuon_gram_torch": _model_flops(shapes, "gram", False),
                "dmuon_gram_triton": _model_flops(shapes, "gram", True)}

@@ -25,8 +25,6 @@ import os
 import sys
 from typing import Sequence
 
-from dmuon.balance import solve
-from dmuon.balance.cost import owner_memory
 from dmuon.balance.inventories import INVENTORIES, inventory, layer_groups
 from dmuon.balance.profiler import DEFAULT_CACHE, profile_costs
 
@@ -48,7 +46,8 @@ def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
             f"MODULE:FACTORY (e.g. mypkg.models:build_model)"
         )
     import torch
-    from torch import nn
+
+    from dmuon.hooks.dedicate import default_predicate, select_matrices
 
     mod_name, _, factory_name = spec.partition(":")
     factory = getattr(importlib.import_module(mod_name), factory_name, None)
@@ -56,9 +55,8 @@ def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
         raise ValueError(f"dmuon: --model {spec!r}: {mod_name} has no callable {factory_name!r}")
     with torch.device("meta"):
         model = factory()
-    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    out = [(name, (int(p.shape[0]), int(p.shape[1]))) for name, p in model.named_parameters()
-           if p.ndim == 2 and id(p) not in embedding]
+    # dedicate_params' own selection rule, so the plan names exactly the matrices it dedicates
+    out = [(sel.fqn, sel.shape) for sel in select_matrices(model, default_predicate(model))]
     if not out:
         raise ValueError(f"dmuon: --model {spec!r} has no 2-D non-embedding parameter to dedicate")
     return out
@@ -115,7 +113,8 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
                      measure: bool = False, device="cpu", method: str = "auto",
                      time_limit_s: float = 10.0, cache_path=DEFAULT_CACHE, progress: bool = True,
                      group_cost: float = 0.0):
-    """Profile, solve inside the XOR layout and return ``(OwnerPlan, per-rank memory bytes)``.
+    """Profile Newton-Schulz costs, then :func:`dmuon.owners.plan.build_plan` inside the XOR
+    layout; returns ``(OwnerPlan, per-rank memory bytes)``.
 
     With ``group_cost > 0`` (in the profile's unit, per (layer, owner) publication; see
     :mod:`dmuon.balance.grouping`) the solver keeps layers on few owners instead, and the XOR
@@ -125,34 +124,17 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (e.g. an infeasible memory cap).
     """
-    from dmuon.owners.plan import MatrixSpec, OwnerPlan
+    from dmuon.owners.plan import build_plan
 
-    fqns = [f for f, _ in named_shapes]
     shapes = [tuple(s) for _, s in named_shapes]
     costs, overhead, unit = profile_costs(shapes, measure=measure, device=device,
                                           cache_path=cache_path, progress=progress)
-    memory = owner_memory(shapes)
-    world = nodes * gpus_per_node
-    result = solve(costs, world, memory=memory, memory_cap=memory_cap_bytes,
-                   groups=layer_groups(fqns), classes=shapes if overhead else None,
-                   batch_overhead=overhead or None,
-                   layout=(nodes, gpus_per_node) if group_cost == 0 else None,
-                   method=method, time_limit_s=time_limit_s, group_cost=group_cost)
-    matrices = tuple(
-        MatrixSpec(fqn=f, shape=s, owner=r, cost=c + overhead.get(s, 0.0))
-        for f, s, r, c in zip(fqns, shapes, result.owners, costs)
-    )
-    plan = OwnerPlan(
-        world_size=world, matrices=matrices, method=result.method, cost_unit=unit,
-        makespan=result.makespan, lower_bound=result.lower_bound,
-        extra={"proven_bound": result.proven_bound, "optimal": result.optimal,
-               "detail": result.detail, "solve_s": result.solve_s, "nodes": nodes,
-               "gpus_per_node": gpus_per_node, "layout": "xor" if group_cost == 0 else "none",
-               "group_cost": group_cost, "publish_pairs": result.publish_pairs,
-               "memory_cap_bytes": memory_cap_bytes, "memory_by_rank": list(result.memory),
-               "batch_overhead": {f"{s[0]}x{s[1]}": v for s, v in overhead.items()}},
-    )
-    return plan, list(result.memory)
+    plan = build_plan(named_shapes, nodes * gpus_per_node, costs=costs, cost_unit=unit,
+                      method=method, time_limit_s=time_limit_s,
+                      groups=layer_groups([f for f, _ in named_shapes]), group_cost=group_cost,
+                      layout=(nodes, gpus_per_node), memory_cap_bytes=memory_cap_bytes,
+                      batch_overhead=overhead, solver_report=True)
+    return plan, list(plan.extra["memory_by_rank"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,9 +10,9 @@ Checkpoint jobs run in one of the ``MODES``: ``"fsdp"`` and ``"replicated"`` on 
 (:func:`tests.mesh_cases.build`; run those in a fresh pool world), and ``"hsdp-2x1"`` /
 ``"hsdp-1x2"``, HSDP on 2 ranks (2 replicas of 1 rank, or 1 replica of 2 ranks).
 
-``mixed_auto=True`` runs ``replicate_mode="auto"`` with the cost constants of
-:func:`dmuon.hooks.runtime.choose_replicate_mode` set so that the test model's matrices split
-(:func:`tests.mesh_cases.mixed_auto_modes`); with the shipped constants every matrix of this tiny model
+``mixed_auto=True`` runs ``replicate_mode="auto"`` with a plan-level cost model
+(:class:`dmuon.balance.cost.ReplicaCost`) under which the test model's matrices split
+(:func:`tests.mesh_cases.mixed_auto_kwargs`); with the shipped constants every matrix of this tiny model
 picks ``"compute"`` and ``"auto"`` is ``"compute"`` under another name.
 """
 
@@ -87,8 +87,8 @@ def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: 
          mixed_auto: bool = False):
     """The test model, a dmuon.Muon (fp32 exact mode) and a StepLR over it, in ``mode``.
 
-    ``mixed_auto``: resolve ``replicate_mode="auto"`` with :func:`tests.mesh_cases.mixed_auto_modes` (the
-    matrices are bound, and their mode chosen, when the optimizer is built).
+    ``mixed_auto``: resolve ``replicate_mode="auto"`` with :func:`tests.mesh_cases.mixed_auto_kwargs`
+    (the plan records each matrix's mode).
 
     Returns:
         ``(model, opt, sched, dp_index, dp_count)``: this rank's data-parallel replica and the
@@ -97,16 +97,16 @@ def _job(rank: int, world_size: int, mode: str, shift: int = 0, replicate_mode: 
     if mode not in MODES:
         raise ValueError(f"unknown checkpoint test mode {mode!r}; one of {MODES}")
     plan = rotated_plan(world_size, shift) if shift else None
-    with mesh_cases.mixed_auto_modes(mixed_auto):
-        if mode in mesh_cases.LAYOUTS or mode in HSDP_2RANK:
-            builder = (mesh_cases.build if mode in mesh_cases.LAYOUTS
-                       else _hsdp_2rank)
-            model, mesh, dp_names = builder(mode, plan=plan, replicate_mode=replicate_mode)
-            dp_index, dp_count = mesh_cases.dp_coordinate(mesh, dp_names)
-        else:
-            model, _ = build(world_size, mode, plan=plan)
-            dp_index, dp_count = rank, world_size
-        opt = dmuon.Muon(model, **EXACT)
+    if mode in mesh_cases.LAYOUTS or mode in HSDP_2RANK:
+        builder = (mesh_cases.build if mode in mesh_cases.LAYOUTS
+                   else _hsdp_2rank)
+        model, mesh, dp_names = builder(mode, plan=plan, replicate_mode=replicate_mode,
+                                        **mesh_cases.mixed_auto_kwargs(mixed_auto))
+        dp_index, dp_count = mesh_cases.dp_coordinate(mesh, dp_names)
+    else:
+        model, _ = build(world_size, mode, plan=plan)
+        dp_index, dp_count = rank, world_size
+    opt = dmuon.Muon(model, **EXACT)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     return model, opt, sched, dp_index, dp_count
 

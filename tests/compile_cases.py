@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
 
 from tests import thirdparty_cases as tc
 

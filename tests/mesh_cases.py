@@ -2,41 +2,29 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
+from dmuon.balance.cost import ReplicaCost
 from tests import models
 from tests.dist_cases import full_params
 
-# NS throughput (FLOP/s) at which choose_replicate_mode("auto") splits the test model: the
-# break-even ns_flops * REPLICA_BYTES_PER_S / (4 * rows * cols) is 0.06e12 for head [1, 12],
-# 1.06e12 for blocks.0.fc* [7, 12], 1.86e12 / 2.54e12 for blocks.1 / blocks.2; 1.5e12 sends
-# blocks.1-2 to "broadcast" and keeps head and blocks.0 on "compute". With the shipped 400e12
-# every matrix of this tiny model picks "compute".
+# NS throughput (FLOP/s) at which replicate_mode="auto" (dmuon.balance.cost.ReplicaCost) splits
+# the test model: the break-even ns_flops * REPLICA_BYTES_PER_S / (4 * rows * cols) is 0.06e12
+# for head [1, 12], 1.06e12 for blocks.0.fc* [7, 12], 1.86e12 / 2.54e12 for blocks.1 / blocks.2;
+# 1.5e12 sends blocks.1-2 to "broadcast" and keeps head and blocks.0 on "compute". With the
+# shipped 400e12 every matrix of this tiny model picks "compute".
 MIXED_NS_FLOPS_PER_S = 1.5e12
 
 
-@contextlib.contextmanager
-def mixed_auto_modes(enabled: bool = True) -> Iterator[None]:
-    """Within the block (when ``enabled``), ``replicate_mode="auto"`` splits the test model's
-    matrices over both HSDP modes (:data:`MIXED_NS_FLOPS_PER_S`); the runtime's constant is
-    restored after, since pool workers are reused. Modes are chosen when the matrices are bound
-    (at optimizer construction), so build the optimizer inside the block."""
-    from dmuon.hooks import runtime
-
-    before = runtime.NS_FLOPS_PER_S
-    if enabled:
-        runtime.NS_FLOPS_PER_S = MIXED_NS_FLOPS_PER_S
-    try:
-        yield
-    finally:
-        runtime.NS_FLOPS_PER_S = before
+def mixed_auto_kwargs(enabled: bool = True) -> dict:
+    """``dedicate_params`` keywords (when ``enabled``) under which ``replicate_mode="auto"``
+    splits the test model's matrices over both HSDP modes (:data:`MIXED_NS_FLOPS_PER_S`): the
+    plan-level cost model, instead of the shipped one."""
+    return {"replica_cost": ReplicaCost(ns_flops_per_s=MIXED_NS_FLOPS_PER_S)} if enabled else {}
 
 
 LAYOUTS = {

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import dmuon
 from tests import models
 from tests.dist_cases import full_params
-from tests.mesh_cases import build, dp_coordinate, mixed_auto_modes
+from tests.mesh_cases import build, dp_coordinate, mixed_auto_kwargs
 
 @contextlib.contextmanager
 def counting(group: dist.ProcessGroup, log: list[tuple[str, str]]) -> Iterator[None]:
@@ -42,10 +42,9 @@ def counting(group: dist.ProcessGroup, log: list[tuple[str, str]]) -> Iterator[N
 def train_counting(rank: int, world_size: int, *, replicate_mode: str, steps: int = 3,
                    mixed_auto: bool = False) -> dict:
     """HSDP 2x2 training; returns params, owned masters, modes and per-step replicate collectives."""
-    with mixed_auto_modes(mixed_auto):
-        model, mesh, dp_names = build("hsdp", replicate_mode=replicate_mode)
-        opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
-                         ns_dtype=torch.float32, ns_coefficients="muon")
+    model, mesh, dp_names = build("hsdp", replicate_mode=replicate_mode, **mixed_auto_kwargs(mixed_auto))
+    opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
+                     ns_dtype=torch.float32, ns_coefficients="muon")
     state = model._dmuon_state
     dp_index, dp_count = dp_coordinate(mesh, dp_names)
     per_step: list[list[tuple[str, str]]] = []

@@ -7,7 +7,7 @@ checkpointed too. Meshes: 1-D FSDP2, a plain replicated module, HSDP 2x2 ("repli
 with uneven slices), built by ``tests/mesh_cases.py``. Restores cross layouts both ways: 2x2
 meshes onto 1-D FSDP2, 1-D FSDP2 onto every 2x2 mesh, HSDP "broadcast" <-> "compute" and
 FSDP x TP onto HSDP; every HSDP replica must then hold what replica 0 holds. HSDP "auto" runs
-with both modes in use (``mesh_cases.mixed_auto_modes``): saved and restored on "compute"
+with both modes in use (``mesh_cases.mixed_auto_kwargs``): saved and restored on "compute"
 and on HSDP 2x1 / 1x2 (2 ranks), and restored from "broadcast"; HSDP 2x1 is restored on 2x2.
 """
 
@@ -276,7 +276,7 @@ def test_mesh_checkpoint_restored_on_other_2x2_layout(dist_pool, saved_mesh):
 # ----------------------------------------------------------------------------- HSDP "auto", 2 <-> 4 ranks
 @pytest.fixture(scope="module")
 def saved_auto(dist_pool, tmp_path_factory):
-    """HSDP 2x2 in ``"auto"`` mode with both modes in use (``mesh_cases.mixed_auto_modes``;
+    """HSDP 2x2 in ``"auto"`` mode with both modes in use (``mesh_cases.mixed_auto_kwargs``;
     with the shipped cost constants every matrix of the test model picks ``"compute"``):
     2 steps, save, 2 more."""
     path = str(tmp_path_factory.mktemp("dcp") / "hsdp-auto")

@@ -19,7 +19,7 @@ pytest.importorskip("gym_pusht", reason="the PushT simulator (pip install gym-pu
 from dmuon.baselines import VanillaMuon  # noqa: E402
 from dmuon.train import data as data_mod  # noqa: E402
 from dmuon.train.expert import evaluate_expert  # noqa: E402
-from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
+from dmuon.train.model import Pi0Policy  # noqa: E402
 
 from tests.train_cases import TINY_DATA, TINY_MODEL, synthetic_batch  # noqa: E402
 

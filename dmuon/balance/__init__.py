@@ -4,7 +4,8 @@ Never imports ``torch.distributed``; torch itself is only imported by the profil
 """
 
 from dmuon.balance.bounds import makespan_lower_bound, trivial_lower_bound
-from dmuon.balance.solver import AUTO_MAX_INTEGER_VARS, Assignment, evaluate, greedy, solve
+from dmuon.balance.assignment import evaluate, greedy
+from dmuon.balance.solver import AUTO_MAX_INTEGER_VARS, Assignment, solve
 
 __all__ = [
     "AUTO_MAX_INTEGER_VARS",

@@ -1,4 +1,5 @@
-"""Cost model: Newton-Schulz FLOPs, owner memory, and batched-NS cost fits.
+"""Cost model: Newton-Schulz FLOPs, owner memory, batched-NS cost fits, publication and HSDP
+replica costs. Every cost constant of dmuon lives here.
 
 Costs feed :func:`dmuon.balance.solve`. Without a device the FLOP model of the optimizer's NS
 (:func:`dmuon.kernels.ns_flops`) stands in for time; with one, :mod:`dmuon.balance.profiler`
@@ -9,6 +10,7 @@ solver's ``fixed + k * marginal`` batching model.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,20 @@ GLOO_PAIR_COST_S = 2.5e-3
 #: same run's calibration gives 3.4e10-8.3e10 for shapes of >= 1e7 FLOPs; this is about their
 #: median. Converts :data:`GLOO_PAIR_COST_S` into the FLOP model's unit.
 CPU_NS_FLOP_PER_S = 6e10
+
+# HSDP per-matrix replicate mode (DESIGN.md "Meshes"): running NS on every replica's owner costs
+# ~flops(m, n) / peak; having replica 0 compute and broadcast the fp32 master costs
+# 4 m n bytes / inter-node bandwidth. With an H100 at ~400 TFLOP/s effective fp16 and 25 GB/s
+# per-GPU InfiniBand (200 Gb/s), the broadcast wins for square matrices above ~2,150 rows (the
+# standard NS count, 30 p^3 for 5 steps) and for a [p, q] matrix with q >> p above p ~ 8,000
+# (the Gram count, ~8 p^2 q). The constants are the A800/H100 cluster figures of the DMuon
+# paper's setup.
+#: Newton-Schulz throughput (FLOP/s) of one owner, for :class:`ReplicaCost`.
+NS_FLOPS_PER_S = 400e12
+#: Bandwidth (bytes/s) of one fp32 master's broadcast across HSDP replicas, for :class:`ReplicaCost`.
+REPLICA_BYTES_PER_S = 25e9
+#: The HSDP replicate modes a plan may hold (:attr:`dmuon.owners.plan.MatrixSpec.replicate_mode`).
+REPLICATE_MODES = ("compute", "broadcast")
 
 
 def ns_flops(rows: int, cols: int, *, steps: int = 5, method: str = "gram", batch: int = 1) -> float:
@@ -89,6 +105,40 @@ def default_group_cost(backend: str, cost_unit: str) -> float:
     if "nccl" in backend or "gloo" not in backend:
         return 0.0
     return GLOO_PAIR_COST_S * (CPU_NS_FLOP_PER_S if cost_unit == "flops" else 1e3)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaCost:
+    """The cost model behind ``replicate_mode="auto"`` on an HSDP mesh.
+
+    Every replica's owner runs Newton-Schulz on the all-reduced gradient (``"compute"``), or
+    replica 0's owner runs it and broadcasts the fp32 master to the other replicas
+    (``"broadcast"``); both are exact, and :meth:`mode` picks the cheaper per matrix.
+
+    Attributes:
+        ns_flops_per_s: Newton-Schulz throughput of one owner, FLOP/s (> 0).
+        replica_bytes_per_s: bandwidth of the master's broadcast across replicas, bytes/s (> 0).
+
+    Raises:
+        ValueError: a throughput that is not a finite number > 0.
+    """
+
+    ns_flops_per_s: float = NS_FLOPS_PER_S
+    replica_bytes_per_s: float = REPLICA_BYTES_PER_S
+
+    def __post_init__(self) -> None:
+        for name in ("ns_flops_per_s", "replica_bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"dmuon: ReplicaCost.{name} must be a finite number > 0, got {value!r}")
+
+    def mode(self, shape: tuple[int, int]) -> str:
+        """``"compute"`` or ``"broadcast"`` for a ``[rows, cols]`` matrix: the smaller of
+        ``ns_flops(rows, cols) / ns_flops_per_s`` (Gram NS, 5 steps) and
+        ``4 * rows * cols / replica_bytes_per_s`` seconds (ties: ``"compute"``)."""
+        compute_s = ns_flops(shape[0], shape[1], method="gram") / self.ns_flops_per_s
+        broadcast_s = 4 * shape[0] * shape[1] / self.replica_bytes_per_s
+        return "compute" if compute_s <= broadcast_s else "broadcast"
 
 
 def fit_batch_costs(timings_ms: Mapping[int, float]) -> tuple[float, float]:

@@ -29,7 +29,7 @@ import logging
 import time
 from typing import Hashable, Mapping, Sequence
 
-from dmuon.balance.solver import evaluate
+from dmuon.balance.assignment import evaluate
 
 logger = logging.getLogger(__name__)
 

@@ -30,6 +30,7 @@ import time
 import warnings
 from typing import Hashable, Mapping, Sequence
 
+from dmuon.balance.assignment import effective_costs
 from dmuon.balance.bounds import makespan_lower_bound
 
 logger = logging.getLogger(__name__)
@@ -125,9 +126,7 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
          for n, g in enumerate(gids) for r in ranks}
     t = pulp.LpVariable("makespan", lowBound=0)
     prob += t + group_cost * pulp.lpSum(y.values())
-    from dmuon.balance.solver import _effective_costs
-
-    prob += t >= makespan_lower_bound(_effective_costs(costs, classes, overhead), num_ranks)
+    prob += t >= makespan_lower_bound(effective_costs(costs, classes, overhead), num_ranks)
     if gids:
         prob += pulp.lpSum(y.values()) >= len(gids)  # every group has at least one owner
     for k, key in enumerate(order):
@@ -203,38 +202,3 @@ def _set_warm_start(owners, order, keys, shapes, shape_of, costs, overhead, num_
                 var.setInitialValue(1 if any(counts[old][k] for k, key in enumerate(order)
                                              if key[0] == g) else 0)
     t.setInitialValue(max(loads))
-
-
-def check_memory_cap(
-    memory: Sequence[float], num_ranks: int, memory_cap: float, *, time_limit_s: float = 10.0
-) -> None:
-    """Raise ValueError when no plan can keep every rank within ``memory_cap`` bytes.
-
-    The smallest feasible cap is itself a makespan problem (memory as cost): a cap at or above
-    greedy's memory makespan is feasible; below it the MILP decides.
-
-    Raises:
-        ValueError: naming the smallest feasible cap (exact when CBC proves it, else the best
-            found and the proven lower bound).
-    """
-    from dmuon.balance.solver import greedy, solve
-
-    owners = greedy(memory, num_ranks)
-    per_rank = [0.0] * num_ranks
-    for i, r in enumerate(owners):
-        per_rank[r] += float(memory[i])
-    if memory_cap >= max(per_rank):
-        return
-    best = solve(memory, num_ranks, method="milp", time_limit_s=time_limit_s)
-    if memory_cap >= best.makespan:
-        return
-    gib = 2.0 ** 30
-    if best.optimal or memory_cap < best.proven_bound:
-        exact = best.makespan if best.optimal else best.proven_bound
-        raise ValueError(
-            f"dmuon: memory_cap={memory_cap:.0f} bytes ({memory_cap / gib:.3f} GiB) is "
-            f"infeasible for {len(memory)} matrices on {num_ranks} ranks; the smallest feasible "
-            f"cap is {'' if best.optimal else 'at least '}{exact:.0f} bytes "
-            f"({exact / gib:.3f} GiB). Raise the cap or add ranks"
-        )
-    # Between the proven bound and the best plan found: let the caller's MILP try.

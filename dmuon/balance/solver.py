@@ -20,13 +20,17 @@ identical-machines scheduling problem ``P || C_max`` (Graham 1969; NP-hard, Gare
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
+from dmuon.balance.assignment import effective_costs, evaluate, greedy
 from dmuon.balance.bounds import makespan_lower_bound
+from dmuon.balance.grouping import group_lpt, merge_groups, objective, publish_pairs
+from dmuon.balance.layout import apply_layout
+from dmuon.balance.local_search import improve, multifit
+from dmuon.balance.milp import solve_milp
 
 logger = logging.getLogger(__name__)
 
@@ -130,76 +134,6 @@ def _check_inputs(costs, num_ranks, memory, memory_cap, method, groups, classes,
             raise ValueError(f"dmuon: solve(memory_cap={memory_cap!r}) must be > 0 bytes")
 
 
-def greedy(
-    costs: Sequence[float],
-    num_ranks: int,
-    *,
-    memory: Sequence[float] | None = None,
-    memory_cap: float | None = None,
-) -> tuple[int, ...] | None:
-    """Longest-processing-time-first assignment (Graham 1969), deterministic.
-
-    Matrices are taken by decreasing cost (equal costs in input order) and each goes to the
-    least loaded rank that still has ``memory_cap`` room (equal loads: lowest rank).
-
-    Args:
-        costs: per-matrix cost, any unit, ``>= 0``.
-        num_ranks: number of ranks ``D >= 1``.
-        memory: per-matrix bytes on its owner, or None.
-        memory_cap: bytes per rank, or None for no cap.
-
-    Returns:
-        Owner rank per matrix in input order, or None when greedy found no rank with room
-        for some matrix under ``memory_cap`` (a MILP may still find a plan).
-    """
-    order = sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i))
-    owners = [0] * len(costs)
-    if memory_cap is None:
-        heap = [(0.0, r) for r in range(num_ranks)]
-        for i in order:
-            load, r = heapq.heappop(heap)
-            owners[i] = r
-            heapq.heappush(heap, (load + float(costs[i]), r))
-        return tuple(owners)
-    loads = [0.0] * num_ranks
-    mem = [0.0] * num_ranks
-    for i in order:
-        need = float(memory[i])
-        best = None
-        for r in range(num_ranks):
-            if mem[r] + need <= memory_cap and (best is None or loads[r] < loads[best]):
-                best = r
-        if best is None:
-            return None
-        owners[i] = best
-        loads[best] += float(costs[i])
-        mem[best] += need
-    return tuple(owners)
-
-
-def evaluate(
-    owners: Sequence[int],
-    costs: Sequence[float],
-    num_ranks: int,
-    *,
-    classes: Sequence[Hashable] | None = None,
-    batch_overhead: Mapping[Hashable, float] | None = None,
-) -> list[float]:
-    """Per-rank load of an assignment, with the batching model of :func:`solve`.
-
-    A rank that owns ``k >= 1`` matrices of class ``s`` pays ``batch_overhead[s]`` once plus
-    the ``k`` per-matrix costs (NS of same-shape matrices runs as one batch).
-    """
-    loads = [0.0] * num_ranks
-    seen: set[tuple[int, Hashable]] = set()
-    for i, r in enumerate(owners):
-        loads[r] += float(costs[i])
-        if batch_overhead and classes is not None:
-            key = (r, classes[i])
-            if key not in seen:
-                seen.add(key)
-                loads[r] += float(batch_overhead.get(classes[i], 0.0))
-    return loads
 
 
 def solve(
@@ -272,11 +206,9 @@ def solve(
                           makespan=0.0, lower_bound=0.0, proven_bound=0.0, method="greedy",
                           optimal=True, solve_s=0.0)
     if memory_cap is not None:
-        from dmuon.balance.milp import check_memory_cap
-
         check_memory_cap(memory, num_ranks, float(memory_cap), time_limit_s=time_limit_s / 2)
 
-    eff = _effective_costs(costs, classes, batch_overhead)
+    eff = effective_costs(costs, classes, batch_overhead)
     lower = max(sum(eff) / num_ranks, max(eff))
     bound = makespan_lower_bound(eff, num_ranks)
 
@@ -290,8 +222,6 @@ def solve(
     if method == "greedy":
         pass  # plain LPT, as documented
     elif not batch_overhead:
-        from dmuon.balance.local_search import improve, multifit
-
         packed = multifit(costs, num_ranks, memory=memory, memory_cap=memory_cap)
         if packed is not None and (owners is None or max(evaluate(packed, costs, num_ranks))
                                    < max(evaluate(owners, costs, num_ranks))):
@@ -307,8 +237,6 @@ def solve(
     if group_cost > 0:
         want_milp = False  # the group MILP below subsumes the makespan one
     if want_milp or owners is None:
-        from dmuon.balance.milp import solve_milp
-
         res = solve_milp(costs, num_ranks, classes=classes, memory=memory,
                          memory_cap=memory_cap, batch_overhead=batch_overhead,
                          warm_start=owners, time_limit_s=time_limit_s)
@@ -332,12 +260,8 @@ def solve(
             classes=classes, batch_overhead=batch_overhead, memory=memory,
             memory_cap=memory_cap, method=method, time_limit_s=time_limit_s)
     if groups is not None:
-        from dmuon.balance.grouping import publish_pairs
-
         pairs = publish_pairs(owners, groups)
     if layout is not None and groups is not None:
-        from dmuon.balance.layout import apply_layout
-
         owners = apply_layout(owners, classes, groups, *layout)
     loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
     mem = [0.0] * num_ranks
@@ -366,8 +290,6 @@ def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, cl
     """The best of: ``owners`` and group-LPT, each refined by merge_groups, then the group
     MILP warm-started from it (when ``method`` allows it at this size). Returns ``(owners,
     method, optimal, detail)``."""
-    from dmuon.balance.grouping import group_lpt, merge_groups, objective
-
     score = dict(groups=groups, group_cost=group_cost, classes=classes,
                  batch_overhead=batch_overhead)
     common = dict(score, memory=memory, memory_cap=memory_cap, time_limit_s=time_limit_s / 4)
@@ -380,8 +302,6 @@ def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, cl
     used, optimal = "greedy", False
     keys = len(set(zip(groups, classes)))
     if method == "milp" or (method == "auto" and keys * num_ranks <= AUTO_MAX_GROUP_VARS):
-        from dmuon.balance.milp import solve_milp
-
         res = solve_milp(costs, num_ranks, classes=classes, memory=memory, memory_cap=memory_cap,
                          batch_overhead=batch_overhead, warm_start=best,
                          time_limit_s=time_limit_s, groups=groups, group_cost=group_cost)
@@ -391,15 +311,34 @@ def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, cl
     return best, used, optimal, detail
 
 
-def _effective_costs(costs, classes, batch_overhead):
-    """Per-matrix costs for the bounds: the batch overhead is paid at least once per class,
-    so adding it to one matrix of each class keeps ``total`` a valid lower bound."""
-    if not batch_overhead:
-        return list(costs)
-    eff = list(costs)
-    done = set()
-    for i, s in enumerate(classes):
-        if s not in done:
-            done.add(s)
-            eff[i] += float(batch_overhead.get(s, 0.0))
-    return eff
+def check_memory_cap(
+    memory: Sequence[float], num_ranks: int, memory_cap: float, *, time_limit_s: float = 10.0
+) -> None:
+    """Raise ValueError when no plan can keep every rank within ``memory_cap`` bytes.
+
+    The smallest feasible cap is itself a makespan problem (memory as cost): a cap at or above
+    greedy's memory makespan is feasible; below it the MILP decides.
+
+    Raises:
+        ValueError: naming the smallest feasible cap (exact when CBC proves it, else the best
+            found and the proven lower bound).
+    """
+    owners = greedy(memory, num_ranks)
+    per_rank = [0.0] * num_ranks
+    for i, r in enumerate(owners):
+        per_rank[r] += float(memory[i])
+    if memory_cap >= max(per_rank):
+        return
+    best = solve(memory, num_ranks, method="milp", time_limit_s=time_limit_s)
+    if memory_cap >= best.makespan:
+        return
+    gib = 2.0 ** 30
+    if best.optimal or memory_cap < best.proven_bound:
+        exact = best.makespan if best.optimal else best.proven_bound
+        raise ValueError(
+            f"dmuon: memory_cap={memory_cap:.0f} bytes ({memory_cap / gib:.3f} GiB) is "
+            f"infeasible for {len(memory)} matrices on {num_ranks} ranks; the smallest feasible "
+            f"cap is {'' if best.optimal else 'at least '}{exact:.0f} bytes "
+            f"({exact / gib:.3f} GiB). Raise the cap or add ranks"
+        )
+    # Between the proven bound and the best plan found: let the caller's MILP try.

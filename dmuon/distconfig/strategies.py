@@ -16,8 +16,8 @@ forms its own optimizer group (created here with ``new_subgroups_by_enumeration`
 collective over all ranks).
 
 The default ``assign_fn`` balances Newton-Schulz FLOPs (:func:`dmuon.kernels.ns_flops`) over
-the ranks with :func:`dmuon.balance.solve` (``method="greedy"``: LPT, deterministic, so every
-rank computes the same owners without communicating).
+the ranks with :func:`dmuon.owners.plan.build_plan` (``method="greedy"``: LPT, deterministic, so
+every rank computes the same owners without communicating).
 """
 
 from __future__ import annotations
@@ -143,11 +143,12 @@ def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
 
     Stores ``state["layouts"]`` and ``state["full_shapes"]`` for the other functions. Cost of a
     ``[rows, cols]`` matrix: :func:`dmuon.kernels.ns_flops` with ``state["ns_method"]``
-    (default ``"gram"``) and 5 steps; solved with :func:`dmuon.balance.solve`
-    (``method="greedy"``: deterministic, identical on every rank).
+    (default ``"gram"``) and 5 steps; owners from the one plan author,
+    :func:`dmuon.owners.plan.build_plan` (``method="greedy"``: deterministic, identical on every
+    rank without communicating). Matrices are named by their index in ``params``.
     """
-    from dmuon.balance import solve
     from dmuon.kernels import ns_flops
+    from dmuon.owners.plan import build_plan
 
     layouts = compute_layouts(params, state)
     state["layouts"] = layouts
@@ -156,8 +157,9 @@ def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
         return {}
     method = state.get("ns_method", "gram")
     costs = [ns_flops(*layout.full_shape, steps=5, method=method) for layout in layouts]
-    owners = solve(costs, state["world_size"], method="greedy").owners
-    return dict(enumerate(owners))
+    plan = build_plan([(f"params.{i}", layout.full_shape) for i, layout in enumerate(layouts)],
+                      state["world_size"], costs=costs, method="greedy")
+    return {i: m.owner for i, m in enumerate(plan.matrices)}
 
 
 def _layout_of(t: Tensor, state: dict) -> MatrixLayout:

@@ -11,7 +11,7 @@ runtime (:class:`dmuon.hooks.runtime.DedicateState`) registers them all from the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -115,13 +115,12 @@ def check_param_dtypes(selected: list[Selected],
             )
 
 
-def bind(ctx: DedicateState, replicate_mode_of: Callable[[tuple[int, int]], str]) -> Binding:
+def bind(ctx: DedicateState) -> Binding:
     """Take the selected matrices from the model (FSDP2 or plain) and build the runtime's parts.
 
     Args:
-        ctx: the model's runtime state (model, roles, plan, selection and options).
-        replicate_mode_of: HSDP mode (``"compute"``/``"broadcast"``) of a matrix of full shape
-            ``(rows, cols)``.
+        ctx: the model's runtime state (model, roles, plan, selection and options); each
+            matrix's HSDP mode comes from its ``MatrixSpec.replicate_mode``.
 
     The caller runs :func:`check_materialized` first.
 
@@ -162,7 +161,7 @@ def bind(ctx: DedicateState, replicate_mode_of: Callable[[tuple[int, int]], str]
             reduce_dtype=reduce_dtype, requires_grad=requires_grad, order=order,
             wrap=lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape),
             storage=storage, full_shape=sel.shape, tp_shard_dim=sl.shard_dim,
-            tp_owner=spec.tp_owner, replicate_mode=replicate_mode_of(sel.shape),
+            tp_owner=spec.tp_owner, replicate_mode=spec.replicate_mode or "compute",  # the plan decides
         )
         group.members.append(rec)
         if rec.compute.requires_grad:

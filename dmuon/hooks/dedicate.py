@@ -9,6 +9,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
+from dmuon.balance.cost import ReplicaCost
 from dmuon.hooks.comm import check_same_on_all_ranks
 from dmuon.hooks.grad_buckets import REDUCE_MODES
 from dmuon.hooks.keep import resolve_replicas
@@ -124,6 +125,7 @@ def dedicate_params(
     group_cost: float | str = "auto",
     step_check: bool = True,
     replicas: str | None = None,
+    replica_cost: ReplicaCost | None = None,
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -157,7 +159,9 @@ def dedicate_params(
             (``replicas="keep"``) and the other parameters' all-reduce buckets.
         replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz on the
             all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts)
-            or ``"auto"`` (per matrix, the cheaper by a cost model); all exact.
+            or ``"auto"`` (per matrix, the cheaper by ``replica_cost``); all exact. The modes are
+            part of the plan (:meth:`OwnerPlan.with_replicate_modes`): ``"auto"`` keeps the
+            modes a given plan already holds.
         reduce_mode: how one FSDP2 block's gradients reach their owners (one bucket per
             block): ``"reduce"`` (one reduce per owner of the block; on NCCL one group call) or
             ``"all_reduce"`` (one all-reduce of the bucket: a single collective, twice the
@@ -183,6 +187,9 @@ def dedicate_params(
             module before forward and again before backward (:mod:`dmuon.hooks.keep`). The
             default plan then gives each bucket one owner
             (:func:`dmuon.owners.plan.build_bucket_plan`).
+        replica_cost: HSDP, ``replicate_mode="auto"`` only: the cost model that picks each
+            matrix's mode (default :class:`dmuon.balance.cost.ReplicaCost`: H100 NS throughput
+            and 200 Gb/s InfiniBand).
 
     Returns:
         The owner plan in use (identical on every rank).
@@ -245,11 +252,12 @@ def dedicate_params(
         plan = solved[0]
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)
+    plan = plan.with_replicate_modes(replicate_mode if roles.replicate_dim is not None else None, replica_cost)
     plan.check_matches(shapes, world_size, tp_size)
     check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
     state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
-                          replicate_mode=replicate_mode, reduce_mode=reduce_mode, replicas=replicas,
+                          reduce_mode=reduce_mode, replicas=replicas,
                           step_check=step_check)
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:

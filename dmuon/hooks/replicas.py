@@ -38,11 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dmuon.balance.cost import REPLICATE_MODES
 from dmuon.owners.dedicated import DedicatedParam
 
 logger = logging.getLogger(__name__)
 
-REPLICATE_MODES = ("compute", "broadcast")
 _OPS = ("all_reduce", "reduce", "broadcast")
 
 
@@ -171,7 +171,8 @@ class ReplicaCombine:
         """
         if rec.replicate_mode not in REPLICATE_MODES:
             raise ValueError(f"dmuon: matrix {rec.fqn!r} has replicate_mode {rec.replicate_mode!r}; "
-                             f"expected one of {REPLICATE_MODES} (choose_replicate_mode resolves 'auto')")
+                             f"expected one of {REPLICATE_MODES} "
+                             "(OwnerPlan.with_replicate_modes resolves 'auto' into MatrixSpec.replicate_mode)")
         self.pairs.append((rec, avg))
 
     def issue(self) -> None:

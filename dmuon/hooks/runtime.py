@@ -58,27 +58,6 @@ from dmuon.owners.plan import OwnerPlan
 logger = logging.getLogger(__name__)
 
 
-# HSDP per-matrix choice (DESIGN.md "Meshes"): running NS on every replica's owner costs
-# ~flops(m, n) / peak; having replica 0 compute and broadcast the fp32 master costs
-# 4 m n bytes / inter-node bandwidth. With the Gram NS count (~8 m^2 n + 28 m^3 for 5 steps),
-# an H100 at ~400 TFLOP/s effective fp16 and 25 GB/s per-GPU InfiniBand (200 Gb/s), the broadcast
-# wins when min(m, n) is above ~2,300. The constants are the A800/H100 cluster figures of the
-# DMuon paper's setup; "compute" and "broadcast" can be forced.
-NS_FLOPS_PER_S = 400e12
-REPLICA_BYTES_PER_S = 25e9
-
-
-def choose_replicate_mode(shape: tuple[int, int], mode: str) -> str:
-    """Per-matrix HSDP mode: ``"compute"`` or ``"broadcast"`` (``mode="auto"`` by cost)."""
-    if mode != "auto":
-        return mode
-    from dmuon.kernels import ns_flops
-
-    compute_s = ns_flops(shape[0], shape[1], method="gram") / NS_FLOPS_PER_S
-    broadcast_s = 4 * shape[0] * shape[1] / REPLICA_BYTES_PER_S
-    return "compute" if compute_s <= broadcast_s else "broadcast"
-
-
 class DedicateState:
     """Everything dmuon keeps for one model on one rank; dispatches the hooks to its units.
 
@@ -91,8 +70,6 @@ class DedicateState:
         reshard_after_forward: free non-owners' full weights after forward and publish again
             before backward; ``None`` follows FSDP2 (:func:`dmuon.hooks.fsdp.reshards_after_forward`).
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
-        replicate_mode: HSDP: ``"compute"``, ``"broadcast"`` or ``"auto"`` (per matrix, by
-            :func:`choose_replicate_mode`).
         reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
             ``"all_reduce"`` (:mod:`dmuon.hooks.grad_buckets`).
         replicas: plain replicated module only: ``"keep"`` (default there) or
@@ -110,7 +87,6 @@ class DedicateState:
         prefetch: int,
         reshard_after_forward: bool | None,
         bucket_bytes: int,
-        replicate_mode: str = "auto",
         reduce_mode: str = "reduce",
         replicas: str | None = None,
         step_check: bool = True,
@@ -127,7 +103,6 @@ class DedicateState:
         self.prefetch = prefetch
         self.reshard_after_forward = reshard_after_forward
         self.bucket_bytes = bucket_bytes
-        self.replicate_mode = replicate_mode
         self.reduce_mode = reduce_mode
         self.replicas = replicas
         # Set at binding (dmuon.hooks.bind):
@@ -194,7 +169,7 @@ class DedicateState:
             return
         check_materialized(self.selected)
         self._bind_handle.remove()
-        binding = bind(self, lambda shape: choose_replicate_mode(shape, self.replicate_mode))
+        binding = bind(self)
         self.records, self.units, self.groups, self.buckets = (
             binding.records, binding.units, binding.groups, binding.buckets)
         self.keep, self._fsdp_states = binding.keep, binding.fsdp_states

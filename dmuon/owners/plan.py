@@ -12,7 +12,10 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any, Iterable, Mapping, Sequence
+
+from dmuon.balance.cost import REPLICATE_MODES, ReplicaCost
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -44,6 +47,10 @@ class MatrixSpec:
         bucket: DDP-style path (``replicas="keep"``) only: the gradient/broadcast bucket the
             matrix travels in (0 = the first to be reduced in backward;
             :func:`build_bucket_plan`); ``None`` elsewhere.
+        replicate_mode: HSDP only: ``"compute"`` (every replica's owner runs Newton-Schulz on
+            the all-reduced gradient) or ``"broadcast"`` (replica 0's owner runs it and
+            broadcasts the fp32 master); ``None`` without a replicate dimension
+            (:meth:`OwnerPlan.with_replicate_modes`, :class:`dmuon.balance.cost.ReplicaCost`).
     """
 
     fqn: str
@@ -52,6 +59,7 @@ class MatrixSpec:
     cost: float = 0.0
     tp_owner: int = 0
     bucket: int | None = None
+    replicate_mode: str | None = None
 
     def __post_init__(self) -> None:
         if not self.fqn:
@@ -68,6 +76,9 @@ class MatrixSpec:
                                 f"({type(value).__name__}); owners are integer ranks")
         if self.bucket is not None and self.bucket < 0:
             raise ValueError(f"dmuon: MatrixSpec for {self.fqn!r} has bucket={self.bucket}; buckets are >= 0")
+        if self.replicate_mode not in (None,) + REPLICATE_MODES:
+            raise ValueError(f"dmuon: MatrixSpec for {self.fqn!r} has replicate_mode={self.replicate_mode!r}; "
+                             f"expected None or one of {REPLICATE_MODES}")
         if self.owner < 0 or self.tp_owner < 0:
             raise ValueError(
                 f"dmuon: MatrixSpec for {self.fqn!r} has owner={self.owner}, "
@@ -154,7 +165,8 @@ class OwnerPlan:
             "lower_bound": self.lower_bound,
             "matrices": [
                 {"fqn": m.fqn, "shape": list(m.shape), "owner": m.owner, "cost": m.cost,
-                 "tp_owner": m.tp_owner, **({} if m.bucket is None else {"bucket": m.bucket})}
+                 "tp_owner": m.tp_owner, **({} if m.bucket is None else {"bucket": m.bucket}),
+                 **({} if m.replicate_mode is None else {"replicate_mode": m.replicate_mode})}
                 for m in self.matrices
             ],
             "extra": dict(self.extra),
@@ -162,10 +174,11 @@ class OwnerPlan:
 
     def digest(self) -> str:
         """SHA-256 over what every rank must agree on: world size, names, shapes, owners
-        (and buckets, where the plan has them)."""
+        (and buckets and HSDP replicate modes, where the plan has them)."""
         canon = json.dumps(
             [self.world_size, self.tp_size,
              [(m.fqn, list(m.shape), m.owner, m.tp_owner) + (() if m.bucket is None else (m.bucket,))
+              + (() if m.replicate_mode is None else (m.replicate_mode,))
               for m in self.matrices]],
             separators=(",", ":"),
         )
@@ -188,7 +201,8 @@ class OwnerPlan:
                 MatrixSpec(fqn=m["fqn"], shape=tuple(_as_int(s, "shape", m["fqn"]) for s in m["shape"]),
                            owner=_as_int(m["owner"], "owner", m["fqn"]), cost=float(m.get("cost", 0.0)),
                            tp_owner=_as_int(m.get("tp_owner", 0), "tp_owner", m["fqn"]),
-                           bucket=None if m.get("bucket") is None else _as_int(m["bucket"], "bucket", m["fqn"]))
+                           bucket=None if m.get("bucket") is None else _as_int(m["bucket"], "bucket", m["fqn"]),
+                           replicate_mode=m.get("replicate_mode"))
                 for m in data["matrices"]
             )
             return cls(
@@ -225,6 +239,36 @@ class OwnerPlan:
             return cls.from_dict(data)
         except (ValueError, TypeError) as e:
             raise type(e)(f"{e} (plan file {str(path)!r})") from None
+
+    def with_replicate_modes(self, mode: str | None, cost: ReplicaCost | None = None) -> "OwnerPlan":
+        """This plan with every matrix's HSDP replicate mode decided.
+
+        Args:
+            mode: ``None`` (no replicate dimension: the plan is returned as it is),
+                ``"compute"`` or ``"broadcast"`` (every matrix, replacing what the plan held),
+                or ``"auto"``: matrices whose mode is still ``None`` get the cheaper one by
+                ``cost``; modes the plan already holds are kept.
+            cost: the cost model of ``"auto"``; default :class:`ReplicaCost` (H100 and
+                200 Gb/s InfiniBand figures, :mod:`dmuon.balance.cost`).
+
+        Raises:
+            ValueError: ``mode`` is not ``None``, ``"auto"``, ``"compute"`` or ``"broadcast"``.
+            TypeError: ``cost`` is not a :class:`ReplicaCost`.
+        """
+        if mode is None:
+            return self
+        if mode != "auto" and mode not in REPLICATE_MODES:
+            raise ValueError(f"dmuon: replicate_mode must be 'auto', 'compute' or 'broadcast', got {mode!r}")
+        if cost is not None and not isinstance(cost, ReplicaCost):
+            raise TypeError(f"dmuon: replica_cost must be a dmuon.balance.cost.ReplicaCost, got "
+                            f"{type(cost).__name__}; build one with ReplicaCost(ns_flops_per_s=..., "
+                            f"replica_bytes_per_s=...)")
+        cost = cost or ReplicaCost()
+        matrices = tuple(
+            replace(m, replicate_mode=mode if mode != "auto" else (m.replicate_mode or cost.mode(m.shape)))
+            for m in self.matrices
+        )
+        return replace(self, matrices=matrices)
 
     # ------------------------------------------------------------- validation
     def check_matches(self, shape_by_fqn: Mapping[str, Sequence[int]], world_size: int,
@@ -282,62 +326,141 @@ def build_plan(
     tp_size: int = 1,
     groups: Sequence[int] | None = None,
     group_cost: float = 0.0,
+    layout: tuple[int, int] | None = None,
+    memory_cap_bytes: float | None = None,
+    batch_overhead: Mapping[tuple[int, int], float] | None = None,
+    replicate_mode: str | None = None,
+    replica_cost: ReplicaCost | None = None,
+    solver_report: bool = False,
+    bucket_bytes: int | None = None,
+    element_size: int = 4,
 ) -> OwnerPlan:
-    """Assign an owner to every matrix by balancing Newton-Schulz cost.
+    """Every per-matrix decision of an owner plan, from a model's matrices or an inventory.
+
+    The one plan author: ``dedicate_params`` (matrices and publish groups read off the model),
+    ``python -m dmuon.profile`` (a model built on ``meta`` or a named inventory, profiled
+    costs, XOR layout, memory cap) and the ``distributed_config`` path
+    (:func:`dmuon.distconfig.strategies.balanced_assign_fn`) all call it. It decides the owner
+    (balancing Newton-Schulz cost with :func:`dmuon.balance.solve`), the TP owner, the owners'
+    spread over the node x GPU grid and within each publish group, and the HSDP replicate mode.
 
     Args:
         named_shapes: ``(fqn, (rows, cols))`` per dedicated matrix, in model order.
-        world_size: number of ranks to spread owners over.
+        world_size: number of ranks to spread owners over (the data-parallel shard group).
         costs: per-matrix cost; defaults to the Gram Newton-Schulz FLOP model
-            (:func:`dmuon.kernels.ns_flops`).
-        cost_unit: unit of ``costs``.
+            (:func:`dmuon.kernels.ns_flops`). With ``batch_overhead``, the marginal part.
+        cost_unit: unit of ``costs`` (``"flops"`` or ``"ms"``).
         method: passed to :func:`dmuon.balance.solve` (``"greedy"``, ``"milp"``, ``"auto"``).
             ``"milp"``/``"auto"`` may stop at a time limit, so their plan can depend on timing:
             solve on one rank and broadcast (``dedicate_params`` does).
         time_limit_s: wall-clock limit of the MILP, seconds.
         tp_size: TP group size; Newton-Schulz then runs on the (DP owner, TP owner) rank, so
-            the balancer spreads costs over ``world_size * tp_size`` ranks.
-        groups: publish group per matrix (its FSDP2 block), for ``group_cost``.
+            the balancer spreads costs over ``world_size * tp_size`` ranks (solver rank
+            ``owner * tp_size + tp_owner``).
+        groups: publish group per matrix (its FSDP2 block: :func:`dmuon.hooks.fsdp.publish_block`
+            on a model, :func:`dmuon.balance.inventories.layer_groups` on an inventory), for
+            ``group_cost`` and ``layout``. Default with ``layout``: ``layer_groups``.
         group_cost: step time of one publish (group, owner) pair in ``cost_unit``; the solver
-            then minimizes ``makespan + group_cost * pairs``. Ignored with ``tp_size > 1``
-            (:mod:`dmuon.balance.grouping`, :func:`dmuon.balance.cost.default_group_cost`).
+            then minimizes ``makespan + group_cost * pairs`` and ``layout`` is not applied.
+            Ignored with ``tp_size > 1``, where publications go per DP owner and the solver's
+            ranks are (DP, TP) pairs (:mod:`dmuon.balance.grouping`).
+        layout: ``(nodes, gpus_per_node)`` with ``nodes * gpus_per_node == world_size *
+            tp_size``: owners follow the XOR layout at equal per-rank loads
+            (:mod:`dmuon.balance.layout`).
+        memory_cap_bytes: bytes of masters, momenta and gradients allowed per rank
+            (:func:`dmuon.balance.cost.owner_memory`), or ``None``.
+        batch_overhead: per-shape cost paid once per rank owning any matrix of that shape
+            (:func:`dmuon.balance.cost.fit_batch_costs`); ``MatrixSpec.cost`` then includes it.
+        replicate_mode: HSDP replicate mode per matrix (:meth:`OwnerPlan.with_replicate_modes`);
+            ``None`` (default) without a replicate dimension.
+        replica_cost: the cost model of ``replicate_mode="auto"`` (default
+            :class:`dmuon.balance.cost.ReplicaCost`).
+        solver_report: record the solver's ``proven_bound``, ``optimal``, ``detail``,
+            ``solve_s``, the layout and ``memory_by_rank`` (bytes) in ``extra``.
+        bucket_bytes: the DDP-style path (``replicas="keep"``, plain module on a 1-D mesh):
+            matrices are cut into buckets of at most this many bytes (``bucket_cap_mb *
+            2**20``, > 0) in backward (reverse model) order and each bucket gets one owner,
+            balancing Newton-Schulz cost and broadcast bytes
+            (:func:`dmuon.balance.buckets.assign_buckets`); ``MatrixSpec.bucket`` records it.
+            Takes none of ``tp_size > 1``, ``groups``, ``group_cost``, ``layout``,
+            ``memory_cap_bytes``, ``batch_overhead``, ``replicate_mode``.
+        element_size: bucket path: bytes per gradient element (4 for fp32).
 
     Returns:
         The plan, with makespan and lower bound from the solver; ``extra`` records
-        ``group_cost`` and ``publish_pairs`` when a group cost was given.
+        ``group_cost`` and ``publish_pairs`` when a group cost was used (and the report above);
+        on the bucket path ``buckets``, ``bucket_cap_bytes``, ``ns_share`` and ``bytes_share``.
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (bad costs, ``group_cost`` without
-            ``groups``).
+            ``groups``, an infeasible memory cap), a ``layout`` that does not cover the ranks,
+            an unknown ``replicate_mode``, ``bucket_bytes <= 0`` or with an option the bucket
+            path does not take.
     """
     from dmuon.balance import solve
+    from dmuon.balance.cost import owner_memory
+    from dmuon.balance.inventories import layer_groups
     from dmuon.kernels import ns_flops
 
     named_shapes = [(fqn, (int(s[0]), int(s[1]))) for fqn, s in named_shapes]
+    shapes = [shape for _, shape in named_shapes]
     if costs is None:
-        costs = [float(ns_flops(*shape, method="gram")) for _, shape in named_shapes]
+        costs = [float(ns_flops(*shape, method="gram")) for shape in shapes]
+    if bucket_bytes is not None:
+        given = {"tp_size": tp_size != 1, "groups": groups is not None, "group_cost": group_cost != 0,
+                 "layout": layout is not None, "memory_cap_bytes": memory_cap_bytes is not None,
+                 "batch_overhead": bool(batch_overhead), "replicate_mode": replicate_mode is not None}
+        if any(given.values()):
+            raise ValueError(f"dmuon: build_plan(bucket_bytes=...) is the plain replicated module's "
+                             f"path and takes no {[k for k, v in given.items() if v]}; leave them out")
+        return _bucket_plan(named_shapes, world_size, costs, cost_unit, bucket_bytes, element_size)
+    if layout is not None and layout[0] * layout[1] != world_size * tp_size:
+        raise ValueError(
+            f"dmuon: build_plan(layout={tuple(layout)!r}) covers {layout[0] * layout[1]} ranks but "
+            f"the plan has world_size * tp_size = {world_size * tp_size}; give nodes * "
+            f"gpus_per_node equal to the number of ranks"
+        )
     if not named_shapes:
         return OwnerPlan(world_size=world_size, matrices=(), tp_size=tp_size, method=method,
                          cost_unit=cost_unit)
     if tp_size > 1:
         # The solver's ranks are (DP owner, TP owner) pairs while publications go per DP
         # owner: pairs would be miscounted, so TP plans balance the makespan alone.
-        groups, group_cost = None, 0.0
-    result = solve(list(costs), world_size * tp_size, classes=[shape for _, shape in named_shapes],
-                   method=method, time_limit_s=time_limit_s,
-                   groups=None if groups is None else list(groups), group_cost=group_cost)
+        group_cost = 0.0
+    if layout is not None and groups is None:
+        groups = layer_groups([fqn for fqn, _ in named_shapes])
+    xor = layout is not None and group_cost == 0  # a group cost keeps groups on few owners instead
+    # bytes per matrix only where asked for (a cap, or the per-rank report)
+    memory = owner_memory(shapes) if memory_cap_bytes is not None or solver_report else None
+    result = solve(list(costs), world_size * tp_size, classes=shapes, method=method,
+                   time_limit_s=time_limit_s, memory=memory, memory_cap=memory_cap_bytes,
+                   batch_overhead=batch_overhead or None,
+                   groups=None if groups is None or (tp_size > 1 and not xor) else list(groups),
+                   group_cost=group_cost, layout=tuple(layout) if xor else None)
+    overhead = batch_overhead or {}
     matrices = tuple(
-        MatrixSpec(fqn=fqn, shape=shape, owner=int(owner) // tp_size, cost=float(cost),
-                   tp_owner=int(owner) % tp_size)
+        MatrixSpec(fqn=fqn, shape=shape, owner=int(owner) // tp_size,
+                   cost=float(cost) + float(overhead.get(shape, 0.0)), tp_owner=int(owner) % tp_size)
         for (fqn, shape), owner, cost in zip(named_shapes, result.owners, costs)
     )
-    return OwnerPlan(
+    extra: dict[str, Any] = ({"group_cost": float(group_cost), "publish_pairs": result.publish_pairs}
+                             if result.group_cost > 0 else {})
+    if solver_report:
+        extra.update(
+            proven_bound=result.proven_bound, optimal=result.optimal, detail=result.detail,
+            solve_s=result.solve_s, layout="xor" if xor else "none",
+            nodes=None if layout is None else layout[0],
+            gpus_per_node=None if layout is None else layout[1],
+            group_cost=float(group_cost), publish_pairs=result.publish_pairs,
+            memory_cap_bytes=memory_cap_bytes, memory_by_rank=list(result.memory),
+            batch_overhead={f"{s[0]}x{s[1]}": v for s, v in overhead.items()},
+        )
+    plan = OwnerPlan(
         world_size=world_size, matrices=matrices, tp_size=tp_size, method=result.method,
-        cost_unit=cost_unit,
-        makespan=float(result.makespan), lower_bound=float(result.lower_bound),
-        extra=({"group_cost": float(group_cost), "publish_pairs": result.publish_pairs}
-               if result.group_cost > 0 else {}),
+        cost_unit=cost_unit, makespan=float(result.makespan), lower_bound=float(result.lower_bound),
+        extra=extra,
     )
+    return plan.with_replicate_modes(replicate_mode, replica_cost)
 
 
 def build_bucket_plan(
@@ -349,33 +472,17 @@ def build_bucket_plan(
     costs: Sequence[float] | None = None,
     cost_unit: str = "flops",
 ) -> OwnerPlan:
-    """The plan of the DDP-style path (``replicas="keep"``): one owner per gradient bucket.
+    """The plan of the DDP-style path (``replicas="keep"``): :func:`build_plan` with
+    ``bucket_bytes`` (kept for its callers; see there)."""
+    return build_plan(named_shapes, world_size, bucket_bytes=bucket_bytes, element_size=element_size,
+                      costs=costs, cost_unit=cost_unit)
 
-    Matrices are cut into size-capped buckets in backward (reverse model) order and each
-    bucket goes to one owner, balancing Newton-Schulz cost and broadcast bytes
-    (:func:`dmuon.balance.buckets.assign_buckets`); ``MatrixSpec.bucket`` records the bucket.
 
-    Args:
-        named_shapes: ``(fqn, (rows, cols))`` per dedicated matrix, in model order.
-        world_size: number of ranks.
-        bucket_bytes: the bucket cap in bytes (``bucket_cap_mb * 2**20``, > 0).
-        element_size: bytes per gradient element (4 for fp32).
-        costs: per-matrix Newton-Schulz cost; defaults to the Gram FLOP model.
-
-    Returns:
-        The plan; ``makespan``/``lower_bound`` are in ``cost_unit`` (NS cost only) and
-        ``extra`` holds ``buckets``, ``bucket_cap_bytes``, ``ns_share`` and ``bytes_share``
-        per rank.
-
-    Raises:
-        ValueError: ``bucket_bytes <= 0`` or ``world_size < 1``.
-    """
+def _bucket_plan(named_shapes, world_size, costs, cost_unit, bucket_bytes, element_size) -> OwnerPlan:
+    """:func:`build_plan`'s DDP-style path: size-capped buckets in backward order, one owner each
+    (:func:`dmuon.balance.buckets.assign_buckets`)."""
     from dmuon.balance.buckets import assign_buckets
-    from dmuon.kernels import ns_flops
 
-    named_shapes = [(fqn, (int(s[0]), int(s[1]))) for fqn, s in named_shapes]
-    if costs is None:
-        costs = [float(ns_flops(*shape, method="gram")) for _, shape in named_shapes]
     nbytes = [shape[0] * shape[1] * element_size for _, shape in named_shapes]
     result = assign_buckets(costs, nbytes, world_size, bucket_bytes)
     matrices = tuple(
