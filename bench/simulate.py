@@ -15,7 +15,7 @@ GPUs (8 per node, weak scaling: fixed work per GPU):
   owners in forward and again in backward (the default for a layer block; the root block keeps
   its weights in dmuon as in FSDP2, which the model ignores for both alike), and
   the fp32 reduces of its gradient bucket to the owners in backward, each batch issued as one
-  NCCL group call (``dmuon.hooks.comm.issued_together``): bytes add up, the ring latency is
+  NCCL group call (``dmuon.comm.collectives.issued_together``): bytes add up, the ring latency is
   paid once per unit;
   optimizer step = the makespan of the owner plan from :func:`dmuon.balance.solve` (NS seconds
   from :func:`dmuon.kernels.ns_flops` (Gram, 5 steps) at ``mfu_ns`` of peak, plus ``ns_call_s``

@@ -203,7 +203,7 @@ def tied_dedicated_refused(rank: int, world_size: int) -> str:
 def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: bool = False,
                    keep_block: int | None = None, reshard: bool | None = None) -> dict:
     """Broadcasts dmuon issues per training step (forward, backward and the step's own
-    publication), counted by wrapping ``dmuon.hooks.comm.publish`` (what each publish group calls), and the number of
+    publication), counted by wrapping ``dmuon.comm.collectives.publish`` (what each publish group calls), and the number of
     (block, owner) publish groups per FSDP2 block, counted from the plan's owners.
 
     Args:
@@ -212,7 +212,7 @@ def publish_counts(rank: int, world_size: int, *, steps: int = 3, one_owner: boo
         keep_block: ``fully_shard`` this block with ``reshard_after_forward=False``.
         reshard: dmuon's ``reshard_after_forward`` (None: follow FSDP2).
     """
-    import dmuon.hooks.comm as comm
+    import dmuon.comm.collectives as comm
 
     plan = None
     if one_owner:

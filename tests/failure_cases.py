@@ -24,7 +24,7 @@ def desync(rank: int, world_size: int, *, fault: str, victim: int, mode: str = "
     they stay alive and the victim's wait ends by the timeout, not by a closed connection).
 
     ``step_check=False``: without the step check, so the wait that times out is a publication's
-    or a reduce's (:class:`dmuon.hooks.comm.Pending`).
+    or a reduce's (:class:`dmuon.comm.collectives.Pending`).
 
     Returns:
         ``{"error": first line or None, "type": exception type, "after_s": seconds from the
@@ -78,7 +78,7 @@ def group_timeouts(rank: int, world_size: int, *, mesh_shape: tuple = (2,), name
     """The timeout of every group dmuon created, and of the default group, in seconds."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon.hooks.mesh import group_timeout
+    from dmuon.comm.mesh_roles import group_timeout
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     model = models.make_model()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dmuon.hooks.replicas import FlatBatch, batches_by_dtype
+from dmuon.comm.hsdp_replicas import FlatBatch, batches_by_dtype
 from tests import models
 from tests.test_core import compare
 

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
 from dmuon.distconfig.strategies import supports_async
-from dmuon.hooks.comm import check_same_on_all_ranks
+from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
 from dmuon.owners.slices import local_tensor
 from dmuon.owners.update import (

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.distconfig.comm import gather_to_owners, scatter_from_owners
+from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.owners.slices import MatrixLayout, dtensor_layout, local_tensor
 
@@ -215,7 +215,7 @@ def redistribute_fn(update: Optional[Tensor], src_rank: int, state: dict, async_
 
 
 class _first:
-    """Handle over a one-matrix :class:`~dmuon.hooks.comm.Pending`: ``wait()`` -> item 0."""
+    """Handle over a one-matrix :class:`~dmuon.comm.collectives.Pending`: ``wait()`` -> item 0."""
 
     __slots__ = ("pending",)
 

@@ -130,7 +130,7 @@ def muon_update_(
         shapes: full ``(rows, cols)`` of each matrix for the lr adjustment, when ``params`` are
             tensor-parallel slices (default: ``param.shape``).
         orthogonalize: replaces the local batched Newton-Schulz (tensor parallelism routes the
-            updates through their TP owners, :func:`dmuon.owners.tp.orthogonalize_tp`); it
+            updates through their TP owners, :func:`dmuon.owners.tp_owner.orthogonalize_tp`); it
             receives the updates and ``ns_kwargs``-configured NS is its job.
 
     Returns:

@@ -397,7 +397,7 @@ def eval_rank(args: tuple[argparse.Namespace, EvalConfig]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m dmuon.train.eval``."""
-    from dmuon.train.launch import launch
+    from dmuon.launch import launch
 
     a, cfg = parse_args(argv)
     launch(eval_rank, (a, cfg), a.nproc, spawn_one=False)

@@ -24,7 +24,7 @@ class Pending:
 
     The one handle of every dmuon collective: the runtime's publish / reduce-to-owner /
     all-reduce and the ``distributed_config`` path's all-to-all exchanges
-    (:mod:`dmuon.distconfig.comm`).
+    (:mod:`dmuon.distconfig.exchange`).
 
     Attributes:
         work: the ``dist.Work`` (or NCCL group call) to wait on; ``None`` once waited (or when
@@ -45,7 +45,7 @@ class Pending:
     result: Any = field(default=None, init=False, repr=False)
 
     def wait(self) -> Any:
-        """Wait; the group's timeout (the user's, :func:`dmuon.hooks.mesh.inherited_timeout`)
+        """Wait; the group's timeout (the user's, :func:`dmuon.comm.mesh_roles.inherited_timeout`)
         bounds it. Waiting again returns the same result without waiting.
 
         Returns:

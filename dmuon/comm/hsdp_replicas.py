@@ -13,7 +13,7 @@ every matrix it owns; the replicas then combine them (DESIGN.md, "Meshes"):
 Issuing these per matrix costs one collective per owned matrix (~25 per rank per step for a
 model with ~25 matrices per owner; ~1 ms of CPU each on gloo, a kernel launch each on NCCL). :class:`FlatBatch`
 concatenates the tensors of one collective into one flat buffer instead, as
-:mod:`dmuon.hooks.grad_buckets` does for reduce-to-owner, so each rank issues at most one
+:mod:`dmuon.comm.grad_buckets` does for reduce-to-owner, so each rank issues at most one
 collective per (mode, dtype, device) present: in practice one ``all_reduce``, one ``reduce``
 and one ``broadcast`` per step, since averages and masters are all fp32.
 
@@ -154,7 +154,7 @@ class ReplicaCombine:
         replicate_rank: this rank's index in ``group`` (replica index).
         pairs: ``(record, average)``: each owned record that had a gradient this backward and
             its replica's average, ``[rows, cols]`` (the record's local shape), fp32 from
-            :meth:`dmuon.hooks.grad_buckets.GradBucket.take`, in bucket order (the same on
+            :meth:`dmuon.comm.grad_buckets.GradBucket.take`, in bucket order (the same on
             every replica).
     """
 

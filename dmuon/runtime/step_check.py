@@ -14,7 +14,7 @@ collective that could pair with a different one on a rank that is out of step. A
 skipped ``opt.step()`` meets the others at the next forward with one step fewer; a rank that
 skipped backward meets the others' backward check with its next forward's. A rank that runs
 more steps than the others waits at its next check; the group's timeout (the user's, see
-:func:`dmuon.hooks.mesh.inherited_timeout`) ends the wait with a named error.
+:func:`dmuon.comm.mesh_roles.inherited_timeout`) ends the wait with a named error.
 
 The group is gloo (CPU tensors) even in NCCL jobs, so the check never synchronizes a GPU
 stream; without gloo there is no check.
@@ -74,7 +74,7 @@ class StepCheck:
             if needs_grad and not in_autograd_backward():  # the hook lives as long as the graph
                 register_multi_grad_hook(needs_grad, lambda grads: self.before_backward(), mode="any")
 
-        from dmuon.hooks.compile import dynamo_disable  # torch.compile runs them eagerly
+        from dmuon.runtime.compile import dynamo_disable  # torch.compile runs them eagerly
 
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.before_forward()

@@ -2,10 +2,10 @@
 
 As FSDP2 splits ``FSDPState`` (dispatches hooks), ``FSDPParamGroup`` (one unit) and
 ``FSDPParam``, dmuon has :class:`DedicateState` (one per model: registers every hook, holds what
-the units share, finishes a backward, publishes after a step), :class:`dmuon.hooks.unit.Unit`
-(one per unit: its forward and backward hooks) with its :class:`dmuon.hooks.unit.PublishGroup`
+the units share, finishes a backward, publishes after a step), :class:`dmuon.runtime.unit.Unit`
+(one per unit: its forward and backward hooks) with its :class:`dmuon.runtime.unit.PublishGroup`
 buffers (publish, wait, release) and :class:`dmuon.owners.dedicated.DedicatedParam` (one
-matrix). :mod:`dmuon.hooks.bind` builds them. Hooks only enqueue work (issue a broadcast, issue
+matrix). :mod:`dmuon.runtime.bind` builds them. Hooks only enqueue work (issue a broadcast, issue
 a reduce, mark a record); the math lives in :mod:`dmuon.owners`.
 
 Phase 1, forward materialization: a forward pre-hook on each *unit* waits for the unit's
@@ -16,14 +16,14 @@ was called on, never the leaf holding the parameter, so a parent that reads a ch
 without calling the child (``nn.MultiheadAttention.out_proj``), a module called twice and a
 block reused across depth all see full weights. On a plain replicated module it is the module
 holding the matrix or its enclosing torch attention/transformer layer
-(:func:`dmuon.hooks.fsdp.publish_block`).
+(:func:`dmuon.runtime.fsdp_adapter.publish_block`).
 
 Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
 pre-backward until its post-backward (its last gradient is in), and its forward hooks do
 nothing while autograd runs: activation checkpointing re-runs forwards inside backward,
 and cuts them short (early stop) so their post-forward never runs.
 Phase 2, reduce-to-owner: a post-accumulate-grad hook on each full weight puts its gradient in
-its unit's :class:`dmuon.hooks.grad_buckets.GradBucket`, which issues an async reduce to the
+its unit's :class:`dmuon.comm.grad_buckets.GradBucket`, which issues an async reduce to the
 owners once full; a callback at the end of backward waits and averages.
 Phase 4, publication: :meth:`DedicateState.publish_after_step` refreshes the owners' compute
 copies and issues the first units' broadcasts so they overlap the next forward.
@@ -43,15 +43,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.hooks import fsdp
-from dmuon.hooks.bind import Selected, Wiring, bind, check_materialized
-from dmuon.hooks.compile import dynamo_disable
-from dmuon.hooks.desync import StepCheck
-from dmuon.hooks.grad_buckets import GradBucket, finish_buckets
-from dmuon.hooks.mesh import MeshRoles
-from dmuon.hooks.replicas import ReplicaCombine, broadcast_masters
-from dmuon.hooks.replicated import ReplicatedGrads
-from dmuon.hooks.unit import PublishGroup, Unit, issue_groups
+from dmuon.runtime import fsdp_adapter as fsdp
+from dmuon.runtime.bind import Selected, Wiring, bind, check_materialized
+from dmuon.runtime.compile import dynamo_disable
+from dmuon.runtime.step_check import StepCheck
+from dmuon.comm.grad_buckets import GradBucket, finish_buckets
+from dmuon.comm.mesh_roles import MeshRoles
+from dmuon.comm.hsdp_replicas import ReplicaCombine, broadcast_masters
+from dmuon.comm.ddp_allreduce import ReplicatedGrads
+from dmuon.runtime.unit import PublishGroup, Unit, issue_groups
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.plan import OwnerPlan
 
@@ -68,13 +68,13 @@ class DedicateState:
         selected: the dedicated matrices, in model order.
         prefetch: how many units ahead a publication is issued (>= 1).
         reshard_after_forward: free non-owners' full weights after forward and publish again
-            before backward; ``None`` follows FSDP2 (:func:`dmuon.hooks.fsdp.reshards_after_forward`).
+            before backward; ``None`` follows FSDP2 (:func:`dmuon.runtime.fsdp_adapter.reshards_after_forward`).
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
         reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
-            ``"all_reduce"`` (:mod:`dmuon.hooks.grad_buckets`).
+            ``"all_reduce"`` (:mod:`dmuon.comm.grad_buckets`).
         replicas: plain replicated module only: ``"keep"`` (default there) or
-            ``"placeholder"`` (:mod:`dmuon.hooks.keep`).
-        step_check: compare step and backward counts across ranks (:mod:`dmuon.hooks.desync`).
+            ``"placeholder"`` (:mod:`dmuon.runtime.keep`).
+        step_check: compare step and backward counts across ranks (:mod:`dmuon.runtime.step_check`).
     """
 
     def __init__(
@@ -105,7 +105,7 @@ class DedicateState:
         self.bucket_bytes = bucket_bytes
         self.reduce_mode = reduce_mode
         self.replicas = replicas
-        # Set at binding (dmuon.hooks.bind):
+        # Set at binding (dmuon.runtime.bind):
         self.bound = False
         self.records: list[DedicatedParam] = []
         self.units: list[Unit] = []
@@ -211,7 +211,7 @@ class DedicateState:
     def finish_backward(self) -> None:
         """End of backward: wait for every reduce; owners add the average to ``master.grad``.
 
-        Under HSDP the owners then combine across replicas (:mod:`dmuon.hooks.replicas`): one
+        Under HSDP the owners then combine across replicas (:mod:`dmuon.comm.hsdp_replicas`): one
         all-reduce of all "compute" averages (each replica's owner runs Newton-Schulz) and one
         reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype.
         """

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.hooks.comm import Pending
+from dmuon.comm.collectives import Pending
 from dmuon.owners.slices import MatrixLayout, put, take
 
 logger = logging.getLogger(__name__)

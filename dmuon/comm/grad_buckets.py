@@ -9,7 +9,7 @@ data-parallel group, divided by its size on the owner):
 
 * ``"reduce"`` (default): one ``reduce`` per owner segment, to that owner. Each rank sends only
   what the owners need (bandwidth-optimal); on NCCL the segments go out as one group call
-  (:func:`dmuon.hooks.comm.issued_together`).
+  (:func:`dmuon.comm.collectives.issued_together`).
 * ``"all_reduce"``: one ``all_reduce`` of the whole bucket; each owner keeps its segment. Twice
   the bytes of ``"reduce"`` for a single collective, for backends where a collective's fixed
   cost dominates. On gloo with 4 ranks on 2 CPU cores the two modes' whole steps differ by less
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dmuon.hooks.comm import Pending, all_reduce_sum, issued_together, reduce_to_owner
+from dmuon.comm.collectives import Pending, all_reduce_sum, issued_together, reduce_to_owner
 from dmuon.owners.dedicated import DedicatedParam
 
 logger = logging.getLogger(__name__)

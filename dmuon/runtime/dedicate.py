@@ -10,12 +10,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.balance.cost import ReplicaCost
-from dmuon.hooks.comm import check_same_on_all_ranks
-from dmuon.hooks.grad_buckets import REDUCE_MODES
-from dmuon.hooks.keep import resolve_replicas
-from dmuon.hooks.mesh import build_roles
-from dmuon.hooks.bind import Selected
-from dmuon.hooks.runtime import DedicateState
+from dmuon.comm.collectives import check_same_on_all_ranks
+from dmuon.comm.grad_buckets import REDUCE_MODES
+from dmuon.runtime.keep import resolve_replicas
+from dmuon.comm.mesh_roles import build_roles
+from dmuon.runtime.bind import Selected
+from dmuon.runtime.state import DedicateState
 from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ def dedicate_params(
             ``DistributedDataParallel`` wrapper).
         mesh: the ``DeviceMesh``: 1-D data parallel; ``("replicate", "shard")`` HSDP;
             ``("dp", "tp")`` FSDP x TP; ``("replicate", "shard", "tp")``; or 1-D ``("tp",)``
-            (roles by dimension name, :mod:`dmuon.hooks.mesh`).
+            (roles by dimension name, :mod:`dmuon.comm.mesh_roles`).
         predicate: ``predicate(fqn, param) -> bool`` picks the Muon matrices; default: 2-D
             trainable parameters that are not ``nn.Embedding`` weights.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
@@ -152,7 +152,7 @@ def dedicate_params(
             (they are published again before backward: less memory, one more broadcast).
             ``None`` (default) does what FSDP2 does with the enclosing block's own parameters:
             each block follows its ``fully_shard(reshard_after_forward=...)``, and the root
-            block keeps them (:func:`dmuon.hooks.fsdp.reshards_after_forward`); ``True`` /
+            block keeps them (:func:`dmuon.runtime.fsdp_adapter.reshards_after_forward`); ``True`` /
             ``False`` apply to every block. Without FSDP2, ``None`` frees them.
         bucket_cap_mb: plain replicated module only: cap (MiB, > 0) of one gradient bucket, as
             DDP's ``bucket_cap_mb``: the matrices' reduce-to-owner and broadcast buckets
@@ -165,7 +165,7 @@ def dedicate_params(
         reduce_mode: how one FSDP2 block's gradients reach their owners (one bucket per
             block): ``"reduce"`` (one reduce per owner of the block; on NCCL one group call) or
             ``"all_reduce"`` (one all-reduce of the bucket: a single collective, twice the
-            bytes); both exact (:mod:`dmuon.hooks.grad_buckets`).
+            bytes); both exact (:mod:`dmuon.comm.grad_buckets`).
         group_cost: for the default plan only: the step time (in FLOP-model units) one more
             owner in an FSDP2 block costs, as its publications and reduce are one collective
             per (block, owner); the solver minimizes ``makespan + group_cost * pairs``.
@@ -175,7 +175,7 @@ def dedicate_params(
             its own group.
         step_check: compare every rank's ``opt.step()`` and backward counts at each forward and
             backward, so a rank that skips one fails every rank at once, by name
-            (:mod:`dmuon.hooks.desync`: two small gloo all-reduces per step); ``False`` leaves
+            (:mod:`dmuon.runtime.step_check`: two small gloo all-reduces per step); ``False`` leaves
             such a desync to the process-group timeout.
         replicas: plain replicated module on a 1-D mesh only (``None`` elsewhere):
             ``"keep"`` (the default there): every rank keeps every matrix whole (one compute
@@ -184,7 +184,7 @@ def dedicate_params(
             after ``step()``: one reduce and one broadcast per bucket per step, the bytes of
             DDP's all-reduce. ``"placeholder"``: non-owners hold zero-size placeholders (saves
             that copy: ``(D - 1) / D`` of the matrices' memory) at the cost of one broadcast per
-            module before forward and again before backward (:mod:`dmuon.hooks.keep`). The
+            module before forward and again before backward (:mod:`dmuon.runtime.keep`). The
             default plan then gives each bucket one owner
             (:func:`dmuon.owners.plan.build_bucket_plan`).
         replica_cost: HSDP, ``replicate_mode="auto"`` only: the cost model that picks each
@@ -231,7 +231,7 @@ def dedicate_params(
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
     roles = build_roles(mesh)
-    from dmuon.hooks import fsdp
+    from dmuon.runtime import fsdp_adapter as fsdp
 
     plain_1d = roles.tp is None and roles.replicate is None
     keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
@@ -307,9 +307,9 @@ def _group_cost(group_cost: float | str, backend: str) -> float:
 
 
 def publish_groups(model: nn.Module, selected: list[Selected]) -> list[int]:
-    """Publish group id per selected matrix (:func:`dmuon.hooks.fsdp.publish_block`),
+    """Publish group id per selected matrix (:func:`dmuon.runtime.fsdp_adapter.publish_block`),
     numbered in model order."""
-    from dmuon.hooks import fsdp
+    from dmuon.runtime import fsdp_adapter as fsdp
 
     parents = fsdp.parent_map(model)
     ids: dict[int, int] = {}
@@ -352,7 +352,7 @@ class no_sync:
         self.model = model
 
     def __enter__(self) -> "no_sync":
-        from dmuon.hooks import fsdp
+        from dmuon.runtime import fsdp_adapter as fsdp
 
         self.state.sync_enabled = False
         if fsdp.is_fsdp_wrapped(self.model):
@@ -360,7 +360,7 @@ class no_sync:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from dmuon.hooks import fsdp
+        from dmuon.runtime import fsdp_adapter as fsdp
 
         self.state.sync_enabled = True
         if fsdp.is_fsdp_wrapped(self.model):

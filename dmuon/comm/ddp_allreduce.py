@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.hooks.comm import Pending, all_reduce_sum
+from dmuon.comm.collectives import Pending, all_reduce_sum
 
 
 class ReplicatedGrads:
