@@ -185,7 +185,7 @@ class OwnerUpdate:
         ctx = get_state(model)
         ctx.ensure_bound()
         dedicated = [rec.master for rec in ctx.records]
-        others = [p for p in model.parameters() if id(p) not in ctx.record_of_master and p.requires_grad]
+        others = [p for p in model.parameters() if p not in ctx.record_of_master and p.requires_grad]
         return [dict(params=dedicated, kind="muon", **muon_defaults),
                 dict(params=others, kind="adamw", **adamw_defaults)]
 
@@ -213,7 +213,7 @@ class OwnerUpdate:
             params.append(p)
             grads.append(p.grad)
             bufs.append(state["momentum_buffer"])
-            recs.append(ctx.record_of_master[id(p)])
+            recs.append(ctx.record_of_master[p])
         ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
                          method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
                          backend=self.opt.ns_backend)
@@ -292,7 +292,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
         if ctx.replicate_rank == 0 and (rec.tp_shard_dim is not None or ctx.tp_rank == 0):
             counted.append(rec.master.grad)
     for p in model.parameters():
-        if id(p) in ctx.record_of_master or p.grad is None:
+        if p in ctx.record_of_master or p.grad is None:
             continue
         g = p.grad
         if hasattr(g, "to_local"):

@@ -283,36 +283,42 @@ class OwnerPlan:
             ValueError: naming the first mismatch (world size, missing or extra matrix, shape)
                 and how to fix it.
         """
-        if world_size != self.world_size:
+        _check_plan_matches(self, shape_by_fqn, world_size, tp_size)
+
+
+def _check_plan_matches(plan: OwnerPlan, shape_by_fqn: Mapping[str, Sequence[int]], world_size: int,
+                        tp_size: int) -> None:
+    """:meth:`OwnerPlan.check_matches`: the first mismatch raises ``ValueError``."""
+    if world_size != plan.world_size:
+        raise ValueError(
+            f"dmuon: the plan was solved for {plan.world_size} ranks but the mesh has "
+            f"{world_size}; re-solve it with `python -m dmuon.profile --nodes N "
+            f"--gpus-per-node G` for this world size"
+        )
+    if tp_size != plan.tp_size:
+        raise ValueError(
+            f"dmuon: the plan was solved for TP size {plan.tp_size} but the mesh has TP size "
+            f"{tp_size}; re-solve it for this mesh"
+        )
+    mine = plan.shape_by_fqn
+    missing = [f for f in shape_by_fqn if f not in mine]
+    if missing:
+        raise ValueError(
+            f"dmuon: the plan assigns no owner to {len(missing)} dedicated matrices of this "
+            f"model, e.g. {missing[:3]}; it was solved for another model or predicate"
+        )
+    extra = [f for f in mine if f not in shape_by_fqn]
+    if extra:
+        raise ValueError(
+            f"dmuon: the plan names {len(extra)} matrices this model does not dedicate, "
+            f"e.g. {extra[:3]}; it was solved for another model or predicate"
+        )
+    for fqn, shape in shape_by_fqn.items():
+        if tuple(shape) != tuple(mine[fqn]):
             raise ValueError(
-                f"dmuon: the plan was solved for {self.world_size} ranks but the mesh has "
-                f"{world_size}; re-solve it with `python -m dmuon.profile --nodes N "
-                f"--gpus-per-node G` for this world size"
+                f"dmuon: parameter {fqn!r} has shape {tuple(shape)} but the plan was solved "
+                f"for shape {tuple(mine[fqn])}; re-solve the plan for this model"
             )
-        if tp_size != self.tp_size:
-            raise ValueError(
-                f"dmuon: the plan was solved for TP size {self.tp_size} but the mesh has TP size "
-                f"{tp_size}; re-solve it for this mesh"
-            )
-        mine = self.shape_by_fqn
-        missing = [f for f in shape_by_fqn if f not in mine]
-        if missing:
-            raise ValueError(
-                f"dmuon: the plan assigns no owner to {len(missing)} dedicated matrices of this "
-                f"model, e.g. {missing[:3]}; it was solved for another model or predicate"
-            )
-        extra = [f for f in mine if f not in shape_by_fqn]
-        if extra:
-            raise ValueError(
-                f"dmuon: the plan names {len(extra)} matrices this model does not dedicate, "
-                f"e.g. {extra[:3]}; it was solved for another model or predicate"
-            )
-        for fqn, shape in shape_by_fqn.items():
-            if tuple(shape) != tuple(mine[fqn]):
-                raise ValueError(
-                    f"dmuon: parameter {fqn!r} has shape {tuple(shape)} but the plan was solved "
-                    f"for shape {tuple(mine[fqn])}; re-solve the plan for this model"
-                )
 
 
 def build_plan(

@@ -116,7 +116,7 @@ class DedicateState:
         self.fsdp_wrapped = False
         self._fsdp_states: list[Any] = []
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
-        self.record_of_master: dict[int, DedicatedParam] = {}  # id(master) -> record
+        self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}  # master -> record
         # Per backward:
         self.sync_enabled = True  # False inside dmuon.no_sync
         self.sync_this_backward = True
@@ -174,7 +174,7 @@ class DedicateState:
             binding.records, binding.units, binding.groups, binding.buckets)
         self.keep, self._fsdp_states = binding.keep, binding.fsdp_states
         self.fsdp_wrapped = bool(binding.fsdp_states)
-        self.record_of_master = {id(rec.master): rec for rec in self.records}
+        self.record_of_master = {rec.master: rec for rec in self.records}
         if binding.replicated:
             self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes)
         self.bound = True
