@@ -12,6 +12,8 @@ hook (the accumulated ``.grad`` is left as it was) and the average is added at t
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,10 +28,14 @@ class ReplicatedGrads:
         params: replicated parameters that require grad, in registration order.
         group: process group over which the replicas live.
         bucket_bytes: target size of one flat all-reduce buffer (bytes).
+        before_issue: called before each all-reduce is issued (the runtime's deferred step
+            check, :meth:`dmuon.hooks.desync.StepCheck.settle`).
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int) -> None:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int,
+                 before_issue: Callable[[], None] = lambda: None) -> None:
         self.group = group
+        self.before_issue = before_issue
         self.params = params
         self.world_size = dist.get_world_size(group)
         self.buckets: list[list[nn.Parameter]] = []
@@ -83,6 +89,7 @@ class ReplicatedGrads:
             # parameter unused everywhere keeps grad=None, as in single-process training.
             flags = torch.tensor([float(p in self.incoming) for p in bucket], device=bucket[0].device)
             flat = torch.cat(pieces + [flags])
+            self.before_issue()
             self.pending.append((self.next_bucket, all_reduce_sum(flat, self.group)))
             self.next_bucket += 1
 

@@ -199,9 +199,13 @@ class DedicateState:
             binding.records, binding.units, binding.groups, binding.buckets)
         self.keep, self._fsdp_states = binding.keep, binding.fsdp_states
         self.fsdp_wrapped = bool(binding.fsdp_states)
+        # without FSDP2 dmuon issues every collective of the step: the check can wait until
+        # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
+        self.step_check.deferred = not self.fsdp_wrapped
         self.record_of_master = {id(rec.master): rec for rec in self.records}
         if binding.replicated:
-            self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes)
+            self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes,
+                                              before_issue=self.step_check.settle)
         self.bound = True
         self._register_hooks(binding.wiring)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
@@ -241,6 +245,7 @@ class DedicateState:
         reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype.
         """
         self._final_callback_queued = False
+        self.step_check.settle()  # before waiting on (or issuing) any reduce of this backward
         for unit in self.units:  # units with unused matrices, or cut short by checkpointing
             unit.post_backward()
             unit.backward_finished = False
@@ -269,6 +274,8 @@ class DedicateState:
             issue: issue the first ``prefetch`` units' broadcasts now (after a step); ``False``
                 only invalidates (after loading a state dict).
         """
+        if issue:
+            self.step_check.settle()
         with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
             if issue and self.roles.replicate is not None:  # HSDP "broadcast": replica 0 stepped
                 # the same list on every replica: the plan and the matrices with a gradient agree
