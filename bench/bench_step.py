@@ -420,6 +420,8 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
                    "group_cost": state.plan.extra.get("group_cost", 0.0)}
     if state.replicated is not None:  # the other parameters' all-reduce buckets (DDP-style)
         collectives["all_reduce_buckets"] = len(state.replicated.buckets)
+    if state.shared_bucket is not None:  # keep mode: they ride in one gradient bucket (all-reduced)
+        collectives["other_params"] = "in the last gradient bucket (one all_reduce, no reduce)"
     if "dmuon_spread" in models:
         collectives["spread_publish_groups"] = len(get_state(models["dmuon_spread"]).groups)
     n_params = sum(p.numel() for p in Pi0Policy(model_cfg).parameters())

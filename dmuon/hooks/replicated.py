@@ -1,7 +1,8 @@
 """Gradient averaging for replicated (non-FSDP2) non-dedicated parameters.
 
-On the DDP-style path (a plain module replicated on every rank), dmuon itself averages the
-gradients of the parameters AdamW steps, bucketed and overlapped with backward like DDP's
+On a plain module replicated on every rank with ``replicas="placeholder"`` (with
+``replicas="keep"`` they ride in a gradient bucket instead, :mod:`dmuon.hooks.keep`, unless
+their dtype or device differs from it), dmuon itself averages the gradients of the parameters AdamW steps, bucketed and overlapped with backward like DDP's
 reducer (Li et al., "PyTorch Distributed", VLDB 2020): buckets are filled in reverse
 registration order and launched strictly in bucket order, so every rank issues the same
 all-reduces in the same order even if a parameter is unused on some ranks.

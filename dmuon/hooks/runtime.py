@@ -137,6 +137,7 @@ class DedicateState:
         self.groups: list[PublishGroup] = []
         self.buckets: list[GradBucket] = []
         self.replicated: ReplicatedGrads | None = None
+        self.shared_bucket: GradBucket | None = None  # keep mode: carries the other parameters
         self.keep = False  # replicas="keep": every rank keeps the full weights
         self.fsdp_wrapped = False
         self._fsdp_states: list[Any] = []
@@ -169,6 +170,10 @@ class DedicateState:
         if self.replicated is not None:
             for p in self.replicated.params:
                 self._handles.append(p.register_hook(functools.partial(self._on_replicated_grad, p)))
+        if self.shared_bucket is not None:
+            for p in self.shared_bucket.shared:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_shared_grad, self.shared_bucket)))
         # Loading a state dict writes the masters; the compute copies must follow.
         self._handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
@@ -203,7 +208,8 @@ class DedicateState:
         # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
         self.step_check.deferred = not self.fsdp_wrapped
         self.record_of_master = {id(rec.master): rec for rec in self.records}
-        if binding.replicated:
+        self.shared_bucket = binding.shared_bucket
+        if binding.replicated and binding.shared_bucket is None:
             self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes,
                                               before_issue=self.step_check.settle)
         self.bound = True
@@ -236,6 +242,14 @@ class DedicateState:
     def _on_replicated_grad(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         self.queue_final_callback()
         return self.replicated.on_grad(param, grad, sync=self.sync_this_backward)
+
+    def _on_shared_grad(self, bucket: GradBucket, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook of a non-dedicated parameter in keep mode: its ``.grad``
+        goes into the bucket carrying it (under ``no_sync`` it stays local until the sync pass)."""
+        self.queue_final_callback()
+        if self.sync_this_backward and bucket.add_shared(param, param.grad):
+            self.step_check.settle()
+            bucket.issue(self.group, self.reduce_mode)
 
     def finish_backward(self) -> None:
         """End of backward: wait for every reduce; owners add the average to ``master.grad``.
