@@ -143,14 +143,20 @@ class GradBucket:
             mode = "all_reduce"  # every rank needs the shared parameters' average
         with torch.profiler.record_function("dmuon::reduce_bucket"):
             if mode == "all_reduce":
-                self.pending.append(all_reduce_sum(
-                    self.flat, group, lambda: f"the gradient all-reduce of {[r.fqn for r in self.records][:4]}"))
+                self.pending.append(all_reduce_sum(self.flat, group, lambda: self.describe(group)))
             else:
                 with issued_together(group, self.device, self.pending):
                     for owner, start, numel in self.segments:
                         self.pending.append(reduce_to_owner(
                             self.flat[start: start + numel], owner, group,
                             lambda owner=owner: [r.fqn for r in self.records if r.owner == owner]))
+
+    def describe(self, group: dist.ProcessGroup) -> str:
+        """What this bucket's all-reduce carries, for a timeout's message."""
+        owners = sorted({dist.get_global_rank(group, owner) for owner, _, _ in self.segments})
+        shared = f" and {len(self.shared)} other parameter(s)" if self.shared else ""
+        return (f"the gradient all-reduce of {[r.fqn for r in self.records][:4]}{shared} "
+                f"(matrices of owner rank {', '.join(map(str, owners))})")
 
     def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None]]:
         """Wait, then yield ``(record, average)`` for every record that had a gradient.
