@@ -212,7 +212,10 @@ class Unit:
         if (self.reshard or not needs_grad) and not self.ctx.keep:  # keep mode: weights stay
             for group in self.groups:
                 group.release()
-        if needs_grad:
+        if needs_grad and not self.ctx.keep:
+            # keep mode needs no pre-backward: nothing is published, a recomputed forward
+            # shows the compute weights through pre_forward, and the gradient hooks end the
+            # backward; so it saves a multi-grad hook per unit and forward
             register_multi_grad_hook(needs_grad, self.pre_backward_hook, mode="any")
 
     # -------------------------------------------------------------- backward
