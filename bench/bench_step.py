@@ -190,7 +190,7 @@ class BenchConfig:
 
 #: Labels whose inclusive CPU time the profiled step reports (dmuon's ``record_function``
 #: names; ``vanilla_*`` are :class:`dmuon.baselines.VanillaMuon`'s).
-LABELS = ("dmuon::step_check", "dmuon::pre_forward", "dmuon::pre_backward", "dmuon::reduce_bucket", "dmuon::all_reduce",
+LABELS = ("dmuon::step_check", "dmuon::step_check_wait", "dmuon::pre_forward", "dmuon::pre_backward", "dmuon::reduce_bucket", "dmuon::all_reduce",
           "dmuon::finish_backward", "dmuon::optimizer_step", "dmuon::newton_schulz", "dmuon::adamw",
           "dmuon::publish_after_step", "dmuon::publish", "dmuon::vanilla_all_gather",
           "dmuon::vanilla_newton_schulz", "dmuon::vanilla_adamw")
@@ -413,6 +413,8 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
                    "group_cost": state.plan.extra.get("group_cost", 0.0)}
     if state.replicated is not None:  # the other parameters' all-reduce buckets (DDP-style)
         collectives["all_reduce_buckets"] = len(state.replicated.buckets)
+    if state.shared_bucket is not None:  # keep mode: they ride in one gradient bucket (all-reduced)
+        collectives["other_params"] = "in the last gradient bucket (one all_reduce, no reduce)"
     if "dmuon_spread" in models:
         collectives["spread_publish_groups"] = len(get_state(models["dmuon_spread"]).groups)
     n_params = sum(p.numel() for p in Pi0Policy(model_cfg).parameters())

@@ -54,7 +54,9 @@ def train_counting(rank: int, world_size: int, *, steps: int = 4, micro_batches:
                 plan_buckets={m.fqn: m.bucket for m in state.plan.matrices},
                 plan_owners={m.fqn: m.owner for m in state.plan.matrices},
                 reduce_buckets=len(state.buckets), publish_groups=len(state.groups),
-                adamw_buckets=len(state.replicated.buckets) if state.replicated else 0)
+                adamw_buckets=len(state.replicated.buckets) if state.replicated else 0,
+                shared_buckets=int(state.shared_bucket is not None),
+                shared_params=len(state.shared_bucket.shared) if state.shared_bucket else 0)
 
 
 def bad_input(rank: int, world_size: int, *, case: str) -> str:

@@ -35,8 +35,9 @@ def test_dmuon_groups_inherit_the_user_timeout(dist_pool, world_size, shape, nam
 @pytest.mark.parametrize("step_check,words", [
     (True, ["dmuon: rank 1 waited in vain for the other ranks at its forward after 3 optimizer step(s)",
             "step check over ranks [0, 1]", "Timed out", "ran fewer steps"]),
-    # without the check, the default replicas="keep" waits on a reduce-to-owner, which gloo
-    # ends with "Application timeout caused pair closure"
+    # without the check, the default replicas="keep" waits on a gradient bucket (a reduce-to-owner,
+    # or the last bucket's all-reduce, which carries the other parameters too and names the
+    # owner too), which gloo ends with "Application timeout caused pair closure"
     (False, ["dmuon: rank 1 waited in vain for the ", "owner rank", "dmuon group of ranks [0, 1]",
              "imeout", "out of step"]),
 ])

@@ -1,7 +1,8 @@
 """Gradient averaging for replicated (non-FSDP2) non-dedicated parameters.
 
-On the DDP-style path (a plain module replicated on every rank), dmuon itself averages the
-gradients of the parameters AdamW steps, bucketed and overlapped with backward like DDP's
+On a plain module replicated on every rank with ``replicas="placeholder"`` (with
+``replicas="keep"`` they ride in a gradient bucket instead, :mod:`dmuon.runtime.keep`, unless
+their dtype or device differs from it), dmuon itself averages the gradients of the parameters AdamW steps, bucketed and overlapped with backward like DDP's
 reducer (Li et al., "PyTorch Distributed", VLDB 2020): buckets are filled in reverse
 registration order and launched strictly in bucket order, so every rank issues the same
 all-reduces in the same order even if a parameter is unused on some ranks.
@@ -11,6 +12,8 @@ hook (the accumulated ``.grad`` is left as it was) and the average is added at t
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,10 +29,14 @@ class ReplicatedGrads:
         params: replicated parameters that require grad, in registration order.
         group: process group over which the replicas live.
         bucket_bytes: target size of one flat all-reduce buffer (bytes).
+        before_issue: called before each all-reduce is issued (the runtime's deferred step
+            check, :meth:`dmuon.runtime.step_check.StepCheck.settle`).
     """
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int) -> None:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int,
+                 before_issue: Callable[[], None] = lambda: None) -> None:
         self.group = group
+        self.before_issue = before_issue
         self.params = params
         self.world_size = dist.get_world_size(group)
         self.buckets: list[list[nn.Parameter]] = []
@@ -83,6 +90,7 @@ class ReplicatedGrads:
             # parameter unused everywhere keeps grad=None, as in single-process training.
             flags = torch.tensor([float(p in self.incoming) for p in bucket], device=bucket[0].device)
             flat = torch.cat(pieces + [flags])
+            self.before_issue()
             self.pending.append((self.next_bucket, all_reduce_sum(flat, self.group)))
             self.next_bucket += 1
 

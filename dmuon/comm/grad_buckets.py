@@ -16,6 +16,14 @@ data-parallel group, divided by its size on the owner):
   than the run-to-run noise (382 against 372 ms in ``bench/results/step_cpu_4r_buckets.json``;
   the other way round, by 4-10 ms, in two runs not kept), so the default moves fewer bytes.
 
+On the DDP-style path (``replicas="keep"``) one bucket also carries the *shared* parameters,
+the non-dedicated ones every rank steps with AdamW (:meth:`GradBucket.attach_shared`): their
+gradients are copied in as they are accumulated, the bucket becomes one ``all_reduce`` (every
+rank needs their average) and each rank's ``.grad`` is overwritten with the average, as DDP's
+reducer does (Li et al., "PyTorch Distributed", VLDB 2020): exact under accumulation, since
+the ``.grad`` a rank starts a backward with is the same average on every rank. So the step
+issues no collective of its own for them.
+
 Matrices that did not take a gradient in this backward (unused in this forward) stay out of
 the owners' gradients: their slots are zeroed and ignored, exactly as ``torch.optim.Muon``
 skips a parameter whose ``grad`` is ``None``. Which matrices are used must be the same on
@@ -68,6 +76,41 @@ class GradBucket:
     flat: torch.Tensor | None = None
     ready: set[DedicatedParam] = field(default_factory=set)
     pending: list[Pending] = field(default_factory=list)
+    shared: list[torch.nn.Parameter] = field(default_factory=list)
+    shared_slots: dict[torch.nn.Parameter, tuple[int, int]] = field(default_factory=dict)
+    shared_ready: set[torch.nn.Parameter] = field(default_factory=set)
+    numel: int = 0  # of flat
+
+    def __post_init__(self) -> None:
+        self.numel = sum(n for _, n in self.slots)
+
+    def attach_shared(self, params: list[torch.nn.Parameter]) -> None:
+        """Carry ``params`` (non-dedicated, trainable, this bucket's dtype and device) in this
+        bucket: their slots follow the matrices', then one flag per parameter counts the ranks
+        that produced its gradient (a parameter unused everywhere keeps ``grad=None``, as in
+        single-process training)."""
+        start = self.numel
+        for p in params:
+            self.shared.append(p)
+            self.shared_slots[p] = (start, p.numel())
+            start += p.numel()
+        self.numel = start + len(params)
+
+    def _alloc(self) -> None:
+        if self.flat is None:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+
+    def full(self) -> bool:
+        """Every member that takes a gradient has it (matrices and shared parameters)."""
+        return self.ready >= self.expected and len(self.shared_ready) == len(self.shared)
+
+    def add_shared(self, param: torch.nn.Parameter, grad: torch.Tensor) -> bool:
+        """Copy a shared parameter's accumulated ``.grad`` into its slot; True once all are in."""
+        self._alloc()
+        start, numel = self.shared_slots[param]
+        self.flat[start: start + numel].copy_(grad.detach().reshape(-1))
+        self.shared_ready.add(param)
+        return self.full()
 
     @property
     def issued(self) -> bool:
@@ -76,28 +119,44 @@ class GradBucket:
 
     def add(self, rec: DedicatedParam, grad: torch.Tensor) -> bool:
         """Copy ``rec``'s local gradient ``[rows, cols]`` into its slot; True once all are in."""
-        if self.flat is None:
-            self.flat = torch.empty(sum(n for _, n in self.slots), dtype=self.dtype, device=self.device)
+        self._alloc()
         start, numel = self.slots[self.index[rec]]
         self.flat[start: start + numel].view_as(grad).copy_(grad)
         self.ready.add(rec)
-        return self.ready >= self.expected
+        return self.full()
 
     def issue(self, group: dist.ProcessGroup, mode: str) -> None:
         """Start the bucket's collective(s); slots without a gradient are zeroed first."""
         for rec, (start, numel) in zip(self.records, self.slots):
             if rec not in self.ready:
                 self.flat[start: start + numel].zero_()
+        if self.shared:
+            flags = self.flat[self.numel - len(self.shared):]
+            for i, p in enumerate(self.shared):
+                start, numel = self.shared_slots[p]
+                if p not in self.shared_ready and p.grad is not None:  # summed under no_sync only
+                    self.flat[start: start + numel].copy_(p.grad.detach().reshape(-1))
+                    self.shared_ready.add(p)
+                elif p not in self.shared_ready:
+                    self.flat[start: start + numel].zero_()
+                flags[i] = float(p in self.shared_ready)
+            mode = "all_reduce"  # every rank needs the shared parameters' average
         with torch.profiler.record_function("dmuon::reduce_bucket"):
             if mode == "all_reduce":
-                self.pending.append(all_reduce_sum(
-                    self.flat, group, lambda: f"the gradient all-reduce of {[r.fqn for r in self.records][:4]}"))
+                self.pending.append(all_reduce_sum(self.flat, group, lambda: self.describe(group)))
             else:
                 with issued_together(group, self.device, self.pending):
                     for owner, start, numel in self.segments:
                         self.pending.append(reduce_to_owner(
                             self.flat[start: start + numel], owner, group,
                             lambda owner=owner: [r.fqn for r in self.records if r.owner == owner]))
+
+    def describe(self, group: dist.ProcessGroup) -> str:
+        """What this bucket's all-reduce carries, for a timeout's message."""
+        owners = sorted({dist.get_global_rank(group, owner) for owner, _, _ in self.segments})
+        shared = f" and {len(self.shared)} other parameter(s)" if self.shared else ""
+        return (f"the gradient all-reduce of {[r.fqn for r in self.records][:4]}{shared} "
+                f"(matrices of owner rank {', '.join(map(str, owners))})")
 
     def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None]]:
         """Wait, then yield ``(record, average)`` for every record that had a gradient.
@@ -107,6 +166,16 @@ class GradBucket:
         """
         for pend in self.pending:
             pend.wait()
+        if self.shared:
+            with torch.no_grad():
+                flags = self.flat[self.numel - len(self.shared):]
+                for i, p in enumerate(self.shared):
+                    if flags[i] <= 0:
+                        continue
+                    start, numel = self.shared_slots[p]
+                    avg = self.flat[start: start + numel].view_as(p).div_(world_size)
+                    p.grad = avg.to(p.dtype, copy=True) if p.grad is None else p.grad.copy_(avg)
+            self.shared_ready.clear()
         for rec, (start, numel) in zip(self.records, self.slots):
             if rec not in self.ready:
                 continue

@@ -60,6 +60,9 @@ class Binding:
         wiring: for each record whose compute weight takes a gradient, where the gradient goes.
         replicated: plain replicated module on more than one rank: the other trainable
             parameters, whose gradients dmuon averages (DDP-style); empty otherwise.
+        shared_bucket: keep mode: the gradient bucket that carries ``replicated``
+            (:meth:`dmuon.comm.grad_buckets.GradBucket.attach_shared`); ``None`` when they
+            keep their own all-reduces (:class:`dmuon.comm.ddp_allreduce.ReplicatedGrads`).
         fsdp_states: the model's FSDP2 states (empty without FSDP2).
         keep: ``replicas="keep"``: every rank keeps every matrix whole.
     """
@@ -72,6 +75,7 @@ class Binding:
     replicated: list[nn.Parameter]
     fsdp_states: list[Any]
     keep: bool
+    shared_bucket: GradBucket | None = None
 
 
 def check_materialized(selected: list[Selected]) -> None:
@@ -179,8 +183,17 @@ def bind(ctx: DedicateState) -> Binding:
     replicated = []
     if not fsdp_states and ctx.world_size > 1:
         replicated = replicate_others(ctx, records)
+    shared_bucket = None
+    if keep and replicated and records:
+        # the bucket of the model's first matrix goes out last, at the end of backward, when
+        # the first layers' parameters (embeddings, the patch projection's bias) are in too
+        first = next(bucket for bucket in buckets if records[0] in bucket.index)
+        if all(p.dtype == first.dtype and p.device == first.device for p in replicated):
+            first.attach_shared(replicated)
+            shared_bucket = first
     return Binding(records=records, units=units, groups=groups, buckets=buckets, wiring=wiring,
-                   replicated=replicated, fsdp_states=fsdp_states, keep=keep)
+                   replicated=replicated, fsdp_states=fsdp_states, keep=keep,
+                   shared_bucket=shared_bucket)
 
 
 def make_units(ctx: DedicateState, unit_modules: list[nn.Module], parents: dict[int, nn.Module]) -> list[Unit]:

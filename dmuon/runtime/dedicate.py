@@ -175,14 +175,16 @@ def dedicate_params(
             its own group.
         step_check: compare every rank's ``opt.step()`` and backward counts at each forward and
             backward, so a rank that skips one fails every rank at once, by name
-            (:mod:`dmuon.runtime.step_check`: two small gloo all-reduces per step); ``False`` leaves
-            such a desync to the process-group timeout.
+            (:mod:`dmuon.runtime.step_check`: two small gloo all-reduces per step; without FSDP2
+            each is waited on only before dmuon's next collective, so it overlaps compute);
+            ``False`` leaves such a desync to the process-group timeout.
         replicas: plain replicated module on a 1-D mesh only (``None`` elsewhere):
             ``"keep"`` (the default there): every rank keeps every matrix whole (one compute
             copy per matrix per rank); gradients go to their owners in ``bucket_cap_mb``
             buckets during backward and the updated matrices come back in the same buckets
             after ``step()``: one reduce and one broadcast per bucket per step, the bytes of
-            DDP's all-reduce. ``"placeholder"``: non-owners hold zero-size placeholders (saves
+            DDP's all-reduce (the other parameters ride in the last bucket to go out, which is
+            then one all-reduce). ``"placeholder"``: non-owners hold zero-size placeholders (saves
             that copy: ``(D - 1) / D`` of the matrices' memory) at the cost of one broadcast per
             module before forward and again before backward (:mod:`dmuon.runtime.keep`). The
             default plan then gives each bucket one owner

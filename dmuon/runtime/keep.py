@@ -21,8 +21,12 @@ placeholders; each matrix is broadcast before forward and again before backward)
 costs one full copy of every matrix per rank and saves one or two broadcasts per matrix and
 step, issued one per unit instead of one per bucket.
 
-The non-dedicated parameters keep dmuon's DDP-style bucketed all-reduce
-(:class:`dmuon.comm.ddp_allreduce.ReplicatedGrads`): AdamW runs on every rank, as under DDP.
+The non-dedicated parameters (AdamW runs on every rank, as under DDP) travel in the bucket of
+the model's first matrix, the last to go out in backward, which is then one ``all_reduce``
+instead of a ``reduce`` (:meth:`dmuon.comm.grad_buckets.GradBucket.attach_shared`): no
+collective of their own, so a step issues #buckets reduces/all-reduces and #buckets
+broadcasts. (Their separate DDP-style all-reduce, :class:`dmuon.comm.ddp_allreduce.ReplicatedGrads`,
+remains for ``replicas="placeholder"`` and for parameters of another dtype or device.)
 
 The runtime (:mod:`dmuon.runtime.state`) runs this mode with its ordinary publication
 machinery (:mod:`dmuon.runtime.unit`): groups keyed by bucket (:func:`bucket_keys`, at

@@ -112,6 +112,7 @@ class DedicateState:
         self.groups: list[PublishGroup] = []
         self.buckets: list[GradBucket] = []
         self.replicated: ReplicatedGrads | None = None
+        self.shared_bucket: GradBucket | None = None  # keep mode: carries the other parameters
         self.keep = False  # replicas="keep": every rank keeps the full weights
         self.fsdp_wrapped = False
         self._fsdp_states: list[Any] = []
@@ -144,6 +145,10 @@ class DedicateState:
         if self.replicated is not None:
             for p in self.replicated.params:
                 self._handles.append(p.register_hook(functools.partial(self._on_replicated_grad, p)))
+        if self.shared_bucket is not None:
+            for p in self.shared_bucket.shared:
+                self._handles.append(p.register_post_accumulate_grad_hook(
+                    functools.partial(self._on_shared_grad, self.shared_bucket)))
         # Loading a state dict writes the masters; the compute copies must follow.
         self._handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
@@ -174,9 +179,14 @@ class DedicateState:
             binding.records, binding.units, binding.groups, binding.buckets)
         self.keep, self._fsdp_states = binding.keep, binding.fsdp_states
         self.fsdp_wrapped = bool(binding.fsdp_states)
+        # without FSDP2 dmuon issues every collective of the step: the check can wait until
+        # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
+        self.step_check.deferred = not self.fsdp_wrapped
         self.record_of_master = {rec.master: rec for rec in self.records}
-        if binding.replicated:
-            self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes)
+        self.shared_bucket = binding.shared_bucket
+        if binding.replicated and binding.shared_bucket is None:
+            self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes,
+                                              before_issue=self.step_check.settle)
         self.bound = True
         self._register_hooks(binding.wiring)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
@@ -208,6 +218,14 @@ class DedicateState:
         self.queue_final_callback()
         return self.replicated.on_grad(param, grad, sync=self.sync_this_backward)
 
+    def _on_shared_grad(self, bucket: GradBucket, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook of a non-dedicated parameter in keep mode: its ``.grad``
+        goes into the bucket carrying it (under ``no_sync`` it stays local until the sync pass)."""
+        self.queue_final_callback()
+        if self.sync_this_backward and bucket.add_shared(param, param.grad):
+            self.step_check.settle()
+            bucket.issue(self.group, self.reduce_mode)
+
     def finish_backward(self) -> None:
         """End of backward: wait for every reduce; owners add the average to ``master.grad``.
 
@@ -216,6 +234,7 @@ class DedicateState:
         reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype.
         """
         self._final_callback_queued = False
+        self.step_check.settle()  # before waiting on (or issuing) any reduce of this backward
         for unit in self.units:  # units with unused matrices, or cut short by checkpointing
             unit.post_backward()
             unit.backward_finished = False
@@ -244,6 +263,8 @@ class DedicateState:
             issue: issue the first ``prefetch`` units' broadcasts now (after a step); ``False``
                 only invalidates (after loading a state dict).
         """
+        if issue:
+            self.step_check.settle()
         with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
             if issue and self.roles.replicate is not None:  # HSDP "broadcast": replica 0 stepped
                 # the same list on every replica: the plan and the matrices with a gradient agree

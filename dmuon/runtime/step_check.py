@@ -18,6 +18,15 @@ more steps than the others waits at its next check; the group's timeout (the use
 
 The group is gloo (CPU tensors) even in NCCL jobs, so the check never synchronizes a GPU
 stream; without gloo there is no check.
+
+Deferred checks (``deferred=True``, set by the runtime on a module without FSDP2, where dmuon
+issues every collective of the step itself): the check's all-reduce is *issued* at the same two
+points but waited on only at :meth:`StepCheck.settle`, which the runtime calls right before it
+issues or blocks on a collective of the dmuon group (a unit's publication it must wait for, a
+gradient bucket's reduce-to-owner, the end of backward), and before the next check. So no rank
+issues or waits on a step's collective before the ranks agreed, as with a blocking check, but
+the check's round trips overlap forward and backward compute instead of stopping every rank
+(on FSDP2 the check stays blocking: FSDP2 issues its all-gathers and reduce-scatters itself).
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ class StepCheck:
         self.backwards = 0  # backward passes that reached a dmuon hook
         self._last: int | None = None  # phase checked last; None after a step
         self.checks = 0  # collectives issued (for tests)
+        self.deferred = False  # issue now, wait at settle() (the runtime sets it at binding)
+        self._pending: tuple[Any, torch.Tensor, int, int, int] | None = None  # work, rows, phase, steps, backwards
 
     def install(self, model: nn.Module) -> list:
         """Check at the model's own forward, in front of every other hook (FSDP2's root
@@ -105,17 +116,35 @@ class StepCheck:
     def _check(self, phase: int) -> None:
         if self.group is None or self.world_size == 1:
             return
+        self.settle()  # at most one check in flight
         rows = torch.zeros(self.world_size, 3, dtype=torch.int64)
         rows[self.rank, 0], rows[self.rank, 1], rows[self.rank, 2] = phase, self.steps, self.backwards
         self.checks += 1
+        with torch.profiler.record_function("dmuon::step_check"):
+            work = dist.all_reduce(rows, group=self.group, async_op=True)
+        self._pending = (work, rows, phase, self.steps, self.backwards)
+        if not self.deferred:
+            self.settle()
+
+    def settle(self) -> None:
+        """Wait for the check in flight, if any, and raise if the ranks disagree.
+
+        Raises:
+            RuntimeError: the ranks are out of step (:meth:`describe`), or the check timed out
+                or failed (naming this rank, its phase and counts, and the check's ranks).
+        """
+        if self._pending is None:
+            return
+        work, rows, phase, steps, backwards = self._pending
+        self._pending = None
         try:
-            with torch.profiler.record_function("dmuon::step_check"):
-                dist.all_reduce(rows, group=self.group)
+            with torch.profiler.record_function("dmuon::step_check_wait"):
+                work.wait()
         except RuntimeError as err:
             global_rank = dist.get_rank()
             raise RuntimeError(
                 f"dmuon: rank {global_rank} waited in vain for the other ranks at its "
-                f"{PHASES[phase]} after {self.steps} optimizer step(s) and {self.backwards} "
+                f"{PHASES[phase]} after {steps} optimizer step(s) and {backwards} "
                 f"backward(s) (step check over ranks {dist.get_process_group_ranks(self.group)}): "
                 f"{_first_line(err)}. Another rank ran fewer steps, stopped, died or is stuck; "
                 f"every rank must run the same forwards, backwards and opt.step() calls."

@@ -75,6 +75,13 @@ class PublishGroup:
         self.bwd_done.clear()
         return self.work
 
+    def in_flight(self) -> bool:
+        """Whether this group's broadcast is issued and not known to be complete."""
+        if self.work is None or self.work.work is None:
+            return False
+        done = getattr(self.work.work, "is_completed", None)
+        return done is None or not done()
+
     def wait(self) -> None:
         """Wait for this group's broadcast, if one is in flight."""
         if self.work is not None:
@@ -186,9 +193,13 @@ class Unit:
             if self.in_backward or in_autograd_backward():
                 # Activation checkpointing recomputes this forward inside backward: the
                 # weights must be whole, and stay so until the unit's post-backward.
-                ctx.issue([self])
+                to_issue = [self]
             else:  # keep mode: every bucket goes out at once, the unit waits for its own
-                ctx.issue(ctx.units if ctx.keep else ctx.units[self.index: self.index + 1 + ctx.prefetch])
+                to_issue = ctx.units if ctx.keep else ctx.units[self.index: self.index + 1 + ctx.prefetch]
+            if any(not g.live for unit in to_issue for g in unit.groups) or any(
+                    g.in_flight() for g in self.groups):
+                ctx.step_check.settle()  # a deferred check, before issuing or blocking
+            ctx.issue(to_issue)
             self.wait()
         self.show("compute")
 
@@ -201,7 +212,10 @@ class Unit:
         if (self.reshard or not needs_grad) and not self.ctx.keep:  # keep mode: weights stay
             for group in self.groups:
                 group.release()
-        if needs_grad:
+        if needs_grad and not self.ctx.keep:
+            # keep mode needs no pre-backward: nothing is published, a recomputed forward
+            # shows the compute weights through pre_forward, and the gradient hooks end the
+            # backward; so it saves a multi-grad hook per unit and forward
             register_multi_grad_hook(needs_grad, self.pre_backward_hook, mode="any")
 
     # -------------------------------------------------------------- backward
@@ -212,6 +226,7 @@ class Unit:
         ctx.queue_final_callback()  # the step check; ends every unit's backward, even a frozen unit's
         if not ctx.keep:  # keep mode: the weights never left
             with torch.profiler.record_function("dmuon::pre_backward"):
+                ctx.step_check.settle()
                 previous = ctx.units[max(0, self.index - ctx.prefetch): self.index][::-1]
                 ctx.issue([self] + [prev for prev in previous if prev.takes_grad and not prev.backward_finished])
                 self.wait()
@@ -230,6 +245,7 @@ class Unit:
             if hasattr(grad, "to_local"):  # the TP slice's gradient
                 grad = grad.to_local()
             if bucket.add(rec, grad):
+                ctx.step_check.settle()  # the ranks agree before the first reduce goes out
                 bucket.issue(ctx.group, ctx.reduce_mode)
         # else gradient accumulation: keep the local sum in compute.grad (full size on every
         # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
