@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.balance.cost import REPLICATE_MODES
+from dmuon.comm.grad_buckets import GradBucket, finish_buckets
 from dmuon.owners.dedicated import DedicatedParam
 
 logger = logging.getLogger(__name__)
@@ -239,3 +240,37 @@ def broadcast_masters(masters: Sequence[torch.Tensor], group: dist.ProcessGroup,
             else:
                 batch.copy_back()
     return len(batches)
+
+
+def reduce_to_owners(buckets: Sequence[GradBucket], group: dist.ProcessGroup, reduce_mode: str, world_size: int,
+                     replicate_group: dist.ProcessGroup | None, replicate_rank: int) -> None:
+    """End of backward: wait for every bucket's reduce; owners add the average to ``master.grad``.
+
+    Under HSDP (``replicate_group`` with more than one rank) the owners then combine across
+    replicas: one all-reduce of all "compute" averages (each replica's owner runs Newton-Schulz)
+    and one reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype;
+    the replica sum is divided by the replica count. Records come back in bucket order, the same
+    on every rank, so the combine's flat batches line up.
+
+    Args:
+        buckets: the backward's gradient buckets (issued or not).
+        group, reduce_mode, world_size: the shard group and :func:`finish_buckets`' arguments.
+        replicate_group, replicate_rank: the HSDP replicate group (``None`` without HSDP).
+    """
+    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    combine = ReplicaCombine(group=replicate_group, replicate_rank=replicate_rank) if replicas > 1 else None
+    for rec, avg in finish_buckets(buckets, group, reduce_mode, world_size):
+        rec.had_grad = True
+        if avg is not None and combine is not None:  # avg: on the owner only
+            combine.add(rec, avg)
+        elif avg is not None:
+            _accumulate(rec, avg)
+    if combine is not None:
+        combine.issue()
+        for rec, summed in combine.wait():
+            _accumulate(rec, summed.div_(replicas))
+
+
+def _accumulate(rec: DedicatedParam, avg: torch.Tensor) -> None:
+    master = rec.master
+    master.grad = avg if master.grad is None else master.grad.add_(avg)

@@ -47,9 +47,9 @@ from dmuon.runtime import fsdp_adapter as fsdp
 from dmuon.runtime.bind import Selected, Wiring, bind, check_materialized
 from dmuon.runtime.compile import dynamo_disable
 from dmuon.runtime.step_check import StepCheck
-from dmuon.comm.grad_buckets import GradBucket, finish_buckets
+from dmuon.comm.grad_buckets import GradBucket
 from dmuon.comm.mesh_roles import MeshRoles
-from dmuon.comm.hsdp_replicas import ReplicaCombine, broadcast_masters
+from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
 from dmuon.runtime.unit import PublishGroup, Unit, issue_groups
 from dmuon.owners.dedicated import DedicatedParam
@@ -227,31 +227,17 @@ class DedicateState:
             bucket.issue(self.group, self.reduce_mode)
 
     def finish_backward(self) -> None:
-        """End of backward: wait for every reduce; owners add the average to ``master.grad``.
-
-        Under HSDP the owners then combine across replicas (:mod:`dmuon.comm.hsdp_replicas`): one
-        all-reduce of all "compute" averages (each replica's owner runs Newton-Schulz) and one
-        reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype.
-        """
+        """End of backward: close open units, then reduce-to-owner and, under HSDP, the replica
+        combine (:func:`dmuon.comm.hsdp_replicas.reduce_to_owners`); the other parameters'
+        DDP-style all-reduce finishes last."""
         self._final_callback_queued = False
         self.step_check.settle()  # before waiting on (or issuing) any reduce of this backward
         for unit in self.units:  # units with unused matrices, or cut short by checkpointing
             unit.post_backward()
             unit.backward_finished = False
-        replicas = self.roles.replicate_size
         with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
-            combine = (ReplicaCombine(group=self.roles.replicate, replicate_rank=self.replicate_rank)
-                       if replicas > 1 else None)  # records are queued in bucket order
-            for rec, avg in finish_buckets(self.buckets, self.group, self.reduce_mode, self.world_size):
-                rec.had_grad = True
-                if avg is not None and combine is not None:  # avg: on the owner only
-                    combine.add(rec, avg)
-                elif avg is not None:
-                    _accumulate(rec, avg)
-            if combine is not None:
-                combine.issue()
-                for rec, summed in combine.wait():
-                    _accumulate(rec, summed.div_(replicas))
+            reduce_to_owners(self.buckets, self.group, self.reduce_mode, self.world_size,
+                             self.roles.replicate, self.replicate_rank)
             if self.replicated is not None and self.sync_this_backward:
                 self.replicated.finish()
 
@@ -277,8 +263,3 @@ class DedicateState:
                 group.refresh()
             if issue:  # keep mode: every bucket, overlapping the next forward
                 self.issue(self.units if self.keep else self.units[: self.prefetch])
-
-
-def _accumulate(rec: DedicatedParam, avg: torch.Tensor) -> None:
-    master = rec.master
-    master.grad = avg if master.grad is None else master.grad.add_(avg)
