@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from dmuon.balance.cost import REPLICATE_MODES
 from dmuon.comm.grad_buckets import GradBucket, finish_buckets
+from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.owners.dedicated import DedicatedParam
 
 logger = logging.getLogger(__name__)
@@ -242,11 +243,11 @@ def broadcast_masters(masters: Sequence[torch.Tensor], group: dist.ProcessGroup,
     return len(batches)
 
 
-def reduce_to_owners(buckets: Sequence[GradBucket], group: dist.ProcessGroup, reduce_mode: str, world_size: int,
-                     replicate_group: dist.ProcessGroup | None, replicate_rank: int) -> None:
+def reduce_to_owners(buckets: Sequence[GradBucket], roles: MeshRoles, reduce_mode: str, world_size: int,
+                     replicate_rank: int) -> None:
     """End of backward: wait for every bucket's reduce; owners add the average to ``master.grad``.
 
-    Under HSDP (``replicate_group`` with more than one rank) the owners then combine across
+    Under HSDP (``roles.replicate_size > 1``) the owners then combine across
     replicas: one all-reduce of all "compute" averages (each replica's owner runs Newton-Schulz)
     and one reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype;
     the replica sum is divided by the replica count. Records come back in bucket order, the same
@@ -254,12 +255,13 @@ def reduce_to_owners(buckets: Sequence[GradBucket], group: dist.ProcessGroup, re
 
     Args:
         buckets: the backward's gradient buckets (issued or not).
-        group, reduce_mode, world_size: the shard group and :func:`finish_buckets`' arguments.
-        replicate_group, replicate_rank: the HSDP replicate group (``None`` without HSDP).
+        roles: the mesh roles (shard group for the reduces, replicate group for the combine).
+        reduce_mode, world_size: :func:`finish_buckets`' arguments.
+        replicate_rank: this rank's index in the replicate group.
     """
-    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-    combine = ReplicaCombine(group=replicate_group, replicate_rank=replicate_rank) if replicas > 1 else None
-    for rec, avg in finish_buckets(buckets, group, reduce_mode, world_size):
+    replicas = roles.replicate_size
+    combine = ReplicaCombine(group=roles.replicate, replicate_rank=replicate_rank) if replicas > 1 else None
+    for rec, avg in finish_buckets(buckets, roles.shard, reduce_mode, world_size):
         rec.had_grad = True
         if avg is not None and combine is not None:  # avg: on the owner only
             combine.add(rec, avg)

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dmuon.owners.slices import local_tensor
+
 
 def free_storage(t: torch.Tensor) -> None:
     """Release ``t``'s memory, keeping its shape and autograd identity (FSDP2's trick)."""
@@ -78,8 +80,7 @@ class DedicatedParam:
     @property
     def buffer(self) -> torch.Tensor:
         """The compute weight as a plain local tensor (the TP slice under tensor parallelism)."""
-        c = self.compute
-        return c.to_local() if hasattr(c, "to_local") else c
+        return local_tensor(self.compute)
 
     def show(self, which: str) -> None:
         """Register ``master`` (outside forward) or ``compute`` (inside) on the module."""

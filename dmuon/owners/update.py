@@ -16,6 +16,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dmuon.owners.slices import local_tensor
+
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 NS_METHODS = ("gram", "standard")
 
@@ -213,10 +215,10 @@ def adamw_update_(
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["step"] += 1
     steps = [state["step"].item() for state in states]
-    local = [_to_local(t) for t in params]
-    exp_avgs = [_to_local(state["exp_avg"]) for state in states]
-    exp_avg_sqs = [_to_local(state["exp_avg_sq"]) for state in states]
-    local_grads = [_to_local(g) for g in grads]
+    local = [local_tensor(t) for t in params]
+    exp_avgs = [local_tensor(state["exp_avg"]) for state in states]
+    exp_avg_sqs = [local_tensor(state["exp_avg_sq"]) for state in states]
+    local_grads = [local_tensor(g) for g in grads]
     torch._foreach_mul_(local, 1 - lr * weight_decay)
     torch._foreach_lerp_(exp_avgs, local_grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
@@ -226,7 +228,3 @@ def adamw_update_(
     torch._foreach_add_(denoms, eps)
     torch._foreach_addcdiv_(local, exp_avgs, denoms, [-lr / (1 - beta1**step) for step in steps])
 
-
-def _to_local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (same storage), any other tensor as it is."""
-    return t.to_local() if hasattr(t, "to_local") else t

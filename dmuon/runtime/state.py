@@ -236,8 +236,7 @@ class DedicateState:
             unit.post_backward()
             unit.backward_finished = False
         with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
-            reduce_to_owners(self.buckets, self.group, self.reduce_mode, self.world_size,
-                             self.roles.replicate, self.replicate_rank)
+            reduce_to_owners(self.buckets, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
             if self.replicated is not None and self.sync_this_backward:
                 self.replicated.finish()
 
