@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dmuon.comm.collectives import label
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.runtime.dedicate import get_state
@@ -191,7 +192,7 @@ class OwnerUpdate:
 
     def step(self) -> None:
         """Muon then AdamW, then the step check and the publication."""
-        with torch.profiler.record_function("dmuon::optimizer_step"):
+        with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
                     self.step_muon(group)
@@ -225,7 +226,7 @@ class OwnerUpdate:
                 items = [TPItem(u, r.tp_shard_dim, r.full_shape, r.tp_owner) for u, r in zip(updates, recs)]
                 return orthogonalize_tp(items, ctx.roles.tp, local_ns)
 
-        with torch.profiler.record_function("dmuon::newton_schulz"):
+        with label("dmuon::newton_schulz"):
             muon_update_(
                 params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
                 momentum=group["momentum"], nesterov=group["nesterov"],
@@ -237,7 +238,7 @@ class OwnerUpdate:
     def step_adamw(self, group: dict) -> None:
         """AdamW on ``group`` (FSDP2 shards or replicas), element-wise."""
         params = [p for p in group["params"] if p.grad is not None]
-        with torch.profiler.record_function("dmuon::adamw"):
+        with label("dmuon::adamw"):
             adamw_update_(
                 params, [p.grad for p in params], [self.opt.state[p] for p in params],
                 lr=group["lr"], betas=group["betas"], eps=group["eps"],

@@ -85,17 +85,43 @@ def test_bad_input_names_the_argument(dist_pool, case, words):
 
 
 def test_bucket_plan_balances_ns_and_bytes():
-    """Pure function: cut in backward order by the cap, one owner per bucket by LPT on the
-    normalized NS + bytes load. Four equal 100-byte matrices, cap 100, 2 ranks: 4 buckets,
-    2 per rank; a cap above the model is lowered to total / world_size."""
+    """Pure function: cut in backward order, each bucket closed at the cap, one owner per
+    bucket by LPT on the normalized NS + bytes load. Four equal 100-byte matrices, cap 100,
+    2 ranks: 4 buckets, 2 per rank; with a cap above the model, world_size buckets of equal load."""
     assert cut_buckets([100, 100, 100, 100], 100) == [3, 2, 1, 0]
     assert cut_buckets([60, 60, 60], 100) == [1, 0, 0]
     a = assign_buckets([1.0] * 4, [100] * 4, 2, 100)
     assert sorted(a.owner_of_bucket) == [0, 0, 1, 1] and a.ns_share == (0.5, 0.5)
     big = assign_buckets([1.0] * 4, [100] * 4, 2, 25 * 2**20)
-    assert big.cap_bytes == 200 and big.bucket == (1, 1, 0, 0) and big.owner_of_bucket == (0, 1)
+    assert big.cap_bytes == 25 * 2**20 and big.bucket == (1, 1, 0, 0) and big.owner_of_bucket == (0, 1)
     # one large-NS bucket: the other rank takes the rest, whatever their bytes
     skew = assign_buckets([10.0, 1.0, 1.0, 1.0], [100] * 4, 2, 100)
     assert skew.owner_of_bucket[3] != skew.owner_of_bucket[0] == skew.owner_of_bucket[1] == skew.owner_of_bucket[2]
     with pytest.raises(ValueError, match="bucket cap"):
         cut_buckets([1], 0)
+
+
+def test_bucket_cuts_follow_newton_schulz_cost_not_bytes():
+    """dmuon.train's default policy on 4 ranks: cutting by bytes alone gave one owner 40% of the
+    Newton-Schulz FLOPs; load-balanced cuts bring every owner within 20% of the even share
+    (checked against an independent exhaustive search over all 3-cut partitions) and keep each
+    rank's broadcast bytes within 30% of even."""
+    import itertools
+
+    import torch
+
+    from dmuon.balance.cost import flop_costs
+    from dmuon.train.model import Pi0Policy, PolicyConfig
+
+    model = Pi0Policy(PolicyConfig())
+    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(shapes) == 42
+    costs, nbytes = flop_costs(shapes), [4 * r * c for r, c in shapes]
+    a = assign_buckets(costs, nbytes, 4, 25 * 2**20)
+    assert len(a.owner_of_bucket) == 4 and sorted(a.owner_of_bucket) == [0, 1, 2, 3]
+    assert max(a.ns_share) < 1.2 / 4 and max(a.bytes_share) < 1.3 / 4
+    load = [c / sum(costs) + n / sum(nbytes) for c, n in zip(costs, nbytes)]
+    best = min(max(sum(load[lo:hi]) for lo, hi in zip((0,) + cuts, cuts + (len(load),)))
+               for cuts in itertools.combinations(range(1, len(load)), 3))
+    assert max(a.loads) == pytest.approx(best, rel=1e-9)
+    assert a.bucket == tuple(sorted(a.bucket, reverse=True))  # contiguous, bucket 0 at the end

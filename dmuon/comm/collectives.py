@@ -18,6 +18,15 @@ import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
 
+def label(name: str) -> contextlib.AbstractContextManager:
+    """``torch.profiler.record_function(name)`` while a profiler is running, else a no-op.
+
+    dmuon's hooks run about a hundred times a step; an unconditional ``record_function``
+    costs about 8 us each on CPU (a dispatcher call in and out), the check 0.1 us.
+    """
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 @dataclass(eq=False)
 class Pending:
     """An in-flight collective, the buffers it reads or writes, and how to unpack its result.
@@ -114,7 +123,7 @@ def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup,
         names: returns the FQNs of the matrices in ``tensor`` (called only for an error).
     """
     src = dist.get_global_rank(group, owner)
-    with record_function("dmuon::publish"), torch.no_grad():
+    with label("dmuon::publish"), torch.no_grad():
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
     return Pending(work, (tensor,), lambda: f"the publication of {_names(names)} by owner rank {src}", group)
 
@@ -130,7 +139,7 @@ def reduce_to_owner(grad: torch.Tensor, owner: int, group: dist.ProcessGroup,
         names: returns the FQNs of the matrices in ``grad`` (called only for an error).
     """
     dst = dist.get_global_rank(group, owner)
-    with record_function("dmuon::reduce_to_owner"):
+    with label("dmuon::reduce_to_owner"):
         work = dist.reduce(grad, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return Pending(work, (grad,), lambda: f"the reduce-to-owner of {_names(names)} to owner rank {dst}",
                    group)
@@ -140,7 +149,7 @@ def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup,
                    what: str | Callable[[], str] = "the gradient all-reduce") -> Pending:
     """Sum a flat buffer over the group: the gradients of replicated (non-dedicated) parameters,
     or a gradient bucket under ``reduce_mode="all_reduce"``."""
-    with record_function("dmuon::all_reduce"):
+    with label("dmuon::all_reduce"):
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
     return Pending(work, (flat,), what, group)
 

@@ -17,10 +17,11 @@ data-parallel group, divided by its size on the owner):
   the other way round, by 4-10 ms, in two runs not kept), so the default moves fewer bytes.
 
 On the DDP-style path (``replicas="keep"``) one bucket also carries the *shared* parameters,
-the non-dedicated ones every rank steps with AdamW (:meth:`GradBucket.attach_shared`): their
-gradients are copied in as they are accumulated, the bucket becomes one ``all_reduce`` (every
-rank needs their average) and each rank's ``.grad`` is overwritten with the average, as DDP's
-reducer does (Li et al., "PyTorch Distributed", VLDB 2020): exact under accumulation, since
+the non-dedicated ones every rank steps with AdamW (:meth:`GradBucket.attach_shared`): at the
+end of backward (it is the bucket of the model's first matrix, the last one in backward anyway)
+their accumulated ``.grad`` are copied in with one ``cat``, the bucket becomes one
+``all_reduce`` (every rank needs their average) and each rank's ``.grad`` is overwritten with
+the average, as DDP's reducer does (Li et al., "PyTorch Distributed", VLDB 2020): exact under accumulation, since
 the ``.grad`` a rank starts a backward with is the same average on every rank. So the step
 issues no collective of its own for them.
 
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.collectives import Pending, all_reduce_sum, issued_together, reduce_to_owner
+from dmuon.comm.collectives import Pending, all_reduce_sum, issued_together, label, reduce_to_owner
 from dmuon.owners.dedicated import DedicatedParam
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,6 @@ class GradBucket:
     pending: list[Pending] = field(default_factory=list)
     shared: list[torch.nn.Parameter] = field(default_factory=list)
     shared_slots: dict[torch.nn.Parameter, tuple[int, int]] = field(default_factory=dict)
-    shared_ready: set[torch.nn.Parameter] = field(default_factory=set)
     numel: int = 0  # of flat
 
     def __post_init__(self) -> None:
@@ -101,16 +101,10 @@ class GradBucket:
             self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
 
     def full(self) -> bool:
-        """Every member that takes a gradient has it (matrices and shared parameters)."""
-        return self.ready >= self.expected and len(self.shared_ready) == len(self.shared)
-
-    def add_shared(self, param: torch.nn.Parameter, grad: torch.Tensor) -> bool:
-        """Copy a shared parameter's accumulated ``.grad`` into its slot; True once all are in."""
-        self._alloc()
-        start, numel = self.shared_slots[param]
-        self.flat[start: start + numel].copy_(grad.detach().reshape(-1))
-        self.shared_ready.add(param)
-        return self.full()
+        """Every matrix that takes a gradient has it, and no shared parameters ride along
+        (their gradients are complete only at the end of backward, when the bucket is issued
+        by :func:`finish_buckets`). ``ready`` only holds members of ``expected``."""
+        return len(self.ready) == len(self.expected) and not self.shared
 
     @property
     def issued(self) -> bool:
@@ -126,22 +120,22 @@ class GradBucket:
         return self.full()
 
     def issue(self, group: dist.ProcessGroup, mode: str) -> None:
-        """Start the bucket's collective(s); slots without a gradient are zeroed first."""
+        """Start the bucket's collective(s); slots without a gradient are zeroed first, and the
+        shared parameters' ``.grad`` (the sum over this backward and any ``no_sync`` ones) are
+        copied in."""
+        self._alloc()
         for rec, (start, numel) in zip(self.records, self.slots):
             if rec not in self.ready:
                 self.flat[start: start + numel].zero_()
         if self.shared:
-            flags = self.flat[self.numel - len(self.shared):]
-            for i, p in enumerate(self.shared):
-                start, numel = self.shared_slots[p]
-                if p not in self.shared_ready and p.grad is not None:  # summed under no_sync only
-                    self.flat[start: start + numel].copy_(p.grad.detach().reshape(-1))
-                    self.shared_ready.add(p)
-                elif p not in self.shared_ready:
-                    self.flat[start: start + numel].zero_()
-                flags[i] = float(p in self.shared_ready)
+            grads = [p.grad for p in self.shared]
+            present = [g is not None for g in grads]
+            first = self.shared_slots[self.shared[0]][0]
+            torch.cat([g.detach().reshape(-1) if g is not None else self.flat.new_zeros(p.numel())
+                       for p, g in zip(self.shared, grads)] + [self.flat.new_tensor(present)],
+                      out=self.flat[first:])
             mode = "all_reduce"  # every rank needs the shared parameters' average
-        with torch.profiler.record_function("dmuon::reduce_bucket"):
+        with label("dmuon::reduce_bucket"):
             if mode == "all_reduce":
                 self.pending.append(all_reduce_sum(self.flat, group, lambda: self.describe(group)))
             else:
@@ -168,14 +162,22 @@ class GradBucket:
             pend.wait()
         if self.shared:
             with torch.no_grad():
-                flags = self.flat[self.numel - len(self.shared):]
-                for i, p in enumerate(self.shared):
-                    if flags[i] <= 0:
+                first = self.shared_slots[self.shared[0]][0]
+                self.flat[first: self.numel - len(self.shared)].div_(world_size)
+                flags = self.flat[self.numel - len(self.shared):].tolist()
+                into, avgs = [], []
+                for p, flag in zip(self.shared, flags):
+                    if flag <= 0:  # no rank produced this gradient: it stays None
                         continue
                     start, numel = self.shared_slots[p]
-                    avg = self.flat[start: start + numel].view_as(p).div_(world_size)
-                    p.grad = avg.to(p.dtype, copy=True) if p.grad is None else p.grad.copy_(avg)
-            self.shared_ready.clear()
+                    avg = self.flat[start: start + numel].view_as(p)
+                    if p.grad is None:
+                        p.grad = avg.to(p.dtype, copy=True)
+                    else:
+                        into.append(p.grad)
+                        avgs.append(avg)
+                if into:
+                    torch._foreach_copy_(into, avgs)
         for rec, (start, numel) in zip(self.records, self.slots):
             if rec not in self.ready:
                 continue
@@ -194,7 +196,7 @@ def finish_buckets(buckets: list[GradBucket], group: dist.ProcessGroup, mode: st
     """End of backward: issue the buckets a member of which took no gradient, wait for every
     bucket, and yield :meth:`GradBucket.take`'s ``(record, average)`` pairs in bucket order."""
     for bucket in buckets:
-        if bucket.flat is None:
+        if bucket.flat is None:  # no gradient in this backward (or not syncing)
             continue
         if not bucket.issued:  # a member took no gradient in this backward
             bucket.issue(group, mode)

@@ -47,6 +47,7 @@ from dmuon.runtime import fsdp_adapter as fsdp
 from dmuon.runtime.bind import Selected, Wiring, bind, check_materialized
 from dmuon.runtime.compile import dynamo_disable
 from dmuon.runtime.step_check import StepCheck
+from dmuon.comm.collectives import label
 from dmuon.comm.grad_buckets import GradBucket
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
@@ -147,8 +148,7 @@ class DedicateState:
                 self._handles.append(p.register_hook(functools.partial(self._on_replicated_grad, p)))
         if self.shared_bucket is not None:
             for p in self.shared_bucket.shared:
-                self._handles.append(p.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_shared_grad, self.shared_bucket)))
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_shared_grad))
         # Loading a state dict writes the masters; the compute copies must follow.
         self._handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
@@ -218,13 +218,11 @@ class DedicateState:
         self.queue_final_callback()
         return self.replicated.on_grad(param, grad, sync=self.sync_this_backward)
 
-    def _on_shared_grad(self, bucket: GradBucket, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook of a non-dedicated parameter in keep mode: its ``.grad``
-        goes into the bucket carrying it (under ``no_sync`` it stays local until the sync pass)."""
+    def _on_shared_grad(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook of a non-dedicated parameter in keep mode: only makes sure
+        the backward ends in :meth:`finish_backward` (a model whose matrices are all frozen has
+        no other hook), which copies every ``.grad`` into the bucket at once."""
         self.queue_final_callback()
-        if self.sync_this_backward and bucket.add_shared(param, param.grad):
-            self.step_check.settle()
-            bucket.issue(self.group, self.reduce_mode)
 
     def finish_backward(self) -> None:
         """End of backward: close open units, then reduce-to-owner and, under HSDP, the replica
@@ -235,7 +233,9 @@ class DedicateState:
         for unit in self.units:  # units with unused matrices, or cut short by checkpointing
             unit.post_backward()
             unit.backward_finished = False
-        with torch.profiler.record_function("dmuon::finish_backward"), torch.no_grad():
+        with label("dmuon::finish_backward"), torch.no_grad():
+            if self.shared_bucket is not None and self.sync_this_backward:
+                self.shared_bucket.issue(self.group, self.reduce_mode)  # the other parameters' .grad
             reduce_to_owners(self.buckets, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
             if self.replicated is not None and self.sync_this_backward:
                 self.replicated.finish()
@@ -250,7 +250,7 @@ class DedicateState:
         """
         if issue:
             self.step_check.settle()
-        with torch.profiler.record_function("dmuon::publish_after_step"), torch.no_grad():
+        with label("dmuon::publish_after_step"), torch.no_grad():
             if issue and self.roles.replicate is not None:  # HSDP "broadcast": replica 0 stepped
                 # the same list on every replica: the plan and the matrices with a gradient agree
                 broadcast_masters([rec.master.data for rec in self.records if rec.is_owner and

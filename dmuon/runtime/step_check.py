@@ -41,6 +41,8 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
+from dmuon.comm.collectives import label
+
 logger = logging.getLogger(__name__)
 
 PHASES = ("forward", "backward")
@@ -120,7 +122,7 @@ class StepCheck:
         rows = torch.zeros(self.world_size, 3, dtype=torch.int64)
         rows[self.rank, 0], rows[self.rank, 1], rows[self.rank, 2] = phase, self.steps, self.backwards
         self.checks += 1
-        with torch.profiler.record_function("dmuon::step_check"):
+        with label("dmuon::step_check"):
             work = dist.all_reduce(rows, group=self.group, async_op=True)
         self._pending = (work, rows, phase, self.steps, self.backwards)
         if not self.deferred:
@@ -138,7 +140,7 @@ class StepCheck:
         work, rows, phase, steps, backwards = self._pending
         self._pending = None
         try:
-            with torch.profiler.record_function("dmuon::step_check_wait"):
+            with label("dmuon::step_check_wait"):
                 work.wait()
         except RuntimeError as err:
             global_rank = dist.get_rank()

@@ -26,7 +26,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from dmuon.comm import collectives as comm
-from dmuon.comm.collectives import Pending, issued_together
+from dmuon.comm.collectives import Pending, issued_together, label
 from dmuon.runtime.step_check import in_autograd_backward
 from dmuon.comm.grad_buckets import GradBucket
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
@@ -100,8 +100,10 @@ class PublishGroup:
     def grad_in(self, rec: DedicatedParam) -> None:
         """``rec``'s gradient is in: release once every member that takes one has it (never in
         keep mode: the weights stay)."""
+        if self.keep:
+            return
         self.bwd_done.add(rec)
-        if self.bwd_done >= self.grad_members and not self.keep:
+        if self.bwd_done >= self.grad_members:
             self.release()
 
     def refresh(self) -> None:
@@ -189,13 +191,16 @@ class Unit:
         ctx = self.ctx
         ctx.ensure_bound()
         ctx.step_check.before_forward()
-        with torch.profiler.record_function("dmuon::pre_forward"):
+        with label("dmuon::pre_forward"):
             if self.in_backward or in_autograd_backward():
                 # Activation checkpointing recomputes this forward inside backward: the
                 # weights must be whole, and stay so until the unit's post-backward.
                 to_issue = [self]
-            else:  # keep mode: every bucket goes out at once, the unit waits for its own
-                to_issue = ctx.units if ctx.keep else ctx.units[self.index: self.index + 1 + ctx.prefetch]
+            elif ctx.keep:  # every bucket goes out at once (normally right after the step),
+                # and each unit waits for its own
+                to_issue = [] if all(g.live for g in ctx.groups) else ctx.units
+            else:
+                to_issue = ctx.units[self.index: self.index + 1 + ctx.prefetch]
             if any(not g.live for unit in to_issue for g in unit.groups) or any(
                     g.in_flight() for g in self.groups):
                 ctx.step_check.settle()  # a deferred check, before issuing or blocking
@@ -225,7 +230,7 @@ class Unit:
         ctx = self.ctx
         ctx.queue_final_callback()  # the step check; ends every unit's backward, even a frozen unit's
         if not ctx.keep:  # keep mode: the weights never left
-            with torch.profiler.record_function("dmuon::pre_backward"):
+            with label("dmuon::pre_backward"):
                 ctx.step_check.settle()
                 previous = ctx.units[max(0, self.index - ctx.prefetch): self.index][::-1]
                 ctx.issue([self] + [prev for prev in previous if prev.takes_grad and not prev.backward_finished])
