@@ -192,19 +192,21 @@ class Unit:
         ctx.ensure_bound()
         ctx.step_check.before_forward()
         with label("dmuon::pre_forward"):
-            if self.in_backward or in_autograd_backward():
+            if ctx.keep:  # every bucket goes out at once (normally right after the step, else
+                # here: at the first forward, after loading a state dict); each unit waits for
+                # its own. A recomputed forward (activation checkpointing) finds them live.
+                to_issue = [] if all(g.live for g in ctx.groups) else ctx.units
+            elif self.in_backward or in_autograd_backward():
                 # Activation checkpointing recomputes this forward inside backward: the
                 # weights must be whole, and stay so until the unit's post-backward.
                 to_issue = [self]
-            elif ctx.keep:  # every bucket goes out at once (normally right after the step),
-                # and each unit waits for its own
-                to_issue = [] if all(g.live for g in ctx.groups) else ctx.units
             else:
                 to_issue = ctx.units[self.index: self.index + 1 + ctx.prefetch]
             if any(not g.live for unit in to_issue for g in unit.groups) or any(
                     g.in_flight() for g in self.groups):
                 ctx.step_check.settle()  # a deferred check, before issuing or blocking
-            ctx.issue(to_issue)
+            if to_issue:
+                ctx.issue(to_issue)
             self.wait()
         self.show("compute")
 
@@ -213,14 +215,16 @@ class Unit:
         if self.in_backward or in_autograd_backward():
             return  # a recomputation: the unit's post-backward puts the masters back
         self.show("master")
+        if self.ctx.keep:
+            # keep mode: the weights stay, and no pre-backward is needed (nothing is published;
+            # a recomputed forward shows the compute weights through pre_forward, and the
+            # gradient hooks end the backward): no release, no multi-grad hook per unit
+            return
         needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        if (self.reshard or not needs_grad) and not self.ctx.keep:  # keep mode: weights stay
+        if self.reshard or not needs_grad:
             for group in self.groups:
                 group.release()
-        if needs_grad and not self.ctx.keep:
-            # keep mode needs no pre-backward: nothing is published, a recomputed forward
-            # shows the compute weights through pre_forward, and the gradient hooks end the
-            # backward; so it saves a multi-grad hook per unit and forward
+        if needs_grad:
             register_multi_grad_hook(needs_grad, self.pre_backward_hook, mode="any")
 
     # -------------------------------------------------------------- backward
