@@ -9,9 +9,9 @@ giving each bucket *one* owner makes both phases one collective per bucket.
 The owner of a bucket pays its Newton-Schulz time and sends its bytes in the broadcast, so a
 matrix's load is the sum of the two, each normalized by its total over the model:
 ``ns / sum(ns) + nbytes / sum(nbytes)``. The buckets are cut where that load is balanced, not
-the bytes alone: the contiguous partition (backward order) into ``max(world_size,
-ceil(total_bytes / cap_bytes))`` buckets that minimizes the largest bucket load, each bucket
-also closed once it holds ``cap_bytes`` (the linear-partition problem, solved exactly by a
+the bytes alone: the contiguous partition (backward order) into as many buckets as DDP's rule
+makes (close a bucket once it holds ``cap_bytes``), at least ``world_size``, that minimizes
+the largest bucket load, each bucket also closed at the cap (the linear-partition problem, solved exactly by a
 bisection on the largest load with a greedy check; Skiena, "The Algorithm Design Manual",
 8.5). Buckets then go to owners by longest-processing-time first (Graham 1969). With at least
 ``world_size`` buckets every rank owns one: a single 25 MB bucket would have one rank of a
@@ -24,7 +24,6 @@ on one CPU thread), where balanced cuts leave 9.5 against 7.2 ms.
 from __future__ import annotations
 
 import heapq
-import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -158,7 +157,8 @@ def assign_buckets(ns_costs: Sequence[float], nbytes: Sequence[int], world_size:
     total_bytes = sum(nbytes)
     ns_total, bytes_total = float(sum(ns_costs)) or 1.0, float(total_bytes) or 1.0
     combined = [float(c) / ns_total + n / bytes_total for c, n in zip(ns_costs, nbytes)]
-    parts = max(world_size, math.ceil(total_bytes / cap_bytes))
+    by_cap = cut_buckets(nbytes, int(cap_bytes))  # DDP's rule alone: how many buckets the cap makes
+    parts = max(world_size, (max(by_cap) + 1) if by_cap else 0)
     bucket = partition_buckets(combined, nbytes, parts, int(cap_bytes))
     n_buckets = (max(bucket) + 1) if bucket else 0
     ns_b, bytes_b, load_b = [0.0] * n_buckets, [0.0] * n_buckets, [0.0] * n_buckets
