@@ -384,10 +384,11 @@ def build_plan(
         solver_report: record the solver's ``proven_bound``, ``optimal``, ``detail``,
             ``solve_s``, the layout and ``memory_by_rank`` (bytes) in ``extra``.
         bucket_bytes: the DDP-style path (``replicas="keep"``, plain module on a 1-D mesh):
-            matrices are cut into buckets of at most this many bytes (``bucket_cap_mb *
-            2**20``, > 0) in backward (reverse model) order and each bucket gets one owner,
-            balancing Newton-Schulz cost and broadcast bytes
-            (:func:`dmuon.balance.buckets.assign_buckets`); ``MatrixSpec.bucket`` records it.
+            matrices are cut into contiguous buckets in backward (reverse model) order, each
+            closed once it holds this many bytes (``bucket_cap_mb * 2**20``, > 0, as DDP's), at
+            least ``world_size`` of them, where their Newton-Schulz cost plus broadcast bytes
+            balance; each bucket gets one owner (:func:`dmuon.balance.buckets.assign_buckets`);
+            ``MatrixSpec.bucket`` records it.
             Takes none of ``tp_size > 1``, ``groups``, ``group_cost``, ``layout``,
             ``memory_cap_bytes``, ``batch_overhead``, ``replicate_mode``.
         element_size: bucket path: bytes per gradient element (4 for fp32).
