@@ -29,6 +29,14 @@ GLOO_PAIR_COST_S = 2.5e-3
 #: same run's calibration gives 3.4e10-8.3e10 for shapes of >= 1e7 FLOPs; this is about their
 #: median. Converts :data:`GLOO_PAIR_COST_S` into the FLOP model's unit.
 CPU_NS_FLOP_PER_S = 6e10
+#: What one more matrix costs a CPU owner's step beyond its own Newton-Schulz FLOPs, in FLOPs of
+#: the same step: its share of its shape's batched NS call (normalization, stacking, ~25 small
+#: ops) and its element-wise momentum and update. Fitted on ``dmuon.train``'s default policy,
+#: one thread, four contiguous buckets of 5-21 matrices: ``t = FLOPs / 8.6e10 s + 0.19 ms per
+#: matrix`` (so 1.6e7 FLOPs), the NS calls alone; byte-cut buckets of 21 small matrices ran
+#: 9.6 ms against 7.1 ms for 11 larger ones of about the same FLOPs. Used by the DDP-style
+#: path's bucket cuts on CPU (:func:`matrix_costs`); on GPU the FLOP model stands alone.
+CPU_MATRIX_OVERHEAD_FLOPS = 1.6e7
 
 # HSDP per-matrix replicate mode (DESIGN.md "Meshes"): running NS on every replica's owner costs
 # ~flops(m, n) / peak; having replica 0 compute and broadcast the fp32 master costs
@@ -75,6 +83,13 @@ def flop_costs(shapes: Sequence[tuple[int, int]], *, steps: int = 5, method: str
             cache[key] = ns_flops(*key, steps=steps, method=method)
         out.append(cache[key])
     return out
+
+
+def matrix_costs(shapes: Sequence[tuple[int, int]], device_type: str) -> list[float]:
+    """Per-matrix step cost of an owner in FLOPs: :func:`flop_costs`, plus
+    :data:`CPU_MATRIX_OVERHEAD_FLOPS` per matrix when the owners run on CPU."""
+    overhead = CPU_MATRIX_OVERHEAD_FLOPS if device_type == "cpu" else 0.0
+    return [c + overhead for c in flop_costs(shapes)]
 
 
 def owner_memory(shapes: Sequence[tuple[int, int]]) -> list[float]:

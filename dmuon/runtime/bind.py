@@ -176,7 +176,7 @@ def bind(ctx: DedicateState) -> Binding:
     for group in groups:
         if not group.is_owner and not keep:  # keep mode: full weights stay
             free_storage(group.flat)
-    buckets = make_buckets(records, keys)
+    buckets = make_buckets(records, keys, persistent=keep)
     bucket_of = {rec: bucket for bucket in buckets for rec in bucket.records}  # local to binding
     wiring = [Wiring(rec, unit_of[i], views[i][0], bucket_of[rec])
               for i, rec in enumerate(records) if rec.compute.requires_grad]

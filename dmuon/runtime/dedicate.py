@@ -9,7 +9,7 @@ from typing import Callable
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.balance.cost import ReplicaCost
+from dmuon.balance.cost import ReplicaCost, matrix_costs
 from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.comm.grad_buckets import REDUCE_MODES
 from dmuon.runtime.keep import resolve_replicas
@@ -242,8 +242,10 @@ def dedicate_params(
     world_size, tp_size = roles.shard_size, roles.tp_size
     cost = _group_cost(group_cost, dist.get_backend(roles.shard))
     if plan is None and keep:  # DDP-style path: one owner per bucket, deterministic
+        device = selected[0].module._parameters[selected[0].attr].device.type if selected else "cpu"
         plan = build_bucket_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
-                                 element_size=_element_size(selected))
+                                 element_size=_element_size(selected),
+                                 costs=matrix_costs([s.shape for s in selected], device))
     if plan is None:
         # The MILP is time-limited, hence not reproducible across ranks: one rank solves.
         solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
