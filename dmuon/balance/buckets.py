@@ -11,14 +11,14 @@ matrix's load is the sum of the two, each normalized by its total over the model
 ``ns / sum(ns) + nbytes / sum(nbytes)``. The buckets are cut where that load is balanced, not
 the bytes alone: the contiguous partition (backward order) into as many buckets as DDP's rule
 makes (close a bucket once it holds ``cap_bytes``), at least ``world_size``, that minimizes
-the largest bucket load, each bucket also closed at the cap (the linear-partition problem, solved exactly by a
-bisection on the largest load with a greedy check; Skiena, "The Algorithm Design Manual",
-8.5). Buckets then go to owners by longest-processing-time first (Graham 1969). With at least
-``world_size`` buckets every rank owns one: a single 25 MB bucket would have one rank of a
-small model run all of Newton-Schulz. Cutting by bytes alone is not enough, because the
-Newton-Schulz cost per byte grows with a matrix's smaller side: on ``dmuon.train``'s default
-policy over 4 ranks it left one owner with 40% of the NS FLOPs (12.2 against 4.3 ms measured
-on one CPU thread), where balanced cuts leave 9.5 against 7.2 ms.
+the largest bucket load, each bucket also closed at the cap (the linear-partition problem,
+solved exactly by a bisection on the largest load with a greedy check; Skiena, "The Algorithm
+Design Manual", 8.5). Buckets then go to owners by longest-processing-time first (Graham
+1969). With at least ``world_size`` buckets every rank owns one: a single 25 MB bucket would
+have one rank of a small model run all of Newton-Schulz. Cutting by bytes alone is not enough,
+because the Newton-Schulz cost per byte grows with a matrix's smaller side: on
+``dmuon.train``'s default policy over 4 ranks it left one owner with 40% of the NS FLOPs (12.2
+against 4.3 ms measured on one CPU thread), where balanced cuts leave about 9.5 against 7 ms.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ the non-dedicated ones every rank steps with AdamW (:meth:`GradBucket.attach_sha
 end of backward (it is the bucket of the model's first matrix, the last one in backward anyway)
 their accumulated ``.grad`` are copied in with one ``cat``, the bucket becomes one
 ``all_reduce`` (every rank needs their average) and each rank's ``.grad`` is overwritten with
-the average, as DDP's reducer does (Li et al., "PyTorch Distributed", VLDB 2020): exact under accumulation, since
-the ``.grad`` a rank starts a backward with is the same average on every rank. So the step
-issues no collective of its own for them.
+the average, as DDP's reducer does (Li et al., "PyTorch Distributed", VLDB 2020): exact under
+accumulation, since the ``.grad`` a rank starts a backward with is the same average on every
+rank. So the step issues no collective of its own for them.
 
 Matrices that did not take a gradient in this backward (unused in this forward) stay out of
 the owners' gradients: their slots are zeroed and ignored, exactly as ``torch.optim.Muon``
@@ -109,8 +109,9 @@ class GradBucket:
 
     def full(self) -> bool:
         """Every matrix that takes a gradient has it, and no shared parameters ride along
-        (their gradients are complete only at the end of backward, when the bucket is issued
-        by :func:`finish_buckets`). ``ready`` only holds members of ``expected``."""
+        (their gradients are complete only at the end of backward, where
+        :meth:`dmuon.runtime.state.DedicateState.finish_backward` issues the bucket). ``ready``
+        only holds members of ``expected``."""
         return len(self.ready) == len(self.expected) and not self.shared
 
     @property
