@@ -350,7 +350,8 @@ class DistPool:
             world.kill()
 
     def run(self, world_size: int, fn: str, kwargs: dict[str, Any] | None = None,
-            timeout_s: float = 60.0, seed: int = 0, fresh: bool = False) -> list[Any]:
+            timeout_s: float = 60.0, seed: int = 0, fresh: bool = False,
+            isolated: bool = False) -> list[Any]:
         """Run ``fn(rank=r, world_size=world_size, **kwargs)`` on every rank of a gloo world.
 
         Before the call python, numpy and torch are seeded with ``seed`` on every rank; after
@@ -366,6 +367,10 @@ class DistPool:
             fresh: Run in a newly started world (~0.1 s with the forkserver): for cases that
                 build multi-dimensional DeviceMeshes, whose sub-groups do not survive the
                 cleanup between calls.
+            isolated: Run in a newly started world and stop it afterwards, so nothing the call
+                leaves behind in the processes reaches later tests: for calls that run torch's
+                profiler over gloo collectives (``bench/bench_step.py``), which has crashed
+                processes here, once as heap corruption found only by a later test's ``malloc``.
 
         Returns:
             The value each rank returned, indexed by rank.
@@ -379,7 +384,7 @@ class DistPool:
             In both error cases the world is killed and restarted on next use.
         """
         _check_args(world_size, fn, kwargs)
-        if fresh:
+        if fresh or isolated:
             self._drop(world_size)
         request = pickle.dumps((fn, dict(kwargs or {}), seed))
         world = self._world(world_size)
@@ -391,6 +396,8 @@ class DistPool:
             self._drop(world_size)
             raise
         if not dead and not silent and all(kind == "ok" for kind, _ in answers.values()):
+            if isolated:
+                self._drop(world_size)
             return [answers[rank][1] for rank in range(world_size)]
         stacks = world.stacks(silent) if silent else {}
         self._drop(world_size)

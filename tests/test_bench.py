@@ -32,7 +32,7 @@ def _bench_rank(rank: int, world_size: int) -> dict | None:
 
 @pytest.fixture(scope="module")
 def tiny_step(dist_pool):
-    return dist_pool.run(2, "tests.test_bench:_bench_rank", {}, timeout_s=120)[0]
+    return dist_pool.run(2, "tests.test_bench:_bench_rank", {}, timeout_s=120, isolated=True)[0]
 
 
 def test_bench_step_same_model_and_data_for_every_variant(tiny_step):
@@ -76,7 +76,7 @@ def test_bench_step_replicate_mode(dist_pool):
     """--mesh replicate: AdamW and vanilla under torch DDP, dmuon's DDP-style path; the same
     first batch with the same weights gives the same first loss, and dmuon issues one reduce
     and one broadcast per bucket (the JSON says how many)."""
-    out = dist_pool.run(2, "tests.test_bench:_bench_replicate", {}, timeout_s=120)[0]
+    out = dist_pool.run(2, "tests.test_bench:_bench_replicate", {}, timeout_s=120, isolated=True)[0]
     v = out["variants"]
     first = [v[name]["losses"][0] for name in ("adamw", "vanilla", "dmuon")]
     assert first[1] == pytest.approx(first[0], rel=1e-6) and first[2] == pytest.approx(first[0], rel=1e-6)
@@ -97,7 +97,7 @@ def _bench_single(rank: int, world_size: int) -> dict | None:
 def test_bench_step_single_rank_against_torch_muon(dist_pool):
     """World size 1 (the single-GPU mode, here on CPU): torch.optim.Muon + AdamW on the unsharded
     model sees the same first batch with the same weights, so its first loss equals the others'."""
-    out = dist_pool.run(1, "tests.test_bench:_bench_single", {}, timeout_s=120)[0]
+    out = dist_pool.run(1, "tests.test_bench:_bench_single", {}, timeout_s=120, isolated=True)[0]
     first = {v: out["variants"][v]["losses"][0] for v in ("adamw", "vanilla", "dmuon", "torch_muon")}
     assert all(x == pytest.approx(first["adamw"], rel=1e-6) for x in first.values()), first
     assert out["variants"]["torch_muon"]["losses"][1] != pytest.approx(first["torch_muon"], rel=1e-9)

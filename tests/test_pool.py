@@ -128,6 +128,18 @@ def test_every_rank_is_seeded_identically_per_call(dist_pool: DistPool):
         np.testing.assert_array_equal(r["numpy_draw"], numpy_ref)
 
 
+def test_isolated_call_runs_in_a_world_of_its_own_and_stops_it(dist_pool: DistPool):
+    """``isolated=True``: new processes for the call, and they are gone before the next call."""
+    def pids(**kwargs) -> set[int]:
+        return {r["pid"] for r in dist_pool.run(2, f"{_HERE}:_case_allreduce", {"length": 1}, **kwargs)}
+
+    before = pids()
+    assert pids() == before  # the pool reuses a world between plain calls
+    isolated = pids(isolated=True)
+    after = pids()
+    assert isolated.isdisjoint(before) and after.isdisjoint(isolated) and after.isdisjoint(before)
+
+
 def test_subgroups_are_usable_and_cleaned_between_calls(dist_pool: DistPool):
     for _ in range(2):  # a second call must not trip over the first call's subgroup
         results = dist_pool.run(3, f"{_HERE}:_case_subgroup", timeout_s=30)
