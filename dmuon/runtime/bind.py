@@ -37,6 +37,11 @@ class Selected:
     attr: str
     shape: tuple[int, int]
 
+    @property
+    def param(self) -> nn.Parameter:
+        """The parameter the module holds now (the user's, until binding replaces it)."""
+        return self.module._parameters[self.attr]
+
 
 @dataclass(eq=False)
 class Wiring:
@@ -89,7 +94,7 @@ def check_materialized(selected: list[Selected]) -> None:
     Raises:
         RuntimeError: naming the first meta parameters and the order of calls that works.
     """
-    on_meta = [sel.fqn for sel in selected if sel.module._parameters[sel.attr].is_meta]
+    on_meta = [sel.fqn for sel in selected if sel.param.is_meta]
     if on_meta:
         shown = ", ".join(repr(n) for n in on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
         raise RuntimeError(
@@ -146,7 +151,7 @@ def bind(ctx: DedicateState) -> Binding:
     slices = []
     for sel, (param_dtype, reduce_dtype) in zip(selected, policies):
         # collective redistributes, in the same order on every rank
-        param = sel.module._parameters[sel.attr]
+        param = sel.param
         taken = fsdp.take_from_fsdp(model, sel.module, sel.attr)
         sl = local_slice(taken if taken is not None else param, sel.fqn, roles.tp_name)
         slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,

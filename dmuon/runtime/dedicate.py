@@ -101,7 +101,7 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names_by_id.setdefault(id(p), []).append(name)
     for sel in selected:
-        names = names_by_id.get(id(sel.module._parameters[sel.attr]), [])
+        names = names_by_id.get(id(sel.param), [])
         if len(names) > 1:
             raise ValueError(
                 f"dmuon: parameter {sel.fqn!r} is shared under the names {names} (tied weights); "
@@ -242,7 +242,7 @@ def dedicate_params(
     world_size, tp_size = roles.shard_size, roles.tp_size
     cost = _group_cost(group_cost, dist.get_backend(roles.shard))
     if plan is None and keep:  # DDP-style path: one owner per bucket, deterministic
-        device = selected[0].module._parameters[selected[0].attr].device.type if selected else "cpu"
+        device = selected[0].param.device.type if selected else "cpu"
         plan = build_bucket_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
                                  element_size=_element_size(selected),
                                  costs=matrix_costs([s.shape for s in selected], device))
@@ -293,7 +293,7 @@ def _refuse_ddp(model: nn.Module) -> None:
 
 def _element_size(selected: list[Selected]) -> int:
     """Bytes per gradient element of the dedicated matrices (their parameters' dtype)."""
-    sizes = {sel.module._parameters[sel.attr].element_size() for sel in selected}
+    sizes = {sel.param.element_size() for sel in selected}
     return max(sizes, default=4)
 
 
