@@ -93,7 +93,7 @@ VARIANTS = ("adamw", "vanilla", "dmuon")
 #: also counts one publication per (block, owner); ``dmuon_placeholder`` (``--mesh replicate``
 #: only) is the replicated path's memory-saving mode. ``torch_muon`` is not dmuon: single-process
 #: ``torch.optim.Muon`` + ``AdamW`` on the unsharded model (world size 1 only).
-#: ``dmuon_nocheck`` is dmuon with the step check (:mod:`dmuon.runtime.step_check`) switched off, to
+#: ``dmuon_nocheck`` is dmuon with the step check (:mod:`dmuon.hooks.step_check`) switched off, to
 #: measure what the check costs (its own time is the ``step_check`` label).
 EXTRA_VARIANTS = {"dmuon_nocheck": dict(step_check=False),
                   "dmuon_keep": dict(reshard_after_forward=False),
@@ -355,7 +355,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
 
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from dmuon.runtime.dedicate import get_state
+    from dmuon.hooks.dedicate import get_state
 
     world = dist.get_world_size()
     model_cfg = MODELS["tiny" if cfg.tiny else cfg.model]
@@ -499,7 +499,7 @@ class _MuonAndAdamW:
     ``torch.optim.AdamW`` on the rest, stepped together: the single-process reference."""
 
     def __init__(self, model: torch.nn.Module, tcfg: TrainConfig) -> None:
-        from dmuon.runtime.dedicate import default_predicate
+        from dmuon.hooks.dedicate import default_predicate
 
         pick = default_predicate(model)
         mats = [p for n, p in model.named_parameters() if pick(n, p)]

@@ -17,7 +17,7 @@ from dmuon.distconfig import (
     create_processgroup_config,
 )
 from dmuon.faults import Heartbeat
-from dmuon.runtime.dedicate import dedicate_params, default_predicate, no_sync
+from dmuon.hooks.dedicate import dedicate_params, default_predicate, no_sync
 from dmuon.optim import Muon, clip_grad_norm_
 from dmuon.owners.plan import MatrixSpec, OwnerPlan, build_plan
 

@@ -75,8 +75,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon.runtime.dedicate import get_state
-from dmuon.runtime.state import DedicateState
+from dmuon.hooks.dedicate import get_state
+from dmuon.hooks.state import DedicateState
 from dmuon.optim import OwnerUpdate
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.slices import local_tensor

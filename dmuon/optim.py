@@ -20,7 +20,7 @@ from torch import nn
 from dmuon.comm.collectives import label
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
-from dmuon.runtime.dedicate import get_state
+from dmuon.hooks.dedicate import get_state
 from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.tp_owner import TPItem, orthogonalize_tp
 from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its old import path

@@ -47,7 +47,7 @@ def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
         )
     import torch
 
-    from dmuon.runtime.dedicate import default_predicate, select_matrices
+    from dmuon.hooks.dedicate import default_predicate, select_matrices
 
     mod_name, _, factory_name = spec.partition(":")
     factory = getattr(importlib.import_module(mod_name), factory_name, None)

@@ -165,8 +165,8 @@ def _blocks_of_wrapped_policy(rank: int, world_size: int) -> dict:
     FSDP2 publish block (by the runtime's rule) beside its name."""
     import torch
 
-    from dmuon.runtime import fsdp_adapter as fsdp
-    from dmuon.runtime.dedicate import default_predicate, select_matrices
+    from dmuon.hooks import fsdp_adapter as fsdp
+    from dmuon.hooks.dedicate import default_predicate, select_matrices
     from dmuon.train.model import Pi0Policy, PolicyConfig
     from dmuon.train.parallel import Layout, shard_model
 

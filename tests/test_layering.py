@@ -25,7 +25,7 @@ LAYERS = {
     "profile": 6, "checkpoint": 6,
     "optim": 5, "baselines": 5,
     "distconfig": 4,
-    "runtime": 3,
+    "hooks": 3,
     "comm": 2,
     "owners": 1,
     "balance": 0.5,

@@ -1,6 +1,6 @@
 """Owners for the DDP-style path: size-capped buckets in backward order, one owner per bucket.
 
-With ``replicas="keep"`` (:mod:`dmuon.runtime.keep`) every rank holds the full matrices; a step
+With ``replicas="keep"`` (:mod:`dmuon.hooks.keep`) every rank holds the full matrices; a step
 moves each gradient to its owner (``reduce``) and each updated matrix back (``broadcast``).
 Cutting the matrices into buckets the way DDP's reducer does (Li et al., "PyTorch
 Distributed", VLDB 2020: reverse registration order, a size cap, launched as each fills) and

@@ -1,7 +1,7 @@
 """Publish-group-aware placement: trade Newton-Schulz balance against collective count.
 
 dmuon publishes (and reduces) one flat buffer per *(group, owner)* pair, where a group is an
-FSDP2 block (see :mod:`dmuon.runtime.state`): a block whose matrices have ``k`` owners costs
+FSDP2 block (see :mod:`dmuon.hooks.state`): a block whose matrices have ``k`` owners costs
 ``k`` broadcasts in forward, ``k`` more in backward (with ``reshard_after_forward``) and ``k``
 reduces. Every rank takes part in each of them, so the step grows by the per-collective
 overhead times the number of pairs, while the optimizer waits for the most loaded owner. The

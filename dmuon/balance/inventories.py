@@ -118,7 +118,7 @@ def layer_groups(fqns: list[str]) -> list[int]:
     The usual wrapping (``fully_shard`` on each numbered layer, then on the root, as
     :func:`dmuon.train.parallel.shard_model` and torchtitan do) puts the matrices under one
     numbered module (``...layers.7.``) into that layer's block and every other matrix into the
-    root block. This is the inventory-side twin of :func:`dmuon.runtime.fsdp_adapter.publish_block`,
+    root block. This is the inventory-side twin of :func:`dmuon.hooks.fsdp_adapter.publish_block`,
     which reads the blocks off a wrapped model.
 
     Args:

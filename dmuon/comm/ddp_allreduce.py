@@ -1,7 +1,7 @@
 """Gradient averaging for replicated (non-FSDP2) non-dedicated parameters.
 
 On a plain module replicated on every rank with ``replicas="placeholder"`` (with
-``replicas="keep"`` they ride in a gradient bucket instead, :mod:`dmuon.runtime.keep`, unless
+``replicas="keep"`` they ride in a gradient bucket instead, :mod:`dmuon.hooks.keep`, unless
 their dtype or device differs from it), dmuon itself averages the gradients of the parameters AdamW steps, bucketed and overlapped with backward like DDP's
 reducer (Li et al., "PyTorch Distributed", VLDB 2020): buckets are filled in reverse
 registration order and launched strictly in bucket order, so every rank issues the same
@@ -30,7 +30,7 @@ class ReplicatedGrads:
         group: process group over which the replicas live.
         bucket_bytes: target size of one flat all-reduce buffer (bytes).
         before_issue: called before each all-reduce is issued (the runtime's deferred step
-            check, :meth:`dmuon.runtime.step_check.StepCheck.settle`).
+            check, :meth:`dmuon.hooks.step_check.StepCheck.settle`).
     """
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int,

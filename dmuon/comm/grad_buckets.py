@@ -110,7 +110,7 @@ class GradBucket:
     def full(self) -> bool:
         """Every matrix that takes a gradient has it, and no shared parameters ride along
         (their gradients are complete only at the end of backward, where
-        :meth:`dmuon.runtime.state.DedicateState.finish_backward` issues the bucket). ``ready``
+        :meth:`dmuon.hooks.state.DedicateState.finish_backward` issues the bucket). ``ready``
         only holds members of ``expected``."""
         return len(self.ready) == len(self.expected) and not self.shared
 

@@ -38,7 +38,7 @@ class MeshRoles:
         shard_dim, replicate_dim, tp_dim: the mesh dimensions of each role (``None`` if absent).
         tp_name: the mesh dimension name of the TP role.
         steps: group over the whole mesh for the step-agreement check only
-            (:mod:`dmuon.runtime.step_check`), so its all-reduce can never pair with another
+            (:mod:`dmuon.hooks.step_check`), so its all-reduce can never pair with another
             collective of a rank that is out of step.
         timeout: the collective timeout every dmuon group was created with (``None``: torch's
             default, when no group's timeout could be read).

@@ -363,7 +363,7 @@ def build_plan(
         tp_size: TP group size; Newton-Schulz then runs on the (DP owner, TP owner) rank, so
             the balancer spreads costs over ``world_size * tp_size`` ranks (solver rank
             ``owner * tp_size + tp_owner``).
-        groups: publish group per matrix (its FSDP2 block: :func:`dmuon.runtime.fsdp_adapter.publish_block`
+        groups: publish group per matrix (its FSDP2 block: :func:`dmuon.hooks.fsdp_adapter.publish_block`
             on a model, :func:`dmuon.balance.inventories.layer_groups` on an inventory), for
             ``group_cost`` and ``layout``. Default with ``layout``: ``layer_groups``.
         group_cost: step time of one publish (group, owner) pair in ``cost_unit``; the solver

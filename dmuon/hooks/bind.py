@@ -4,7 +4,7 @@ Runs once per model, at ``dmuon.Muon`` construction or at the first forward (whi
 first), once the user's ``fully_shard`` calls have made the FSDP2 blocks known. Collective: the
 matrices are taken from FSDP2 (a redistribute each) and, on a plain replicated module, the other
 parameters are broadcast from rank 0, in the same order on every rank. Registers no hook: the
-runtime (:class:`dmuon.runtime.state.DedicateState`) registers them all from the
+runtime (:class:`dmuon.hooks.state.DedicateState`) registers them all from the
 :class:`Binding` this module returns.
 """
 
@@ -17,15 +17,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.runtime import fsdp_adapter as fsdp
+from dmuon.hooks import fsdp_adapter as fsdp
 from dmuon.comm.grad_buckets import GradBucket, make_buckets
-from dmuon.runtime.keep import bucket_keys, resolve_replicas
-from dmuon.runtime.tp_placements import as_compute_param, local_slice
-from dmuon.runtime.unit import PublishGroup, Unit
+from dmuon.hooks.keep import bucket_keys, resolve_replicas
+from dmuon.hooks.tp_placements import as_compute_param, local_slice
+from dmuon.hooks.unit import PublishGroup, Unit
 from dmuon.owners.dedicated import DedicatedParam, free_storage, make_dedicated
 
 if TYPE_CHECKING:
-    from dmuon.runtime.state import DedicateState
+    from dmuon.hooks.state import DedicateState
 
 
 @dataclass(eq=False)

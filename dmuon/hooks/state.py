@@ -2,10 +2,10 @@
 
 As FSDP2 splits ``FSDPState`` (dispatches hooks), ``FSDPParamGroup`` (one unit) and
 ``FSDPParam``, dmuon has :class:`DedicateState` (one per model: registers every hook, holds what
-the units share, finishes a backward, publishes after a step), :class:`dmuon.runtime.unit.Unit`
-(one per unit: its forward and backward hooks) with its :class:`dmuon.runtime.unit.PublishGroup`
+the units share, finishes a backward, publishes after a step), :class:`dmuon.hooks.unit.Unit`
+(one per unit: its forward and backward hooks) with its :class:`dmuon.hooks.unit.PublishGroup`
 buffers (publish, wait, release) and :class:`dmuon.owners.dedicated.DedicatedParam` (one
-matrix). :mod:`dmuon.runtime.bind` builds them. Hooks only enqueue work (issue a broadcast, issue
+matrix). :mod:`dmuon.hooks.bind` builds them. Hooks only enqueue work (issue a broadcast, issue
 a reduce, mark a record); the math lives in :mod:`dmuon.owners`.
 
 Phase 1, forward materialization: a forward pre-hook on each *unit* waits for the unit's
@@ -16,7 +16,7 @@ was called on, never the leaf holding the parameter, so a parent that reads a ch
 without calling the child (``nn.MultiheadAttention.out_proj``), a module called twice and a
 block reused across depth all see full weights. On a plain replicated module it is the module
 holding the matrix or its enclosing torch attention/transformer layer
-(:func:`dmuon.runtime.fsdp_adapter.publish_block`).
+(:func:`dmuon.hooks.fsdp_adapter.publish_block`).
 
 Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
 pre-backward until its post-backward (its last gradient is in), and its forward hooks do
@@ -43,16 +43,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.runtime import fsdp_adapter as fsdp
-from dmuon.runtime.bind import Selected, Wiring, bind, check_materialized
-from dmuon.runtime.compile import dynamo_disable
-from dmuon.runtime.step_check import StepCheck
+from dmuon.hooks import fsdp_adapter as fsdp
+from dmuon.hooks.bind import Selected, Wiring, bind, check_materialized
+from dmuon.hooks.compile import dynamo_disable
+from dmuon.hooks.step_check import StepCheck
 from dmuon.comm.collectives import label
 from dmuon.comm.grad_buckets import GradBucket
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
-from dmuon.runtime.unit import PublishGroup, Unit, issue_groups
+from dmuon.hooks.unit import PublishGroup, Unit, issue_groups
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.plan import OwnerPlan
 
@@ -69,13 +69,13 @@ class DedicateState:
         selected: the dedicated matrices, in model order.
         prefetch: how many units ahead a publication is issued (>= 1).
         reshard_after_forward: free non-owners' full weights after forward and publish again
-            before backward; ``None`` follows FSDP2 (:func:`dmuon.runtime.fsdp_adapter.reshards_after_forward`).
+            before backward; ``None`` follows FSDP2 (:func:`dmuon.hooks.fsdp_adapter.reshards_after_forward`).
         bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
         reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
             ``"all_reduce"`` (:mod:`dmuon.comm.grad_buckets`).
         replicas: plain replicated module only: ``"keep"`` (default there) or
-            ``"placeholder"`` (:mod:`dmuon.runtime.keep`).
-        step_check: compare step and backward counts across ranks (:mod:`dmuon.runtime.step_check`).
+            ``"placeholder"`` (:mod:`dmuon.hooks.keep`).
+        step_check: compare step and backward counts across ranks (:mod:`dmuon.hooks.step_check`).
     """
 
     def __init__(
@@ -106,7 +106,7 @@ class DedicateState:
         self.bucket_bytes = bucket_bytes
         self.reduce_mode = reduce_mode
         self.replicas = replicas
-        # Set at binding (dmuon.runtime.bind):
+        # Set at binding (dmuon.hooks.bind):
         self.bound = False
         self.records: list[DedicatedParam] = []
         self.units: list[Unit] = []

@@ -87,7 +87,7 @@ class StepCheck:
             if needs_grad and not in_autograd_backward():  # the hook lives as long as the graph
                 register_multi_grad_hook(needs_grad, lambda grads: self.before_backward(), mode="any")
 
-        from dmuon.runtime.compile import dynamo_disable  # torch.compile runs them eagerly
+        from dmuon.hooks.compile import dynamo_disable  # torch.compile runs them eagerly
 
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.before_forward()

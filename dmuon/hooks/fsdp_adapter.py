@@ -140,7 +140,7 @@ def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tens
     """Remove ``module.<attr>`` from FSDP2's management and return FSDP2's sharded DTensor.
 
     Returns:
-        FSDP2's sharded DTensor (undo its sharding with :func:`dmuon.runtime.tp_placements.local_slice`),
+        FSDP2's sharded DTensor (undo its sharding with :func:`dmuon.hooks.tp_placements.local_slice`),
         or ``None`` when FSDP2 does not manage the parameter.
 
     Raises:

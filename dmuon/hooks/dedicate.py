@@ -12,10 +12,10 @@ from torch import nn
 from dmuon.balance.cost import ReplicaCost, matrix_costs
 from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.comm.grad_buckets import REDUCE_MODES
-from dmuon.runtime.keep import resolve_replicas
+from dmuon.hooks.keep import resolve_replicas
 from dmuon.comm.mesh_roles import build_roles
-from dmuon.runtime.bind import Selected
-from dmuon.runtime.state import DedicateState
+from dmuon.hooks.bind import Selected
+from dmuon.hooks.state import DedicateState
 from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def dedicate_params(
             (they are published again before backward: less memory, one more broadcast).
             ``None`` (default) does what FSDP2 does with the enclosing block's own parameters:
             each block follows its ``fully_shard(reshard_after_forward=...)``, and the root
-            block keeps them (:func:`dmuon.runtime.fsdp_adapter.reshards_after_forward`); ``True`` /
+            block keeps them (:func:`dmuon.hooks.fsdp_adapter.reshards_after_forward`); ``True`` /
             ``False`` apply to every block. Without FSDP2, ``None`` frees them.
         bucket_cap_mb: plain replicated module only: cap (MiB, > 0) of one gradient bucket, as
             DDP's ``bucket_cap_mb``: the matrices' reduce-to-owner and broadcast buckets
@@ -175,7 +175,7 @@ def dedicate_params(
             its own group.
         step_check: compare every rank's ``opt.step()`` and backward counts at each forward and
             backward, so a rank that skips one fails every rank at once, by name
-            (:mod:`dmuon.runtime.step_check`: two small gloo all-reduces per step; without FSDP2
+            (:mod:`dmuon.hooks.step_check`: two small gloo all-reduces per step; without FSDP2
             each is waited on only before dmuon's next collective, so it overlaps compute);
             ``False`` leaves such a desync to the process-group timeout.
         replicas: plain replicated module on a 1-D mesh only (``None`` elsewhere):
@@ -186,7 +186,7 @@ def dedicate_params(
             DDP's all-reduce (the other parameters ride in the last bucket to go out, which is
             then one all-reduce). ``"placeholder"``: non-owners hold zero-size placeholders (saves
             that copy: ``(D - 1) / D`` of the matrices' memory) at the cost of one broadcast per
-            module before forward and again before backward (:mod:`dmuon.runtime.keep`). The
+            module before forward and again before backward (:mod:`dmuon.hooks.keep`). The
             default plan then gives each bucket one owner
             (:func:`dmuon.owners.plan.build_bucket_plan`).
         replica_cost: HSDP, ``replicate_mode="auto"`` only: the cost model that picks each
@@ -233,7 +233,7 @@ def dedicate_params(
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
     roles = build_roles(mesh)
-    from dmuon.runtime import fsdp_adapter as fsdp
+    from dmuon.hooks import fsdp_adapter as fsdp
 
     plain_1d = roles.tp is None and roles.replicate is None
     keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
@@ -311,9 +311,9 @@ def _group_cost(group_cost: float | str, backend: str) -> float:
 
 
 def publish_groups(model: nn.Module, selected: list[Selected]) -> list[int]:
-    """Publish group id per selected matrix (:func:`dmuon.runtime.fsdp_adapter.publish_block`),
+    """Publish group id per selected matrix (:func:`dmuon.hooks.fsdp_adapter.publish_block`),
     numbered in model order."""
-    from dmuon.runtime import fsdp_adapter as fsdp
+    from dmuon.hooks import fsdp_adapter as fsdp
 
     parents = fsdp.parent_map(model)
     ids: dict[int, int] = {}
@@ -356,7 +356,7 @@ class no_sync:
         self.model = model
 
     def __enter__(self) -> "no_sync":
-        from dmuon.runtime import fsdp_adapter as fsdp
+        from dmuon.hooks import fsdp_adapter as fsdp
 
         self.state.sync_enabled = False
         if fsdp.is_fsdp_wrapped(self.model):
@@ -364,7 +364,7 @@ class no_sync:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from dmuon.runtime import fsdp_adapter as fsdp
+        from dmuon.hooks import fsdp_adapter as fsdp
 
         self.state.sync_enabled = True
         if fsdp.is_fsdp_wrapped(self.model):

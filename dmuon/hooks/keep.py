@@ -8,7 +8,7 @@ published in forward or backward. One step is then DDP's all-reduce cut in its t
   buckets cut in backward order (:func:`dmuon.owners.plan.build_bucket_plan`; one owner per
   bucket, so one ``reduce`` per bucket), each issued as soon as its last gradient is in, so
   they overlap the rest of backward (:class:`dmuon.comm.grad_buckets.GradBucket`, issued by
-  :meth:`dmuon.runtime.unit.Unit.on_grad`);
+  :meth:`dmuon.hooks.unit.Unit.on_grad`);
 * **update**: owners run momentum + Newton-Schulz on what they own (:class:`dmuon.Muon`);
 * **publish** (after ``step()``): each bucket's updated matrices are broadcast from their owner
   as one flat tensor, all issued at once in forward order; a module's forward pre-hook waits only
@@ -28,9 +28,9 @@ collective of their own, so a step issues #buckets reduces/all-reduces and #buck
 broadcasts. (Their separate DDP-style all-reduce, :class:`dmuon.comm.ddp_allreduce.ReplicatedGrads`,
 remains for ``replicas="placeholder"`` and for parameters of another dtype or device.)
 
-The runtime (:mod:`dmuon.runtime.state`) runs this mode with its ordinary publication
-machinery (:mod:`dmuon.runtime.unit`): groups keyed by bucket (:func:`bucket_keys`, at
-:mod:`dmuon.runtime.bind`), non-owners' buffers never freed (``PublishGroup.keep``),
+The runtime (:mod:`dmuon.hooks.state`) runs this mode with its ordinary publication
+machinery (:mod:`dmuon.hooks.unit`): groups keyed by bucket (:func:`bucket_keys`, at
+:mod:`dmuon.hooks.bind`), non-owners' buffers never freed (``PublishGroup.keep``),
 nothing released after forward or backward, and every group issued at once (after the step,
 or at the first forward) instead of ``prefetch`` units ahead. This module only decides the
 mode and the buckets.

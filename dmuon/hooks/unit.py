@@ -1,11 +1,11 @@
 """One unit of publication: FSDP2's ``FSDPParamGroup`` for dmuon's dedicated matrices.
 
 A :class:`Unit` is what is published together before one module runs (an FSDP2 block, or
-without FSDP2 the block :func:`dmuon.runtime.fsdp_adapter.publish_block` picks); it runs its own pre/post
+without FSDP2 the block :func:`dmuon.hooks.fsdp_adapter.publish_block` picks); it runs its own pre/post
 forward and backward bookkeeping, as ``FSDPParamGroup`` runs its unshard/reshard. Its matrices
 travel in :class:`PublishGroup` buffers, one per owner and compute dtype, each issued, waited
 on and freed by itself (one broadcast per group, as FSDP2 all-gathers a group into one buffer).
-The model's :class:`dmuon.runtime.state.DedicateState` only dispatches the hooks and holds what
+The model's :class:`dmuon.hooks.state.DedicateState` only dispatches the hooks and holds what
 every unit shares (the process group, ``prefetch``, the unit order, the keep mode).
 
 Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
@@ -27,12 +27,12 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.comm import collectives as comm
 from dmuon.comm.collectives import Pending, issued_together, label
-from dmuon.runtime.step_check import in_autograd_backward
+from dmuon.hooks.step_check import in_autograd_backward
 from dmuon.comm.grad_buckets import GradBucket
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
 
 if TYPE_CHECKING:
-    from dmuon.runtime.state import DedicateState
+    from dmuon.hooks.state import DedicateState
 
 
 @dataclass(eq=False)
@@ -139,7 +139,7 @@ class Unit:
         ctx: the model's runtime state (process group, unit order, ``prefetch``, keep mode).
         index: position in forward order (the order units are prefetched in).
         module: the FSDP2 block (``fully_shard`` module) or, without FSDP2, the matrices'
-            parent module (:func:`dmuon.runtime.fsdp_adapter.publish_block`).
+            parent module (:func:`dmuon.hooks.fsdp_adapter.publish_block`).
         records: its dedicated matrices, in model order.
         groups: its publish groups (one per owner and compute dtype).
         takes_grad: some record's compute weight requires grad (set at bind).
