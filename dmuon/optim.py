@@ -231,7 +231,10 @@ class OwnerUpdate:
                 params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
                 momentum=group["momentum"], nesterov=group["nesterov"],
                 adjust_lr_fn=group["adjust_lr_fn"], ns_kwargs=ns_kwargs,
-                shapes=[r.full_shape for r in recs], orthogonalize=orthogonalize,
+                shapes=[r.full_shape for r in recs] if ctx.roles.tp is not None else None,
+                # without TP a record may be a stack (an expert range): NS per matrix
+                matrix_shapes=[r.matrix_shape for r in recs] if ctx.roles.tp is None else None,
+                orthogonalize=orthogonalize,
             )
         ctx.ns_matrices += sum(1 for r in recs if ctx.roles.tp is None or r.tp_owner == ctx.tp_rank)
 

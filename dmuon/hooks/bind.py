@@ -10,6 +10,7 @@ runtime (:class:`dmuon.hooks.state.DedicateState`) registers them all from the
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ from dmuon.hooks.keep import bucket_keys, resolve_replicas
 from dmuon.hooks.tp_placements import as_compute_param, local_slice
 from dmuon.hooks.unit import PublishGroup, Unit
 from dmuon.owners.dedicated import DedicatedParam, free_storage, make_dedicated
+from dmuon.owners.stacks import ParamLayout, StackSlot
 
 if TYPE_CHECKING:
     from dmuon.hooks.state import DedicateState
@@ -30,12 +32,19 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class Selected:
-    """A dedicated matrix found at ``dedicate_params`` time, before binding."""
+    """A dedicated parameter found at ``dedicate_params`` time, before binding: a matrix, or
+    a stack of them (:mod:`dmuon.owners.stacks`)."""
 
     fqn: str
     module: nn.Module
     attr: str
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
+    blocks: int = 1
+
+    @property
+    def layout(self) -> ParamLayout:
+        """How the parameter splits into Newton-Schulz matrices (the shape seam)."""
+        return ParamLayout(shape=tuple(self.shape), blocks=self.blocks)
 
     @property
     def param(self) -> nn.Parameter:
@@ -141,42 +150,64 @@ def bind(ctx: DedicateState) -> Binding:
     fsdp_states = fsdp.fsdp_states(model)
     plain_1d = roles.tp is None and roles.replicate is None
     keep = resolve_replicas(ctx.replicas, fsdp_wrapped=bool(fsdp_states), plain_1d=plain_1d) == "keep"
-    specs = {m.fqn: m for m in ctx.plan.matrices}
+    specs_of = ctx.plan.specs_by_fqn()
     parents = fsdp.parent_map(model)
     unit_modules = [fsdp.publish_block(sel.module, parents) for sel in selected]
     policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))
                 for sel in selected]
     check_param_dtypes(selected, policies)  # before anything is taken from FSDP2
     units = make_units(ctx, unit_modules, parents)
-    slices = []
-    for sel, (param_dtype, reduce_dtype) in zip(selected, policies):
+    # one entry per plan entry: a matrix, or an expert range of a stack (the shape seam)
+    entries = []  # (selected index, spec, slice holding the entry's piece, requires_grad, dtypes)
+    for i, (sel, (param_dtype, reduce_dtype)) in enumerate(zip(selected, policies)):
         # collective redistributes, in the same order on every rank
         param = sel.param
         taken = fsdp.take_from_fsdp(model, sel.module, sel.attr)
         sl = local_slice(taken if taken is not None else param, sel.fqn, roles.tp_name)
-        slices.append((sl, param.requires_grad, param_dtype or sl.local.dtype,
-                       reduce_dtype or param_dtype or sl.local.dtype))
-    unit_of = [next(u for u in units if u.module is m) for m in unit_modules]
+        layout, specs = sel.layout, specs_of[sel.fqn]
+        if layout.is_stack and sl.shard_dim is not None:
+            raise ValueError(f"dmuon: parameter {sel.fqn!r} (shape {tuple(sel.shape)}) is a stack of "
+                             f"matrices split by tensor parallelism; dmuon takes TP on 2-D matrices "
+                             f"only. Pass predicate=... to leave it on AdamW.")
+        dtypes = (param_dtype or sl.local.dtype, reduce_dtype or param_dtype or sl.local.dtype)
+        for spec in specs:
+            piece = sl.local
+            if len(specs) > 1:
+                piece = layout.flat_view(sl.local)[spec.experts[0]: spec.experts[1]]
+            entries.append((i, spec, dataclasses.replace(sl, local=piece), param.requires_grad) + dtypes)
+    unit_of = [next(u for u in units if u.module is unit_modules[e[0]]) for e in entries]
     # keep mode: publish groups and gradient buckets per plan bucket; else per unit
-    keys = bucket_keys(ctx.plan, selected, ctx.bucket_bytes) if keep else [u.index for u in unit_of]
-    views = make_groups(slices, [specs[sel.fqn].owner for sel in selected], keys, ctx.rank, keep)
+    keys = (bucket_keys(ctx.plan, [e[1] for e in entries], ctx.bucket_bytes) if keep
+            else [u.index for u in unit_of])
+    views = make_groups([(e[2], e[3], e[4], e[5]) for e in entries], [e[1].owner for e in entries],
+                        keys, ctx.rank, keep)
     records = []
-    for order, (sel, (sl, requires_grad, compute_dtype, reduce_dtype)) in enumerate(zip(selected, slices)):
-        spec = specs[sel.fqn]
+    slots: dict[int, StackSlot] = {}
+    for order, (i, spec, sl, requires_grad, compute_dtype, reduce_dtype) in enumerate(entries):
+        sel = selected[i]
         group, storage = views[order]
+        stacked = sel.layout.is_stack or sel.blocks > 1
         rec = make_dedicated(
             fqn=sel.fqn, module=sel.module, attr=sel.attr, full=sl.local,
             owner=spec.owner, rank=ctx.rank, compute_dtype=compute_dtype,
             reduce_dtype=reduce_dtype, requires_grad=requires_grad, order=order,
             wrap=lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape),
-            storage=storage, full_shape=sel.shape, tp_shard_dim=sl.shard_dim,
-            tp_owner=spec.tp_owner, replicate_mode=spec.replicate_mode or "compute",  # the plan decides
+            storage=storage, full_shape=tuple(sl.local.shape) if stacked else sel.shape,
+            tp_shard_dim=sl.shard_dim, tp_owner=spec.tp_owner,
+            replicate_mode=spec.replicate_mode or "compute",  # the plan decides
+            matrix_shape=sel.layout.matrix_shape if stacked else sel.shape, key=spec.key,
         )
+        if len(specs_of[sel.fqn]) > 1:  # the module computes with the whole stack
+            slot = slots.setdefault(i, StackSlot(sel.module, sel.attr, tuple(sel.shape)))
+            slot.records.append(rec)
+            rec.stack = slot
         group.members.append(rec)
         if rec.compute.requires_grad:
             group.grad_members.add(rec)
         unit_of[order].add(rec, group)
         records.append(rec)
+    for slot in slots.values():
+        slot.show("master")
     groups = list(dict.fromkeys(group for group, _ in views))
     for group in groups:
         if not group.is_owner and not keep:  # keep mode: full weights stay

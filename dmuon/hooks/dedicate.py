@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch.distributed as dist
 from torch import nn
@@ -21,17 +22,24 @@ from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_dmuon_state"
-Predicate = Callable[[str, nn.Parameter], bool]
+Predicate = Callable[[str, nn.Parameter], "bool | int"]
 
 
-def default_predicate(model: nn.Module) -> Predicate:
-    """Muon's usual scope: 2-D trainable parameters that are not an embedding's weight.
+def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | None = None) -> Predicate:
+    """Muon's usual scope: 2-D trainable parameters that are not an embedding's weight, and
+    Mixture-of-Experts expert stacks.
 
     Selected: every 2-D parameter with ``requires_grad`` (attention and MLP projections, an
-    untied ``lm_head`` / classifier head, ``nn.MultiheadAttention.in_proj_weight``). Left to
+    MoE router's weight, an untied ``lm_head`` / classifier head,
+    ``nn.MultiheadAttention.in_proj_weight``), and every trainable expert stack: a parameter of
+    3 or more dims held by a module that declares its expert count (``num_experts``, as
+    Hugging Face's ``Qwen3MoeExperts`` / ``MixtralExperts`` / ``DeepseekV3Experts`` and
+    torchtitan's ``GroupedExperts`` do) equal to its leading dim(s)
+    (:func:`dmuon.owners.stacks.check_expert_stack`): one Muon matrix per expert as stored, so
+    a fused ``gate_up_proj`` ``[E, 2I, H]`` is one ``[2I, H]`` matrix per expert. Left to
     AdamW: the weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` modules (and a head tied to
-    one, which is the same tensor), every non-2-D parameter (biases, norms, convolutions,
-    position tables of 3 or more dims) and frozen parameters.
+    one, which is the same tensor), biases, norms, convolutions, other tensors of 3 or more
+    dims, and frozen parameters.
 
     The predicate is stable across ``fully_shard``: it may be built before the user's
     ``fully_shard`` calls and passed to :func:`dedicate_params` after them. An embedding weight
@@ -47,30 +55,62 @@ def default_predicate(model: nn.Module) -> Predicate:
 
     Args:
         model: the model whose parameters the predicate will be asked about.
+        fused_blocks: orthogonalize fused matrices block by block: ``{attribute name: k}``
+            cuts each stored matrix of a selected parameter named so (the last component of
+            its name, e.g. ``{"gate_up_proj": 2}``) into ``k`` equal row blocks, each its own
+            Newton-Schulz matrix (gate and up orthogonalized separately, as two unfused
+            ``nn.Linear`` would be). Default: every stored matrix whole.
 
     Returns:
-        ``predicate(fqn, param) -> bool``.
+        ``predicate(fqn, param) -> bool | int``: false to leave the parameter to AdamW, true
+        to select it, a positive int ``k`` to select it cut into ``k`` row blocks.
+
+    Raises:
+        ValueError: a ``fused_blocks`` count that is not a positive int.
     """
+    from dmuon.owners.stacks import declared_experts
+
+    fused = dict(fused_blocks or {})
+    for attr, k in fused.items():
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"dmuon: fused_blocks[{attr!r}] must be a positive int (row blocks), got {k!r}")
     embeddings = [(name, m) for name, m in model.named_modules()
                   if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
     embedding_names = {f"{name}.weight" if name else "weight" for name, _ in embeddings}
+    stacks = set()  # names of expert stacks: stable under fully_shard, like the embeddings'
+    for name, module in model.named_modules():
+        experts = declared_experts(module)
+        if experts is None or isinstance(module, nn.modules.conv._ConvNd):
+            continue
+        for attr, p in module._parameters.items():
+            if p is not None and p.ndim >= 3 and experts in (math.prod(p.shape[:-2]), p.shape[0]):
+                stacks.add(f"{name}.{attr}" if name else attr)
 
-    def predicate(name: str, param: nn.Parameter) -> bool:
-        if param.ndim != 2 or not param.requires_grad or name in embedding_names:
+    def predicate(name: str, param: nn.Parameter) -> bool | int:
+        if not param.requires_grad or name in embedding_names:
             return False
-        return not any(m.weight is param for _, m in embeddings)
+        if param.ndim != 2 and name not in stacks:
+            return False
+        if any(m.weight is param for _, m in embeddings):
+            return False
+        k = fused.get(name.rsplit(".", 1)[-1], 1)
+        return True if k == 1 else k
 
     return predicate
 
 
 def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
-    """The dedicated matrices in model order.
+    """The dedicated parameters (matrices and stacks of them) in model order.
 
     Raises:
-        ValueError: if the predicate selects a tensor that is not 2-D, or a parameter that
-            appears under two names (tied weights cannot have one owner's placeholder swapped
-            on two modules).
+        ValueError: if the predicate selects a tensor of fewer than 2 dims, a >2-D tensor
+            whose leading dims are not experts (:func:`dmuon.owners.stacks.check_expert_stack`),
+            a row-block count that does not divide the rows, or a parameter that appears under
+            two names (tied weights cannot have one owner's placeholder swapped on two
+            modules). Every rank sees the same model, so every rank raises alike (no hang).
     """
+    from dmuon.owners.stacks import check_expert_stack, param_layout
+
     seen: dict[int, str] = {}
     selected: list[Selected] = []
     for module_name, module in model.named_modules():
@@ -81,7 +121,8 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
             first = seen.get(id(param))
             if first is None:
                 seen[id(param)] = fqn
-            if not predicate(fqn, param):
+            picked = predicate(fqn, param)
+            if not picked:
                 continue
             if first is not None:
                 raise ValueError(
@@ -89,13 +130,11 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
                     f"dedicated matrix must belong to one module. Pass predicate=... to leave it "
                     f"on AdamW."
                 )
-            if param.ndim != 2:
-                raise ValueError(
-                    f"dmuon: parameter {fqn!r} has shape {tuple(param.shape)}; Muon takes 2-D "
-                    f"matrices. Pass predicate=... to leave it on AdamW."
-                )
-            selected.append(Selected(fqn=fqn, module=module, attr=attr,
-                                     shape=(int(param.shape[0]), int(param.shape[1]))))
+            blocks = 1 if picked is True else picked
+            layout = param_layout(fqn, param.shape, blocks)  # >= 2-D, blocks divide the rows
+            check_expert_stack(fqn, module, param.shape)
+            selected.append(Selected(fqn=fqn, module=module, attr=attr, shape=layout.shape,
+                                     blocks=layout.blocks))
     # A tied parameter seen first as non-dedicated and later selected under its second name.
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -141,8 +180,10 @@ def dedicate_params(
         mesh: the ``DeviceMesh``: 1-D data parallel; ``("replicate", "shard")`` HSDP;
             ``("dp", "tp")`` FSDP x TP; ``("replicate", "shard", "tp")``; or 1-D ``("tp",)``
             (roles by dimension name, :mod:`dmuon.comm.mesh_roles`).
-        predicate: ``predicate(fqn, param) -> bool`` picks the Muon matrices; default: 2-D
-            trainable parameters that are not ``nn.Embedding`` weights.
+        predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
+            ``k``: cut each stored matrix into ``k`` row blocks); default
+            (:func:`default_predicate`): 2-D trainable parameters that are not
+            ``nn.Embedding`` weights, and MoE expert stacks ``[E, rows, cols]``.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
             default: solved now on rank 0 from the Newton-Schulz FLOP model
             (:func:`dmuon.build_plan`, MILP with a 5 s limit) and broadcast.
@@ -238,17 +279,19 @@ def dedicate_params(
     plain_1d = roles.tp is None and roles.replicate is None
     keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
     selected = select_matrices(model, predicate or default_predicate(model))
-    shapes = {s.fqn: s.shape for s in selected}
+    shapes = {s.fqn: s.layout for s in selected}
+    blocks = {s.fqn: s.blocks for s in selected if s.blocks != 1}
     world_size, tp_size = roles.shard_size, roles.tp_size
     cost = _group_cost(group_cost, dist.get_backend(roles.shard))
     if plan is None and keep:  # DDP-style path: one owner per bucket, deterministic
         device = selected[0].param.device.type if selected else "cpu"
         plan = build_bucket_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
-                                 element_size=_element_size(selected),
-                                 costs=matrix_costs([s.shape for s in selected], device))
+                                 element_size=_element_size(selected), blocks=blocks,
+                                 costs=[c * s.layout.count * s.blocks for s, c in zip(
+                                     selected, matrix_costs([s.layout.matrix_shape for s in selected], device))])
     if plan is None:
         # The MILP is time-limited, hence not reproducible across ranks: one rank solves.
-        solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
+        solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size, blocks=blocks,
                              groups=publish_groups(model, selected) if cost > 0 else None,
                              group_cost=cost)
                   if dist.get_rank(roles.world) == 0 else None]

@@ -69,13 +69,13 @@ def resolve_replicas(replicas: str | None, *, fsdp_wrapped: bool, plain_1d: bool
     return replicas or "keep"
 
 
-def bucket_keys(plan, selected, bucket_bytes: int) -> list[int]:
-    """Each selected matrix's bucket, which keys its publish group and gradient bucket: the
+def bucket_keys(plan, specs, bucket_bytes: int) -> list[int]:
+    """Each plan entry's bucket (``specs``: :class:`dmuon.owners.plan.MatrixSpec`, a matrix or
+    an expert range, in binding order), which keys its publish group and gradient bucket: the
     plan's (:func:`dmuon.owners.plan.build_bucket_plan`), or, for a plan without buckets (a
     file solved for another path), buckets cut here by the same cap (fp32 bytes)."""
-    specs = {m.fqn: m for m in plan.matrices}
-    if all(specs[sel.fqn].bucket is not None for sel in selected):
-        return [specs[sel.fqn].bucket for sel in selected]
+    if all(spec.bucket is not None for spec in specs):
+        return [spec.bucket for spec in specs]
     from dmuon.balance.buckets import cut_buckets
 
-    return cut_buckets([4 * sel.shape[0] * sel.shape[1] for sel in selected], bucket_bytes)
+    return cut_buckets([4 * spec.matrices * spec.shape[0] * spec.shape[1] for spec in specs], bucket_bytes)

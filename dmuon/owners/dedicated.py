@@ -59,6 +59,12 @@ class DedicatedParam:
         replicate_mode: HSDP only: ``"compute"`` (every replica's owner runs NS on the
             all-reduced gradient) or ``"broadcast"`` (replica 0's owner runs it and broadcasts
             the new master).
+        matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix: ``full_shape`` for a
+            matrix; for a stack's expert range ``[k, rows, cols]`` (``shape``), or a matrix
+            cut into row blocks, one expert's (block's) matrix (:mod:`dmuon.owners.stacks`).
+        key: the plan entry's name (:attr:`dmuon.owners.plan.MatrixSpec.key`).
+        stack: the :class:`dmuon.owners.stacks.StackSlot` of a stack split into several
+            ranges (it shows the module the whole stack); ``None`` otherwise.
     """
 
     fqn: str
@@ -76,6 +82,9 @@ class DedicatedParam:
     tp_owner: int = 0
     replicate_mode: str = "compute"
     had_grad: bool = False
+    matrix_shape: tuple[int, int] = (0, 0)
+    key: str = ""
+    stack: Any = None
 
     @property
     def buffer(self) -> torch.Tensor:
@@ -84,6 +93,10 @@ class DedicatedParam:
 
     def show(self, which: str) -> None:
         """Register ``master`` (outside forward) or ``compute`` (inside) on the module."""
+        if self.stack is not None:  # one range of a split stack: the slot shows them all, once
+            if self is self.stack.records[0]:
+                self.stack.show(which)
+            return
         param = self.compute if which == "compute" else self.master
         self.module._parameters[self.attr] = param
 
@@ -116,7 +129,7 @@ def make_dedicated(
             group, not this function, frees it on non-owners.
         extra: further :class:`DedicatedParam` fields (TP and HSDP attributes).
     """
-    shape = (int(full.shape[0]), int(full.shape[1]))
+    shape = tuple(int(s) for s in full.shape)  # a matrix, or an expert range [k, rows, cols]
     is_owner = owner == rank
     device = full.device
     with torch.no_grad():

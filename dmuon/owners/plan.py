@@ -37,7 +37,12 @@ class MatrixSpec:
 
     Attributes:
         fqn: fully qualified parameter name, as ``model.named_parameters()`` gives it.
-        shape: ``(rows, cols)`` of the full (unsharded) matrix.
+        shape: ``(rows, cols)`` of the full (unsharded) matrix; for a stack of matrices
+            (``experts`` set, or ``blocks > 1``), of one Newton-Schulz matrix.
+        experts: a stack parameter ``[*lead, rows, cols]`` only: the range ``(start, stop)``
+            of its flattened leading dims (experts) this entry covers; ``None`` for a 2-D
+            parameter (:mod:`dmuon.owners.stacks`).
+        blocks: row blocks each stored matrix is cut into for Newton-Schulz (1: whole).
         owner: rank (in the data-parallel shard dimension) that holds the fp32 master and
             momentum, receives the reduced gradient and runs Newton-Schulz. Under tensor
             parallelism every TP slice of the matrix has this same DP owner index.
@@ -60,10 +65,29 @@ class MatrixSpec:
     tp_owner: int = 0
     bucket: int | None = None
     replicate_mode: str | None = None
+    experts: tuple[int, int] | None = None
+    blocks: int = 1
+
+    @property
+    def key(self) -> str:
+        """Unique name of the entry: the FQN, with ``[start:stop]`` for an expert range."""
+        return self.fqn if self.experts is None else f"{self.fqn}[{self.experts[0]}:{self.experts[1]}]"
+
+    @property
+    def matrices(self) -> int:
+        """Newton-Schulz matrices the entry holds."""
+        count = 1 if self.experts is None else self.experts[1] - self.experts[0]
+        return count * self.blocks
 
     def __post_init__(self) -> None:
         if not self.fqn:
             raise ValueError("dmuon: MatrixSpec.fqn must be a non-empty parameter name")
+        if self.experts is not None and (len(self.experts) != 2 or not 0 <= self.experts[0] < self.experts[1]):
+            raise ValueError(f"dmuon: MatrixSpec for {self.fqn!r} has experts={self.experts!r}; "
+                             f"expected a non-empty range (start, stop) with 0 <= start < stop")
+        if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
+            raise ValueError(f"dmuon: MatrixSpec for {self.fqn!r} has blocks={self.blocks!r}; "
+                             f"expected an integer >= 1")
         if len(self.shape) != 2 or any(int(s) < 0 for s in self.shape):
             raise ValueError(
                 f"dmuon: MatrixSpec.shape for {self.fqn!r} must be (rows, cols) with "
@@ -119,9 +143,9 @@ class OwnerPlan:
             raise ValueError(f"dmuon: OwnerPlan.world_size must be >= 1, got {self.world_size}")
         seen: set[str] = set()
         for spec in self.matrices:
-            if spec.fqn in seen:
-                raise ValueError(f"dmuon: OwnerPlan lists parameter {spec.fqn!r} twice")
-            seen.add(spec.fqn)
+            if spec.key in seen:
+                raise ValueError(f"dmuon: OwnerPlan lists parameter {spec.key!r} twice")
+            seen.add(spec.key)
             if spec.owner >= self.world_size:
                 raise ValueError(
                     f"dmuon: OwnerPlan assigns {spec.fqn!r} to rank {spec.owner}, but the "
@@ -136,11 +160,23 @@ class OwnerPlan:
     # ------------------------------------------------------------------ views
     @property
     def owner_by_fqn(self) -> dict[str, int]:
-        return {m.fqn: m.owner for m in self.matrices}
+        """Owner per entry key (:attr:`MatrixSpec.key`: the FQN, ``fqn[start:stop]`` for an
+        expert range)."""
+        return {m.key: m.owner for m in self.matrices}
 
     @property
     def shape_by_fqn(self) -> dict[str, tuple[int, int]]:
+        """Newton-Schulz matrix shape per parameter FQN."""
         return {m.fqn: m.shape for m in self.matrices}
+
+    def specs_by_fqn(self) -> dict[str, list[MatrixSpec]]:
+        """Every entry of each parameter, in expert order (one for a 2-D parameter)."""
+        out: dict[str, list[MatrixSpec]] = {}
+        for m in self.matrices:
+            out.setdefault(m.fqn, []).append(m)
+        for specs in out.values():
+            specs.sort(key=lambda m: (m.experts or (0, 0))[0])
+        return out
 
     def loads(self) -> list[float]:
         """Per-rank sum of ``MatrixSpec.cost`` (unit ``cost_unit``), over the DP x TP grid
@@ -166,7 +202,9 @@ class OwnerPlan:
             "matrices": [
                 {"fqn": m.fqn, "shape": list(m.shape), "owner": m.owner, "cost": m.cost,
                  "tp_owner": m.tp_owner, **({} if m.bucket is None else {"bucket": m.bucket}),
-                 **({} if m.replicate_mode is None else {"replicate_mode": m.replicate_mode})}
+                 **({} if m.replicate_mode is None else {"replicate_mode": m.replicate_mode}),
+                 **({} if m.experts is None else {"experts": list(m.experts)}),
+                 **({} if m.blocks == 1 else {"blocks": m.blocks})}
                 for m in self.matrices
             ],
             "extra": dict(self.extra),
@@ -174,11 +212,14 @@ class OwnerPlan:
 
     def digest(self) -> str:
         """SHA-256 over what every rank must agree on: world size, names, shapes, owners
-        (and buckets and HSDP replicate modes, where the plan has them)."""
+        (and buckets, HSDP replicate modes, expert ranges and row blocks, where the plan has
+        them)."""
         canon = json.dumps(
             [self.world_size, self.tp_size,
              [(m.fqn, list(m.shape), m.owner, m.tp_owner) + (() if m.bucket is None else (m.bucket,))
               + (() if m.replicate_mode is None else (m.replicate_mode,))
+              + (() if m.experts is None else ("experts", list(m.experts)))
+              + (() if m.blocks == 1 else ("blocks", m.blocks))
               for m in self.matrices]],
             separators=(",", ":"),
         )
@@ -202,7 +243,10 @@ class OwnerPlan:
                            owner=_as_int(m["owner"], "owner", m["fqn"]), cost=float(m.get("cost", 0.0)),
                            tp_owner=_as_int(m.get("tp_owner", 0), "tp_owner", m["fqn"]),
                            bucket=None if m.get("bucket") is None else _as_int(m["bucket"], "bucket", m["fqn"]),
-                           replicate_mode=m.get("replicate_mode"))
+                           replicate_mode=m.get("replicate_mode"),
+                           experts=None if m.get("experts") is None else
+                           tuple(_as_int(e, "experts", m["fqn"]) for e in m["experts"]),
+                           blocks=_as_int(m.get("blocks", 1), "blocks", m["fqn"]))
                 for m in data["matrices"]
             )
             return cls(
@@ -300,33 +344,58 @@ def _check_plan_matches(plan: OwnerPlan, shape_by_fqn: Mapping[str, Sequence[int
             f"dmuon: the plan was solved for TP size {plan.tp_size} but the mesh has TP size "
             f"{tp_size}; re-solve it for this mesh"
         )
-    mine = plan.shape_by_fqn
-    missing = [f for f in shape_by_fqn if f not in mine]
+    from dmuon.owners.stacks import ParamLayout
+
+    layouts = {fqn: (v if isinstance(v, ParamLayout) else ParamLayout(tuple(int(x) for x in v)))
+               for fqn, v in shape_by_fqn.items()}
+    mine = plan.specs_by_fqn()
+    missing = [f for f in layouts if f not in mine]
     if missing:
         raise ValueError(
             f"dmuon: the plan assigns no owner to {len(missing)} dedicated matrices of this "
             f"model, e.g. {missing[:3]}; it was solved for another model or predicate"
         )
-    extra = [f for f in mine if f not in shape_by_fqn]
+    extra = [f for f in mine if f not in layouts]
     if extra:
         raise ValueError(
             f"dmuon: the plan names {len(extra)} matrices this model does not dedicate, "
             f"e.g. {extra[:3]}; it was solved for another model or predicate"
         )
-    for fqn, shape in shape_by_fqn.items():
-        if tuple(shape) != tuple(mine[fqn]):
+    for fqn, layout in layouts.items():
+        specs = mine[fqn]
+        got = (tuple(specs[0].shape), specs[0].blocks)
+        if got != (layout.matrix_shape, layout.blocks) or any(
+                (tuple(m.shape), m.blocks) != got for m in specs):
             raise ValueError(
-                f"dmuon: parameter {fqn!r} has shape {tuple(shape)} but the plan was solved "
-                f"for shape {tuple(mine[fqn])}; re-solve the plan for this model"
+                f"dmuon: parameter {fqn!r} has shape {layout.shape} (Newton-Schulz matrices "
+                f"{layout.matrix_shape}, {layout.blocks} row block(s) each) but the plan was "
+                f"solved for matrices {tuple(specs[0].shape)} with {specs[0].blocks} block(s); "
+                f"re-solve the plan for this model"
+            )
+        ranges = [m.experts for m in specs]
+        if layout.is_stack:
+            covered = ranges[0] is not None and ranges[0][0] == 0 and ranges[-1][1] == layout.count and all(
+                a is not None and b is not None and a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            if not covered:
+                raise ValueError(
+                    f"dmuon: parameter {fqn!r} is a stack of {layout.count} matrices (shape "
+                    f"{layout.shape}) but the plan's expert ranges {ranges} do not cover 0..{layout.count} "
+                    f"once each; re-solve the plan for this model"
+                )
+        elif ranges != [None]:
+            raise ValueError(
+                f"dmuon: parameter {fqn!r} is one matrix (shape {layout.shape}) but the plan "
+                f"gives it expert ranges {ranges}; re-solve the plan for this model"
             )
 
 
 def build_plan(
-    named_shapes: Iterable[tuple[str, tuple[int, int]]],
+    named_shapes: Iterable[tuple[str, Sequence[int]]],
     world_size: int,
     *,
     costs: Sequence[float] | None = None,
     cost_unit: str = "flops",
+    blocks: Mapping[str, int] | None = None,
     method: str = "auto",
     time_limit_s: float = 5.0,
     tp_size: int = 1,
@@ -351,10 +420,15 @@ def build_plan(
     spread over the node x GPU grid and within each publish group, and the HSDP replicate mode.
 
     Args:
-        named_shapes: ``(fqn, (rows, cols))`` per dedicated matrix, in model order.
+        named_shapes: ``(fqn, shape)`` per dedicated parameter, in model order: ``(rows,
+            cols)`` for a matrix, ``(*lead, rows, cols)`` for a stack of matrices (experts),
+            which the balancer sees expert by expert and the plan records as expert ranges,
+            one per owner (:mod:`dmuon.owners.stacks`, the shape seam).
         world_size: number of ranks to spread owners over (the data-parallel shard group).
-        costs: per-matrix cost; defaults to the Gram Newton-Schulz FLOP model
-            (:func:`dmuon.kernels.ns_flops`). With ``batch_overhead``, the marginal part.
+        costs: per-parameter cost (a stack's is shared evenly by its experts); defaults to
+            the Gram Newton-Schulz FLOP model (:func:`dmuon.kernels.ns_flops`) per
+            Newton-Schulz matrix. With ``batch_overhead``, the marginal part.
+        blocks: row blocks per stored matrix, by FQN (default 1: each matrix whole).
         cost_unit: unit of ``costs`` (``"flops"`` or ``"ms"``).
         method: passed to :func:`dmuon.balance.solve` (``"greedy"``, ``"milp"``, ``"auto"``).
             ``"milp"``/``"auto"`` may stop at a time limit, so their plan can depend on timing:
@@ -409,10 +483,25 @@ def build_plan(
     from dmuon.balance.inventories import layer_groups
     from dmuon.kernels import ns_flops
 
-    named_shapes = [(fqn, (int(s[0]), int(s[1]))) for fqn, s in named_shapes]
-    shapes = [shape for _, shape in named_shapes]
+    from dmuon.owners.stacks import collapse_ranges, owner_items, param_layout
+
+    blocks = blocks or {}
+    layouts = [(fqn, param_layout(fqn, shape, blocks.get(fqn, 1))) for fqn, shape in named_shapes]
+    items = owner_items(layouts)  # what the balancer places: a matrix, or one expert of a stack
+    param_of_item = [i for i, (_, layout) in enumerate(layouts) for _ in range(layout.count if layout.is_stack else 1)]
+    per_param = [layout.count if layout.is_stack else 1 for _, layout in layouts]
+    shapes = [it.matrix_shape for it in items]
     if costs is None:
-        costs = [float(ns_flops(*shape, method="gram")) for shape in shapes]
+        costs = [it.matrices * float(ns_flops(*it.matrix_shape, method="gram")) for it in items]
+    else:
+        if len(costs) != len(layouts):
+            raise ValueError(f"dmuon: build_plan got {len(costs)} costs for {len(layouts)} parameters; "
+                             f"give one cost per parameter")
+        costs = [float(costs[p]) / per_param[p] for p in param_of_item]
+    if groups is not None:
+        groups = [groups[p] for p in param_of_item]
+    # one class per (matrix shape, matrices per item): interchangeable in the MILP
+    classes = [it.matrix_shape if it.matrices == 1 else (it.matrix_shape, it.matrices) for it in items]
     if bucket_bytes is not None:
         given = {"tp_size": tp_size != 1, "groups": groups is not None, "group_cost": group_cost != 0,
                  "layout": layout is not None, "memory_cap_bytes": memory_cap_bytes is not None,
@@ -420,14 +509,14 @@ def build_plan(
         if any(given.values()):
             raise ValueError(f"dmuon: build_plan(bucket_bytes=...) is the plain replicated module's "
                              f"path and takes no {[k for k, v in given.items() if v]}; leave them out")
-        return _bucket_plan(named_shapes, world_size, costs, cost_unit, bucket_bytes, element_size)
+        return _bucket_plan(items, layouts, world_size, costs, cost_unit, bucket_bytes, element_size)
     if layout is not None and layout[0] * layout[1] != world_size * tp_size:
         raise ValueError(
             f"dmuon: build_plan(layout={tuple(layout)!r}) covers {layout[0] * layout[1]} ranks but "
             f"the plan has world_size * tp_size = {world_size * tp_size}; give nodes * "
             f"gpus_per_node equal to the number of ranks"
         )
-    if not named_shapes:
+    if not items:
         return OwnerPlan(world_size=world_size, matrices=(), tp_size=tp_size, method=method,
                          cost_unit=cost_unit)
     if tp_size > 1:
@@ -435,20 +524,23 @@ def build_plan(
         # owner: pairs would be miscounted, so TP plans balance the makespan alone.
         group_cost = 0.0
     if layout is not None and groups is None:
-        groups = layer_groups([fqn for fqn, _ in named_shapes])
+        groups = layer_groups([it.fqn for it in items])
     xor = layout is not None and group_cost == 0  # a group cost keeps groups on few owners instead
     # bytes per matrix only where asked for (a cap, or the per-rank report)
-    memory = owner_memory(shapes) if memory_cap_bytes is not None or solver_report else None
-    result = solve(list(costs), world_size * tp_size, classes=shapes, method=method,
+    memory = ([it.matrices * m for it, m in zip(items, owner_memory(shapes))]
+              if memory_cap_bytes is not None or solver_report else None)
+    result = solve(list(costs), world_size * tp_size, classes=classes, method=method,
                    time_limit_s=time_limit_s, memory=memory, memory_cap=memory_cap_bytes,
                    batch_overhead=batch_overhead or None,
                    groups=None if groups is None or (tp_size > 1 and not xor) else list(groups),
                    group_cost=group_cost, layout=tuple(layout) if xor else None)
     overhead = batch_overhead or {}
+    block_of = dict(blocks)
     matrices = tuple(
-        MatrixSpec(fqn=fqn, shape=shape, owner=int(owner) // tp_size,
-                   cost=float(cost) + float(overhead.get(shape, 0.0)), tp_owner=int(owner) % tp_size)
-        for (fqn, shape), owner, cost in zip(named_shapes, result.owners, costs)
+        MatrixSpec(fqn=r.fqn, shape=items[r.items[0]].matrix_shape, owner=int(r.owner) // tp_size,
+                   cost=sum(costs[i] for i in r.items) + float(overhead.get(classes[r.items[0]], 0.0)),
+                   tp_owner=int(r.owner) % tp_size, experts=r.experts, blocks=block_of.get(r.fqn, 1))
+        for r in collapse_ranges(items, result.owners)
     )
     extra: dict[str, Any] = ({"group_cost": float(group_cost), "publish_pairs": result.publish_pairs}
                              if result.group_cost > 0 else {})
@@ -471,30 +563,36 @@ def build_plan(
 
 
 def build_bucket_plan(
-    named_shapes: Iterable[tuple[str, tuple[int, int]]],
+    named_shapes: Iterable[tuple[str, Sequence[int]]],
     world_size: int,
     *,
     bucket_bytes: int,
     element_size: int = 4,
     costs: Sequence[float] | None = None,
     cost_unit: str = "flops",
+    blocks: Mapping[str, int] | None = None,
 ) -> OwnerPlan:
     """The plan of the DDP-style path (``replicas="keep"``): :func:`build_plan` with
     ``bucket_bytes`` (kept for its callers; see there)."""
     return build_plan(named_shapes, world_size, bucket_bytes=bucket_bytes, element_size=element_size,
-                      costs=costs, cost_unit=cost_unit)
+                      costs=costs, cost_unit=cost_unit, blocks=blocks)
 
 
-def _bucket_plan(named_shapes, world_size, costs, cost_unit, bucket_bytes, element_size) -> OwnerPlan:
+def _bucket_plan(items, layouts, world_size, costs, cost_unit, bucket_bytes, element_size) -> OwnerPlan:
     """:func:`build_plan`'s DDP-style path: size-capped buckets in backward order, one owner each
-    (:func:`dmuon.balance.buckets.assign_buckets`)."""
+    (:func:`dmuon.balance.buckets.assign_buckets`); a stack's experts split at bucket edges."""
     from dmuon.balance.buckets import assign_buckets
+    from dmuon.owners.stacks import collapse_ranges
 
-    nbytes = [shape[0] * shape[1] * element_size for _, shape in named_shapes]
+    nbytes = [it.numel * element_size for it in items]
     result = assign_buckets(costs, nbytes, world_size, bucket_bytes)
+    owners = [result.owner_of_bucket[b] for b in result.bucket]
+    block_of = {fqn: layout.blocks for fqn, layout in layouts}
     matrices = tuple(
-        MatrixSpec(fqn=fqn, shape=shape, owner=result.owner_of_bucket[b], cost=float(cost), bucket=b)
-        for (fqn, shape), cost, b in zip(named_shapes, costs, result.bucket)
+        MatrixSpec(fqn=r.fqn, shape=items[r.items[0]].matrix_shape, owner=r.owner,
+                   cost=float(sum(costs[i] for i in r.items)), bucket=r.bucket, experts=r.experts,
+                   blocks=block_of[r.fqn])
+        for r in collapse_ranges(items, owners, list(result.bucket))
     )
     loads = [0.0] * world_size
     for m in matrices:

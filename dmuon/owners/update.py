@@ -118,6 +118,7 @@ def muon_update_(
     max_batch_bytes: int | None = None,
     shapes: list[tuple[int, int]] | None = None,
     orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+    matrix_shapes: list[tuple[int, int]] | None = None,
 ) -> int:
     """One Muon step on full matrices, Newton-Schulz batched by shape.
 
@@ -134,6 +135,11 @@ def muon_update_(
         orthogonalize: replaces the local batched Newton-Schulz (tensor parallelism routes the
             updates through their TP owners, :func:`dmuon.owners.tp_owner.orthogonalize_tp`); it
             receives the updates and ``ns_kwargs``-configured NS is its job.
+        matrix_shapes: ``(rows, cols)`` of one Newton-Schulz matrix of each param: a param
+            of another shape (a stack of experts ``[k, rows, cols]``, or a matrix cut into row
+            blocks) is orthogonalized matrix by matrix (:func:`dmuon.owners.stacks.as_matrices`)
+            and its lr adjusted by that shape, as ``torch.optim.Muon`` on each matrix as a
+            parameter of its own. Default: every param is one matrix.
 
     Returns:
         The number of matrices orthogonalized.
@@ -144,11 +150,45 @@ def muon_update_(
                for g, b in zip(grads, momentum_bufs)]
     if orthogonalize is None:
         orthogonalize = ns_by_shape(ns_kwargs, max_batch_bytes)
-    ortho = orthogonalize(updates)
+    if matrix_shapes is None:
+        ortho = orthogonalize(updates)
+    else:
+        ortho = _orthogonalize_stacks(updates, matrix_shapes, orthogonalize)
+        shapes = matrix_shapes
     for i, (param, update) in enumerate(zip(params, ortho)):
         apply_update_(param, update, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn,
                       shape=shapes[i] if shapes is not None else param.shape)
     return len(params)
+
+
+def _orthogonalize_stacks(updates: list[torch.Tensor], matrix_shapes: list[tuple[int, int]],
+                          orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                          ) -> list[torch.Tensor]:
+    """``orthogonalize`` over every Newton-Schulz matrix of ``updates`` (the shape seam cuts a
+    stack ``[k, rows, cols]`` into its ``k`` matrices; same-shape matrices still batch), each
+    result shaped like its update again."""
+    from dmuon.owners.stacks import as_matrices
+
+    flat: list[torch.Tensor] = []
+    counts: list[int] = []
+    for update, shape in zip(updates, matrix_shapes):
+        if tuple(update.shape) == tuple(shape):
+            flat.append(update)
+            counts.append(0)
+        else:
+            mats = as_matrices(update, shape)
+            flat.extend(mats.unbind(0))
+            counts.append(mats.shape[0])
+    out = orthogonalize(flat)
+    result, pos = [], 0
+    for update, count in zip(updates, counts):
+        if count == 0:
+            result.append(out[pos])
+            pos += 1
+        else:
+            result.append(torch.stack(out[pos: pos + count]).view(update.shape))
+            pos += count
+    return result
 
 
 def momentum_update_(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float,

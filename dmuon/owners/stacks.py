@@ -1,0 +1,268 @@
+"""The shape seam: how a dedicated parameter is one matrix or a stack of them.
+
+Muon orthogonalizes 2-D matrices. A dedicated parameter is either one matrix ``[rows, cols]``
+or a stack ``[E, rows, cols]`` (more leading dims allowed, flattened in C order): the experts of
+a Mixture-of-Experts layer as Hugging Face ``transformers`` 5.x and torchtitan store them, each
+orthogonalized on its own. Optionally every stored matrix is cut along its rows into ``blocks``
+equal parts, each orthogonalized separately (a fused ``gate_up_proj`` ``[2I, H]`` as two
+``[I, H]`` matrices); the Newton-Schulz input is then ``[E * blocks, rows / blocks, cols]``, a
+reshape of the stack (the row blocks of one matrix are contiguous).
+
+This module is the one place that knows it. Everything else asks it:
+
+* the plan (:func:`dmuon.owners.plan.build_plan`) expands each parameter into *owner items*
+  (one per stored matrix of a stack: the balancer sees every expert) and collapses the solved
+  items back into contiguous *expert ranges* per owner (:func:`collapse_ranges`);
+* binding cuts the full parameter into those ranges (:meth:`ParamLayout.flat_view`) and shows
+  the module the whole stack again (:class:`StackSlot`);
+* the owner's update reshapes a range into its Newton-Schulz matrices (:func:`as_matrices`);
+* selection (:func:`dmuon.hooks.dedicate.select_matrices`) validates a selected parameter
+  (:func:`param_layout`, :func:`check_expert_stack`).
+
+A new layout (say, a stack whose experts are not the leading dim) is a change here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+#: attributes an expert module uses to declare how many experts its stacks hold (HF
+#: ``Qwen3MoeExperts.num_experts``, torchtitan's ``GroupedExperts.num_experts``, ...)
+EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "n_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class ParamLayout:
+    """How one dedicated parameter splits into Newton-Schulz matrices.
+
+    Attributes:
+        shape: the full (unsharded) parameter shape: ``(rows, cols)`` or ``(*lead, rows, cols)``.
+        blocks: row blocks per stored matrix (``rows % blocks == 0``), each orthogonalized alone.
+    """
+
+    shape: tuple[int, ...]
+    blocks: int = 1
+
+    @property
+    def is_stack(self) -> bool:
+        """The parameter is a stack of matrices (more than 2 dims)."""
+        return len(self.shape) > 2
+
+    @property
+    def count(self) -> int:
+        """Stored matrices (experts): the product of the leading dims; 1 for a 2-D parameter."""
+        return math.prod(self.shape[:-2])
+
+    @property
+    def matrix_shape(self) -> tuple[int, int]:
+        """``(rows / blocks, cols)`` of one Newton-Schulz matrix."""
+        return self.shape[-2] // self.blocks, self.shape[-1]
+
+    def range_shape(self, start: int, stop: int) -> tuple[int, ...]:
+        """Shape of the record holding stored matrices ``[start, stop)``: the parameter's own
+        shape when the range is the whole parameter (the module then computes with the record
+        itself), else ``(stop - start, rows, cols)``."""
+        if (start, stop) == (0, self.count):
+            return self.shape
+        return (stop - start, self.shape[-2], self.shape[-1])
+
+    def flat_view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (the full parameter) as ``[count, rows, cols]`` (a view when contiguous)."""
+        return t.reshape(self.count, self.shape[-2], self.shape[-1])
+
+
+def param_layout(fqn: str, shape: Sequence[int], blocks: int = 1) -> ParamLayout:
+    """Validate a selected parameter's shape and return its layout.
+
+    Raises:
+        ValueError: a parameter of fewer than 2 dims, an empty matrix dim, or ``blocks`` that
+            does not divide the rows; naming the parameter, the values and the fix.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 2:
+        raise ValueError(
+            f"dmuon: parameter {fqn!r} has shape {shape}; Muon takes 2-D matrices or stacks of "
+            f"them ([experts, rows, cols]). Pass predicate=... to leave it on AdamW.")
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1 or shape[-2] % blocks:
+        raise ValueError(
+            f"dmuon: parameter {fqn!r} (shape {shape}) is to be split into {blocks!r} row blocks, "
+            f"but its {shape[-2]} rows do not split into that many equal parts; give a block "
+            f"count that divides the rows (1 keeps the matrix whole).")
+    return ParamLayout(shape=shape, blocks=blocks)
+
+
+def declared_experts(module: nn.Module) -> int | None:
+    """The expert count ``module`` declares (:data:`EXPERT_COUNT_ATTRS`), or ``None``."""
+    for attr in EXPERT_COUNT_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> None:
+    """Refuse a >2-D parameter whose leading dims are not experts.
+
+    How it tells: the leading dims are experts when the module holding the parameter declares
+    an expert count (``num_experts`` or one of :data:`EXPERT_COUNT_ATTRS`) equal to the
+    product of the leading dims, or equal to the first leading dim (``[E, ...]`` with more
+    leading dims). A convolution's weight ``[out, in, *kernel]`` is never a stack, and a
+    module that declares no expert count is not trusted either. Every rank holds the same
+    module and shapes, so every rank raises alike, before any collective.
+
+    Raises:
+        ValueError: naming the parameter, its shape, what was found and the fix.
+    """
+    shape = tuple(int(s) for s in shape)
+    if len(shape) <= 2:
+        return
+    if isinstance(module, nn.modules.conv._ConvNd):
+        raise ValueError(
+            f"dmuon: parameter {fqn!r} is the weight of a convolution ({type(module).__name__}, "
+            f"shape {shape}); its leading dims are channels, not experts, and Muon does not "
+            f"orthogonalize kernels. Pass predicate=... to leave it on AdamW.")
+    experts = declared_experts(module)
+    lead = math.prod(shape[:-2])
+    if experts is None or experts not in (lead, shape[0]):
+        found = ("declares no expert count" if experts is None
+                 else f"declares {experts} experts")
+        raise ValueError(
+            f"dmuon: parameter {fqn!r} has shape {shape}, but its module "
+            f"{type(module).__name__} {found} matching the leading dims {shape[:-2]} (product "
+            f"{lead}); dmuon treats a >2-D parameter as a stack of expert matrices "
+            f"[experts, rows, cols] only when the module says so. Set "
+            f"module.num_experts = {shape[0]} if the leading dim does count experts, or pass "
+            f"predicate=... to leave it on AdamW.")
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerItem:
+    """What the balancer places: a 2-D parameter, or one stored matrix of a stack.
+
+    Attributes:
+        fqn: the parameter's name.
+        index: the stored matrix (expert) of a stack, ``None`` for a 2-D parameter.
+        matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix.
+        matrices: Newton-Schulz matrices in the item (its ``blocks``).
+    """
+
+    fqn: str
+    index: int | None
+    matrix_shape: tuple[int, int]
+    matrices: int = 1
+
+    @property
+    def numel(self) -> int:
+        return self.matrices * self.matrix_shape[0] * self.matrix_shape[1]
+
+
+def owner_items(layouts: Iterable[tuple[str, ParamLayout]]) -> list[OwnerItem]:
+    """Every parameter's owner items, in model order (a stack's experts in index order)."""
+    items: list[OwnerItem] = []
+    for fqn, layout in layouts:
+        if layout.is_stack:
+            items += [OwnerItem(fqn, e, layout.matrix_shape, layout.blocks) for e in range(layout.count)]
+        else:
+            items.append(OwnerItem(fqn, None, layout.matrix_shape, layout.blocks))
+    return items
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerRange:
+    """A run of one parameter's owner items with one owner (and bucket): one plan entry.
+
+    Attributes:
+        fqn: the parameter.
+        experts: ``(start, stop)`` over its flattened leading dims; ``None`` for a 2-D parameter.
+        owner: the solver's rank of every item in the range.
+        items: positions of the range's items in the :func:`owner_items` list.
+        bucket: the DDP-style path's bucket, or ``None``.
+    """
+
+    fqn: str
+    experts: tuple[int, int] | None
+    owner: int
+    items: tuple[int, ...] = field(default=())
+    bucket: int | None = None
+
+
+def collapse_ranges(items: Sequence[OwnerItem], owners: Sequence[int],
+                    buckets: Sequence[int] | None = None) -> list[OwnerRange]:
+    """Solved items back to plan entries: per parameter, one contiguous expert range per owner.
+
+    The experts of one stack cost the same and weigh the same, so which expert goes to which
+    owner does not change any rank's load: without ``buckets`` the experts are renumbered so
+    that each owner's experts are contiguous, in the order owners first appear in the
+    solution (a stack with ``n`` owners becomes ``n`` ranges, each one reduce and one
+    broadcast). With ``buckets`` (the DDP-style path, buckets cut in backward order) only
+    neighbouring items with the same owner and bucket merge.
+    """
+    ranges: list[OwnerRange] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j < len(items) and items[j].fqn == items[i].fqn:
+            j += 1
+        if items[i].index is None:
+            ranges.append(OwnerRange(items[i].fqn, None, int(owners[i]), (i,),
+                                     None if buckets is None else int(buckets[i])))
+        elif buckets is not None:
+            start = i
+            for k in range(i + 1, j + 1):
+                if k == j or owners[k] != owners[start] or buckets[k] != buckets[start]:
+                    ranges.append(OwnerRange(items[i].fqn, (start - i, k - i), int(owners[start]),
+                                             tuple(range(start, k)), int(buckets[start])))
+                    start = k
+        else:
+            by_owner: dict[int, list[int]] = {}
+            for k in range(i, j):
+                by_owner.setdefault(int(owners[k]), []).append(k)
+            pos = 0
+            for owner, members in by_owner.items():
+                ranges.append(OwnerRange(items[i].fqn, (pos, pos + len(members)), owner, tuple(members)))
+                pos += len(members)
+        i = j
+    return ranges
+
+
+def as_matrices(t: torch.Tensor, matrix_shape: Sequence[int]) -> torch.Tensor:
+    """A record's tensor (a 2-D matrix, or a range of a stack) as ``[n, rows, cols]``
+    Newton-Schulz matrices of ``matrix_shape`` (a view of a contiguous ``t``)."""
+    return t.reshape(-1, int(matrix_shape[0]), int(matrix_shape[1]))
+
+
+@dataclass(eq=False)
+class StackSlot:
+    """The module slot of a stack split over several owner ranges.
+
+    Each range is a record of its own (its master, compute weight, publication and gradient);
+    the module computes with the whole stack, so ``show("compute")`` registers the
+    concatenation of the ranges' compute weights, shaped as the parameter (autograd splits the
+    gradient back into the ranges; one copy of the stack per show, the price of ranges that
+    live in different owners' publish buffers). ``show("master")`` registers the first range's
+    master (an fp32 range on its owner, a zero-size placeholder elsewhere); the other ranges'
+    masters are reached through dmuon (the optimizer, ``dmuon.state_dict``).
+
+    Attributes:
+        module: the module holding the parameter.
+        attr: its attribute name.
+        shape: the full parameter shape.
+        records: the ranges' records, in expert order.
+    """
+
+    module: nn.Module
+    attr: str
+    shape: tuple[int, ...]
+    records: list = field(default_factory=list)
+
+    def show(self, which: str) -> None:
+        if which == "compute":
+            whole = torch.cat([rec.compute for rec in self.records]).view(self.shape)
+            self.module._parameters[self.attr] = whole  # a non-leaf: autograd reaches the ranges
+        else:
+            self.module._parameters[self.attr] = self.records[0].master

@@ -1,0 +1,290 @@
+"""Mixture-of-Experts models trained with dmuon on gloo ranks (issue 26).
+
+Each case builds a tiny, randomly initialised MoE model (Hugging Face ``Qwen3MoeForCausalLM``,
+``MixtralForCausalLM``, ``DeepseekV3ForCausalLM`` from a config: no downloads; a torch.nn model
+whose experts are a ``ModuleList`` of ``nn.Linear`` pairs, routed so that some experts get no
+tokens on some ranks). :func:`train` runs on every rank of the test pool under FSDP2 (1-D) or
+HSDP; :func:`reference` is single-process ``torch.optim.Muon`` on each expert's 2-D slice as a
+parameter of its own (copied in and out of the stack around each step) + ``torch.optim.AdamW``
+on the rest, on the global batch. The reference lists its Muon matrices by name per case and
+shares no code with dmuon's selection, plan or update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests import models
+
+VOCAB, SEQ, LOCAL_BATCH = 32, 6, 2
+OPT_KWARGS = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
+                  ns_dtype=torch.float32, ns_coefficients="muon")
+
+
+# --------------------------------------------------------------------- a ModuleList MoE
+class Expert(nn.Module):
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.tanh(self.up(x)))
+
+
+class ListMoE(nn.Module):
+    """Top-1 routed experts kept as separate modules (a ``ModuleList``); only the experts that
+    get tokens run, so the others take no gradient on that rank (as in many hand-written MoEs)."""
+
+    def __init__(self, width: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.router = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList([Expert(width, hidden) for _ in range(experts)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        flat = h.reshape(-1, h.shape[-1])
+        probs = torch.softmax(self.router(flat), dim=-1)
+        weight, choice = probs.max(dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            idx = (choice == e).nonzero().flatten()
+            if idx.numel():  # no tokens: the expert does not run (no gradient on this rank)
+                out.index_add_(0, idx, expert(flat[idx]) * weight[idx, None])
+        return x + out.view_as(x)
+
+
+class ListMoENet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList([ListMoE(16, 12, 4), ListMoE(16, 12, 4)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).mean(dim=(1, 2))
+
+
+def _list_batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Few tokens per rank (2 x 3) over 4 experts x 2 layers: some experts get none on a rank.
+    g = torch.Generator().manual_seed(5000 + step)
+    return torch.randint(0, VOCAB, (n, 3), generator=g), torch.randn(n, generator=g)
+
+
+def _mse(model: nn.Module, idx: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((model(idx) - y) ** 2).mean()
+
+
+# ------------------------------------------------------------------------ HF MoE models
+def _tokens(step: int, n: int) -> tuple[torch.Tensor]:
+    g = torch.Generator().manual_seed(3000 + step)
+    return (torch.randint(0, VOCAB, (n, SEQ), generator=g),)
+
+
+def _causal_lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def _qwen3_moe() -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                            moe_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                            decoder_sparse_step=1, max_position_embeddings=2 * SEQ)
+    return Qwen3MoeForCausalLM(config)
+
+
+def _mixtral() -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=2 * SEQ)
+    return MixtralForCausalLM(config)
+
+
+def _deepseek_v3() -> nn.Module:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    # layer 0 dense, layer 1 MoE: a shared expert (an MLP of 2-D matrices) + 4 routed experts
+    config = DeepseekV3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
+                              moe_intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
+                              num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
+                              q_lora_rank=None, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                              v_head_dim=4, max_position_embeddings=2 * SEQ)
+    return DeepseekV3ForCausalLM(config)
+
+
+@dataclass(frozen=True)
+class Case:
+    """An MoE model as a user would train it.
+
+    Attributes:
+        build: builds the model (called after ``torch.manual_seed``).
+        blocks: the modules ``fully_shard`` is called on before the root.
+        batch: ``batch(step, n)`` -> the global batch of ``n`` samples.
+        loss: ``loss(model, *batch)`` -> scalar mean loss.
+        embeddings: 2-D trainable weights that stay on AdamW.
+    """
+
+    build: Callable[[], nn.Module]
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    batch: Callable[[int, int], tuple[torch.Tensor, ...]]
+    loss: Callable[..., torch.Tensor]
+    embeddings: tuple[str, ...]
+
+
+CASES: dict[str, Case] = {
+    "hf-qwen3-moe": Case(build=_qwen3_moe, blocks=lambda m: list(m.model.layers), batch=_tokens,
+                         loss=_causal_lm_loss, embeddings=("model.embed_tokens.weight",)),
+    "hf-mixtral": Case(build=_mixtral, blocks=lambda m: list(m.model.layers), batch=_tokens,
+                       loss=_causal_lm_loss, embeddings=("model.embed_tokens.weight",)),
+    "hf-deepseek-v3": Case(build=_deepseek_v3, blocks=lambda m: list(m.model.layers), batch=_tokens,
+                           loss=_causal_lm_loss, embeddings=("model.embed_tokens.weight",)),
+    "list-moe": Case(build=ListMoENet, blocks=lambda m: list(m.blocks), batch=_list_batch, loss=_mse,
+                     embeddings=("emb.weight",)),
+}
+
+
+def build(case: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = CASES[case].build()
+    model.train()
+    return model
+
+
+def muon_names(case: str, model: nn.Module) -> list[str]:
+    """The reference's Muon parameters: 2-D trainable weights not in ``embeddings``, and the
+    3-D expert stacks (by name: ``experts.gate_up_proj`` / ``experts.down_proj``)."""
+    skip = set(CASES[case].embeddings)
+    return [n for n, p in model.named_parameters() if p.requires_grad and n not in skip
+            and (p.ndim == 2 or (p.ndim == 3 and n.rsplit(".", 2)[-2] == "experts"))]
+
+
+def local_batch(case: str, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    whole = CASES[case].batch(step, LOCAL_BATCH * world_size)
+    return tuple(t[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH] for t in whole)
+
+
+# ------------------------------------------------------------------------------ ranks
+def full_params(model: nn.Module, rank: int) -> dict[str, np.ndarray]:
+    """Every parameter's full value on rank 0 (``{}`` elsewhere): a stack assembled from its
+    owners' expert ranges (replica 0 under HSDP), FSDP2 parameters gathered. Collective."""
+    state = model._dmuon_state
+    mine = [(rec.fqn, rec.key, rec.master.detach().numpy().copy()) for rec in state.records
+            if rec.is_owner and state.replicate_rank == 0]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    ranges: dict[str, list] = {}
+    for part in parts:
+        for fqn, key, value in part:
+            start = int(key[len(fqn) + 1:].split(":")[0]) if key != fqn else 0
+            ranges.setdefault(fqn, []).append((start, value))
+    out: dict[str, np.ndarray] = {}
+    for fqn, pieces in ranges.items():
+        pieces.sort(key=lambda p: p[0])
+        out[fqn] = pieces[0][1] if len(pieces) == 1 else np.concatenate([p[1] for p in pieces])
+    shapes = {rec.fqn: rec.stack.shape for rec in state.records if rec.stack is not None}
+    for fqn, shape in shapes.items():
+        out[fqn] = out[fqn].reshape(shape)
+    for name, p in model.named_parameters():
+        if name not in out and not hasattr(p, "_dmuon_fqn"):
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = t.detach().numpy().copy()
+    return out if rank == 0 else {}
+
+
+def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = "fsdp",
+          fused_blocks: dict | None = None) -> dict[str, Any]:
+    """``fully_shard`` each block and the root (1-D ``"fsdp"`` or 2 x (world/2) ``"hsdp"``),
+    dedicate with the default predicate, train ``steps`` in fp32 exact mode; return full
+    params (rank 0), losses, the dedicated plan entries and how many owners each stack has."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = build(case)
+    if mesh == "hsdp":
+        device_mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        device_mesh = init_device_mesh("cpu", (world_size,))
+    for block in CASES[case].blocks(model):
+        fully_shard(block, mesh=device_mesh)
+    fully_shard(model, mesh=device_mesh)
+    predicate = dmuon.default_predicate(model, fused_blocks=fused_blocks)
+    plan = dmuon.dedicate_params(model, device_mesh, predicate=predicate, group_cost=0.0)
+    opt = dmuon.Muon(model, **OPT_KWARGS)
+    losses = []
+    for step in range(steps):
+        loss = CASES[case].loss(model, *local_batch(case, step, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    owners: dict[str, set] = {}
+    for spec in plan.matrices:
+        owners.setdefault(spec.fqn, set()).add(spec.owner)
+    return dict(params=full_params(model, rank), losses=losses,
+                entries=[spec.key for spec in plan.matrices],
+                max_owners_per_param=max((len(v) for v in owners.values()), default=0))
+
+
+def reference(case: str, world_size: int, steps: int = 3,
+              fused_blocks: dict | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Single-process ``torch.optim.Muon`` (fp32 iteration) on every expert's 2-D slice (or
+    its row blocks) as a parameter of its own + ``AdamW`` on the rest, on the global batch."""
+    model = build(case)
+    names = set(muon_names(case, model))
+    fused = fused_blocks or {}
+    stacks, mats, views = [], [], []  # views: (stack, index, rows slice, slice parameter)
+    for n, p in model.named_parameters():
+        if n not in names:
+            continue
+        k = fused.get(n.rsplit(".", 1)[-1], 1)
+        if p.ndim == 2 and k == 1:
+            mats.append(p)
+            continue
+        stacks.append(p)
+        stored = p.data.reshape(-1, p.shape[-2], p.shape[-1])
+        rows = p.shape[-2] // k
+        for e in range(stored.shape[0]):
+            for b in range(k):
+                piece = nn.Parameter(stored[e, b * rows:(b + 1) * rows].clone())
+                views.append((p, e, slice(b * rows, (b + 1) * rows), piece))
+                mats.append(piece)
+    rest = [p for n, p in model.named_parameters() if n not in names and p.requires_grad]
+    muon = torch.optim.Muon(mats, lr=OPT_KWARGS["lr"], weight_decay=OPT_KWARGS["weight_decay"],
+                            ns_coefficients=models.MUON_COEFFICIENTS)
+    adamw = torch.optim.AdamW(rest, lr=OPT_KWARGS["adamw_lr"], weight_decay=OPT_KWARGS["weight_decay"])
+    losses = []
+    with models.reference_ns(torch.float32):
+        for step in range(steps):
+            loss = CASES[case].loss(model, *CASES[case].batch(step, LOCAL_BATCH * world_size))
+            loss.backward()
+            for stack, e, rows, piece in views:
+                grad = stack.grad
+                piece.grad = None if grad is None else grad.reshape(-1, *stack.shape[-2:])[e, rows].clone()
+            muon.step()
+            adamw.step()
+            with torch.no_grad():
+                for stack, e, rows, piece in views:
+                    stack.data.reshape(-1, *stack.shape[-2:])[e, rows].copy_(piece)
+            for opt in (muon, adamw):
+                opt.zero_grad()
+            for stack in stacks:
+                stack.grad = None
+            losses.append(loss.item())
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
