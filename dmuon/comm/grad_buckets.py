@@ -25,10 +25,19 @@ the average, as DDP's reducer does (Li et al., "PyTorch Distributed", VLDB 2020)
 accumulation, since the ``.grad`` a rank starts a backward with is the same average on every
 rank. So the step issues no collective of its own for them.
 
-Matrices that did not take a gradient in this backward (unused in this forward) stay out of
-the owners' gradients: their slots are zeroed and ignored, exactly as ``torch.optim.Muon``
-skips a parameter whose ``grad`` is ``None``. Which matrices are used must be the same on
-every rank (it is for a model that runs the same graph everywhere).
+Matrices that did not take a gradient on a rank in this backward (an expert of a
+``ModuleList`` MoE that got no tokens there) contribute zeros, as FSDP2 does with an unused
+parameter: their slots are zeroed, and one *presence flag* per matrix, at the end of its
+owner's segment, travels with the reduce (1 where the rank had a gradient, summed over the
+ranks). The owner then knows whether any rank had one: a matrix no rank used stays out of the
+owners' gradients, exactly as ``torch.optim.Muon`` skips a parameter whose ``grad`` is
+``None`` (under HSDP the flag is summed across replicas too: :mod:`dmuon.comm.hsdp_replicas`).
+
+Since a bucket holding such a matrix is complete at different times on different ranks, buckets
+go out in one rank-independent order (:class:`IssueOrder`: by their last matrix in model order,
+descending, which is backward order for a model that runs its modules in registration order):
+a full bucket waits for the buckets before it, and the end of backward issues whatever is
+left, in that order, so every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -85,10 +94,11 @@ class GradBucket:
     pending: list[Pending] = field(default_factory=list)
     shared: list[torch.nn.Parameter] = field(default_factory=list)
     shared_slots: dict[torch.nn.Parameter, tuple[int, int]] = field(default_factory=dict)
+    flags: list[int] = field(default_factory=list)  # per record: its presence flag's position
     numel: int = 0  # of flat
 
     def __post_init__(self) -> None:
-        self.numel = sum(n for _, n in self.slots)
+        self.numel = sum(n for _, n in self.slots) + len(self.flags)
 
     def attach_shared(self, params: list[torch.nn.Parameter]) -> None:
         """Carry ``params`` (non-dedicated, trainable, this bucket's dtype and device) in this
@@ -127,14 +137,21 @@ class GradBucket:
         self.ready.add(rec)
         return self.full()
 
+    @property
+    def takes_grads(self) -> bool:
+        """Some member takes a gradient: the bucket is reduced in every synced backward."""
+        return bool(self.expected)
+
     def issue(self, group: dist.ProcessGroup, mode: str) -> None:
         """Start the bucket's collective(s); slots without a gradient are zeroed first, and the
         shared parameters' ``.grad`` (the sum over this backward and any ``no_sync`` ones) are
         copied in."""
         self._alloc()
-        for rec, (start, numel) in zip(self.records, self.slots):
-            if rec not in self.ready:
+        for rec, (start, numel), flag in zip(self.records, self.slots, self.flags):
+            present = rec in self.ready
+            if not present:
                 self.flat[start: start + numel].zero_()
+            self.flat[flag] = 1.0 if present else 0.0
         if self.shared:
             grads = [p.grad for p in self.shared]
             present = [g is not None for g in grads]
@@ -160,11 +177,14 @@ class GradBucket:
         return (f"the gradient all-reduce of {[r.fqn for r in self.records][:4]}{shared} "
                 f"(matrices of owner rank {', '.join(map(str, owners))})")
 
-    def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None]]:
-        """Wait, then yield ``(record, average)`` for every record that had a gradient.
+    def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None, float]]:
+        """Wait, then yield ``(record, average, ranks)`` for every record of the bucket.
 
-        ``average`` is a new fp32 ``[rows, cols]`` tensor on the owner (the sum over the group
-        divided by ``world_size``) and ``None`` elsewhere. The bucket is empty afterwards.
+        ``average`` is a new fp32 tensor of the record's shape on the owner (the sum over the
+        group divided by ``world_size``; zeros where no rank had a gradient) and ``None``
+        elsewhere; ``ranks`` is, on the owner, how many ranks had a gradient (the summed
+        presence flag; 0: no rank used the matrix) and, elsewhere, whether this rank had one.
+        The bucket is empty afterwards.
         """
         for pend in self.pending:
             pend.wait()
@@ -186,14 +206,15 @@ class GradBucket:
                         avgs.append(avg)
                 if into:
                     torch._foreach_copy_(into, avgs)
-        for rec, (start, numel) in zip(self.records, self.slots):
-            if rec not in self.ready:
-                continue
+        flags = self.flat[self.flags].tolist() if self.flags else []
+        for rec, (start, numel), ranks in zip(self.records, self.slots, flags):
             avg = None
             if rec.is_owner:
                 piece = self.flat[start: start + numel].view(rec.shape)
                 avg = piece.to(torch.float32, copy=True).div_(world_size)
-            yield rec, avg
+            else:
+                ranks = float(rec in self.ready)
+            yield rec, avg, ranks
         if not self.persistent:
             self.flat = None
         self.active = False
@@ -201,16 +222,52 @@ class GradBucket:
         self.pending.clear()
 
 
+@dataclass(eq=False)
+class IssueOrder:
+    """The one order every rank issues its gradient buckets in, within a backward.
+
+    Attributes:
+        buckets: every bucket, in issue order (:func:`make_buckets`' order).
+        next: position of the first bucket not yet issued in this backward.
+    """
+
+    buckets: list[GradBucket]
+    next: int = 0
+
+    def full(self, group: dist.ProcessGroup, mode: str) -> None:
+        """A bucket is full: issue every bucket from ``next`` on that is full, in order."""
+        while self.next < len(self.buckets):
+            bucket = self.buckets[self.next]
+            if bucket.takes_grads and not (bucket.active and bucket.full()):
+                return
+            if bucket.takes_grads and not bucket.issued:
+                bucket.issue(group, mode)
+            self.next += 1
+
+    def finish(self, group: dist.ProcessGroup, mode: str) -> None:
+        """End of a synced backward: issue the rest, in order (a bucket none of whose members
+        took a gradient on this rank still goes out: other ranks may have them)."""
+        for bucket in self.buckets[self.next:]:
+            if bucket.takes_grads and not bucket.issued:
+                bucket.issue(group, mode)
+        self.next = 0
+
+
 def finish_buckets(buckets: list[GradBucket], group: dist.ProcessGroup, mode: str,
-                   world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None]]:
-    """End of backward: issue the buckets a member of which took no gradient, wait for every
-    bucket, and yield :meth:`GradBucket.take`'s ``(record, average)`` pairs in bucket order."""
+                   world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None, float]]:
+    """End of backward: issue the buckets not yet out (in :class:`IssueOrder`), wait for every
+    bucket, and yield :meth:`GradBucket.take`'s ``(record, average, ranks)`` in bucket order.
+
+    A backward that put no gradient in any bucket (``no_sync``, or nothing dedicated took
+    part) issues nothing; otherwise every bucket whose members take gradients goes out on
+    every rank, so ranks whose experts got no tokens still join the reduce."""
+    synced = any(bucket.active for bucket in buckets)
+    if not synced:
+        return
+    IssueOrder(buckets, next=0).finish(group, mode)
     for bucket in buckets:
-        if not bucket.active:  # no gradient in this backward (or not syncing)
-            continue
-        if not bucket.issued:  # a member took no gradient in this backward
-            bucket.issue(group, mode)
-        yield from bucket.take(world_size)
+        if bucket.issued:
+            yield from bucket.take(world_size)
 
 
 def make_buckets(records: list[DedicatedParam], blocks: list[int], persistent: bool = False) -> list[GradBucket]:
@@ -227,20 +284,24 @@ def make_buckets(records: list[DedicatedParam], blocks: list[int], persistent: b
     buckets = []
     for (_, dtype, device), members in keyed.items():
         members = sorted(members, key=lambda r: r.owner)  # stable: model order within an owner
-        slots, segments, start = [], [], 0
-        for rec in members:
-            numel = math.prod(rec.shape)
-            slots.append((start, numel))
-            if segments and segments[-1][0] == rec.owner:
-                owner, seg_start, seg_numel = segments[-1]
-                segments[-1] = (owner, seg_start, seg_numel + numel)
-            else:
-                segments.append((rec.owner, start, numel))
-            start += numel
+        slots, flags, segments, start = [], [], [], 0
+        owners = list(dict.fromkeys(rec.owner for rec in members))
+        for owner in owners:  # each owner's segment: its matrices, then their presence flags
+            mine = [rec for rec in members if rec.owner == owner]
+            seg_start = start
+            for rec in mine:
+                numel = math.prod(rec.shape)
+                slots.append((start, numel))
+                start += numel
+            flags += list(range(start, start + len(mine)))
+            start += len(mine)
+            segments.append((owner, seg_start, start - seg_start))
         expected = frozenset(r for r in members if r.compute.requires_grad)
         index = {r: i for i, r in enumerate(members)}  # records hash by identity (eq=False)
         buckets.append(GradBucket(members, slots, index, segments, dtype, device, expected,
-                                  persistent=persistent))
+                                  persistent=persistent, flags=flags))
+    # the issue order (IssueOrder): backward order for modules run in registration order
+    buckets.sort(key=lambda b: -max(rec.order for rec in b.records))
     logger.debug("dmuon: %d gradient buckets for %d matrices", len(buckets), len(records))
     return buckets
 

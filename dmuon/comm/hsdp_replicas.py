@@ -261,16 +261,21 @@ def reduce_to_owners(buckets: Sequence[GradBucket], roles: MeshRoles, reduce_mod
     """
     replicas = roles.replicate_size
     combine = ReplicaCombine(group=roles.replicate, replicate_rank=replicate_rank) if replicas > 1 else None
-    for rec, avg in finish_buckets(buckets, roles.shard, reduce_mode, world_size):
+    for rec, avg, ranks in finish_buckets(buckets, roles.shard, reduce_mode, world_size):
+        # every record of a reduced bucket, on every replica alike ("broadcast" masters go out
+        # for all of them: one not stepped is the same on every replica)
         rec.had_grad = True
         if avg is not None and combine is not None:  # avg: on the owner only
-            combine.add(rec, avg)
-        elif avg is not None:
+            # the presence count rides along, so every replica agrees whether any rank of any
+            # replica had a gradient (an expert with no tokens in one replica only)
+            combine.add(rec, torch.cat([avg.reshape(-1), avg.new_tensor([ranks])]))
+        elif avg is not None and ranks > 0:  # no rank had a gradient: Muon skips the matrix
             _accumulate(rec, avg)
     if combine is not None:
         combine.issue()
         for rec, summed in combine.wait():
-            _accumulate(rec, summed.div_(replicas))
+            if summed[-1] > 0:
+                _accumulate(rec, summed[:-1].view(rec.shape).div_(replicas))
 
 
 def _accumulate(rec: DedicatedParam, avg: torch.Tensor) -> None:

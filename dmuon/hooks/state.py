@@ -48,7 +48,7 @@ from dmuon.hooks.bind import Selected, Wiring, bind, check_materialized
 from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.step_check import StepCheck
 from dmuon.comm.collectives import label
-from dmuon.comm.grad_buckets import GradBucket
+from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
@@ -112,6 +112,7 @@ class DedicateState:
         self.units: list[Unit] = []
         self.groups: list[PublishGroup] = []
         self.buckets: list[GradBucket] = []
+        self.issue_order = IssueOrder([])  # every rank's order of issuing the buckets
         self.replicated: ReplicatedGrads | None = None
         self.shared_bucket: GradBucket | None = None  # keep mode: carries the other parameters
         self.keep = False  # replicas="keep": every rank keeps the full weights
@@ -177,6 +178,7 @@ class DedicateState:
         binding = bind(self)
         self.records, self.units, self.groups, self.buckets = (
             binding.records, binding.units, binding.groups, binding.buckets)
+        self.issue_order = IssueOrder(self.buckets)
         self.keep, self._fsdp_states = binding.keep, binding.fsdp_states
         self.fsdp_wrapped = bool(binding.fsdp_states)
         # without FSDP2 dmuon issues every collective of the step: the check can wait until
@@ -229,6 +231,7 @@ class DedicateState:
         combine (:func:`dmuon.comm.hsdp_replicas.reduce_to_owners`); the other parameters'
         DDP-style all-reduce finishes last."""
         self._final_callback_queued = False
+        self.issue_order.next = 0  # the rest go out below, in the same order
         self.step_check.settle()  # before waiting on (or issuing) any reduce of this backward
         for unit in self.units:  # units with unused matrices, or cut short by checkpointing
             unit.post_backward()

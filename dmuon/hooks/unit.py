@@ -255,7 +255,7 @@ class Unit:
                 grad = grad.to_local()
             if bucket.add(rec, grad):
                 ctx.step_check.settle()  # the ranks agree before the first reduce goes out
-                bucket.issue(ctx.group, ctx.reduce_mode)
+                ctx.issue_order.full(ctx.group, ctx.reduce_mode)  # in the one order of all ranks
         # else gradient accumulation: keep the local sum in compute.grad (full size on every
         # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
         group.grad_in(rec)
