@@ -227,7 +227,10 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
     predicate = dmuon.default_predicate(model, fused_blocks=fused_blocks)
     plan = dmuon.dedicate_params(model, device_mesh, predicate=predicate, group_cost=0.0)
     opt = dmuon.Muon(model, **OPT_KWARGS)
-    losses = []
+    losses, calls = [], []  # calls: (step, expert module name) that ran on this rank
+    for name, module in model.named_modules():
+        if isinstance(module, Expert):
+            module.register_forward_hook(lambda m, a, o, name=name: calls.append((len(losses), name)))
     for step in range(steps):
         loss = CASES[case].loss(model, *local_batch(case, step, rank, world_size))
         loss.backward()
@@ -237,7 +240,7 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
     owners: dict[str, set] = {}
     for spec in plan.matrices:
         owners.setdefault(spec.fqn, set()).add(spec.owner)
-    return dict(params=full_params(model, rank), losses=losses,
+    return dict(params=full_params(model, rank), losses=losses, calls=sorted(set(calls)),
                 entries=[spec.key for spec in plan.matrices],
                 max_owners_per_param=max((len(v) for v in owners.values()), default=0))
 
@@ -288,3 +291,48 @@ def reference(case: str, world_size: int, steps: int = 3,
                 stack.grad = None
             losses.append(loss.item())
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+# ------------------------------------------------------------------------------ bad input
+class Plain3d(nn.Module):
+    """A 3-D parameter whose module declares no expert count (leading dim: not experts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(4, 6, 8))
+        self.fc = nn.Linear(8, 8)
+
+
+class WithConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.fc = nn.Linear(8, 8)
+
+
+BAD_INPUT = {
+    # case: (model, predicate)
+    "1d": (lambda: nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)), lambda n, p: True),
+    "conv": (WithConv, lambda n, p: p.ndim >= 2),
+    "not-experts": (Plain3d, lambda n, p: p.ndim >= 2),
+    "bad-blocks": (_qwen3_moe, lambda n, p: 3 if n.endswith("gate_up_proj") else p.ndim == 2),
+}
+
+
+def bad_input(rank: int, world_size: int, *, case: str) -> str:
+    """``dedicate_params`` with a bad selection: the error each rank raises (no hang)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    torch.manual_seed(0)
+    make, predicate = BAD_INPUT[case]
+    model = make()
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model, mesh=mesh)
+    try:
+        dmuon.dedicate_params(model, mesh, predicate=predicate)
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"

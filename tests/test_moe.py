@@ -29,3 +29,91 @@ def test_moe_model_matches_reference(dist_pool, case, world_size, mesh):
     worst = compare(out[0]["params"], ref, FP32_ATOL)
     print(f"{case} {mesh} on {world_size} ranks: max |diff| {worst:.3g}")  # for the issue note (-s)
     np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
+
+
+def test_modulelist_experts_without_tokens_on_some_ranks(dist_pool):
+    """Some expert runs on one rank and not on the other in some step (that rank contributes
+    zero), and the run still matches the reference (checked above): the case is exercised."""
+    out = dist_pool.run(2, "tests.moe_cases:train", dict(case="list-moe", steps=STEPS), timeout_s=120)
+    calls = [set(map(tuple, o["calls"])) for o in out]
+    assert calls[0] ^ calls[1], "every expert ran on both ranks in every step: the case is not exercised"
+    ref, _ = cases.reference("list-moe", 2, STEPS)
+    compare(out[0]["params"], ref, FP32_ATOL)
+
+
+def test_fused_gate_up_split_into_blocks_matches_reference(dist_pool):
+    """``default_predicate(fused_blocks={"gate_up_proj": 2})``: gate and up orthogonalized
+    separately, as torch.optim.Muon on each [I, H] block as a parameter of its own."""
+    blocks = {"gate_up_proj": 2}
+    out = dist_pool.run(2, "tests.moe_cases:train",
+                        dict(case="hf-qwen3-moe", steps=STEPS, fused_blocks=blocks), timeout_s=120)
+    ref, ref_losses = cases.reference("hf-qwen3-moe", 2, STEPS, fused_blocks=blocks)
+    worst = compare(out[0]["params"], ref, FP32_ATOL)
+    print(f"hf-qwen3-moe fused_blocks=2 on 2 ranks: max |diff| {worst:.3g}")
+    np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
+    # whole-matrix Muon would differ: the split is real
+    whole, _ = cases.reference("hf-qwen3-moe", 2, STEPS)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    assert (whole[name] - ref[name]).abs().max() > 1e-3
+
+
+def test_default_predicate_selects_expert_stacks_and_router():
+    model = cases.build("hf-qwen3-moe")
+    import dmuon
+
+    pick = dmuon.default_predicate(model)
+    chosen = {n for n, p in model.named_parameters() if pick(n, p)}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in chosen  # [E, 2I, H]: one matrix per expert
+    assert "model.layers.1.mlp.experts.down_proj" in chosen
+    assert "model.layers.0.mlp.gate.weight" in chosen  # the router: a 2-D matrix, today's rule
+    assert "model.embed_tokens.weight" not in chosen
+    assert not {n for n in chosen if "norm" in n}
+    assert chosen == set(cases.muon_names("hf-qwen3-moe", model))
+    split = dmuon.default_predicate(model, fused_blocks={"gate_up_proj": 2})
+    params = dict(model.named_parameters())
+    assert split("model.layers.0.mlp.experts.gate_up_proj", params["model.layers.0.mlp.experts.gate_up_proj"]) == 2
+    assert split("model.layers.0.mlp.experts.down_proj", params["model.layers.0.mlp.experts.down_proj"]) is True
+    conv = cases.WithConv()
+    assert not dmuon.default_predicate(conv)("conv.weight", conv.conv.weight)  # convolutions: AdamW
+
+
+@pytest.mark.parametrize("case,words", [
+    ("1d", ["'0.bias'", "(8,)", "2-D matrices or stacks", "predicate=..."]),
+    ("conv", ["'conv.weight'", "convolution", "(4, 3, 3, 3)", "predicate=..."]),
+    ("not-experts", ["'table'", "(4, 6, 8)", "declares no expert count", "num_experts = 4", "predicate=..."]),
+    ("bad-blocks", ["gate_up_proj'", "3 row blocks", "16 rows"]),
+])
+def test_bad_stack_selection_raises_on_every_rank(dist_pool, case, words):
+    out = dist_pool.run(2, "tests.moe_cases:bad_input", dict(case=case), timeout_s=60)
+    for msg in out:  # every rank, before any collective: no hang
+        assert msg.startswith("ValueError: dmuon: "), msg
+        for word in words:
+            assert word in msg, (word, msg)
+
+
+def test_plan_records_expert_ranges():
+    """The balancer sees every expert; the plan collapses them into one contiguous range per
+    owner, round-trips them through JSON and covers them in its digest."""
+    from dmuon.owners.plan import OwnerPlan, build_plan
+
+    shapes = [("attn.w", (16, 16)), ("moe.gate_up", (8, 8, 16)), ("moe.down", (8, 16, 4))]
+    plan = build_plan(shapes, 4, method="greedy")
+    ranges = [m for m in plan.matrices if m.fqn == "moe.gate_up"]
+    assert len(ranges) > 1 and len({m.owner for m in ranges}) == len(ranges)
+    assert [m.experts for m in ranges][0][0] == 0 and ranges[-1].experts[1] == 8
+    assert all(a.experts[1] == b.experts[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(m.shape == (8, 16) for m in ranges)  # one expert's matrix
+    assert abs(sum(plan.loads()) - sum(m.cost for m in plan.matrices)) < 1e-6
+    again = OwnerPlan.from_dict(plan.to_dict())
+    assert again == plan and again.digest() == plan.digest()
+    import dataclasses
+
+    moved = dataclasses.replace(plan, matrices=tuple(
+        dataclasses.replace(m, experts=(0, m.experts[1] + 1)) if m is ranges[0] else m
+        for m in plan.matrices))
+    assert moved.digest() != plan.digest()
+    plan.check_matches(dict(shapes), 4)
+    with pytest.raises(ValueError, match="expert ranges"):
+        moved.check_matches(dict(shapes), 4)
+    with pytest.raises(ValueError, match="re-solve"):
+        plan.check_matches({**dict(shapes), "moe.down": (8, 16, 8)}, 4)
