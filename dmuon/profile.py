@@ -56,7 +56,7 @@ def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
     with torch.device("meta"):
         model = factory()
     # dedicate_params' own selection rule, so the plan names exactly the matrices it dedicates
-    out = [(sel.fqn, sel.shape) for sel in select_matrices(model, default_predicate(model))]
+    out = [(sel.fqn, sel.shape) for sel in select_matrices(model, default_predicate(model))]  # stacks too
     if not out:
         raise ValueError(f"dmuon: --model {spec!r} has no 2-D non-embedding parameter to dedicate")
     return out
@@ -67,7 +67,7 @@ def rank_table(plan, memory_by_rank: Sequence[float], nodes: int, gpus_per_node:
     loads = plan.loads()
     counts = [0] * plan.world_size
     for m in plan.matrices:
-        counts[m.owner] += 1
+        counts[m.owner] += m.matrices  # an expert range counts its experts
     unit = plan.cost_unit
     scale, label = (1e12, "TFLOP") if unit == "flops" else (1.0, "ms")
     rows = [("rank", "node", "gpu", f"load [{label}]", "load/mean", "memory [GiB]", "matrices")]
@@ -102,7 +102,8 @@ def plot_loads(plan, path: str) -> None:
     ax.axhline(plan.lower_bound, color="k", ls="--", lw=1, label="lower bound max(total/D, largest)")
     ax.set_xlabel("rank")
     ax.set_ylabel(f"Newton-Schulz load [{plan.cost_unit}]")
-    ax.set_title(f"dmuon owner plan: {len(plan.matrices)} matrices on {plan.world_size} ranks")
+    ax.set_title(f"dmuon owner plan: {sum(m.matrices for m in plan.matrices)} matrices on "
+                 f"{plan.world_size} ranks")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -126,9 +127,12 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     """
     from dmuon.owners.plan import build_plan
 
-    shapes = [tuple(s) for _, s in named_shapes]
-    costs, overhead, unit = profile_costs(shapes, measure=measure, device=device,
-                                          cache_path=cache_path, progress=progress)
+    from dmuon.owners.stacks import param_layout
+
+    layouts = [param_layout(fqn, s) for fqn, s in named_shapes]  # a stack: its experts' matrices
+    matrix_costs, overhead, unit = profile_costs([lay.matrix_shape for lay in layouts], measure=measure,
+                                                 device=device, cache_path=cache_path, progress=progress)
+    costs = [c * lay.count for c, lay in zip(matrix_costs, layouts)]  # per parameter
     plan = build_plan(named_shapes, nodes * gpus_per_node, costs=costs, cost_unit=unit,
                       method=method, time_limit_s=time_limit_s,
                       groups=layer_groups([f for f, _ in named_shapes]), group_cost=group_cost,

@@ -17,6 +17,22 @@ Sources (public configs):
       action_time_mlp_out (1024 -> 1024).
     * Qwen2.5-7B (Qwen/Qwen2.5-7B config.json): hidden 3584, intermediate 18944, 28 layers,
       28 heads, 4 KV heads, head dim 128 (q/o: 3584 x 3584, k/v: 512 x 3584).
+    * Qwen3-30B-A3B (Qwen/Qwen3-30B-A3B config.json): hidden 2048, 48 layers, 32 heads, 4 KV
+      heads, head dim 128, 128 experts (8 active) of moe_intermediate 768, router
+      ``mlp.gate.weight`` [128, 2048]. Experts as Hugging Face ``transformers`` 5.x stores them:
+      ``mlp.experts.gate_up_proj`` [128, 1536, 2048] and ``mlp.experts.down_proj``
+      [128, 2048, 768], one Muon matrix per expert (:mod:`dmuon.owners.stacks`).
+    * Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B config.json, DeepSeek-V3 architecture):
+      hidden 2048, 27 layers (layer 0 dense, intermediate 11264), MLA with 16 heads, no q LoRA,
+      kv_lora_rank 512, qk nope/rope 128/64, v 128; 64 routed experts (6 active) of
+      moe_intermediate 1408 and 2 shared experts (one MLP of 2 x 1408).
+    * Kimi K2 (moonshotai/Kimi-K2-Instruct config.json, DeepSeek-V3 architecture): hidden 7168,
+      61 layers (layer 0 dense, intermediate 18432), MLA with 64 heads, q_lora_rank 1536,
+      kv_lora_rank 512, qk nope/rope 128/64, v 128; 384 routed experts (8 active) of
+      moe_intermediate 2048 and 1 shared expert.
+
+An expert stack is listed as ``(fqn, (experts, rows, cols))``; the plan balances it expert by
+expert and records one expert range per owner.
 """
 
 from __future__ import annotations
@@ -24,7 +40,7 @@ from __future__ import annotations
 import re
 from typing import Callable
 
-Inventory = list[tuple[str, tuple[int, int]]]
+Inventory = list[tuple[str, tuple[int, ...]]]  # (rows, cols), or (experts, rows, cols)
 
 
 def _gemma_layers(prefix: str, layers: int, width: int, mlp: int, heads: int, kv_heads: int,
@@ -88,10 +104,80 @@ def qwen2_5_7b() -> Inventory:
     return _gemma_layers("model", 28, 3584, 18944, 28, 4, 128)
 
 
+def qwen3_30b_a3b() -> Inventory:
+    """Qwen3-30B-A3B: 48 layers of attention (4 matrices), router and two expert stacks of 128:
+    12,528 Newton-Schulz matrices."""
+    width, heads, kv_heads, head_dim, experts, inter = 2048, 32, 4, 128, 128, 768
+    out: Inventory = []
+    for i in range(48):
+        p = f"model.layers.{i}"
+        out += [
+            (f"{p}.self_attn.q_proj.weight", (heads * head_dim, width)),
+            (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, width)),
+            (f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, width)),
+            (f"{p}.self_attn.o_proj.weight", (width, heads * head_dim)),
+            (f"{p}.mlp.gate.weight", (experts, width)),
+            (f"{p}.mlp.experts.gate_up_proj", (experts, 2 * inter, width)),
+            (f"{p}.mlp.experts.down_proj", (experts, width, inter)),
+        ]
+    return out
+
+
+def _deepseek_v3(*, width, layers, dense_layers, dense_inter, heads, q_lora, kv_lora, nope, rope, v,
+                 experts, inter, shared) -> Inventory:
+    out: Inventory = []
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        attn = f"{p}.self_attn"
+        if q_lora:
+            out += [(f"{attn}.q_a_proj.weight", (q_lora, width)),
+                    (f"{attn}.q_b_proj.weight", (heads * (nope + rope), q_lora))]
+        else:
+            out.append((f"{attn}.q_proj.weight", (heads * (nope + rope), width)))
+        out += [(f"{attn}.kv_a_proj_with_mqa.weight", (kv_lora + rope, width)),
+                (f"{attn}.kv_b_proj.weight", (heads * (nope + v), kv_lora)),
+                (f"{attn}.o_proj.weight", (width, heads * v))]
+        if i < dense_layers:
+            out += [(f"{p}.mlp.gate_proj.weight", (dense_inter, width)),
+                    (f"{p}.mlp.up_proj.weight", (dense_inter, width)),
+                    (f"{p}.mlp.down_proj.weight", (width, dense_inter))]
+            continue
+        out += [(f"{p}.mlp.gate.weight", (experts, width)),
+                (f"{p}.mlp.experts.gate_up_proj", (experts, 2 * inter, width)),
+                (f"{p}.mlp.experts.down_proj", (experts, width, inter)),
+                (f"{p}.mlp.shared_experts.gate_proj.weight", (shared * inter, width)),
+                (f"{p}.mlp.shared_experts.up_proj.weight", (shared * inter, width)),
+                (f"{p}.mlp.shared_experts.down_proj.weight", (width, shared * inter))]
+    return out
+
+
+def moonlight_16b_a3b() -> Inventory:
+    """Moonlight-16B-A3B (DeepSeek-V3 shaped): 26 MoE layers of 64 experts: 3,543 matrices."""
+    return _deepseek_v3(width=2048, layers=27, dense_layers=1, dense_inter=11264, heads=16, q_lora=0,
+                        kv_lora=512, nope=128, rope=64, v=128, experts=64, inter=1408, shared=2)
+
+
+def kimi_k2() -> Inventory:
+    """Kimi K2 (DeepSeek-V3 shaped, 1T parameters): 60 MoE layers of 384 experts: 46,628
+    matrices."""
+    return _deepseek_v3(width=7168, layers=61, dense_layers=1, dense_inter=18432, heads=64, q_lora=1536,
+                        kv_lora=512, nope=128, rope=64, v=128, experts=384, inter=2048, shared=1)
+
+
+def matrix_count(inv: Inventory) -> int:
+    """Newton-Schulz matrices of an inventory (a stack counts its experts)."""
+    import math
+
+    return sum(math.prod(shape[:-2]) for _, shape in inv)
+
+
 INVENTORIES: dict[str, Callable[[], Inventory]] = {
     "pi0": pi0,
     "pi0-tiny": pi0_tiny,
     "qwen2.5-7b": qwen2_5_7b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "moonlight-16b-a3b": moonlight_16b_a3b,
+    "kimi-k2": kimi_k2,
 }
 
 
