@@ -99,7 +99,46 @@ class Workload:
 
 
 def _matrix_params(inv, prefix: str = "") -> float:
-    return float(sum(r * c for fqn, (r, c) in inv if fqn.startswith(prefix)))
+    return float(sum(r * c for fqn, (r, c) in matrices(inv) if fqn.startswith(prefix)))
+
+
+def matrices(inv) -> list[tuple[str, tuple[int, int]]]:
+    """The inventory's Newton-Schulz matrices: a stack ``(experts, rows, cols)`` is its experts'
+    matrices, each under the stack's name (same layer), through the shape seam
+    (:mod:`dmuon.owners.stacks`)."""
+    from dmuon.owners.stacks import param_layout
+
+    out = []
+    for fqn, shape in inv:
+        layout = param_layout(fqn, shape)
+        out += [(fqn, layout.matrix_shape)] * layout.count
+    return out
+
+
+#: MoE models: (inventory, layers, attention width (heads x head dim), experts active / total,
+#: embedding + untied head parameters). Public configs, see :mod:`dmuon.balance.inventories`.
+MOE = {
+    "qwen3-30b-a3b": dict(layers=48, attn=4096, active=8 / 128, embed=2 * 151_936 * 2048),
+    "moonlight-16b-a3b": dict(layers=27, attn=16 * 128, active=6 / 64, embed=2 * 163_840 * 2048),
+    "kimi-k2": dict(layers=61, attn=64 * 128, active=8 / 384, embed=2 * 163_840 * 7168),
+}
+
+
+def moe_workload(name: str, tokens: int = 16384, accumulation: int = 1) -> Workload:
+    """An MoE model's per-GPU work: ``6 N_active T + 12 L d s T`` (s = 4096), where
+    ``N_active`` counts the dense matrices, the embedding/head and ``active`` of the experts.
+    FSDP2 (and dmuon) over every parameter, no expert parallelism: every expert is gathered
+    (published) in forward and backward, as the simulator's FSDP2 model does for a dense model."""
+    cfg = MOE[name]
+    inv = inventory(name)
+    experts = float(sum(r * c for fqn, (r, c) in matrices(inv) if ".experts." in fqn))
+    dense = _matrix_params(inv) - experts
+    active = dense + experts * cfg["active"] + cfg["embed"]
+    flops = 6.0 * active * tokens + 12.0 * cfg["layers"] * cfg["attn"] * 4096 * tokens
+    return Workload(name=name, other_params=cfg["embed"] + 1e6, fb_flops=flops, micro_batches=accumulation,
+                    source=f"assumed: {accumulation} micro-batch(es) of {tokens} tokens/GPU (sequences of "
+                           f"4096); {cfg['active']:.4f} of the experts active per token; FSDP2 over every "
+                           "parameter, no expert parallelism; 6 N_active T + 12 L d s T")
 
 
 def workloads(pi0_batch: int = 32, qwen_tokens: int = 16384, accumulation: int = 1) -> dict[str, Workload]:
@@ -115,6 +154,7 @@ def workloads(pi0_batch: int = 32, qwen_tokens: int = 16384, accumulation: int =
     qw_embed = 152_064 * 3584  # embedding and untied lm_head, each
     qw_flops = 6.0 * (_matrix_params(qw) + qw_embed) * qwen_tokens + 12.0 * 28 * 3584 * 4096 * qwen_tokens
     return {
+        **{name: moe_workload(name, qwen_tokens, accumulation) for name in MOE},
         "pi0": Workload(name="pi0", other_params=pi_embed + 1e6, fb_flops=pi_flops,
                         micro_batches=accumulation,
                         source=f"assumed: {accumulation} micro-batches of {pi0_batch} samples/GPU per "
@@ -130,6 +170,7 @@ def workloads(pi0_batch: int = 32, qwen_tokens: int = 16384, accumulation: int =
 
 def _units(inv) -> list[list[tuple[int, int]]]:
     """Matrix shapes grouped per layer (FSDP2 unit / dmuon publication unit), forward order."""
+    inv = matrices(inv)
     groups = layer_groups([f for f, _ in inv])
     units: list[list[tuple[int, int]]] = [[] for _ in range(max(groups) + 1)]
     for g, (_, shape) in zip(groups, inv):
@@ -139,7 +180,7 @@ def _units(inv) -> list[list[tuple[int, int]]]:
 
 def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto") -> dict:
     """Predicted phase times (s) of the three optimizers for one model, cluster and GPU count."""
-    inv = inventory(work.name)
+    inv = matrices(inventory(work.name))  # an expert stack: one matrix per expert
     comm = AlphaBeta(cluster, p)
     nodes = max(1, p // cluster.gpus_per_node)
     units = _units(inv)
@@ -213,7 +254,7 @@ def predict_replicated(work: Workload, cluster: Cluster, p: int, *, bucket_cap_m
     """Predicted phase times (s) on the replicated path: DDP + AdamW, vanilla under DDP, dmuon keep."""
     from dmuon.owners.plan import build_bucket_plan
 
-    inv = inventory(work.name)
+    inv = matrices(inventory(work.name))
     comm = AlphaBeta(cluster, p)
     shapes = [s for _, s in inv]
     matrix_n = float(sum(r * c for r, c in shapes))
@@ -287,8 +328,8 @@ def predict(models: tuple[str, ...], clusters: tuple[str, ...], gpus: tuple[int,
             for p in gpus:
                 work = works[m]
                 if global_tokens is not None:
-                    if m != "qwen2.5-7b":
-                        raise ValueError(f"simulate: global_tokens applies to qwen2.5-7b, not {m!r}")
+                    if m == "pi0":
+                        raise ValueError(f"simulate: global_tokens applies to the token models, not {m!r}")
                     work = workloads(accumulation=max(1, global_tokens // (p * 16384)))[m]
                 row = predict_one(work, CLUSTERS[c], p, method=method)
                 rows.append({"model": m, "cluster": CLUSTERS[c].name,
@@ -353,6 +394,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--validate", nargs="*", default=[], help="bench_step.py JSON(s) to validate against")
     p.add_argument("--out", default=None, help="JSON path (the PNG goes beside it)")
     p.add_argument("--tiny", action="store_true", help="CI smoke mode: Qwen on H100 at 8 and 16 GPUs, greedy plans")
+    p.add_argument("--moe", action="store_true",
+                   help="only the MoE models (Qwen3-30B-A3B, Moonlight-16B-A3B, Kimi K2) on H100 at 8-256 "
+                        "GPUs, against the anchors (NVIDIA: Muon +3.9%% over AdamW at 8 GPUs on "
+                        "Qwen3-30B-A3B, +2.1%% at 256 GPUs on Kimi K2)")
     p.add_argument("--replicated", action="store_true",
                    help="only the replicated (DDP-style) path: Pi0 at 8-64 GPUs, dmuon vs DDP + AdamW")
     a = p.parse_args(argv)
@@ -369,6 +414,23 @@ def main(argv: list[str] | None = None) -> None:
                                                "bench/simulate.py docstring", "bucket_cap_mb": 25,
                                        "clusters": {k: dataclasses.asdict(c) for k, c in CLUSTERS.items()},
                                        "workload": dataclasses.asdict(workloads()["pi0"]), "rows": rows},
+                                      indent=1))
+        return
+    if a.moe:
+        rows = predict(tuple(MOE), ("h100",), GPU_COUNTS)
+        print("SIMULATED (not measured), MoE models:")
+        print(format_table(rows))
+        for model, gpus, anchor in (("qwen3-30b-a3b", 8, 1.039), ("kimi-k2", 256, 1.021)):
+            row = next(r for r in rows if r["model"] == model and r["gpus"] == gpus)
+            print(f"{model} at {gpus} GPUs: dmuon/AdamW {row['dmuon_over_adamw']:.4f} against the anchor "
+                  f"{anchor:.3f} (Muon over AdamW as NVIDIA reported it)")
+        if a.out:
+            out = pathlib.Path(a.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"what": "simulated MoE step times (s); see bench/simulate.py",
+                                       "anchors": {"qwen3-30b-a3b@8": 1.039, "kimi-k2@256": 1.021},
+                                       "workloads": {k: dataclasses.asdict(workloads()[k]) for k in MOE},
+                                       "cluster": dataclasses.asdict(CLUSTERS["h100"]), "rows": rows},
                                       indent=1))
         return
     if a.tiny:

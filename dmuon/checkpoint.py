@@ -267,20 +267,23 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     ctx.ensure_bound()
     _ensure_optimizer_state(opt)
     model_sd: dict[str, Any] = {}
+    dedicated = {rec.fqn for rec in ctx.records}
     for fqn, value in model.state_dict().items():
-        if fqn in ctx.plan.owner_by_fqn:
+        if fqn in dedicated:
             continue  # added below, owners only
         model_sd[fqn] = value
     optim_state: dict[str, dict[str, Any]] = {}
     for rec in ctx.records:
         if rec.is_owner:
-            model_sd[rec.fqn] = _tp_sharded(rec, rec.master.detach())
+            # rec.key: the FQN, or "fqn[start:stop]" for an expert range of a stack split over
+            # owners (such a checkpoint loads into the same plan's ranges)
+            model_sd[rec.key] = _tp_sharded(rec, rec.master.detach())
             buf = opt.state.get(rec.master, {}).get("momentum_buffer")
             # HSDP "broadcast": replicas other than 0 never step this matrix; their buffer is
             # zeros, and DCP would write it if their plan happened to be the smallest.
             stale = rec.replicate_mode == "broadcast" and ctx.replicate_rank != 0
             if buf is not None and not stale:
-                optim_state[rec.fqn] = {"momentum_buffer": _tp_sharded(rec, buf)}
+                optim_state[rec.key] = {"momentum_buffer": _tp_sharded(rec, buf)}
     for fqn, param in _adamw_params(model, opt):
         optim_state[fqn] = dict(opt.state[param])
     groups = {g["kind"]: {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}

@@ -110,7 +110,7 @@ def _mixtral() -> nn.Module:
 
     config = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=2 * SEQ)
+                           num_local_experts=3, num_experts_per_tok=2, max_position_embeddings=2 * SEQ)
     return MixtralForCausalLM(config)
 
 

@@ -82,6 +82,11 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     ndim = mesh.ndim
+    if "ep" in names:  # not a data-parallel dim: experts live on their own ranks
+        raise ValueError(
+            f"dmuon: mesh {_describe(mesh)} has an expert-parallel dimension 'ep'; dmuon does not "
+            f"support expert parallelism yet. Pass the data-parallel mesh the blocks were "
+            f"fully_shard-ed on, with the experts sharded by FSDP2.")
     if ndim == 1:
         if names and names[0] in TP_NAMES:  # TP only: a DP "group" of one rank per TP rank
             return -1, None, 0, names[0]

@@ -109,7 +109,7 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
             two names (tied weights cannot have one owner's placeholder swapped on two
             modules). Every rank sees the same model, so every rank raises alike (no hang).
     """
-    from dmuon.owners.stacks import check_expert_stack, param_layout
+    from dmuon.owners.stacks import check_expert_stack, param_layout, refuse_expert_parallel
 
     seen: dict[int, str] = {}
     selected: list[Selected] = []
@@ -133,6 +133,7 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
             blocks = 1 if picked is True else picked
             layout = param_layout(fqn, param.shape, blocks)  # >= 2-D, blocks divide the rows
             check_expert_stack(fqn, module, param.shape)
+            refuse_expert_parallel(fqn, param)
             selected.append(Selected(fqn=fqn, module=module, attr=attr, shape=layout.shape,
                                      blocks=layout.blocks))
     # A tied parameter seen first as non-dedicated and later selected under its second name.

@@ -140,6 +140,29 @@ def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> Non
             f"predicate=... to leave it on AdamW.")
 
 
+#: mesh dimension names of expert parallelism (torchtitan's ``"ep"``)
+EP_NAMES = ("ep",)
+
+
+def refuse_expert_parallel(fqn: str, param: torch.Tensor) -> None:
+    """Refuse a parameter placed on an expert-parallel mesh dimension (experts ``Shard(0)``
+    over ``"ep"``, as torchtitan lays them out): each rank computes with its own experts only,
+    which dmuon's publish-whole-stack runtime does not do yet (issue 26 item 4). Every rank
+    sees the same placements, so every rank raises alike.
+
+    Raises:
+        ValueError: naming the parameter, its mesh and the way out.
+    """
+    mesh = getattr(param, "device_mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
+    if any(n in EP_NAMES for n in names):
+        raise ValueError(
+            f"dmuon: parameter {fqn!r} (shape {tuple(param.shape)}) is placed on a mesh with an "
+            f"expert-parallel dimension {names}; dmuon does not support expert parallelism yet "
+            f"(each rank would have to keep its own experts). Shard the experts with FSDP2 "
+            f"(fully_shard) instead, or pass predicate=... to leave them on AdamW.")
+
+
 @dataclass(frozen=True, slots=True)
 class OwnerItem:
     """What the balancer places: a 2-D parameter, or one stored matrix of a stack.
