@@ -27,9 +27,12 @@ rank. So the step issues no collective of its own for them.
 
 Matrices that did not take a gradient on a rank in this backward (an expert of a
 ``ModuleList`` MoE that got no tokens there) contribute zeros, as FSDP2 does with an unused
-parameter: their slots are zeroed, and one *presence flag* per matrix, at the end of its
-owner's segment, travels with the reduce (1 where the rank had a gradient, summed over the
-ranks). The owner then knows whether any rank had one: a matrix no rank used stays out of the
+parameter: their slots are zeroed. In a bucket holding a routed expert's matrix
+(``DedicatedParam.optional``, :func:`dmuon.owners.stacks.expert_module_names`) one *presence
+flag* per matrix, at the end of its owner's segment, travels with the reduce (1 where the rank
+had a gradient, summed over the ranks); other buckets keep their sizes, since gloo's summation
+order, hence the last bit of a sum, depends on a buffer's size (their matrices take part in
+backward on every rank or on none, and the owner's own gradient says which). The owner then knows whether any rank had one: a matrix no rank used stays out of the
 owners' gradients, exactly as ``torch.optim.Muon`` skips a parameter whose ``grad`` is
 ``None`` (under HSDP the flag is summed across replicas too: :mod:`dmuon.comm.hsdp_replicas`).
 
@@ -147,11 +150,12 @@ class GradBucket:
         shared parameters' ``.grad`` (the sum over this backward and any ``no_sync`` ones) are
         copied in."""
         self._alloc()
-        for rec, (start, numel), flag in zip(self.records, self.slots, self.flags):
+        for i, (rec, (start, numel)) in enumerate(zip(self.records, self.slots)):
             present = rec in self.ready
             if not present:
                 self.flat[start: start + numel].zero_()
-            self.flat[flag] = 1.0 if present else 0.0
+            if self.flags:
+                self.flat[self.flags[i]] = 1.0 if present else 0.0
         if self.shared:
             grads = [p.grad for p in self.shared]
             present = [g is not None for g in grads]
@@ -206,8 +210,13 @@ class GradBucket:
                         avgs.append(avg)
                 if into:
                     torch._foreach_copy_(into, avgs)
-        flags = self.flat[self.flags].tolist() if self.flags else []
+        # without flags (no routed expert here) a record is present where it is ready
+        flags = self.flat[self.flags].tolist() if self.flags else [None] * len(self.records)
         for rec, (start, numel), ranks in zip(self.records, self.slots, flags):
+            if ranks is None:
+                if rec not in self.ready:
+                    continue
+                ranks = 1.0
             avg = None
             if rec.is_owner:
                 piece = self.flat[start: start + numel].view(rec.shape)
@@ -227,12 +236,16 @@ class IssueOrder:
     """The one order every rank issues its gradient buckets in, within a backward.
 
     Attributes:
-        buckets: every bucket, in issue order (:func:`make_buckets`' order).
+        buckets: every bucket; kept in issue order: by the bucket's last matrix in model order,
+            descending (backward order for modules run in registration order).
         next: position of the first bucket not yet issued in this backward.
     """
 
     buckets: list[GradBucket]
     next: int = 0
+
+    def __post_init__(self) -> None:
+        self.buckets = sorted(self.buckets, key=lambda b: -max(rec.order for rec in b.records))
 
     def full(self, group: dist.ProcessGroup, mode: str) -> None:
         """A bucket is full: issue every bucket from ``next`` on that is full, in order."""
@@ -286,6 +299,7 @@ def make_buckets(records: list[DedicatedParam], blocks: list[int], persistent: b
         members = sorted(members, key=lambda r: r.owner)  # stable: model order within an owner
         slots, flags, segments, start = [], [], [], 0
         owners = list(dict.fromkeys(rec.owner for rec in members))
+        flagged = any(rec.optional for rec in members)  # a routed expert: presence flags
         for owner in owners:  # each owner's segment: its matrices, then their presence flags
             mine = [rec for rec in members if rec.owner == owner]
             seg_start = start
@@ -293,15 +307,15 @@ def make_buckets(records: list[DedicatedParam], blocks: list[int], persistent: b
                 numel = math.prod(rec.shape)
                 slots.append((start, numel))
                 start += numel
-            flags += list(range(start, start + len(mine)))
-            start += len(mine)
+            if flagged:
+                flags += list(range(start, start + len(mine)))
+                start += len(mine)
             segments.append((owner, seg_start, start - seg_start))
         expected = frozenset(r for r in members if r.compute.requires_grad)
         index = {r: i for i, r in enumerate(members)}  # records hash by identity (eq=False)
         buckets.append(GradBucket(members, slots, index, segments, dtype, device, expected,
                                   persistent=persistent, flags=flags))
-    # the issue order (IssueOrder): backward order for modules run in registration order
-    buckets.sort(key=lambda b: -max(rec.order for rec in b.records))
+
     logger.debug("dmuon: %d gradient buckets for %d matrices", len(buckets), len(records))
     return buckets
 

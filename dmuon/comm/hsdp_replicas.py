@@ -266,15 +266,17 @@ def reduce_to_owners(buckets: Sequence[GradBucket], roles: MeshRoles, reduce_mod
         # for all of them: one not stepped is the same on every replica)
         rec.had_grad = True
         if avg is not None and combine is not None:  # avg: on the owner only
-            # the presence count rides along, so every replica agrees whether any rank of any
-            # replica had a gradient (an expert with no tokens in one replica only)
-            combine.add(rec, torch.cat([avg.reshape(-1), avg.new_tensor([ranks])]))
+            # a routed expert's presence count rides along, so every replica agrees whether any
+            # rank of any replica had a gradient (an expert with no tokens in one replica only)
+            combine.add(rec, torch.cat([avg.reshape(-1), avg.new_tensor([ranks])]) if rec.optional else avg)
         elif avg is not None and ranks > 0:  # no rank had a gradient: Muon skips the matrix
             _accumulate(rec, avg)
     if combine is not None:
         combine.issue()
         for rec, summed in combine.wait():
-            if summed[-1] > 0:
+            if not rec.optional:
+                _accumulate(rec, summed.div_(replicas))
+            elif summed[-1] > 0:
                 _accumulate(rec, summed[:-1].view(rec.shape).div_(replicas))
 
 

@@ -40,6 +40,7 @@ class Selected:
     attr: str
     shape: tuple[int, ...]
     blocks: int = 1
+    optional: bool = False  # a ModuleList expert: may take no gradient on some ranks
 
     @property
     def layout(self) -> ParamLayout:
@@ -196,6 +197,7 @@ def bind(ctx: DedicateState) -> Binding:
             tp_shard_dim=sl.shard_dim, tp_owner=spec.tp_owner,
             replicate_mode=spec.replicate_mode or "compute",  # the plan decides
             matrix_shape=sel.layout.matrix_shape if stacked else sel.shape, key=spec.key,
+            optional=sel.optional,
         )
         if len(specs_of[sel.fqn]) > 1:  # the module computes with the whole stack
             slot = slots.setdefault(i, StackSlot(sel.module, sel.attr, tuple(sel.shape)))

@@ -109,8 +109,10 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
             two names (tied weights cannot have one owner's placeholder swapped on two
             modules). Every rank sees the same model, so every rank raises alike (no hang).
     """
-    from dmuon.owners.stacks import check_expert_stack, param_layout, refuse_expert_parallel
+    from dmuon.owners.stacks import (check_expert_stack, expert_module_names, in_expert, param_layout,
+                                     refuse_expert_parallel)
 
+    experts = expert_module_names(model)
     seen: dict[int, str] = {}
     selected: list[Selected] = []
     for module_name, module in model.named_modules():
@@ -135,7 +137,7 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
             check_expert_stack(fqn, module, param.shape)
             refuse_expert_parallel(fqn, param)
             selected.append(Selected(fqn=fqn, module=module, attr=attr, shape=layout.shape,
-                                     blocks=layout.blocks))
+                                     blocks=layout.blocks, optional=in_expert(module_name, experts)))
     # A tied parameter seen first as non-dedicated and later selected under its second name.
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

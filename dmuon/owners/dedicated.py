@@ -65,6 +65,8 @@ class DedicatedParam:
         key: the plan entry's name (:attr:`dmuon.owners.plan.MatrixSpec.key`).
         stack: the :class:`dmuon.owners.stacks.StackSlot` of a stack split into several
             ranges (it shows the module the whole stack); ``None`` otherwise.
+        optional: a routed expert's matrix (:func:`dmuon.owners.stacks.expert_module_names`):
+            it may take no gradient on some ranks of a step.
     """
 
     fqn: str
@@ -85,6 +87,7 @@ class DedicatedParam:
     matrix_shape: tuple[int, int] = (0, 0)
     key: str = ""
     stack: Any = None
+    optional: bool = False
 
     @property
     def buffer(self) -> torch.Tensor:

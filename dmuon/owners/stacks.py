@@ -140,6 +140,31 @@ def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> Non
             f"predicate=... to leave it on AdamW.")
 
 
+def expert_module_names(model: nn.Module) -> set[str]:
+    """Names of the modules that are experts kept as separate modules: the children of an
+    ``nn.ModuleList`` held under an attribute named ``experts``, or held by a module that
+    declares an expert count (:data:`EXPERT_COUNT_ATTRS`). A routed expert runs only on the
+    ranks that route tokens to it, so its matrices may take no gradient on some ranks of a step;
+    the gradient buckets holding them carry presence flags (:mod:`dmuon.comm.grad_buckets`).
+    Every other matrix must take part in backward on every rank or on none (static graph), and
+    its buckets keep their sizes (gloo's summation order depends on a buffer's size).
+    """
+    names: set[str] = set()
+    for name, module in model.named_modules():
+        for attr, child in module.named_children():
+            if isinstance(child, nn.ModuleList) and (attr == "experts" or declared_experts(module) is not None):
+                prefix = f"{name}.{attr}" if name else attr
+                names.update(f"{prefix}.{i}" for i in range(len(child)))
+    return names
+
+
+def in_expert(module_name: str, experts: set[str]) -> bool:
+    """Whether the module ``module_name`` is (inside) one of ``experts``
+    (:func:`expert_module_names`)."""
+    parts = module_name.split(".")
+    return any(".".join(parts[:k]) in experts for k in range(1, len(parts) + 1))
+
+
 #: mesh dimension names of expert parallelism (torchtitan's ``"ep"``)
 EP_NAMES = ("ep",)
 
