@@ -92,6 +92,38 @@ def test_fp16_gram_no_worse_than_torch_muon_bf16(shape):
         assert gram_err <= bf16_err, (name, gram_err, bf16_err)
 
 
+def test_precision_comparison_runs_no_low_precision_cpu_matmul():
+    """What makes the comparison above machine-independent: under the fp32-accumulation op set
+    neither side hands an fp16/bf16 operand to a CPU matmul kernel (those accumulate in fp16 on
+    some CPUs). Every matmul-family aten op is recorded with its operand dtypes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+               torch.ops.aten.baddbmm.default}
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes: list[torch.dtype] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in matmuls:
+                self.dtypes += [a.dtype for a in args if isinstance(a, torch.Tensor)]
+            return func(*args, **(kwargs or {}))
+
+    G = torch.randn(3, 20, 36)
+    coeffs = resolve_coefficients("polar_express", 5)
+    with Record() as free:  # the unpatched default path does hit fp16 CPU kernels: the check can fail
+        newton_schulz(G[0], method="gram", dtype=torch.float16, backend="torch")
+    assert torch.float16 in free.dtypes
+    with Record() as rec:
+        with ns_accumulation.fp32_accumulation():
+            newton_schulz(G, method="gram", dtype=torch.float16, backend="torch")
+            newton_schulz(G[0], method="gram", dtype=torch.float16, backend="torch")
+        models._ns_reference(torch.bfloat16, coeffs, fp32_accumulate=True)(G[0], MUON, 5, 1e-7)
+    assert rec.dtypes and set(rec.dtypes) <= {torch.float32}, set(rec.dtypes)
+
+
 def test_fp32_accumulation_op_set_is_gpu_numerics():
     """The op set the precision tests use: one rounding of the fp32-accumulated product."""
     torch.manual_seed(6)
