@@ -336,3 +336,18 @@ def bad_input(rank: int, world_size: int, *, case: str) -> str:
     except Exception as e:  # noqa: BLE001 - the test reads the type and message
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def ep_mesh(rank: int, world_size: int) -> str:
+    """``dedicate_params`` on a mesh with an expert-parallel ``"ep"`` dimension: the error."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+
+    model = build("list-moe")
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    try:
+        dmuon.dedicate_params(model, mesh)
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -117,3 +117,26 @@ def test_plan_records_expert_ranges():
         moved.check_matches(dict(shapes), 4)
     with pytest.raises(ValueError, match="re-solve"):
         plan.check_matches({**dict(shapes), "moe.down": (8, 16, 8)}, 4)
+
+
+def test_expert_parallel_mesh_is_refused_on_every_rank(dist_pool):
+    """Expert parallelism is not built: a mesh with an "ep" dimension is refused by name."""
+    out = dist_pool.run(2, "tests.moe_cases:ep_mesh", {}, timeout_s=60, fresh=True)
+    for msg in out:
+        assert msg.startswith("ValueError: dmuon: mesh ") and "expert-parallel dimension 'ep'" in msg, msg
+
+
+def test_moe_inventory_plan_meets_its_bound():
+    """Qwen3-30B-A3B (48 layers x 128 experts x 2 stacks + attention and routers: 12,528
+    matrices) on 8 ranks: every expert placed, one range per (stack, owner), makespan at the
+    bound max(total / D, largest)."""
+    from dmuon.balance.inventories import inventory, matrix_count
+    from dmuon.owners.plan import build_plan
+
+    inv = inventory("qwen3-30b-a3b")
+    assert matrix_count(inv) == 12528
+    plan = build_plan(inv, 8, method="auto", time_limit_s=5.0, solver_report=True)
+    assert sum(m.matrices for m in plan.matrices) == 12528
+    assert plan.makespan <= 1.001 * plan.lower_bound, (plan.makespan, plan.lower_bound)
+    stacks = [m for m in plan.matrices if m.experts is not None]
+    assert len({(m.fqn, m.owner) for m in stacks}) == len(stacks)  # one range per (stack, owner)
