@@ -206,10 +206,24 @@ def full_params(model: nn.Module, rank: int) -> dict[str, np.ndarray]:
     return out if rank == 0 else {}
 
 
+def spread_plan(model: nn.Module, predicate, shard_size: int):
+    """An owner plan whose expert stacks are spread over every rank of the shard group (each
+    expert priced far above any other matrix), so every stack is split into expert ranges
+    with different owners: the tiny models' default plan may keep a stack whole on one owner."""
+    from dmuon.hooks.dedicate import select_matrices
+    from dmuon.owners.plan import build_plan
+
+    selected = select_matrices(model, predicate)
+    costs = [1e6 * sel.layout.count if sel.layout.is_stack else 1.0 for sel in selected]
+    return build_plan([(sel.fqn, sel.shape) for sel in selected], shard_size, costs=costs, method="greedy",
+                      blocks={sel.fqn: sel.blocks for sel in selected})
+
+
 def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = "fsdp",
-          fused_blocks: dict | None = None) -> dict[str, Any]:
+          fused_blocks: dict | None = None, spread: bool = True) -> dict[str, Any]:
     """``fully_shard`` each block and the root (1-D ``"fsdp"`` or 2 x (world/2) ``"hsdp"``),
-    dedicate with the default predicate, train ``steps`` in fp32 exact mode; return full
+    dedicate with the default predicate (and, with ``spread``, :func:`spread_plan`; else the
+    default plan), train ``steps`` in fp32 exact mode; return full
     params (rank 0), losses, the dedicated plan entries and how many owners each stack has."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -225,7 +239,8 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
         fully_shard(block, mesh=device_mesh)
     fully_shard(model, mesh=device_mesh)
     predicate = dmuon.default_predicate(model, fused_blocks=fused_blocks)
-    plan = dmuon.dedicate_params(model, device_mesh, predicate=predicate, group_cost=0.0)
+    plan = spread_plan(model, predicate, world_size // 2 if mesh == "hsdp" else world_size) if spread else None
+    plan = dmuon.dedicate_params(model, device_mesh, predicate=predicate, plan=plan, group_cost=0.0)
     opt = dmuon.Muon(model, **OPT_KWARGS)
     losses, calls = [], []  # calls: (step, expert module name) that ran on this rank
     for name, module in model.named_modules():
