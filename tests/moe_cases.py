@@ -235,9 +235,10 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
         device_mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     else:
         device_mesh = init_device_mesh("cpu", (world_size,))
-    for block in CASES[case].blocks(model):
-        fully_shard(block, mesh=device_mesh)
-    fully_shard(model, mesh=device_mesh)
+    if mesh != "plain":  # "plain": the module replicated on every rank (DDP-style keep mode)
+        for block in CASES[case].blocks(model):
+            fully_shard(block, mesh=device_mesh)
+        fully_shard(model, mesh=device_mesh)
     predicate = dmuon.default_predicate(model, fused_blocks=fused_blocks)
     plan = spread_plan(model, predicate, world_size // 2 if mesh == "hsdp" else world_size) if spread else None
     plan = dmuon.dedicate_params(model, device_mesh, predicate=predicate, plan=plan, group_cost=0.0)

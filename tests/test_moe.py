@@ -21,6 +21,7 @@ STEPS = 3
     ("hf-qwen3-moe", 4, "hsdp"),
     ("list-moe", 2, "fsdp"),
     ("list-moe", 4, "hsdp"),
+    ("hf-qwen3-moe", 2, "plain"),
 ])
 def test_moe_model_matches_reference(dist_pool, case, world_size, mesh):
     # DeepSeek-V3 runs on the default plan (a stack may stay whole on one owner); the other
