@@ -220,7 +220,7 @@ def spread_plan(model: nn.Module, predicate, shard_size: int):
 
 
 def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = "fsdp",
-          fused_blocks: dict | None = None, spread: bool = True) -> dict[str, Any]:
+          fused_blocks: dict | None = None, spread: bool = True, micro_batches: int = 1) -> dict[str, Any]:
     """``fully_shard`` each block and the root (1-D ``"fsdp"`` or 2 x (world/2) ``"hsdp"``),
     dedicate with the default predicate (and, with ``spread``, :func:`spread_plan`; else the
     default plan), train ``steps`` in fp32 exact mode; return full
@@ -248,8 +248,22 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
         if isinstance(module, Expert):
             module.register_forward_hook(lambda m, a, o, name=name: calls.append((len(losses), name)))
     for step in range(steps):
-        loss = CASES[case].loss(model, *local_batch(case, step, rank, world_size))
-        loss.backward()
+        batch = local_batch(case, step, rank, world_size)
+        if micro_batches > 1:  # gradient accumulation: dmuon.no_sync on all but the last
+            chunks = list(zip(*(t.chunk(micro_batches) for t in batch)))
+            total = 0.0
+            for k, chunk in enumerate(chunks):
+                part = CASES[case].loss(model, *chunk) / micro_batches
+                if k < len(chunks) - 1:
+                    with dmuon.no_sync(model):
+                        part.backward()
+                else:
+                    part.backward()
+                total += part.item()
+            loss = torch.tensor(total)
+        else:
+            loss = CASES[case].loss(model, *batch)
+            loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

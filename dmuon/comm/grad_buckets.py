@@ -150,6 +150,13 @@ class GradBucket:
         shared parameters' ``.grad`` (the sum over this backward and any ``no_sync`` ones) are
         copied in."""
         self._alloc()
+        for rec in self.records:
+            held = rec.compute.grad
+            if rec not in self.ready and held is not None:
+                # no gradient in this backward, but some from no_sync micro-batches (an expert
+                # that got tokens only there): that local sum is this rank's contribution
+                rec.compute.grad = None
+                self.add(rec, held.to_local() if hasattr(held, "to_local") else held)
         for i, (rec, (start, numel)) in enumerate(zip(self.records, self.slots)):
             present = rec in self.ready
             if not present:
