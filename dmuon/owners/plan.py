@@ -315,12 +315,15 @@ class OwnerPlan:
         return replace(self, matrices=matrices)
 
     # ------------------------------------------------------------- validation
-    def check_matches(self, shape_by_fqn: Mapping[str, Sequence[int]], world_size: int,
+    def check_matches(self, shape_by_fqn: Mapping[str, Any], world_size: int,
                       tp_size: int = 1) -> None:
         """Check that this plan fits a model's dedicated matrices and a mesh.
 
         Args:
-            shape_by_fqn: full shape of every dedicated matrix of the model, by FQN.
+            shape_by_fqn: every dedicated parameter of the model, by FQN: its full shape
+                (``(rows, cols)`` or a stack's ``(*lead, rows, cols)``) or its
+                :class:`dmuon.owners.stacks.ParamLayout` (with row blocks); a stack's expert
+                ranges must cover its experts once each.
             world_size: size of the data-parallel mesh the plan will run on.
 
         Raises:
@@ -330,7 +333,7 @@ class OwnerPlan:
         _check_plan_matches(self, shape_by_fqn, world_size, tp_size)
 
 
-def _check_plan_matches(plan: OwnerPlan, shape_by_fqn: Mapping[str, Sequence[int]], world_size: int,
+def _check_plan_matches(plan: OwnerPlan, shape_by_fqn: Mapping[str, Any], world_size: int,
                         tp_size: int) -> None:
     """:meth:`OwnerPlan.check_matches`: the first mismatch raises ``ValueError``."""
     if world_size != plan.world_size:
