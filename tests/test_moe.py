@@ -158,3 +158,8 @@ def test_modulelist_experts_with_gradient_accumulation(dist_pool):
     worst = compare(out[0]["params"], ref, FP32_ATOL)
     print(f"list-moe fsdp, 2 micro-batches on 2 ranks: max |diff| {worst:.3g}")
     np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
+
+
+def test_checkpoint_roundtrip_with_expert_ranges(dist_pool):
+    """dmuon.state_dict / load_state_dict with every stack split into ranges: bitwise resume."""
+    assert dist_pool.run(2, "tests.moe_cases:checkpoint_roundtrip", {}, timeout_s=120) == [True, True]
