@@ -83,7 +83,8 @@ def solve_milp(
     time_limit_s: float = 10.0,
     groups: Sequence[int] | None = None,
     group_cost: float = 0.0,
-) -> tuple[tuple[int, ...], bool] | None:
+    merge_classes: bool = True,
+) -> tuple[tuple[int, ...], bool]:
     """Solve the class-count MILP above with CBC.
 
     Args:
@@ -97,6 +98,8 @@ def solve_milp(
         time_limit_s: CBC wall-clock limit, seconds.
         groups: per-matrix publish-group id; used only with ``group_cost > 0``.
         group_cost: step time of one (group, owner) pair, in the unit of ``costs``.
+        merge_classes: one MILP class per (cost, memory) pair (default); False keeps one per
+            given class, the model that exposed CBC's RINS abort (issue 28's regression test).
 
     Returns:
         ``(owners, optimal)``: owners per matrix in input order, ``optimal`` True when CBC
@@ -116,11 +119,11 @@ def solve_milp(
                            memory_cap=memory_cap, batch_overhead=batch_overhead,
                            warm_start=warm_start, time_limit_s=time_limit_s,
                            groups=groups if group_cost > 0 else None,
-                           group_cost=float(group_cost))
+                           group_cost=float(group_cost), merge_classes=merge_classes)
 
 
 def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
-                time_limit_s, groups, group_cost):
+                time_limit_s, groups, group_cost, merge_classes):
     try:
         import pulp
     except ImportError as e:
@@ -134,7 +137,7 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     overhead_of = {s: float((batch_overhead or {}).get(s, 0.0)) for s in classes}
     # Interchangeable matrices share one MILP class: (cost, memory), or the shape itself where
     # it pays a batch overhead (see the module docstring).
-    merged = [("shape", s) if overhead_of[s] > 0 else
+    merged = [("shape", s) if overhead_of[s] > 0 or not merge_classes else
               ("cost", float(costs[i]), 0.0 if memory is None else float(memory[i]))
               for i, s in enumerate(classes)]
     keys = merged if groups is None else list(zip(groups, merged))

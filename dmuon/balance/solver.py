@@ -371,6 +371,8 @@ def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, **milp_args)
         return ok(res, "" if first is None else f" (retried without the warm start after: {first})")
     except MilpFailure as e:
         status = (f"failed: {e}" if first is None else
+                  f"failed: {first}; the retry without warm start failed the same way"
+                  if str(e) == first else
                   f"failed: {first}; retry without warm start failed: {e}")
     if fallback is not None:
         logger.warning("dmuon: owner MILP %s. Using the %s plan instead (%.4fx the bound)",
