@@ -95,11 +95,12 @@ def solver_summary(plan) -> list[str]:
     gap = 0.0 if extra["optimal"] or not proven else plan.makespan / proven - 1.0
     status = extra["milp_status"]
     what = ("greedy fallback after the MILP " + status if status.startswith("failed")
-            else f"MILP {status}")
+            else "MILP: CBC's best plan at its time limit, not proven optimal"
+            if status.startswith("time limit") else f"MILP {status}")
     return [
         f"makespan {plan.makespan / scale:.4f} {label} = {ratio:.4f} x lower bound "
         f"{plan.lower_bound / scale:.4f} (proven bound {proven / scale:.4f}: gap "
-        f"{100 * gap:.2f}%{', optimal' if extra['optimal'] else ''})",
+        f"{100 * gap:.3f}%{', optimal' if extra['optimal'] else ''})",
         f"plan by {plan.method}/{extra['detail']} ({what}), solved in {extra['solve_s']:.2f} s",
     ]
 
