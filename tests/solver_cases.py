@@ -20,10 +20,16 @@ class _Stub:
     """Takes PULP_CBC_CMD's arguments; ``actualSolve`` is what ``LpProblem.solve`` calls."""
 
     calls: list[bool] = []  # warmStart of every call, in order (reset by ``stub_cbc``)
+    procs: list = []  # the "hang" stub's child processes
     kind = ""
 
     def __init__(self, *args, warmStart: bool = False, **kwargs) -> None:
+        import os
+        import sys
+
         self.warm_start = warmStart
+        # what dmuon's hang watchdog kills by name: the "hang" stub's child runs this binary
+        self.path = os.path.realpath(sys.executable)
 
     def actualSolve(self, lp, **kwargs):
         import pulp
@@ -44,6 +50,13 @@ class _Stub:
         if self.kind == "not_solved":  # time limit struck before any plan
             lp.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
             return pulp.LpStatusNotSolved
+        if self.kind == "hang":  # a CBC that never returns: a child process that sleeps
+            import subprocess
+
+            proc = subprocess.Popen([self.path, "-c", "import time; time.sleep(300)"])
+            type(self).procs.append(proc)
+            proc.wait()
+            raise pulp.PulpSolverError(f"stub CBC exited {proc.returncode}")
         if self.kind == "infeasible":
             lp.assignStatus(pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible)
             return pulp.LpStatusInfeasible
@@ -53,16 +66,21 @@ class _Stub:
 @contextlib.contextmanager
 def stub_cbc(kind: str) -> Iterator[type[_Stub]]:
     """Replace ``pulp.PULP_CBC_CMD`` by a stub of ``kind`` ("raise", "garbage", "zeros",
-    "not_solved", "infeasible") inside the block; yields the stub class (``.calls``)."""
+    "not_solved", "infeasible", "hang") inside the block; yields the stub class (``.calls``,
+    ``.procs``)."""
     import pulp
 
-    stub = type(f"Stub_{kind}", (_Stub,), {"kind": kind, "calls": []})
+    stub = type(f"Stub_{kind}", (_Stub,), {"kind": kind, "calls": [], "procs": []})
     real = pulp.PULP_CBC_CMD
     pulp.PULP_CBC_CMD = stub
     try:
         yield stub
     finally:
         pulp.PULP_CBC_CMD = real
+        for proc in stub.procs:  # never leave a sleeper behind, whatever the test did
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 class _Records(logging.Handler):

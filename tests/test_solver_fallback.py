@@ -59,6 +59,26 @@ def test_every_solver_failure_falls_back_to_the_heuristic_plan(kind, monkeypatch
     assert CAUSES[kind] in warnings[0] and ref.detail in warnings[0]
 
 
+def test_a_hung_cbc_is_killed_and_falls_back(monkeypatch, caplog):
+    import time
+
+    import dmuon.balance.milp as milp
+
+    monkeypatch.setattr(milp, "HANG_MARGIN_S", 0.5)  # deadline 2 * 0.2 + 0.5 = 0.9 s per try
+    costs, shapes = tower_costs()
+    ref = heuristic_only(monkeypatch, solve, costs, 3, classes=shapes, method="auto")
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="dmuon.balance.solver"), \
+            cases.stub_cbc("hang") as stub:
+        res = solve(costs, 3, classes=shapes, method="auto", time_limit_s=0.2)
+        assert [p.wait(timeout=10) for p in stub.procs] == [-9, -9]  # both "CBC"s were killed
+    assert time.perf_counter() - start < 60  # not the stub's 300 s sleep
+    assert stub.calls == [True, False]
+    assert res.method == "greedy" and res.owners == ref.owners
+    assert "did not return within 1 s" in res.milp_status and "killed 1 process" in res.milp_status
+    assert "did not return within" in caplog.records[-1].getMessage()
+
+
 def test_retry_without_warm_start_recovers_with_the_real_cbc(monkeypatch):
     import pulp
 

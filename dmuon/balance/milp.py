@@ -28,7 +28,7 @@ batch of them (see :func:`dmuon.balance.cost.fit_batch_costs`), ``m_s`` its byte
 CBC (bundled with PuLP) with one thread, so an untimed-out solve is reproducible.
 
 Every way CBC can fail (it crashes, PuLP raises, the solution file is missing or holds values
-that are not a plan, no plan by the time limit, an infeasible status) raises
+that are not a plan, no plan by the time limit, an infeasible status, no return at all) raises
 :class:`MilpFailure` with the reason; :func:`dmuon.balance.solve` then retries once without the
 warm start and falls back to the heuristic plan with a warning.
 """
@@ -36,6 +36,9 @@ warm start and falls back to the heuristic plan with a warning.
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 import warnings
 from typing import Hashable, Mapping, Sequence
@@ -108,7 +111,7 @@ def solve_milp(
     Raises:
         ValueError: when matrices of one class differ in cost or memory.
         MilpFailure: when CBC gives no usable plan: PuLP or CBC is missing, CBC exits with an
-            error (e.g. its ``CoinError`` abort) or writes no solution, the status is
+            error (e.g. its ``CoinError`` abort), writes no solution or hangs, the status is
             infeasible or "not solved" (no plan by the time limit), or the values it returns
             are not a plan (not integral, negative, or not summing to each class's count).
     """
@@ -206,10 +209,7 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     # neighbourhood RINS searches; off, no measured plan got worse (Pi0, Qwen2.5-7B, 8-64 ranks).
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
                                warmStart=warm_start is not None, options=["rins off"])
-    try:
-        prob.solve(solver)
-    except Exception as e:  # PulpSolverError (CBC aborted, no solution file), OSError, ...
-        raise MilpFailure(f"CBC crashed: {type(e).__name__}: {_first_line(e)}") from e
+    _solve_with_deadline(prob, solver, time_limit_s)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         raise MilpFailure(
             f"CBC returned no plan: status {pulp.LpStatus.get(prob.status, prob.status)!r}, "
@@ -221,6 +221,69 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
                  "optimal" if optimal else "incumbent", time.perf_counter() - start,
                  len(order), num_ranks, len(gids))
     return tuple(owners), optimal
+
+
+#: Seconds past twice CBC's own time limit after which a CBC that has not returned counts as
+#: hung: it is killed and the solve fails (CBC stops itself at the limit; reading the model and
+#: writing the solution took under 1 s for Pi0 at 256 ranks, and a loaded 2-core machine can
+#: stretch the wall clock 2-3x).
+HANG_MARGIN_S = 30.0
+
+
+def _solve_with_deadline(prob, solver, time_limit_s: float) -> None:
+    """``prob.solve(solver)`` in a worker thread, waited on for ``2 * time_limit_s +``
+    :data:`HANG_MARGIN_S` seconds. PuLP waits on CBC's process without a timeout, so a CBC that
+    never returns would hang the caller (on ``dedicate_params``' rank 0: the whole job).
+
+    Raises:
+        MilpFailure: when CBC raised (``PulpSolverError``: it aborted or wrote no solution;
+            ``OSError``...), or did not return in time (its processes, children of this one
+            named like the solver binary, are then killed where ``/proc`` exists).
+    """
+    done = threading.Event()
+    box: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            prob.solve(solver)
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, name="dmuon-cbc", daemon=True)
+    thread.start()
+    deadline_s = 2 * time_limit_s + HANG_MARGIN_S
+    if not done.wait(deadline_s):
+        killed = _kill_child_processes(os.path.basename(str(getattr(solver, "path", "cbc"))))
+        raise MilpFailure(
+            f"CBC did not return within {deadline_s:.0f} s (time limit {time_limit_s} s): "
+            f"hung; killed {killed} process(es)")
+    if "error" in box:
+        e = box["error"]
+        raise MilpFailure(f"CBC crashed: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _kill_child_processes(name: str) -> int:
+    """SIGKILL this process's children whose command name is ``name`` (Linux ``/proc``; 0
+    elsewhere). Returns how many were signalled."""
+    killed = 0
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            if ppid == os.getpid() and comm == name[:15]:  # the kernel keeps 15 characters
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):
+            continue
+    return killed
 
 
 def _first_line(e: BaseException) -> str:
