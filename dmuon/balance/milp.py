@@ -4,7 +4,7 @@ Matrices of one *class* are interchangeable, so instead of one binary per (matri
 model counts them: ``x[s, r]`` is the number of class-``s`` matrices rank ``r`` owns. A class
 here is one (cost, memory) pair, so a shape and its transpose (``[16384, 2048]`` and ``[2048,
 16384]``: equal FLOPs, equal bytes) share one; only a shape with a batch overhead ``f_s > 0``
-stays a class of its own, as it pays ``f_s`` once per rank. For Qwen2.5-7B (196 matrices, 7
+stays a class of its own, as it pays ``f_s`` once per rank. For Qwen2.5-7B (196 matrices, 4
 shapes, 3 classes) at 256 ranks that is 768 integers instead of 50,176 binaries. Splitting
 interchangeable matrices into several classes (one per shape, as ``build_plan`` passes them)
 only adds symmetric solutions: measured on the 2-core dev machine, Qwen2.5-7B on 32 ranks is

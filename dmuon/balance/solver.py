@@ -34,10 +34,11 @@ from dmuon.balance.milp import MilpFailure, solve_milp
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` solves the MILP when (distinct matrix classes) x (ranks) is at most this. Measured
-#: on the 2-core dev machine (bench/results/balance_cases.json): Pi0 (16 classes) and
-#: Qwen2.5-7B (7 classes) at 256 ranks give 4096 and 1792 integer variables and finish in a
-#: few seconds; models with hundreds of distinct shapes at 256 ranks fall back to greedy.
+#: ``auto`` solves the MILP when (distinct given classes, i.e. shapes) x (ranks) is at most
+#: this; the MILP itself may merge them further (a shape and its transpose: one class, see
+#: :mod:`dmuon.balance.milp`). Pi0 (16 shapes, 11 MILP classes) and Qwen2.5-7B (4 shapes, 3
+#: classes) at 256 ranks count 4096 and 1024 here and finish in a few seconds on the 2-core dev
+#: machine; models with hundreds of distinct shapes at 256 ranks fall back to the heuristics.
 AUTO_MAX_INTEGER_VARS = 8192
 
 #: ``auto`` solves the publish-group MILP (:mod:`dmuon.balance.grouping`) when (distinct
@@ -61,7 +62,9 @@ class Assignment:
         lower_bound: ``max(total / num_ranks, largest cost)``, the bound the design reports.
         proven_bound: a lower bound at least as strong (pigeonhole bounds, or the makespan
             itself when ``optimal``); ``makespan / proven_bound - 1`` is a proven gap.
-        method: ``"milp"`` or ``"greedy"``: the solver whose plan was returned.
+        method: ``"milp"`` or ``"greedy"``: the solver whose plan was returned (``"milp"``
+            whenever CBC's plan is at least as good as the heuristic's, even when it is the
+            warm start itself; ``"greedy"`` also after a MILP failure, see ``milp_status``).
         optimal: True only where optimality is proven (MILP optimal, or makespan equal to a
             lower bound).
         solve_s: wall-clock seconds spent solving.
@@ -194,11 +197,14 @@ def solve(
     Returns:
         The :class:`Assignment`. With the same input it is the same on every run, unless the
         MILP hits its time limit (then the incumbent may depend on timing: solve once and
-        share the plan file).
+        share the plan file). A CBC failure is no error: the MILP is retried once without the
+        warm start, then the heuristic plan is returned with one warning naming the cause
+        (:func:`milp_fallback`; ``Assignment.milp_status``).
 
     Raises:
         ValueError: on bad arguments, or when ``memory_cap`` is infeasible (the message gives
-            the smallest feasible cap), ``group_cost`` without ``groups`` or with ``layout``.
+            the smallest feasible cap) or only the MILP could meet it and it failed (the
+            message gives the cause), ``group_cost`` without ``groups`` or with ``layout``.
     """
     start = time.perf_counter()
     costs = [float(c) for c in costs]
