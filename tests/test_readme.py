@@ -3,7 +3,7 @@ again unseen.
 
 The commands are read from the README itself: each line of a fenced ``bash`` block (backslash
 continuations joined, ``#`` comments dropped, ``&&`` chains split) and each inline code span in
-the prose that starts with ``python``. Every one must be covered in exactly one way:
+the prose that starts with one of :data:`INLINE_PROGRAMS` (headings excluded: they name a tool). Every one must be covered in exactly one way:
 
 * ``python -m dmuon.profile ...`` runs **as shown** (CPU, FLOP model), in a temporary directory;
   a placeholder ``MODULE:FACTORY`` from :data:`PLACEHOLDER_MODULES` is provided there;
@@ -35,7 +35,12 @@ README = REPO / "README.md"
 #: README commands that run as shown (prefix match): fast on CPU, no files outside the cwd.
 RUN_AS_SHOWN_PREFIXES = ("python -m dmuon.profile ",)
 #: README commands skipped by prefix, with the reason.
-SKIP_PREFIXES = {"pip install ": "installs a package: CI's environment is that install"}
+SKIP_PREFIXES = {
+    "pip install ": "installs a package: CI's environment is that install",
+    "bash .ci/run": "the CI script: it runs the whole suite, this test included",
+}
+#: Programs whose inline code spans in the README's prose count as commands.
+INLINE_PROGRAMS = ("python", "pytest", "bash", "torchrun")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +76,7 @@ README_COMMANDS: dict[str, Run | Covered | Skip] = {
         "its first run is this command's defaults (4 CPU ranks, --mesh fsdp, --optimizer dmuon) "
         "for 3 steps of 1 episode"),
     "python -m pytest -q": Skip("the test suite itself: CI runs it, and this test is part of it"),
+    "pytest -m gpu": Skip("the GPU tests: they need CUDA (on CPU they are skipped)"),
     "python -m dmuon.train --nproc 4 --mesh hsdp:2x2": Run(
         "python -m dmuon.train --nproc 4 --mesh hsdp:2x2 --steps 2 --episodes 1 --batch-size 8 "
         "--no-plot --out {tmp}/summary.json",
@@ -130,7 +136,8 @@ def readme_commands(text: str) -> list[str]:
                     chain.append(tok)
     prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
     prose = re.sub(r"^#.*$", "", prose, flags=re.M)  # a heading names a tool, not a command
-    for span in re.findall(r"`(python [^`]+)`", prose):
+    programs = "|".join(map(re.escape, INLINE_PROGRAMS))
+    for span in re.findall(rf"`((?:{programs}) [^`]+)`", prose):
         commands.append(shlex.join(shlex.split(span)))
     return commands
 
