@@ -3,7 +3,8 @@ again unseen.
 
 The commands are read from the README itself: each line of a fenced ``bash`` block (backslash
 continuations joined, ``#`` comments dropped, ``&&`` chains split) and each inline code span in
-the prose that starts with one of :data:`INLINE_PROGRAMS` (headings excluded: they name a tool). Every one must be covered in exactly one way:
+the prose that starts with one of :data:`INLINE_PROGRAMS` (headings excluded: they name a
+tool). Every one must be covered in exactly one way:
 
 * ``python -m dmuon.profile ...`` runs **as shown** (CPU, FLOP model), in a temporary directory;
   a placeholder ``MODULE:FACTORY`` from :data:`PLACEHOLDER_MODULES` is provided there;
@@ -157,8 +158,8 @@ COMMANDS = readme_commands(README.read_text())
 
 
 def test_readme_parser_on_a_known_text():
-    text = ("# Tool `python -m z`\nintro `python -m a --x 1`\n```bash\npip install b && python -m c \\\n"
-            "    --y 2   # comment\npython d.py '<p q>'\n```\n```python\nimport e\n```\n")
+    text = ("# Tool `python -m z`\nintro `python -m a --x 1`\n```bash\n"
+            "pip install b && python -m c \\\n    --y 2   # comment\npython d.py '<p q>'\n```\n```python\nimport e\n```\n")
     assert readme_commands(text) == ["pip install b", "python -m c --y 2", "python d.py '<p q>'",
                                      "python -m a --x 1"]
 
