@@ -58,6 +58,26 @@ def test_cli_pi0_on_4x8_is_solved_by_the_milp(tmp_path, capsys):
     assert "plan by milp/cbc (MILP" in text and "gap" in text
 
 
+def test_cli_names_the_fallback_and_its_cause(tmp_path, capsys, caplog):
+    """A CBC that crashes: the CLI still writes the plan, says it is the greedy fallback and
+    why, in the summary (stdout) and in one warning line (the log; stderr without handlers)."""
+    from tests.solver_cases import CRASH_TEXT, stub_cbc
+
+    out = tmp_path / "plan.json"
+    with stub_cbc("raise") as stub:
+        rc = main(["--model", "pi0", "--nodes", "4", "--gpus-per-node", "8", "--out", str(out),
+                   "--time-limit-s", "1", "--measure", "no", "--no-plot",
+                   "--cache", str(tmp_path / "c.json")])
+    assert rc == 0 and stub.calls == [True, False]
+    plan = OwnerPlan.load(out)
+    assert plan.method == "greedy" and plan.extra["milp_status"].startswith("failed: CBC crashed")
+    captured = capsys.readouterr()
+    assert f"(greedy fallback after the MILP failed: CBC crashed: PulpSolverError: {CRASH_TEXT}" \
+        in captured.out
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warning) == 1 and "owner MILP failed" in warning[0] and CRASH_TEXT in warning[0]
+
+
 def test_transposed_shapes_share_one_milp_class():
     """``[18944, 3584]`` and ``[3584, 18944]`` cost the same FLOPs and bytes: one MILP class.
     Qwen2.5-7B on 32 ranks is then proven optimal in ~0.2 s (2-core dev machine); with one
