@@ -37,6 +37,8 @@ class _Stub:
         type(self).calls.append(self.warm_start)
         if self.kind == "raise":  # what PuLP raises when CBC aborts
             raise pulp.PulpSolverError(CRASH_TEXT)
+        if self.kind == "unreadable":  # what parsing a truncated solution file raises
+            raise ValueError("could not convert string to float: '**'")
         if self.kind == "garbage":  # "optimal", with values that are no plan
             for var in lp.variables():
                 var.varValue = GARBAGE_VALUE
@@ -66,8 +68,8 @@ class _Stub:
 @contextlib.contextmanager
 def stub_cbc(kind: str) -> Iterator[type[_Stub]]:
     """Replace ``pulp.PULP_CBC_CMD`` by a stub of ``kind`` ("raise", "garbage", "zeros",
-    "not_solved", "infeasible", "hang") inside the block; yields the stub class (``.calls``,
-    ``.procs``)."""
+    "not_solved", "infeasible", "unreadable", "hang") inside the block; yields the stub class
+    (``.calls``, ``.procs``)."""
     import pulp
 
     stub = type(f"Stub_{kind}", (_Stub,), {"kind": kind, "calls": [], "procs": []})

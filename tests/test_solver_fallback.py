@@ -26,6 +26,7 @@ CAUSES = {
     "zeros": "counts sum to 0",
     "not_solved": "'Not Solved'",
     "infeasible": "'Infeasible'",
+    "unreadable": "CBC failed: ValueError: could not convert string to float",
 }
 
 

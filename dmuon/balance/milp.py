@@ -261,7 +261,10 @@ def _solve_with_deadline(prob, solver, time_limit_s: float) -> None:
             f"hung; killed {killed} process(es)")
     if "error" in box:
         e = box["error"]
-        raise MilpFailure(f"CBC crashed: {type(e).__name__}: {_first_line(e)}") from e
+        # PuLP raises PulpSolverError when CBC exits non-zero or leaves no solution file; any
+        # other error came from running CBC (OSError) or reading its solution (ValueError...).
+        what = "crashed" if type(e).__name__ == "PulpSolverError" else "failed"
+        raise MilpFailure(f"CBC {what}: {type(e).__name__}: {_first_line(e)}") from e
 
 
 def _kill_child_processes(name: str) -> int:
