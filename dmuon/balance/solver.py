@@ -374,6 +374,9 @@ def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, **milp_args)
             first = str(e)
     try:
         res = solve_milp(costs, num_ranks, warm_start=None, **milp_args)
+        if first is not None:  # the plan is CBC's after all: worth a note, not a warning
+            logger.info("dmuon: owner MILP with warm start failed (%s); without it, it worked",
+                        first)
         return ok(res, "" if first is None else f" (retried without the warm start after: {first})")
     except MilpFailure as e:
         status = (f"failed: {e}" if first is None else
