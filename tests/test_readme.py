@@ -209,3 +209,8 @@ def test_readme_command_runs(command, tmp_path):
     assert proc.returncode == 0, (
         f"README command {command!r} ran as {how.command!r} ({how.why}) and exited "
         f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    if "dmuon.profile" in argv:  # what the README promises it writes: the plan and its chart
+        out = tmp_path / (argv[argv.index("--out") + 1] if "--out" in argv else "plan.json")
+        assert out.stat().st_size > 0, f"{command}: no plan at {out}"
+        if "--no-plot" not in argv:
+            assert out.with_suffix(".png").stat().st_size > 0, f"{command}: no chart"
