@@ -78,10 +78,10 @@ README_COMMANDS: dict[str, Run | Covered | Skip] = {
         "for 3 steps of 1 episode"),
     "python -m pytest -q": Skip("the test suite itself: CI runs it, and this test is part of it"),
     "pytest -m gpu": Skip("the GPU tests: they need CUDA (on CPU they are skipped)"),
-    "python -m dmuon.train --nproc 4 --mesh hsdp:2x2": Run(
-        "python -m dmuon.train --nproc 4 --mesh hsdp:2x2 --steps 2 --episodes 1 --batch-size 8 "
-        "--no-plot --out {tmp}/summary.json",
-        "the same launch, mesh and optimizer for 2 steps of 1 episode"),
+    "python -m dmuon.train --nproc 4 --mesh hsdp:2x2": Covered(
+        "tests/test_train.py::test_cli_meshes_train_the_same_as_fsdp",
+        "runs this launch with --mesh hsdp:2x2 for 3 steps of 1 episode and compares its losses "
+        "with the 1-D FSDP run's"),
     "python bench/bench_step.py --nproc 4 --rounds 10 --block-steps 3 --batch-size 64 --extra "
     "dmuon_nocheck --mesh replicate": Covered(
         "tests/test_bench.py::test_bench_step_replicate_mode",
