@@ -417,8 +417,9 @@ def main(argv: list[str] | None = None) -> None:
                                       indent=1))
         return
     if a.moe:
-        # greedy (LPT/MULTIFIT + local search): within 0.1-1.6% of the bound on these inventories
-        # (python -m dmuon.profile), and clear of the CBC warm-start crash being fixed on i28
+        # greedy (LPT/MULTIFIT + local search, deterministic): within 0.1-1.6% of the bound on
+        # these inventories (python -m dmuon.profile); 18 MILPs of up to 46k items would add
+        # minutes to the run for under 1.6% of an optimizer step
         rows = predict(tuple(MOE), ("h100",), GPU_COUNTS, method="greedy")
         print("SIMULATED (not measured), MoE models, 16,384 tokens per GPU per step:")
         print(format_table(rows))
