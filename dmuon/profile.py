@@ -5,10 +5,13 @@ Example::
     python -m dmuon.profile --model qwen2.5-7b --nodes 4 --gpus-per-node 8 \\
         --memory-cap-gb 20 --out plan.json
 
-``--model`` is a named inventory (``pi0``, ``pi0-tiny``, ``qwen2.5-7b``, see
-:mod:`dmuon.balance.inventories`) or ``MODULE:FACTORY``, a zero-argument callable returning an
-``nn.Module``; it is built on the meta device (no memory, no init) and its dedicated matrices
-are the 2-D parameters that are not ``nn.Embedding`` weights (dmuon's default predicate).
+``--model`` is a named inventory (``pi0``, ``pi0-tiny``, ``qwen2.5-7b``, and the MoE models
+``qwen3-30b-a3b``, ``moonlight-16b-a3b``, ``kimi-k2``, see :mod:`dmuon.balance.inventories`) or
+``MODULE:FACTORY``, a zero-argument callable returning an ``nn.Module``; it is built on the meta
+device (no memory, no init) and its dedicated matrices are what dmuon's default predicate
+selects: 2-D parameters that are not ``nn.Embedding`` weights, and MoE expert stacks. A stack
+is priced and placed expert by expert; the plan holds one expert range per (stack, owner) and
+the table counts each rank's expert matrices.
 On a GPU the NS times are measured (cached, see :mod:`dmuon.balance.profiler`); on CPU the FLOP
 model stands in. The plan JSON (:class:`dmuon.owners.plan.OwnerPlan`, versioned schema) is
 what ``dedicate_params(model, mesh, plan="plan.json")`` loads; owners are global ranks
@@ -58,7 +61,7 @@ def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
     # dedicate_params' own selection rule, so the plan names exactly the matrices it dedicates
     out = [(sel.fqn, sel.shape) for sel in select_matrices(model, default_predicate(model))]  # stacks too
     if not out:
-        raise ValueError(f"dmuon: --model {spec!r} has no 2-D non-embedding parameter to dedicate")
+        raise ValueError(f"dmuon: --model {spec!r} has no 2-D non-embedding parameter or expert stack to dedicate")
     return out
 
 
