@@ -329,7 +329,8 @@ def predict(models: tuple[str, ...], clusters: tuple[str, ...], gpus: tuple[int,
                 work = works[m]
                 if global_tokens is not None:
                     if m == "pi0":
-                        raise ValueError(f"simulate: global_tokens applies to the token models, not {m!r}")
+                        raise ValueError(f"simulate: global_tokens applies to the token models (qwen2.5-7b and the "
+                                         f"MoE models), not {m!r}")
                     work = workloads(accumulation=max(1, global_tokens // (p * 16384)))[m]
                 row = predict_one(work, CLUSTERS[c], p, method=method)
                 rows.append({"model": m, "cluster": CLUSTERS[c].name,
