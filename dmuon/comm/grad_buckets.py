@@ -66,8 +66,13 @@ class GradBucket:
         persistent: keep ``flat`` from one backward to the next (``replicas="keep"``: every
             rank holds full gradients anyway, as DDP keeps its buckets; a fresh multi-MB buffer
             per backward page-faults on every first touch, ~1.7 ms a step on the default policy).
-        active: ``flat`` holds gradients of this backward.
-        ready: the records whose gradient is in ``flat`` this backward.
+        active: the bucket holds gradients of this backward.
+        ready: the records whose gradient is in this backward.
+        grads: this backward's local gradients by position in ``records`` (``None``: not yet
+            in); they are kept, not copied one by one, until :meth:`issue` packs them into
+            ``flat`` with one ``torch._chunk_cat`` (as FSDP2 packs a group's reduce-scatter
+            input), so the hooks dispatch O(1) ops per bucket whatever its number of matrices.
+            Memory: a block's gradients and ``flat`` coexist for that one op (FSDP2's peak too).
         pending: this backward's collectives, once issued.
     """
 
@@ -82,13 +87,19 @@ class GradBucket:
     persistent: bool = False
     active: bool = False
     ready: set[DedicatedParam] = field(default_factory=set)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
     pending: list[Pending] = field(default_factory=list)
     shared: list[torch.nn.Parameter] = field(default_factory=list)
     shared_slots: dict[torch.nn.Parameter, tuple[int, int]] = field(default_factory=dict)
     numel: int = 0  # of flat
+    matrix_numel: int = 0  # of the matrices' part of flat (the shared parameters follow)
+    my_owner: int | None = None
 
     def __post_init__(self) -> None:
-        self.numel = sum(n for _, n in self.slots)
+        self.numel = self.matrix_numel = sum(n for _, n in self.slots)
+        self.grads = [None] * len(self.records)
+        # this rank's owner index if it owns a member (its segment is averaged at take)
+        self.my_owner = next((r.owner for r in self.records if r.is_owner), None)
 
     def attach_shared(self, params: list[torch.nn.Parameter]) -> None:
         """Carry ``params`` (non-dedicated, trainable, this bucket's dtype and device) in this
@@ -120,10 +131,10 @@ class GradBucket:
         return bool(self.pending)
 
     def add(self, rec: DedicatedParam, grad: torch.Tensor) -> bool:
-        """Copy ``rec``'s local gradient ``[rows, cols]`` into its slot; True once all are in."""
-        self._alloc()
-        start, numel = self.slots[self.index[rec]]
-        self.flat[start: start + numel].view_as(grad).copy_(grad)
+        """Keep ``rec``'s local gradient ``[rows, cols]`` (no op dispatched: it is packed at
+        :meth:`issue`); True once all are in."""
+        self.active = True
+        self.grads[self.index[rec]] = grad
         self.ready.add(rec)
         return self.full()
 
@@ -132,9 +143,13 @@ class GradBucket:
         shared parameters' ``.grad`` (the sum over this backward and any ``no_sync`` ones) are
         copied in."""
         self._alloc()
-        for rec, (start, numel) in zip(self.records, self.slots):
-            if rec not in self.ready:
-                self.flat[start: start + numel].zero_()
+        if len(self.ready) < len(self.records):  # a slot without gradient this backward: zeros
+            self.grads = [g if g is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
+                          for g, (_, n) in zip(self.grads, self.slots)]
+        matrices = self.matrix_numel
+        # one op packs the whole bucket, casting to the reduce dtype (FSDP2's _chunk_cat)
+        torch._chunk_cat(self.grads, dim=0, num_chunks=1, out=self.flat[:matrices].view(1, matrices))
+        self.grads = [None] * len(self.records)  # the packed copy is the one that travels
         if self.shared:
             grads = [p.grad for p in self.shared]
             present = [g is not None for g in grads]
@@ -186,18 +201,25 @@ class GradBucket:
                         avgs.append(avg)
                 if into:
                     torch._foreach_copy_(into, avgs)
+        # This rank's segment (its matrices are contiguous: owner-major) is averaged in fp32 by
+        # two ops, whatever the number of matrices in it; each matrix then gets a view.
+        mine = [(start, numel) for owner, start, numel in self.segments if owner == self.my_owner]
+        averaged = None
+        if mine:
+            seg_start, seg_numel = mine[0]
+            averaged = self.flat[seg_start: seg_start + seg_numel].to(torch.float32, copy=True).div_(world_size)
         for rec, (start, numel) in zip(self.records, self.slots):
             if rec not in self.ready:
                 continue
             avg = None
             if rec.is_owner:
-                piece = self.flat[start: start + numel].view(rec.shape)
-                avg = piece.to(torch.float32, copy=True).div_(world_size)
+                avg = averaged[start - seg_start: start - seg_start + numel].view(rec.shape)
             yield rec, avg
         if not self.persistent:
             self.flat = None
         self.active = False
         self.ready.clear()
+        self.grads = [None] * len(self.records)
         self.pending.clear()
 
 

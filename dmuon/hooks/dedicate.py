@@ -232,7 +232,7 @@ def dedicate_params(
     if not dist.is_initialized():
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
-    roles = build_roles(mesh)
+    roles = build_roles(mesh, step_check=step_check)
     from dmuon.hooks import fsdp_adapter as fsdp
 
     plain_1d = roles.tp is None and roles.replicate is None
@@ -246,23 +246,37 @@ def dedicate_params(
         plan = build_bucket_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
                                  element_size=_element_size(selected),
                                  costs=matrix_costs([s.shape for s in selected], device))
+    # What this rank does not do because no peer is there to answer (the fake backend).
+    offline: list[str] = []
     if plan is None:
-        # The MILP is time-limited, hence not reproducible across ranks: one rank solves.
-        solved = [build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
-                             groups=publish_groups(model, selected) if cost > 0 else None,
-                             group_cost=cost)
-                  if dist.get_rank(roles.world) == 0 else None]
-        dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
-        plan = solved[0]
+        def solve() -> OwnerPlan:
+            return build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
+                              groups=publish_groups(model, selected) if cost > 0 else None,
+                              group_cost=cost)
+
+        if roles.fake:  # the plan rank 0 of the real job would solve and broadcast, solved here
+            plan = solve()
+            offline.append("plan broadcast (plan solved in process, as rank 0 would)")
+        else:
+            # The MILP is time-limited, hence not reproducible across ranks: one rank solves.
+            solved = [solve() if dist.get_rank(roles.world) == 0 else None]
+            dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
+            plan = solved[0]
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)
     plan = plan.with_replicate_modes(replicate_mode if roles.replicate_dim is not None else None, replica_cost)
     plan.check_matches(shapes, world_size, tp_size)
-    check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
+    if roles.fake:  # an all_gather_object would unpickle bytes no peer sent
+        offline.append("plan digest check (no peers to compare with)")
+    else:
+        check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
+    if step_check and roles.fake:
+        offline.append("step check (no gloo group over a fake store; no peers to agree with)")
     state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
                           reduce_mode=reduce_mode, replicas=replicas,
-                          step_check=step_check)
+                          step_check=step_check and roles.steps is not None)
+    state.offline = tuple(offline)
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:
         loads = plan.loads()

@@ -126,6 +126,9 @@ class DedicateState:
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
+        # what this rank switched off for want of live peers (the fake backend; set by
+        # dedicate_params): the rank view reports it
+        self.offline: tuple[str, ...] = ()
         self._handles: list[Any] = []
         self._bind_handle: Any = None
         self._register_hooks()

@@ -103,7 +103,7 @@ class PublishGroup:
         if self.keep:
             return
         self.bwd_done.add(rec)
-        if self.bwd_done >= self.grad_members:
+        if len(self.bwd_done) >= len(self.grad_members):  # O(1): bwd_done only holds members
             self.release()
 
     def refresh(self) -> None:
@@ -113,9 +113,9 @@ class PublishGroup:
             self.release()
             return
         self.wait()
-        with torch.autograd._unsafe_preserve_version_counter(self.flat):
-            for rec in self.members:
-                rec.buffer.detach().copy_(rec.master)
+        with torch.autograd._unsafe_preserve_version_counter(self.flat), torch.no_grad():
+            # one op for the group, casting fp32 masters to the compute dtype
+            torch._foreach_copy_([rec.buffer for rec in self.members], [rec.master for rec in self.members])
         self.live = False
 
 
@@ -147,6 +147,9 @@ class Unit:
         in_backward: between the unit's pre-backward and its post-backward; forward hooks
             (activation-checkpointing recomputation) then leave the full weights alone.
         grads_done: records whose gradient is in during this backward.
+        grad_count: how many records take a gradient (counted at bind, as the publish groups'
+            ``grad_members``): the unit's backward is over when ``grads_done`` holds that many,
+            an O(1) test per gradient instead of a rescan of the unit.
         backward_finished: every gradient of the unit is in during this backward (an
             enclosing unit, e.g. FSDP2's root holding the head, may finish before the units
             it encloses): backward prefetch skips it.
@@ -161,6 +164,7 @@ class Unit:
     takes_grad: bool = False
     in_backward: bool = False
     grads_done: set[DedicatedParam] = field(default_factory=set)
+    grad_count: int = 0
     backward_finished: bool = False
     pre_backward_hook: Any = None  # the dynamo-disabled pre_backward, made at bind
 
@@ -171,6 +175,7 @@ class Unit:
             self.groups.append(group)
         if rec.compute.requires_grad:
             self.takes_grad = True
+            self.grad_count += 1
 
     def show(self, which: str) -> None:
         """Register every record's ``"compute"`` weight (or ``"master"``) on its module."""
@@ -183,7 +188,8 @@ class Unit:
             group.wait()
 
     def grads_complete(self) -> bool:
-        return all(rec in self.grads_done for rec in self.records if rec.compute.requires_grad)
+        """Every record that takes a gradient has it in this backward (O(1))."""
+        return len(self.grads_done) >= self.grad_count
 
     # --------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -248,21 +254,22 @@ class Unit:
         bucket's reduce-to-owner starts once full); then the group and unit bookkeeping."""
         ctx = self.ctx
         ctx.queue_final_callback()
-        if ctx.sync_this_backward:
-            grad = param.grad
-            param.grad = None
-            if hasattr(grad, "to_local"):  # the TP slice's gradient
-                grad = grad.to_local()
-            if bucket.add(rec, grad):
-                ctx.step_check.settle()  # the ranks agree before the first reduce goes out
-                bucket.issue(ctx.group, ctx.reduce_mode)
-        # else gradient accumulation: keep the local sum in compute.grad (full size on every
-        # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
-        group.grad_in(rec)
-        self.grads_done.add(rec)
-        if self.grads_complete():
-            self.post_backward()
-            self.backward_finished = True
+        with label("dmuon::grad_hook"):
+            if ctx.sync_this_backward:
+                grad = param.grad
+                param.grad = None
+                if hasattr(grad, "to_local"):  # the TP slice's gradient
+                    grad = grad.to_local()
+                if bucket.add(rec, grad):
+                    ctx.step_check.settle()  # the ranks agree before the first reduce goes out
+                    bucket.issue(ctx.group, ctx.reduce_mode)
+            # else gradient accumulation: keep the local sum in compute.grad (full size on every
+            # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
+            group.grad_in(rec)
+            self.grads_done.add(rec)
+            if self.grads_complete():
+                self.post_backward()
+                self.backward_finished = True
 
     def post_backward(self) -> None:
         """Masters back on the modules; the unit's backward is over."""
