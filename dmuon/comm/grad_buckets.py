@@ -94,6 +94,8 @@ class GradBucket:
     numel: int = 0  # of flat
     matrix_numel: int = 0  # of the matrices' part of flat (the shared parameters follow)
     my_owner: int | None = None
+    owner_avg: torch.Tensor | None = None  # fp32 [numel of this rank's segment], see _average_mine
+    owner_views: dict[DedicatedParam, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.numel = self.matrix_numel = sum(n for _, n in self.slots)
@@ -152,11 +154,16 @@ class GradBucket:
         self.grads = [None] * len(self.records)  # the packed copy is the one that travels
         if self.shared:
             grads = [p.grad for p in self.shared]
-            present = [g is not None for g in grads]
             first = self.shared_slots[self.shared[0]][0]
+            flags_at = self.numel - len(self.shared)
             torch.cat([g.detach().reshape(-1) if g is not None else self.flat.new_zeros(p.numel())
-                       for p, g in zip(self.shared, grads)] + [self.flat.new_tensor(present)],
-                      out=self.flat[first:])
+                       for p, g in zip(self.shared, grads)], out=self.flat[first:flags_at])
+            # the flags are written by fills, not copied from a host list: a pageable
+            # host-to-device copy would synchronize the host with the GPU stream
+            self.flat[flags_at:].fill_(1)
+            for i, g in enumerate(grads):
+                if g is None:  # rare: a parameter unused in this backward
+                    self.flat[flags_at + i].fill_(0)
             mode = "all_reduce"  # every rank needs the shared parameters' average
         with label("dmuon::reduce_bucket"):
             if mode == "all_reduce":
@@ -167,6 +174,33 @@ class GradBucket:
                         self.pending.append(reduce_to_owner(
                             self.flat[start: start + numel], owner, group,
                             lambda owner=owner: [r.fqn for r in self.records if r.owner == owner]))
+
+    def _average_mine(self, world_size: int) -> dict[DedicatedParam, torch.Tensor]:
+        """This rank's segment (its matrices are contiguous: owner-major) averaged in fp32 by two
+        ops whatever its number of matrices, and a ``[rows, cols]`` view of it per matrix.
+
+        The fp32 segment and its views are kept from one backward to the next (made at the
+        first), so no op per matrix is dispatched: the views become the masters' ``.grad``
+        (the owner's matrices' fp32 gradient, which the owner holds from backward to
+        ``zero_grad`` anyway; between ``zero_grad`` and the next backward the buffer stays,
+        ``4 * numel`` bytes of the owned matrices). A master whose ``.grad`` is still set (no
+        ``zero_grad(set_to_none=True)`` since the last backward: it may be that very view) gets
+        a fresh tensor instead, as before.
+        """
+        (seg_start, seg_numel), = [(start, numel) for owner, start, numel in self.segments
+                                  if owner == self.my_owner]
+        seg = self.flat[seg_start: seg_start + seg_numel]
+        owned = [(rec, start - seg_start, numel) for rec, (start, numel) in zip(self.records, self.slots)
+                 if rec.is_owner]
+        if any(rec.master.grad is not None for rec, _, _ in owned):
+            fresh = seg.to(torch.float32, copy=True).div_(world_size)
+            return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in owned}
+        if self.owner_views is None:
+            self.owner_avg = torch.empty(seg_numel, dtype=torch.float32, device=self.device)
+            self.owner_views = {rec: self.owner_avg[at: at + numel].view(rec.shape) for rec, at, numel in owned}
+        self.owner_avg.copy_(seg)
+        self.owner_avg.div_(world_size)
+        return self.owner_views
 
     def describe(self, group: dist.ProcessGroup) -> str:
         """What this bucket's all-reduce carries, for a timeout's message."""
@@ -187,6 +221,9 @@ class GradBucket:
             with torch.no_grad():
                 first = self.shared_slots[self.shared[0]][0]
                 self.flat[first: self.numel - len(self.shared)].div_(world_size)
+                # Host sync on CUDA, on the replicated path's keep mode only, once per backward:
+                # which .grad stay None must be known on the host (DDP's find_unused_parameters
+                # reads its bitmap the same way). The FSDP2 path never gets here (no shared).
                 flags = self.flat[self.numel - len(self.shared):].tolist()
                 into, avgs = [], []
                 for p, flag in zip(self.shared, flags):
@@ -201,20 +238,10 @@ class GradBucket:
                         avgs.append(avg)
                 if into:
                     torch._foreach_copy_(into, avgs)
-        # This rank's segment (its matrices are contiguous: owner-major) is averaged in fp32 by
-        # two ops, whatever the number of matrices in it; each matrix then gets a view.
-        mine = [(start, numel) for owner, start, numel in self.segments if owner == self.my_owner]
-        averaged = None
-        if mine:
-            seg_start, seg_numel = mine[0]
-            averaged = self.flat[seg_start: seg_start + seg_numel].to(torch.float32, copy=True).div_(world_size)
-        for rec, (start, numel) in zip(self.records, self.slots):
-            if rec not in self.ready:
-                continue
-            avg = None
-            if rec.is_owner:
-                avg = averaged[start - seg_start: start - seg_start + numel].view(rec.shape)
-            yield rec, avg
+        views = self._average_mine(world_size) if self.my_owner is not None else {}
+        for rec in self.records:
+            if rec in self.ready:
+                yield rec, views.get(rec)
         if not self.persistent:
             self.flat = None
         self.active = False

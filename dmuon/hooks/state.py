@@ -185,6 +185,9 @@ class DedicateState:
         # without FSDP2 dmuon issues every collective of the step: the check can wait until
         # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
         self.step_check.deferred = not self.fsdp_wrapped
+        # FSDP2: the forward check goes out at the end of opt.step() and is settled, usually
+        # already complete, at the next forward (StepCheck.issue_at_step)
+        self.step_check.issue_at_step = self.fsdp_wrapped
         self.record_of_master = {rec.master: rec for rec in self.records}
         self.shared_bucket = binding.shared_bucket
         if binding.replicated and binding.shared_bucket is None:

@@ -79,11 +79,14 @@ class PublishGroup:
         """Whether this group's broadcast is issued and not known to be complete."""
         if self.work is None or self.work.work is None:
             return False
+        # One query per group and forward, never a loop: on NCCL is_completed() queries the
+        # work's CUDA event (cudaEventQuery, no host synchronisation); on gloo it reads a flag.
         done = getattr(self.work.work, "is_completed", None)
         return done is None or not done()
 
     def wait(self) -> None:
-        """Wait for this group's broadcast, if one is in flight."""
+        """Wait for this group's broadcast, if one is in flight (on NCCL the current stream
+        waits on the collective's event; the host does not block)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -93,6 +96,10 @@ class PublishGroup:
         mode every rank keeps it, and the group only stops being live)."""
         self.wait()
         if not self.is_owner and not self.keep:
+            # Safe on CUDA without a host sync: the current stream has waited on the broadcast
+            # (wait() above), the buffer was allocated on it, and ProcessGroupNCCL recorded
+            # its own stream on the tensor, so the caching allocator reuses the block only
+            # after both streams are past it (FSDP2 frees its all-gather outputs the same way).
             free_storage(self.flat)
         self.live = False
         self.bwd_done.clear()
