@@ -5,8 +5,10 @@ without FSDP2 the block :func:`dmuon.hooks.fsdp_adapter.publish_block` picks); i
 forward and backward bookkeeping, as ``FSDPParamGroup`` runs its unshard/reshard. Its matrices
 travel in :class:`PublishGroup` buffers, one per owner and compute dtype, each issued, waited
 on and freed by itself (one broadcast per group, as FSDP2 all-gathers a group into one buffer).
-The model's :class:`dmuon.hooks.state.DedicateState` only dispatches the hooks and holds what
-every unit shares (the process group, ``prefetch``, the unit order, the keep mode).
+A unit gets a :class:`UnitContext`, what every unit of the model shares (the process group,
+``prefetch``, the unit order, the keep mode, the step check, two callbacks into the runtime), not
+the whole :class:`dmuon.hooks.state.DedicateState`, as FSDP2 gives ``FSDPParamGroup`` an
+``FSDPCommContext`` rather than its ``FSDPState``: this module never names the state.
 
 Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
 pre-backward until its post-backward (its last gradient is in), and its forward hooks do
@@ -17,7 +19,7 @@ cuts them short (early stop) so their post-forward never runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,12 +29,9 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.comm import collectives as comm
 from dmuon.comm.collectives import Pending, issued_together, label
-from dmuon.hooks.step_check import in_autograd_backward
+from dmuon.hooks.step_check import StepCheck, in_autograd_backward
 from dmuon.comm.grad_buckets import GradBucket
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
-
-if TYPE_CHECKING:
-    from dmuon.hooks.state import DedicateState
 
 
 @dataclass(eq=False)
@@ -139,11 +138,46 @@ def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
 
 
 @dataclass(eq=False)
+class UnitContext:
+    """What the units of one model share (FSDP2's ``FSDPCommContext``): built by the runtime,
+    filled in at binding, read and written by the units' hooks.
+
+    Attributes:
+        group: the dmuon process group (publications, reduce-to-owner).
+        prefetch: how many units ahead a publication is issued (>= 1).
+        reduce_mode: ``"reduce"`` or ``"all_reduce"`` (:mod:`dmuon.comm.grad_buckets`).
+        step_check: the model's :class:`dmuon.hooks.step_check.StepCheck`.
+        ensure_bound: binds the model if it is not yet (the runtime's).
+        queue_final_callback: the runtime's first-gradient hook of a backward (decides
+            ``sync_this_backward``, queues the end-of-backward callback).
+        units: every unit, in forward order (set at binding).
+        groups: every publish group (set at binding).
+        keep: ``replicas="keep"``: every rank keeps every matrix whole (set at binding).
+        sync_this_backward: this backward reduces to the owners (``False`` under ``no_sync``).
+    """
+
+    group: dist.ProcessGroup
+    prefetch: int
+    reduce_mode: str
+    step_check: StepCheck
+    ensure_bound: Callable[[], None]
+    queue_final_callback: Callable[[], None]
+    units: list[Unit] = field(default_factory=list)
+    groups: list[PublishGroup] = field(default_factory=list)
+    keep: bool = False
+    sync_this_backward: bool = True
+
+    def issue(self, units: list[Unit]) -> None:
+        """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
+        issue_groups([g for unit in units for g in unit.groups if not g.live], self.group)
+
+
+@dataclass(eq=False)
 class Unit:
     """The dedicated matrices published together before one module runs, and their hooks.
 
     Attributes:
-        ctx: the model's runtime state (process group, unit order, ``prefetch``, keep mode).
+        ctx: what the model's units share (:class:`UnitContext`).
         index: position in forward order (the order units are prefetched in).
         module: the FSDP2 block (``fully_shard`` module) or, without FSDP2, the matrices'
             parent module (:func:`dmuon.hooks.fsdp_adapter.publish_block`).
@@ -162,7 +196,7 @@ class Unit:
             it encloses): backward prefetch skips it.
     """
 
-    ctx: DedicateState
+    ctx: UnitContext
     index: int
     module: nn.Module
     reshard: bool = True
