@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
-from tests import models
+from tests import models, ns_accumulation
 
 
 def build(world_size: int, mode: str, *, plan=None, predicate=None, variant: str = "",
@@ -63,7 +63,8 @@ def full_params(model: torch.nn.Module, rank: int) -> dict[str, np.ndarray]:
 def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
           opt_kwargs: dict | None = None, clip: float | None = None,
           lr_gamma: float | None = None, dedicate_kwargs: dict | None = None,
-          micro_batches: int = 1, accumulate_with: str = "dmuon", variant: str = "") -> dict:
+          micro_batches: int = 1, accumulate_with: str = "dmuon", variant: str = "",
+          fp32_accumulate: bool = False) -> dict:
     """Train the test model with dmuon; return final params (rank 0), losses, NS counts.
 
     ``micro_batches > 1`` splits each local batch and accumulates gradients without sync on
@@ -78,32 +79,35 @@ def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=lr_gamma) if lr_gamma else None
     losses, norms, counts = [], [], []
     state = model._dmuon_state
-    for step in range(steps):
-        idx, y = models.local_batch(step, rank, world_size)
-        if micro_batches == 1:
-            loss = models.loss_fn(model, idx, y)
-            loss.backward()
-        else:
-            chunks = list(zip(idx.chunk(micro_batches), y.chunk(micro_batches)))
-            for i, (ci, cy) in enumerate(chunks):
-                last = i == len(chunks) - 1
-                if accumulate_with == "fsdp":
-                    model.set_requires_gradient_sync(last)
-                    ctx = contextlib.nullcontext()
-                else:
-                    ctx = contextlib.nullcontext() if last else dmuon.no_sync(model)
-                with ctx:
-                    loss = models.loss_fn(model, ci, cy) / micro_batches
-                    loss.backward()
-        losses.append(loss.item())
-        if clip is not None:
-            norms.append(float(dmuon.clip_grad_norm_(model, clip)))
-        before = state.ns_matrices
-        opt.step()
-        counts.append(state.ns_matrices - before)
-        opt.zero_grad()
-        if sched is not None:
-            sched.step()
+    # fp32_accumulate: the Newton-Schulz products accumulate in fp32 whatever the CPU's kernels
+    # do (tests/ns_accumulation.py); restored on exit, the pool's workers are reused.
+    with ns_accumulation.fp32_accumulation() if fp32_accumulate else contextlib.nullcontext():
+        for step in range(steps):
+            idx, y = models.local_batch(step, rank, world_size)
+            if micro_batches == 1:
+                loss = models.loss_fn(model, idx, y)
+                loss.backward()
+            else:
+                chunks = list(zip(idx.chunk(micro_batches), y.chunk(micro_batches)))
+                for i, (ci, cy) in enumerate(chunks):
+                    last = i == len(chunks) - 1
+                    if accumulate_with == "fsdp":
+                        model.set_requires_gradient_sync(last)
+                        ctx = contextlib.nullcontext()
+                    else:
+                        ctx = contextlib.nullcontext() if last else dmuon.no_sync(model)
+                    with ctx:
+                        loss = models.loss_fn(model, ci, cy) / micro_batches
+                        loss.backward()
+            losses.append(loss.item())
+            if clip is not None:
+                norms.append(float(dmuon.clip_grad_norm_(model, clip)))
+            before = state.ns_matrices
+            opt.step()
+            counts.append(state.ns_matrices - before)
+            opt.zero_grad()
+            if sched is not None:
+                sched.step()
     owned = sorted(rec.fqn for rec in state.records if rec.is_owner)
     placeholders_empty = all(rec.master.numel() == 0 for rec in state.records if not rec.is_owner)
     listed = {n for n, _ in model.named_parameters()}

@@ -14,6 +14,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from tests import ns_accumulation
+
 VOCAB, WIDTH, SEQ, LOCAL_BATCH = 11, 12, 5, 3
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -86,8 +88,13 @@ def loss_fn(model: nn.Module, idx: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     return ((model(idx) - y) ** 2).mean()
 
 
-def _ns_reference(dtype: torch.dtype, coefficients: list[tuple[float, float, float]] | None):
-    """torch.optim.Muon's iteration op for op, in ``dtype`` and with per-step coefficients."""
+def _ns_reference(dtype: torch.dtype, coefficients: list[tuple[float, float, float]] | None,
+                  fp32_accumulate: bool = False):
+    """torch.optim.Muon's iteration op for op, in ``dtype`` and with per-step coefficients.
+
+    ``fp32_accumulate``: every product reads ``dtype`` operands, accumulates in fp32 and rounds
+    once (tests/ns_accumulation.py), as on a GPU, instead of whatever the CPU's kernels do.
+    """
 
     def zeropower(grad, ns_coefficients, ns_steps, eps):
         coeffs = coefficients or [tuple(ns_coefficients)] * ns_steps
@@ -96,6 +103,10 @@ def _ns_reference(dtype: torch.dtype, coefficients: list[tuple[float, float, flo
             x = x.T
         x = x / x.norm().clamp(min=eps)
         for a, b, c in coeffs[:ns_steps]:
+            if fp32_accumulate:
+                gram = ns_accumulation.mm(x, x.T)
+                x = ns_accumulation.mm(ns_accumulation.mm(gram, gram, gram, beta=b, alpha=c), x, x, beta=a)
+                continue
             gram = x @ x.T
             x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
         if grad.size(0) > grad.size(1):
@@ -106,13 +117,13 @@ def _ns_reference(dtype: torch.dtype, coefficients: list[tuple[float, float, flo
 
 
 @contextlib.contextmanager
-def reference_ns(dtype: torch.dtype | None, coefficients=None) -> Iterator[None]:
+def reference_ns(dtype: torch.dtype | None, coefficients=None, fp32_accumulate: bool = False) -> Iterator[None]:
     """Within the block, ``torch.optim.Muon`` iterates in ``dtype`` (None: unchanged, bf16)."""
     import torch.optim._muon as muon_module
 
     original = muon_module._zeropower_via_newtonschulz
     if dtype is not None:
-        muon_module._zeropower_via_newtonschulz = _ns_reference(dtype, coefficients)
+        muon_module._zeropower_via_newtonschulz = _ns_reference(dtype, coefficients, fp32_accumulate)
     try:
         yield
     finally:
@@ -132,8 +143,12 @@ def run_reference(
     lr_gamma: float | None = None,
     micro_batches: int = 1,
     variant: str = "",
+    fp32_accumulate: bool = False,
 ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """Single-process Muon + AdamW on the global batch.
+
+    ``fp32_accumulate`` (with an ``ns_dtype``): the iteration's products accumulate in fp32
+    whatever the CPU's kernels do (tests/ns_accumulation.py).
 
     Returns:
         Final parameters by name, the per-step losses, and the per-step total grad norms
@@ -149,7 +164,7 @@ def run_reference(
     if lr_gamma is not None:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=lr_gamma) for o in (muon, adamw)]
     losses, norms = [], []
-    with reference_ns(ns_dtype, coefficients):
+    with reference_ns(ns_dtype, coefficients, fp32_accumulate):
         for step in range(steps):
             idx, y = global_batch(step, world_size)
             for chunk_idx, chunk_y in zip(idx.chunk(micro_batches), y.chunk(micro_batches)):

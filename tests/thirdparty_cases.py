@@ -158,7 +158,8 @@ def _vit() -> nn.Module:
 
 
 def _hf_checkpointing(model: nn.Module) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers 5.x's supported spelling; gradient_checkpointing_enable warns that it goes in v6.
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 CASES: dict[str, Case] = {
