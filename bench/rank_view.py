@@ -513,7 +513,8 @@ def run(cfg: ViewConfig) -> dict:
                       for fam in ("dmuon", "fsdp") for what in ("hooks_cpu_s", "aten_ops")}
                      for prof in profiles[v]]
         # medians over the rounds' profiled steps (one per round, interleaved like the rest)
-        s["per_step"] = {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
+        s["per_step"] = {key: (statistics.median_low if key.endswith("_ops") else statistics.median)(
+            [r[key] for r in per_round]) for key in per_round[0]}
         s["per_step"]["dmuon_hooks_cpu_s_by_round"] = [r["dmuon_hooks_cpu_s"] for r in per_round]
         s["per_step"]["fsdp_hooks_cpu_s_by_round"] = [r["fsdp_hooks_cpu_s"] for r in per_round]
         s["per_step"]["dmuon_hook_labels_cpu_s"] = {
@@ -639,7 +640,7 @@ def format_table(result: dict) -> str:
         ps = s["per_step"]
         lines.append(f"{v:10s} " + " ".join(f"{s[p]['median_s'] * 1e3:9.1f}" for p in (*PHASES, "total"))
                      + f" {ps['dmuon_hooks_cpu_s'] * 1e3:9.2f} {ps['fsdp_hooks_cpu_s'] * 1e3:9.2f}"
-                     f" {ps['dmuon_aten_ops']:7d} {ps['fsdp_aten_ops']:8d}")
+                     f" {ps['dmuon_aten_ops']:7.0f} {ps['fsdp_aten_ops']:8.0f}")
     r = result["ratios"]
     if r:
         lines.append(f"dmuon hooks / FSDP2 hooks (AdamW run) = {r['dmuon_hooks_over_fsdp_hooks_in_adamw']:.3f} "
