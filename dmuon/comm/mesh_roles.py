@@ -230,11 +230,11 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
         TypeError, ValueError: see :func:`check_mesh` and :func:`assign_roles`.
     """
     check_mesh(mesh)
-    timeout = inherited_timeout(mesh)
-    shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(mesh)
-    ranks = mesh.mesh
     backend = dist.get_backend(mesh.get_group(0))
     fake = is_fake_backend(backend)
+    timeout = None if fake else inherited_timeout(mesh)  # a fake group waits for nothing
+    shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(mesh)
+    ranks = mesh.mesh
     if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
         ranks = ranks.unsqueeze(0)
         shard_dim, tp_dim = 0, 1
