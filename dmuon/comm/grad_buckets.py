@@ -96,6 +96,7 @@ class GradBucket:
     my_owner: int | None = None
     owner_avg: torch.Tensor | None = None  # fp32 [numel of this rank's segment], see _average_mine
     owner_views: dict[DedicatedParam, torch.Tensor] | None = None
+    _owned: list[tuple[DedicatedParam, int, int]] | None = None
 
     def __post_init__(self) -> None:
         self.numel = self.matrix_numel = sum(n for _, n in self.slots)
@@ -148,6 +149,8 @@ class GradBucket:
         if len(self.ready) < len(self.records):  # a slot without gradient this backward: zeros
             self.grads = [g if g is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
                           for g, (_, n) in zip(self.grads, self.slots)]
+        if len({g.dtype for g in self.grads}) > 1:  # _chunk_cat takes one input dtype (rare mix)
+            self.grads = [g.to(self.dtype) for g in self.grads]
         matrices = self.matrix_numel
         # one op packs the whole bucket, casting to the reduce dtype (FSDP2's _chunk_cat)
         torch._chunk_cat(self.grads, dim=0, num_chunks=1, out=self.flat[:matrices].view(1, matrices))
@@ -190,8 +193,10 @@ class GradBucket:
         (seg_start, seg_numel), = [(start, numel) for owner, start, numel in self.segments
                                   if owner == self.my_owner]
         seg = self.flat[seg_start: seg_start + seg_numel]
-        owned = [(rec, start - seg_start, numel) for rec, (start, numel) in zip(self.records, self.slots)
-                 if rec.is_owner]
+        if self._owned is None:  # (record, offset in the segment, numel), fixed at bind
+            self._owned = [(rec, start - seg_start, numel)
+                           for rec, (start, numel) in zip(self.records, self.slots) if rec.is_owner]
+        owned = self._owned
         if any(rec.master.grad is not None for rec, _, _ in owned):
             fresh = seg.to(torch.float32, copy=True).div_(world_size)
             return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in owned}
