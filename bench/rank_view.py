@@ -29,7 +29,8 @@ as results; the timing is that of the same ops on normal numbers.
 
 Per phase (forward, backward, step) the JSON gives: wall time (median and quartiles over the
 measured steps; ``torch.cuda.synchronize`` before each timestamp on CUDA); from one profiled step
-per variant (``torch.profiler``, CPU activity; not among the measured steps): CPU time inside
+per variant and round (``torch.profiler``; not among the measured steps; medians over the
+rounds): CPU time inside
 dmuon's hooks (outermost ``dmuon::*`` labels other than the optimizer's math) and inside FSDP2's
 own hooks (outermost ``FSDP::*`` labels), the number of top-level aten ops each dispatches (on
 CUDA also kernel launches), per step and per unit; and peak memory (CUDA: allocator peak; CPU:
