@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import platform
@@ -67,13 +66,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
+from inventory_model import InventoryModel, blocks_inventory  # noqa: E402
+from rank_view_profile import cpu_peak_bytes, analyze  # noqa: E402
 
 VARIANTS = ("adamw", "dmuon", "vanilla", "torch_muon")
 PHASES = ("forward", "backward", "step")
-#: dmuon labels that are the optimizer's math, not hooks (reported apart, in the step phase).
-OPTIMIZER_LABELS = ("dmuon::optimizer_step", "dmuon::newton_schulz", "dmuon::adamw",
-                    "dmuon::vanilla_all_gather", "dmuon::vanilla_newton_schulz", "dmuon::vanilla_adamw",
-                    "dmuon::vanilla_apply")
 
 #: Pi0-3B-shaped policy: PaliGemma's Gemma-2B backbone (2048 wide, 18 layers, MLP 16384, 8
 #: heads of 256) + a 300 M action expert (1024 wide, 18 layers) + a SigLIP So400m-like tower
@@ -88,59 +85,6 @@ def policy_configs() -> dict[str, PolicyConfig]:
 
     return {**MODELS, "pi0_3b": PI0_3B}
 
-
-# ------------------------------------------------------------------ inventory-shaped models
-class _InventoryBlock(nn.Module):
-    """One unit of an inventory-shaped model: the matrices of one layer, each applied to the
-    leading ``cols`` features of the block's input, the outputs summed into ``width`` features
-    (zero-padded). Compute is one matmul per matrix at its real shape."""
-
-    def __init__(self, shapes: list[tuple[int, int]], width: int) -> None:
-        super().__init__()
-        self.shapes = shapes
-        self.width = width
-        self.mats = nn.ParameterList(nn.Parameter(torch.randn(r, c) / math.sqrt(c)) for r, c in shapes)
-        self.norm = nn.LayerNorm(width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x
-        h = self.norm(x)
-        for w, (r, c) in zip(self.mats, self.shapes):
-            y = h[..., :c] @ w.t()
-            out = out + nn.functional.pad(y, (0, self.width - r))
-        return out
-
-
-class InventoryModel(nn.Module):
-    """A model with the given Muon matrices, one FSDP2 unit per layer (matrices grouped by the
-    layer index in their name, or ``per_block`` at a time), for inventory-shaped rank views."""
-
-    def __init__(self, inventory: list[tuple[str, tuple[int, int]]], per_block: int | None = None) -> None:
-        super().__init__()
-        import re
-
-        groups: dict[str, list[tuple[int, int]]] = {}
-        for i, (fqn, shape) in enumerate(inventory):
-            m = re.search(r"^(.*?layers\.\d+)\.", fqn)
-            key = str(i // per_block) if per_block else (m.group(1) if m else fqn.rsplit(".", 1)[0])
-            groups.setdefault(key, []).append(shape)
-        self.width = max(max(r, c) for _, (r, c) in inventory)
-        self.embed = nn.Parameter(torch.randn(self.width) * 0.02)  # an AdamW parameter
-        self.blocks = nn.ModuleList(_InventoryBlock(s, self.width) for s in groups.values())
-
-    def shardable_blocks(self) -> list[nn.Module]:
-        return list(self.blocks)
-
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = batch["x"] + self.embed
-        for block in self.blocks:
-            x = block(x)
-        return (x.float() ** 2).mean()
-
-
-def blocks_inventory(blocks: int, per_block: int, width: int) -> list[tuple[str, tuple[int, int]]]:
-    """``blocks`` layers of ``per_block`` square ``width`` matrices (for the ops-scaling check)."""
-    return [(f"layers.{b}.m{k}.weight", (width, width)) for b in range(blocks) for k in range(per_block)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,71 +219,6 @@ def solve_plan(cfg: ViewConfig, build: Callable[[], nn.Module]):
     return plan
 
 
-# ------------------------------------------------------------------ profile analysis
-def _ancestors(evt) -> list:
-    out, p = [], evt.cpu_parent
-    while p is not None:
-        out.append(p)
-        p = p.cpu_parent
-    return out
-
-
-def analyze(events, phase: str) -> dict:
-    """Hook CPU time and dispatched ops in one phase's profiler events.
-
-    ``dmuon_hooks_cpu_s``: inclusive CPU time of the outermost ``dmuon::*`` labels that are not
-    the optimizer's math (:data:`OPTIMIZER_LABELS`); ``fsdp_hooks_cpu_s``: of the outermost
-    ``FSDP::*`` labels. ``*_aten_ops``: aten ops inside them with no aten op above (what the
-    hooks dispatch themselves; an op's own sub-ops are not counted again). ``*_kernel_launches``
-    (CUDA): ``cudaLaunchKernel``-like runtime calls inside them.
-    """
-    out: dict[str, Any] = {}
-    for family, prefix in (("dmuon", "dmuon::"), ("fsdp", "FSDP::")):
-        def is_hook(e) -> bool:
-            return e.name.startswith(prefix) and e.name not in OPTIMIZER_LABELS
-
-        outer = [e for e in events if is_hook(e) and not any(a.name.startswith(prefix) for a in _ancestors(e))]
-        by_label: Counter = Counter()
-        calls: Counter = Counter()
-        for e in outer:
-            by_label[e.name] += e.cpu_time_total * 1e-6
-            calls[e.name] += 1
-        ops = 0
-        launches = 0
-        op_names: Counter = Counter()
-        for e in events:
-            anc = _ancestors(e)
-            if not any(is_hook(a) for a in anc):
-                continue
-            if e.name.startswith("aten::") and not any(a.name.startswith("aten::") for a in anc):
-                ops += 1
-                op_names[e.name] += 1
-            if "LaunchKernel" in e.name:
-                launches += 1
-        out[f"{family}_hooks_cpu_s"] = sum(by_label.values())
-        out[f"{family}_hook_labels_cpu_s"] = dict(by_label)
-        out[f"{family}_hook_calls"] = dict(calls)
-        out[f"{family}_aten_ops"] = ops
-        out[f"{family}_aten_op_names"] = dict(op_names.most_common(12))
-        out[f"{family}_kernel_launches"] = launches
-    if phase == "step":
-        out["dmuon_optimizer_cpu_s"] = {name: sum(e.cpu_time_total for e in events if e.name == name) * 1e-6
-                                        for name in OPTIMIZER_LABELS}
-    return out
-
-
-def _cpu_peak_bytes(events) -> float | None:
-    """Largest running sum of the profiler's memory records (bytes above the phase's start)."""
-    mem = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in events if e.self_cpu_memory_usage)
-    if not mem:
-        return None
-    run, peak = 0, 0
-    for _, b in mem:
-        run += b
-        peak = max(peak, run)
-    return float(peak)
-
-
 # ------------------------------------------------------------------ the run
 class _MuonAndAdamW:
     def __init__(self, model: nn.Module) -> None:
@@ -402,7 +281,7 @@ def _step(model, opt, batch, device, profile: bool = False, memory: bool = False
                 out = fn()
             rec[name] = analyze(prof.events(), name)
             if device.type == "cpu" and memory:
-                rec[name]["transient_peak_bytes"] = _cpu_peak_bytes(prof.events())
+                rec[name]["transient_peak_bytes"] = cpu_peak_bytes(prof.events())
         else:
             out = fn()
         rec[f"{name}_s"] = now() - t0
