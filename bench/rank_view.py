@@ -458,7 +458,8 @@ def run(cfg: ViewConfig) -> dict:
         "offline": (["plan broadcast (plan solved in process by solve_plan, as rank 0 of the "
                      "real job would, and passed to dedicate_params)"]
                     + (list(state.offline) if state is not None else [])),
-        "faked": ["every collective (fake process group: returns at once, moves no data)"],
+        "faked": ["every collective (fake process group: returns at once, moves no data)",
+                  "no heartbeat (dmuon.Heartbeat is started by the user's loop; the rank view does not)"],
         "uninitialised_buffers": ("torch.set_flush_denormal(True) on CPU (flush-to-zero and "
                                   "denormals-are-zero); buffers are not zero-filled, so losses "
                                   "are meaningless" if device.type == "cpu" else
