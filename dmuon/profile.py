@@ -78,14 +78,31 @@ def rank_table(plan, memory_by_rank: Sequence[float], nodes: int, gpus_per_node:
                      f"{memory_by_rank[r] / 2 ** 30:.3f}", str(counts[r])))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    ratio = plan.makespan / plan.lower_bound if plan.lower_bound else 1.0
-    lines.append(
-        f"makespan {plan.makespan / scale:.4f} {label} = {ratio:.4f} x lower bound "
-        f"{plan.lower_bound / scale:.4f} (proven bound {plan.extra['proven_bound'] / scale:.4f},"
-        f" method {plan.method}/{plan.extra['detail']}, optimal {plan.extra['optimal']}, "
-        f"solved in {plan.extra['solve_s']:.2f} s)"
-    )
+    lines.extend(solver_summary(plan))
     return "\n".join(lines)
+
+
+def solver_summary(plan) -> list[str]:
+    """Two lines: the makespan against both bounds with the proven gap, then which method
+    produced the plan and what the MILP did (its fallback reason, when it failed).
+
+    Needs a plan built with ``solver_report=True`` (:func:`build_owner_plan`)."""
+    unit = plan.cost_unit
+    scale, label = (1e12, "TFLOP") if unit == "flops" else (1.0, "ms")
+    extra = plan.extra
+    ratio = plan.makespan / plan.lower_bound if plan.lower_bound else 1.0
+    proven = extra["proven_bound"]
+    gap = 0.0 if extra["optimal"] or not proven else plan.makespan / proven - 1.0
+    status = extra["milp_status"]
+    what = ("greedy fallback after the MILP " + status if status.startswith("failed")
+            else "MILP: CBC's best plan at its time limit, not proven optimal"
+            if status.startswith("time limit") else f"MILP {status}")
+    return [
+        f"makespan {plan.makespan / scale:.4f} {label} = {ratio:.4f} x lower bound "
+        f"{plan.lower_bound / scale:.4f} (proven bound {proven / scale:.4f}: gap "
+        f"{100 * gap:.3f}%{', optimal' if extra['optimal'] else ''})",
+        f"plan by {plan.method}/{extra['detail']} ({what}), solved in {extra['solve_s']:.2f} s",
+    ]
 
 
 def plot_loads(plan, path: str) -> None:

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from dmuon.balance import profiler
-from dmuon.balance.cost import fit_batch_costs
+from dmuon.balance import makespan_lower_bound, profiler, solve
+from dmuon.balance.cost import fit_batch_costs, ns_flops
 from dmuon.balance.inventories import inventory
 from dmuon.owners.plan import OwnerPlan
 from dmuon.profile import main, model_inventory
@@ -31,6 +31,66 @@ def test_cli_pi0_tiny_writes_valid_plan_and_chart(tmp_path, capsys):
     assert (tmp_path / "plan.png").stat().st_size > 1000
     table = capsys.readouterr().out
     assert "makespan" in table and len(table.splitlines()) >= 9 + 1
+
+
+def test_cli_pi0_on_4x8_is_solved_by_the_milp(tmp_path, capsys):
+    """Issue 28's crashing command (Pi0 inventory, 4 nodes x 8 GPUs, FLOP model): CBC aborted
+    in its RINS heuristic once warm-started. Now CBC itself returns the plan: no failure, no
+    retry, no fallback (1 s time limit to stay fast; at 10 s it is the same plan)."""
+    out = tmp_path / "plan.json"
+    rc = main(["--model", "pi0", "--nodes", "4", "--gpus-per-node", "8", "--out", str(out),
+               "--time-limit-s", "1", "--measure", "no", "--no-plot",
+               "--cache", str(tmp_path / "c.json")])
+    assert rc == 0
+    plan = OwnerPlan.load(out)
+    plan.check_matches(dict(inventory("pi0")), 32)
+    assert plan.method == "milp" and plan.extra["detail"] == "cbc"
+    assert plan.extra["milp_status"] in ("optimal", "time limit")  # not "failed", not "retried"
+    loads = [0.0] * 32
+    for m in plan.matrices:
+        loads[m.owner] += m.cost
+    assert max(loads) == pytest.approx(plan.makespan)
+    costs = [m.cost for m in plan.matrices]
+    assert plan.extra["proven_bound"] >= max(sum(costs) / 32, max(costs)) * (1 - 1e-12)
+    assert plan.extra["proven_bound"] <= plan.makespan
+    assert plan.makespan <= solve(costs, 32, method="greedy").makespan  # never worse than LPT
+    text = capsys.readouterr().out
+    assert "plan by milp/cbc (MILP" in text and "gap" in text
+
+
+def test_cli_names_the_fallback_and_its_cause(tmp_path, capsys, caplog):
+    """A CBC that crashes: the CLI still writes the plan, says it is the greedy fallback and
+    why, in the summary (stdout) and in one warning line (the log; stderr without handlers)."""
+    from tests.solver_cases import CRASH_TEXT, stub_cbc
+
+    out = tmp_path / "plan.json"
+    with stub_cbc("raise") as stub:
+        rc = main(["--model", "pi0", "--nodes", "4", "--gpus-per-node", "8", "--out", str(out),
+                   "--time-limit-s", "1", "--measure", "no", "--no-plot",
+                   "--cache", str(tmp_path / "c.json")])
+    assert rc == 0 and stub.calls == [True, False]
+    plan = OwnerPlan.load(out)
+    assert plan.method == "greedy" and plan.extra["milp_status"].startswith("failed: CBC crashed")
+    captured = capsys.readouterr()
+    assert f"(greedy fallback after the MILP failed: CBC crashed: PulpSolverError: {CRASH_TEXT}" \
+        in captured.out
+    warning = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warning) == 1 and "owner MILP failed" in warning[0] and CRASH_TEXT in warning[0]
+
+
+def test_transposed_shapes_share_one_milp_class():
+    """``[18944, 3584]`` and ``[3584, 18944]`` cost the same FLOPs and bytes: one MILP class.
+    Qwen2.5-7B on 32 ranks is then proven optimal in ~0.2 s (2-core dev machine); with one
+    class per shape CBC did not prove it within 5 s (issue 28)."""
+    named = inventory("qwen2.5-7b")
+    shapes = [s for _, s in named]
+    costs = [float(ns_flops(*s, method="gram")) for s in shapes]
+    res = solve(costs, 32, classes=shapes, method="milp", time_limit_s=5)
+    assert res.optimal and res.method == "milp" and res.milp_status == "optimal"
+    # an optimum, checked against the pigeonhole bound and an independent load recount
+    loads = [sum(c for c, r in zip(costs, res.owners) if r == k) for k in range(32)]
+    assert max(loads) == pytest.approx(res.makespan)
+    assert res.makespan >= makespan_lower_bound(costs, 32) * (1 - 1e-12)
 
 
 def test_cli_group_cost_keeps_layers_on_fewer_owners(tmp_path, capsys):

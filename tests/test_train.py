@@ -150,12 +150,13 @@ def test_cli_end_to_end_two_ranks(tmp_path):
 
 
 def test_cli_meshes_train_the_same_as_fsdp(tmp_path):
-    """--mesh fsdp-tp:2x2 (TP MLPs + FSDP2) and --mesh replicate (dmuon's DDP-style path) follow
-    the 1-D FSDP run of the same global batch. (The baselines under torch DDP are covered by
+    """--mesh hsdp:2x2 (HSDP), --mesh fsdp-tp:2x2 (TP MLPs + FSDP2) and --mesh replicate (dmuon's
+    DDP-style path) follow the 1-D FSDP run of the same global batch. (The baselines under torch DDP are covered by
     tests/test_bench.py::test_bench_step_replicate_mode, without another 4-rank launch.)"""
     env = {**os.environ, "DMUON_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     losses = {}
-    for mesh, optimizer in (("fsdp", "dmuon"), ("fsdp-tp:2x2", "dmuon"), ("replicate", "dmuon")):
+    meshes = ("fsdp", "hsdp:2x2", "fsdp-tp:2x2", "replicate")
+    for mesh, optimizer in ((mesh, "dmuon") for mesh in meshes):
         out = tmp_path / f"{mesh.replace(':', '_')}_{optimizer}.json"
         proc = subprocess.run(
             [sys.executable, "-m", "dmuon.train", "--nproc", "4", "--mesh", mesh, "--steps", "3",
@@ -169,6 +170,6 @@ def test_cli_meshes_train_the_same_as_fsdp(tmp_path):
         assert summary["mesh"] == mesh and summary["world_size"] == 4
         losses[(mesh, optimizer)] = summary["losses"]
     reference = losses[("fsdp", "dmuon")]
-    for key in (("fsdp-tp:2x2", "dmuon"), ("replicate", "dmuon")):
+    for key in ((mesh, "dmuon") for mesh in meshes[1:]):
         np.testing.assert_allclose(losses[key], reference, rtol=1e-4, err_msg=str(key))
     assert reference[0] != reference[-1]

@@ -1,9 +1,14 @@
 """Exact makespan minimization as a MILP over matrix classes, solved by CBC through PuLP.
 
-Matrices of one *class* (one shape: same cost, same memory) are interchangeable, so instead of
-one binary per (matrix, rank) the model counts them: ``x[s, r]`` is the number of class-``s``
-matrices rank ``r`` owns. For Qwen2.5-7B (196 matrices, 7 shapes) at 256 ranks that is 1,792
-integers instead of 50,176 binaries.
+Matrices of one *class* are interchangeable, so instead of one binary per (matrix, rank) the
+model counts them: ``x[s, r]`` is the number of class-``s`` matrices rank ``r`` owns. A class
+here is one (cost, memory) pair, so a shape and its transpose (``[16384, 2048]`` and ``[2048,
+16384]``: equal FLOPs, equal bytes) share one; only a shape with a batch overhead ``f_s > 0``
+stays a class of its own, as it pays ``f_s`` once per rank. For Qwen2.5-7B (196 matrices, 4
+shapes, 3 classes) at 256 ranks that is 768 integers instead of 50,176 binaries. Splitting
+interchangeable matrices into several classes (one per shape, as ``build_plan`` passes them)
+only adds symmetric solutions: measured on the 2-core dev machine, Qwen2.5-7B on 32 ranks is
+proven optimal in 0.2 s with 3 classes and not within 5 s with 4 (issue 28).
 
     minimize    T
     subject to  sum_r x[s, r] = n_s                                   for every class s
@@ -21,11 +26,19 @@ class is a (group, shape) pair, a binary ``y[g, r]`` marks that rank ``r`` owns 
 ``c_s`` is the marginal NS cost of one class-``s`` matrix, ``f_s`` the fixed cost of running a
 batch of them (see :func:`dmuon.balance.cost.fit_batch_costs`), ``m_s`` its bytes. Solved by
 CBC (bundled with PuLP) with one thread, so an untimed-out solve is reproducible.
+
+Every way CBC can fail (it crashes, PuLP raises, the solution file is missing or holds values
+that are not a plan, no plan by the time limit, an infeasible status, no return at all) raises
+:class:`MilpFailure` with the reason; :func:`dmuon.balance.solve` then retries once without the
+warm start and falls back to the heuristic plan with a warning.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 import warnings
 from typing import Hashable, Mapping, Sequence
@@ -34,6 +47,10 @@ from dmuon.balance.assignment import effective_costs
 from dmuon.balance.bounds import makespan_lower_bound
 
 logger = logging.getLogger(__name__)
+
+
+class MilpFailure(RuntimeError):
+    """CBC gave no usable plan; the message says why (crash, status, bad solution values)."""
 
 
 def _class_table(costs, classes, memory):
@@ -69,7 +86,8 @@ def solve_milp(
     time_limit_s: float = 10.0,
     groups: Sequence[int] | None = None,
     group_cost: float = 0.0,
-) -> tuple[tuple[int, ...], bool] | None:
+    merge_classes: bool = True,
+) -> tuple[tuple[int, ...], bool]:
     """Solve the class-count MILP above with CBC.
 
     Args:
@@ -83,13 +101,19 @@ def solve_milp(
         time_limit_s: CBC wall-clock limit, seconds.
         groups: per-matrix publish-group id; used only with ``group_cost > 0``.
         group_cost: step time of one (group, owner) pair, in the unit of ``costs``.
+        merge_classes: one MILP class per (cost, memory) pair (default); False keeps one per
+            given class, the model that exposed CBC's RINS abort (issue 28's regression test).
 
     Returns:
         ``(owners, optimal)``: owners per matrix in input order, ``optimal`` True when CBC
-        proved it; None when CBC found no feasible plan in time (or proved there is none).
+        proved it (False: CBC's incumbent at the time limit).
 
     Raises:
         ValueError: when matrices of one class differ in cost or memory.
+        MilpFailure: when CBC gives no usable plan: PuLP or CBC is missing, CBC exits with an
+            error (e.g. its ``CoinError`` abort), writes no solution or hangs, the status is
+            infeasible or "not solved" (no plan by the time limit), or the values it returns
+            are not a plan (not integral, negative, or not summing to each class's count).
     """
     with warnings.catch_warnings():
         # PuLP 3.x announces API changes for 4.0; the calls used here work from 2.8 on.
@@ -98,23 +122,39 @@ def solve_milp(
                            memory_cap=memory_cap, batch_overhead=batch_overhead,
                            warm_start=warm_start, time_limit_s=time_limit_s,
                            groups=groups if group_cost > 0 else None,
-                           group_cost=float(group_cost))
+                           group_cost=float(group_cost), merge_classes=merge_classes)
 
 
 def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
-                time_limit_s, groups, group_cost):
-    import pulp
+                time_limit_s, groups, group_cost, merge_classes):
+    try:
+        import pulp
+    except ImportError as e:
+        raise MilpFailure(f"PuLP is not installed ({e}); pip install pulp") from e
 
     start = time.perf_counter()
     # Integer variables count matrices per key: the shape, or (group, shape) with groups, as
     # same-shape matrices of different groups are then no longer interchangeable. The batch
     # overhead stays per shape: z[s, r] marks that rank r runs a batch of shape s at all.
-    keys = list(classes) if groups is None else list(zip(groups, classes))
-    shape_of = (lambda key: key) if groups is None else (lambda key: key[1])
+    _class_table(costs, classes, memory)  # one class must be one cost and one memory size
+    overhead_of = {s: float((batch_overhead or {}).get(s, 0.0)) for s in classes}
+    # Interchangeable matrices share one MILP class: (cost, memory), or the shape itself where
+    # it pays a batch overhead (see the module docstring).
+    merged = [("shape", s) if overhead_of[s] > 0 or not merge_classes else
+              ("cost", float(costs[i]), 0.0 if memory is None else float(memory[i]))
+              for i, s in enumerate(classes)]
+    keys = merged if groups is None else list(zip(groups, merged))
+    kind_of = (lambda key: key) if groups is None else (lambda key: key[1])
+
+    def shape_of(key):  # the batched shape a key pays overhead for, or None
+        kind = kind_of(key)
+        return kind[1] if kind[0] == "shape" else None
+
     order, table = _class_table(costs, keys, memory)
-    shapes = list(dict.fromkeys(shape_of(key) for key in order))
+    shapes = [s for s in dict.fromkeys(shape_of(key) for key in order) if s is not None]
     shape_index = {s: j for j, s in enumerate(shapes)}
-    overhead = {s: float((batch_overhead or {}).get(s, 0.0)) for s in shapes}
+    shape_index[None] = -1
+    overhead = {s: overhead_of[s] for s in shapes}
     ranks = range(num_ranks)
     prob = pulp.LpProblem("dmuon_owner_makespan", pulp.LpMinimize)
     x = {(k, r): pulp.LpVariable(f"x_{k}_{r}", 0, table[key][0], cat="Integer")
@@ -160,23 +200,128 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     # thread that, about once in 200 solves here, never starts: CBC's log then shows "Thread 0
     # used 0 times, waiting to start 10.0" and the solve stops at the time limit with gap 0,
     # unproven.
+    # ``rins off``: CBC 2.10.3 (PuLP 3.3's bundled binary) aborts with an uncaught CoinError
+    # inside its RINS heuristic: CbcHeuristicRINS::solution -> smallBranchAndBound ->
+    # ClpSimplex::borrowModel -> ClpPrimalColumnSteepest's copy -> CoinIndexedVector::
+    # gutsOfSetVector (gdb backtrace, issue 28: Pi0 with one class per shape on 32 ranks,
+    # warm-started). RINS only runs once there is an incumbent, which is why the same model
+    # solved without the warm start. Our warm start is already a local-search optimum, the
+    # neighbourhood RINS searches; off, no measured plan got worse (Pi0, Qwen2.5-7B, 8-64 ranks).
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
-                               warmStart=warm_start is not None)
-    prob.solve(solver)
+                               warmStart=warm_start is not None, options=["rins off"])
+    _solve_with_deadline(prob, solver, time_limit_s)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        logger.debug("dmuon: CBC found no plan (status %s)", pulp.LpStatus[prob.status])
-        return None
-    owners = [0] * len(costs)
-    for k, key in enumerate(order):
-        members = iter(table[key][3])
-        for r in ranks:
-            for _ in range(int(round(x[k, r].value() or 0))):
-                owners[next(members)] = r
+        raise MilpFailure(
+            f"CBC returned no plan: status {pulp.LpStatus.get(prob.status, prob.status)!r}, "
+            f"solution {pulp.LpSolution.get(prob.sol_status, prob.sol_status)!r} after "
+            f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
+    owners = _read_plan(x, order, table, num_ranks, len(costs))
     optimal = prob.sol_status == pulp.LpSolutionOptimal
     logger.debug("dmuon: CBC %s in %.2fs (%d classes x %d ranks, %d groups)",
                  "optimal" if optimal else "incumbent", time.perf_counter() - start,
                  len(order), num_ranks, len(gids))
     return tuple(owners), optimal
+
+
+#: Seconds past twice CBC's own time limit after which a CBC that has not returned counts as
+#: hung: it is killed and the solve fails (CBC stops itself at the limit; reading the model and
+#: writing the solution took under 1 s for Pi0 at 256 ranks, and a loaded 2-core machine can
+#: stretch the wall clock 2-3x).
+HANG_MARGIN_S = 30.0
+
+
+def _solve_with_deadline(prob, solver, time_limit_s: float) -> None:
+    """``prob.solve(solver)`` in a worker thread, waited on for ``2 * time_limit_s +``
+    :data:`HANG_MARGIN_S` seconds. PuLP waits on CBC's process without a timeout, so a CBC that
+    never returns would hang the caller (on ``dedicate_params``' rank 0: the whole job).
+
+    Raises:
+        MilpFailure: when CBC raised (``PulpSolverError``: it aborted or wrote no solution;
+            ``OSError``...), or did not return in time (its processes, children of this one
+            named like the solver binary, are then killed where ``/proc`` exists).
+    """
+    done = threading.Event()
+    box: dict[str, BaseException] = {}
+
+    def run() -> None:
+        try:
+            prob.solve(solver)
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, name="dmuon-cbc", daemon=True)
+    thread.start()
+    deadline_s = 2 * time_limit_s + HANG_MARGIN_S
+    if not done.wait(deadline_s):
+        killed = _kill_child_processes(os.path.basename(str(getattr(solver, "path", "cbc"))))
+        raise MilpFailure(
+            f"CBC did not return within {deadline_s:.0f} s (time limit {time_limit_s} s): "
+            f"hung; killed {killed} process(es)")
+    if "error" in box:
+        e = box["error"]
+        # PuLP raises PulpSolverError when CBC exits non-zero or leaves no solution file; any
+        # other error came from running CBC (OSError) or reading its solution (ValueError...).
+        what = "crashed" if type(e).__name__ == "PulpSolverError" else "failed"
+        raise MilpFailure(f"CBC {what}: {type(e).__name__}: {_first_line(e)}") from e
+
+
+def _kill_child_processes(name: str) -> int:
+    """SIGKILL this process's children whose command name is ``name`` (Linux ``/proc``; 0
+    elsewhere). Returns how many were signalled."""
+    killed = 0
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            if ppid == os.getpid() and comm == name[:15]:  # the kernel keeps 15 characters
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        except (OSError, ValueError):
+            continue
+    return killed
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _read_plan(x, order, table, num_ranks, n):
+    """Owners per matrix from CBC's counts ``x[k, r]``, checked: every value a non-negative
+    integer (within 1e-6) and every class's counts summing to its size.
+
+    Raises:
+        MilpFailure: naming the first variable or class whose values are not a plan.
+    """
+    owners = [0] * n
+    for k, key in enumerate(order):
+        counts = []
+        for r in range(num_ranks):
+            value = x[k, r].value()
+            ok = isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
+            if not ok or abs(value - round(value)) > 1e-6 or round(value) < 0:
+                raise MilpFailure(
+                    f"CBC returned an unusable solution: {x[k, r].name} = {value!r} is not a "
+                    f"count of matrices (a non-negative integer)")
+            counts.append(int(round(value)))
+        members = table[key][3]
+        if sum(counts) != len(members):
+            raise MilpFailure(
+                f"CBC returned an unusable solution: class {key!r} has {len(members)} matrices "
+                f"but its counts sum to {sum(counts)}")
+        it = iter(members)
+        for r, count in enumerate(counts):
+            for _ in range(count):
+                owners[next(it)] = r
+    return owners
 
 
 def _set_warm_start(owners, order, keys, shapes, shape_of, costs, overhead, num_ranks, x, z, y, t):
@@ -187,7 +332,8 @@ def _set_warm_start(owners, order, keys, shapes, shape_of, costs, overhead, num_
     for i, r in enumerate(owners):
         counts[r][index[keys[i]]] += 1
         loads[r] += float(costs[i])
-    held = [{shape_of(order[k]) for k in range(len(order)) if counts[r][k]} for r in range(num_ranks)]
+    held = [{shape_of(order[k]) for k in range(len(order)) if counts[r][k]} - {None}
+            for r in range(num_ranks)]
     for r in range(num_ranks):
         loads[r] += sum(overhead[s] for s in held[r])
     relabel = sorted(range(num_ranks), key=lambda r: (-loads[r], r))

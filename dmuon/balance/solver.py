@@ -30,14 +30,15 @@ from dmuon.balance.bounds import makespan_lower_bound
 from dmuon.balance.grouping import group_lpt, merge_groups, objective, publish_pairs
 from dmuon.balance.layout import apply_layout
 from dmuon.balance.local_search import improve, multifit
-from dmuon.balance.milp import solve_milp
+from dmuon.balance.milp import MilpFailure, solve_milp
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` solves the MILP when (distinct matrix classes) x (ranks) is at most this. Measured
-#: on the 2-core dev machine (bench/results/balance_cases.json): Pi0 (16 classes) and
-#: Qwen2.5-7B (7 classes) at 256 ranks give 4096 and 1792 integer variables and finish in a
-#: few seconds; models with hundreds of distinct shapes at 256 ranks fall back to greedy.
+#: ``auto`` solves the MILP when (distinct given classes, i.e. shapes) x (ranks) is at most
+#: this; the MILP itself may merge them further (a shape and its transpose: one class, see
+#: :mod:`dmuon.balance.milp`). Pi0 (16 shapes, 11 MILP classes) and Qwen2.5-7B (4 shapes, 3
+#: classes) at 256 ranks count 4096 and 1024 here and finish in a few seconds on the 2-core dev
+#: machine; models with hundreds of distinct shapes at 256 ranks fall back to the heuristics.
 AUTO_MAX_INTEGER_VARS = 8192
 
 #: ``auto`` solves the publish-group MILP (:mod:`dmuon.balance.grouping`) when (distinct
@@ -61,7 +62,9 @@ class Assignment:
         lower_bound: ``max(total / num_ranks, largest cost)``, the bound the design reports.
         proven_bound: a lower bound at least as strong (pigeonhole bounds, or the makespan
             itself when ``optimal``); ``makespan / proven_bound - 1`` is a proven gap.
-        method: ``"milp"`` or ``"greedy"``: the solver whose plan was returned.
+        method: ``"milp"`` or ``"greedy"``: the solver whose plan was returned (``"milp"``
+            whenever CBC's plan is at least as good as the heuristic's, even when it is the
+            warm start itself; ``"greedy"`` also after a MILP failure, see ``milp_status``).
         optimal: True only where optimality is proven (MILP optimal, or makespan equal to a
             lower bound).
         solve_s: wall-clock seconds spent solving.
@@ -70,6 +73,11 @@ class Assignment:
             with a group cost, ``"+merge_groups"`` or ``"group_lpt+merge_groups"``.
         group_cost: step time of one publish (group, owner) pair, in the cost unit.
         publish_pairs: distinct (group, owner) pairs (0 without ``groups``).
+        milp_status: what the MILP did, one line: ``"optimal"``, ``"time limit"`` (CBC's
+            best plan when its time limit struck, not proven optimal), ``"not run: ..."``
+            (with the reason), or, when CBC failed twice and the heuristic plan was kept,
+            ``"failed: <why>; retry without warm start failed: <why>"``
+            (:func:`milp_fallback`). A retry that worked reads ``"optimal (retried ...)"``.
     """
 
     owners: tuple[int, ...]
@@ -84,6 +92,12 @@ class Assignment:
     detail: str = "lpt"
     group_cost: float = 0.0
     publish_pairs: int = 0
+    milp_status: str = "not run"
+
+    @property
+    def fell_back(self) -> bool:
+        """True when the MILP failed and the plan is the heuristic's fallback."""
+        return self.milp_status.startswith("failed")
 
     @property
     def objective(self) -> float:
@@ -183,11 +197,14 @@ def solve(
     Returns:
         The :class:`Assignment`. With the same input it is the same on every run, unless the
         MILP hits its time limit (then the incumbent may depend on timing: solve once and
-        share the plan file).
+        share the plan file). A CBC failure is no error: the MILP is retried once without the
+        warm start, then the heuristic plan is returned with one warning naming the cause
+        (:func:`milp_fallback`; ``Assignment.milp_status``).
 
     Raises:
         ValueError: on bad arguments, or when ``memory_cap`` is infeasible (the message gives
-            the smallest feasible cap), ``group_cost`` without ``groups`` or with ``layout``.
+            the smallest feasible cap) or only the MILP could meet it and it failed (the
+            message gives the cause), ``group_cost`` without ``groups`` or with ``layout``.
     """
     start = time.perf_counter()
     costs = [float(c) for c in costs]
@@ -215,9 +232,11 @@ def solve(
     owners = greedy(costs, num_ranks, memory=memory, memory_cap=memory_cap)
     used = "greedy"
     optimal = False
-    want_milp = method == "milp" or (
-        method == "auto" and len(set(classes)) * num_ranks <= AUTO_MAX_INTEGER_VARS
-    )
+    n_vars = len(set(classes)) * num_ranks
+    want_milp = method == "milp" or (method == "auto" and n_vars <= AUTO_MAX_INTEGER_VARS)
+    status = ("not run: method='greedy'" if method == "greedy" else
+              f"not run: {n_vars} integer variables > AUTO_MAX_INTEGER_VARS="
+              f"{AUTO_MAX_INTEGER_VARS}" if not want_milp else "not run")
     heuristic = "lpt"
     if method == "greedy":
         pass  # plain LPT, as documented
@@ -234,28 +253,34 @@ def solve(
         loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
         if max(loads) <= bound * (1 + 1e-12):
             optimal, want_milp = True, False  # greedy met a lower bound: nothing to improve
+            status = "not run: the heuristic plan meets the lower bound"
     if group_cost > 0:
         want_milp = False  # the group MILP below subsumes the makespan one
+        status = "not run"
     if want_milp or owners is None:
-        res = solve_milp(costs, num_ranks, classes=classes, memory=memory,
-                         memory_cap=memory_cap, batch_overhead=batch_overhead,
-                         warm_start=owners, time_limit_s=time_limit_s)
+        res, status = milp_fallback(
+            costs, num_ranks, warm_start=owners, fallback=None if owners is None else heuristic,
+            score=lambda o: max(evaluate(o, costs, num_ranks, classes=classes,
+                                         batch_overhead=batch_overhead)) / bound,
+            classes=classes, memory=memory, memory_cap=memory_cap,
+            batch_overhead=batch_overhead, time_limit_s=time_limit_s)
         if res is not None:
             m_owners, m_optimal = res
             m_loads = evaluate(m_owners, costs, num_ranks, classes=classes,
                                batch_overhead=batch_overhead)
-            if owners is None or max(m_loads) < max(loads) * (1 - 1e-12) or m_optimal:
-                if owners is None or max(m_loads) <= max(loads):
-                    owners, used, optimal, heuristic = m_owners, "milp", m_optimal, "cbc"
+            # CBC's plan whenever it is at least as good: at the time limit its incumbent may
+            # be the warm start itself, and the plan is then still the MILP's answer.
+            if owners is None or max(m_loads) <= max(loads) * (1 + 1e-12):
+                owners, used, optimal, heuristic = m_owners, "milp", m_optimal, "cbc"
     if owners is None:
         raise ValueError(
             f"dmuon: no assignment of {n} matrices to {num_ranks} ranks fits "
-            f"memory_cap={memory_cap:.0f} bytes within time_limit_s={time_limit_s}; raise the "
-            f"cap or the time limit"
+            f"memory_cap={memory_cap:.0f} bytes within time_limit_s={time_limit_s} (MILP: "
+            f"{status}); raise the cap or the time limit"
         )
     pairs = 0
     if group_cost > 0:
-        owners, used, optimal, heuristic = _place_groups(
+        owners, used, optimal, heuristic, status = _place_groups(
             owners, heuristic, costs, num_ranks, groups=groups, group_cost=group_cost,
             classes=classes, batch_overhead=batch_overhead, memory=memory,
             memory_cap=memory_cap, method=method, time_limit_s=time_limit_s)
@@ -278,7 +303,7 @@ def solve(
         makespan=makespan, lower_bound=lower,
         proven_bound=makespan if optimal else bound, method=used, optimal=optimal,
         detail=heuristic, group_cost=float(group_cost), publish_pairs=pairs,
-        solve_s=time.perf_counter() - start,
+        solve_s=time.perf_counter() - start, milp_status=status,
     )
     logger.debug("dmuon: solve(%d matrices, %d ranks) -> %s makespan %.4g, bound %.4g",
                  n, num_ranks, used, makespan, result.proven_bound)
@@ -289,7 +314,7 @@ def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, cl
                   batch_overhead, memory, memory_cap, method, time_limit_s):
     """The best of: ``owners`` and group-LPT, each refined by merge_groups, then the group
     MILP warm-started from it (when ``method`` allows it at this size). Returns ``(owners,
-    method, optimal, detail)``."""
+    method, optimal, detail, milp_status)``."""
     score = dict(groups=groups, group_cost=group_cost, classes=classes,
                  batch_overhead=batch_overhead)
     common = dict(score, memory=memory, memory_cap=memory_cap, time_limit_s=time_limit_s / 4)
@@ -301,14 +326,67 @@ def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, cl
     best, detail = min(candidates, key=lambda c: objective(c[0], costs, num_ranks, **score))
     used, optimal = "greedy", False
     keys = len(set(zip(groups, classes)))
+    status = (f"not run: {keys * num_ranks} integer variables > AUTO_MAX_GROUP_VARS="
+              f"{AUTO_MAX_GROUP_VARS}" if method == "auto" else f"not run: method={method!r}")
     if method == "milp" or (method == "auto" and keys * num_ranks <= AUTO_MAX_GROUP_VARS):
-        res = solve_milp(costs, num_ranks, classes=classes, memory=memory, memory_cap=memory_cap,
-                         batch_overhead=batch_overhead, warm_start=best,
-                         time_limit_s=time_limit_s, groups=groups, group_cost=group_cost)
+        start_obj = objective(best, costs, num_ranks, **score)
+        res, status = milp_fallback(
+            costs, num_ranks, warm_start=best, fallback=detail,
+            score=lambda o: objective(o, costs, num_ranks, **score) / start_obj,
+            classes=classes, memory=memory, memory_cap=memory_cap,
+            batch_overhead=batch_overhead, time_limit_s=time_limit_s, groups=groups,
+            group_cost=group_cost)
         if res is not None and (objective(res[0], costs, num_ranks, **score)
-                                <= objective(best, costs, num_ranks, **score) * (1 + 1e-12)):
+                                <= start_obj * (1 + 1e-12)):
             best, used, optimal, detail = res[0], "milp", res[1], "cbc"
-    return best, used, optimal, detail
+    return best, used, optimal, detail, status
+
+
+def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, **milp_args):
+    """:func:`dmuon.balance.milp.solve_milp` that never raises for a solver failure.
+
+    CBC is tried with the warm start, then once more without it (a warm start is what
+    brought CBC's RINS abort to light, issue 28). When both fail, one warning line says why
+    and names the plan kept instead.
+
+    Args:
+        costs, num_ranks, milp_args: passed to ``solve_milp``.
+        warm_start: the heuristic plan (owners per matrix), or None.
+        fallback: the heuristic's name (e.g. ``"multifit+local_search"``) for the warning,
+            or None when there is no plan to fall back to (the caller then raises).
+        score: ``owners -> makespan (or objective) / bound`` of a plan, for the warning.
+
+    Returns:
+        ``(result, status)``: ``solve_milp``'s ``(owners, optimal)`` or None after two
+        failures; ``status`` is :attr:`Assignment.milp_status`.
+
+    Raises:
+        ValueError: from ``solve_milp`` on inconsistent classes (a caller's bug, not CBC's).
+    """
+    def ok(res, note=""):
+        return res, ("optimal" if res[1] else "time limit") + note
+
+    first = None
+    if warm_start is not None:
+        try:
+            return ok(solve_milp(costs, num_ranks, warm_start=warm_start, **milp_args))
+        except MilpFailure as e:
+            first = str(e)
+    try:
+        res = solve_milp(costs, num_ranks, warm_start=None, **milp_args)
+        if first is not None:  # the plan is CBC's after all: worth a note, not a warning
+            logger.info("dmuon: owner MILP with warm start failed (%s); without it, it worked",
+                        first)
+        return ok(res, "" if first is None else f" (retried without the warm start after: {first})")
+    except MilpFailure as e:
+        status = (f"failed: {e}" if first is None else
+                  f"failed: {first}; the retry without warm start failed the same way"
+                  if str(e) == first else
+                  f"failed: {first}; retry without warm start failed: {e}")
+    if fallback is not None:
+        logger.warning("dmuon: owner MILP %s. Using the %s plan instead (%.4fx the bound)",
+                       status, fallback, score(warm_start))
+    return None, status
 
 
 def check_memory_cap(

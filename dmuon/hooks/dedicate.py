@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import torch.distributed as dist
 from torch import nn
@@ -258,9 +258,21 @@ def dedicate_params(
             plan = solve()
             offline.append("plan broadcast (plan solved in process, as rank 0 would)")
         else:
-            # The MILP is time-limited, hence not reproducible across ranks: one rank solves.
-            solved = [solve() if dist.get_rank(roles.world) == 0 else None]
+            # The MILP is time-limited, hence not reproducible across ranks: one rank solves. A
+            # failing CBC already falls back to the heuristic plan inside build_plan; anything
+            # else rank 0 raises goes to every rank, so none waits in the broadcast for a plan.
+            solved: list[Any] = [None]
+            if dist.get_rank(roles.world) == 0:
+                try:
+                    solved[0] = solve()
+                except Exception as e:  # sent to the other ranks, raised below on all
+                    solved[0] = e
             dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
+            if isinstance(solved[0], Exception):
+                if dist.get_rank(roles.world) == 0:
+                    raise solved[0]
+                raise RuntimeError(f"dmuon: rank 0 could not build the owner plan: "
+                                   f"{type(solved[0]).__name__}: {solved[0]}") from solved[0]
             plan = solved[0]
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)

@@ -382,7 +382,9 @@ def build_plan(
         replica_cost: the cost model of ``replicate_mode="auto"`` (default
             :class:`dmuon.balance.cost.ReplicaCost`).
         solver_report: record the solver's ``proven_bound``, ``optimal``, ``detail``,
-            ``solve_s``, the layout and ``memory_by_rank`` (bytes) in ``extra``.
+            ``milp_status``, ``solve_s``, the layout and ``memory_by_rank`` (bytes) in
+            ``extra``. Without it, ``extra["milp_status"]`` is still set when CBC failed and
+            the plan is the heuristic fallback (:func:`dmuon.balance.solver.milp_fallback`).
         bucket_bytes: the DDP-style path (``replicas="keep"``, plain module on a 1-D mesh):
             matrices are cut into contiguous buckets in backward (reverse model) order, each
             closed once it holds this many bytes (``bucket_cap_mb * 2**20``, > 0, as DDP's), at
@@ -452,9 +454,12 @@ def build_plan(
     )
     extra: dict[str, Any] = ({"group_cost": float(group_cost), "publish_pairs": result.publish_pairs}
                              if result.group_cost > 0 else {})
+    if result.fell_back:  # why the plan is the heuristic's: every rank's copy says so
+        extra["milp_status"] = result.milp_status
     if solver_report:
         extra.update(
             proven_bound=result.proven_bound, optimal=result.optimal, detail=result.detail,
+            milp_status=result.milp_status,
             solve_s=result.solve_s, layout="xor" if xor else "none",
             nodes=None if layout is None else layout[0],
             gpus_per_node=None if layout is None else layout[1],

@@ -1,0 +1,216 @@
+"""Every command the README shows runs (issue 28 item 3): a README example must not break
+again unseen.
+
+The commands are read from the README itself: each line of a fenced ``bash`` block (backslash
+continuations joined, ``#`` comments dropped, ``&&`` chains split) and each inline code span in
+the prose that starts with one of :data:`INLINE_PROGRAMS` (headings excluded: they name a
+tool). Every one must be covered in exactly one way:
+
+* ``python -m dmuon.profile ...`` runs **as shown** (CPU, FLOP model), in a temporary directory;
+  a placeholder ``MODULE:FACTORY`` from :data:`PLACEHOLDER_MODULES` is provided there;
+* a command in :data:`README_COMMANDS` runs as its :class:`Run` (the same code path with
+  faster arguments or a temporary output), or names the :class:`Covered` test that runs it, or
+  gives the reason it is skipped (:class:`Skip`: GPU only, installs, the test suite itself);
+* a ``pip install`` is skipped (CI's environment is that install).
+
+A README command covered in none of these ways fails :func:`test_every_readme_command_is_covered`
+with the exact entry to add; an entry whose command left the README fails too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+
+#: README commands that run as shown (prefix match): fast on CPU, no files outside the cwd.
+RUN_AS_SHOWN_PREFIXES = ("python -m dmuon.profile ",)
+#: README commands skipped by prefix, with the reason.
+SKIP_PREFIXES = {
+    "pip install ": "installs a package: CI's environment is that install",
+    "bash .ci/run": "the CI script: it runs the whole suite, this test included",
+}
+#: Programs whose inline code spans in the README's prose count as commands.
+INLINE_PROGRAMS = ("python", "pytest", "bash", "torchrun")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Run ``command`` instead (``{repo}``: the repository, ``{tmp}``: a temporary directory
+    that is also the working directory); ``why`` says how it is the same code path."""
+
+    command: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Covered:
+    """``test`` (``tests/<file>.py::<function>``) runs this command's code path; ``why`` says
+    how. The test must exist."""
+
+    test: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Skip:
+    """Not run: ``why`` (GPU only, the test suite itself, minutes of benchmark)."""
+
+    why: str
+
+
+#: README command (as parsed: continuations joined, comments dropped, spaces collapsed, shell
+#: quoting normalized by ``shlex.join``) -> how this test covers it.
+README_COMMANDS: dict[str, Run | Covered | Skip] = {
+    "python -m dmuon.train": Covered(
+        "tests/test_train.py::test_cli_meshes_train_the_same_as_fsdp",
+        "its first run is this command's defaults (4 CPU ranks, --mesh fsdp, --optimizer dmuon) "
+        "for 3 steps of 1 episode"),
+    "python -m pytest -q": Skip("the test suite itself: CI runs it, and this test is part of it"),
+    "pytest -m gpu": Skip("the GPU tests: they need CUDA (on CPU they are skipped)"),
+    "python -m dmuon.train --nproc 4 --mesh hsdp:2x2": Covered(
+        "tests/test_train.py::test_cli_meshes_train_the_same_as_fsdp",
+        "runs this launch with --mesh hsdp:2x2 for 3 steps of 1 episode and compares its losses "
+        "with the 1-D FSDP run's"),
+    "python bench/bench_step.py --nproc 4 --rounds 10 --block-steps 3 --batch-size 64 --extra "
+    "dmuon_nocheck --mesh replicate": Covered(
+        "tests/test_bench.py::test_bench_step_replicate_mode",
+        "runs bench_step's replicated path on gloo ranks; the full benchmark takes minutes"),
+    "python bench/simulate.py --validate '<five' 'step_cpu_*.json>' --out "
+    "bench/results/sim_gpu.json": Covered(
+        "tests/test_bench.py::test_simulate_cli_tiny",
+        "placeholder arguments (the five files are listed in docs/performance.md); the "
+        "simulator's command line runs there in its --tiny mode"),
+    "python bench/simulate.py --replicated --out bench/results/sim_replicated.json": Run(
+        "python {repo}/bench/simulate.py --replicated --out {tmp}/sim_replicated.json",
+        "as shown, writing to a temporary file instead of the recorded bench/results"),
+    "python bench/soak.py --steps 500 --nproc 2": Skip(
+        "a 500-step memory soak of several variants (minutes); it writes bench/results"),
+    "python bench/gpu_suite.py --out bench/results/gpu_h100": Skip("GPU only (CUDA and Triton)"),
+}
+
+#: Placeholder ``MODULE:FACTORY`` names the README uses -> source of a stand-in module written
+#: to the working directory (a small model of the kind the example stands for).
+PLACEHOLDER_MODULES = {
+    "mypkg.models:build": (
+        "import torch.nn as nn\n"
+        "def build():\n"
+        "    return nn.Sequential(nn.Embedding(1000, 64), nn.Linear(64, 256), nn.GELU(),\n"
+        "                         nn.Linear(256, 64), nn.Linear(64, 1000, bias=False))\n"
+    ),
+}
+
+
+def readme_commands(text: str) -> list[str]:
+    """The commands ``text`` (a README) shows, in order, normalized (see module docstring)."""
+    commands: list[str] = []
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
+    for block in blocks:
+        logical, pending = [], ""
+        for line in block.splitlines():
+            if line.rstrip().endswith("\\"):
+                pending += line.rstrip()[:-1] + " "
+                continue
+            logical.append(pending + line)
+            pending = ""
+        if pending:
+            logical.append(pending)
+        for line in logical:
+            tokens = shlex.split(line, comments=True)
+            chain: list[str] = []
+            for tok in tokens + ["&&"]:
+                if tok == "&&":
+                    if chain:
+                        commands.append(shlex.join(chain))
+                    chain = []
+                else:
+                    chain.append(tok)
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    prose = re.sub(r"^#.*$", "", prose, flags=re.M)  # a heading names a tool, not a command
+    programs = "|".join(map(re.escape, INLINE_PROGRAMS))
+    for span in re.findall(rf"`((?:{programs}) [^`]+)`", prose):
+        commands.append(shlex.join(shlex.split(span)))
+    return commands
+
+
+def _how(command: str) -> Run | Covered | Skip | None:
+    if command in README_COMMANDS:
+        return README_COMMANDS[command]
+    if command.startswith(RUN_AS_SHOWN_PREFIXES):
+        return Run(command, "as shown")
+    for prefix, why in SKIP_PREFIXES.items():
+        if command.startswith(prefix):
+            return Skip(why)
+    return None
+
+
+COMMANDS = readme_commands(README.read_text())
+
+
+def test_readme_parser_on_a_known_text():
+    text = ("# Tool `python -m z`\nintro `python -m a --x 1`\n```bash\n"
+            "pip install b && python -m c \\\n    --y 2   # comment\npython d.py '<p q>'\n```\n```python\nimport e\n```\n")
+    assert readme_commands(text) == ["pip install b", "python -m c --y 2", "python d.py '<p q>'",
+                                     "python -m a --x 1"]
+
+
+def test_every_readme_command_is_covered():
+    assert any(c.startswith("python -m dmuon.profile ") for c in COMMANDS), COMMANDS
+    missing = [c for c in COMMANDS if _how(c) is None]
+    assert not missing, "\n".join(
+        (f"README line {c!r} is not a command: a continuation of the line above? In bash a "
+         f"'\\' continues a line only as its last character (not before spaces or a "
+         f"comment): fix the README\n" if c.startswith("-") else "") +
+        f"README command not covered by tests/test_readme.py: {c}\n"
+        f"  add to README_COMMANDS in tests/test_readme.py one of:\n"
+        f"    {c!r}: Run({c + ' <faster arguments>'!r}, \"how it is the same code path\"),\n"
+        f"    {c!r}: Covered(\"tests/test_<file>.py::test_<name>\", \"how that test runs it\"),\n"
+        f"    {c!r}: Skip(\"why it cannot run on CPU\"),"
+        for c in missing)
+    stale = sorted(set(README_COMMANDS) - set(COMMANDS))
+    assert not stale, f"README_COMMANDS entries no longer in the README (remove them): {stale}"
+    unused = [m for m in PLACEHOLDER_MODULES if not any(m in c for c in COMMANDS)]
+    assert not unused, f"PLACEHOLDER_MODULES no longer used by the README (remove them): {unused}"
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if isinstance(_how(c), Covered)])
+def test_covered_commands_name_an_existing_test(command):
+    how = _how(command)
+    path, _, name = how.test.partition("::")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    assert callable(getattr(module, name, None)), f"{command}: {how.test} does not exist"
+
+
+@pytest.mark.parametrize("command", [c for c in COMMANDS if isinstance(_how(c), Run)])
+def test_readme_command_runs(command, tmp_path):
+    how = _how(command)
+    for module, source in PLACEHOLDER_MODULES.items():
+        if module in how.command:
+            package, _, rest = module.partition(":")[0].partition(".")
+            (tmp_path / package).mkdir(exist_ok=True)
+            (tmp_path / package / "__init__.py").write_text("")
+            (tmp_path / package / f"{rest}.py").write_text(source)
+    argv = shlex.split(how.command.format(repo=REPO, tmp=tmp_path))
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]),
+           "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg", "DMUON_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (
+        f"README command {command!r} ran as {how.command!r} ({how.why}) and exited "
+        f"{proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    if "dmuon.profile" in argv:  # what the README promises it writes: the plan and its chart
+        out = tmp_path / (argv[argv.index("--out") + 1] if "--out" in argv else "plan.json")
+        assert out.stat().st_size > 0, f"{command}: no plan at {out}"
+        if "--no-plot" not in argv:
+            assert out.with_suffix(".png").stat().st_size > 0, f"{command}: no chart"
