@@ -57,6 +57,19 @@ def test_extra_step_fails_within_the_user_timeout(step_check, words):
     assert PG_TIMEOUT_S - 0.5 <= victim["after_s"] <= PG_TIMEOUT_S + SLACK_S, victim
 
 
+def test_extra_step_under_fsdp2_still_ends_within_the_user_timeout():
+    """Under FSDP2 the forward step check goes out at the end of opt.step() (issue 25), so a
+    rank running one step more passes it and waits in FSDP2's first all-gather instead: the
+    wait still ends by the user's timeout, with gloo's message (docs/failure.md)."""
+    out = spawn_world(2, "tests.failure_cases:desync",
+                      dict(fault="extra_step", victim=1, mode="fsdp", step_check=True),
+                      timeout_s=120, pg_timeout_s=PG_TIMEOUT_S)
+    assert out[0]["error"] is None, out[0]
+    victim = out[1]
+    assert victim["type"] == "RuntimeError" and "Timed out" in victim["error"], victim
+    assert PG_TIMEOUT_S - 0.5 <= victim["after_s"] <= PG_TIMEOUT_S + SLACK_S, victim
+
+
 # ----------------------------------------------------------------------------- 2. desync
 DESYNC = [("skip_step", "replicated"), ("skip_step", "fsdp"),
           ("skip_backward", "replicated"), ("skip_backward", "fsdp")]
