@@ -176,8 +176,12 @@ def dedicate_params(
         step_check: compare every rank's ``opt.step()`` and backward counts at each forward and
             backward, so a rank that skips one fails every rank at once, by name
             (:mod:`dmuon.hooks.step_check`: two small gloo all-reduces per step; without FSDP2
-            each is waited on only before dmuon's next collective, so it overlaps compute);
-            ``False`` leaves such a desync to the process-group timeout.
+            each is waited on only before dmuon's next collective, so it overlaps compute;
+            under FSDP2 the forward one is issued at the end of ``opt.step()``);
+            ``False`` leaves such a desync to the process-group timeout and creates no gloo
+            group for it. On torch's fake process group (one process playing one rank) the
+            check is off, the default plan is solved in process and the plan digest is not
+            exchanged: nothing waits for a peer (``state.offline`` lists them).
         replicas: plain replicated module on a 1-D mesh only (``None`` elsewhere):
             ``"keep"`` (the default there): every rank keeps every matrix whole (one compute
             copy per matrix per rank); gradients go to their owners in ``bucket_cap_mb``
