@@ -74,6 +74,10 @@ class SuiteOptions:
         install_table: on CUDA, also write the tuned launch table into
             ``dmuon/kernels/configs/launch_configs.json`` so the later sections run with it.
         work: scratch folder for per-section records (not ``out``).
+        sync_debug: on CUDA, the ``step`` and ``rank_view`` sections also run one dmuon step
+            under ``torch.cuda.set_sync_debug_mode("warn")`` (implicit host synchronisations
+            counted) and the step section writes its CUDA-timeline profile as
+            ``step_trace.json`` into ``out``.
     """
 
     out: Path
@@ -81,6 +85,7 @@ class SuiteOptions:
     quick: bool = False
     install_table: bool = True
     work: Path = Path("/tmp")
+    sync_debug: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -458,4 +463,40 @@ def step(opts: SuiteOptions) -> dict:
         extra_variants=("torch_muon",), device=opts.device, synthetic=True, bf16=True, out=str(path))
     raw = bench_step.run(cfg, threads=torch.get_num_threads())  # one rank, in this process
     raw["dedicated_matrices"] = len(raw["dedicated_matrices"])  # 148 rows on the GPU model
+    if opts.sync_debug and cuda:
+        raw["sync_debug"] = _step_sync_debug(opts)
     return raw
+
+
+def _step_sync_debug(opts: SuiteOptions) -> dict:
+    """World size 1 on the GPU config, one dmuon step under ``set_sync_debug_mode("warn")`` and
+    the profiler (CUDA timeline), played by :mod:`rank_view` (at world size 1 the fake process
+    group and NCCL both move nothing)."""
+    import rank_view as rv
+
+    cfg = rv.ViewConfig(world=1, device=opts.device, model="gpu", batch_per_rank=32, rounds=1, block_steps=1,
+                        variants=("dmuon",), bf16=True, sync_debug=True, trace=str(opts.out / "step_trace.json"))
+    view = rv.run(cfg)
+    return view["sync_debug"]
+
+
+# ----------------------------------------------------------------------------- rank view
+
+def rank_view(opts: SuiteOptions) -> dict:
+    """Rank views (:mod:`rank_view`) at N = 8 and 64 on the GPU config (tiny on CPU), bf16
+    mixed precision, FSDP2 + AdamW against dmuon, the busiest owner rank; this GPU plays that
+    rank of the N-GPU job (communication not included: fake process group)."""
+    import rank_view as rv
+
+    cuda = opts.torch_device().type == "cuda"
+    out = {}
+    for world in (8, 64):
+        cfg = rv.ViewConfig(world=world, device=opts.device, model="gpu" if cuda else "tiny",
+                            batch_per_rank=32 if cuda else 1,
+                            rounds=(2 if opts.quick else 3) if cuda else 1, block_steps=2 if cuda else 1,
+                            variants=("adamw", "dmuon"), bf16=True, sync_debug=opts.sync_debug and cuda)
+        view = rv.run(cfg)
+        out[f"n{world}"] = view
+        if cuda:
+            torch.cuda.empty_cache()
+    return out

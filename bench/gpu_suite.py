@@ -20,11 +20,16 @@ CUDA, so the forks start clean):
   ``launch_configs.json`` (the shipped format) and installs it for the later sections.
 * ``ns_speed``: whole-inventory NS, ``torch.optim.Muon`` vs dmuon Gram (torch, Triton), CUDA events.
 * ``step``: world size 1 over NCCL, ~194 M-parameter Pi0-style policy, bf16 mixed precision,
-  dmuon vs ``torch.optim.Muon`` + AdamW vs AdamW (``bench/bench_step.py``).
+  dmuon vs ``torch.optim.Muon`` + AdamW vs AdamW (``bench/bench_step.py``); with
+  ``--sync-debug`` also one dmuon step under ``torch.cuda.set_sync_debug_mode("warn")`` and its
+  CUDA-timeline trace.
+* ``rank_view``: this GPU plays the busiest owner rank of an 8- and a 64-GPU job on the same
+  policy (``bench/rank_view.py``: torch's fake process group), FSDP2 + AdamW vs dmuon.
 
 ``DIR`` receives at most 8 files: ``suite.json`` (environment, tests, section status, targets),
-``correctness.json``, ``tuning.json``, ``launch_configs.json``, ``ns_speed.json``, ``step.json``
-and ``summary.md``, which is also printed. Every target of issue 17 is listed there as met or
+``correctness.json``, ``tuning.json``, ``launch_configs.json``, ``ns_speed.json``, ``step.json``,
+``rank_view.json`` and ``summary.md``, which is also printed; with ``--sync-debug`` a ninth,
+``step_trace.json`` (the CUDA timeline of one dmuon step, Chrome trace format). Every target of issue 17 is listed there as met or
 missed, or "not measured" with the reason; CPU figures are marked as a dry run.
 """
 
@@ -50,13 +55,15 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (2026-11-22) took 76, 8, 39 and 37 s for tests, correctness, tuning and NS speed; the step
 #: section overran 90 s, so it gets the rest of the 540 s budget (the suite's deadline caps it).
 SECTIONS = (("environment", 30, 20), ("gpu_tests", 150, 50), ("correctness", 60, 30),
-            ("tuning", 100, 30), ("ns_speed", 100, 50), ("step", 200, 60))
-TOTAL_BUDGET_S = {False: 540.0, True: 220.0}
+            ("tuning", 100, 30), ("ns_speed", 100, 50), ("step", 200, 60), ("rank_view", 150, 60))
+#: rank_view (issue 25) runs last, under its own limit, with what is left of the budget
+#: (the device allows 600 s a command).
+TOTAL_BUDGET_S = {False: 570.0, True: 250.0}
 #: The CPU dry run's limits are this many times longer: its times mean nothing, and a shared
 #: CPU must not turn a slow section into a recorded timeout.
 CPU_LIMIT_SCALE = 3.0
 #: Sections whose result is written to DIR as ``<name>.json`` (the rest go into suite.json).
-OWN_FILE = ("correctness", "tuning", "ns_speed", "step")
+OWN_FILE = ("correctness", "tuning", "ns_speed", "step", "rank_view")
 
 TARGETS = (
     ("ns_pi0", "Pi0 whole-inventory NS, dmuon Gram + Triton fp16 / torch.optim.Muon", "<= 0.45"),
@@ -67,6 +74,9 @@ TARGETS = (
      "ratio <= 1"),
     ("step_opt", "World size 1: dmuon optimizer step / torch.optim.Muon + AdamW step", "<= 0.6"),
     ("step_total", "World size 1: dmuon whole step / AdamW whole step", "<= 1.05"),
+    ("step_forward", "World size 1: dmuon forward / AdamW forward (issue 25)", "<= 1.05"),
+    ("step_backward", "World size 1: dmuon backward / AdamW backward (issue 25)", "<= 1.05"),
+    ("rank_view_n8_total", "Rank view N = 8, GPU config: dmuon whole step / FSDP2 + AdamW whole step", "<= 1.05"),
     ("kernels_correct", "Triton SYRK and Gram NS within tolerance of float64 on every shape", "all pass"),
     ("table_picked_up", "Tuned launch table written in the shipped format and picked up", "yes"),
     ("gpu_tests", "pytest -m gpu", "all pass"),
@@ -137,7 +147,7 @@ def _sections() -> dict[str, Callable]:
     import gpu_sections as gs
 
     return {"environment": gs.environment, "gpu_tests": gpu_tests, "correctness": gs.correctness,
-            "tuning": gs.tuning, "ns_speed": gs.ns_speed, "step": gs.step}
+            "tuning": gs.tuning, "ns_speed": gs.ns_speed, "step": gs.step, "rank_view": gs.rank_view}
 
 
 # ----------------------------------------------------------------------------- targets
@@ -189,8 +199,23 @@ def evaluate_targets(records: dict[str, dict], gpu: bool) -> list[dict]:
                            r["dmuon_step_over_torch_muon_step"] <= 0.6))
         out.append(_target("step_total", round(r["dmuon_total_over_adamw_total"], 4),
                            r["dmuon_total_over_adamw_total"] <= 1.05))
+        med = {v: {p: st["variants"][v][p]["median_s"] for p in ("forward", "backward")}
+               for v in ("adamw", "dmuon")} if "variants" in st else None
+        for key, phase in (("step_forward", "forward"), ("step_backward", "backward")):
+            if med:
+                r = med["dmuon"][phase] / med["adamw"][phase]
+                out.append(_target(key, round(r, 4), r <= 1.05, "" if gpu else "CPU dry run"))
+            else:
+                out.append(_target(key, None, None, "no per-variant phases in the step record"))
     else:
-        out += [_target("step_opt", None, None, missing("step")), _target("step_total", None, None, missing("step"))]
+        out += [_target(k, None, None, missing("step")) for k in ("step_opt", "step_total", "step_forward",
+                                                                  "step_backward")]
+    rv = result("rank_view")
+    if rv and "n8" in rv and rv["n8"].get("ratios"):
+        r = rv["n8"]["ratios"]["dmuon_total_over_adamw_total"]
+        out.append(_target("rank_view_n8_total", round(r, 4), r <= 1.05, "" if gpu else "CPU dry run (tiny model)"))
+    else:
+        out.append(_target("rank_view_n8_total", None, None, missing("rank_view")))
     tu = result("tuning")
     if tu:
         ok = tu["written_table_lookup_ok"] and tu["installed_lookup_ok"] is not False
@@ -337,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sections", nargs="+", choices=[s for s, _, _ in SECTIONS], default=None)
     p.add_argument("--no-install-table", action="store_true",
                    help="do not write the tuned table into dmuon/kernels/configs/ (later sections use the shipped one)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="CUDA: one dmuon step under torch.cuda.set_sync_debug_mode('warn') in the step and "
+                        "rank_view sections, and the step's CUDA-timeline trace (step_trace.json)")
     a = p.parse_args(argv)
     if a.device == "cpu":
         # The interpreter must be on before triton is first imported (in the section processes).
@@ -346,7 +374,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="gpu_suite_") as work:
         opts = SuiteOptions(out=a.out, device=a.device, quick=a.quick,
-                            install_table=not a.no_install_table, work=Path(work))
+                            install_table=not a.no_install_table, work=Path(work), sync_debug=a.sync_debug)
         suite = run_suite(opts, tuple(a.sections) if a.sections else None)
     print((a.out / "summary.md").read_text())
     return suite

@@ -50,6 +50,13 @@ Usage::
 
     python bench/simulate.py --validate bench/results/step_cpu_4r.json --out bench/results/sim_gpu.json
     python bench/simulate.py --tiny   # CI smoke mode: one model, two scales, no MILP
+    python bench/simulate.py --measured bench/results/rank_view_cpu_gpu_n8.json ... --out FILE.json
+
+Measured compute, modelled communication (``--measured``, :func:`predict_measured`): the
+per-phase times a rank view measured (``bench/rank_view.py``: one rank of an N-GPU job on one
+device, its compute and hook work at that job's shard sizes and Newton-Schulz share) replace
+the FLOP model's compute; the collectives stay the alpha-beta model above. The table is
+labelled "measured compute (<device>) + modelled NCCL".
 """
 
 from __future__ import annotations
@@ -234,6 +241,77 @@ def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto
     return out
 
 
+def _view_units(view: dict) -> tuple[list[list[tuple[int, int]]], float]:
+    """The measured model's Muon matrices per FSDP2 unit (forward order) and its other
+    parameters, rebuilt on the meta device from a rank view's policy config."""
+    import torch
+
+    from dmuon.hooks.dedicate import default_predicate
+    from dmuon.train.model import Pi0Policy, PolicyConfig
+
+    described = view["model_description"]
+    if described.get("kind") != "Pi0Policy":
+        raise ValueError(f"simulate: --measured takes rank views of a Pi0Policy, got {described.get('kind')!r}")
+    with torch.device("meta"):
+        model = Pi0Policy(PolicyConfig(**described["config"]))
+    pick = default_predicate(model)
+    units, matrix_n = [], 0
+    for block in model.shardable_blocks():
+        shapes = [tuple(p.shape) for n, p in block.named_parameters() if pick(n, p)]
+        units.append(shapes)
+        matrix_n += sum(r * c for r, c in shapes)
+    total = sum(p.numel() for p in model.parameters())
+    return units, float(total - matrix_n)
+
+
+def predict_measured(view: dict, cluster: Cluster, *, overlap: float | None = None) -> dict:
+    """Step times of one rank of an N-GPU job: the rank view's *measured* per-phase times
+    (``bench/rank_view.py``: that rank's compute and hook work, FSDP2 + AdamW and dmuon) for the
+    compute side, and the alpha-beta model of this module for NCCL (the same formulas as
+    :func:`predict_one`: FSDP2's all-gathers and reduce-scatters per unit; dmuon's per-unit
+    broadcast and reduce group calls; the non-matrix parameters with the first unit).
+
+    The optimizer phase is the measured step, which holds the busiest owner's Newton-Schulz
+    share; the owners' publications after the step overlap the next forward in the model (the
+    measured forward already waits for nothing: the fake group's collectives return at once).
+    """
+    p = int(view["world"])
+    units, other = _view_units(view)
+    comm = AlphaBeta(cluster, p)
+    unit_n = [float(sum(r * c for r, c in u)) for u in units]
+    unit_n[0] += other
+    fsdp_f = tuple(comm.all_gather(2 * n) for n in unit_n)
+    fsdp_b = tuple(comm.all_gather(2 * n) + comm.reduce_scatter(4 * n) for n in reversed(unit_n))
+    lat = comm.broadcast(0.0)
+    dg_f = [sum(comm.broadcast(2 * r * c) for r, c in u) - lat * max(0, len(u) - 1) for u in units]
+    dg_b = [sum(comm.broadcast(2 * r * c) + comm.reduce(4 * r * c) for r, c in u) - 2 * lat * max(0, len(u) - 1)
+            for u in units]
+    dg_f[0] += comm.all_gather(2 * other)
+    dg_b[0] += comm.all_gather(2 * other) + comm.reduce_scatter(4 * other)
+    med = {v: {ph: view["variants"][v][ph]["median_s"] for ph in ("forward", "backward", "step")}
+           for v in ("adamw", "dmuon") if v in view["variants"]}
+    ov = cluster.overlap if overlap is None else overlap
+    out = {"gpus": p, "rank": view["rank"], "measured_on": view["device"], "model": view["model"],
+           "layers_note": view.get("layers_note")}
+    for v, (cf, cb) in (("adamw", (fsdp_f, fsdp_b)), ("dmuon", (tuple(dg_f), tuple(reversed(dg_b))))):
+        if v in med:
+            out[v] = step_times(StepInputs(forward_s=med[v]["forward"], backward_s=med[v]["backward"],
+                                           comm_forward=cf, comm_backward=cb, optimizer_s=med[v]["step"],
+                                           overlap=ov))
+    if "adamw" in out and "dmuon" in out:
+        out["dmuon_over_adamw"] = out["dmuon"]["total"] / out["adamw"]["total"]
+    return out
+
+
+def format_measured_table(rows: list[dict]) -> str:
+    lines = ["measured compute (CPU) + modelled NCCL: one rank of an N-GPU job",
+             f"{'cluster':10s} {'GPUs':>5s} {'rank':>5s} {'AdamW s':>9s} {'dmuon s':>9s} {'dmuon/AdamW':>12s}"]
+    for r in rows:
+        lines.append(f"{r['cluster']:10s} {r['gpus']:5d} {r['rank']:5d} {r['adamw']['total']:9.3f} "
+                     f"{r['dmuon']['total']:9.3f} {r['dmuon_over_adamw']:12.3f}")
+    return "\n".join(lines)
+
+
 def _ring_all_reduce(comm: AlphaBeta, nbytes: float) -> float:
     """NCCL ring all-reduce: reduce-scatter + all-gather of ``nbytes``."""
     return comm.reduce_scatter(nbytes) + comm.all_gather(nbytes)
@@ -401,7 +479,27 @@ def main(argv: list[str] | None = None) -> None:
                         "Qwen3-30B-A3B, +2.1%% at 256 GPUs on Kimi K2)")
     p.add_argument("--replicated", action="store_true",
                    help="only the replicated (DDP-style) path: Pi0 at 8-64 GPUs, dmuon vs DDP + AdamW")
+    p.add_argument("--measured", nargs="*", default=[],
+                   help="rank-view JSON(s) (bench/rank_view.py): their measured per-phase times as the "
+                        "compute side, NCCL from the alpha-beta model")
     a = p.parse_args(argv)
+    if a.measured:
+        views = [json.loads(pathlib.Path(f).read_text()) for f in a.measured]
+        rows = [{"cluster": CLUSTERS[c].name, "file": f, **predict_measured(v, CLUSTERS[c])}
+                for c in ("a800", "h100") for f, v in zip(a.measured, views)]
+        rows.sort(key=lambda r: (r["cluster"], r["gpus"]))
+        device = views[0]["device"].split(" (")[0] if views else "?"
+        label = f"measured compute ({device}) + modelled NCCL"
+        print(format_measured_table(rows).replace("measured compute (CPU)", f"measured compute ({device})"))
+        if a.out:
+            out = pathlib.Path(a.out)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"what": label + ": per-phase compute and hook times measured by "
+                                       "bench/rank_view.py for one rank of an N-GPU job, communication "
+                                       "from the alpha-beta model (bench/sim_model.py)",
+                                       "clusters": {k: dataclasses.asdict(c) for k, c in CLUSTERS.items()},
+                                       "rows": rows}, indent=1))
+        return
     if a.replicated:
         rows = [{"model": "pi0", "cluster": CLUSTERS[c].name,
                  **predict_replicated(workloads()["pi0"], CLUSTERS[c], g)}

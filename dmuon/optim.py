@@ -198,8 +198,10 @@ class OwnerUpdate:
                     self.step_muon(group)
                 else:
                     self.step_adamw(group)
-        self.ctx.step_check.after_step()
         self.ctx.publish_after_step()
+        # after the publications: under FSDP2 this issues the next forward's step check, which
+        # publish_after_step's settle() would otherwise wait for at once
+        self.ctx.step_check.after_step()
 
     def step_muon(self, group: dict) -> None:
         """Muon on the masters of ``group`` this rank owns (placeholders are skipped)."""

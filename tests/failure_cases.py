@@ -71,7 +71,8 @@ def no_desync_counts(rank: int, world_size: int, *, mode: str = "fsdp", steps: i
         opt.step()
         opt.zero_grad()
     check = model._dmuon_state.step_check
-    return dict(checks=check.checks, steps=check.steps, backwards=check.backwards)
+    return dict(checks=check.checks, steps=check.steps, backwards=check.backwards,
+                gloo_group=model._dmuon_state.roles.steps is not None)
 
 
 def group_timeouts(rank: int, world_size: int, *, mesh_shape: tuple = (2,), names=None) -> dict:

@@ -206,3 +206,26 @@ def test_replicated_path_model_bytes_and_optimizer():
     assert row["vanilla"]["optimizer"] >= total_ns
     assert total_ns / 8 <= row["dmuon"]["optimizer"] < row["vanilla"]["optimizer"] / 4
     assert row["adamw"]["exposed_comm_forward"] == 0
+
+
+def test_simulate_measured_compute_with_modelled_nccl():
+    """--measured (issue 25): a rank view's per-phase times are the compute side, the
+    collectives the alpha-beta model; with no overlap, the exposed communication adds up."""
+    import dataclasses
+
+    import bench_step
+
+    phases = {"forward": 0.05, "backward": 0.1, "step": 0.02}
+    view = {"world": 8, "rank": 3, "device": "cpu (test)", "model": "tiny", "layers_note": None,
+            "model_description": {"kind": "Pi0Policy", "config": dataclasses.asdict(bench_step.TINY_MODEL)},
+            "variants": {v: {ph: {"median_s": t * (1.5 if v == "dmuon" else 1)} for ph, t in phases.items()}
+                         for v in ("adamw", "dmuon")}}
+    row = simulate.predict_measured(view, sim_model.CLUSTERS["h100"], overlap=0.0)
+    assert row["gpus"] == 8 and row["rank"] == 3
+    for v, k in (("adamw", 1.0), ("dmuon", 1.5)):
+        r = row[v]
+        assert r["forward_compute"] == pytest.approx(0.05 * k) and r["optimizer"] == pytest.approx(0.02 * k)
+        assert r["exposed_comm_forward"] > 0 and r["exposed_comm_backward"] > 0
+        assert r["total"] == pytest.approx(sum(phases.values()) * k + r["exposed_comm_forward"]
+                                           + r["exposed_comm_backward"])
+    assert row["dmuon_over_adamw"] == pytest.approx(row["dmuon"]["total"] / row["adamw"]["total"])

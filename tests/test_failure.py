@@ -57,6 +57,19 @@ def test_extra_step_fails_within_the_user_timeout(step_check, words):
     assert PG_TIMEOUT_S - 0.5 <= victim["after_s"] <= PG_TIMEOUT_S + SLACK_S, victim
 
 
+def test_extra_step_under_fsdp2_still_ends_within_the_user_timeout():
+    """Under FSDP2 the forward step check goes out at the end of opt.step() (issue 25), so a
+    rank running one step more passes it and waits in FSDP2's first all-gather instead: the
+    wait still ends by the user's timeout, with gloo's message (docs/failure.md)."""
+    out = spawn_world(2, "tests.failure_cases:desync",
+                      dict(fault="extra_step", victim=1, mode="fsdp", step_check=True),
+                      timeout_s=120, pg_timeout_s=PG_TIMEOUT_S)
+    assert out[0]["error"] is None, out[0]
+    victim = out[1]
+    assert victim["type"] == "RuntimeError" and "Timed out" in victim["error"], victim
+    assert PG_TIMEOUT_S - 0.5 <= victim["after_s"] <= PG_TIMEOUT_S + SLACK_S, victim
+
+
 # ----------------------------------------------------------------------------- 2. desync
 DESYNC = [("skip_step", "replicated"), ("skip_step", "fsdp"),
           ("skip_backward", "replicated"), ("skip_backward", "fsdp")]
@@ -90,11 +103,14 @@ def test_desynchronised_rank_fails_every_rank_by_name(desync_runs, fault, mode):
         assert result["after_s"] < PG_TIMEOUT_S, result  # by the check, not by a timeout
 
 
-@pytest.mark.parametrize("step_check,checks", [(True, 6), (False, 0)])
+@pytest.mark.parametrize("step_check,checks", [(True, 7), (False, 0)])
 def test_step_check_costs_two_collectives_per_step(dist_pool, step_check, checks):
+    """Two per step; under FSDP2 the next forward's check is issued at the end of each step
+    (StepCheck.issue_at_step), so the last step's goes out too: 2 * 3 + 1."""
     out = dist_pool.run(2, "tests.failure_cases:no_desync_counts",
                         dict(steps=3, step_check=step_check), timeout_s=60)
-    assert out == [dict(checks=checks, steps=3, backwards=3)] * 2
+    # step_check=False creates no gloo group for the check at all (issue 25)
+    assert out == [dict(checks=checks, steps=3, backwards=3, gloo_group=step_check)] * 2
 
 
 # ----------------------------------------------------------------------------- 3. argument checks

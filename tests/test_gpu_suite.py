@@ -28,7 +28,7 @@ def dry_run(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)  # the suite must switch the interpreter on itself
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_suite.py"), "--device", "cpu", "--quick",
-                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return out, proc.stdout
 
@@ -42,8 +42,8 @@ def _section(out: Path, name: str) -> dict:
 def test_dry_run_writes_the_files_and_prints_the_summary(dry_run):
     out, stdout = dry_run
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["correctness.json", "launch_configs.json", "ns_speed.json", "step.json", "suite.json",
-                     "summary.md", "tuning.json"]
+    assert names == ["correctness.json", "launch_configs.json", "ns_speed.json", "rank_view.json", "step.json",
+                     "suite.json", "summary.md", "tuning.json"]
     assert len(names) <= 8  # what comes back from a lent GPU machine
     suite = json.loads((out / "suite.json").read_text())
     assert {n: s["status"] for n, s in suite["sections"].items()} == {n: "ok" for n, _, _ in gpu_suite.SECTIONS}
@@ -98,6 +98,18 @@ def test_dry_run_step_and_ns_speed(dry_run):
     for model in ("pi0", "qwen2.5-7b"):
         v = ns["models"][model]["variants"]
         assert set(v) == {"torch_muon_bf16", "dmuon_gram_torch"} and v["torch_muon_bf16"]["ratio_to_torch_muon"] == 1.0
+
+
+def test_dry_run_rank_view_section(dry_run):
+    """The rank_view section (issue 25): rank views at N = 8 and 64, the busiest owner rank,
+    FSDP2 + AdamW against dmuon (tiny policy on the CPU dry run)."""
+    out, _ = dry_run
+    rv = _section(out, "rank_view")
+    for world in (8, 64):
+        view = rv[f"n{world}"]
+        assert view["world"] == world and view["rank"] == view["busiest_rank"]
+        assert set(view["variants"]) == {"adamw", "dmuon"} and view["config"]["bf16"]
+        assert view["ratios"]["dmuon_total_over_adamw_total"] > 0
 
 
 def _raises(opts):

@@ -49,10 +49,12 @@ def _is_type_checking(node: ast.If) -> bool:
     return isinstance(node.test, (ast.Name, ast.Attribute)) and "TYPE_CHECKING" in ast.unparse(node.test)
 
 
-def _imports(tree: ast.AST, module: str, is_package: bool):
-    """(imported name, line) of every import outside ``if TYPE_CHECKING:`` blocks."""
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
-            for n in ast.walk(node) if n is not node}
+def _imports(tree: ast.AST, module: str, is_package: bool, type_checking: bool = False):
+    """(imported name, line) of every import outside ``if TYPE_CHECKING:`` blocks (inside them
+    too with ``type_checking``)."""
+    skip = set() if type_checking else {
+        id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node)
+        for n in ast.walk(node) if n is not node}
     base = module.split(".") if is_package else module.split(".")[:-1]
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -68,14 +70,15 @@ def _imports(tree: ast.AST, module: str, is_package: bool):
                 yield f"{origin}.{alias.name}", node.lineno
 
 
-def import_graph() -> nx.DiGraph:
-    """Edges ``a -> b``: module ``a`` imports module ``b`` (both in ``dmuon``), with the line."""
+def import_graph(type_checking: bool = False) -> nx.DiGraph:
+    """Edges ``a -> b``: module ``a`` imports module ``b`` (both in ``dmuon``), with the line;
+    with ``type_checking`` also the imports made for annotations only."""
     files = {_module_name(p): p for p in PKG.rglob("*.py")}
     graph = nx.DiGraph()
     for module, path in files.items():
         graph.add_node(module, path=path)
         tree = ast.parse(path.read_text(), filename=str(path))
-        for name, line in _imports(tree, module, path.name == "__init__.py"):
+        for name, line in _imports(tree, module, path.name == "__init__.py", type_checking):
             target = name
             while target and target not in files:
                 target = target.rpartition(".")[0]
@@ -110,3 +113,16 @@ def test_kernels_and_balance_do_not_import_torch_distributed(part):
                                                                   path.name == "__init__.py")
                   if name.startswith("torch.distributed")]
     assert not found, f"dmuon.{part} must not import torch.distributed: {found}"
+
+
+def test_hook_runtime_has_no_cycle_even_in_annotations():
+    """Units and binding get small context objects (:class:`dmuon.hooks.unit.UnitContext`,
+    :class:`dmuon.hooks.bind.BindRequest`), as FSDP2's ``FSDPParamGroup`` gets an
+    ``FSDPCommContext``: nothing in ``dmuon.hooks`` names the hook state back, not even under
+    ``if TYPE_CHECKING:`` (the old ``unit -> state -> bind`` circle)."""
+    graph = import_graph(type_checking=True)
+    hooks = graph.subgraph([m for m in graph if m.startswith("dmuon.hooks")])
+    cycles = sorted(nx.simple_cycles(hooks), key=len)
+    assert not cycles, "annotation-level cycles: " + "; ".join(" -> ".join(c + [c[0]]) for c in cycles[:5])
+    for module in ("dmuon.hooks.unit", "dmuon.hooks.bind"):
+        assert not graph.has_edge(module, "dmuon.hooks.state"), module

@@ -97,6 +97,16 @@ README_COMMANDS: dict[str, Run | Covered | Skip] = {
     "python bench/soak.py --steps 500 --nproc 2": Skip(
         "a 500-step memory soak of several variants (minutes); it writes bench/results"),
     "python bench/gpu_suite.py --out bench/results/gpu_h100": Skip("GPU only (CUDA and Triton)"),
+    "python bench/rank_view.py --world 8 --model gpu --layers 1 --image-size 112 --batch-per-rank 1 "
+    "--threads 1 --variants adamw dmuon vanilla --out FILE.json": Covered(
+        "tests/test_rank_view.py::test_rank_view_plays_the_busiest_owner_with_peers_switched_off",
+        "runs rank_view.run at N = 8 (the tiny policy, one round) with the ViewConfig this command "
+        "line builds; the GPU-widths run takes minutes on CPU"),
+    "python bench/simulate.py --measured bench/results/rank_view_cpu_gpu_n8.json "
+    "bench/results/rank_view_cpu_gpu_n64.json --out bench/results/sim_measured_cpu.json": Run(
+        "python {repo}/bench/simulate.py --measured {repo}/bench/results/rank_view_cpu_gpu_n8.json "
+        "{repo}/bench/results/rank_view_cpu_gpu_n64.json --out {tmp}/sim_measured_cpu.json",
+        "as shown, writing to a temporary file instead of the recorded bench/results"),
 }
 
 #: Placeholder ``MODULE:FACTORY`` names the README uses -> source of a stand-in module written

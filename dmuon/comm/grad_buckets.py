@@ -78,8 +78,13 @@ class GradBucket:
         persistent: keep ``flat`` from one backward to the next (``replicas="keep"``: every
             rank holds full gradients anyway, as DDP keeps its buckets; a fresh multi-MB buffer
             per backward page-faults on every first touch, ~1.7 ms a step on the default policy).
-        active: ``flat`` holds gradients of this backward.
-        ready: the records whose gradient is in ``flat`` this backward.
+        active: the bucket holds gradients of this backward.
+        ready: the records whose gradient is in this backward.
+        grads: this backward's local gradients by position in ``records`` (``None``: not yet
+            in); they are kept, not copied one by one, until :meth:`issue` packs them into
+            ``flat`` with one ``torch._chunk_cat`` (as FSDP2 packs a group's reduce-scatter
+            input), so the hooks dispatch O(1) ops per bucket whatever its number of matrices.
+            Memory: a block's gradients and ``flat`` coexist for that one op (FSDP2's peak too).
         pending: this backward's collectives, once issued.
     """
 
@@ -94,14 +99,24 @@ class GradBucket:
     persistent: bool = False
     active: bool = False
     ready: set[DedicatedParam] = field(default_factory=set)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
     pending: list[Pending] = field(default_factory=list)
     shared: list[torch.nn.Parameter] = field(default_factory=list)
     shared_slots: dict[torch.nn.Parameter, tuple[int, int]] = field(default_factory=dict)
     flags: list[int] = field(default_factory=list)  # per record: its presence flag's position
     numel: int = 0  # of flat
+    matrix_numel: int = 0  # of the matrices' part of flat (the shared parameters follow)
+    my_owner: int | None = None
+    owner_avg: torch.Tensor | None = None  # fp32 [numel of this rank's segment], see _average_mine
+    owner_views: dict[DedicatedParam, torch.Tensor] | None = None
+    _owned: list[tuple[DedicatedParam, int, int]] | None = None
 
     def __post_init__(self) -> None:
-        self.numel = sum(n for _, n in self.slots) + len(self.flags)
+        # the matrices' part holds each owner's presence flags too, where the bucket has them
+        self.numel = self.matrix_numel = sum(n for _, n in self.slots) + len(self.flags)
+        self.grads = [None] * len(self.records)
+        # this rank's owner index if it owns a member (its segment is averaged at take)
+        self.my_owner = next((r.owner for r in self.records if r.is_owner), None)
 
     def attach_shared(self, params: list[torch.nn.Parameter]) -> None:
         """Carry ``params`` (non-dedicated, trainable, this bucket's dtype and device) in this
@@ -133,10 +148,10 @@ class GradBucket:
         return bool(self.pending)
 
     def add(self, rec: DedicatedParam, grad: torch.Tensor) -> bool:
-        """Copy ``rec``'s local gradient ``[rows, cols]`` into its slot; True once all are in."""
-        self._alloc()
-        start, numel = self.slots[self.index[rec]]
-        self.flat[start: start + numel].view_as(grad).copy_(grad)
+        """Keep ``rec``'s local gradient ``[rows, cols]`` (no op dispatched: it is packed at
+        :meth:`issue`); True once all are in."""
+        self.active = True
+        self.grads[self.index[rec]] = grad
         self.ready.add(rec)
         return self.full()
 
@@ -157,19 +172,39 @@ class GradBucket:
                 # that got tokens only there): that local sum is this rank's contribution
                 rec.compute.grad = None
                 self.add(rec, held.to_local() if hasattr(held, "to_local") else held)
-        for i, (rec, (start, numel)) in enumerate(zip(self.records, self.slots)):
-            present = rec in self.ready
-            if not present:
-                self.flat[start: start + numel].zero_()
-            if self.flags:
-                self.flat[self.flags[i]] = 1.0 if present else 0.0
+        present = [rec in self.ready for rec in self.records]
+        if len(self.ready) < len(self.records):  # a slot without gradient this backward: zeros
+            self.grads = [g if g is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
+                          for g, (_, n) in zip(self.grads, self.slots)]
+        if len({g.dtype for g in self.grads}) > 1:  # _chunk_cat takes one input dtype (rare mix)
+            self.grads = [g.to(self.dtype) for g in self.grads]
+        parts: list[torch.Tensor] = self.grads
+        if self.flags:  # routed experts: each owner's segment ends with its matrices' flags
+            parts, i = [], 0
+            for owner, _, _ in self.segments:
+                j = i
+                while j < len(self.records) and self.records[j].owner == owner:
+                    j += 1
+                parts += self.grads[i:j]
+                parts.append(torch.tensor([float(x) for x in present[i:j]], dtype=self.dtype,
+                                          device=self.device))
+                i = j
+        matrices = self.matrix_numel
+        # one op packs the whole bucket, casting to the reduce dtype (FSDP2's _chunk_cat)
+        torch._chunk_cat(parts, dim=0, num_chunks=1, out=self.flat[:matrices].view(1, matrices))
+        self.grads = [None] * len(self.records)  # the packed copy is the one that travels
         if self.shared:
             grads = [p.grad for p in self.shared]
-            present = [g is not None for g in grads]
             first = self.shared_slots[self.shared[0]][0]
+            flags_at = self.numel - len(self.shared)
             torch.cat([g.detach().reshape(-1) if g is not None else self.flat.new_zeros(p.numel())
-                       for p, g in zip(self.shared, grads)] + [self.flat.new_tensor(present)],
-                      out=self.flat[first:])
+                       for p, g in zip(self.shared, grads)], out=self.flat[first:flags_at])
+            # the flags are written by fills, not copied from a host list: a pageable
+            # host-to-device copy would synchronize the host with the GPU stream
+            self.flat[flags_at:].fill_(1)
+            for i, g in enumerate(grads):
+                if g is None:  # rare: a parameter unused in this backward
+                    self.flat[flags_at + i].fill_(0)
             mode = "all_reduce"  # every rank needs the shared parameters' average
         with label("dmuon::reduce_bucket"):
             if mode == "all_reduce":
@@ -180,6 +215,35 @@ class GradBucket:
                         self.pending.append(reduce_to_owner(
                             self.flat[start: start + numel], owner, group,
                             lambda owner=owner: [r.fqn for r in self.records if r.owner == owner]))
+
+    def _average_mine(self, world_size: int) -> dict[DedicatedParam, torch.Tensor]:
+        """This rank's segment (its matrices are contiguous: owner-major) averaged in fp32 by two
+        ops whatever its number of matrices, and a ``[rows, cols]`` view of it per matrix.
+
+        The fp32 segment and its views are kept from one backward to the next (made at the
+        first), so no op per matrix is dispatched: the views become the masters' ``.grad``
+        (the owner's matrices' fp32 gradient, which the owner holds from backward to
+        ``zero_grad`` anyway; between ``zero_grad`` and the next backward the buffer stays,
+        ``4 * numel`` bytes of the owned matrices). A master whose ``.grad`` is still set (no
+        ``zero_grad(set_to_none=True)`` since the last backward: it may be that very view) gets
+        a fresh tensor instead, as before.
+        """
+        (seg_start, seg_numel), = [(start, numel) for owner, start, numel in self.segments
+                                  if owner == self.my_owner]
+        seg = self.flat[seg_start: seg_start + seg_numel]
+        if self._owned is None:  # (record, offset in the segment, numel), fixed at bind
+            self._owned = [(rec, start - seg_start, numel)
+                           for rec, (start, numel) in zip(self.records, self.slots) if rec.is_owner]
+        owned = self._owned
+        if any(rec.master.grad is not None for rec, _, _ in owned):
+            fresh = seg.to(torch.float32, copy=True).div_(world_size)
+            return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in owned}
+        if self.owner_views is None:
+            self.owner_avg = torch.empty(seg_numel, dtype=torch.float32, device=self.device)
+            self.owner_views = {rec: self.owner_avg[at: at + numel].view(rec.shape) for rec, at, numel in owned}
+        self.owner_avg.copy_(seg)
+        self.owner_avg.div_(world_size)
+        return self.owner_views
 
     def describe(self, group: dist.ProcessGroup) -> str:
         """What this bucket's all-reduce carries, for a timeout's message."""
@@ -203,6 +267,9 @@ class GradBucket:
             with torch.no_grad():
                 first = self.shared_slots[self.shared[0]][0]
                 self.flat[first: self.numel - len(self.shared)].div_(world_size)
+                # Host sync on CUDA, on the replicated path's keep mode only, once per backward:
+                # which .grad stay None must be known on the host (DDP's find_unused_parameters
+                # reads its bitmap the same way). The FSDP2 path never gets here (no shared).
                 flags = self.flat[self.numel - len(self.shared):].tolist()
                 into, avgs = [], []
                 for p, flag in zip(self.shared, flags):
@@ -217,24 +284,20 @@ class GradBucket:
                         avgs.append(avg)
                 if into:
                     torch._foreach_copy_(into, avgs)
-        # without flags (no routed expert here) a record is present where it is ready
-        flags = self.flat[self.flags].tolist() if self.flags else [None] * len(self.records)
-        for rec, (start, numel), ranks in zip(self.records, self.slots, flags):
-            if ranks is None:
-                if rec not in self.ready:
-                    continue
-                ranks = 1.0
-            avg = None
-            if rec.is_owner:
-                piece = self.flat[start: start + numel].view(rec.shape)
-                avg = piece.to(torch.float32, copy=True).div_(world_size)
+        views = self._average_mine(world_size) if self.my_owner is not None else {}
+        # routed experts: the owner reads how many ranks had each gradient (0: none, skip it)
+        flags = self.flat[self.flags].tolist() if self.flags else None
+        for i, rec in enumerate(self.records):
+            if flags is None:  # no routed expert here: a record is present where it is ready
+                if rec in self.ready:
+                    yield rec, views.get(rec), 1.0
             else:
-                ranks = float(rec in self.ready)
-            yield rec, avg, ranks
+                yield rec, views.get(rec), flags[i] if rec.is_owner else float(rec in self.ready)
         if not self.persistent:
             self.flat = None
         self.active = False
         self.ready.clear()
+        self.grads = [None] * len(self.records)
         self.pending.clear()
 
 

@@ -42,6 +42,10 @@ class MeshRoles:
             collective of a rank that is out of step.
         timeout: the collective timeout every dmuon group was created with (``None``: torch's
             default, when no group's timeout could be read).
+        fake: the mesh runs on torch's fake process group (backend ``"fake"``,
+            ``torch.testing._internal.distributed.fake_pg``): one process plays one rank, its
+            collectives return at once with nothing received, so nothing that needs a live peer
+            (the step check, a plan broadcast, a digest exchange) is created or issued.
     """
 
     shard: dist.ProcessGroup
@@ -55,6 +59,7 @@ class MeshRoles:
     shape: tuple[int, ...]
     steps: dist.ProcessGroup | None = None
     timeout: timedelta | None = None
+    fake: bool = False
 
     @property
     def shard_size(self) -> int:
@@ -208,20 +213,33 @@ def _groups_along(mesh_ranks, dim: int | None, backend: str,
     return mine
 
 
-def build_roles(mesh) -> MeshRoles:
+def is_fake_backend(backend: str) -> bool:
+    """Whether ``backend`` (``dist.get_backend(group)``) is torch's fake process group, whose
+    collectives return at once without any peer (one process playing one rank of a large job)."""
+    return "fake" in str(backend)
+
+
+def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
     """Create dmuon's groups for ``mesh`` (collective: every rank of the world calls it).
 
     Every group gets :func:`inherited_timeout`, so every dmuon collective fails within the
     user's timeout instead of torch's 30-minute default.
 
+    Args:
+        mesh: the ``DeviceMesh``.
+        step_check: create the step check's gloo group (:mod:`dmuon.hooks.step_check`). It is
+            not created without the check, nor on the fake backend (a gloo group cannot be made
+            over a fake store, and a check against peers that do not exist cannot agree).
+
     Raises:
         TypeError, ValueError: see :func:`check_mesh` and :func:`assign_roles`.
     """
     check_mesh(mesh)
-    timeout = inherited_timeout(mesh)
+    backend = dist.get_backend(mesh.get_group(0))
+    fake = is_fake_backend(backend)
+    timeout = None if fake else inherited_timeout(mesh)  # a fake group waits for nothing
     shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(mesh)
     ranks = mesh.mesh
-    backend = dist.get_backend(mesh.get_group(0))
     if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
         ranks = ranks.unsqueeze(0)
         shard_dim, tp_dim = 0, 1
@@ -229,11 +247,11 @@ def build_roles(mesh) -> MeshRoles:
     world = dist.new_group(ranks=every, backend=backend, timeout=timeout)
     # gloo even in NCCL jobs: the step check's CPU tensors never synchronize a GPU stream.
     steps = (dist.new_group(ranks=every, backend="gloo", timeout=timeout)
-             if dist.is_gloo_available() else None)
+             if step_check and not fake and dist.is_gloo_available() else None)
     return MeshRoles(
         shard=_groups_along(ranks, shard_dim, backend, timeout), world=world,
         replicate=_groups_along(ranks, replicate_dim, backend, timeout),
         tp=_groups_along(ranks, tp_dim, backend, timeout),
         shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim, tp_name=tp_name,
-        shape=tuple(ranks.shape), steps=steps, timeout=timeout,
+        shape=tuple(ranks.shape), steps=steps, timeout=timeout, fake=fake,
     )

@@ -5,14 +5,15 @@ first), once the user's ``fully_shard`` calls have made the FSDP2 blocks known. 
 matrices are taken from FSDP2 (a redistribute each) and, on a plain replicated module, the other
 parameters are broadcast from rank 0, in the same order on every rank. Registers no hook: the
 runtime (:class:`dmuon.hooks.state.DedicateState`) registers them all from the
-:class:`Binding` this module returns.
+:class:`Binding` this module returns. Binding reads a :class:`BindRequest` and hands the units a
+:class:`dmuon.hooks.unit.UnitContext`; it never sees the runtime state itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,12 +23,11 @@ from dmuon.hooks import fsdp_adapter as fsdp
 from dmuon.comm.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.keep import bucket_keys, resolve_replicas
 from dmuon.hooks.tp_placements import as_compute_param, local_slice
-from dmuon.hooks.unit import PublishGroup, Unit
+from dmuon.comm.mesh_roles import MeshRoles
+from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
 from dmuon.owners.dedicated import DedicatedParam, free_storage, make_dedicated
+from dmuon.owners.plan import OwnerPlan
 from dmuon.owners.stacks import ParamLayout, StackSlot
-
-if TYPE_CHECKING:
-    from dmuon.hooks.state import DedicateState
 
 
 @dataclass(eq=False)
@@ -51,6 +51,37 @@ class Selected:
     def param(self) -> nn.Parameter:
         """The parameter the module holds now (the user's, until binding replaces it)."""
         return self.module._parameters[self.attr]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class BindRequest:
+    """What binding reads: the model, its groups, its plan and selection, and the options of
+    ``dedicate_params`` that shape the units (not the runtime state that will hold the result).
+
+    Attributes:
+        model: the user's model (FSDP2-wrapped or plain).
+        roles: dmuon's process groups; ``group`` is ``roles.shard``.
+        plan: the owner plan (each matrix's owner, TP owner and HSDP mode).
+        selected: the dedicated matrices, in model order.
+        replicas: ``"keep"``, ``"placeholder"`` or ``None`` (:mod:`dmuon.hooks.keep`).
+        reshard_after_forward: ``None`` follows FSDP2, else applies to every unit.
+        bucket_bytes: keep mode's bucket size in bytes.
+        rank, world_size: this rank's index in ``group`` and the group's size.
+    """
+
+    model: nn.Module
+    roles: MeshRoles
+    plan: OwnerPlan
+    selected: list[Selected]
+    replicas: str | None
+    reshard_after_forward: bool | None
+    bucket_bytes: int
+    rank: int
+    world_size: int
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.roles.shard
 
 
 @dataclass(eq=False)
@@ -134,12 +165,13 @@ def check_param_dtypes(selected: list[Selected],
             )
 
 
-def bind(ctx: DedicateState) -> Binding:
+def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
     """Take the selected matrices from the model (FSDP2 or plain) and build the runtime's parts.
 
     Args:
-        ctx: the model's runtime state (model, roles, plan, selection and options); each
-            matrix's HSDP mode comes from its ``MatrixSpec.replicate_mode``.
+        ctx: what to bind (model, roles, plan, selection and options); each matrix's HSDP
+            mode comes from its ``MatrixSpec.replicate_mode``.
+        unit_ctx: what the units will share (each :class:`Unit` keeps it).
 
     The caller runs :func:`check_materialized` first.
 
@@ -157,7 +189,7 @@ def bind(ctx: DedicateState) -> Binding:
     policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))
                 for sel in selected]
     check_param_dtypes(selected, policies)  # before anything is taken from FSDP2
-    units = make_units(ctx, unit_modules, parents)
+    units = make_units(ctx, unit_ctx, unit_modules, parents)
     # one entry per plan entry: a matrix, or an expert range of a stack (the shape seam)
     entries = []  # (selected index, spec, slice holding the entry's piece, requires_grad, dtypes)
     for i, (sel, (param_dtype, reduce_dtype)) in enumerate(zip(selected, policies)):
@@ -234,7 +266,8 @@ def bind(ctx: DedicateState) -> Binding:
                    shared_bucket=shared_bucket)
 
 
-def make_units(ctx: DedicateState, unit_modules: list[nn.Module], parents: dict[int, nn.Module]) -> list[Unit]:
+def make_units(ctx: BindRequest, unit_ctx: UnitContext, unit_modules: list[nn.Module],
+               parents: dict[int, nn.Module]) -> list[Unit]:
     """One :class:`Unit` per distinct unit module, in the order their forward pre-hooks
     fire when modules run in registration order (an enclosing unit, such as the FSDP2
     root, before the units inside it)."""
@@ -245,7 +278,7 @@ def make_units(ctx: DedicateState, unit_modules: list[nn.Module], parents: dict[
             # FSDP2's setting, read before its groups lose our matrices
             reshard = (ctx.reshard_after_forward if ctx.reshard_after_forward is not None
                        else fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(module, parents), parents))
-            units.append(Unit(ctx=ctx, index=len(units), module=module, reshard=reshard))
+            units.append(Unit(ctx=unit_ctx, index=len(units), module=module, reshard=reshard))
     return units
 
 
@@ -266,7 +299,7 @@ def make_groups(slices: list, owners: list[int], keys: list, rank: int,
     return views
 
 
-def replicate_others(ctx: DedicateState, records: list[DedicatedParam]) -> list[nn.Parameter]:
+def replicate_others(ctx: BindRequest, records: list[DedicatedParam]) -> list[nn.Parameter]:
     """Plain replicated module: start every other parameter from rank 0's values, as DDP does
     (collective), and return the trainable ones (their gradients are averaged DDP-style).
 

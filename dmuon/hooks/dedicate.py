@@ -220,8 +220,12 @@ def dedicate_params(
         step_check: compare every rank's ``opt.step()`` and backward counts at each forward and
             backward, so a rank that skips one fails every rank at once, by name
             (:mod:`dmuon.hooks.step_check`: two small gloo all-reduces per step; without FSDP2
-            each is waited on only before dmuon's next collective, so it overlaps compute);
-            ``False`` leaves such a desync to the process-group timeout.
+            each is waited on only before dmuon's next collective, so it overlaps compute;
+            under FSDP2 the forward one is issued at the end of ``opt.step()``);
+            ``False`` leaves such a desync to the process-group timeout and creates no gloo
+            group for it. On torch's fake process group (one process playing one rank) the
+            check is off, the default plan is solved in process and the plan digest is not
+            exchanged: nothing waits for a peer (``state.offline`` lists them).
         replicas: plain replicated module on a 1-D mesh only (``None`` elsewhere):
             ``"keep"`` (the default there): every rank keeps every matrix whole (one compute
             copy per matrix per rank); gradients go to their owners in ``bucket_cap_mb``
@@ -276,7 +280,7 @@ def dedicate_params(
     if not dist.is_initialized():
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
-    roles = build_roles(mesh)
+    roles = build_roles(mesh, step_check=step_check)
     from dmuon.hooks import fsdp_adapter as fsdp
 
     plain_1d = roles.tp is None and roles.replicate is None
@@ -292,34 +296,49 @@ def dedicate_params(
                                  element_size=_element_size(selected), blocks=blocks,
                                  costs=[c * s.layout.count * s.blocks for s, c in zip(
                                      selected, matrix_costs([s.layout.matrix_shape for s in selected], device))])
+    # What this rank does not do because no peer is there to answer (the fake backend).
+    offline: list[str] = []
     if plan is None:
-        # The MILP is time-limited, hence not reproducible across ranks: one rank solves. A
-        # failing CBC already falls back to the heuristic plan inside build_plan; anything
-        # else rank 0 raises goes to every rank, so none waits in the broadcast for a plan.
-        solved: list[Any] = [None]
-        if dist.get_rank(roles.world) == 0:
-            try:
-                solved[0] = build_plan([(s.fqn, s.shape) for s in selected], world_size,
-                                       tp_size=tp_size, group_cost=cost, blocks=blocks,
-                                       groups=publish_groups(model, selected) if cost > 0 else None)
-            except Exception as e:  # sent to the other ranks, raised below on all
-                solved[0] = e
-        dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
-        if isinstance(solved[0], Exception):
+        def solve() -> OwnerPlan:
+            return build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
+                              groups=publish_groups(model, selected) if cost > 0 else None,
+                              group_cost=cost, blocks=blocks)
+
+        if roles.fake:  # the plan rank 0 of the real job would solve and broadcast, solved here
+            plan = solve()
+            offline.append("plan broadcast (plan solved in process, as rank 0 would)")
+        else:
+            # The MILP is time-limited, hence not reproducible across ranks: one rank solves. A
+            # failing CBC already falls back to the heuristic plan inside build_plan; anything
+            # else rank 0 raises goes to every rank, so none waits in the broadcast for a plan.
+            solved: list[Any] = [None]
             if dist.get_rank(roles.world) == 0:
-                raise solved[0]
-            raise RuntimeError(f"dmuon: rank 0 could not build the owner plan: "
-                               f"{type(solved[0]).__name__}: {solved[0]}") from solved[0]
-        plan = solved[0]
+                try:
+                    solved[0] = solve()
+                except Exception as e:  # sent to the other ranks, raised below on all
+                    solved[0] = e
+            dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
+            if isinstance(solved[0], Exception):
+                if dist.get_rank(roles.world) == 0:
+                    raise solved[0]
+                raise RuntimeError(f"dmuon: rank 0 could not build the owner plan: "
+                                   f"{type(solved[0]).__name__}: {solved[0]}") from solved[0]
+            plan = solved[0]
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)
     plan = plan.with_replicate_modes(replicate_mode if roles.replicate_dim is not None else None, replica_cost)
     plan.check_matches(shapes, world_size, tp_size)
-    check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
+    if roles.fake:  # an all_gather_object would unpickle bytes no peer sent
+        offline.append("plan digest check (no peers to compare with)")
+    else:
+        check_same_on_all_ranks(plan.digest(), "owner plan digest", roles.world)
+    if step_check and roles.fake:
+        offline.append("step check (no gloo group over a fake store; no peers to agree with)")
     state = DedicateState(model, roles, plan, selected, prefetch=prefetch,
                           reshard_after_forward=reshard_after_forward, bucket_bytes=bucket_bytes,
                           reduce_mode=reduce_mode, replicas=replicas,
-                          step_check=step_check)
+                          step_check=step_check and roles.steps is not None)
+    state.offline = tuple(offline)
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:
         loads = plan.loads()

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.hooks import fsdp_adapter as fsdp
-from dmuon.hooks.bind import Selected, Wiring, bind, check_materialized
+from dmuon.hooks.bind import BindRequest, Selected, Wiring, bind, check_materialized
 from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.step_check import StepCheck
 from dmuon.comm.collectives import label
@@ -52,7 +52,7 @@ from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
-from dmuon.hooks.unit import PublishGroup, Unit, issue_groups
+from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.plan import OwnerPlan
 
@@ -122,11 +122,17 @@ class DedicateState:
         self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}  # master -> record
         # Per backward:
         self.sync_enabled = True  # False inside dmuon.no_sync
-        self.sync_this_backward = True
         self._final_callback_queued = False
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
+        # what the units share (they never see this object: FSDP2's FSDPCommContext pattern)
+        self.ctx = UnitContext(group=self.group, prefetch=prefetch, reduce_mode=reduce_mode,
+                               step_check=self.step_check, ensure_bound=self.ensure_bound,
+                               queue_final_callback=self.queue_final_callback)
+        # what this rank switched off for want of live peers (the fake backend; set by
+        # dedicate_params): the rank view reports it
+        self.offline: tuple[str, ...] = ()
         self._handles: list[Any] = []
         self._bind_handle: Any = None
         self._register_hooks()
@@ -175,15 +181,22 @@ class DedicateState:
             return
         check_materialized(self.selected)
         self._bind_handle.remove()
-        binding = bind(self)
+        request = BindRequest(model=self.model, roles=self.roles, plan=self.plan, selected=self.selected,
+                              replicas=self.replicas, reshard_after_forward=self.reshard_after_forward,
+                              bucket_bytes=self.bucket_bytes, rank=self.rank, world_size=self.world_size)
+        binding = bind(request, self.ctx)
         self.records, self.units, self.groups, self.buckets = (
             binding.records, binding.units, binding.groups, binding.buckets)
-        self.issue_order = IssueOrder(self.buckets)
+        self.ctx.issue_order = self.issue_order = IssueOrder(self.buckets)  # the units issue in it
         self.keep, self._fsdp_states = binding.keep, binding.fsdp_states
+        self.ctx.units, self.ctx.groups, self.ctx.keep = self.units, self.groups, self.keep
         self.fsdp_wrapped = bool(binding.fsdp_states)
         # without FSDP2 dmuon issues every collective of the step: the check can wait until
         # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
         self.step_check.deferred = not self.fsdp_wrapped
+        # FSDP2: the forward check goes out at the end of opt.step() and is settled, usually
+        # already complete, at the next forward (StepCheck.issue_at_step)
+        self.step_check.issue_at_step = self.fsdp_wrapped
         self.record_of_master = {rec.master: rec for rec in self.records}
         self.shared_bucket = binding.shared_bucket
         if binding.replicated and binding.shared_bucket is None:
@@ -204,7 +217,16 @@ class DedicateState:
     # -------------------------------------------------------------- publication
     def issue(self, units: list[Unit]) -> None:
         """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
-        issue_groups([g for unit in units for g in unit.groups if not g.live], self.group)
+        self.ctx.issue(units)
+
+    @property
+    def sync_this_backward(self) -> bool:
+        """This backward reduces to the owners (held by the units' context)."""
+        return self.ctx.sync_this_backward
+
+    @sync_this_backward.setter
+    def sync_this_backward(self, value: bool) -> None:
+        self.ctx.sync_this_backward = value
 
     # ------------------------------------------------------------ reduce-to-owner
     def queue_final_callback(self) -> None:

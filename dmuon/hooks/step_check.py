@@ -25,8 +25,27 @@ points but waited on only at :meth:`StepCheck.settle`, which the runtime calls r
 issues or blocks on a collective of the dmuon group (a unit's publication it must wait for, a
 gradient bucket's reduce-to-owner, the end of backward), and before the next check. So no rank
 issues or waits on a step's collective before the ranks agreed, as with a blocking check, but
-the check's round trips overlap forward and backward compute instead of stopping every rank
-(on FSDP2 the check stays blocking: FSDP2 issues its all-gathers and reduce-scatters itself).
+the check's round trips overlap forward and backward compute instead of stopping every rank.
+
+Under FSDP2 (``issue_at_step=True``, set by the runtime when the model is FSDP2-wrapped) FSDP2
+issues its own all-gathers at the start of every forward and backward, so a check must be
+settled before the model's first hook lets FSDP2 go; a check that a rank out of step has not
+settled before then would let FSDP2's collectives pair with different ones (gloo aborts on a
+size mismatch). So the forward check is *issued at the end of* ``opt.step()`` (the counts it
+carries, ``(forward, steps, backwards)``, cannot change before the next forward) and settled in
+the model's forward pre-hook: its round trip overlaps whatever runs between the step and the
+next forward (``zero_grad``, the data loader, logging), and the pre-hook finds it done. A rank
+that skipped ``opt.step()`` issues its forward check in that pre-hook instead (blocking) and
+pairs with the others' early one, and a rank that skipped backward issues its forward check at
+its step, which pairs with the others' backward check: every desync is caught at the same point
+with the same counts as with blocking checks. The backward check stays blocking there: it cannot
+be issued before backward starts (a rank that skips backward must not have sent it), and FSDP2's
+first backward all-gather follows at once. The first forward (no step before it) is checked
+blocking too. One case loses its name: a rank that runs *more* steps than the others (they
+stopped) passes its forward check, issued with theirs at the last common step, and its wait ends
+in FSDP2's first all-gather, by the same user timeout but with gloo's own message
+("Timed out waiting ... for send operation") instead of dmuon's "waited in vain ... at its
+forward after N optimizer step(s)" (which the replicated path and a blocking check still give).
 """
 
 from __future__ import annotations
@@ -71,6 +90,7 @@ class StepCheck:
         self._last: int | None = None  # phase checked last; None after a step
         self.checks = 0  # collectives issued (for tests)
         self.deferred = False  # issue now, wait at settle() (the runtime sets it at binding)
+        self.issue_at_step = False  # FSDP2: the forward check goes out at the step (binding sets it)
         self._pending: tuple[Any, torch.Tensor, int, int, int] | None = None  # work, rows, phase, steps, backwards
 
     def install(self, model: nn.Module) -> list:
@@ -97,7 +117,11 @@ class StepCheck:
 
     def before_forward(self) -> None:
         """The first dmuon forward hook since the last backward or step (not inside backward)."""
-        if self._last == 0 or in_autograd_backward():
+        if in_autograd_backward():
+            return
+        if self._last == 0:
+            if self.issue_at_step:
+                self.settle()  # the check issued at the step, before FSDP2's first all-gather
             return
         self._last = 0
         self._check(0)
@@ -111,11 +135,15 @@ class StepCheck:
         self.backwards += 1
 
     def after_step(self) -> None:
-        """``opt.step()`` finished on this rank."""
+        """``opt.step()`` finished on this rank (under FSDP2: issue the next forward's check)."""
         self.steps += 1
         self._last = None
+        if self.issue_at_step and not self.deferred:
+            self._last = 0
+            self._check(0, wait=False)
 
-    def _check(self, phase: int) -> None:
+    def _check(self, phase: int, wait: bool | None = None) -> None:
+        """Issue the check of ``phase``; wait for it now unless deferred (or ``wait=False``)."""
         if self.group is None or self.world_size == 1:
             return
         self.settle()  # at most one check in flight
@@ -125,7 +153,7 @@ class StepCheck:
         with label("dmuon::step_check"):
             work = dist.all_reduce(rows, group=self.group, async_op=True)
         self._pending = (work, rows, phase, self.steps, self.backwards)
-        if not self.deferred:
+        if (not self.deferred) if wait is None else wait:
             self.settle()
 
     def settle(self) -> None:
@@ -151,6 +179,7 @@ class StepCheck:
                 f"{_first_line(err)}. Another rank ran fewer steps, stopped, died or is stuck; "
                 f"every rank must run the same forwards, backwards and opt.step() calls."
             ) from err
+        # rows is a CPU tensor on the gloo group: reading it never synchronizes a GPU stream
         states = [tuple(int(v) for v in row) for row in rows.tolist()]
         if len(set(states)) > 1:
             raise RuntimeError(self.describe(states))

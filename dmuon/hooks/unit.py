@@ -5,8 +5,10 @@ without FSDP2 the block :func:`dmuon.hooks.fsdp_adapter.publish_block` picks); i
 forward and backward bookkeeping, as ``FSDPParamGroup`` runs its unshard/reshard. Its matrices
 travel in :class:`PublishGroup` buffers, one per owner and compute dtype, each issued, waited
 on and freed by itself (one broadcast per group, as FSDP2 all-gathers a group into one buffer).
-The model's :class:`dmuon.hooks.state.DedicateState` only dispatches the hooks and holds what
-every unit shares (the process group, ``prefetch``, the unit order, the keep mode).
+A unit gets a :class:`UnitContext`, what every unit of the model shares (the process group,
+``prefetch``, the unit order, the keep mode, the step check, two callbacks into the runtime), not
+the whole :class:`dmuon.hooks.state.DedicateState`, as FSDP2 gives ``FSDPParamGroup`` an
+``FSDPCommContext`` rather than its ``FSDPState``: this module never names the state.
 
 Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
 pre-backward until its post-backward (its last gradient is in), and its forward hooks do
@@ -17,7 +19,7 @@ cuts them short (early stop) so their post-forward never runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -27,12 +29,9 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.comm import collectives as comm
 from dmuon.comm.collectives import Pending, issued_together, label
-from dmuon.hooks.step_check import in_autograd_backward
-from dmuon.comm.grad_buckets import GradBucket
+from dmuon.hooks.step_check import StepCheck, in_autograd_backward
+from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
-
-if TYPE_CHECKING:
-    from dmuon.hooks.state import DedicateState
 
 
 @dataclass(eq=False)
@@ -79,11 +78,14 @@ class PublishGroup:
         """Whether this group's broadcast is issued and not known to be complete."""
         if self.work is None or self.work.work is None:
             return False
+        # One query per group and forward, never a loop: on NCCL is_completed() queries the
+        # work's CUDA event (cudaEventQuery, no host synchronisation); on gloo it reads a flag.
         done = getattr(self.work.work, "is_completed", None)
         return done is None or not done()
 
     def wait(self) -> None:
-        """Wait for this group's broadcast, if one is in flight."""
+        """Wait for this group's broadcast, if one is in flight (on NCCL the current stream
+        waits on the collective's event; the host does not block)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -93,6 +95,10 @@ class PublishGroup:
         mode every rank keeps it, and the group only stops being live)."""
         self.wait()
         if not self.is_owner and not self.keep:
+            # Safe on CUDA without a host sync: the current stream has waited on the broadcast
+            # (wait() above), the buffer was allocated on it, and ProcessGroupNCCL recorded
+            # its own stream on the tensor, so the caching allocator reuses the block only
+            # after both streams are past it (FSDP2 frees its all-gather outputs the same way).
             free_storage(self.flat)
         self.live = False
         self.bwd_done.clear()
@@ -103,7 +109,7 @@ class PublishGroup:
         if self.keep:
             return
         self.bwd_done.add(rec)
-        if self.bwd_done >= self.grad_members:
+        if len(self.bwd_done) >= len(self.grad_members):  # O(1): bwd_done only holds members
             self.release()
 
     def refresh(self) -> None:
@@ -113,9 +119,9 @@ class PublishGroup:
             self.release()
             return
         self.wait()
-        with torch.autograd._unsafe_preserve_version_counter(self.flat):
-            for rec in self.members:
-                rec.buffer.detach().copy_(rec.master)
+        with torch.autograd._unsafe_preserve_version_counter(self.flat), torch.no_grad():
+            # one op for the group, casting fp32 masters to the compute dtype
+            torch._foreach_copy_([rec.buffer for rec in self.members], [rec.master for rec in self.members])
         self.live = False
 
 
@@ -132,11 +138,49 @@ def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
 
 
 @dataclass(eq=False)
+class UnitContext:
+    """What the units of one model share (FSDP2's ``FSDPCommContext``): built by the runtime,
+    filled in at binding, read and written by the units' hooks.
+
+    Attributes:
+        group: the dmuon process group (publications, reduce-to-owner).
+        prefetch: how many units ahead a publication is issued (>= 1).
+        reduce_mode: ``"reduce"`` or ``"all_reduce"`` (:mod:`dmuon.comm.grad_buckets`).
+        step_check: the model's :class:`dmuon.hooks.step_check.StepCheck`.
+        ensure_bound: binds the model if it is not yet (the runtime's).
+        queue_final_callback: the runtime's first-gradient hook of a backward (decides
+            ``sync_this_backward``, queues the end-of-backward callback).
+        units: every unit, in forward order (set at binding).
+        groups: every publish group (set at binding).
+        keep: ``replicas="keep"``: every rank keeps every matrix whole (set at binding).
+        sync_this_backward: this backward reduces to the owners (``False`` under ``no_sync``).
+        issue_order: the one order every rank issues the gradient buckets in (set at binding,
+            :class:`dmuon.comm.grad_buckets.IssueOrder`).
+    """
+
+    group: dist.ProcessGroup
+    prefetch: int
+    reduce_mode: str
+    step_check: StepCheck
+    ensure_bound: Callable[[], None]
+    queue_final_callback: Callable[[], None]
+    units: list[Unit] = field(default_factory=list)
+    groups: list[PublishGroup] = field(default_factory=list)
+    keep: bool = False
+    sync_this_backward: bool = True
+    issue_order: IssueOrder = field(default_factory=lambda: IssueOrder([]))
+
+    def issue(self, units: list[Unit]) -> None:
+        """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
+        issue_groups([g for unit in units for g in unit.groups if not g.live], self.group)
+
+
+@dataclass(eq=False)
 class Unit:
     """The dedicated matrices published together before one module runs, and their hooks.
 
     Attributes:
-        ctx: the model's runtime state (process group, unit order, ``prefetch``, keep mode).
+        ctx: what the model's units share (:class:`UnitContext`).
         index: position in forward order (the order units are prefetched in).
         module: the FSDP2 block (``fully_shard`` module) or, without FSDP2, the matrices'
             parent module (:func:`dmuon.hooks.fsdp_adapter.publish_block`).
@@ -147,12 +191,15 @@ class Unit:
         in_backward: between the unit's pre-backward and its post-backward; forward hooks
             (activation-checkpointing recomputation) then leave the full weights alone.
         grads_done: records whose gradient is in during this backward.
+        grad_count: how many records take a gradient (counted at bind, as the publish groups'
+            ``grad_members``): the unit's backward is over when ``grads_done`` holds that many,
+            an O(1) test per gradient instead of a rescan of the unit.
         backward_finished: every gradient of the unit is in during this backward (an
             enclosing unit, e.g. FSDP2's root holding the head, may finish before the units
             it encloses): backward prefetch skips it.
     """
 
-    ctx: DedicateState
+    ctx: UnitContext
     index: int
     module: nn.Module
     reshard: bool = True
@@ -161,6 +208,7 @@ class Unit:
     takes_grad: bool = False
     in_backward: bool = False
     grads_done: set[DedicatedParam] = field(default_factory=set)
+    grad_count: int = 0
     backward_finished: bool = False
     pre_backward_hook: Any = None  # the dynamo-disabled pre_backward, made at bind
 
@@ -171,6 +219,7 @@ class Unit:
             self.groups.append(group)
         if rec.compute.requires_grad:
             self.takes_grad = True
+            self.grad_count += 1
 
     def show(self, which: str) -> None:
         """Register every record's ``"compute"`` weight (or ``"master"``) on its module."""
@@ -183,7 +232,8 @@ class Unit:
             group.wait()
 
     def grads_complete(self) -> bool:
-        return all(rec in self.grads_done for rec in self.records if rec.compute.requires_grad)
+        """Every record that takes a gradient has it in this backward (O(1))."""
+        return len(self.grads_done) >= self.grad_count
 
     # --------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -248,21 +298,22 @@ class Unit:
         bucket's reduce-to-owner starts once full); then the group and unit bookkeeping."""
         ctx = self.ctx
         ctx.queue_final_callback()
-        if ctx.sync_this_backward:
-            grad = param.grad
-            param.grad = None
-            if hasattr(grad, "to_local"):  # the TP slice's gradient
-                grad = grad.to_local()
-            if bucket.add(rec, grad):
-                ctx.step_check.settle()  # the ranks agree before the first reduce goes out
-                ctx.issue_order.full(ctx.group, ctx.reduce_mode)  # in the one order of all ranks
-        # else gradient accumulation: keep the local sum in compute.grad (full size on every
-        # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
-        group.grad_in(rec)
-        self.grads_done.add(rec)
-        if self.grads_complete():
-            self.post_backward()
-            self.backward_finished = True
+        with label("dmuon::grad_hook"):
+            if ctx.sync_this_backward:
+                grad = param.grad
+                param.grad = None
+                if hasattr(grad, "to_local"):  # the TP slice's gradient
+                    grad = grad.to_local()
+                if bucket.add(rec, grad):
+                    ctx.step_check.settle()  # the ranks agree before the first reduce goes out
+                    ctx.issue_order.full(ctx.group, ctx.reduce_mode)  # in the one order of all ranks
+            # else gradient accumulation: keep the local sum in compute.grad (full size on every
+            # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
+            group.grad_in(rec)
+            self.grads_done.add(rec)
+            if self.grads_complete():
+                self.post_backward()
+                self.backward_finished = True
 
     def post_backward(self) -> None:
         """Masters back on the modules; the unit's backward is over."""

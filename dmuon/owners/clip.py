@@ -88,6 +88,8 @@ def clip_by_total_norm_(counted: Sequence[torch.Tensor], clipped: Sequence[torch
         if collective:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         total = total.pow(1.0 / norm_type)
+    # Host sync on CUDA only with error_if_nonfinite=True (not a hook: the user's call between
+    # backward and step), as torch.nn.utils.clip_grad_norm_ does for the same check.
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dmuon: the total gradient norm is {total.item()}; refusing to clip")
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

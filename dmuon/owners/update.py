@@ -254,6 +254,7 @@ def adamw_update_(
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         state["step"] += 1
+    # the step counters are CPU tensors (created above without a device): no GPU sync
     steps = [state["step"].item() for state in states]
     local = [local_tensor(t) for t in params]
     exp_avgs = [local_tensor(state["exp_avg"]) for state in states]
