@@ -43,7 +43,7 @@ def test_dataset_is_cached_and_chunks_follow_the_episode(tmp_path, monkeypatch):
     assert data_mod.ensure_cached(TINY_DATA, progress=False) == path
     demos = data_mod.PushTDemos(TINY_DATA)
     n = len(demos)
-    assert demos.images.shape == (n, 3, 16, 16) and demos.images.dtype == torch.uint8
+    assert demos.images.shape == (n, 3, 16, 16) and demos.images.dtype == np.uint8
     assert demos.actions.shape == (n, 4, 2) and demos.state.shape == (n, 2)
     assert float(demos.actions.abs().max()) <= 1.0
     # A chunk is the next H actions: row i shifted by one equals row i+1 (same episode),
