@@ -300,7 +300,7 @@ def sinusoidal_time(t: torch.Tensor, dim: int) -> torch.Tensor:
     """
     half = dim // 2
     # openpi's posemb_sincos: periods from 4e-3 to 4.0 on a log scale, angle = 2 pi t / period.
-    periods = torch.exp(torch.linspace(math.log(4e-3), math.log(4.0), half, device=t.device))
+    periods = torch.exp(torch.linspace(math.log(4e-3), math.log(4.0), half, device=t.device, dtype=t.dtype))
     ang = t[:, None] * (2 * math.pi / periods)[None, :]
     emb = torch.cat([ang.sin(), ang.cos()], dim=-1)
     return F.pad(emb, (0, dim - 2 * half))
