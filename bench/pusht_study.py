@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work-dir", default="/tmp/dmuon_pusht_study")
     a = p.parse_args(argv)
     if a.quick:
-        a.seeds, a.steps, a.save_every, a.nproc = 1, 4, 2, 1
+        a.seeds, a.steps, a.save_every, a.nproc, a.batch_size = 1, 4, 2, 1, 8
         a.eval_episodes, a.eval_max_steps, a.demo_episodes = 2, 20, 1
         a.sweep_dmuon, a.sweep_adamw = "0.02", "1e-3"
     a.optimizers = tuple(o for o in a.optimizers.split(",") if o)
@@ -89,7 +89,7 @@ def train(a, opt: str, lr: float, seed: int) -> pathlib.Path:
            "--seed", str(seed), "--steps", str(a.steps), "--episodes", str(a.demo_episodes),
            "--save", str(run / "ckpt"), "--save-every", str(a.save_every), "--no-plot",
            "--out", str(run / "summary.tmp.json")]
-    cmd += ["--batch-size", str(8 if a.quick else a.batch_size)]
+    cmd += ["--batch-size", str(a.batch_size)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -146,7 +146,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     expert = result["expert"]["summary"]
     for opt, rec in result["optimizers"].items():
         curve = rec["curve"]
-        x_steps = [c["step"] for c in curve]
+        x_steps = [c["step"] * result["settings"]["batch_size"] for c in curve]  # samples seen
         x_wall = [c["train_s_mean"] for c in curve]
         for ax, x, key in ((axes[0], x_steps, "final_coverage"), (axes[1], x_wall, "final_coverage"),
                            (axes[2], x_steps, "success_rate")):
@@ -157,9 +157,9 @@ def plot(result: dict, path: pathlib.Path) -> None:
             ax.fill_between(x, lo, hi, alpha=0.15)
     for ax, key in ((axes[0], "final_coverage"), (axes[1], "final_coverage"), (axes[2], "success_rate")):
         ax.axhline(expert[key]["mean"], color="k", ls="--", lw=1, label="scripted expert")
-    axes[0].set(xlabel="training step", ylabel="final coverage of the goal")
+    axes[0].set(xlabel="samples seen (steps x global batch)", ylabel="final coverage of the goal")
     axes[1].set(xlabel="training wall-clock s (sum of step times)", ylabel="final coverage of the goal")
-    axes[2].set(xlabel="training step", ylabel="success rate (coverage > 0.95)")
+    axes[2].set(xlabel="samples seen (steps x global batch)", ylabel="success rate (coverage > 0.95)")
     axes[0].legend(fontsize=7)
     n = result["settings"]
     fig.suptitle(f"PushT closed loop: {n['seeds']} seeds x {n['eval_episodes']} held-out episodes per "
