@@ -85,7 +85,7 @@ def train(a, opt: str, lr: float, seed: int) -> pathlib.Path:
     if (run / "summary.json").exists():
         return run
     cmd = [sys.executable, "-m", "dmuon.train", "--preset", "pusht-state", "--nproc", str(a.nproc),
-           "--optimizer", opt, "--lr", str(lr), "--warmup", str(min(200, max(1, a.steps // 10))),
+           "--optimizer", opt, "--lr", str(lr), "--warmup", str(min(200, max(1, a.steps // 10))), "--no-eval",
            "--seed", str(seed), "--steps", str(a.steps), "--episodes", str(a.demo_episodes),
            "--save", str(run / "ckpt"), "--save-every", str(a.save_every), "--no-plot",
            "--out", str(run / "summary.tmp.json")]

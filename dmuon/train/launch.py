@@ -76,9 +76,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                    help="write DCP checkpoints (dmuon.state_dict) to DIR/step_NNNNNN at the end")
     p.add_argument("--save-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     add_eval_args(p, episodes_default=None)
+    p.add_argument("--no-eval", action="store_true",
+                   help="skip the closed-loop evaluation after training (overrides --preset's 50 episodes)")
     a = p.parse_args(argv)
     preset = dict(PRESETS[a.preset]) if a.preset else {}
-    if preset.get("eval_episodes") and a.eval_episodes is None:
+    if a.no_eval:
+        if a.eval_episodes is not None:
+            p.error("--no-eval and --eval-episodes contradict each other; pass one")
+    elif preset.get("eval_episodes") and a.eval_episodes is None:
         a.eval_episodes = preset["eval_episodes"]
 
     def pick(name: str, default):
