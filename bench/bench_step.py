@@ -107,7 +107,7 @@ PHASES = ("forward", "backward", "step", "total")
 CALIB_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
 TINY_MODEL = PolicyConfig(image_size=16, d_vis=32, vision_depth=1, d_model=64, depth=2, d_act=30,
                           act_heads=1, head_dim=32)
-TINY_DATA = DataConfig(episodes=2, max_steps=12, image_size=16)
+TINY_DATA = DataConfig(episodes=2, max_steps=12, image_size=16, keep_failed=True)  # 12 steps: no success
 #: ~194 M parameters (193.7 M in 148 Muon matrices): SigLIP-like 768-wide vision tower (6 blocks,
 #: 14-pixel patches of 224-pixel images), 1024-wide backbone and 512-wide action expert of 12
 #: blocks each, Pi0's 50-step chunks of 32-dimensional actions.

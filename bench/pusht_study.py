@@ -1,13 +1,16 @@
 """PushT study: closed-loop success and coverage vs training steps and wall-clock seconds.
 
-For each optimizer (``dmuon``, ``vanilla``, ``adamw``) and seed, trains the Pi0-style policy with
-``python -m dmuon.train`` (same demonstrations, same global batches, same steps), checkpointing
-every ``--save-every`` steps, then rolls every checkpoint out in PushT on the same held-out
-initial states (:mod:`dmuon.train.eval`, one process) and the scripted expert once on them.
+For each optimizer (``dmuon``, ``vanilla``, ``adamw``; ``--optimizers``) and seed, trains the
+Pi0-style state policy with ``python -m dmuon.train --preset pusht-state`` (same demonstrations,
+same global batches, same steps; the preset's cosine schedule runs over ``--steps``),
+checkpointing every ``--save-every`` steps, then rolls every checkpoint out in PushT on the same
+held-out initial states for gym-pusht's 300 steps (:mod:`dmuon.train.eval`, one process) and the
+scripted expert once on them. ``--gif`` writes rollouts of the best dmuon checkpoint, successful
+episodes first.
 
 The learning rate comes from a small sweep on seed 0 (``--sweep-dmuon``, ``--sweep-adamw``; the
 first value is the default, run on every seed first), picked by the mean final coverage of the
-last checkpoint. ``vanilla`` is the same update rule as ``dmuon``
+last checkpoint (success rate, then final coverage). ``vanilla`` is the same update rule as ``dmuon``
 (``torch.optim.Muon`` math, gather-then-compute; the parity tests show equal parameters), so it
 uses dmuon's lr; it is here for the wall-clock axis. ``--summarize-only`` writes the JSON and
 plot from the runs finished so far (``seeds_done`` per optimizer says how many).
@@ -15,7 +18,7 @@ plot from the runs finished so far (``seeds_done`` per optimizer says how many).
 Wall-clock seconds are the sum of the training steps' measured times (``step_s_all`` of the
 run summary; forward + backward + optimizer step, excluding checkpoint writes and start-up).
 
-    python bench/pusht_study.py                     # the committed study (~1 h on 2 loaded cores)
+    python bench/pusht_study.py                     # the full study (3 seeds x sweep: hours on 2 cores)
     python bench/pusht_study.py --quick --out-dir /tmp/q   # CI smoke variant (tests/test_train.py)
 
 Writes ``<out-dir>/pusht_study.json`` and ``<out-dir>/pusht_study.png``; runs are kept under
@@ -49,23 +52,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny smoke variant (CI)")
     p.add_argument("--summarize-only", action="store_true",
                    help="train nothing: report the runs already in --work-dir (an unfinished study)")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of "
+                   + ",".join(OPTIMIZERS))
+    p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--save-every", type=int, default=20)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--eval-episodes", type=int, default=6)
-    p.add_argument("--eval-max-steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--save-every", type=int, default=1000)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--eval-episodes", type=int, default=50)
+    p.add_argument("--eval-max-steps", type=int, default=300, help="gym-pusht's registered episode length")
     p.add_argument("--demo-episodes", type=int, default=DataConfig().episodes)
+    p.add_argument("--gif", default=None, help="write a GIF of the best dmuon checkpoint's rollouts here")
     p.add_argument("--sweep-dmuon", default="0.02,0.05", help="Muon matrix lrs to sweep (first: default)")
     p.add_argument("--sweep-adamw", default="1e-3,3e-3", help="AdamW lrs to sweep (first: default)")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     p.add_argument("--work-dir", default="/tmp/dmuon_pusht_study")
     a = p.parse_args(argv)
     if a.quick:
-        a.seeds, a.steps, a.save_every, a.nproc = 1, 4, 2, 1
+        a.seeds, a.steps, a.save_every, a.nproc, a.batch_size = 1, 4, 2, 1, 8
         a.eval_episodes, a.eval_max_steps, a.demo_episodes = 2, 20, 1
         a.sweep_dmuon, a.sweep_adamw = "0.02", "1e-3"
+    a.optimizers = tuple(o for o in a.optimizers.split(",") if o)
+    bad = [o for o in a.optimizers if o not in OPTIMIZERS]
+    if bad:
+        p.error(f"--optimizers {bad}: choose from {OPTIMIZERS}")
     return a
 
 
@@ -74,11 +84,12 @@ def train(a, opt: str, lr: float, seed: int) -> pathlib.Path:
     run = pathlib.Path(a.work_dir) / f"{opt}_lr{lr:g}_s{seed}"
     if (run / "summary.json").exists():
         return run
-    cmd = [sys.executable, "-m", "dmuon.train", "--nproc", str(a.nproc), "--optimizer", opt, "--lr", str(lr),
+    cmd = [sys.executable, "-m", "dmuon.train", "--preset", "pusht-state", "--nproc", str(a.nproc),
+           "--optimizer", opt, "--lr", str(lr), "--warmup", str(min(200, max(1, a.steps // 10))), "--no-eval",
            "--seed", str(seed), "--steps", str(a.steps), "--episodes", str(a.demo_episodes),
            "--save", str(run / "ckpt"), "--save-every", str(a.save_every), "--no-plot",
            "--out", str(run / "summary.tmp.json")]
-    cmd += ["--batch-size", str(8 if a.quick else a.batch_size)]
+    cmd += ["--batch-size", str(a.batch_size)]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -103,6 +114,23 @@ def evaluate_run(a, run: pathlib.Path, eval_cfg: EvalConfig, steps: list[int]) -
     return out
 
 
+def write_gif(a, evals: list[dict], step: int, eval_cfg: EvalConfig, lr: float) -> dict:
+    """GIF of seed 0's dmuon run at checkpoint ``step``: up to 3 episodes, successful ones first."""
+    import dataclasses
+
+    from dmuon.train.eval import write_video
+
+    episodes = next(e for e in evals if e["step"] == step)["episodes"]
+    chosen = [e["seed"] for e in episodes if e["success"]][:3]
+    chosen += [e["seed"] for e in episodes if not e["success"]][: 3 - len(chosen)]
+    run = pathlib.Path(a.work_dir) / f"dmuon_lr{lr:g}_s0"
+    policy, meta = ckpt.load_policy(ckpt.step_dir(run / "ckpt", step))
+    cfg = dataclasses.replace(eval_cfg, video=a.gif, video_episodes=len(chosen))
+    write_video(policy, cfg, ckpt.configs_from(meta)[1], chosen)
+    return {"path": a.gif, "step": step, "seeds": chosen,
+            "success": [bool(next(e["success"] for e in episodes if e["seed"] == s)) for s in chosen]}
+
+
 def pooled(evals: list[dict]) -> dict:
     """Success (Wilson) and coverage (normal 95% CI) pooled over seeds x episodes."""
     return summarize([e for ev in evals for e in ev["episodes"]])
@@ -118,7 +146,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     expert = result["expert"]["summary"]
     for opt, rec in result["optimizers"].items():
         curve = rec["curve"]
-        x_steps = [c["step"] for c in curve]
+        x_steps = [c["step"] * result["settings"]["batch_size"] for c in curve]  # samples seen
         x_wall = [c["train_s_mean"] for c in curve]
         for ax, x, key in ((axes[0], x_steps, "final_coverage"), (axes[1], x_wall, "final_coverage"),
                            (axes[2], x_steps, "success_rate")):
@@ -129,9 +157,9 @@ def plot(result: dict, path: pathlib.Path) -> None:
             ax.fill_between(x, lo, hi, alpha=0.15)
     for ax, key in ((axes[0], "final_coverage"), (axes[1], "final_coverage"), (axes[2], "success_rate")):
         ax.axhline(expert[key]["mean"], color="k", ls="--", lw=1, label="scripted expert")
-    axes[0].set(xlabel="training step", ylabel="final coverage of the goal")
+    axes[0].set(xlabel="samples seen (steps x global batch)", ylabel="final coverage of the goal")
     axes[1].set(xlabel="training wall-clock s (sum of step times)", ylabel="final coverage of the goal")
-    axes[2].set(xlabel="training step", ylabel="success rate (coverage > 0.95)")
+    axes[2].set(xlabel="samples seen (steps x global batch)", ylabel="success rate (coverage > 0.95)")
     axes[0].legend(fontsize=7)
     n = result["settings"]
     fig.suptitle(f"PushT closed loop: {n['seeds']} seeds x {n['eval_episodes']} held-out episodes per "
@@ -148,7 +176,9 @@ def main(argv=None) -> dict:
     steps = list(range(a.save_every, a.steps + 1, a.save_every))
     if steps[-1] != a.steps:
         steps.append(a.steps)
-    data = DataConfig(episodes=a.demo_episodes)
+    from dmuon.train.launch import parse_args as train_args
+
+    data = train_args(["--preset", "pusht-state", "--episodes", str(a.demo_episodes)])[0].data
     eval_cfg = EvalConfig(episodes=a.eval_episodes, max_steps=a.eval_max_steps)
     seeds = list(range(a.seeds))
     t_start = time.perf_counter()
@@ -157,9 +187,9 @@ def main(argv=None) -> dict:
     # machine's load drifts over all optimizers alike), then the sweep's other lrs on seed 0.
     default_lr = {"dmuon": float(a.sweep_dmuon.split(",")[0]), "adamw": float(a.sweep_adamw.split(",")[0])}
     default_lr["vanilla"] = default_lr["dmuon"]
-    jobs = [(opt, default_lr[opt], seed) for seed in seeds for opt in OPTIMIZERS]
+    jobs = [(opt, default_lr[opt], seed) for seed in seeds for opt in a.optimizers]
     jobs += [(opt, float(lr), 0) for opt, text in (("dmuon", a.sweep_dmuon), ("adamw", a.sweep_adamw))
-             for lr in text.split(",")[1:]]
+             if opt in a.optimizers for lr in text.split(",")[1:]]
     done: dict[tuple, list[dict]] = {}
     for opt, lr, seed in jobs:
         run = pathlib.Path(a.work_dir) / f"{opt}_lr{lr:g}_s{seed}"
@@ -172,10 +202,11 @@ def main(argv=None) -> dict:
     for (opt, lr, seed), evs in sorted(done.items()):
         if seed == 0 and opt != "vanilla":
             sweep.setdefault(opt, []).append({"lr": lr, "loss": evs[-1]["loss"], **pooled([evs[-1]])})
-    best_lr = {opt: max(rows, key=lambda r: r["final_coverage"]["mean"])["lr"] for opt, rows in sweep.items()}
+    best_lr = {opt: max(rows, key=lambda r: (r["success_rate"]["mean"], r["final_coverage"]["mean"]))["lr"]
+               for opt, rows in sweep.items()}
     best_lr["vanilla"] = best_lr.get("dmuon")  # the same update rule (see the module docstring)
     runs = {opt: [done[(opt, best_lr.get(opt), s)] for s in seeds if (opt, best_lr.get(opt), s) in done]
-            for opt in OPTIMIZERS}
+            for opt in a.optimizers}
     print(f"chosen lrs: {best_lr}; seeds done: { {o: len(r) for o, r in runs.items()} }", flush=True)
     expert_cache = pathlib.Path(a.work_dir) / f"expert_{eval_cfg.episodes}_{eval_cfg.max_steps}.json"
     if not expert_cache.exists():
@@ -195,7 +226,7 @@ def main(argv=None) -> dict:
         "study_wall_s": None if a.summarize_only else time.perf_counter() - t_start,
     }
     for opt in OPTIMIZERS:
-        if not runs[opt]:
+        if not runs.get(opt):
             continue
         curve = []
         for i, step in enumerate(steps):
@@ -212,6 +243,9 @@ def main(argv=None) -> dict:
     if "dmuon" in result["optimizers"]:
         best_dmuon = result["optimizers"]["dmuon"]["best"]["final_coverage"]["mean"]
         result["dmuon_best_over_expert_coverage"] = best_dmuon / ref if ref > 0 else None
+        if a.gif:
+            result["gif"] = write_gif(a, runs["dmuon"][0], result["optimizers"]["dmuon"]["best"]["step"],
+                                      eval_cfg, best_lr["dmuon"])
     out_dir = pathlib.Path(a.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "pusht_quick" if a.quick else "pusht_study"

@@ -43,7 +43,7 @@ def test_dataset_is_cached_and_chunks_follow_the_episode(tmp_path, monkeypatch):
     assert data_mod.ensure_cached(TINY_DATA, progress=False) == path
     demos = data_mod.PushTDemos(TINY_DATA)
     n = len(demos)
-    assert demos.images.shape == (n, 3, 16, 16) and demos.images.dtype == torch.uint8
+    assert demos.images.shape == (n, 3, 16, 16) and demos.images.dtype == np.uint8
     assert demos.actions.shape == (n, 4, 2) and demos.state.shape == (n, 2)
     assert float(demos.actions.abs().max()) <= 1.0
     # A chunk is the next H actions: row i shifted by one equals row i+1 (same episode),
@@ -173,3 +173,94 @@ def test_cli_meshes_train_the_same_as_fsdp(tmp_path):
     for key in ((mesh, "dmuon") for mesh in meshes[1:]):
         np.testing.assert_allclose(losses[key], reference, rtol=1e-4, err_msg=str(key))
     assert reference[0] != reference[-1]
+
+
+def test_sinusoidal_time_matches_openpi_posemb_sincos():
+    """openpi's ``posemb_sincos(pos, dim, min_period=4e-3, max_period=4.0)``, written out in numpy."""
+    from dmuon.train.model import sinusoidal_time
+
+    t = np.array([0.001, 0.25, 0.5, 1.0])
+    dim = 64
+    fraction = np.linspace(0.0, 1.0, dim // 2)
+    period = 4e-3 * (4.0 / 4e-3) ** fraction
+    angle = t[:, None] / period[None, :] * 2 * np.pi
+    ref = np.concatenate([np.sin(angle), np.cos(angle)], axis=1)
+    got = sinusoidal_time(torch.tensor(t, dtype=torch.float64), dim).numpy()
+    np.testing.assert_allclose(got, ref, atol=1e-9)
+    odd = sinusoidal_time(torch.tensor(t, dtype=torch.float64), dim + 1).numpy()
+    assert odd.shape == (4, dim + 1) and np.all(odd[:, -1] == 0)
+
+
+def test_state_features_read_the_pose_off_the_keypoints():
+    """Block pose, agent in block frame and goal error from keypoints == from the simulator's body."""
+    from dmuon.train.expert import COG_LOCAL, make_env
+
+    env = make_env(16, 10, obs_type="environment_state_agent_pos")
+    obs, _ = env.reset(seed=11)
+    u = env.unwrapped
+    f = data_mod.state_features(obs["environment_state"], obs["agent_pos"]).astype(np.float64)
+    cog = np.array(u.block.local_to_world(COG_LOCAL))
+    np.testing.assert_allclose((f[18:20] + 1) * 256, cog, atol=1e-3)
+    np.testing.assert_allclose(f[20:22], [np.cos(u.block.angle), np.sin(u.block.angle)], atol=1e-6)
+    agent_local = np.array(u.block.world_to_local(tuple(obs["agent_pos"]))) - np.array(COG_LOCAL)
+    np.testing.assert_allclose(f[22:24] * 100, agent_local, atol=1e-3)
+    goal_cog = np.array(u.get_goal_pose_body(u.goal_pose).local_to_world(COG_LOCAL))
+    goal_local = np.array(u.block.world_to_local(tuple(goal_cog))) - np.array(COG_LOCAL)
+    np.testing.assert_allclose(f[24:26] * 100, goal_local, atol=1e-3)
+    dth = u.goal_pose[2] - u.block.angle
+    np.testing.assert_allclose(f[26:28], [np.sin(dth), np.cos(dth)], atol=1e-6)
+    env.close()
+
+
+def test_state_batches_stack_history_and_delta_actions(tmp_path, monkeypatch):
+    monkeypatch.setenv("DMUON_CACHE", str(tmp_path))
+    from tests.train_cases import TINY_STATE_DATA
+
+    data_mod.ensure_cached(TINY_STATE_DATA, progress=False)
+    demos = data_mod.PushTDemos(TINY_STATE_DATA)
+    b = demos.batch(0, 16, 0, 1, seed=0)
+    assert b["env_state"].shape == (16, 2, 28) and "images" not in b
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(len(demos), (16,), generator=gen)
+    with np.load(data_mod.cache_path(TINY_STATE_DATA)) as f:
+        step, kps, agent, actions = f["step"], f["keypoints"], f["agent_pos"], f["actions"]
+    for row, i in enumerate(idx.tolist()):
+        prev = i - 1 if step[i] > 0 else i
+        np.testing.assert_allclose(b["env_state"][row, 0], data_mod.state_features(kps[prev], agent[prev]))
+        np.testing.assert_allclose(b["env_state"][row, 1], data_mod.state_features(kps[i], agent[i]))
+        target_px = (actions[i] + 1) * 256  # absolute normalized -> pixels
+        np.testing.assert_allclose(b["actions"][row].numpy() * data_mod.DELTA_PX, target_px - agent[i], atol=1e-3)
+
+
+def test_lr_factor_warms_up_then_decays_by_cosine():
+    from dmuon.train.loop import TrainConfig, lr_factor
+
+    cfg = TrainConfig(steps=110, warmup=10, schedule="cosine")
+    assert [lr_factor(cfg, s) for s in (0, 9)] == [0.1, 1.0]
+    assert lr_factor(cfg, 60) == pytest.approx(0.5)  # halfway through the 100 decay steps
+    assert lr_factor(cfg, 109) == pytest.approx(0.5 * (1 + np.cos(np.pi * 0.99)))
+    assert lr_factor(TrainConfig(steps=110, warmup=10), 109) == 1.0
+
+
+def test_preset_pusht_state_quick_run(tmp_path):
+    """A quick run of --preset pusht-state on 2 ranks: state data, training, closed-loop eval."""
+    out = tmp_path / "summary.json"
+    env = {**os.environ, "DMUON_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dmuon.train", "--preset", "pusht-state", "--nproc", "2", "--steps", "40",
+         "--batch-size", "64", "--warmup", "5", "--episodes", "2", "--eval-episodes", "2",
+         "--eval-max-steps", "30", "--no-plot", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=300,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(out.read_text())
+    d, m = s["config"]["data"], s["config"]["model"]
+    assert (d["obs"], d["history"], d["action_mode"], d["max_steps"]) == ("state", 2, "delta", 300)
+    assert (m["obs"], m["history"], s["config"]["schedule"]) == ("state", 2, "cosine")
+    assert s["dataset"]["expert_success"] == 1.0  # seeds 0 and 1: both demonstrations kept
+    assert np.mean(s["losses"][-5:]) < 0.8 * s["losses"][0], s["losses"]
+    ev = s["eval"]
+    assert ev["policy"]["summary"]["episodes"] == 2 and ev["expert"]["summary"]["episodes"] == 2
+    ref = evaluate_expert("expert", episodes=2, max_steps=30, seed=ev["seeds"][0])
+    assert ev["expert"]["summary"]["final_coverage"]["mean"] == pytest.approx(ref["final_coverage"], abs=1e-9)

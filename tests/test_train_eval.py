@@ -20,7 +20,7 @@ from dmuon.train import launch  # noqa: E402
 from dmuon.train.expert import evaluate_expert  # noqa: E402
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 from tests import models  # noqa: E402
-from tests.train_cases import MUON_KW, TINY_DATA, TINY_MODEL, synthetic_batch  # noqa: E402
+from tests.train_cases import MUON_KW, TINY_DATA, TINY_MODEL, TINY_STATE_DATA, TINY_STATE_MODEL, synthetic_batch  # noqa: E402
 
 STEPS, ROWS = 3, 8
 EVAL = dict(episodes=4, max_steps=30, exec_horizon=2, flow_steps=3, seed=500)
@@ -34,10 +34,18 @@ def dmuon_ckpt(tmp_path_factory, dist_pool):
     return path
 
 
-def test_saved_dmuon_checkpoint_loads_as_the_single_process_reference(dmuon_ckpt):
-    """2-rank FSDP2 + dmuon, saved with --save's code, read into one plain policy == torch.optim.Muon."""
+@pytest.fixture(scope="module")
+def state_ckpt(tmp_path_factory, dist_pool):
+    path = tmp_path_factory.mktemp("ckpt_state") / "run"
+    dist_pool.run(world_size=2, fn="tests.train_cases:train_and_save", timeout_s=120,
+                  kwargs=dict(path=str(path), steps=STEPS, rows=ROWS, optimizer="dmuon", obs="state"))
+    return path
+
+
+def _reference_policy(model_cfg: PolicyConfig) -> Pi0Policy:
+    """The tiny policy trained in one process by torch.optim.Muon (matrices) + AdamW (the rest)."""
     torch.manual_seed(0)
-    ref = Pi0Policy(TINY_MODEL)
+    ref = Pi0Policy(model_cfg)
     emb = {id(m.weight) for m in ref.modules() if isinstance(m, nn.Embedding)}
     mats = [p for p in ref.parameters() if p.ndim == 2 and id(p) not in emb]
     rest = [p for p in ref.parameters() if not (p.ndim == 2 and id(p) not in emb)]
@@ -46,10 +54,29 @@ def test_saved_dmuon_checkpoint_loads_as_the_single_process_reference(dmuon_ckpt
             torch.optim.AdamW(rest, lr=MUON_KW["adamw_lr"], weight_decay=MUON_KW["weight_decay"])]
     with models.reference_ns(torch.float32):
         for step in range(STEPS):
-            ref(synthetic_batch(ROWS, TINY_MODEL, seed=100 + step)).backward()
+            ref(synthetic_batch(ROWS, model_cfg, seed=100 + step)).backward()
             for o in opts:
                 o.step()
                 o.zero_grad()
+    return ref
+
+
+def test_state_policy_under_dmuon_matches_the_single_process_reference(state_ckpt):
+    """The state path (keypoint tokens, 2-frame history): 2-rank FSDP2 + dmuon == torch.optim.Muon + AdamW."""
+    ref = _reference_policy(TINY_STATE_MODEL)
+    policy, meta = ckpt.load_policy(state_ckpt)
+    assert ckpt.configs_from(meta) == (TINY_STATE_MODEL, TINY_STATE_DATA)
+    got = dict(policy.named_parameters())
+    assert set(got) == {n for n, _ in ref.named_parameters()} and "state_tokens.keypoint_in.weight" in got
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p, rtol=0, atol=1e-5, msg=name)
+    untrained = Pi0Policy(TINY_STATE_MODEL)
+    assert not torch.equal(got["state_tokens.keypoint_in.weight"], untrained.state_tokens.keypoint_in.weight)
+
+
+def test_saved_dmuon_checkpoint_loads_as_the_single_process_reference(dmuon_ckpt):
+    """2-rank FSDP2 + dmuon, saved with --save's code, read into one plain policy == torch.optim.Muon."""
+    ref = _reference_policy(TINY_MODEL)
     policy, meta = ckpt.load_policy(dmuon_ckpt)  # the --save root: its latest step
     assert meta["step"] == STEPS and ckpt.configs_from(meta) == (TINY_MODEL, TINY_DATA)
     got = dict(policy.named_parameters())

@@ -2,15 +2,25 @@
 
 A sample is what a vision-language-action policy sees at one control step of a demonstration:
 
-- ``images``: uint8 [3, S, S], the simulator's rendering (goal in green, T in grey, agent blue);
+- ``images`` (``obs="image"``): uint8 [3, S, S], the simulator's rendering (goal in green, T in
+  grey, agent blue), S = 96 by default as in Diffusion Policy and LeRobot;
+- ``env_state`` (``obs="state"``): float32 [history, F], :func:`state_features` of the last
+  ``history`` observations (oldest first; the first observation repeats at an episode's start),
+  from gym-pusht's ``environment_state_agent_pos`` observation (the T's 8 keypoints and the
+  agent position);
 - ``state``: float32 [2], the agent position, normalized to [-1, 1] (``pixels / 256 - 1``);
 - ``tokens``: int64 [L], the fixed instruction tokenized by :func:`tokenize`;
-- ``actions``: float32 [H, 2], the next H expert actions (absolute agent targets), normalized
-  like ``state``; chunks that run past the episode's end repeat its last action.
+- ``actions``: float32 [H, 2], the next H expert actions (agent targets); chunks that run past
+  the episode's end repeat its last action. ``action_mode="absolute"`` normalizes them like
+  ``state``; ``"delta"`` gives ``(target - agent position now) / DELTA_PX`` (pixels / pixels).
 
-The dataset is generated once by :class:`~dmuon.train.expert.ScriptedPushExpert` and cached as
-``.npz`` under ``$DMUON_CACHE`` (default ``~/.cache/dmuon``), keyed by a hash of
-:class:`DataConfig`, so a second load reads the file instead of running the simulator.
+Demonstrations run gym-pusht's 300-step episodes (its registered ``max_episode_steps``, and
+LeRobot's evaluation length); only successful ones are kept (``keep_failed=False``), and the
+cache records every episode's success. The dataset is generated once by
+:class:`~dmuon.train.expert.ScriptedPushExpert` and cached as ``.npz`` (images in a sidecar
+``.npy`` that every rank memory-maps) under ``$DMUON_CACHE`` (default ``~/.cache/dmuon``), keyed
+by a hash of the generation fields of :class:`DataConfig` and ``_FORMAT_VERSION``, so a second
+load reads the file and an old cache is never read by new code.
 """
 
 from __future__ import annotations
@@ -33,7 +43,13 @@ logger = logging.getLogger(__name__)
 INSTRUCTION = "push the grey t block onto the green target"
 PAD_ID = 0
 UNK_ID = 1
-_FORMAT_VERSION = 1  # bump when the cached arrays change meaning
+_FORMAT_VERSION = 2  # bump when the cached arrays change meaning (2: 300 steps, keypoints, success)
+DELTA_PX = 32.0  # pixels per unit of a delta action: the expert's pushes lead by <= 30 px
+STATE_FEATURES = 28  # :func:`state_features`' output width
+# gym-pusht's fixed goal pose (PushTEnv._setup): x, y in pixels, angle in radians
+GOAL_POSE = (256.0, 256.0, np.pi / 4)
+OBS_KINDS = ("image", "state")
+ACTION_MODES = ("absolute", "delta")
 
 
 def tokenize(text: str, *, vocab_size: int, max_len: int) -> list[int]:
@@ -67,34 +83,51 @@ def tokenize(text: str, *, vocab_size: int, max_len: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DataConfig:
-    """Generation parameters; their hash names the cache file.
+    """Generation and sample parameters; the generation fields' hash names the cache file.
 
     Args:
-        episodes: Number of demonstrations.
-        max_steps: Control steps per demonstration (fewer if the block reaches the goal).
-        image_size: Rendered image side in pixels.
+        episodes: Demonstrations run (the failed ones are dropped unless ``keep_failed``).
+        max_steps: Control steps per demonstration at most (it ends when the block is on goal).
+        obs: ``"image"`` (rendered frames, Pi0-style) or ``"state"`` (keypoints and agent).
+        image_size: Rendered image side in pixels (``obs="image"``; ignored for ``"state"``).
         horizon: Action chunk length H.
         seed: Seed of the first episode's initial state (episode i uses seed + i).
         vocab_size: Tokenizer vocabulary size.
         max_tokens: Instruction length L in tokens.
+        history: Observations per sample for ``obs="state"`` (1: the current one only).
+        action_mode: ``"absolute"`` or ``"delta"`` targets (module docstring).
+        keep_failed: Keep demonstrations that did not reach the goal.
     """
 
-    episodes: int = 48
-    max_steps: int = 200
-    image_size: int = 48
+    episodes: int = 200
+    max_steps: int = 300
+    obs: str = "image"
+    image_size: int = 96
     horizon: int = 8
     seed: int = 0
     vocab_size: int = 256
     max_tokens: int = 10
+    history: int = 1
+    action_mode: str = "absolute"
+    keep_failed: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("episodes", "max_steps", "image_size", "horizon", "max_tokens"):
+        for name in ("episodes", "max_steps", "image_size", "horizon", "max_tokens", "history"):
             if getattr(self, name) < 1:
                 raise ValueError(f"dmuon.train: DataConfig.{name}={getattr(self, name)}; must be >= 1.")
+        if self.obs not in OBS_KINDS:
+            raise ValueError(f"dmuon.train: DataConfig.obs={self.obs!r}; choose one of {OBS_KINDS}.")
+        if self.action_mode not in ACTION_MODES:
+            raise ValueError(f"dmuon.train: DataConfig.action_mode={self.action_mode!r}; choose one of {ACTION_MODES}.")
+        if self.history > 1 and self.obs != "state":
+            raise ValueError(f"dmuon.train: DataConfig.history={self.history} needs obs='state' (images carry one frame).")
 
     def digest(self) -> str:
-        """Returns a 12-hex-digit hash of the fields and the cache format version."""
-        blob = json.dumps({**dataclasses.asdict(self), "v": _FORMAT_VERSION}, sort_keys=True)
+        """Returns a 12-hex-digit hash of the generation fields and the cache format version."""
+        fields = {k: getattr(self, k) for k in ("episodes", "max_steps", "obs", "horizon", "seed", "keep_failed")}
+        if self.obs == "image":
+            fields["image_size"] = self.image_size
+        blob = json.dumps({**fields, "v": _FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -109,9 +142,53 @@ def cache_path(cfg: DataConfig) -> pathlib.Path:
     return cache_dir() / f"pusht_{cfg.digest()}.npz"
 
 
+def _images_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.stem + "_images.npy")
+
+
 def normalize_xy(xy: np.ndarray) -> np.ndarray:
     """Maps simulator pixels [0, 512] to [-1, 1] (float32, same shape)."""
     return (np.asarray(xy, dtype=np.float32) / 256.0 - 1.0).astype(np.float32)
+
+
+def _rotation(cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    return np.stack([np.stack([cos, -sin], -1), np.stack([sin, cos], -1)], -2)  # [..., 2, 2]
+
+
+def state_features(keypoints: np.ndarray, agent: np.ndarray) -> np.ndarray:
+    """Observation features of the state policy, from gym-pusht's ``environment_state_agent_pos``.
+
+    The block pose is read off the keypoints (``PushTEnv.get_keypoints``: keypoints 0 and 1 are
+    the bar's corners at body-frame (-60, 0) and (60, 0)); the centre of gravity is at body-frame
+    (0, 45) and the goal pose is gym-pusht's fixed ``(256, 256, pi/4)``.
+
+    Args:
+        keypoints: float [..., 16], the T's 8 keypoints ``[x0, y0, x1, y1, ...]`` in pixels.
+        agent: float [..., 2], the agent position in pixels.
+
+    Returns:
+        float32 [..., 28]: keypoints (16) and agent (2) as ``pixels / 256 - 1``; the block's
+        centre of gravity (2, same units), ``cos, sin`` of its angle (2); the agent relative to
+        the centre of gravity in the block frame (2, units of 100 px); the goal's centre of
+        gravity relative to the block's in the block frame (2, units of 100 px); ``sin, cos``
+        of the goal angle minus the block angle (2).
+    """
+    kp = np.asarray(keypoints, dtype=np.float64)
+    ag = np.asarray(agent, dtype=np.float64)
+    p0, p1 = kp[..., 0:2], kp[..., 2:4]
+    axis = (p1 - p0) / 120.0
+    cos, sin = axis[..., 0], axis[..., 1]
+    rot = _rotation(cos, sin)
+    cog = (p0 + p1) / 2 + rot @ np.array([0.0, 45.0])
+    gc, gs = np.cos(GOAL_POSE[2]), np.sin(GOAL_POSE[2])
+    goal_cog = np.array(GOAL_POSE[:2]) + np.array([-gs * 45.0, gc * 45.0])
+    inv = np.swapaxes(rot, -1, -2)
+    agent_b = (inv @ (ag - cog)[..., None])[..., 0] / 100.0
+    goal_b = (inv @ (goal_cog - cog)[..., None])[..., 0] / 100.0
+    dth = GOAL_POSE[2] - np.arctan2(sin, cos)
+    out = np.concatenate([kp / 256.0 - 1.0, ag / 256.0 - 1.0, cog / 256.0 - 1.0, cos[..., None], sin[..., None],
+                          agent_b, goal_b, np.sin(dth)[..., None], np.cos(dth)[..., None]], axis=-1)
+    return out.astype(np.float32)
 
 
 def generate(cfg: DataConfig, *, progress: bool = True) -> dict[str, np.ndarray]:
@@ -122,62 +199,95 @@ def generate(cfg: DataConfig, *, progress: bool = True) -> dict[str, np.ndarray]
         progress: Show a tqdm bar over episodes.
 
     Returns:
-        Arrays ``images`` uint8 [N, 3, S, S], ``state`` float32 [N, 2], ``actions`` float32
-        [N, H, 2], ``episode`` int32 [N], ``final_coverage`` float32 [episodes].
+        Arrays ``images`` uint8 [N, 3, S, S] (``obs="image"`` only), ``keypoints`` float32
+        [N, 16] and ``agent_pos`` float32 [N, 2] (pixels), ``state`` float32 [N, 2]
+        (normalized), ``actions`` float32 [N, H, 2] (absolute, normalized), ``episode`` int32
+        [N], ``step`` int32 [N] (control step in its episode), and per run episode
+        ``final_coverage`` float32, ``success`` bool, ``kept`` bool.
     """
     from tqdm import tqdm
 
-    env = make_env(cfg.image_size, cfg.max_steps)
+    image = cfg.obs == "image"
+    env = make_env(cfg.image_size if image else 16, cfg.max_steps,
+                   obs_type="pixels_agent_pos" if image else "environment_state_agent_pos")
     expert = ScriptedPushExpert()
-    images, states, chunks, episode_ids, coverages = [], [], [], [], []
-    for ep in tqdm(range(cfg.episodes), desc="dmuon: PushT demos", disable=not progress):
+    images, kps, agents, chunks, episode_ids, steps = [], [], [], [], [], []
+    coverages, successes, kept = [], [], []
+    bar = tqdm(range(cfg.episodes), desc="dmuon: PushT demos", disable=not progress)
+    for ep in bar:
         obs, _ = env.reset(seed=cfg.seed + ep)
         expert.reset()
-        ep_images, ep_states, ep_actions, coverage = [], [], [], 0.0
+        ep_images, ep_kps, ep_agents, ep_actions, coverage, success = [], [], [], [], 0.0, False
         for _ in range(cfg.max_steps):
             action = expert(env.unwrapped)
-            ep_images.append(obs["pixels"].transpose(2, 0, 1))
-            ep_states.append(obs["agent_pos"])
+            if image:
+                ep_images.append(obs["pixels"].transpose(2, 0, 1))
+            ep_kps.append(np.asarray(env.unwrapped.get_keypoints(env.unwrapped._block_shapes)).reshape(16))
+            ep_agents.append(obs["agent_pos"])
             ep_actions.append(action)
             obs, _, terminated, truncated, info = env.step(action)
-            coverage = float(info["coverage"])
+            coverage, success = float(info["coverage"]), bool(info["is_success"])
             if terminated or truncated:
                 break
+        coverages.append(coverage)
+        successes.append(success)
+        kept.append(success or cfg.keep_failed)
+        bar.set_postfix(success=f"{np.mean(successes):.2f}")
+        if not kept[-1]:
+            continue
         acts = normalize_xy(np.stack(ep_actions))
         n = len(acts)
         idx = np.minimum(np.arange(n)[:, None] + np.arange(cfg.horizon)[None, :], n - 1)
-        images.append(np.stack(ep_images).astype(np.uint8))
-        states.append(normalize_xy(np.stack(ep_states)))
+        if image:
+            images.append(np.stack(ep_images).astype(np.uint8))
+        kps.append(np.stack(ep_kps).astype(np.float32))
+        agents.append(np.stack(ep_agents).astype(np.float32))
         chunks.append(acts[idx])
         episode_ids.append(np.full(n, ep, dtype=np.int32))
-        coverages.append(coverage)
+        steps.append(np.arange(n, dtype=np.int32))
     env.close()
-    return {
-        "images": np.concatenate(images),
-        "state": np.concatenate(states),
+    if not chunks:
+        raise RuntimeError(f"dmuon.train: none of the {cfg.episodes} demonstrations reached the goal in "
+                           f"{cfg.max_steps} steps; pass keep_failed=True or more steps.")
+    out = {
+        "keypoints": np.concatenate(kps),
+        "agent_pos": np.concatenate(agents),
+        "state": normalize_xy(np.concatenate(agents)),
         "actions": np.concatenate(chunks),
         "episode": np.concatenate(episode_ids),
+        "step": np.concatenate(steps),
         "final_coverage": np.asarray(coverages, dtype=np.float32),
+        "success": np.asarray(successes, dtype=bool),
+        "kept": np.asarray(kept, dtype=bool),
     }
+    if image:
+        out["images"] = np.concatenate(images)
+    return out
 
 
 def ensure_cached(cfg: DataConfig, *, progress: bool = True) -> pathlib.Path:
     """Generates the dataset unless its cache file exists; returns the file's path.
 
-    The file is written to a temporary name and renamed, so a concurrent reader never sees a
-    partial file. In a multi-rank run only rank 0 calls this; the others wait on a barrier.
+    The files are written to temporary names and renamed (images first), so a concurrent reader
+    never sees a partial file. In a multi-rank run one rank per node calls this; the others
+    wait on a barrier.
     """
     path = cache_path(cfg)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = generate(cfg, progress=progress)
+    images = arrays.pop("images", None)
+    if images is not None:
+        tmp_img = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
+        np.save(tmp_img, images)
+        os.replace(tmp_img, _images_path(path))
     tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
     logger.info(
-        "dmuon.train: cached %d samples (%d episodes, expert mean final coverage %.3f) at %s",
-        len(arrays["state"]), cfg.episodes, float(arrays["final_coverage"].mean()), path,
+        "dmuon.train: cached %d samples (%d of %d episodes kept, expert success %.3f) at %s",
+        len(arrays["state"]), int(arrays["kept"].sum()), cfg.episodes, float(arrays["success"].mean()), path,
     )
     return path
 
@@ -186,7 +296,8 @@ class PushTDemos:
     """The cached demonstrations as tensors, with deterministic global batches.
 
     Args:
-        cfg: Generation parameters of the cache file to load.
+        cfg: Generation parameters of the cache file to load, and the sample parameters
+            (``history``, ``action_mode``) of the batches.
 
     Raises:
         RuntimeError: If the cache file does not exist (call :func:`ensure_cached` first).
@@ -200,10 +311,17 @@ class PushTDemos:
                 "(rank 0) before loading."
             )
         with np.load(path) as f:
-            self.images = torch.from_numpy(f["images"])
             self.state = torch.from_numpy(f["state"])
             self.actions = torch.from_numpy(f["actions"])
             self.final_coverage = torch.from_numpy(f["final_coverage"])
+            self.success = torch.from_numpy(f["success"])
+            self.features = torch.from_numpy(state_features(f["keypoints"], f["agent_pos"]))
+            step = f["step"]
+        # Row of the previous observation in the same episode (itself at the episode's start).
+        self.prev = torch.from_numpy(np.where(step > 0, np.arange(len(step)) - 1, np.arange(len(step))))
+        # Memory-mapped: the ranks of a node share one copy in the page cache (~590 MB at 96 px).
+        # uint8 [N, 3, S, S] numpy memmap (read-only), or None for obs="state".
+        self.images = np.load(_images_path(path), mmap_mode="r") if cfg.obs == "image" else None
         self.cfg = cfg
         self.tokens = torch.tensor(
             tokenize(INSTRUCTION, vocab_size=cfg.vocab_size, max_len=cfg.max_tokens), dtype=torch.long
@@ -211,6 +329,13 @@ class PushTDemos:
 
     def __len__(self) -> int:
         return int(self.state.shape[0])
+
+    def history_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """int64 [b, history]: the rows of the last ``history`` observations, oldest first."""
+        cols = [rows]
+        for _ in range(self.cfg.history - 1):
+            cols.append(self.prev[cols[-1]])
+        return torch.stack(cols[::-1], dim=1)
 
     def batch(self, step: int, global_batch: int, rank: int, world_size: int, seed: int) -> dict[str, torch.Tensor]:
         """Returns this rank's slice of the global batch of ``step``.
@@ -227,9 +352,10 @@ class PushTDemos:
             seed: Run seed.
 
         Returns:
-            ``images`` float32 [b, 3, S, S] in [0, 1], ``state`` float32 [b, 2], ``tokens`` int64
-            [b, L], ``actions`` float32 [b, H, 2], ``noise`` float32 [b, H, 2], ``time`` float32
-            [b] in (0, 1], with ``b = global_batch / world_size``.
+            ``images`` float32 [b, 3, S, S] in [0, 1] (``obs="image"``) or ``env_state`` float32
+            [b, history, 28] (``obs="state"``), ``state`` float32 [b, 2], ``tokens`` int64
+            [b, L], ``actions`` float32 [b, H, 2] (``action_mode`` units), ``noise`` float32
+            [b, H, 2], ``time`` float32 [b] in (0, 1], with ``b = global_batch / world_size``.
 
         Raises:
             ValueError: If ``global_batch`` is not divisible by ``world_size``.
@@ -248,11 +374,18 @@ class PushTDemos:
         b = global_batch // world_size
         rows = slice(rank * b, (rank + 1) * b)
         sel = idx[rows]
-        return {
-            "images": self.images[sel].float().div_(255.0),
+        actions = self.actions[sel]
+        if self.cfg.action_mode == "delta":  # normalized units are 256 px
+            actions = (actions - self.state[sel][:, None, :]) * (256.0 / DELTA_PX)
+        out = {
             "state": self.state[sel],
             "tokens": self.tokens.expand(b, -1).clone(),
-            "actions": self.actions[sel],
+            "actions": actions,
             "noise": noise[rows],
             "time": time[rows],
         }
+        if self.images is not None:
+            out["images"] = torch.from_numpy(self.images[sel.numpy()]).float().div_(255.0)
+        else:
+            out["env_state"] = self.features[self.history_rows(sel)]
+        return out

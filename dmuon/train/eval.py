@@ -1,7 +1,7 @@
 """Closed-loop evaluation of the policy in PushT (``python -m dmuon.train.eval --checkpoint DIR``).
 
-The policy runs the way Pi0 runs: from the current observation (image, agent position, the
-instruction) it samples an action chunk of H actions by integrating the flow-matching ODE from
+The policy runs the way Pi0 runs: from the current observation (image, or the T's keypoints with
+the last ``history`` observations; agent position; the instruction) it samples an action chunk of H actions by integrating the flow-matching ODE from
 noise with ``flow_steps`` Euler steps (:meth:`Pi0Policy.sample_actions`), executes the first
 ``exec_horizon`` actions, observes again and replans, until the block covers the goal (PushT's
 own ``success_threshold``, coverage > 0.95, ends the episode) or ``max_steps`` control steps
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dmuon.train.data import INSTRUCTION, DataConfig, normalize_xy, tokenize
+from dmuon.train.data import DELTA_PX, INSTRUCTION, DataConfig, normalize_xy, state_features, tokenize
 from dmuon.train.expert import ScriptedPushExpert, make_env
 from dmuon.train.model import Pi0Policy
 
@@ -50,7 +50,8 @@ class EvalConfig:
         episodes: Evaluation episodes (initial states).
         flow_steps: Euler steps of the flow-matching ODE per action chunk (Pi0 uses 10).
         exec_horizon: Actions of each sampled chunk executed before replanning (<= horizon H).
-        max_steps: Episode time limit in control steps (10 Hz).
+        max_steps: Episode time limit in control steps (10 Hz); 300 as gym-pusht registers
+            and LeRobot evaluates.
         seed: Reset seed of the first episode; episode i uses ``seed + i``.
         video: Path of a GIF of the first ``video_episodes`` episodes, or ``None``.
         video_episodes: Episodes in the GIF.
@@ -59,7 +60,7 @@ class EvalConfig:
     episodes: int = 16
     flow_steps: int = 10
     exec_horizon: int = 4
-    max_steps: int = 200
+    max_steps: int = 300
     seed: int = 100_000
     video: str | None = None
     video_episodes: int = 3
@@ -100,6 +101,11 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
+def obs_type(data: DataConfig) -> str:
+    """gym-pusht's ``obs_type`` that feeds a policy trained on ``data``."""
+    return "pixels_agent_pos" if data.obs == "image" else "environment_state_agent_pos"
+
+
 class PolicyActor:
     """Turns the policy into a PushT controller: sample a chunk, execute a prefix, replan.
 
@@ -116,7 +122,8 @@ class PolicyActor:
         if cfg.exec_horizon > policy.cfg.horizon:
             raise ValueError(f"dmuon.train: --exec-horizon {cfg.exec_horizon} exceeds the policy's "
                              f"action chunk H={policy.cfg.horizon}; pass a value in 1..{policy.cfg.horizon}.")
-        self.policy, self.cfg = policy, cfg
+        self.policy, self.cfg, self.data = policy, cfg, data
+        self.history: list[np.ndarray] = []
         self.tokens = torch.tensor([tokenize(INSTRUCTION, vocab_size=data.vocab_size, max_len=data.max_tokens)])
         self.queue: list[np.ndarray] = []
         self.gen = torch.Generator()
@@ -124,19 +131,36 @@ class PolicyActor:
     def reset(self, seed: int) -> None:
         """Starts an episode: empties the plan, seeds the flow noise with the reset seed."""
         self.queue = []
+        self.history = []
         self.gen.manual_seed(seed)
 
     def __call__(self, obs: dict, env) -> np.ndarray:
-        """Next action (float64 [2], simulator pixels) for observation ``obs``."""
+        """Next action (float64 [2], simulator pixels) for observation ``obs``.
+
+        ``obs`` is gym-pusht's ``pixels_agent_pos`` (image policies) or
+        ``environment_state_agent_pos`` (state policies) observation; a state policy keeps the
+        last ``history`` observations' features (the first one repeated at the start, as in
+        training).
+        """
+        if self.policy.cfg.obs == "state":
+            feats = state_features(obs["environment_state"], obs["agent_pos"])
+            self.history = (self.history or [feats] * self.policy.cfg.history)[1:] + [feats]
         if not self.queue:
             h = self.policy.cfg.horizon
-            images = torch.from_numpy(obs["pixels"].transpose(2, 0, 1).copy())[None].float().div_(255.0)
+            if self.policy.cfg.obs == "image":
+                seen = torch.from_numpy(obs["pixels"].transpose(2, 0, 1).copy())[None].float().div_(255.0)
+            else:
+                seen = torch.from_numpy(np.stack(self.history))[None]
             state = torch.from_numpy(normalize_xy(obs["agent_pos"]))[None]
             noise = torch.randn(1, h, self.policy.cfg.action_dim, generator=self.gen)
             with _one_thread():
-                chunk = self.policy.sample_actions(images, state, self.tokens, noise, self.cfg.flow_steps)[0]
-            pixels = ((chunk.double().numpy() + 1.0) * 256.0).clip(0.0, 512.0)  # inverse of normalize_xy
-            self.queue = list(pixels[: self.cfg.exec_horizon])
+                chunk = self.policy.sample_actions(seen, state, self.tokens, noise, self.cfg.flow_steps)[0]
+            chunk = chunk.double().numpy()
+            if self.data.action_mode == "delta":
+                pixels = np.asarray(obs["agent_pos"], dtype=np.float64) + chunk * DELTA_PX
+            else:
+                pixels = (chunk + 1.0) * 256.0  # inverse of normalize_xy
+            self.queue = list(pixels.clip(0.0, 512.0)[: self.cfg.exec_horizon])
         return self.queue.pop(0)
 
 
@@ -224,7 +248,7 @@ def _rollouts(make_actor: Callable[[], object], seeds: list[int], cfg: EvalConfi
     from tqdm import tqdm
 
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    env = make_env(data.image_size, cfg.max_steps)
+    env = make_env(data.image_size, cfg.max_steps, obs_type=obs_type(data))
     actor = make_actor()
     mine = list(range(rank, len(seeds), world))
     local = [(i, run_episode(env, seeds[i], actor, cfg.max_steps))
@@ -289,7 +313,7 @@ def write_video(policy: Pi0Policy, cfg: EvalConfig, data: DataConfig, seeds: lis
         from PIL import Image
     except ImportError as exc:
         raise RuntimeError("dmuon.train: --video needs Pillow; pip install 'dmuon[demo]'.") from exc
-    env = make_env(data.image_size, cfg.max_steps, render_size=_VIDEO_SIZE)
+    env = make_env(data.image_size, cfg.max_steps, render_size=_VIDEO_SIZE, obs_type=obs_type(data))
     actor = PolicyActor(policy, data, cfg)
     frames: list[np.ndarray] = []
     for seed in seeds:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import pathlib
 import shutil
@@ -45,6 +46,7 @@ class TrainConfig:
         adamw_lr: lr of the non-matrix parameters under the Muon variants.
         weight_decay: Decoupled weight decay (all optimizers).
         warmup: Linear lr warm-up in steps (a ``LambdaLR`` over ``param_groups``).
+        schedule: After warm-up, ``"constant"`` lr or ``"cosine"`` decay to 0 at ``steps``.
         ns_dtype: Newton-Schulz dtype name; ``"auto"`` is float16 on CUDA, float32 on CPU
             (CPU half-precision matmuls are emulated and slower than float32).
         seed: Seed of model init, batches and flow noise.
@@ -66,6 +68,7 @@ class TrainConfig:
     adamw_lr: float = 1e-3
     weight_decay: float = 0.01
     warmup: int = 10
+    schedule: str = "constant"
     ns_dtype: str = "auto"
     seed: int = 0
     out: str | None = None
@@ -85,6 +88,16 @@ class TrainConfig:
             raise ValueError(
                 f"dmuon.train: --steps {self.steps} and --batch-size {self.batch_size} must be >= 1."
             )
+        if self.schedule not in ("constant", "cosine"):
+            raise ValueError(f"dmuon.train: --schedule {self.schedule!r}; choose constant or cosine.")
+        if (self.data.obs, self.data.history) != (self.model.obs, self.model.history) or (
+                self.data.obs == "image" and self.data.image_size != self.model.image_size):
+            raise ValueError(
+                f"dmuon.train: the data (obs={self.data.obs!r}, history={self.data.history}, image_size="
+                f"{self.data.image_size}) and the model (obs={self.model.obs!r}, history={self.model.history}, "
+                f"image_size={self.model.image_size}) disagree; build both from the same options.")
+        if self.data.horizon != self.model.horizon:
+            raise ValueError(f"dmuon.train: data horizon {self.data.horizon} != model horizon {self.model.horizon}.")
         if self.ns_dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ValueError(
                 f"dmuon.train: --ns-dtype {self.ns_dtype!r}; choose auto, float16, bfloat16 or float32."
@@ -147,6 +160,17 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, mesh, device: torch.devi
     return dmuon.Muon(model, **common)
 
 
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """Multiplier of the base lr at ``step``: linear warm-up, then constant or cosine to 0."""
+    warm = max(1, cfg.warmup)
+    if step < warm:
+        return (step + 1) / warm
+    if cfg.schedule == "constant":
+        return 1.0
+    frac = (step - warm) / max(1, cfg.steps - warm)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -185,8 +209,7 @@ def train_rank(cfg: TrainConfig) -> dict | None:
     mesh, dp_index, dp_count = shard_model(model, model.shardable_blocks(), layout, device)
     model = wrap_data_parallel(model, layout, cfg.optimizer, device)
     opt = build_optimizer(cfg, model, mesh, device)
-    warm = max(1, cfg.warmup)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(cfg, s))
     if rank == 0:
         print(
             f"dmuon.train: {cfg.optimizer} on {world} rank(s) ({device.type}), {len(demos)} samples, "
@@ -194,9 +217,15 @@ def train_rank(cfg: TrainConfig) -> dict | None:
             flush=True,
         )
 
+    from tqdm import tqdm
+
     losses: list[float] = []
     step_s: list[float] = []
+    train_t0 = time.perf_counter()
     opt_s: list[float] = []
+    quiet = cfg.steps > 400  # long runs: a tqdm bar and a line every 5% instead of every step
+    bar = tqdm(total=cfg.steps, desc=f"dmuon.train {cfg.optimizer}", disable=not (quiet and rank == 0),
+               mininterval=5.0)
     for step in range(cfg.steps):
         batch = {k: v.to(device, non_blocking=True)
                  for k, v in demos.batch(step, cfg.batch_size, dp_index, dp_count, cfg.seed).items()}
@@ -218,14 +247,18 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)  # equal slices: the mean of rank means is the global mean
         losses.append(mean_loss.item() / world)
-        if rank == 0:
-            print(f"step {step + 1:4d}/{cfg.steps}  loss {losses[-1]:.4f}  step {step_s[-1]:.3f}s  "
-                  f"opt {opt_s[-1]:.3f}s", flush=True)
+        bar.update(1)
+        if rank == 0 and (not quiet or (step + 1) % max(1, cfg.steps // 20) == 0):
+            line = (f"step {step + 1:4d}/{cfg.steps}  loss {losses[-1]:.4f}  step {step_s[-1]:.3f}s  "
+                    f"opt {opt_s[-1]:.3f}s")
+            (bar.write if quiet else print)(line)
         if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps):
             path = ckpt.save_checkpoint(cfg.save, step + 1, model, opt, cfg.optimizer, dataclasses.asdict(cfg))
             if rank == 0:
                 print(f"dmuon.train: checkpoint {path}", flush=True)
 
+    bar.close()
+    train_s = time.perf_counter() - train_t0
     evaluation = _evaluate_trained(cfg, model, opt, rank) if cfg.eval is not None else None
     if rank != 0:
         return None
@@ -244,7 +277,10 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         "lr": cfg.resolved_lr(),
         "config": dataclasses.asdict(cfg),
         "dataset": {"samples": len(demos), "digest": cfg.data.digest(),
+                    "episodes_kept": int(demos.success.sum()) if not cfg.data.keep_failed else cfg.data.episodes,
+                    "expert_success": float(demos.success.float().mean()),
                     "expert_final_coverage": float(demos.final_coverage.mean())},
+        "train_s": train_s,
         "torch": torch.__version__,
     }
     if evaluation is not None:

@@ -3,12 +3,19 @@
 Layout (after Black et al., "pi0: A Vision-Language-Action Flow Model for General Robot
 Control", 2024), shrunk to run on CPU:
 
-- **Vision encoder** (``model.vision``): 8x8 patches -> ``Linear(3*64, d_vis)`` + learned
+- **Observation encoder**, one of two (``PolicyConfig.obs``):
+
+  - ``"image"``, **vision encoder** (``model.vision``): 8x8 patches -> ``Linear(3*64, d_vis)`` + learned
   position embedding, ``vision_depth`` pre-norm transformer blocks, plus an attention-pooled
   summary token (score head ``Linear(d_vis, 1)``: a ``[1, d_vis]`` matrix), projected to the
   backbone width.
+  - ``"state"``, **state tokens** (``model.state_tokens``): per observation in the history, the
+    T's 8 keypoints (one token each, ``Linear(2, d_model)``), the agent position (one token) and
+    the block-frame features of :func:`dmuon.train.data.state_features` (one token,
+    ``Linear(10, d_model)``), plus a learned position embedding per token: they take the image
+    tokens' place in the prefix, as Pi0 takes several camera images.
 - **Backbone** (``model.backbone``): ``nn.Embedding`` instruction tokens, then ``depth`` blocks
-  over the prefix ``[image patches, pooled image, text]`` with bidirectional attention and
+  over the prefix ``[observation tokens, text]`` with bidirectional attention and
   multi-query attention (one shared key/value head, as Gemma in Pi0). The last backbone block
   only computes keys/values: its prefix output would feed nothing (no language loss), so its
   query/output/MLP weights would never get a gradient.
@@ -60,9 +67,11 @@ class PolicyConfig:
         horizon: Action chunk length H.
         action_dim: Action features (2 for PushT).
         state_dim: Proprioceptive state features (2 for PushT).
+        obs: ``"image"`` (vision encoder) or ``"state"`` (state tokens).
+        history: Observations in the prefix (``obs="state"``).
     """
 
-    image_size: int = 48
+    image_size: int = 96
     patch: int = 8
     d_vis: int = 96
     vision_depth: int = 2
@@ -79,8 +88,14 @@ class PolicyConfig:
     horizon: int = 8
     action_dim: int = 2
     state_dim: int = 2
+    obs: str = "image"
+    history: int = 1
 
     def __post_init__(self) -> None:
+        if self.obs not in ("image", "state"):
+            raise ValueError(f"dmuon.train: PolicyConfig.obs={self.obs!r}; choose 'image' or 'state'.")
+        if self.history < 1 or (self.history > 1 and self.obs != "state"):
+            raise ValueError(f"dmuon.train: PolicyConfig.history={self.history}; must be >= 1, and 1 for images.")
         if self.image_size % self.patch:
             raise ValueError(
                 f"dmuon.train: image_size={self.image_size} is not divisible by patch={self.patch}."
@@ -216,6 +231,31 @@ class VisionEncoder(nn.Module):
         return self.to_backbone(torch.cat([x, pooled], dim=1))
 
 
+class StateTokens(nn.Module):
+    """Prefix tokens of the state observation: 10 per frame (8 keypoints, agent, features)."""
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        super().__init__()
+        self.keypoint_in = nn.Linear(2, cfg.d_model)  # a [d_model, 2] matrix, shared by the 8 keypoints
+        self.agent_in = nn.Linear(2, cfg.d_model)
+        self.feature_in = nn.Linear(_DERIVED, cfg.d_model)
+        self.pos = nn.Embedding(cfg.history * _TOKENS_PER_FRAME, cfg.d_model)
+        self.norm = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, env_state: torch.Tensor) -> torch.Tensor:
+        """env_state: float [B, history, 28] (``data.state_features``) -> [B, history * 10, d_model]."""
+        b, h, _ = env_state.shape
+        kp = self.keypoint_in(env_state[..., :16].reshape(b, h, 8, 2))
+        agent = self.agent_in(env_state[..., 16:18])[:, :, None]
+        feat = self.feature_in(env_state[..., 18:])[:, :, None]
+        x = torch.cat([kp, agent, feat], dim=2).reshape(b, h * _TOKENS_PER_FRAME, -1)
+        return self.norm(x + self.pos.weight)
+
+
+_DERIVED = 10  # data.state_features beyond the keypoints and the agent position
+_TOKENS_PER_FRAME = 10
+
+
 class Backbone(nn.Module):
     """Instruction embedding and the prefix transformer."""
 
@@ -248,7 +288,8 @@ class ActionExpert(nn.Module):
 
 
 def sinusoidal_time(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sine-cosine embedding of flow time (Vaswani et al. 2017, as in Pi0).
+    """Sine-cosine embedding of flow time (Vaswani et al. 2017), as openpi's ``posemb_sincos``
+    (``min_period=4e-3``, ``max_period=4.0``): features ``[sin(2 pi t / p_i), cos(2 pi t / p_i)]``.
 
     Args:
         t: float [B] in [0, 1].
@@ -258,8 +299,9 @@ def sinusoidal_time(t: torch.Tensor, dim: int) -> torch.Tensor:
         float [B, dim].
     """
     half = dim // 2
-    freqs = torch.exp(torch.linspace(math.log(4e-3), math.log(4.0), half, device=t.device)) * 2 * math.pi
-    ang = t[:, None] * freqs[None, :] * 250.0
+    # openpi's posemb_sincos: periods from 4e-3 to 4.0 on a log scale, angle = 2 pi t / period.
+    periods = torch.exp(torch.linspace(math.log(4e-3), math.log(4.0), half, device=t.device, dtype=t.dtype))
+    ang = t[:, None] * (2 * math.pi / periods)[None, :]
     emb = torch.cat([ang.sin(), ang.cos()], dim=-1)
     return F.pad(emb, (0, dim - 2 * half))
 
@@ -274,7 +316,10 @@ class Pi0Policy(nn.Module):
     def __init__(self, cfg: PolicyConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.vision = VisionEncoder(cfg)
+        if cfg.obs == "image":
+            self.vision = VisionEncoder(cfg)
+        else:
+            self.state_tokens = StateTokens(cfg)
         self.backbone = Backbone(cfg)
         self.expert = ActionExpert(cfg)
         s = cfg.horizon + 1
@@ -284,16 +329,18 @@ class Pi0Policy(nn.Module):
 
     def shardable_blocks(self) -> list[nn.Module]:
         """Returns the transformer blocks in forward order, to ``fully_shard`` one by one."""
-        return [*self.vision.blocks, *self.backbone.blocks, *self.expert.blocks]
+        vision = list(self.vision.blocks) if self.cfg.obs == "image" else []
+        return [*vision, *self.backbone.blocks, *self.expert.blocks]
 
-    def prefix_kv(self, images: torch.Tensor, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Backbone keys/values of the prefix ``[image patches, pooled image, text]``.
+    def prefix_kv(self, obs: torch.Tensor, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Backbone keys/values of the prefix ``[observation tokens, text]``.
 
         They do not depend on the noisy actions or the flow time, so sampling computes them
         once per observation and reuses them at every flow step (Pi0's KV cache).
 
         Args:
-            images: float [B, 3, S, S] in [0, 1].
+            obs: ``obs="image"``: images float [B, 3, S, S] in [0, 1]; ``obs="state"``:
+                ``env_state`` float [B, history, 28].
             tokens: int64 [B, L].
 
         Returns:
@@ -301,7 +348,8 @@ class Pi0Policy(nn.Module):
         """
         bb = self.backbone
         text = bb.embed(tokens) + bb.text_pos.weight[: tokens.shape[1]]
-        prefix = torch.cat([self.vision(images), text], dim=1)
+        seen = self.vision(obs) if self.cfg.obs == "image" else self.state_tokens(obs)
+        prefix = torch.cat([seen, text], dim=1)
         kvs = []
         for block in bb.blocks:
             prefix, k, v = block(prefix)
@@ -335,12 +383,12 @@ class Pi0Policy(nn.Module):
             suffix = block(suffix, k, v, mask)
         return ex.action_out(ex.norm(suffix[:, 1:]))
 
-    def velocity(self, images: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor,
+    def velocity(self, obs: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor,
                  x_t: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
         """Predicts the flow velocity (:meth:`prefix_kv` then :meth:`suffix_velocity`).
 
         Args:
-            images: float [B, 3, S, S] in [0, 1].
+            obs: Images or ``env_state``, as in :meth:`prefix_kv`.
             state: float [B, state_dim], normalized.
             tokens: int64 [B, L].
             x_t: float [B, H, action_dim], the noisy action chunk.
@@ -349,10 +397,10 @@ class Pi0Policy(nn.Module):
         Returns:
             float [B, H, action_dim], the predicted ``noise - actions``.
         """
-        return self.suffix_velocity(self.prefix_kv(images, tokens), state, x_t, time)
+        return self.suffix_velocity(self.prefix_kv(obs, tokens), state, x_t, time)
 
     @torch.no_grad()
-    def sample_actions(self, images: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor,
+    def sample_actions(self, obs: torch.Tensor, state: torch.Tensor, tokens: torch.Tensor,
                        noise: torch.Tensor, steps: int = 10) -> torch.Tensor:
         """Samples an action chunk by integrating the flow-matching ODE with Euler steps.
 
@@ -361,21 +409,21 @@ class Pi0Policy(nn.Module):
         are computed once.
 
         Args:
-            images: float [B, 3, S, S] in [0, 1].
+            obs: Images or ``env_state``, as in :meth:`prefix_kv`.
             state: float [B, state_dim], normalized.
             tokens: int64 [B, L].
             noise: float [B, H, action_dim], a standard normal draw (the caller seeds it).
             steps: Euler steps (>= 1).
 
         Returns:
-            float [B, H, action_dim], normalized actions (``data.normalize_xy`` units).
+            float [B, H, action_dim], actions in the training data's units (``data.DataConfig.action_mode``).
 
         Raises:
             ValueError: If ``steps < 1``.
         """
         if steps < 1:
             raise ValueError(f"dmuon.train: sample_actions steps={steps}; must be >= 1.")
-        kvs = self.prefix_kv(images, tokens)
+        kvs = self.prefix_kv(obs, tokens)
         x = noise
         dt = 1.0 / steps
         for i in range(steps):
@@ -393,5 +441,6 @@ class Pi0Policy(nn.Module):
         actions, noise = batch["actions"], batch["noise"]
         t = batch["time"][:, None, None]
         x_t = t * noise + (1.0 - t) * actions
-        pred = self.velocity(batch["images"], batch["state"], batch["tokens"], x_t, batch["time"])
+        obs = batch["images"] if self.cfg.obs == "image" else batch["env_state"]
+        pred = self.velocity(obs, batch["state"], batch["tokens"], x_t, batch["time"])
         return F.mse_loss(pred, noise - actions)
