@@ -82,6 +82,14 @@ README_COMMANDS: dict[str, Run | Covered | Skip] = {
         "tests/test_train.py::test_cli_meshes_train_the_same_as_fsdp",
         "runs this launch with --mesh hsdp:2x2 for 3 steps of 1 episode and compares its losses "
         "with the 1-D FSDP run's"),
+    "python -m dmuon.train --preset pusht-state": Covered(
+        "tests/test_train.py::test_preset_pusht_state_quick_run",
+        "runs this preset on 2 ranks for 40 steps with its state data, training and closed-loop "
+        "evaluation; the full run takes ~30 min"),
+    "python -m dmuon.train.expert": Run(
+        "python -m dmuon.train.expert --episodes 2",
+        "the same command-line entry point on 2 of its 50 held-out episodes "
+        "(tests/test_expert.py checks 20 episodes' success)"),
     "python bench/bench_step.py --nproc 4 --rounds 10 --block-steps 3 --batch-size 64 --extra "
     "dmuon_nocheck --mesh replicate": Covered(
         "tests/test_bench.py::test_bench_step_replicate_mode",
