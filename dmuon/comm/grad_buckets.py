@@ -165,7 +165,7 @@ class GradBucket:
         shared parameters' ``.grad`` (the sum over this backward and any ``no_sync`` ones) are
         copied in."""
         self._alloc()
-        for rec in self.records:
+        for rec in (self.records if len(self.ready) < len(self.records) else ()):
             held = rec.compute.grad
             if rec not in self.ready and held is not None:
                 # no gradient in this backward, but some from no_sync micro-batches (an expert
@@ -336,19 +336,19 @@ class IssueOrder:
         self.next = 0
 
 
-def finish_buckets(buckets: list[GradBucket], group: dist.ProcessGroup, mode: str,
+def finish_buckets(order: IssueOrder, group: dist.ProcessGroup, mode: str,
                    world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None, float]]:
-    """End of backward: issue the buckets not yet out (in :class:`IssueOrder`), wait for every
-    bucket, and yield :meth:`GradBucket.take`'s ``(record, average, ranks)`` in bucket order.
+    """End of backward: issue the buckets not yet out (in ``order``, the one made at binding:
+    it is not sorted again per backward), wait for every bucket, and yield
+    :meth:`GradBucket.take`'s ``(record, average, ranks)`` in that order.
 
     A backward that put no gradient in any bucket (``no_sync``, or nothing dedicated took
     part) issues nothing; otherwise every bucket whose members take gradients goes out on
     every rank, so ranks whose experts got no tokens still join the reduce."""
-    synced = any(bucket.active for bucket in buckets)
-    if not synced:
+    if not any(bucket.active for bucket in order.buckets):
         return
-    IssueOrder(buckets, next=0).finish(group, mode)
-    for bucket in buckets:
+    order.finish(group, mode)
+    for bucket in order.buckets:
         if bucket.issued:
             yield from bucket.take(world_size)
 

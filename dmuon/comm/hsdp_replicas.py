@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.balance.cost import REPLICATE_MODES
-from dmuon.comm.grad_buckets import GradBucket, finish_buckets
+from dmuon.comm.grad_buckets import IssueOrder, finish_buckets
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.owners.dedicated import DedicatedParam
 
@@ -243,25 +243,26 @@ def broadcast_masters(masters: Sequence[torch.Tensor], group: dist.ProcessGroup,
     return len(batches)
 
 
-def reduce_to_owners(buckets: Sequence[GradBucket], roles: MeshRoles, reduce_mode: str, world_size: int,
+def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, world_size: int,
                      replicate_rank: int) -> None:
     """End of backward: wait for every bucket's reduce; owners add the average to ``master.grad``.
 
     Under HSDP (``roles.replicate_size > 1``) the owners then combine across
     replicas: one all-reduce of all "compute" averages (each replica's owner runs Newton-Schulz)
     and one reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype;
-    the replica sum is divided by the replica count. Records come back in bucket order, the same
+    the replica sum is divided by the replica count. Records come back in issue order, the same
     on every rank, so the combine's flat batches line up.
 
     Args:
-        buckets: the backward's gradient buckets (issued or not).
+        order: the model's gradient buckets (issued or not) in their one issue order, made at
+            binding (:class:`dmuon.comm.grad_buckets.IssueOrder`).
         roles: the mesh roles (shard group for the reduces, replicate group for the combine).
         reduce_mode, world_size: :func:`finish_buckets`' arguments.
         replicate_rank: this rank's index in the replicate group.
     """
     replicas = roles.replicate_size
     combine = ReplicaCombine(group=roles.replicate, replicate_rank=replicate_rank) if replicas > 1 else None
-    for rec, avg, ranks in finish_buckets(buckets, roles.shard, reduce_mode, world_size):
+    for rec, avg, ranks in finish_buckets(order, roles.shard, reduce_mode, world_size):
         # every record of a reduced bucket, on every replica alike ("broadcast" masters go out
         # for all of them: one not stepped is the same on every replica)
         rec.had_grad = True

@@ -261,7 +261,7 @@ class DedicateState:
         with label("dmuon::finish_backward"), torch.no_grad():
             if self.shared_bucket is not None and self.sync_this_backward:
                 self.shared_bucket.issue(self.group, self.reduce_mode)  # the other parameters' .grad
-            reduce_to_owners(self.buckets, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
+            reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
             if self.replicated is not None and self.sync_this_backward:
                 self.replicated.finish()
 
