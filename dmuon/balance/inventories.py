@@ -43,16 +43,23 @@ from typing import Callable
 Inventory = list[tuple[str, tuple[int, ...]]]  # (rows, cols), or (experts, rows, cols)
 
 
+def _gqa_attention(p: str, width: int, heads: int, kv_heads: int, head_dim: int) -> Inventory:
+    """The four projections of a grouped-query attention layer at prefix ``p`` (Llama/Gemma/Qwen
+    naming, ``nn.Linear`` weights ``[out, in]``)."""
+    return [
+        (f"{p}.self_attn.q_proj.weight", (heads * head_dim, width)),
+        (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, width)),
+        (f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, width)),
+        (f"{p}.self_attn.o_proj.weight", (width, heads * head_dim)),
+    ]
+
+
 def _gemma_layers(prefix: str, layers: int, width: int, mlp: int, heads: int, kv_heads: int,
                   head_dim: int) -> Inventory:
     out: Inventory = []
     for i in range(layers):
         p = f"{prefix}.layers.{i}"
-        out += [
-            (f"{p}.self_attn.q_proj.weight", (heads * head_dim, width)),
-            (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, width)),
-            (f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, width)),
-            (f"{p}.self_attn.o_proj.weight", (width, heads * head_dim)),
+        out += _gqa_attention(p, width, heads, kv_heads, head_dim) + [
             (f"{p}.mlp.gate_proj.weight", (mlp, width)),
             (f"{p}.mlp.up_proj.weight", (mlp, width)),
             (f"{p}.mlp.down_proj.weight", (width, mlp)),
@@ -111,11 +118,7 @@ def qwen3_30b_a3b() -> Inventory:
     out: Inventory = []
     for i in range(48):
         p = f"model.layers.{i}"
-        out += [
-            (f"{p}.self_attn.q_proj.weight", (heads * head_dim, width)),
-            (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, width)),
-            (f"{p}.self_attn.v_proj.weight", (kv_heads * head_dim, width)),
-            (f"{p}.self_attn.o_proj.weight", (width, heads * head_dim)),
+        out += _gqa_attention(p, width, heads, kv_heads, head_dim) + [
             (f"{p}.mlp.gate.weight", (experts, width)),
             (f"{p}.mlp.experts.gate_up_proj", (experts, 2 * inter, width)),
             (f"{p}.mlp.experts.down_proj", (experts, width, inter)),
