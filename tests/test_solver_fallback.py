@@ -217,14 +217,20 @@ def test_issue28_model_is_solved_by_cbc_with_dmuons_options(monkeypatch):
     assert max(loads) <= max(warm_loads) * (1 + 1e-12)  # CBC keeps at least its warm start
 
 
-def test_issue28_control_bundled_cbc_aborts_with_rins(monkeypatch):
+def test_issue28_control_bundled_cbc_aborts_with_rins(monkeypatch, tmp_path):
     """The control that shows the test above reaches the bug: same model, same warm start,
-    RINS on -> CBC 2.10.3 aborts. Skipped for another CBC, which may not have the bug."""
+    RINS on -> CBC 2.10.3 aborts. Skipped for another CBC, which may not have the bug. The
+    aborted solve leaves no model or warm-start file behind in the temporary directory."""
+    import tempfile
+
     from dmuon.balance.milp import MilpFailure
 
     version = _bundled_cbc_version()
     if version != "2.10.3":
         pytest.skip(f"the RINS abort was measured on CBC 2.10.3; this CBC is {version}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where dmuon's directory goes
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where PuLP would write on its own
     _, _, run = _run_issue28(monkeypatch, rins_on=True)
     with pytest.raises(MilpFailure, match="CBC crashed: PulpSolverError"):
         run()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 import warnings
@@ -209,7 +210,12 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     # neighbourhood RINS searches; off, no measured plan got worse (Pi0, Qwen2.5-7B, 8-64 ranks).
     solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
                                warmStart=warm_start is not None, options=["rins off"])
-    _solve_with_deadline(prob, solver, time_limit_s)
+    # PuLP writes the model, warm start and solution next to each other in $TMPDIR and deletes
+    # them only after a solve that returned: a CBC that aborted left ~160 KB per failed solve
+    # behind. A directory of our own is removed whatever happened.
+    with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
+        solver.tmpDir = tmp
+        _solve_with_deadline(prob, solver, time_limit_s)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         raise MilpFailure(
             f"CBC returned no plan: status {pulp.LpStatus.get(prob.status, prob.status)!r}, "
