@@ -219,18 +219,36 @@ def spread_plan(model: nn.Module, predicate, shard_size: int):
                       blocks={sel.fqn: sel.blocks for sel in selected})
 
 
+def apply_checkpointing(case: str, model: nn.Module) -> None:
+    """Activation checkpointing as a user turns it on: Hugging Face's own switch for the HF
+    models, ``torch.utils.checkpoint`` (non-reentrant) around each block's forward otherwise."""
+    if case.startswith("hf-"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    blocks = model.blocks
+    for i, block in enumerate(list(blocks)):
+        blocks[i] = checkpoint_wrapper(block)
+
+
 def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = "fsdp",
-          fused_blocks: dict | None = None, spread: bool = True, micro_batches: int = 1) -> dict[str, Any]:
+          fused_blocks: dict | None = None, spread: bool = True, micro_batches: int = 1,
+          checkpointing: bool = False, compile_blocks: bool = False) -> dict[str, Any]:
     """``fully_shard`` each block and the root (1-D ``"fsdp"`` or 2 x (world/2) ``"hsdp"``),
     dedicate with the default predicate (and, with ``spread``, :func:`spread_plan`; else the
     default plan), train ``steps`` in fp32 exact mode; return full
-    params (rank 0), losses, the dedicated plan entries and how many owners each stack has."""
+    params (rank 0), losses, the dedicated plan entries and how many owners each stack has.
+    ``checkpointing``: :func:`apply_checkpointing` before sharding; ``compile_blocks``:
+    ``block.compile(backend="aot_eager")`` per block after dedicating, as torchtitan does."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
 
     model = build(case)
+    if checkpointing:
+        apply_checkpointing(case, model)
     if mesh == "hsdp":
         device_mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -243,6 +261,10 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
     plan = spread_plan(model, predicate, world_size // 2 if mesh == "hsdp" else world_size) if spread else None
     plan = dmuon.dedicate_params(model, device_mesh, predicate=predicate, plan=plan, group_cost=0.0)
     opt = dmuon.Muon(model, **OPT_KWARGS)
+    if compile_blocks:
+        torch._dynamo.reset()
+        for block in CASES[case].blocks(model):
+            block.compile(backend="aot_eager")
     losses, calls = [], []  # calls: (step, expert module name) that ran on this rank
     for name, module in model.named_modules():
         if isinstance(module, Expert):

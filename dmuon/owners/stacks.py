@@ -310,7 +310,13 @@ class StackSlot:
 
     def show(self, which: str) -> None:
         if which == "compute":
-            whole = torch.cat([rec.compute for rec in self.records]).view(self.shape)
+            # Shown again at the unit's pre-backward, inside the autograd engine, where grad
+            # mode is off: a forward that activation checkpointing recomputes there without
+            # re-running the module hooks (transformers checkpoints ``forward``, outside the
+            # hooks) computes with this very tensor, so it must carry the graph to the ranges.
+            in_backward = torch._C._current_graph_task_id() != -1
+            with torch.set_grad_enabled(torch.is_grad_enabled() or in_backward):
+                whole = torch.cat([rec.compute for rec in self.records]).view(self.shape)
             self.module._parameters[self.attr] = whole  # a non-leaf: autograd reaches the ranges
         else:
             self.module._parameters[self.attr] = self.records[0].master
