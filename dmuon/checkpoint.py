@@ -16,6 +16,10 @@ owners' compute copies). Nothing is gathered on one rank:
   Presenting the master as a DTensor over the dmuon mesh does not work: DCP computes a shard's
   offset from its placements (even chunks), which cannot describe "all rows on the owner, none
   elsewhere".
+* **Expert stacks** (``[E, rows, cols]``, one Muon matrix per expert) enter per expert:
+  ``"fqn[e]"`` -> the ``[rows, cols]`` master (and ``momentum_buffer``) of expert ``e``, offered
+  by the owner of the range that holds it. The keys do not depend on how the plan cut the stack
+  into expert ranges, so a checkpoint loads into any other plan, world size or mesh.
 * **Tensor parallelism:** a dedicated matrix split over TP ranks has one master slice per TP
   rank of its owner (``[rows / T, cols]`` or ``[rows, cols / T]``, ``torch.chunk`` sizes). Its
   master and ``momentum_buffer`` enter the state dict as DTensors on the TP mesh with the TP
@@ -275,20 +279,48 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     optim_state: dict[str, dict[str, Any]] = {}
     for rec in ctx.records:
         if rec.is_owner:
-            # rec.key: the FQN, or "fqn[start:stop]" for an expert range of a stack split over
-            # owners (such a checkpoint loads into the same plan's ranges)
-            model_sd[rec.key] = _tp_sharded(rec, rec.master.detach())
+            for key, master in _owner_entries(rec, rec.master.detach()):
+                model_sd[key] = master
             buf = opt.state.get(rec.master, {}).get("momentum_buffer")
             # HSDP "broadcast": replicas other than 0 never step this matrix; their buffer is
             # zeros, and DCP would write it if their plan happened to be the smallest.
             stale = rec.replicate_mode == "broadcast" and ctx.replicate_rank != 0
             if buf is not None and not stale:
-                optim_state[rec.key] = {"momentum_buffer": _tp_sharded(rec, buf)}
+                for key, piece in _owner_entries(rec, buf):
+                    optim_state[key] = {"momentum_buffer": piece}
     for fqn, param in _adamw_params(model, opt):
         optim_state[fqn] = dict(opt.state[param])
     groups = {g["kind"]: {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}
               for g in opt.param_groups}
     return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
+
+
+def _owner_entries(rec: DedicatedParam, local: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The state-dict entries of an owner's master or momentum buffer: ``(key, tensor)``.
+
+    A matrix is one entry under its FQN (a DTensor if TP splits it, :func:`_tp_sharded`). An
+    expert range of a stack (``rec.key`` is ``"fqn[start:stop]"``) is one entry per expert,
+    ``"fqn[e]"`` -> a ``[rows, cols]`` view for each flattened expert index ``e`` in
+    ``start .. stop - 1``: the keys do not depend on how the plan cut the stack into ranges, so
+    a checkpoint loads into any other plan, world size or mesh (each new owner asks for the
+    experts of its own ranges, and DCP writes them straight into its master).
+
+    Args:
+        rec: a dedicated matrix or expert range this rank owns.
+        local: its master or momentum buffer, fp32 (``[k, rows, cols]`` for a range); not copied.
+    """
+    start = _range_start(rec)
+    if start is None:
+        return [(rec.key, _tp_sharded(rec, local))]
+    experts = local.view(-1, *local.shape[-2:])
+    return [(f"{rec.fqn}[{start + i}]", experts[i]) for i in range(experts.shape[0])]
+
+
+def _range_start(rec: DedicatedParam) -> int | None:
+    """The first expert of ``rec``'s range (its key ``"fqn[start:stop]"``), ``None`` for a matrix."""
+    if rec.key == rec.fqn:
+        return None
+    return int(rec.key[len(rec.fqn) + 1:-1].split(":")[0])
 
 
 def _tp_sharded(rec: DedicatedParam, local: torch.Tensor) -> torch.Tensor:

@@ -234,13 +234,17 @@ def apply_checkpointing(case: str, model: nn.Module) -> None:
 
 def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = "fsdp",
           fused_blocks: dict | None = None, spread: bool = True, micro_batches: int = 1,
-          checkpointing: bool = False, compile_blocks: bool = False) -> dict[str, Any]:
+          checkpointing: bool = False, compile_blocks: bool = False,
+          ckpt_path: str | None = None, save_at: int | None = None, resume_at: int | None = None) -> dict[str, Any]:
     """``fully_shard`` each block and the root (1-D ``"fsdp"`` or 2 x (world/2) ``"hsdp"``),
     dedicate with the default predicate (and, with ``spread``, :func:`spread_plan`; else the
     default plan), train ``steps`` in fp32 exact mode; return full
     params (rank 0), losses, the dedicated plan entries and how many owners each stack has.
     ``checkpointing``: :func:`apply_checkpointing` before sharding; ``compile_blocks``:
-    ``block.compile(backend="aot_eager")`` per block after dedicating, as torchtitan does."""
+    ``block.compile(backend="aot_eager")`` per block after dedicating, as torchtitan does.
+    ``save_at``: ``dcp.save`` :func:`dmuon.checkpoint.state_dict` to ``ckpt_path`` after that
+    many steps; ``resume_at``: load ``ckpt_path`` first and train steps ``resume_at..steps``
+    (the losses then start at step ``resume_at``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -266,10 +270,22 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
         for block in CASES[case].blocks(model):
             block.compile(backend="aot_eager")
     losses, calls = [], []  # calls: (step, expert module name) that ran on this rank
+    first = 0
+    if resume_at is not None:
+        import torch.distributed.checkpoint as dcp
+
+        sd = dmuon.checkpoint.state_dict(model, opt)
+        dcp.load(sd, checkpoint_id=ckpt_path)
+        dmuon.checkpoint.load_state_dict(model, opt, sd)
+        first = resume_at
     for name, module in model.named_modules():
         if isinstance(module, Expert):
             module.register_forward_hook(lambda m, a, o, name=name: calls.append((len(losses), name)))
-    for step in range(steps):
+    for step in range(first, steps):
+        if step == save_at:
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save(dmuon.checkpoint.state_dict(model, opt), checkpoint_id=ckpt_path)
         batch = local_batch(case, step, rank, world_size)
         if micro_batches > 1:  # gradient accumulation: dmuon.no_sync on all but the last
             chunks = list(zip(*(t.chunk(micro_batches) for t in batch)))

@@ -45,3 +45,21 @@ def test_moe_with_compiled_blocks_matches_reference(dist_pool, case):
     worst = compare(out[0]["params"], ref, FP32_ATOL)
     print(f"{case} compiled blocks on 2 ranks: max |diff| {worst:.3g}")
     np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
+
+
+def test_moe_checkpoint_loads_into_other_expert_ranges(dist_pool, tmp_path):
+    """A checkpoint saved with every stack cut in 2 expert ranges (HSDP 2 x 2) loads into a
+    plan that cuts them in 4 (FSDP2 on 4 ranks), and training goes on as if uninterrupted:
+    the state dict keys each expert (``fqn[e]``), not each range."""
+    path = str(tmp_path / "ckpt")
+    saved = dist_pool.run(4, "tests.moe_cases:train",
+                          dict(case="hf-qwen3-moe", steps=STEPS, mesh="hsdp", ckpt_path=path, save_at=2),
+                          timeout_s=120, fresh=True)
+    resumed = dist_pool.run(4, "tests.moe_cases:train",
+                            dict(case="hf-qwen3-moe", steps=STEPS, mesh="fsdp", ckpt_path=path, resume_at=2),
+                            timeout_s=120, fresh=True)
+    assert set(saved[0]["entries"]) != set(resumed[0]["entries"])  # other ranges
+    ref, ref_losses = cases.reference("hf-qwen3-moe", 4, STEPS)
+    worst = compare(resumed[0]["params"], ref, FP32_ATOL)
+    print(f"hf-qwen3-moe hsdp 2x2 -> fsdp 4 resumed: max |diff| {worst:.3g}")
+    np.testing.assert_allclose(np.mean([o["losses"] for o in resumed], axis=0), ref_losses[2:], rtol=1e-5)
