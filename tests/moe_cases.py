@@ -235,7 +235,8 @@ def apply_checkpointing(case: str, model: nn.Module) -> None:
 def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = "fsdp",
           fused_blocks: dict | None = None, spread: bool = True, micro_batches: int = 1,
           checkpointing: bool = False, compile_blocks: bool = False,
-          ckpt_path: str | None = None, save_at: int | None = None, resume_at: int | None = None) -> dict[str, Any]:
+          ckpt_path: str | None = None, save_at: int | None = None, resume_at: int | None = None,
+          bf16: bool = False) -> dict[str, Any]:
     """``fully_shard`` each block and the root (1-D ``"fsdp"`` or 2 x (world/2) ``"hsdp"``),
     dedicate with the default predicate (and, with ``spread``, :func:`spread_plan`; else the
     default plan), train ``steps`` in fp32 exact mode; return full
@@ -244,7 +245,8 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
     ``block.compile(backend="aot_eager")`` per block after dedicating, as torchtitan does.
     ``save_at``: ``dcp.save`` :func:`dmuon.checkpoint.state_dict` to ``ckpt_path`` after that
     many steps; ``resume_at``: load ``ckpt_path`` first and train steps ``resume_at..steps``
-    (the losses then start at step ``resume_at``)."""
+    (the losses then start at step ``resume_at``). ``bf16``: FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every block."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -258,9 +260,13 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
     else:
         device_mesh = init_device_mesh("cpu", (world_size,))
     if mesh != "plain":  # "plain": the module replicated on every rank (DDP-style keep mode)
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        kwargs = dict(mesh=device_mesh, **({"mp_policy": mp} if mp else {}))
         for block in CASES[case].blocks(model):
-            fully_shard(block, mesh=device_mesh)
-        fully_shard(model, mesh=device_mesh)
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
     predicate = dmuon.default_predicate(model, fused_blocks=fused_blocks)
     plan = spread_plan(model, predicate, world_size // 2 if mesh == "hsdp" else world_size) if spread else None
     plan = dmuon.dedicate_params(model, device_mesh, predicate=predicate, plan=plan, group_cost=0.0)
@@ -313,10 +319,45 @@ def train(rank: int, world_size: int, *, case: str, steps: int = 3, mesh: str = 
                 max_owners_per_param=max((len(v) for v in owners.values()), default=0))
 
 
-def reference(case: str, world_size: int, steps: int = 3,
-              fused_blocks: dict | None = None) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _bf16_grads(case: str, model: nn.Module, step: int, world_size: int) -> torch.Tensor:
+    """FSDP2's mixed precision emulated: each rank's local batch through a bf16 copy of the
+    fp32 weights; the bf16 gradients cast to fp32 and averaged over the ranks (a rank where a
+    parameter got none adds zero) into ``model``'s ``.grad``. Returns the mean loss."""
+    total: dict[str, torch.Tensor] = {}
+    losses = []
+    for rank in range(world_size):
+        low = build(case)
+        low.load_state_dict(model.state_dict())
+        for p in low.parameters():  # parameters only, as FSDP2 casts (buffers, such as the
+            p.data = p.data.to(torch.bfloat16)  # rotary inv_freq, stay fp32)
+        loss = CASES[case].loss(low, *local_batch(case, step, rank, world_size))
+        loss.backward()
+        losses.append(loss.float().item())
+        for n, p in low.named_parameters():
+            if p.grad is not None:
+                g = p.grad.to(torch.float32)
+                total[n] = g if n not in total else total[n] + g
+    for n, p in model.named_parameters():
+        p.grad = total[n] / world_size if n in total else None
+    return torch.tensor(sum(losses) / world_size)
+
+
+def reference(case: str, world_size: int, steps: int = 3, fused_blocks: dict | None = None,
+              bf16: bool = False) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Single-process ``torch.optim.Muon`` (fp32 iteration) on every expert's 2-D slice (or
-    its row blocks) as a parameter of its own + ``AdamW`` on the rest, on the global batch."""
+    its row blocks) as a parameter of its own + ``AdamW`` on the rest, on the global batch
+    (``bf16``: gradients from :func:`_bf16_grads`, one thread as the pool's ranks use)."""
+    threads = torch.get_num_threads()
+    if bf16:
+        torch.set_num_threads(1)
+    try:
+        return _reference(case, world_size, steps, fused_blocks, bf16)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _reference(case: str, world_size: int, steps: int, fused_blocks: dict | None,
+               bf16: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = build(case)
     names = set(muon_names(case, model))
     fused = fused_blocks or {}
@@ -343,8 +384,11 @@ def reference(case: str, world_size: int, steps: int = 3,
     losses = []
     with models.reference_ns(torch.float32):
         for step in range(steps):
-            loss = CASES[case].loss(model, *CASES[case].batch(step, LOCAL_BATCH * world_size))
-            loss.backward()
+            if bf16:
+                loss = _bf16_grads(case, model, step, world_size)
+            else:
+                loss = CASES[case].loss(model, *CASES[case].batch(step, LOCAL_BATCH * world_size))
+                loss.backward()
             for stack, e, rows, piece in views:
                 grad = stack.grad
                 piece.grad = None if grad is None else grad.reshape(-1, *stack.shape[-2:])[e, rows].clone()

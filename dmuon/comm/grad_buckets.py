@@ -176,8 +176,6 @@ class GradBucket:
         if len(self.ready) < len(self.records):  # a slot without gradient this backward: zeros
             self.grads = [g if g is not None else torch.zeros(n, dtype=self.dtype, device=self.device)
                           for g, (_, n) in zip(self.grads, self.slots)]
-        if len({g.dtype for g in self.grads}) > 1:  # _chunk_cat takes one input dtype (rare mix)
-            self.grads = [g.to(self.dtype) for g in self.grads]
         parts: list[torch.Tensor] = self.grads
         if self.flags:  # routed experts: each owner's segment ends with its matrices' flags
             parts, i = [], 0
@@ -189,6 +187,10 @@ class GradBucket:
                 parts.append(torch.tensor([float(x) for x in present[i:j]], dtype=self.dtype,
                                           device=self.device))
                 i = j
+        if len({g.dtype for g in parts}) > 1:  # _chunk_cat takes one input dtype: a mix of
+            # compute-dtype gradients (bf16 under mixed precision) with zeros or presence flags
+            # made in the reduce dtype
+            parts = [g.to(self.dtype) for g in parts]
         matrices = self.matrix_numel
         # one op packs the whole bucket, casting to the reduce dtype (FSDP2's _chunk_cat)
         torch._chunk_cat(parts, dim=0, num_chunks=1, out=self.flat[:matrices].view(1, matrices))
