@@ -500,3 +500,37 @@ def checkpoint_roundtrip(rank: int, world_size: int, *, case: str = "hf-qwen3-mo
     step(2)
     again = full_params(model, rank)
     return all(np.array_equal(first[k], again[k]) for k in first) and set(first) == set(again)
+
+
+def meta_init(rank: int, world_size: int, *, case: str) -> dict[str, Any]:
+    """The large-model flow on an MoE model: build on meta, ``fully_shard`` each block and the
+    root, (``dedicate_params`` with the stacks split over every rank), ``to_empty``, the
+    model's own init under a fixed seed; once with FSDP2 alone and once with dmuon. Returns
+    both initial full values (rank 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from tests.thirdparty_cases import own_init
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    initial = {}
+    for with_dmuon in (False, True):
+        with torch.device("meta"):
+            model = CASES[case].build()
+        for block in CASES[case].blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if with_dmuon:
+            predicate = dmuon.default_predicate(model)
+            dmuon.dedicate_params(model, mesh, predicate=predicate, group_cost=0.0,
+                                  plan=spread_plan(model, predicate, world_size))
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        own_init(model)
+        if with_dmuon:
+            dmuon.Muon(model, **OPT_KWARGS)
+            initial["dmuon"] = full_params(model, rank)
+        else:
+            initial["fsdp"] = {n: p.full_tensor().detach().numpy().copy() for n, p in model.named_parameters()}
+    return initial if rank == 0 else {}

@@ -76,3 +76,16 @@ def test_moe_under_bf16_mixed_precision_matches_emulation(dist_pool, case):
     ref, _ = cases.reference(case, 2, STEPS, bf16=True)
     worst = compare(out[0]["params"], ref, FP32_ATOL)
     print(f"{case} bf16 mixed precision on 2 ranks: max |diff| {worst:.3g}")
+
+
+def test_moe_meta_device_init_starts_where_fsdp2_starts(dist_pool):
+    """Meta build, ``fully_shard``, ``dedicate_params`` with every stack split over the ranks,
+    ``to_empty``, Hugging Face's own ``init_weights()``: each expert starts exactly where FSDP2
+    alone starts with the same flow and seed."""
+    import torch
+
+    out = dist_pool.run(2, "tests.moe_cases:meta_init", dict(case="hf-qwen3-moe"), timeout_s=120)
+    fsdp = {n: torch.from_numpy(v) for n, v in out[0]["fsdp"].items()}
+    assert compare(out[0]["dmuon"], fsdp, 0.0) == 0.0
+    stack = fsdp["model.layers.0.mlp.experts.gate_up_proj"]
+    assert stack.abs().max() > 0 and not torch.equal(stack[0], stack[1])  # really initialised
