@@ -6,6 +6,14 @@ others, a single one is the data-parallel *shard* dimension (FSDP, or plain repl
 builds them). A 1-D mesh without names is data-parallel. dmuon creates its own process groups
 along each role so its broadcasts and reduces never interleave with FSDP2's collectives.
 
+Expert parallelism (a dimension named ``"ep"``, as torchtitan names it): the mesh is the one
+the experts live on, ``("ep",)`` or ``(expert shard, "ep")`` (torchtitan's ``("efsdp", "ep")``
+or ``("dp_shard_mod_ep", "ep")``): experts ``Shard(0)`` over ``"ep"``, FSDP2 over the other
+dim. Every rank of the mesh is a data-parallel rank for the dense matrices, so their owners are
+drawn from all of them (``shard`` is the group over the whole mesh, in its row-major order);
+an expert stack's owners are drawn from the ranks that hold the same experts, those sharing
+this rank's ``"ep"`` coordinate (``expert``).
+
 Every group dmuon creates inherits the user's collective timeout (:func:`inherited_timeout`):
 ``dist.new_group`` without ``timeout=`` would wait torch's default 30 minutes (gloo) whatever
 ``init_process_group(timeout=...)`` said, so a desynchronised rank would hang the job.
@@ -24,6 +32,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 TP_NAMES = ("tp", "tensor", "model")
+#: mesh dimension names of expert parallelism (torchtitan's ``"ep"``)
+EP_NAMES = ("ep",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +56,11 @@ class MeshRoles:
             ``torch.testing._internal.distributed.fake_pg``): one process plays one rank, its
             collectives return at once with nothing received, so nothing that needs a live peer
             (the step check, a plan broadcast, a digest exchange) is created or issued.
+        expert: expert parallelism only: the group of the ranks sharing this rank's ``"ep"``
+            coordinate (they hold the same experts): an expert stack's owners, publication and
+            reduce-to-owner live here. ``None`` without an ``"ep"`` dimension.
+        ep_size: size of the ``"ep"`` dimension (1 without one).
+        ep_name: the mesh dimension name of expert parallelism, or ``None``.
     """
 
     shard: dist.ProcessGroup
@@ -60,6 +75,9 @@ class MeshRoles:
     steps: dist.ProcessGroup | None = None
     timeout: timedelta | None = None
     fake: bool = False
+    expert: dist.ProcessGroup | None = None
+    ep_size: int = 1
+    ep_name: str | None = None
 
     @property
     def shard_size(self) -> int:
@@ -87,11 +105,9 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     ndim = mesh.ndim
-    if "ep" in names:  # not a data-parallel dim: experts live on their own ranks
-        raise ValueError(
-            f"dmuon: mesh {_describe(mesh)} has an expert-parallel dimension 'ep'; dmuon does not "
-            f"support expert parallelism yet. Pass the data-parallel mesh the blocks were "
-            f"fully_shard-ed on, with the experts sharded by FSDP2.")
+    if any(n in EP_NAMES for n in names):  # expert parallelism: see expert_parallel_dims
+        raise ValueError(f"dmuon: mesh {_describe(mesh)} has an expert-parallel dimension; "
+                         f"its roles come from expert_parallel_dims")
     if ndim == 1:
         if names and names[0] in TP_NAMES:  # TP only: a DP "group" of one rank per TP rank
             return -1, None, 0, names[0]
@@ -112,6 +128,34 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
     if len(data_dims) == 2:
         return data_dims[1], data_dims[0], tp_dim, names[tp_dim] if tp_dim is not None else None
     raise ValueError(f"dmuon: unsupported mesh {_describe(mesh)}")
+
+
+def expert_parallel_dims(mesh) -> tuple[int, int | None] | None:
+    """``(ep_dim, expert_shard_dim)`` of a mesh with an expert-parallel dimension (``None``
+    without one): ``("ep",)`` (``expert_shard_dim`` ``None``: every rank holds its own experts
+    alone) or ``(shard, "ep")`` with any non-TP, non-replicate name for the shard dim
+    (torchtitan's ``("efsdp", "ep")`` / ``("dp_shard_mod_ep", "ep")``).
+
+    Raises:
+        ValueError: an ``"ep"`` mesh with more dimensions (HSDP or TP with expert parallelism:
+            not supported yet), naming the mesh and what is supported.
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    ep = [i for i, n in enumerate(names) if n in EP_NAMES]
+    if not ep:
+        return None
+    others = [n for n in names if n not in EP_NAMES]
+    if len(ep) == 1 and mesh.ndim == 1:
+        return 0, None
+    if (len(ep) == 1 and mesh.ndim == 2 and ep[0] == 1 and others[0] not in TP_NAMES
+            and others[0] not in ("replicate", "dp_replicate")):
+        return 1, 0
+    raise ValueError(
+        f"dmuon: mesh {_describe(mesh)} combines expert parallelism with more than one other "
+        f"dimension (or puts 'ep' first); dmuon supports ('ep',) and (expert shard, 'ep'), e.g. "
+        f"torchtitan's init_device_mesh(..., (efsdp, ep), mesh_dim_names=('efsdp', 'ep')), with "
+        f"the experts Shard(0) over 'ep' and fully_shard on 'efsdp'. HSDP or TP together with "
+        f"expert parallelism is not supported yet.")
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
@@ -238,6 +282,9 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
     backend = dist.get_backend(mesh.get_group(0))
     fake = is_fake_backend(backend)
     timeout = None if fake else inherited_timeout(mesh)  # a fake group waits for nothing
+    ep_dims = expert_parallel_dims(mesh)
+    if ep_dims is not None:
+        return _expert_parallel_roles(mesh, ep_dims, backend, timeout, fake, step_check)
     shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(mesh)
     ranks = mesh.mesh
     if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
@@ -255,3 +302,24 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
         shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim, tp_name=tp_name,
         shape=tuple(ranks.shape), steps=steps, timeout=timeout, fake=fake,
     )
+
+
+def _expert_parallel_roles(mesh, ep_dims: tuple[int, int | None], backend: str,
+                           timeout: timedelta | None, fake: bool, step_check: bool) -> MeshRoles:
+    """:func:`build_roles` on an expert-parallel mesh: the dense matrices' shard group is the
+    whole mesh (row-major), the experts' group runs along the expert shard dim (collective)."""
+    ep_dim, expert_dim = ep_dims
+    ranks = mesh.mesh
+    every = [int(r) for r in ranks.flatten().tolist()]
+    world = dist.new_group(ranks=every, backend=backend, timeout=timeout)
+    shard = dist.new_group(ranks=every, backend=backend, timeout=timeout)
+    steps = (dist.new_group(ranks=every, backend="gloo", timeout=timeout)
+             if step_check and not fake and dist.is_gloo_available() else None)
+    if expert_dim is None:  # ("ep",): each rank's experts are its own; a group of one rank
+        expert = _groups_along(ranks.unsqueeze(0), 0, backend, timeout)
+    else:
+        expert = _groups_along(ranks, expert_dim, backend, timeout)
+    names = tuple(mesh.mesh_dim_names)
+    return MeshRoles(shard=shard, world=world, replicate=None, tp=None, shard_dim=0, replicate_dim=None,
+                     tp_dim=None, tp_name=None, shape=(len(every),), steps=steps, timeout=timeout,
+                     fake=fake, expert=expert, ep_size=int(ranks.shape[ep_dim]), ep_name=names[ep_dim])

@@ -67,6 +67,8 @@ class DedicatedParam:
             ranges (it shows the module the whole stack); ``None`` otherwise.
         optional: a routed expert's matrix (:func:`dmuon.owners.stacks.expert_module_names`):
             it may take no gradient on some ranks of a step.
+        group: the process group ``owner`` is a rank of, when it is not dmuon's shard group
+            (expert parallelism: the ranks holding the same experts); ``None``: the shard group.
     """
 
     fqn: str
@@ -88,6 +90,7 @@ class DedicatedParam:
     key: str = ""
     stack: Any = None
     optional: bool = False
+    group: Any = None
 
     @property
     def buffer(self) -> torch.Tensor:

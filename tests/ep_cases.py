@@ -1,0 +1,129 @@
+"""Expert parallelism (issue 26 item 4) on gloo ranks: the torchtitan layout.
+
+The model is :class:`tests.moe_cases.EPMoENet` (two top-1 MoE blocks of grouped expert stacks
+``[E, hidden, width]``, a dense router and projection per block). :func:`parallelize` lays it
+out as torchtitan does: a mesh ``(efsdp, ep)`` (torchtitan's ``("efsdp", "ep")``, once
+``("dp_shard_mod_ep", "ep")``), each block's expert stacks ``distribute_tensor(..., Shard(0))``
+over ``"ep"`` with the tokens dispatched there by all-to-all, ``fully_shard(experts,
+mesh=efsdp)``, and every block and the root ``fully_shard`` over the flattened mesh of all ranks.
+:func:`train` then runs dmuon on that mesh in fp32 exact mode; the reference is
+:func:`tests.moe_cases.reference` (single process, every expert local, ``torch.optim.Muon`` on
+each expert's 2-D slice + ``AdamW``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests import moe_cases as cases
+
+def parallelize(model: nn.Module, world_size: int, ep: int, *, experts_fsdp: bool = True):
+    """torchtitan's layout on ``world_size`` ranks with ``ep`` expert-parallel ranks; returns
+    the ``(efsdp, ep)`` mesh (the one dmuon is given)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    dense = mesh._flatten("dp")  # every rank: the dense blocks' FSDP2 mesh (torchtitan's "fsdp")
+    for block in model.blocks:
+        block.ep_group = mesh["ep"].get_group()
+        for name, p in list(block.experts.named_parameters(recurse=False)):
+            block.experts.register_parameter(
+                name, nn.Parameter(distribute_tensor(p.data, mesh["ep"], [Shard(0)])))
+        if experts_fsdp:
+            fully_shard(block.experts, mesh=mesh["efsdp"])
+        fully_shard(block, mesh=dense)
+    fully_shard(model, mesh=dense)
+    return mesh
+
+
+def full_params(model: nn.Module, rank: int, ep: int) -> dict[str, np.ndarray]:
+    """Every parameter's full value on rank 0 (``{}`` elsewhere). Collective.
+
+    A dedicated expert stack is assembled from its owners' ranges in each expert group (the
+    ranks of one ``"ep"`` coordinate hold experts ``[c * E / ep, (c + 1) * E / ep)``), the
+    dense matrices from their owners, FSDP2 parameters gathered."""
+    state = model._dmuon_state
+    coord = dist.get_rank() % ep  # (efsdp, ep) row-major: the ep coordinate
+    mine = [(rec.fqn, rec.key, coord if rec.group is not None else 0, rec.master.detach().numpy().copy())
+            for rec in state.records if rec.is_owner]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    pieces: dict[str, list] = {}
+    for part in parts:
+        for fqn, key, c, value in part:
+            start = int(key[len(fqn) + 1:].split(":")[0]) if key != fqn else 0
+            pieces.setdefault(fqn, []).append(((c, start), value))
+    out = {fqn: np.concatenate([v for _, v in sorted(ps, key=lambda p: p[0])]) for fqn, ps in pieces.items()}
+    for name, p in model.named_parameters():
+        if name not in out and not hasattr(p, "_dmuon_fqn"):
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = t.detach().numpy().copy()
+    return out if rank == 0 else {}
+
+
+def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: int = 3, spread: bool = True,
+          experts_fsdp: bool = True) -> dict[str, Any]:
+    """:func:`parallelize`, dedicate (with ``spread``, a plan that splits every expert stack over
+    its expert group), train ``steps`` in fp32 exact mode. Returns the full parameters (rank 0),
+    the losses, the plan entries and, per rank, the local expert shard sizes FSDP2 had."""
+    import dmuon
+
+    model = cases.build(case)
+    mesh = parallelize(model, world_size, ep, experts_fsdp=experts_fsdp)
+    shard_rows = [tuple(p.to_local().shape)[0] for n, p in model.named_parameters() if n.endswith("experts.w1")]
+    predicate = dmuon.default_predicate(model)
+    plan = None
+    if spread:  # experts priced far above any other matrix: every stack split over its group
+        from dmuon.hooks.dedicate import select_matrices
+        from dmuon.owners.plan import build_plan
+
+        selected = select_matrices(model, predicate, ep_name="ep", ep_size=ep)
+        plan = build_plan([(s.fqn, s.shape) for s in selected], world_size, method="greedy",
+                          costs=[1e6 * s.layout.count if s.layout.is_stack else 1.0 for s in selected],
+                          expert_parallel=[s.fqn for s in selected if s.ep > 1], ep_size=ep)
+    plan = dmuon.dedicate_params(model, mesh, predicate=predicate, plan=plan, group_cost=0.0)
+    opt = dmuon.Muon(model, **cases.OPT_KWARGS)
+    losses = []
+    for step in range(steps):
+        loss = cases.CASES[case].loss(model, *cases.local_batch(case, step, rank, world_size))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    coord = dist.get_rank() % ep  # (efsdp, ep) row-major
+    owned = []  # (stack, global expert) whose Newton-Schulz this rank ran
+    for rec in model._dmuon_state.records:
+        if rec.is_owner and rec.group is not None:
+            start, stop = ((0, rec.shape[0]) if rec.key == rec.fqn
+                           else map(int, rec.key[len(rec.fqn) + 1:-1].split(":")))
+            per_rank = rec.stack.shape[0] if rec.stack is not None else rec.shape[0]
+            owned += [(rec.fqn, coord * per_rank + e) for e in range(start, stop)]
+    return dict(params=full_params(model, rank, ep), losses=losses, shard_rows=shard_rows, owned_experts=owned,
+                entries=[(m.key, m.owner, m.ep) for m in plan.matrices], digest=plan.digest(),
+                ns_matrices=model._dmuon_state.ns_matrices)
+
+
+def indivisible(rank: int, world_size: int) -> str:
+    """Experts ``Shard(0)`` over an ``"ep"`` dimension that does not divide their number (3
+    experts over 2 ranks): the error ``dedicate_params`` raises on this rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import dmuon
+
+    torch.manual_seed(0)
+    model = cases.GroupedExperts(8, 6, 3)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    model.w1 = nn.Parameter(distribute_tensor(model.w1.data, mesh, [Shard(0)]))
+    try:
+        dmuon.dedicate_params(model, mesh)
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
