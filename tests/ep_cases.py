@@ -43,29 +43,49 @@ def parallelize(model: nn.Module, world_size: int, ep: int, *, experts_fsdp: boo
     return mesh
 
 
-def full_params(model: nn.Module, rank: int, ep: int) -> dict[str, np.ndarray]:
+def full_params(model: nn.Module, rank: int) -> dict[str, np.ndarray]:
     """Every parameter's full value on rank 0 (``{}`` elsewhere). Collective.
 
-    A dedicated expert stack is assembled from its owners' ranges in each expert group (the
-    ranks of one ``"ep"`` coordinate hold experts ``[c * E / ep, (c + 1) * E / ep)``), the
-    dense matrices from their owners, FSDP2 parameters gathered."""
+    A dedicated expert stack is assembled from its owners' ranges, named by global experts
+    (``fqn[start:stop]``: each expert group holds experts ``[c * E / ep, (c + 1) * E / ep)``),
+    the dense matrices from their owners, FSDP2 parameters gathered."""
     state = model._dmuon_state
-    coord = dist.get_rank() % ep  # (efsdp, ep) row-major: the ep coordinate
-    mine = [(rec.fqn, rec.key, coord if rec.group is not None else 0, rec.master.detach().numpy().copy())
-            for rec in state.records if rec.is_owner]
+    mine = [(rec.fqn, rec.key, rec.master.detach().numpy().copy()) for rec in state.records if rec.is_owner]
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
-    pieces: dict[str, list] = {}
+    pieces: dict[str, dict] = {}
     for part in parts:
-        for fqn, key, c, value in part:
+        for fqn, key, value in part:
             start = int(key[len(fqn) + 1:].split(":")[0]) if key != fqn else 0
-            pieces.setdefault(fqn, []).append(((c, start), value))
-    out = {fqn: np.concatenate([v for _, v in sorted(ps, key=lambda p: p[0])]) for fqn, ps in pieces.items()}
+            pieces.setdefault(fqn, {})[start] = value
+    out = {fqn: np.concatenate([ps[k] for k in sorted(ps)]) for fqn, ps in pieces.items()}
     for name, p in model.named_parameters():
         if name not in out and not hasattr(p, "_dmuon_fqn"):
             t = p.full_tensor() if hasattr(p, "full_tensor") else p
             out[name] = t.detach().numpy().copy()
     return out if rank == 0 else {}
+
+
+def owned_experts(model: nn.Module) -> list[tuple[str, int]]:
+    """``(stack, global expert)`` of every expert-parallel matrix this rank owns."""
+    owned = []
+    for rec in model._dmuon_state.records:
+        if rec.is_owner and rec.group is not None:
+            start, stop = map(int, rec.key[len(rec.fqn) + 1:-1].split(":"))
+            owned += [(rec.fqn, e) for e in range(start, stop)]
+    return owned
+
+
+def spread_plan(model: nn.Module, predicate, world_size: int, ep: int):
+    """A plan whose expert stacks are split over every rank of their expert group (experts
+    priced far above any other matrix); the tiny model's default plan may keep a stack whole."""
+    from dmuon.hooks.dedicate import select_matrices
+    from dmuon.owners.plan import build_plan
+
+    selected = select_matrices(model, predicate, ep_name="ep", ep_size=ep)
+    return build_plan([(s.fqn, s.shape) for s in selected], world_size, method="greedy",
+                      costs=[1e6 * s.layout.count if s.layout.is_stack else 1.0 for s in selected],
+                      expert_parallel=[s.fqn for s in selected if s.ep > 1], ep_size=ep)
 
 
 def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: int = 3, spread: bool = True,
@@ -79,16 +99,10 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
     mesh = parallelize(model, world_size, ep, experts_fsdp=experts_fsdp)
     shard_rows = [tuple(p.to_local().shape)[0] for n, p in model.named_parameters() if n.endswith("experts.w1")]
     predicate = dmuon.default_predicate(model)
-    plan = None
-    if spread:  # experts priced far above any other matrix: every stack split over its group
-        from dmuon.hooks.dedicate import select_matrices
-        from dmuon.owners.plan import build_plan
-
-        selected = select_matrices(model, predicate, ep_name="ep", ep_size=ep)
-        plan = build_plan([(s.fqn, s.shape) for s in selected], world_size, method="greedy",
-                          costs=[1e6 * s.layout.count if s.layout.is_stack else 1.0 for s in selected],
-                          expert_parallel=[s.fqn for s in selected if s.ep > 1], ep_size=ep)
-    plan = dmuon.dedicate_params(model, mesh, predicate=predicate, plan=plan, group_cost=0.0)
+    plan = spread_plan(model, predicate, world_size, ep) if spread else None
+    # the default plan as dedicate_params solves it (the group cost by backend, MILP)
+    plan = dmuon.dedicate_params(model, mesh, predicate=predicate, plan=plan,
+                                 group_cost=0.0 if spread else "auto")
     opt = dmuon.Muon(model, **cases.OPT_KWARGS)
     losses = []
     for step in range(steps):
@@ -97,17 +111,41 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    coord = dist.get_rank() % ep  # (efsdp, ep) row-major
-    owned = []  # (stack, global expert) whose Newton-Schulz this rank ran
-    for rec in model._dmuon_state.records:
-        if rec.is_owner and rec.group is not None:
-            start, stop = ((0, rec.shape[0]) if rec.key == rec.fqn
-                           else map(int, rec.key[len(rec.fqn) + 1:-1].split(":")))
-            per_rank = rec.stack.shape[0] if rec.stack is not None else rec.shape[0]
-            owned += [(rec.fqn, coord * per_rank + e) for e in range(start, stop)]
-    return dict(params=full_params(model, rank, ep), losses=losses, shard_rows=shard_rows, owned_experts=owned,
+    return dict(params=full_params(model, rank), losses=losses, shard_rows=shard_rows,
+                owned_experts=owned_experts(model),
                 entries=[(m.key, m.owner, m.ep) for m in plan.matrices], digest=plan.digest(),
                 ns_matrices=model._dmuon_state.ns_matrices)
+
+
+def checkpoint_roundtrip(rank: int, world_size: int, *, ep: int = 2) -> dict[str, Any]:
+    """Train 2 steps with the expert stacks split over their groups, take ``dmuon.state_dict``
+    (copied), train a third step, load the copy, train it again: bitwise the same. Returns
+    whether it was, and the dedicated keys this rank offers."""
+    import copy
+
+    import dmuon
+
+    model = cases.build("ep-moe")
+    mesh = parallelize(model, world_size, ep)
+    predicate = dmuon.default_predicate(model)
+    dmuon.dedicate_params(model, mesh, predicate=predicate, plan=spread_plan(model, predicate, world_size, ep))
+    opt = dmuon.Muon(model, **cases.OPT_KWARGS)
+
+    def step(i: int) -> None:
+        cases.CASES["ep-moe"].loss(model, *cases.local_batch("ep-moe", i, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(2):
+        step(i)
+    saved = copy.deepcopy(dmuon.state_dict(model, opt))
+    step(2)
+    first = full_params(model, rank)
+    dmuon.load_state_dict(model, opt, saved)
+    step(2)
+    again = full_params(model, rank)
+    same = set(first) == set(again) and all(np.array_equal(first[k], again[k]) for k in first)
+    return dict(same=same, keys=sorted(k for k in saved["model"] if "experts" in k))
 
 
 def indivisible(rank: int, world_size: int) -> str:

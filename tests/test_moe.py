@@ -151,6 +151,17 @@ def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, spre
         assert any(0 in o["shard_rows"] for o in out), [o["shard_rows"] for o in out]
 
 
+def test_expert_parallel_checkpoint_roundtrip(dist_pool):
+    """dmuon.state_dict / load_state_dict under expert parallelism: bitwise resume, and each
+    expert range is named by its global experts, so no two expert groups offer one key (DCP
+    would write only one of them)."""
+    out = dist_pool.run(4, "tests.ep_cases:checkpoint_roundtrip", dict(ep=2), timeout_s=120, fresh=True)
+    assert all(o["same"] for o in out)
+    keys = [k for o in out for k in o["keys"]]
+    assert len(keys) == len(set(keys)) == 4 * 4, keys  # 4 stacks x 4 experts, one range each
+    assert "blocks.0.experts.w1[3:4]" in keys
+
+
 def test_expert_parallel_indivisible_raises_on_every_rank(dist_pool):
     """3 experts Shard(0) over an "ep" dimension of 2 ranks: refused by name, on every rank."""
     out = dist_pool.run(2, "tests.ep_cases:indivisible", {}, timeout_s=60, fresh=True)

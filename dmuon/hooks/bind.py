@@ -227,6 +227,11 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
         group, storage = views[order]
         stacked = sel.layout.is_stack or sel.blocks > 1
         split = len(specs_of[sel.fqn]) > 1  # the module computes with the whole stack
+        key = spec.key
+        if spec.ep:  # named by global experts: each "ep" coordinate's own (checkpoint keys)
+            first = sl.tp_mesh.get_local_rank() * sel.layout.count
+            start, stop = spec.experts
+            key = f"{sel.fqn}[{first + start}:{first + stop}]"
         wrap = (lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape))
         rec = make_dedicated(
             fqn=sel.fqn, module=sel.module, attr=sel.attr, full=sl.local,
@@ -237,7 +242,7 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
             storage=storage, full_shape=tuple(sl.local.shape) if stacked else sel.shape,
             tp_shard_dim=sl.shard_dim, tp_owner=spec.tp_owner,
             replicate_mode=spec.replicate_mode or "compute",  # the plan decides
-            matrix_shape=sel.layout.matrix_shape if stacked else sel.shape, key=spec.key,
+            matrix_shape=sel.layout.matrix_shape if stacked else sel.shape, key=key,
             optional=sel.optional, group=pgs[order],
         )
         if split:
