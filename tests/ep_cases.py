@@ -22,23 +22,40 @@ from torch import nn
 
 from tests import moe_cases as cases
 
-def parallelize(model: nn.Module, world_size: int, ep: int, *, experts_fsdp: bool = True):
+def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = False,
+                before: Any = None):
     """torchtitan's layout on ``world_size`` ranks with ``ep`` expert-parallel ranks; returns
-    the ``(efsdp, ep)`` mesh (the one dmuon is given)."""
+    the ``(efsdp, ep)`` mesh (the one dmuon is given).
+
+    With ``one_d`` (``ep == world_size``) the mesh is ``("ep",)``: no expert FSDP2 dim, so the
+    expert stacks stay out of the blocks' ``fully_shard`` (``ignored_params``; FSDP2 cannot
+    shard a DTensor over a mesh overlapping its own). ``before(mesh)`` runs after the experts
+    are distributed and before any ``fully_shard`` (``dedicate_params`` called first)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    dense = mesh._flatten("dp")  # every rank: the dense blocks' FSDP2 mesh (torchtitan's "fsdp")
+    if one_d:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+        # the dense blocks' mesh has its own name: a dim named "ep" marks expert parallelism
+        ep_mesh, dense = mesh, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    else:
+        mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        ep_mesh = mesh["ep"]
+        dense = mesh._flatten("dp")  # every rank: the dense blocks' FSDP2 mesh (torchtitan's "fsdp")
     for block in model.blocks:
-        block.ep_group = mesh["ep"].get_group()
+        block.ep_group = ep_mesh.get_group()
         for name, p in list(block.experts.named_parameters(recurse=False)):
             block.experts.register_parameter(
-                name, nn.Parameter(distribute_tensor(p.data, mesh["ep"], [Shard(0)])))
-        if experts_fsdp:
+                name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
+    if before is not None:
+        before(mesh)
+    for block in model.blocks:
+        if one_d:
+            fully_shard(block, mesh=dense, ignored_params=set(block.experts.parameters()))
+        else:
             fully_shard(block.experts, mesh=mesh["efsdp"])
-        fully_shard(block, mesh=dense)
+            fully_shard(block, mesh=dense)
     fully_shard(model, mesh=dense)
     return mesh
 
@@ -89,20 +106,27 @@ def spread_plan(model: nn.Module, predicate, world_size: int, ep: int):
 
 
 def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: int = 3, spread: bool = True,
-          experts_fsdp: bool = True) -> dict[str, Any]:
+          one_d: bool = False, dedicate_first: bool = False) -> dict[str, Any]:
     """:func:`parallelize`, dedicate (with ``spread``, a plan that splits every expert stack over
     its expert group), train ``steps`` in fp32 exact mode. Returns the full parameters (rank 0),
     the losses, the plan entries and, per rank, the local expert shard sizes FSDP2 had."""
     import dmuon
 
     model = cases.build(case)
-    mesh = parallelize(model, world_size, ep, experts_fsdp=experts_fsdp)
-    shard_rows = [tuple(p.to_local().shape)[0] for n, p in model.named_parameters() if n.endswith("experts.w1")]
     predicate = dmuon.default_predicate(model)
-    plan = spread_plan(model, predicate, world_size, ep) if spread else None
-    # the default plan as dedicate_params solves it (the group cost by backend, MILP)
-    plan = dmuon.dedicate_params(model, mesh, predicate=predicate, plan=plan,
-                                 group_cost=0.0 if spread else "auto")
+    dedicated: list = []
+
+    def dedicate(mesh) -> None:
+        plan = spread_plan(model, predicate, world_size, ep) if spread else None
+        # without spread, the default plan as dedicate_params solves it (group cost by backend)
+        dedicated.append(dmuon.dedicate_params(model, mesh, predicate=predicate, plan=plan,
+                                               group_cost=0.0 if spread else "auto"))
+
+    mesh = parallelize(model, world_size, ep, one_d=one_d, before=dedicate if dedicate_first else None)
+    shard_rows = [tuple(p.to_local().shape)[0] for n, p in model.named_parameters() if n.endswith("experts.w1")]
+    if not dedicate_first:
+        dedicate(mesh)
+    plan = dedicated[0]
     opt = dmuon.Muon(model, **cases.OPT_KWARGS)
     losses = []
     for step in range(steps):
@@ -148,20 +172,24 @@ def checkpoint_roundtrip(rank: int, world_size: int, *, ep: int = 2) -> dict[str
     return dict(same=same, keys=sorted(k for k in saved["model"] if "experts" in k))
 
 
-def indivisible(rank: int, world_size: int) -> str:
-    """Experts ``Shard(0)`` over an ``"ep"`` dimension that does not divide their number (3
-    experts over 2 ranks): the error ``dedicate_params`` raises on this rank."""
+def bad_ep(rank: int, world_size: int, *, case: str) -> str:
+    """``dedicate_params`` on a bad expert-parallel layout; the error this rank raises.
+
+    ``"indivisible"``: 3 experts ``Shard(0)`` over an ``"ep"`` dimension of 2 ranks.
+    ``"no-ep-mesh"``: 4 experts ``Shard(0)`` over ``"ep"``, but ``dedicate_params`` is given a
+    mesh without an ``"ep"`` dimension."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import dmuon
 
     torch.manual_seed(0)
-    model = cases.GroupedExperts(8, 6, 3)
+    model = cases.GroupedExperts(8, 6, 3 if case == "indivisible" else 4)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     model.w1 = nn.Parameter(distribute_tensor(model.w1.data, mesh, [Shard(0)]))
+    given = mesh if case == "indivisible" else init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     try:
-        dmuon.dedicate_params(model, mesh)
+        dmuon.dedicate_params(model, given)
     except Exception as e:  # noqa: BLE001 - the test reads the type and message
         return f"{type(e).__name__}: {e}"
     return "no error"

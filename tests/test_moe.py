@@ -125,20 +125,22 @@ def test_plan_records_expert_ranges():
         plan.check_matches({**dict(shapes), "moe.down": (8, 16, 8)}, 4)
 
 
-@pytest.mark.parametrize("case,world_size,ep,spread", [
-    ("ep-moe", 2, 2, True),    # ("efsdp"=1, "ep"=2): every rank holds 2 of the 4 experts alone
-    ("ep-moe", 4, 2, True),    # efsdp 2 x ep 2: each expert group of 2 ranks splits its stacks
-    ("ep-moe", 4, 4, False),   # ep 4, the default plan (MILP over the groups)
-    ("ep-moe-2", 4, 2, True),  # 1 local expert over efsdp 2: empty FSDP2 shards on 2 ranks
+@pytest.mark.parametrize("case,world_size,ep,options", [
+    ("ep-moe", 2, 2, {}),                  # (efsdp 1, ep 2): every rank holds 2 of the 4 experts alone
+    ("ep-moe", 4, 2, {}),                  # efsdp 2 x ep 2: each expert group of 2 ranks splits its stacks
+    ("ep-moe", 4, 4, dict(spread=False)),  # ep 4, the default plan (MILP, gloo group cost)
+    ("ep-moe-2", 4, 2, {}),                # 1 local expert over efsdp 2: empty FSDP2 shards on 2 ranks
+    ("ep-moe", 2, 2, dict(one_d=True)),    # a 1-D ("ep",) mesh, experts outside FSDP2
+    ("ep-moe", 4, 2, dict(dedicate_first=True)),  # dedicate_params before fully_shard
 ])
-def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, spread):
+def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, options):
     """torchtitan's layout (experts Shard(0) over "ep", fully_shard over "efsdp", dense blocks
     over every rank; tests/ep_cases.py) against single-process torch.optim.Muon per expert."""
-    out = dist_pool.run(world_size, "tests.ep_cases:train", dict(ep=ep, case=case, spread=spread),
+    out = dist_pool.run(world_size, "tests.ep_cases:train", dict(ep=ep, case=case, **options),
                         timeout_s=120, fresh=True)
     ref, ref_losses = cases.reference(case, world_size, STEPS)
     worst = compare(out[0]["params"], ref, FP32_ATOL)
-    print(f"{case} ep={ep} x efsdp={world_size // ep} on {world_size} ranks: max |diff| {worst:.3g}")
+    print(f"{case} ep={ep} x efsdp={world_size // ep} on {world_size} ranks {options}: max |diff| {worst:.3g}")
     np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
     assert len({o["digest"] for o in out}) == 1
     # each expert's Newton-Schulz runs once, on one rank of the group holding it
@@ -162,12 +164,18 @@ def test_expert_parallel_checkpoint_roundtrip(dist_pool):
     assert "blocks.0.experts.w1[3:4]" in keys
 
 
-def test_expert_parallel_indivisible_raises_on_every_rank(dist_pool):
-    """3 experts Shard(0) over an "ep" dimension of 2 ranks: refused by name, on every rank."""
-    out = dist_pool.run(2, "tests.ep_cases:indivisible", {}, timeout_s=60, fresh=True)
+@pytest.mark.parametrize("case,words", [
+    ("indivisible", ["ValueError: dmuon: expert stack 'w1'", "(3, 6, 8)", "3 experts", "'ep' of 2 ranks",
+                     "[1, 3]", "predicate=..."]),
+    ("no-ep-mesh", ["ValueError: dmuon: parameter 'w1'", "(4, 6, 8)", "expert-parallel dimension ('ep',)",
+                    "mesh without one", "('efsdp', 'ep')"]),
+])
+def test_expert_parallel_bad_layout_raises_on_every_rank(dist_pool, case, words):
+    """3 experts Shard(0) over an "ep" dimension of 2 ranks, or experts on an "ep" mesh with a
+    mesh without one given to dedicate_params: refused by name, on every rank."""
+    out = dist_pool.run(2, "tests.ep_cases:bad_ep", dict(case=case), timeout_s=60, fresh=True)
     for msg in out:
-        assert msg.startswith("ValueError: dmuon: expert stack 'w1'"), msg
-        for word in ["(3, 6, 8)", "3 experts", "'ep' of 2 ranks", "[1, 3]", "predicate=..."]:
+        for word in words:
             assert word in msg, (word, msg)
 
 

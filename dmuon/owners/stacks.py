@@ -226,7 +226,8 @@ def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_
             f"dmuon: parameter {fqn!r} (shape {shape}) has placement {placement!r} on the "
             f"expert-parallel dimension {names[dim]!r}; dmuon takes expert stacks [experts, rows, "
             f"cols] sharded Shard(0) over it (torchtitan's ExpertParallel). Pass predicate=... to "
-            f"leave it on AdamW.")
+            f"leave it on AdamW; if it is a dense parameter fully_shard-ed over a mesh dimension "
+            f"named 'ep', give the dense blocks a mesh of their own name (e.g. 'dp').")
     if shape[0] % size:
         fits = [d for d in range(1, shape[0] + 1) if shape[0] % d == 0]
         raise ValueError(
