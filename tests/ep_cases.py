@@ -106,7 +106,7 @@ def spread_plan(model: nn.Module, predicate, world_size: int, ep: int):
 
 
 def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: int = 3, spread: bool = True,
-          one_d: bool = False, dedicate_first: bool = False) -> dict[str, Any]:
+          one_d: bool = False, dedicate_first: bool = False, micro_batches: int = 1) -> dict[str, Any]:
     """:func:`parallelize`, dedicate (with ``spread``, a plan that splits every expert stack over
     its expert group), train ``steps`` in fp32 exact mode. Returns the full parameters (rank 0),
     the losses, the plan entries and, per rank, the local expert shard sizes FSDP2 had."""
@@ -130,8 +130,17 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
     opt = dmuon.Muon(model, **cases.OPT_KWARGS)
     losses = []
     for step in range(steps):
-        loss = cases.CASES[case].loss(model, *cases.local_batch(case, step, rank, world_size))
-        loss.backward()
+        batch = cases.local_batch(case, step, rank, world_size)
+        chunks = list(zip(*(t.chunk(micro_batches) for t in batch)))
+        loss = 0.0
+        for k, chunk in enumerate(chunks):  # gradient accumulation: dmuon.no_sync but the last
+            part = cases.CASES[case].loss(model, *chunk) / len(chunks)
+            if k < len(chunks) - 1:
+                with dmuon.no_sync(model):
+                    part.backward()
+            else:
+                part.backward()
+            loss += part.detach()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -132,7 +132,8 @@ def test_plan_records_expert_ranges():
     ("ep-moe-2", 4, 2, {}),                # 1 local expert over efsdp 2: empty FSDP2 shards on 2 ranks
     ("ep-moe", 2, 2, dict(one_d=True)),    # a 1-D ("ep",) mesh, experts outside FSDP2
     ("ep-moe", 4, 2, dict(dedicate_first=True)),  # dedicate_params before fully_shard
-])
+    ("ep-moe", 4, 2, dict(micro_batches=2)),      # gradient accumulation (dmuon.no_sync)
+], ids=lambda v: "-".join(v) or "layout" if isinstance(v, dict) else None)
 def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, options):
     """torchtitan's layout (experts Shard(0) over "ep", fully_shard over "efsdp", dense blocks
     over every rank; tests/ep_cases.py) against single-process torch.optim.Muon per expert."""
