@@ -23,14 +23,17 @@ from torch import nn
 from tests import moe_cases as cases
 
 def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = False,
-                before: Any = None):
+                before: Any = None, replicas: int = 1):
     """torchtitan's layout on ``world_size`` ranks with ``ep`` expert-parallel ranks; returns
     the ``(efsdp, ep)`` mesh (the one dmuon is given).
 
     With ``one_d`` (``ep == world_size``) the mesh is ``("ep",)``: no expert FSDP2 dim, so the
     expert stacks stay out of the blocks' ``fully_shard`` (``ignored_params``; FSDP2 cannot
     shard a DTensor over a mesh overlapping its own). ``before(mesh)`` runs after the experts
-    are distributed and before any ``fully_shard`` (``dedicate_params`` called first)."""
+    are distributed and before any ``fully_shard`` (``dedicate_params`` called first).
+    With ``replicas > 1``: HSDP in front, ``("replicate", "efsdp", "ep")``; the experts are
+    ``fully_shard``-ed over ``("replicate", "efsdp")``, the dense blocks over ``("replicate",
+    efsdp x ep)`` (torchtitan's ``dp_replicate`` with expert parallelism)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -39,6 +42,12 @@ def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = Fal
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
         # the dense blocks' mesh has its own name: a dim named "ep" marks expert parallelism
         ep_mesh, dense = mesh, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    elif replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, world_size // replicas // ep, ep),
+                                mesh_dim_names=("replicate", "efsdp", "ep"))
+        ep_mesh = mesh["ep"]
+        mesh["efsdp", "ep"]._flatten("dp_shard")
+        dense = mesh["replicate", "dp_shard"]
     else:
         mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
         ep_mesh = mesh["ep"]
@@ -54,7 +63,7 @@ def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = Fal
         if one_d:
             fully_shard(block, mesh=dense, ignored_params=set(block.experts.parameters()))
         else:
-            fully_shard(block.experts, mesh=mesh["efsdp"])
+            fully_shard(block.experts, mesh=mesh["replicate", "efsdp"] if replicas > 1 else mesh["efsdp"])
             fully_shard(block, mesh=dense)
     fully_shard(model, mesh=dense)
     return mesh
@@ -106,7 +115,8 @@ def spread_plan(model: nn.Module, predicate, world_size: int, ep: int):
 
 
 def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: int = 3, spread: bool = True,
-          one_d: bool = False, dedicate_first: bool = False, micro_batches: int = 1) -> dict[str, Any]:
+          one_d: bool = False, dedicate_first: bool = False, micro_batches: int = 1,
+          replicas: int = 1, replicate_mode: str = "auto") -> dict[str, Any]:
     """:func:`parallelize`, dedicate (with ``spread``, a plan that splits every expert stack over
     its expert group), train ``steps`` in fp32 exact mode. Returns the full parameters (rank 0),
     the losses, the plan entries and, per rank, the local expert shard sizes FSDP2 had."""
@@ -117,12 +127,14 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
     dedicated: list = []
 
     def dedicate(mesh) -> None:
-        plan = spread_plan(model, predicate, world_size, ep) if spread else None
+        plan = spread_plan(model, predicate, world_size // replicas, ep) if spread else None
         # without spread, the default plan as dedicate_params solves it (group cost by backend)
         dedicated.append(dmuon.dedicate_params(model, mesh, predicate=predicate, plan=plan,
-                                               group_cost=0.0 if spread else "auto"))
+                                               group_cost=0.0 if spread else "auto",
+                                               replicate_mode=replicate_mode))
 
-    mesh = parallelize(model, world_size, ep, one_d=one_d, before=dedicate if dedicate_first else None)
+    mesh = parallelize(model, world_size, ep, one_d=one_d, before=dedicate if dedicate_first else None,
+                       replicas=replicas)
     shard_rows = [tuple(p.to_local().shape)[0] for n, p in model.named_parameters() if n.endswith("experts.w1")]
     if not dedicate_first:
         dedicate(mesh)

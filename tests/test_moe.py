@@ -133,7 +133,9 @@ def test_plan_records_expert_ranges():
     ("ep-moe", 2, 2, dict(one_d=True)),    # a 1-D ("ep",) mesh, experts outside FSDP2
     ("ep-moe", 4, 2, dict(dedicate_first=True)),  # dedicate_params before fully_shard
     ("ep-moe", 4, 2, dict(micro_batches=2)),      # gradient accumulation (dmuon.no_sync)
-], ids=lambda v: "-".join(v) or "layout" if isinstance(v, dict) else None)
+    ("ep-moe", 4, 2, dict(replicas=2)),           # HSDP in front: ("replicate", "efsdp", "ep") 2x1x2
+    ("ep-moe", 4, 2, dict(replicas=2, replicate_mode="broadcast")),
+], ids=lambda v: "-".join(f"{k}={x}" if isinstance(x, str) else k for k, x in v.items()) or "layout" if isinstance(v, dict) else None)
 def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, options):
     """torchtitan's layout (experts Shard(0) over "ep", fully_shard over "efsdp", dense blocks
     over every rank; tests/ep_cases.py) against single-process torch.optim.Muon per expert."""
@@ -141,12 +143,14 @@ def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, opti
                         timeout_s=120, fresh=True)
     ref, ref_losses = cases.reference(case, world_size, STEPS)
     worst = compare(out[0]["params"], ref, FP32_ATOL)
-    print(f"{case} ep={ep} x efsdp={world_size // ep} on {world_size} ranks {options}: max |diff| {worst:.3g}")
+    replicas = options.get("replicas", 1)
+    print(f"{case} ep={ep} x efsdp={world_size // ep // replicas} x replicas={replicas} on {world_size} ranks "
+          f"{options}: max |diff| {worst:.3g}")
     np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
     assert len({o["digest"] for o in out}) == 1
     # each expert's Newton-Schulz runs once, on one rank of the group holding it
     experts = 2 if case == "ep-moe-2" else 4
-    owned = [m for o in out for m in o["owned_experts"]]
+    owned = [m for o in out[: world_size // replicas] for m in o["owned_experts"]]  # replica 0
     assert sorted(owned) == sorted({m for m in owned}), "an expert is owned twice"
     stacks = {fqn for fqn, _ in owned}
     assert len(stacks) == 4 and all(sorted(e for f, e in owned if f == fqn) == list(range(experts)) for fqn in stacks)
@@ -181,7 +185,7 @@ def test_expert_parallel_bad_layout_raises_on_every_rank(dist_pool, case, words)
 
 
 def test_expert_parallel_meshes_refused_by_name():
-    """HSDP or TP together with "ep", or "ep" in front, are not supported: said by name."""
+    """TP together with "ep", or "ep" not last, are not supported: said by name."""
     from types import SimpleNamespace
 
     from dmuon.comm.mesh_roles import expert_parallel_dims
@@ -189,11 +193,12 @@ def test_expert_parallel_meshes_refused_by_name():
     def mesh(*names):
         return SimpleNamespace(mesh_dim_names=names, ndim=len(names), shape=(2,) * len(names))
 
-    assert expert_parallel_dims(mesh("efsdp", "ep")) == (1, 0)
-    assert expert_parallel_dims(mesh("ep")) == (0, None)
+    assert expert_parallel_dims(mesh("efsdp", "ep")) == (1, 0, None)
+    assert expert_parallel_dims(mesh("ep")) == (0, None, None)
+    assert expert_parallel_dims(mesh("replicate", "efsdp", "ep")) == (2, 1, 0)
     assert expert_parallel_dims(mesh("replicate", "shard")) is None
-    for names in [("replicate", "efsdp", "ep"), ("ep", "efsdp"), ("tp", "ep"), ("efsdp", "ep", "tp")]:
-        with pytest.raises(ValueError, match="HSDP or TP together with expert parallelism"):
+    for names in [("ep", "efsdp"), ("tp", "ep"), ("efsdp", "ep", "tp"), ("efsdp", "replicate", "ep")]:
+        with pytest.raises(ValueError, match="TP together with expert parallelism is not supported"):
             expert_parallel_dims(mesh(*names))
 
 

@@ -8,11 +8,12 @@ along each role so its broadcasts and reduces never interleave with FSDP2's coll
 
 Expert parallelism (a dimension named ``"ep"``, as torchtitan names it): the mesh is the one
 the experts live on, ``("ep",)`` or ``(expert shard, "ep")`` (torchtitan's ``("efsdp", "ep")``
-or ``("dp_shard_mod_ep", "ep")``): experts ``Shard(0)`` over ``"ep"``, FSDP2 over the other
-dim. Every rank of the mesh is a data-parallel rank for the dense matrices, so their owners are
-drawn from all of them (``shard`` is the group over the whole mesh, in its row-major order);
-an expert stack's owners are drawn from the ranks that hold the same experts, those sharing
-this rank's ``"ep"`` coordinate (``expert``).
+or ``("dp_shard_mod_ep", "ep")``), optionally with HSDP's ``"replicate"`` in front: experts
+``Shard(0)`` over ``"ep"``, FSDP2 over the other dim. Every rank of a replica is a
+data-parallel rank for the dense matrices, so their owners are drawn from all of them
+(``shard`` is the group over the replica, in its row-major order); an expert stack's owners are
+drawn from the ranks of the replica that hold the same experts, those sharing this rank's
+``"ep"`` coordinate (``expert``).
 
 Every group dmuon creates inherits the user's collective timeout (:func:`inherited_timeout`):
 ``dist.new_group`` without ``timeout=`` would wait torch's default 30 minutes (gloo) whatever
@@ -130,32 +131,47 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
     raise ValueError(f"dmuon: unsupported mesh {_describe(mesh)}")
 
 
-def expert_parallel_dims(mesh) -> tuple[int, int | None] | None:
-    """``(ep_dim, expert_shard_dim)`` of a mesh with an expert-parallel dimension (``None``
-    without one): ``("ep",)`` (``expert_shard_dim`` ``None``: every rank holds its own experts
-    alone) or ``(shard, "ep")`` with any non-TP, non-replicate name for the shard dim
-    (torchtitan's ``("efsdp", "ep")`` / ``("dp_shard_mod_ep", "ep")``).
+def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
+    """``(ep_dim, expert_shard_dim, replicate_dim)`` of a mesh with an expert-parallel
+    dimension (``None`` without one): ``("ep",)`` (no expert shard dim: every rank holds its
+    own experts alone), ``(shard, "ep")`` with any non-TP, non-replicate name for the shard dim
+    (torchtitan's ``("efsdp", "ep")`` / ``("dp_shard_mod_ep", "ep")``), or HSDP in front,
+    ``("replicate", shard, "ep")`` (torchtitan's ``("dp_replicate", "efsdp", "ep")``).
 
     Raises:
-        ValueError: an ``"ep"`` mesh with more dimensions (HSDP or TP with expert parallelism:
-            not supported yet), naming the mesh and what is supported.
+        ValueError: any other mesh with an ``"ep"`` dimension (TP with expert parallelism, or
+            ``"ep"`` not last), naming the mesh and what is supported.
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     ep = [i for i, n in enumerate(names) if n in EP_NAMES]
     if not ep:
         return None
+    replicate = ("replicate", "dp_replicate")
     others = [n for n in names if n not in EP_NAMES]
-    if len(ep) == 1 and mesh.ndim == 1:
-        return 0, None
-    if (len(ep) == 1 and mesh.ndim == 2 and ep[0] == 1 and others[0] not in TP_NAMES
-            and others[0] not in ("replicate", "dp_replicate")):
-        return 1, 0
+    last = len(ep) == 1 and ep[0] == mesh.ndim - 1
+    if last and mesh.ndim == 1:
+        return 0, None, None
+    if last and mesh.ndim == 2 and others[0] not in TP_NAMES + replicate:
+        return 1, 0, None
+    if last and mesh.ndim == 3 and others[0] in replicate and others[1] not in TP_NAMES + replicate:
+        return 2, 1, 0
     raise ValueError(
-        f"dmuon: mesh {_describe(mesh)} combines expert parallelism with more than one other "
-        f"dimension (or puts 'ep' first); dmuon supports ('ep',) and (expert shard, 'ep'), e.g. "
-        f"torchtitan's init_device_mesh(..., (efsdp, ep), mesh_dim_names=('efsdp', 'ep')), with "
-        f"the experts Shard(0) over 'ep' and fully_shard on 'efsdp'. HSDP or TP together with "
-        f"expert parallelism is not supported yet.")
+        f"dmuon: mesh {_describe(mesh)} combines expert parallelism with dimensions dmuon does not "
+        f"take (or does not put 'ep' last); dmuon supports ('ep',), (expert shard, 'ep') and "
+        f"('replicate', expert shard, 'ep'), e.g. torchtitan's init_device_mesh(..., (efsdp, ep), "
+        f"mesh_dim_names=('efsdp', 'ep')), with the experts Shard(0) over 'ep' and fully_shard on "
+        f"'efsdp'. TP together with expert parallelism is not supported yet.")
+
+
+def _groups_of(rank_lists: list[list[int]], backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
+    """Create one group per rank list (every rank creates every group, in the same order:
+    collective) and return the one holding this rank."""
+    me, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+        if me in ranks:
+            mine = group
+    return mine
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
@@ -304,22 +320,32 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
     )
 
 
-def _expert_parallel_roles(mesh, ep_dims: tuple[int, int | None], backend: str,
+def _expert_parallel_roles(mesh, ep_dims: tuple[int, int | None, int | None], backend: str,
                            timeout: timedelta | None, fake: bool, step_check: bool) -> MeshRoles:
-    """:func:`build_roles` on an expert-parallel mesh: the dense matrices' shard group is the
-    whole mesh (row-major), the experts' group runs along the expert shard dim (collective)."""
-    ep_dim, expert_dim = ep_dims
+    """:func:`build_roles` on an expert-parallel mesh (collective). Seen as ``[replicas, expert
+    shard, ep]``: the dense matrices' shard group is a replica's ranks (row-major over expert
+    shard x ep), the experts' group a replica's ranks of one ep coordinate, the replicate group
+    (HSDP) the ranks of one (expert shard, ep) position."""
+    ep_dim, expert_dim, replicate_dim = ep_dims
     ranks = mesh.mesh
+    if expert_dim is None:
+        ranks = ranks.unsqueeze(0)
+    if replicate_dim is None:
+        ranks = ranks.unsqueeze(0)
+    replicas, experts, ep = (int(n) for n in ranks.shape)
     every = [int(r) for r in ranks.flatten().tolist()]
     world = dist.new_group(ranks=every, backend=backend, timeout=timeout)
-    shard = dist.new_group(ranks=every, backend=backend, timeout=timeout)
     steps = (dist.new_group(ranks=every, backend="gloo", timeout=timeout)
              if step_check and not fake and dist.is_gloo_available() else None)
-    if expert_dim is None:  # ("ep",): each rank's experts are its own; a group of one rank
-        expert = _groups_along(ranks.unsqueeze(0), 0, backend, timeout)
-    else:
-        expert = _groups_along(ranks, expert_dim, backend, timeout)
+    shard = _groups_of([[int(x) for x in ranks[r].flatten().tolist()] for r in range(replicas)], backend, timeout)
+    expert = _groups_of([[int(x) for x in ranks[r, :, c].tolist()] for r in range(replicas) for c in range(ep)],
+                        backend, timeout)
+    replicate = (_groups_of([[int(x) for x in ranks[:, e, c].tolist()] for e in range(experts) for c in range(ep)],
+                            backend, timeout) if replicas > 1 else None)
     names = tuple(mesh.mesh_dim_names)
-    return MeshRoles(shard=shard, world=world, replicate=None, tp=None, shard_dim=0, replicate_dim=None,
-                     tp_dim=None, tp_name=None, shape=(len(every),), steps=steps, timeout=timeout,
-                     fake=fake, expert=expert, ep_size=int(ranks.shape[ep_dim]), ep_name=names[ep_dim])
+    return MeshRoles(shard=shard, world=world, replicate=replicate, tp=None,
+                     shard_dim=1 if replicate is not None else 0,
+                     replicate_dim=0 if replicate is not None else None, tp_dim=None, tp_name=None,
+                     shape=(replicas, experts * ep) if replicate is not None else (experts * ep,),
+                     steps=steps, timeout=timeout, fake=fake, expert=expert, ep_size=ep,
+                     ep_name=names[ep_dim])

@@ -192,7 +192,8 @@ def dedicate_params(
         mesh: the ``DeviceMesh``: 1-D data parallel; ``("replicate", "shard")`` HSDP;
             ``("dp", "tp")`` FSDP x TP; ``("replicate", "shard", "tp")``; 1-D ``("tp",)``; or,
             with expert parallelism, the mesh the experts live on, ``(expert shard, "ep")``
-            (torchtitan's ``("efsdp", "ep")``) or ``("ep",)``: expert stacks ``Shard(0)`` over
+            (torchtitan's ``("efsdp", "ep")``), ``("ep",)`` or ``("replicate", expert shard,
+            "ep")`` (HSDP in front): expert stacks ``Shard(0)`` over
             ``"ep"`` get owners among the ranks holding the same experts, every other matrix
             among all the mesh's ranks (roles by dimension name, :mod:`dmuon.comm.mesh_roles`).
         predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
