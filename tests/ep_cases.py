@@ -140,7 +140,7 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
         dedicate(mesh)
     plan = dedicated[0]
     opt = dmuon.Muon(model, **cases.OPT_KWARGS)
-    losses = []
+    losses, norm0 = [], None
     for step in range(steps):
         batch = cases.local_batch(case, step, rank, world_size)
         chunks = list(zip(*(t.chunk(micro_batches) for t in batch)))
@@ -153,10 +153,12 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
             else:
                 part.backward()
             loss += part.detach()
+        if step == 0:  # the global gradient norm over dense and expert-parallel matrices
+            norm0 = float(dmuon.clip_grad_norm_(model, float("inf")))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return dict(params=full_params(model, rank), losses=losses, shard_rows=shard_rows,
+    return dict(params=full_params(model, rank), losses=losses, shard_rows=shard_rows, grad_norm0=norm0,
                 owned_experts=owned_experts(model),
                 entries=[(m.key, m.owner, m.ep) for m in plan.matrices], digest=plan.digest(),
                 ns_matrices=model._dmuon_state.ns_matrices)
@@ -214,3 +216,10 @@ def bad_ep(rank: int, world_size: int, *, case: str) -> str:
     except Exception as e:  # noqa: BLE001 - the test reads the type and message
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def reference_grad_norm(case: str, world_size: int) -> float:
+    """The single-process model's total gradient 2-norm at step 0 on the global batch."""
+    model = cases.build(case)
+    cases.CASES[case].loss(model, *cases.CASES[case].batch(0, cases.LOCAL_BATCH * world_size)).backward()
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))

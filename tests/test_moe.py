@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests import ep_cases
 from tests import moe_cases as cases
 from tests.test_core import FP32_ATOL, compare
 
@@ -148,6 +149,8 @@ def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, opti
           f"{options}: max |diff| {worst:.3g}")
     np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
     assert len({o["digest"] for o in out}) == 1
+    norm = ep_cases.reference_grad_norm(case, world_size)  # dmuon.clip_grad_norm_ counts each expert once
+    assert all(abs(o["grad_norm0"] - norm) <= 1e-5 * norm for o in out), ([o["grad_norm0"] for o in out], norm)
     # each expert's Newton-Schulz runs once, on one rank of the group holding it
     experts = 2 if case == "ep-moe-2" else 4
     owned = [m for o in out[: world_size // replicas] for m in o["owned_experts"]]  # replica 0
