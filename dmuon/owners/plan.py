@@ -221,6 +221,8 @@ class OwnerPlan:
         return loads
 
     def owned_by(self, rank: int) -> list[MatrixSpec]:
+        """The entries whose owner index is ``rank``: a rank of the shard group, or for an
+        ``ep`` entry a rank of the expert group (:attr:`MatrixSpec.ep`)."""
         return [m for m in self.matrices if m.owner == rank]
 
     # ------------------------------------------------------------ identity / IO
