@@ -717,8 +717,22 @@ def _expert_parallel_plan(named_shapes: list, world_size: int, expert_parallel: 
     # the merged bound: the two solves' work spread over every rank, or the largest item
     largest = max([dense.lower_bound if not dense.matrices else max(m.cost / m.matrices for m in dense.matrices),
                    *(m.cost / m.matrices for m in experts.matrices)], default=0.0)
-    return replace(plan, makespan=max(loads, default=0.0),
-                   lower_bound=max(sum(loads) / world_size, largest, dense.lower_bound, experts.lower_bound))
+    bound = max(sum(loads) / world_size, largest, dense.lower_bound, experts.lower_bound)
+    makespan = max(loads, default=0.0)
+    if options.get("solver_report"):  # the merged report (dmuon.profile reads it)
+        inverse = {new: old for old, new in relabel.items()}
+        dense_mem = dense.extra.get("memory_by_rank") or [0.0] * world_size
+        expert_mem = experts.extra.get("memory_by_rank") or [0.0] * group_size
+        proven = max(bound, *(float(p.extra.get("proven_bound") or 0.0) for p in (dense, experts)))
+        extra.update(
+            memory_by_rank=[dense_mem[g] + expert_mem[inverse[g // ep_size]] for g in range(world_size)],
+            proven_bound=proven, optimal=makespan <= proven * (1 + 1e-12),
+            detail=f"dense {dense.extra.get('detail')}, experts {experts.extra.get('detail')}",
+            milp_status=", ".join(f"{name} {p.extra.get('milp_status')}" for name, p in
+                                  (("dense", dense), ("experts", experts))),
+            solve_s=float(dense.extra.get("solve_s", 0.0)) + float(experts.extra.get("solve_s", 0.0)))
+        plan = replace(plan, extra=extra)
+    return replace(plan, makespan=makespan, lower_bound=bound)
 
 
 def build_bucket_plan(
