@@ -566,8 +566,10 @@ def build_plan(
 
     expert_parallel = set(expert_parallel)
     if expert_parallel or ep_size != 1:
-        return _expert_parallel_plan(
-            list(named_shapes), world_size, expert_parallel, ep_size, costs=costs, cost_unit=cost_unit,
+        from dmuon.owners.ep_plan import expert_parallel_plan
+
+        return expert_parallel_plan(
+            build_plan, list(named_shapes), world_size, expert_parallel, ep_size, costs=costs, cost_unit=cost_unit,
             blocks=blocks, method=method, time_limit_s=time_limit_s,
             given={"tp_size": tp_size != 1, "layout": layout is not None,
                    "replicate_mode": replicate_mode is not None, "bucket_bytes": bucket_bytes is not None},
@@ -651,88 +653,6 @@ def build_plan(
         extra=extra,
     )
     return plan.with_replicate_modes(replicate_mode, replica_cost)
-
-
-def _expert_parallel_plan(named_shapes: list, world_size: int, expert_parallel: set[str], ep_size: int, *,
-                          costs, given: Mapping[str, bool], groups, **options) -> OwnerPlan:
-    """:func:`build_plan` with expert parallelism: the dense matrices over ``world_size`` ranks,
-    the expert-parallel stacks' local experts over the ``world_size / ep_size`` ranks of an
-    expert group, merged in model order."""
-    from dmuon.owners.stacks import param_layout
-
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1 or world_size % ep_size:
-        raise ValueError(f"dmuon: build_plan(ep_size={ep_size!r}) must be a positive int dividing "
-                         f"world_size={world_size}")
-    if any(given.values()):
-        raise ValueError(f"dmuon: build_plan with expert parallelism takes no "
-                         f"{[k for k, v in given.items() if v]}; leave them out")
-    unknown = expert_parallel - {fqn for fqn, _ in named_shapes}
-    if unknown:
-        raise ValueError(f"dmuon: build_plan(expert_parallel=...) names {sorted(unknown)[:3]}, which "
-                         f"are not among the matrices")
-    blocks = dict(options.pop("blocks", None) or {})
-    parts: dict[bool, list[int]] = {False: [], True: []}
-    named: list[tuple[str, tuple[int, ...]]] = []
-    for i, (fqn, shape) in enumerate(named_shapes):
-        layout = param_layout(fqn, shape, blocks.get(fqn, 1))
-        ep = fqn in expert_parallel
-        if ep and (not layout.is_stack or layout.shape[0] % ep_size):
-            raise ValueError(f"dmuon: expert-parallel parameter {fqn!r} has shape {layout.shape}; "
-                             f"it must be a stack whose {layout.shape[0] if layout.is_stack else 0} "
-                             f"experts the ep size {ep_size} divides")
-        parts[ep].append(i)
-        named.append((fqn, layout.local(ep_size).shape if ep else layout.shape))
-    solved: dict[bool, OwnerPlan] = {}
-    for ep, members in parts.items():
-        solved[ep] = build_plan(
-            [named[i] for i in members], world_size // ep_size if ep else world_size,
-            costs=None if costs is None else [costs[i] for i in members],
-            groups=None if groups is None else [groups[i] for i in members],
-            blocks={named[i][0]: blocks[named[i][0]] for i in members if named[i][0] in blocks}, **options)
-    # The two solves are independent; the expert group's owner x lands on the ranks x * ep + c
-    # of every ep coordinate c: pair the most loaded expert owners with the expert-shard
-    # positions whose dense load is lightest (a relabelling: each solve's balance is kept).
-    group_size = world_size // ep_size
-    dense_loads = solved[False].loads()
-    expert_loads = [0.0] * group_size
-    for m in solved[True].matrices:
-        expert_loads[m.owner] += m.cost
-    heavy_first = sorted(range(group_size), key=lambda x: (-expert_loads[x], x))
-    light_first = sorted(range(group_size),
-                         key=lambda x: (max(dense_loads[x * ep_size: (x + 1) * ep_size]), x))
-    relabel = dict(zip(heavy_first, light_first))
-    order = {fqn: i for i, (fqn, _) in enumerate(named)}
-    matrices = sorted([*solved[False].matrices,
-                       *(replace(m, ep=True, owner=relabel[m.owner]) for m in solved[True].matrices)],
-                      key=lambda m: order[m.fqn])  # stable: a stack's ranges stay in expert order
-    dense, experts = solved[False], solved[True]
-    extra = dict(dense.extra)
-    extra["expert_parallel"] = {"ep_size": ep_size, "group_size": world_size // ep_size,
-                                "method": experts.method, "makespan": experts.makespan,
-                                "lower_bound": experts.lower_bound, **dict(experts.extra)}
-    plan = OwnerPlan(world_size=world_size, matrices=tuple(matrices), method=dense.method if dense.matrices
-                     else experts.method, cost_unit=options.get("cost_unit", "flops"), extra=extra,
-                     ep_size=ep_size)
-    loads = plan.loads()
-    # the merged bound: the two solves' work spread over every rank, or the largest item
-    largest = max([dense.lower_bound if not dense.matrices else max(m.cost / m.matrices for m in dense.matrices),
-                   *(m.cost / m.matrices for m in experts.matrices)], default=0.0)
-    bound = max(sum(loads) / world_size, largest, dense.lower_bound, experts.lower_bound)
-    makespan = max(loads, default=0.0)
-    if options.get("solver_report"):  # the merged report (dmuon.profile reads it)
-        inverse = {new: old for old, new in relabel.items()}
-        dense_mem = dense.extra.get("memory_by_rank") or [0.0] * world_size
-        expert_mem = experts.extra.get("memory_by_rank") or [0.0] * group_size
-        proven = max(bound, *(float(p.extra.get("proven_bound") or 0.0) for p in (dense, experts)))
-        extra.update(
-            memory_by_rank=[dense_mem[g] + expert_mem[inverse[g // ep_size]] for g in range(world_size)],
-            proven_bound=proven, optimal=makespan <= proven * (1 + 1e-12),
-            detail=f"dense {dense.extra.get('detail')}, experts {experts.extra.get('detail')}",
-            milp_status=", ".join(f"{name} {p.extra.get('milp_status')}" for name, p in
-                                  (("dense", dense), ("experts", experts))),
-            solve_s=float(dense.extra.get("solve_s", 0.0)) + float(experts.extra.get("solve_s", 0.0)))
-        plan = replace(plan, extra=extra)
-    return replace(plan, makespan=makespan, lower_bound=bound)
 
 
 def build_bucket_plan(
