@@ -70,7 +70,9 @@ def rank_table(plan, memory_by_rank: Sequence[float], nodes: int, gpus_per_node:
     loads = plan.loads()
     counts = [0] * plan.world_size
     for m in plan.matrices:
-        counts[m.owner] += m.matrices  # an expert range counts its experts
+        # an expert range counts its experts; an expert-parallel one, on every "ep" coordinate
+        for r in ([m.owner * plan.ep_size + c for c in range(plan.ep_size)] if m.ep else [m.owner]):
+            counts[r] += m.matrices
     unit = plan.cost_unit
     scale, label = (1e12, "TFLOP") if unit == "flops" else (1.0, "ms")
     rows = [("rank", "node", "gpu", f"load [{label}]", "load/mean", "memory [GiB]", "matrices")]
@@ -133,7 +135,7 @@ def plot_loads(plan, path: str) -> None:
 def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap_bytes=None,
                      measure: bool = False, device="cpu", method: str = "auto",
                      time_limit_s: float = 10.0, cache_path=DEFAULT_CACHE, progress: bool = True,
-                     group_cost: float = 0.0):
+                     group_cost: float = 0.0, ep: int = 1):
     """Profile Newton-Schulz costs, then :func:`dmuon.owners.plan.build_plan` inside the XOR
     layout; returns ``(OwnerPlan, per-rank memory bytes)``.
 
@@ -141,6 +143,11 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     :mod:`dmuon.balance.grouping`) the solver keeps layers on few owners instead, and the XOR
     layout, which spreads each layer, is not applied. Layers are :func:`layer_groups`: one per
     numbered layer, and one root block for every matrix outside them.
+
+    With ``ep > 1`` (expert parallelism, ranks in ``(expert shard, ep)`` row-major order) every
+    expert stack is split ``Shard(0)`` over ``ep`` ranks: its local experts are balanced over
+    the ``world / ep`` ranks holding them (:func:`dmuon.owners.plan.build_plan`'s
+    ``expert_parallel``), without the XOR layout.
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (e.g. an infeasible memory cap).
@@ -153,11 +160,13 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     matrix_costs, overhead, unit = profile_costs([lay.matrix_shape for lay in layouts], measure=measure,
                                                  device=device, cache_path=cache_path, progress=progress)
     costs = [c * lay.count for c, lay in zip(matrix_costs, layouts)]  # per parameter
+    stacks = [fqn for (fqn, _), lay in zip(named_shapes, layouts) if lay.is_stack] if ep > 1 else []
     plan = build_plan(named_shapes, nodes * gpus_per_node, costs=costs, cost_unit=unit,
                       method=method, time_limit_s=time_limit_s,
                       groups=layer_groups([f for f, _ in named_shapes]), group_cost=group_cost,
-                      layout=(nodes, gpus_per_node), memory_cap_bytes=memory_cap_bytes,
-                      batch_overhead=overhead, solver_report=True)
+                      layout=None if ep > 1 else (nodes, gpus_per_node), memory_cap_bytes=memory_cap_bytes,
+                      batch_overhead=overhead, solver_report=True,
+                      **({"expert_parallel": stacks, "ep_size": ep} if ep > 1 else {}))
     return plan, list(plan.extra["memory_by_rank"])
 
 
@@ -179,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="step time of one more (layer, owner) publication in the profile's unit "
                         "(FLOPs of the FLOP model, or ms when measured), or 'auto': by the device's backend (0 on "
                         "CUDA/NCCL, ~2.5 ms per publication on CPU/gloo). 0 keeps the XOR layout")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: expert stacks Shard(0) over this many ranks (the plan "
+                        "then runs on an (efsdp, ep) mesh; it must divide the ranks and the experts)")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
@@ -203,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan, mem = build_owner_plan(named, args.nodes, args.gpus_per_node, memory_cap_bytes=cap,
                                      measure=measure, device=device, method=args.method,
                                      time_limit_s=args.time_limit_s, cache_path=args.cache,
-                                     group_cost=group_cost)
+                                     group_cost=group_cost, ep=args.ep)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests import ep_cases
 from tests import moe_cases as cases
 from tests.test_core import FP32_ATOL, compare
 
@@ -125,11 +126,117 @@ def test_plan_records_expert_ranges():
         plan.check_matches({**dict(shapes), "moe.down": (8, 16, 8)}, 4)
 
 
-def test_expert_parallel_mesh_is_refused_on_every_rank(dist_pool):
-    """Expert parallelism is not built: a mesh with an "ep" dimension is refused by name."""
-    out = dist_pool.run(2, "tests.moe_cases:ep_mesh", {}, timeout_s=60, fresh=True)
+@pytest.mark.parametrize("case,world_size,ep,options", [
+    ("ep-moe", 2, 2, {}),                  # (efsdp 1, ep 2): every rank holds 2 of the 4 experts alone
+    ("ep-moe", 4, 2, {}),                  # efsdp 2 x ep 2: each expert group of 2 ranks splits its stacks
+    ("ep-moe", 4, 4, dict(spread=False)),  # ep 4, the default plan (MILP, gloo group cost)
+    ("ep-moe-2", 4, 2, {}),                # 1 local expert over efsdp 2: empty FSDP2 shards on 2 ranks
+    ("ep-moe", 2, 2, dict(one_d=True)),    # a 1-D ("ep",) mesh, experts outside FSDP2
+    ("ep-moe", 4, 2, dict(dedicate_first=True)),  # dedicate_params before fully_shard
+    ("ep-moe", 4, 2, dict(micro_batches=2)),      # gradient accumulation (dmuon.no_sync)
+    ("ep-moe", 4, 2, dict(replicas=2)),           # HSDP in front: ("replicate", "efsdp", "ep") 2x1x2
+    ("ep-moe", 4, 2, dict(replicas=2, replicate_mode="broadcast")),
+], ids=lambda v: "-".join(f"{k}={x}" if isinstance(x, str) else k for k, x in v.items()) or "layout" if isinstance(v, dict) else None)
+def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, options):
+    """torchtitan's layout (experts Shard(0) over "ep", fully_shard over "efsdp", dense blocks
+    over every rank; tests/ep_cases.py) against single-process torch.optim.Muon per expert."""
+    out = dist_pool.run(world_size, "tests.ep_cases:train", dict(ep=ep, case=case, **options),
+                        timeout_s=120, fresh=True)
+    ref, ref_losses = cases.reference(case, world_size, STEPS)
+    worst = compare(out[0]["params"], ref, FP32_ATOL)
+    replicas = options.get("replicas", 1)
+    print(f"{case} ep={ep} x efsdp={world_size // ep // replicas} x replicas={replicas} on {world_size} ranks "
+          f"{options}: max |diff| {worst:.3g}")
+    np.testing.assert_allclose(np.mean([o["losses"] for o in out], axis=0), ref_losses, rtol=1e-5)
+    assert len({o["digest"] for o in out}) == 1
+    norm = ep_cases.reference_grad_norm(case, world_size)  # dmuon.clip_grad_norm_ counts each expert once
+    assert all(abs(o["grad_norm0"] - norm) <= 1e-5 * norm for o in out), ([o["grad_norm0"] for o in out], norm)
+    # each expert's Newton-Schulz runs once, on one rank of the group holding it
+    experts = 2 if case == "ep-moe-2" else 4
+    owned = [m for o in out[: world_size // replicas] for m in o["owned_experts"]]  # replica 0
+    assert sorted(owned) == sorted({m for m in owned}), "an expert is owned twice"
+    stacks = {fqn for fqn, _ in owned}
+    assert len(stacks) == 4 and all(sorted(e for f, e in owned if f == fqn) == list(range(experts)) for fqn in stacks)
+    if case == "ep-moe-2":  # the case is exercised: FSDP2 left some ranks an empty expert shard
+        assert any(0 in o["shard_rows"] for o in out), [o["shard_rows"] for o in out]
+
+
+def test_expert_parallel_checkpoint_roundtrip(dist_pool):
+    """dmuon.state_dict / load_state_dict under expert parallelism: bitwise resume, and each
+    expert range is named by its global experts, so no two expert groups offer one key (DCP
+    would write only one of them)."""
+    out = dist_pool.run(4, "tests.ep_cases:checkpoint_roundtrip", dict(ep=2), timeout_s=120, fresh=True)
+    assert all(o["same"] for o in out)
+    keys = [k for o in out for k in o["keys"]]
+    assert len(keys) == len(set(keys)) == 4 * 4, keys  # 4 stacks x 4 experts, one range each
+    assert "blocks.0.experts.w1[3:4]" in keys
+
+
+@pytest.mark.parametrize("case,words", [
+    ("indivisible", ["ValueError: dmuon: expert stack 'w1'", "(3, 6, 8)", "3 experts", "'ep' of 2 ranks",
+                     "[1, 3]", "predicate=..."]),
+    ("no-ep-mesh", ["ValueError: dmuon: parameter 'w1'", "(4, 6, 8)", "expert-parallel dimension ('ep',)",
+                    "mesh without one", "('efsdp', 'ep')"]),
+])
+def test_expert_parallel_bad_layout_raises_on_every_rank(dist_pool, case, words):
+    """3 experts Shard(0) over an "ep" dimension of 2 ranks, or experts on an "ep" mesh with a
+    mesh without one given to dedicate_params: refused by name, on every rank."""
+    out = dist_pool.run(2, "tests.ep_cases:bad_ep", dict(case=case), timeout_s=60, fresh=True)
     for msg in out:
-        assert msg.startswith("ValueError: dmuon: mesh ") and "expert-parallel dimension 'ep'" in msg, msg
+        for word in words:
+            assert word in msg, (word, msg)
+
+
+def test_expert_parallel_meshes_refused_by_name():
+    """TP together with "ep", or "ep" not last, are not supported: said by name."""
+    from types import SimpleNamespace
+
+    from dmuon.comm.mesh_roles import expert_parallel_dims
+
+    def mesh(*names):
+        return SimpleNamespace(mesh_dim_names=names, ndim=len(names), shape=(2,) * len(names))
+
+    assert expert_parallel_dims(mesh("efsdp", "ep")) == (1, 0, None)
+    assert expert_parallel_dims(mesh("ep")) == (0, None, None)
+    assert expert_parallel_dims(mesh("replicate", "efsdp", "ep")) == (2, 1, 0)
+    assert expert_parallel_dims(mesh("replicate", "shard")) is None
+    for names in [("ep", "efsdp"), ("tp", "ep"), ("efsdp", "ep", "tp"), ("efsdp", "replicate", "ep")]:
+        with pytest.raises(ValueError, match="TP together with expert parallelism is not supported"):
+            expert_parallel_dims(mesh(*names))
+
+
+def test_expert_parallel_plan_records_the_grouping():
+    """An expert-parallel plan: local experts balanced within a group of world / ep ranks, the
+    dense matrices over all; its JSON and digest carry the grouping, so a plan solved for one
+    layout is refused on another."""
+    import dataclasses
+
+    from dmuon.owners.plan import OwnerPlan, build_plan
+
+    shapes = [("attn.w", (16, 16)), ("moe.gate_up", (8, 8, 16)), ("moe.down", (8, 16, 4)), ("head", (4, 16))]
+    ep_fqns = ["moe.gate_up", "moe.down"]
+    plan = build_plan(shapes, 4, method="greedy", expert_parallel=ep_fqns, ep_size=2)
+    assert plan.ep_size == 2 and plan.expert_group_size == 2
+    stacks = [m for m in plan.matrices if m.ep]
+    assert {m.fqn for m in stacks} == set(ep_fqns) and all(m.owner < 2 for m in stacks)
+    for fqn in ep_fqns:  # each stack's 4 local experts (8 / ep), split over both group ranks
+        ranges = [m.experts for m in stacks if m.fqn == fqn]
+        assert ranges[0][0] == 0 and ranges[-1][1] == 4 and len({m.owner for m in stacks if m.fqn == fqn}) == 2
+    assert not any(m.ep for m in plan.matrices if m.fqn not in ep_fqns)
+    assert plan.makespan == max(plan.loads()) >= plan.lower_bound > 0
+    again = OwnerPlan.from_dict(plan.to_dict())
+    assert again == plan and again.digest() == plan.digest()
+    assert dataclasses.replace(plan, ep_size=1).digest() != plan.digest()
+    flat = dataclasses.replace(plan, matrices=tuple(dataclasses.replace(m, ep=False) for m in plan.matrices))
+    assert flat.digest() != plan.digest()
+    local = {"attn.w": (16, 16), "moe.gate_up": (4, 8, 16), "moe.down": (4, 16, 4), "head": (4, 16)}
+    plan.check_matches(local, 4, ep_size=2, expert_parallel=ep_fqns)
+    with pytest.raises(ValueError, match="'ep'\\) size of 2 but the mesh has 4"):
+        plan.check_matches(local, 4, ep_size=4, expert_parallel=ep_fqns)
+    with pytest.raises(ValueError, match="'moe.gate_up' is split over the 'ep'"):
+        flat.check_matches(local, 4, ep_size=2, expert_parallel=ep_fqns)
+    with pytest.raises(ValueError, match="ep_size=3"):
+        build_plan(shapes, 4, expert_parallel=ep_fqns, ep_size=3)
 
 
 def test_moe_inventory_plan_meets_its_bound():

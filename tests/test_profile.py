@@ -172,3 +172,28 @@ def test_time_ns_runs_the_real_ns_path():
     assert ms > 0
     costs, overhead, unit = profiler.profile_costs([(16, 24)], measure=False)
     assert unit == "flops" and costs[0] > 0 and overhead == {}
+
+
+def test_cli_expert_parallel_plan(tmp_path, capsys):
+    """``--ep 8`` on Qwen3-30B-A3B over 2 x 8 ranks: each stack's 16 local experts are balanced
+    over the expert group of 2 ranks, the dense matrices over all 16; the plan loads on an
+    (efsdp 2, ep 8) layout and nowhere else."""
+    out = tmp_path / "plan.json"
+    rc = main(["--model", "qwen3-30b-a3b", "--nodes", "2", "--gpus-per-node", "8", "--ep", "8", "--out",
+               str(out), "--time-limit-s", "1", "--measure", "no", "--no-plot", "--cache", str(tmp_path / "c.json")])
+    assert rc == 0
+    plan = OwnerPlan.load(out)
+    assert plan.ep_size == 8 and plan.world_size == 16
+    inv = inventory("qwen3-30b-a3b")
+    stacks = [fqn for fqn, shape in inv if len(shape) == 3]
+    local = {fqn: ((shape[0] // 8,) + tuple(shape[1:]) if fqn in stacks else shape) for fqn, shape in inv}
+    plan.check_matches(local, 16, ep_size=8, expert_parallel=stacks)
+    with pytest.raises(ValueError, match="re-solve"):
+        plan.check_matches(dict(inv), 16)
+    assert all(m.owner < 2 for m in plan.matrices if m.ep)
+    assert plan.makespan == pytest.approx(max(plan.loads())) and plan.makespan <= 1.01 * plan.lower_bound
+    rows = capsys.readouterr().out.splitlines()
+    # each of the 12,288 experts counted once, on one rank of its group: 16 local experts x 96
+    # stacks / 2 group ranks = 768 per rank, plus a share of the 240 dense matrices
+    counts = [int(line.split()[-1]) for line in rows[1:17]]
+    assert sum(counts) == 12528 and min(counts) >= 768, counts

@@ -86,6 +86,10 @@ class GradBucket:
             input), so the hooks dispatch O(1) ops per bucket whatever its number of matrices.
             Memory: a block's gradients and ``flat`` coexist for that one op (FSDP2's peak too).
         pending: this backward's collectives, once issued.
+        group: the process group the members' owners are ranks of and the reduce runs on,
+            when not the one :class:`IssueOrder` is given (expert parallelism: the ranks holding
+            the same experts; the average still divides by the whole data-parallel size, since
+            each member's local gradient already sums its ``"ep"`` peers' tokens).
     """
 
     records: list[DedicatedParam]
@@ -110,6 +114,7 @@ class GradBucket:
     owner_avg: torch.Tensor | None = None  # fp32 [numel of this rank's segment], see _average_mine
     owner_views: dict[DedicatedParam, torch.Tensor] | None = None
     _owned: list[tuple[DedicatedParam, int, int]] | None = None
+    group: dist.ProcessGroup | None = None
 
     def __post_init__(self) -> None:
         # the matrices' part holds each owner's presence flags too, where the bucket has them
@@ -326,7 +331,7 @@ class IssueOrder:
             if bucket.takes_grads and not (bucket.active and bucket.full()):
                 return
             if bucket.takes_grads and not bucket.issued:
-                bucket.issue(group, mode)
+                bucket.issue(bucket.group or group, mode)
             self.next += 1
 
     def finish(self, group: dist.ProcessGroup, mode: str) -> None:
@@ -334,7 +339,7 @@ class IssueOrder:
         took a gradient on this rank still goes out: other ranks may have them)."""
         for bucket in self.buckets[self.next:]:
             if bucket.takes_grads and not bucket.issued:
-                bucket.issue(group, mode)
+                bucket.issue(bucket.group or group, mode)
         self.next = 0
 
 
@@ -356,7 +361,8 @@ def finish_buckets(order: IssueOrder, group: dist.ProcessGroup, mode: str,
 
 
 def make_buckets(records: list[DedicatedParam], blocks: list[int], persistent: bool = False) -> list[GradBucket]:
-    """One :class:`GradBucket` per (block, reduce dtype, device), in first-member order.
+    """One :class:`GradBucket` per (block, reduce dtype, device, owners' process group), in
+    first-member order.
 
     Args:
         records: every dedicated matrix of the model, in model order.
@@ -365,9 +371,9 @@ def make_buckets(records: list[DedicatedParam], blocks: list[int], persistent: b
     """
     keyed: dict[tuple, list[DedicatedParam]] = {}
     for rec, block in zip(records, blocks):
-        keyed.setdefault((block, rec.reduce_dtype, rec.buffer.device), []).append(rec)
+        keyed.setdefault((block, rec.reduce_dtype, rec.buffer.device, rec.group), []).append(rec)
     buckets = []
-    for (_, dtype, device), members in keyed.items():
+    for (_, dtype, device, pg), members in keyed.items():
         members = sorted(members, key=lambda r: r.owner)  # stable: model order within an owner
         slots, flags, segments, start = [], [], [], 0
         owners = list(dict.fromkeys(rec.owner for rec in members))
@@ -386,7 +392,7 @@ def make_buckets(records: list[DedicatedParam], blocks: list[int], persistent: b
         expected = frozenset(r for r in members if r.compute.requires_grad)
         index = {r: i for i, r in enumerate(members)}  # records hash by identity (eq=False)
         buckets.append(GradBucket(members, slots, index, segments, dtype, device, expected,
-                                  persistent=persistent, flags=flags))
+                                  persistent=persistent, flags=flags, group=pg))
 
     logger.debug("dmuon: %d gradient buckets for %d matrices", len(buckets), len(records))
     return buckets

@@ -6,6 +6,15 @@ others, a single one is the data-parallel *shard* dimension (FSDP, or plain repl
 builds them). A 1-D mesh without names is data-parallel. dmuon creates its own process groups
 along each role so its broadcasts and reduces never interleave with FSDP2's collectives.
 
+Expert parallelism (a dimension named ``"ep"``, as torchtitan names it): the mesh is the one
+the experts live on, ``("ep",)`` or ``(expert shard, "ep")`` (torchtitan's ``("efsdp", "ep")``
+or ``("dp_shard_mod_ep", "ep")``), optionally with HSDP's ``"replicate"`` in front: experts
+``Shard(0)`` over ``"ep"``, FSDP2 over the other dim. Every rank of a replica is a
+data-parallel rank for the dense matrices, so their owners are drawn from all of them
+(``shard`` is the group over the replica, in its row-major order); an expert stack's owners are
+drawn from the ranks of the replica that hold the same experts, those sharing this rank's
+``"ep"`` coordinate (``expert``).
+
 Every group dmuon creates inherits the user's collective timeout (:func:`inherited_timeout`):
 ``dist.new_group`` without ``timeout=`` would wait torch's default 30 minutes (gloo) whatever
 ``init_process_group(timeout=...)`` said, so a desynchronised rank would hang the job.
@@ -24,6 +33,8 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 TP_NAMES = ("tp", "tensor", "model")
+#: mesh dimension names of expert parallelism (torchtitan's ``"ep"``)
+EP_NAMES = ("ep",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +57,11 @@ class MeshRoles:
             ``torch.testing._internal.distributed.fake_pg``): one process plays one rank, its
             collectives return at once with nothing received, so nothing that needs a live peer
             (the step check, a plan broadcast, a digest exchange) is created or issued.
+        expert: expert parallelism only: the group of the ranks sharing this rank's ``"ep"``
+            coordinate (they hold the same experts): an expert stack's owners, publication and
+            reduce-to-owner live here. ``None`` without an ``"ep"`` dimension.
+        ep_size: size of the ``"ep"`` dimension (1 without one).
+        ep_name: the mesh dimension name of expert parallelism, or ``None``.
     """
 
     shard: dist.ProcessGroup
@@ -60,6 +76,9 @@ class MeshRoles:
     steps: dist.ProcessGroup | None = None
     timeout: timedelta | None = None
     fake: bool = False
+    expert: dist.ProcessGroup | None = None
+    ep_size: int = 1
+    ep_name: str | None = None
 
     @property
     def shard_size(self) -> int:
@@ -87,11 +106,9 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     ndim = mesh.ndim
-    if "ep" in names:  # not a data-parallel dim: experts live on their own ranks
-        raise ValueError(
-            f"dmuon: mesh {_describe(mesh)} has an expert-parallel dimension 'ep'; dmuon does not "
-            f"support expert parallelism yet. Pass the data-parallel mesh the blocks were "
-            f"fully_shard-ed on, with the experts sharded by FSDP2.")
+    if any(n in EP_NAMES for n in names):  # expert parallelism: see expert_parallel_dims
+        raise ValueError(f"dmuon: mesh {_describe(mesh)} has an expert-parallel dimension; "
+                         f"its roles come from expert_parallel_dims")
     if ndim == 1:
         if names and names[0] in TP_NAMES:  # TP only: a DP "group" of one rank per TP rank
             return -1, None, 0, names[0]
@@ -112,6 +129,49 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
     if len(data_dims) == 2:
         return data_dims[1], data_dims[0], tp_dim, names[tp_dim] if tp_dim is not None else None
     raise ValueError(f"dmuon: unsupported mesh {_describe(mesh)}")
+
+
+def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
+    """``(ep_dim, expert_shard_dim, replicate_dim)`` of a mesh with an expert-parallel
+    dimension (``None`` without one): ``("ep",)`` (no expert shard dim: every rank holds its
+    own experts alone), ``(shard, "ep")`` with any non-TP, non-replicate name for the shard dim
+    (torchtitan's ``("efsdp", "ep")`` / ``("dp_shard_mod_ep", "ep")``), or HSDP in front,
+    ``("replicate", shard, "ep")`` (torchtitan's ``("dp_replicate", "efsdp", "ep")``).
+
+    Raises:
+        ValueError: any other mesh with an ``"ep"`` dimension (TP with expert parallelism, or
+            ``"ep"`` not last), naming the mesh and what is supported.
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    ep = [i for i, n in enumerate(names) if n in EP_NAMES]
+    if not ep:
+        return None
+    replicate = ("replicate", "dp_replicate")
+    others = [n for n in names if n not in EP_NAMES]
+    last = len(ep) == 1 and ep[0] == mesh.ndim - 1
+    if last and mesh.ndim == 1:
+        return 0, None, None
+    if last and mesh.ndim == 2 and others[0] not in TP_NAMES + replicate:
+        return 1, 0, None
+    if last and mesh.ndim == 3 and others[0] in replicate and others[1] not in TP_NAMES + replicate:
+        return 2, 1, 0
+    raise ValueError(
+        f"dmuon: mesh {_describe(mesh)} combines expert parallelism with dimensions dmuon does not "
+        f"take (or does not put 'ep' last); dmuon supports ('ep',), (expert shard, 'ep') and "
+        f"('replicate', expert shard, 'ep'), e.g. torchtitan's init_device_mesh(..., (efsdp, ep), "
+        f"mesh_dim_names=('efsdp', 'ep')), with the experts Shard(0) over 'ep' and fully_shard on "
+        f"'efsdp'. TP together with expert parallelism is not supported yet.")
+
+
+def _groups_of(rank_lists: list[list[int]], backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
+    """Create one group per rank list (every rank creates every group, in the same order:
+    collective) and return the one holding this rank."""
+    me, mine = dist.get_rank(), None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+        if me in ranks:
+            mine = group
+    return mine
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
@@ -238,6 +298,9 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
     backend = dist.get_backend(mesh.get_group(0))
     fake = is_fake_backend(backend)
     timeout = None if fake else inherited_timeout(mesh)  # a fake group waits for nothing
+    ep_dims = expert_parallel_dims(mesh)
+    if ep_dims is not None:
+        return _expert_parallel_roles(mesh, ep_dims, backend, timeout, fake, step_check)
     shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(mesh)
     ranks = mesh.mesh
     if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
@@ -255,3 +318,34 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
         shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim, tp_name=tp_name,
         shape=tuple(ranks.shape), steps=steps, timeout=timeout, fake=fake,
     )
+
+
+def _expert_parallel_roles(mesh, ep_dims: tuple[int, int | None, int | None], backend: str,
+                           timeout: timedelta | None, fake: bool, step_check: bool) -> MeshRoles:
+    """:func:`build_roles` on an expert-parallel mesh (collective). Seen as ``[replicas, expert
+    shard, ep]``: the dense matrices' shard group is a replica's ranks (row-major over expert
+    shard x ep), the experts' group a replica's ranks of one ep coordinate, the replicate group
+    (HSDP) the ranks of one (expert shard, ep) position."""
+    ep_dim, expert_dim, replicate_dim = ep_dims
+    ranks = mesh.mesh
+    if expert_dim is None:
+        ranks = ranks.unsqueeze(0)
+    if replicate_dim is None:
+        ranks = ranks.unsqueeze(0)
+    replicas, experts, ep = (int(n) for n in ranks.shape)
+    every = [int(r) for r in ranks.flatten().tolist()]
+    world = dist.new_group(ranks=every, backend=backend, timeout=timeout)
+    steps = (dist.new_group(ranks=every, backend="gloo", timeout=timeout)
+             if step_check and not fake and dist.is_gloo_available() else None)
+    shard = _groups_of([[int(x) for x in ranks[r].flatten().tolist()] for r in range(replicas)], backend, timeout)
+    expert = _groups_of([[int(x) for x in ranks[r, :, c].tolist()] for r in range(replicas) for c in range(ep)],
+                        backend, timeout)
+    replicate = (_groups_of([[int(x) for x in ranks[:, e, c].tolist()] for e in range(experts) for c in range(ep)],
+                            backend, timeout) if replicas > 1 else None)
+    names = tuple(mesh.mesh_dim_names)
+    return MeshRoles(shard=shard, world=world, replicate=replicate, tp=None,
+                     shard_dim=1 if replicate is not None else 0,
+                     replicate_dim=0 if replicate is not None else None, tp_dim=None, tp_name=None,
+                     shape=(replicas, experts * ep) if replicate is not None else (experts * ep,),
+                     steps=steps, timeout=timeout, fake=fake, expert=expert, ep_size=ep,
+                     ep_name=names[ep_dim])

@@ -41,11 +41,13 @@ class Selected:
     shape: tuple[int, ...]
     blocks: int = 1
     optional: bool = False  # a ModuleList expert: may take no gradient on some ranks
+    ep: int = 1  # expert parallelism: ranks its experts are split over (1: not expert-parallel)
 
     @property
     def layout(self) -> ParamLayout:
-        """How the parameter splits into Newton-Schulz matrices (the shape seam)."""
-        return ParamLayout(shape=tuple(self.shape), blocks=self.blocks)
+        """How this rank's part of the parameter splits into Newton-Schulz matrices (the shape
+        seam): the whole parameter, or under expert parallelism its ``E / ep`` local experts."""
+        return ParamLayout(shape=tuple(self.shape), blocks=self.blocks).local(self.ep)
 
     @property
     def param(self) -> nn.Parameter:
@@ -181,7 +183,7 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
     """
     selected, model, roles = ctx.selected, ctx.model, ctx.roles
     fsdp_states = fsdp.fsdp_states(model)
-    plain_1d = roles.tp is None and roles.replicate is None
+    plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
     keep = resolve_replicas(ctx.replicas, fsdp_wrapped=bool(fsdp_states), plain_1d=plain_1d) == "keep"
     specs_of = ctx.plan.specs_by_fqn()
     parents = fsdp.parent_map(model)
@@ -196,7 +198,8 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
         # collective redistributes, in the same order on every rank
         param = sel.param
         taken = fsdp.take_from_fsdp(model, sel.module, sel.attr)
-        sl = local_slice(taken if taken is not None else param, sel.fqn, roles.tp_name)
+        sl = local_slice(taken if taken is not None else param, sel.fqn, roles.tp_name,
+                         roles.ep_name if sel.ep > 1 else None)
         layout, specs = sel.layout, specs_of[sel.fqn]
         if layout.is_stack and sl.shard_dim is not None:
             raise ValueError(f"dmuon: parameter {sel.fqn!r} (shape {tuple(sel.shape)}) is a stack of "
@@ -212,27 +215,39 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
     # keep mode: publish groups and gradient buckets per plan bucket; else per unit
     keys = (bucket_keys(ctx.plan, [e[1] for e in entries], ctx.bucket_bytes) if keep
             else [u.index for u in unit_of])
+    # expert parallelism: an expert stack's owner is a rank of the group holding its experts
+    pgs = [roles.expert if e[1].ep else None for e in entries]
+    ranks = [dist.get_rank(pg) if pg is not None else ctx.rank for pg in pgs]
     views = make_groups([(e[2], e[3], e[4], e[5]) for e in entries], [e[1].owner for e in entries],
-                        keys, ctx.rank, keep)
+                        keys, ranks, keep, pgs)
     records = []
     slots: dict[int, StackSlot] = {}
     for order, (i, spec, sl, requires_grad, compute_dtype, reduce_dtype) in enumerate(entries):
         sel = selected[i]
         group, storage = views[order]
         stacked = sel.layout.is_stack or sel.blocks > 1
+        split = len(specs_of[sel.fqn]) > 1  # the module computes with the whole stack
+        key = spec.key
+        if spec.ep:  # named by global experts: each "ep" coordinate's own (checkpoint keys)
+            first = sl.tp_mesh.get_local_rank() * sel.layout.count
+            start, stop = spec.experts
+            key = f"{sel.fqn}[{first + start}:{first + stop}]"
+        wrap = (lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape))
         rec = make_dedicated(
             fqn=sel.fqn, module=sel.module, attr=sel.attr, full=sl.local,
-            owner=spec.owner, rank=ctx.rank, compute_dtype=compute_dtype,
+            owner=spec.owner, rank=ranks[order], compute_dtype=compute_dtype,
             reduce_dtype=reduce_dtype, requires_grad=requires_grad, order=order,
-            wrap=lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape),
+            # an "ep" stack split into ranges is wrapped whole, by its slot
+            wrap=None if split and sel.ep > 1 else wrap,
             storage=storage, full_shape=tuple(sl.local.shape) if stacked else sel.shape,
             tp_shard_dim=sl.shard_dim, tp_owner=spec.tp_owner,
             replicate_mode=spec.replicate_mode or "compute",  # the plan decides
-            matrix_shape=sel.layout.matrix_shape if stacked else sel.shape, key=spec.key,
-            optional=sel.optional,
+            matrix_shape=sel.layout.matrix_shape if stacked else sel.shape, key=key,
+            optional=sel.optional, group=pgs[order],
         )
-        if len(specs_of[sel.fqn]) > 1:  # the module computes with the whole stack
-            slot = slots.setdefault(i, StackSlot(sel.module, sel.attr, tuple(sel.shape)))
+        if split:
+            slot = slots.setdefault(i, StackSlot(sel.module, sel.attr, tuple(sel.layout.shape),
+                                                 wrap=wrap if sel.ep > 1 else None))
             slot.records.append(rec)
             rec.stack = slot
         group.members.append(rec)
@@ -282,18 +297,24 @@ def make_units(ctx: BindRequest, unit_ctx: UnitContext, unit_modules: list[nn.Mo
     return units
 
 
-def make_groups(slices: list, owners: list[int], keys: list, rank: int,
-                keep: bool) -> list[tuple[PublishGroup, torch.Tensor]]:
-    """One :class:`PublishGroup` per (unit or bucket key, owner, dtype, device); returns each
-    matrix's group and its view of the group's flat buffer, in selection order."""
+def make_groups(slices: list, owners: list[int], keys: list, ranks: list[int],
+                keep: bool, pgs: list) -> list[tuple[PublishGroup, torch.Tensor]]:
+    """One :class:`PublishGroup` per (unit or bucket key, process group, owner, dtype, device);
+    returns each matrix's group and its view of the group's flat buffer, in selection order.
+
+    Args:
+        ranks: per matrix, this rank's index in the process group its owner is a rank of.
+        pgs: per matrix, that process group (``None``: the shard group; expert parallelism:
+            the expert group).
+    """
     keyed: dict[tuple, list[int]] = {}
     for i, ((sl, _, dtype, _), owner) in enumerate(zip(slices, owners)):
-        keyed.setdefault((keys[i], owner, dtype, sl.local.device), []).append(i)
+        keyed.setdefault((keys[i], pgs[i], owner, dtype, sl.local.device), []).append(i)
     views: list[Any] = [None] * len(slices)
-    for (_, owner, dtype, device), indices in keyed.items():
+    for (_, pg, owner, dtype, device), indices in keyed.items():
         numels = [slices[i][0].local.numel() for i in indices]
         flat = torch.empty(sum(numels), dtype=dtype, device=device)
-        group = PublishGroup(owner=owner, is_owner=owner == rank, flat=flat, keep=keep)
+        group = PublishGroup(owner=owner, is_owner=owner == ranks[indices[0]], flat=flat, keep=keep, pg=pg)
         for i, piece in zip(indices, torch.split(flat, numels)):
             views[i] = (group, piece)
     return views
@@ -306,10 +327,10 @@ def replicate_others(ctx: BindRequest, records: list[DedicatedParam]) -> list[nn
     Raises:
         ValueError: on an HSDP or tensor-parallel mesh (those need FSDP2).
     """
-    if ctx.roles.tp is not None or ctx.roles.replicate is not None:
+    if ctx.roles.tp is not None or ctx.roles.replicate is not None or ctx.roles.expert is not None:
         raise ValueError(
-            "dmuon: HSDP and tensor-parallel meshes need FSDP2 (fully_shard) on the "
-            "data-parallel dimensions; a plain replicated module is supported on a 1-D mesh"
+            "dmuon: HSDP, tensor-parallel and expert-parallel meshes need FSDP2 (fully_shard) on "
+            "the data-parallel dimensions; a plain replicated module is supported on a 1-D mesh"
         )
     masters = {rec.master for rec in records}  # parameters, hashed by identity
     params = [p for p in ctx.model.parameters() if p not in masters and not hasattr(p, "placements")]

@@ -99,18 +99,27 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
     return predicate
 
 
-def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
+def select_matrices(model: nn.Module, predicate: Predicate, *, ep_name: str | None = None,
+                    ep_size: int = 1) -> list[Selected]:
     """The dedicated parameters (matrices and stacks of them) in model order.
+
+    Args:
+        model, predicate: the model and :func:`default_predicate` or the user's.
+        ep_name, ep_size: the mesh's expert-parallel dimension and size (``None``, 1 without
+            one); an expert stack ``Shard(0)`` over it gets ``Selected.ep``
+            (:func:`dmuon.owners.stacks.expert_parallel_size`).
 
     Raises:
         ValueError: if the predicate selects a tensor of fewer than 2 dims, a >2-D tensor
             whose leading dims are not experts (:func:`dmuon.owners.stacks.check_expert_stack`),
             a row-block count that does not divide the rows, or a parameter that appears under
             two names (tied weights cannot have one owner's placeholder swapped on two
-            modules). Every rank sees the same model, so every rank raises alike (no hang).
+            modules), and an expert-parallel stack dmuon cannot take (an ``"ep"`` size that
+            does not divide its experts, ...). Every rank sees the same model, so every rank
+            raises alike (no hang).
     """
-    from dmuon.owners.stacks import (check_expert_stack, expert_module_names, in_expert, param_layout,
-                                     refuse_expert_parallel)
+    from dmuon.owners.stacks import (check_expert_stack, expert_module_names, expert_parallel_size, in_expert,
+                                     param_layout)
 
     experts = expert_module_names(model)
     seen: dict[int, str] = {}
@@ -135,9 +144,9 @@ def select_matrices(model: nn.Module, predicate: Predicate) -> list[Selected]:
             blocks = 1 if picked is True else picked
             layout = param_layout(fqn, param.shape, blocks)  # >= 2-D, blocks divide the rows
             check_expert_stack(fqn, module, param.shape)
-            refuse_expert_parallel(fqn, param)
+            ep = expert_parallel_size(fqn, param, ep_name, ep_size)
             selected.append(Selected(fqn=fqn, module=module, attr=attr, shape=layout.shape,
-                                     blocks=layout.blocks, optional=in_expert(module_name, experts)))
+                                     blocks=layout.blocks, optional=in_expert(module_name, experts), ep=ep))
     # A tied parameter seen first as non-dedicated and later selected under its second name.
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -181,8 +190,12 @@ def dedicate_params(
             gradients of the other parameters, DDP-style; pass the module itself, not a
             ``DistributedDataParallel`` wrapper).
         mesh: the ``DeviceMesh``: 1-D data parallel; ``("replicate", "shard")`` HSDP;
-            ``("dp", "tp")`` FSDP x TP; ``("replicate", "shard", "tp")``; or 1-D ``("tp",)``
-            (roles by dimension name, :mod:`dmuon.comm.mesh_roles`).
+            ``("dp", "tp")`` FSDP x TP; ``("replicate", "shard", "tp")``; 1-D ``("tp",)``; or,
+            with expert parallelism, the mesh the experts live on, ``(expert shard, "ep")``
+            (torchtitan's ``("efsdp", "ep")``), ``("ep",)`` or ``("replicate", expert shard,
+            "ep")`` (HSDP in front): expert stacks ``Shard(0)`` over
+            ``"ep"`` get owners among the ranks holding the same experts, every other matrix
+            among all the mesh's ranks (roles by dimension name, :mod:`dmuon.comm.mesh_roles`).
         predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
             ``k``: cut each stored matrix into ``k`` row blocks); default
             (:func:`default_predicate`): 2-D trainable parameters that are not
@@ -283,10 +296,12 @@ def dedicate_params(
     roles = build_roles(mesh, step_check=step_check)
     from dmuon.hooks import fsdp_adapter as fsdp
 
-    plain_1d = roles.tp is None and roles.replicate is None
+    plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
     keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
-    selected = select_matrices(model, predicate or default_predicate(model))
-    shapes = {s.fqn: s.layout for s in selected}
+    selected = select_matrices(model, predicate or default_predicate(model), ep_name=roles.ep_name,
+                               ep_size=roles.ep_size)
+    shapes = {s.fqn: s.layout for s in selected}  # under expert parallelism, this rank's local stacks
+    expert_parallel = [s.fqn for s in selected if s.ep > 1]
     blocks = {s.fqn: s.blocks for s in selected if s.blocks != 1}
     world_size, tp_size = roles.shard_size, roles.tp_size
     cost = _group_cost(group_cost, dist.get_backend(roles.shard))
@@ -302,7 +317,8 @@ def dedicate_params(
         def solve() -> OwnerPlan:
             return build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
                               groups=publish_groups(model, selected) if cost > 0 else None,
-                              group_cost=cost, blocks=blocks)
+                              group_cost=cost, blocks=blocks, expert_parallel=expert_parallel,
+                              ep_size=roles.ep_size)
 
         if roles.fake:  # the plan rank 0 of the real job would solve and broadcast, solved here
             plan = solve()
@@ -327,7 +343,7 @@ def dedicate_params(
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)
     plan = plan.with_replicate_modes(replicate_mode if roles.replicate_dim is not None else None, replica_cost)
-    plan.check_matches(shapes, world_size, tp_size)
+    plan.check_matches(shapes, world_size, tp_size, ep_size=roles.ep_size, expert_parallel=expert_parallel)
     if roles.fake:  # an all_gather_object would unpickle bytes no peer sent
         offline.append("plan digest check (no peers to compare with)")
     else:

@@ -23,8 +23,9 @@ class TPSlice:
             matrix otherwise. Detached; original dtype and device.
         shard_dim: 0 or 1 when the matrix is split over TP ranks, ``None`` when every TP rank
             holds it whole (or there is no TP).
-        tp_mesh: the 1-D TP DeviceMesh the module computes on (``None`` for plain tensors).
-        placement: the TP placement to rebuild the compute DTensor with.
+        tp_mesh: the 1-D DeviceMesh the module computes on: the TP mesh, or under expert
+            parallelism the ``"ep"`` mesh (``None`` for plain tensors and FSDP2-only DTensors).
+        placement: the TP (or ``"ep"``) placement to rebuild the compute DTensor with.
     """
 
     local: torch.Tensor
@@ -33,8 +34,13 @@ class TPSlice:
     placement: object | None
 
 
-def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None) -> TPSlice:
+def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None, ep_name: str | None = None) -> TPSlice:
     """Undo data-parallel sharding of ``tensor`` and return this rank's TP slice.
+
+    With ``ep_name`` (an expert stack ``Shard(0)`` over the mesh's expert-parallel dimension,
+    :func:`dmuon.owners.stacks.expert_parallel_size`) the ``"ep"`` placement is kept like a TP
+    one: ``local`` is this rank's experts ``[E / ep, rows, cols]``, whole, and ``shard_dim`` is
+    ``None`` (no rank holds a part of one of them).
 
     Collective over the DTensor's mesh when it has data-parallel shards (a redistribute).
 
@@ -51,6 +57,11 @@ def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None) -> TPSlice:
     target, shard_dim, tp_mesh, placement = [], None, None, None
     for i, p in enumerate(tensor.placements):
         is_tp = tp_name is not None and i < len(names) and names[i] == tp_name
+        if ep_name is not None and i < len(names) and names[i] == ep_name:  # checked at selection
+            tp_mesh = mesh[ep_name] if mesh.ndim > 1 else mesh
+            placement = p
+            target.append(p)
+            continue
         if p.is_partial():
             raise ValueError(f"dmuon: parameter {fqn!r} has a Partial placement on mesh dim {i}; "
                              f"dmuon takes Shard(0)/Shard(1)/Replicate() tensor-parallel matrices")
@@ -73,11 +84,17 @@ def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None) -> TPSlice:
     return TPSlice(tensor.to_local().detach(), shard_dim, tp_mesh, placement)
 
 
-def as_compute_param(local: torch.Tensor, sl: TPSlice, full_shape: tuple[int, int]) -> torch.Tensor:
-    """Wrap a local compute tensor as a DTensor on the TP mesh when the original was one."""
+def as_compute_param(local: torch.Tensor, sl: TPSlice, full_shape: tuple[int, ...]) -> torch.Tensor:
+    """Wrap a local compute tensor as a DTensor on the TP (or ``"ep"``) mesh when the original
+    was one; ``full_shape`` is the global (contiguous) shape. Differentiable (the gradient of
+    the result reaches ``local`` as a plain tensor)."""
     if sl.tp_mesh is None:
         return local
     from torch.distributed.tensor import DTensor
 
+    stride, step = [], 1
+    for size in reversed(full_shape):
+        stride.insert(0, step)
+        step *= int(size)
     return DTensor.from_local(local, sl.tp_mesh, [sl.placement], run_check=False,
-                              shape=torch.Size(full_shape), stride=(full_shape[1], 1))
+                              shape=torch.Size(full_shape), stride=tuple(stride))

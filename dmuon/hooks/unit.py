@@ -52,6 +52,8 @@ class PublishGroup:
         keep: ``replicas="keep"``: every rank keeps ``flat``; release only ends ``live``.
         members: the matrices whose compute weights are views of ``flat``, in model order.
         grad_members: the members that take a gradient.
+        pg: the process group ``owner`` is a rank of and the broadcast runs on, when not the
+            units' shared one (expert parallelism: the ranks holding the same experts).
     """
 
     owner: int
@@ -63,6 +65,7 @@ class PublishGroup:
     live: bool = False
     work: Pending | None = None
     bwd_done: set[DedicatedParam] = field(default_factory=set)
+    pg: dist.ProcessGroup | None = None
 
     def issue(self, group: dist.ProcessGroup) -> Pending:
         """Allocate a non-owner's buffer and start the owner's broadcast into it."""
@@ -126,15 +129,16 @@ class PublishGroup:
 
 
 def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
-    """Publish ``groups`` (each once, in order), one NCCL group call per device if possible."""
-    by_device: dict[torch.device, list[PublishGroup]] = {}
+    """Publish ``groups`` (each once, in order), one NCCL group call per (device, process
+    group) if possible; a publish group with its own ``pg`` (expert parallelism) goes out on it."""
+    by_device: dict[tuple, list[PublishGroup]] = {}
     for pub in dict.fromkeys(groups):  # in keep mode a group (a bucket) may span several units
-        by_device.setdefault(pub.flat.device, []).append(pub)
-    for device, pubs in by_device.items():
+        by_device.setdefault((pub.flat.device, pub.pg or group), []).append(pub)
+    for (device, pg), pubs in by_device.items():
         pendings: list[Pending] = []
-        with issued_together(group, device, pendings):
+        with issued_together(pg, device, pendings):
             for pub in pubs:
-                pendings.append(pub.issue(group))
+                pendings.append(pub.issue(pg))
 
 
 @dataclass(eq=False)

@@ -62,11 +62,16 @@ class DedicatedParam:
         matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix: ``full_shape`` for a
             matrix; for a stack's expert range ``[k, rows, cols]`` (``shape``), or a matrix
             cut into row blocks, one expert's (block's) matrix (:mod:`dmuon.owners.stacks`).
-        key: the plan entry's name (:attr:`dmuon.owners.plan.MatrixSpec.key`).
+        key: the plan entry's name (:attr:`dmuon.owners.plan.MatrixSpec.key`); under expert
+            parallelism ``fqn[start:stop]`` over the stack's *global* experts (the plan's range
+            is over this rank's local ones), so each expert group's ranges have their own names
+            (a checkpoint key is written once per name).
         stack: the :class:`dmuon.owners.stacks.StackSlot` of a stack split into several
             ranges (it shows the module the whole stack); ``None`` otherwise.
         optional: a routed expert's matrix (:func:`dmuon.owners.stacks.expert_module_names`):
             it may take no gradient on some ranks of a step.
+        group: the process group ``owner`` is a rank of, when it is not dmuon's shard group
+            (expert parallelism: the ranks holding the same experts); ``None``: the shard group.
     """
 
     fqn: str
@@ -88,6 +93,7 @@ class DedicatedParam:
     key: str = ""
     stack: Any = None
     optional: bool = False
+    group: Any = None
 
     @property
     def buffer(self) -> torch.Tensor:

@@ -56,6 +56,11 @@ class MatrixSpec:
             the all-reduced gradient) or ``"broadcast"`` (replica 0's owner runs it and
             broadcasts the fp32 master); ``None`` without a replicate dimension
             (:meth:`OwnerPlan.with_replicate_modes`, :class:`dmuon.balance.cost.ReplicaCost`).
+        ep: expert parallelism: the entry is a range of the ``E / ep_size`` experts each rank
+            holds of an expert stack split ``Shard(0)`` over the mesh's ``"ep"`` dimension, and
+            ``owner`` is a rank of the *expert group* (the ``world_size / ep_size`` ranks that
+            share an ``"ep"`` coordinate, hence hold the same experts). The same entry serves
+            every ``"ep"`` coordinate: each group owns its own experts with the same layout.
     """
 
     fqn: str
@@ -67,6 +72,7 @@ class MatrixSpec:
     replicate_mode: str | None = None
     experts: tuple[int, int] | None = None
     blocks: int = 1
+    ep: bool = False
 
     @property
     def key(self) -> str:
@@ -123,10 +129,13 @@ class OwnerPlan:
             (``"flops"`` from the FLOP model, ``"ms"`` when profiled).
         makespan: cost on the most loaded rank.
         lower_bound: ``max(total / world_size, largest cost)``; no plan can beat it.
+        ep_size: size of the mesh's expert-parallel ``"ep"`` dimension (1 without one); the
+            owners of ``ep`` entries are drawn from ``world_size / ep_size`` ranks.
 
     Raises:
-        ValueError: on a non-positive world size, a duplicated name, or an owner out of
-            ``range(world_size)``.
+        ValueError: on a non-positive world size, a duplicated name, an owner out of
+            ``range(world_size)`` (``range(world_size / ep_size)`` for an ``ep`` entry), or an
+            ``ep_size`` that does not divide the world size.
     """
 
     world_size: int
@@ -137,15 +146,34 @@ class OwnerPlan:
     makespan: float = 0.0
     lower_bound: float = 0.0
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    ep_size: int = 1
+
+    @property
+    def expert_group_size(self) -> int:
+        """Ranks an ``ep`` entry's owner is drawn from (``world_size / ep_size``)."""
+        return self.world_size // self.ep_size
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"dmuon: OwnerPlan.world_size must be >= 1, got {self.world_size}")
+        if isinstance(self.ep_size, bool) or not isinstance(self.ep_size, int) or self.ep_size < 1 \
+                or self.world_size % self.ep_size:
+            raise ValueError(f"dmuon: OwnerPlan.ep_size must be a positive int dividing world_size="
+                             f"{self.world_size}, got {self.ep_size!r}")
+        if self.ep_size > 1 and self.tp_size > 1:
+            raise ValueError("dmuon: OwnerPlan with both ep_size > 1 and tp_size > 1: expert "
+                             "parallelism with tensor parallelism is not supported")
         seen: set[str] = set()
         for spec in self.matrices:
             if spec.key in seen:
                 raise ValueError(f"dmuon: OwnerPlan lists parameter {spec.key!r} twice")
             seen.add(spec.key)
+            if spec.ep and spec.owner >= self.expert_group_size:
+                raise ValueError(
+                    f"dmuon: OwnerPlan assigns the expert-parallel entry {spec.key!r} to rank "
+                    f"{spec.owner} of its expert group, which has {self.expert_group_size} ranks "
+                    f"(world size {self.world_size} / ep size {self.ep_size})"
+                )
             if spec.owner >= self.world_size:
                 raise ValueError(
                     f"dmuon: OwnerPlan assigns {spec.fqn!r} to rank {spec.owner}, but the "
@@ -180,13 +208,21 @@ class OwnerPlan:
 
     def loads(self) -> list[float]:
         """Per-rank sum of ``MatrixSpec.cost`` (unit ``cost_unit``), over the DP x TP grid
-        (index ``owner * tp_size + tp_owner``)."""
+        (index ``owner * tp_size + tp_owner``). An expert-parallel entry's owner ``x`` stands
+        for the ranks ``x * ep_size + c`` of every ``"ep"`` coordinate ``c`` (the mesh's
+        row-major order, ``(expert shard, ep)``): each holds its own experts of that cost."""
         loads = [0.0] * (self.world_size * self.tp_size)
         for m in self.matrices:
-            loads[m.owner * self.tp_size + m.tp_owner] += m.cost
+            if m.ep:
+                for c in range(self.ep_size):
+                    loads[m.owner * self.ep_size + c] += m.cost
+            else:
+                loads[m.owner * self.tp_size + m.tp_owner] += m.cost
         return loads
 
     def owned_by(self, rank: int) -> list[MatrixSpec]:
+        """The entries whose owner index is ``rank``: a rank of the shard group, or for an
+        ``ep`` entry a rank of the expert group (:attr:`MatrixSpec.ep`)."""
         return [m for m in self.matrices if m.owner == rank]
 
     # ------------------------------------------------------------ identity / IO
@@ -204,23 +240,26 @@ class OwnerPlan:
                  "tp_owner": m.tp_owner, **({} if m.bucket is None else {"bucket": m.bucket}),
                  **({} if m.replicate_mode is None else {"replicate_mode": m.replicate_mode}),
                  **({} if m.experts is None else {"experts": list(m.experts)}),
-                 **({} if m.blocks == 1 else {"blocks": m.blocks})}
+                 **({} if m.blocks == 1 else {"blocks": m.blocks}),
+                 **({"ep": True} if m.ep else {})}
                 for m in self.matrices
             ],
+            **({} if self.ep_size == 1 else {"ep_size": self.ep_size}),
             "extra": dict(self.extra),
         }
 
     def digest(self) -> str:
         """SHA-256 over what every rank must agree on: world size, names, shapes, owners
-        (and buckets, HSDP replicate modes, expert ranges and row blocks, where the plan has
-        them)."""
+        (and buckets, HSDP replicate modes, expert ranges, row blocks and the expert-parallel
+        grouping, where the plan has them)."""
         canon = json.dumps(
             [self.world_size, self.tp_size,
              [(m.fqn, list(m.shape), m.owner, m.tp_owner) + (() if m.bucket is None else (m.bucket,))
               + (() if m.replicate_mode is None else (m.replicate_mode,))
               + (() if m.experts is None else ("experts", list(m.experts)))
               + (() if m.blocks == 1 else ("blocks", m.blocks))
-              for m in self.matrices]],
+              + (("ep",) if m.ep else ())
+              for m in self.matrices]] + ([] if self.ep_size == 1 else [("ep_size", self.ep_size)]),
             separators=(",", ":"),
         )
         return hashlib.sha256(canon.encode()).hexdigest()
@@ -246,7 +285,8 @@ class OwnerPlan:
                            replicate_mode=m.get("replicate_mode"),
                            experts=None if m.get("experts") is None else
                            tuple(_as_int(e, "experts", m["fqn"]) for e in m["experts"]),
-                           blocks=_as_int(m.get("blocks", 1), "blocks", m["fqn"]))
+                           blocks=_as_int(m.get("blocks", 1), "blocks", m["fqn"]),
+                           ep=bool(m.get("ep", False)))
                 for m in data["matrices"]
             )
             return cls(
@@ -255,6 +295,7 @@ class OwnerPlan:
                 method=str(data.get("method", "file")), cost_unit=str(data.get("cost_unit", "flops")),
                 makespan=float(data.get("makespan", 0.0)), lower_bound=float(data.get("lower_bound", 0.0)),
                 extra=dict(data.get("extra", {})),
+                ep_size=_as_int(data.get("ep_size", 1), "ep_size"),
             )
         except KeyError as e:
             raise ValueError(f"dmuon: plan JSON is missing the field {e.args[0]!r}") from None
@@ -316,7 +357,7 @@ class OwnerPlan:
 
     # ------------------------------------------------------------- validation
     def check_matches(self, shape_by_fqn: Mapping[str, Any], world_size: int,
-                      tp_size: int = 1) -> None:
+                      tp_size: int = 1, *, ep_size: int = 1, expert_parallel: Iterable[str] = ()) -> None:
         """Check that this plan fits a model's dedicated matrices and a mesh.
 
         Args:
@@ -325,12 +366,33 @@ class OwnerPlan:
                 :class:`dmuon.owners.stacks.ParamLayout` (with row blocks); a stack's expert
                 ranges must cover its experts once each.
             world_size: size of the data-parallel mesh the plan will run on.
+            ep_size: size of its expert-parallel ``"ep"`` dimension (1 without one).
+            expert_parallel: the FQNs of the stacks split over ``"ep"`` (their
+                ``shape_by_fqn`` entry is one rank's local stack, ``[E / ep_size, rows, cols]``).
 
         Raises:
-            ValueError: naming the first mismatch (world size, missing or extra matrix, shape)
-                and how to fix it.
+            ValueError: naming the first mismatch (world size, ep size, missing or extra
+                matrix, shape, a stack expert-parallel in the model and not in the plan or the
+                other way round) and how to fix it.
         """
         _check_plan_matches(self, shape_by_fqn, world_size, tp_size)
+        _check_expert_parallel(self, ep_size, set(expert_parallel))
+
+
+def _check_expert_parallel(plan: OwnerPlan, ep_size: int, expert_parallel: set[str]) -> None:
+    """The plan's expert-parallel grouping is the mesh's and the model's (a plan solved for one
+    layout must not run on another: its owners would be ranks of different groups)."""
+    if ep_size != plan.ep_size:
+        raise ValueError(
+            f"dmuon: the plan was solved for an expert-parallel ('ep') size of {plan.ep_size} but "
+            f"the mesh has {ep_size}; re-solve the plan for this mesh")
+    for fqn, specs in plan.specs_by_fqn().items():
+        in_plan, in_model = specs[0].ep, fqn in expert_parallel
+        if any(m.ep != in_plan for m in specs) or in_plan != in_model:
+            raise ValueError(
+                f"dmuon: parameter {fqn!r} is {'' if in_model else 'not '}split over the 'ep' "
+                f"mesh dimension in this model but the plan {'does not treat' if in_model else 'treats'} "
+                f"it as expert-parallel; re-solve the plan for this model and mesh")
 
 
 def _check_plan_matches(plan: OwnerPlan, shape_by_fqn: Mapping[str, Any], world_size: int,
@@ -412,6 +474,8 @@ def build_plan(
     solver_report: bool = False,
     bucket_bytes: int | None = None,
     element_size: int = 4,
+    expert_parallel: Iterable[str] = (),
+    ep_size: int = 1,
 ) -> OwnerPlan:
     """Every per-matrix decision of an owner plan, from a model's matrices or an inventory.
 
@@ -471,6 +535,16 @@ def build_plan(
             Takes none of ``tp_size > 1``, ``groups``, ``group_cost``, ``layout``,
             ``memory_cap_bytes``, ``batch_overhead``, ``replicate_mode``.
         element_size: bucket path: bytes per gradient element (4 for fp32).
+        expert_parallel: FQNs of the expert stacks split ``Shard(0)`` over the mesh's ``"ep"``
+            dimension of ``ep_size`` ranks (``named_shapes`` gives their global shape): each
+            rank holds ``E / ep_size`` experts of such a stack, and their owners are drawn from
+            the ``world_size / ep_size`` ranks holding the same experts. They are balanced
+            among themselves in a second solve over that group (the same plan serves every
+            ``"ep"`` coordinate, whose experts have the same shapes); the other matrices over
+            all ``world_size`` ranks. The plan's makespan and lower bound cover both
+            (:meth:`OwnerPlan.loads`); ``extra["expert_parallel"]`` holds the expert solve's.
+            Takes none of ``tp_size > 1``, ``layout``, ``replicate_mode``, ``bucket_bytes``.
+        ep_size: size of the ``"ep"`` dimension (divides ``world_size``).
 
     Returns:
         The plan, with makespan and lower bound from the solver; ``extra`` records
@@ -490,6 +564,17 @@ def build_plan(
 
     from dmuon.owners.stacks import collapse_ranges, owner_items, param_layout
 
+    expert_parallel = set(expert_parallel)
+    if expert_parallel or ep_size != 1:
+        from dmuon.owners.ep_plan import expert_parallel_plan
+
+        return expert_parallel_plan(
+            build_plan, list(named_shapes), world_size, expert_parallel, ep_size, costs=costs, cost_unit=cost_unit,
+            blocks=blocks, method=method, time_limit_s=time_limit_s,
+            given={"tp_size": tp_size != 1, "layout": layout is not None,
+                   "replicate_mode": replicate_mode is not None, "bucket_bytes": bucket_bytes is not None},
+            groups=groups, group_cost=group_cost, memory_cap_bytes=memory_cap_bytes,
+            batch_overhead=batch_overhead, solver_report=solver_report)
     blocks = blocks or {}
     layouts = [(fqn, param_layout(fqn, shape, blocks.get(fqn, 1))) for fqn, shape in named_shapes]
     items = owner_items(layouts)  # what the balancer places: a matrix, or one expert of a stack

@@ -17,7 +17,10 @@ This module is the one place that knows it. Everything else asks it:
   the module the whole stack again (:class:`StackSlot`);
 * the owner's update reshapes a range into its Newton-Schulz matrices (:func:`as_matrices`);
 * selection (:func:`dmuon.hooks.dedicate.select_matrices`) validates a selected parameter
-  (:func:`param_layout`, :func:`check_expert_stack`).
+  (:func:`param_layout`, :func:`check_expert_stack`, :func:`expert_parallel_size`);
+* under expert parallelism a rank holds ``E / ep`` experts of each stack whole
+  (:meth:`ParamLayout.local`): the plan, binding and update see that local stack, the same
+  shape on every ``"ep"`` coordinate.
 
 A new layout (say, a stack whose experts are not the leading dim) is a change here.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -47,6 +50,14 @@ class ParamLayout:
 
     shape: tuple[int, ...]
     blocks: int = 1
+
+    def local(self, ep: int) -> "ParamLayout":
+        """The layout of one expert-parallel rank's part of a stack whose leading dim (the
+        experts) is split evenly over ``ep`` ranks (:func:`expert_parallel_size`): ``[E / ep,
+        ..., rows, cols]``; ``self`` for ``ep == 1``."""
+        if ep == 1:
+            return self
+        return ParamLayout(shape=(self.shape[0] // ep,) + self.shape[1:], blocks=self.blocks)
 
     @property
     def is_stack(self) -> bool:
@@ -169,23 +180,62 @@ def in_expert(module_name: str, experts: set[str]) -> bool:
 EP_NAMES = ("ep",)
 
 
-def refuse_expert_parallel(fqn: str, param: torch.Tensor) -> None:
-    """Refuse a parameter placed on an expert-parallel mesh dimension (experts ``Shard(0)``
-    over ``"ep"``, as torchtitan lays them out): each rank computes with its own experts only,
-    which dmuon's publish-whole-stack runtime does not do yet (issue 26 item 4). Every rank
-    sees the same placements, so every rank raises alike.
+def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_size: int) -> int:
+    """How many expert-parallel ranks split a selected parameter's experts: 1 for a parameter
+    on no ``"ep"`` mesh dimension, ``ep_size`` for an expert stack ``Shard(0)`` over it (as
+    torchtitan's ``ExpertParallel`` distributes ``[E, rows, cols]``; under FSDP2 the parameter
+    lives on the 2-D ``(efsdp, ep)`` mesh). Each rank then holds ``E / ep_size`` experts whole
+    along ``"ep"`` (:meth:`ParamLayout.local`). Placements are read from the DTensor; every rank
+    sees the same ones and the same global shape, so every rank raises alike, before any
+    collective.
+
+    Args:
+        fqn: the parameter's name (for errors).
+        param: the parameter as the module holds it (a DTensor, or a plain tensor).
+        ep_name: the ``"ep"`` dimension of the mesh given to ``dedicate_params``, or ``None``.
+        ep_size: that dimension's size.
 
     Raises:
-        ValueError: naming the parameter, its mesh and the way out.
+        ValueError: a parameter on an ``"ep"`` mesh when ``dedicate_params`` got a mesh without
+            one, an ``"ep"`` size that differs from the mesh's, a placement on ``"ep"`` other
+            than ``Shard(0)`` or a tensor that is not a stack, and an ``"ep"`` size that does not
+            divide the number of experts; naming the parameter, the values and the fix.
     """
     mesh = getattr(param, "device_mesh", None)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
-    if any(n in EP_NAMES for n in names):
+    on_ep = [i for i, n in enumerate(names) if n in EP_NAMES]
+    if not on_ep:
+        return 1
+    dim = on_ep[0]
+    shape = tuple(int(s) for s in param.shape)
+    if ep_name is None:
         raise ValueError(
-            f"dmuon: parameter {fqn!r} (shape {tuple(param.shape)}) is placed on a mesh with an "
-            f"expert-parallel dimension {names}; dmuon does not support expert parallelism yet "
-            f"(each rank would have to keep its own experts). Shard the experts with FSDP2 "
-            f"(fully_shard) instead, or pass predicate=... to leave them on AdamW.")
+            f"dmuon: parameter {fqn!r} (shape {shape}) is placed on a mesh with an expert-parallel "
+            f"dimension {names}, but dedicate_params was given a mesh without one; pass the mesh "
+            f"the experts live on, e.g. the ('efsdp', 'ep') mesh torchtitan shards them over, or "
+            f"predicate=... to leave the parameter on AdamW.")
+    size = int(mesh.shape[dim])
+    if size != ep_size:
+        raise ValueError(
+            f"dmuon: parameter {fqn!r} is split over an expert-parallel dimension of {size} ranks "
+            f"but the mesh given to dedicate_params has {ep_size} on {ep_name!r}; pass the mesh the "
+            f"experts were distributed on.")
+    placement = param.placements[dim]
+    if len(shape) < 3 or type(placement).__name__ != "Shard" or getattr(placement, "dim", None) != 0:
+        raise ValueError(
+            f"dmuon: parameter {fqn!r} (shape {shape}) has placement {placement!r} on the "
+            f"expert-parallel dimension {names[dim]!r}; dmuon takes expert stacks [experts, rows, "
+            f"cols] sharded Shard(0) over it (torchtitan's ExpertParallel). Pass predicate=... to "
+            f"leave it on AdamW; if it is a dense parameter fully_shard-ed over a mesh dimension "
+            f"named 'ep', give the dense blocks a mesh of their own name (e.g. 'dp').")
+    if shape[0] % size:
+        fits = [d for d in range(1, shape[0] + 1) if shape[0] % d == 0]
+        raise ValueError(
+            f"dmuon: expert stack {fqn!r} (shape {shape}) has {shape[0]} experts, which the "
+            f"expert-parallel dimension {names[dim]!r} of {size} ranks does not divide (ranks "
+            f"would hold different numbers of experts); use an 'ep' size that divides "
+            f"{shape[0]} ({fits}), or pass predicate=... to leave the parameter on AdamW.")
+    return size
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,14 +349,18 @@ class StackSlot:
     Attributes:
         module: the module holding the parameter.
         attr: its attribute name.
-        shape: the full parameter shape.
+        shape: the full parameter shape (under expert parallelism, this rank's local experts).
         records: the ranges' records, in expert order.
+        wrap: what the module computes with, from the concatenated stack (expert parallelism:
+            the DTensor ``Shard(0)`` over ``"ep"`` the parameter was,
+            :func:`dmuon.hooks.tp_placements.as_compute_param`); ``None``: the stack itself.
     """
 
     module: nn.Module
     attr: str
     shape: tuple[int, ...]
     records: list = field(default_factory=list)
+    wrap: Any = None
 
     def show(self, which: str) -> None:
         if which == "compute":
@@ -317,6 +371,8 @@ class StackSlot:
             in_backward = torch._C._current_graph_task_id() != -1
             with torch.set_grad_enabled(torch.is_grad_enabled() or in_backward):
                 whole = torch.cat([rec.compute for rec in self.records]).view(self.shape)
+                if self.wrap is not None:
+                    whole = self.wrap(whole)
             self.module._parameters[self.attr] = whole  # a non-leaf: autograd reaches the ranges
         else:
             self.module._parameters[self.attr] = self.records[0].master

@@ -1,0 +1,225 @@
+"""Expert parallelism (issue 26 item 4) on gloo ranks: the torchtitan layout.
+
+The model is :class:`tests.moe_cases.EPMoENet` (two top-1 MoE blocks of grouped expert stacks
+``[E, hidden, width]``, a dense router and projection per block). :func:`parallelize` lays it
+out as torchtitan does: a mesh ``(efsdp, ep)`` (torchtitan's ``("efsdp", "ep")``, once
+``("dp_shard_mod_ep", "ep")``), each block's expert stacks ``distribute_tensor(..., Shard(0))``
+over ``"ep"`` with the tokens dispatched there by all-to-all, ``fully_shard(experts,
+mesh=efsdp)``, and every block and the root ``fully_shard`` over the flattened mesh of all ranks.
+:func:`train` then runs dmuon on that mesh in fp32 exact mode; the reference is
+:func:`tests.moe_cases.reference` (single process, every expert local, ``torch.optim.Muon`` on
+each expert's 2-D slice + ``AdamW``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests import moe_cases as cases
+
+def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = False,
+                before: Any = None, replicas: int = 1):
+    """torchtitan's layout on ``world_size`` ranks with ``ep`` expert-parallel ranks; returns
+    the ``(efsdp, ep)`` mesh (the one dmuon is given).
+
+    With ``one_d`` (``ep == world_size``) the mesh is ``("ep",)``: no expert FSDP2 dim, so the
+    expert stacks stay out of the blocks' ``fully_shard`` (``ignored_params``; FSDP2 cannot
+    shard a DTensor over a mesh overlapping its own). ``before(mesh)`` runs after the experts
+    are distributed and before any ``fully_shard`` (``dedicate_params`` called first).
+    With ``replicas > 1``: HSDP in front, ``("replicate", "efsdp", "ep")``; the experts are
+    ``fully_shard``-ed over ``("replicate", "efsdp")``, the dense blocks over ``("replicate",
+    efsdp x ep)`` (torchtitan's ``dp_replicate`` with expert parallelism)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if one_d:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+        # the dense blocks' mesh has its own name: a dim named "ep" marks expert parallelism
+        ep_mesh, dense = mesh, init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    elif replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, world_size // replicas // ep, ep),
+                                mesh_dim_names=("replicate", "efsdp", "ep"))
+        ep_mesh = mesh["ep"]
+        mesh["efsdp", "ep"]._flatten("dp_shard")
+        dense = mesh["replicate", "dp_shard"]
+    else:
+        mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        ep_mesh = mesh["ep"]
+        dense = mesh._flatten("dp")  # every rank: the dense blocks' FSDP2 mesh (torchtitan's "fsdp")
+    for block in model.blocks:
+        block.ep_group = ep_mesh.get_group()
+        for name, p in list(block.experts.named_parameters(recurse=False)):
+            block.experts.register_parameter(
+                name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
+    if before is not None:
+        before(mesh)
+    for block in model.blocks:
+        if one_d:
+            fully_shard(block, mesh=dense, ignored_params=set(block.experts.parameters()))
+        else:
+            fully_shard(block.experts, mesh=mesh["replicate", "efsdp"] if replicas > 1 else mesh["efsdp"])
+            fully_shard(block, mesh=dense)
+    fully_shard(model, mesh=dense)
+    return mesh
+
+
+def full_params(model: nn.Module, rank: int) -> dict[str, np.ndarray]:
+    """Every parameter's full value on rank 0 (``{}`` elsewhere). Collective.
+
+    A dedicated expert stack is assembled from its owners' ranges, named by global experts
+    (``fqn[start:stop]``: each expert group holds experts ``[c * E / ep, (c + 1) * E / ep)``),
+    the dense matrices from their owners, FSDP2 parameters gathered."""
+    state = model._dmuon_state
+    mine = [(rec.fqn, rec.key, rec.master.detach().numpy().copy()) for rec in state.records if rec.is_owner]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    pieces: dict[str, dict] = {}
+    for part in parts:
+        for fqn, key, value in part:
+            start = int(key[len(fqn) + 1:].split(":")[0]) if key != fqn else 0
+            pieces.setdefault(fqn, {})[start] = value
+    out = {fqn: np.concatenate([ps[k] for k in sorted(ps)]) for fqn, ps in pieces.items()}
+    for name, p in model.named_parameters():
+        if name not in out and not hasattr(p, "_dmuon_fqn"):
+            t = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = t.detach().numpy().copy()
+    return out if rank == 0 else {}
+
+
+def owned_experts(model: nn.Module) -> list[tuple[str, int]]:
+    """``(stack, global expert)`` of every expert-parallel matrix this rank owns."""
+    owned = []
+    for rec in model._dmuon_state.records:
+        if rec.is_owner and rec.group is not None:
+            start, stop = map(int, rec.key[len(rec.fqn) + 1:-1].split(":"))
+            owned += [(rec.fqn, e) for e in range(start, stop)]
+    return owned
+
+
+def spread_plan(model: nn.Module, predicate, world_size: int, ep: int):
+    """A plan whose expert stacks are split over every rank of their expert group (experts
+    priced far above any other matrix); the tiny model's default plan may keep a stack whole."""
+    from dmuon.hooks.dedicate import select_matrices
+    from dmuon.owners.plan import build_plan
+
+    selected = select_matrices(model, predicate, ep_name="ep", ep_size=ep)
+    return build_plan([(s.fqn, s.shape) for s in selected], world_size, method="greedy",
+                      costs=[1e6 * s.layout.count if s.layout.is_stack else 1.0 for s in selected],
+                      expert_parallel=[s.fqn for s in selected if s.ep > 1], ep_size=ep)
+
+
+def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: int = 3, spread: bool = True,
+          one_d: bool = False, dedicate_first: bool = False, micro_batches: int = 1,
+          replicas: int = 1, replicate_mode: str = "auto") -> dict[str, Any]:
+    """:func:`parallelize`, dedicate (with ``spread``, a plan that splits every expert stack over
+    its expert group), train ``steps`` in fp32 exact mode. Returns the full parameters (rank 0),
+    the losses, the plan entries and, per rank, the local expert shard sizes FSDP2 had."""
+    import dmuon
+
+    model = cases.build(case)
+    predicate = dmuon.default_predicate(model)
+    dedicated: list = []
+
+    def dedicate(mesh) -> None:
+        plan = spread_plan(model, predicate, world_size // replicas, ep) if spread else None
+        # without spread, the default plan as dedicate_params solves it (group cost by backend)
+        dedicated.append(dmuon.dedicate_params(model, mesh, predicate=predicate, plan=plan,
+                                               group_cost=0.0 if spread else "auto",
+                                               replicate_mode=replicate_mode))
+
+    mesh = parallelize(model, world_size, ep, one_d=one_d, before=dedicate if dedicate_first else None,
+                       replicas=replicas)
+    shard_rows = [tuple(p.to_local().shape)[0] for n, p in model.named_parameters() if n.endswith("experts.w1")]
+    if not dedicate_first:
+        dedicate(mesh)
+    plan = dedicated[0]
+    opt = dmuon.Muon(model, **cases.OPT_KWARGS)
+    losses, norm0 = [], None
+    for step in range(steps):
+        batch = cases.local_batch(case, step, rank, world_size)
+        chunks = list(zip(*(t.chunk(micro_batches) for t in batch)))
+        loss = 0.0
+        for k, chunk in enumerate(chunks):  # gradient accumulation: dmuon.no_sync but the last
+            part = cases.CASES[case].loss(model, *chunk) / len(chunks)
+            if k < len(chunks) - 1:
+                with dmuon.no_sync(model):
+                    part.backward()
+            else:
+                part.backward()
+            loss += part.detach()
+        if step == 0:  # the global gradient norm over dense and expert-parallel matrices
+            norm0 = float(dmuon.clip_grad_norm_(model, float("inf")))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(params=full_params(model, rank), losses=losses, shard_rows=shard_rows, grad_norm0=norm0,
+                owned_experts=owned_experts(model),
+                entries=[(m.key, m.owner, m.ep) for m in plan.matrices], digest=plan.digest(),
+                ns_matrices=model._dmuon_state.ns_matrices)
+
+
+def checkpoint_roundtrip(rank: int, world_size: int, *, ep: int = 2) -> dict[str, Any]:
+    """Train 2 steps with the expert stacks split over their groups, take ``dmuon.state_dict``
+    (copied), train a third step, load the copy, train it again: bitwise the same. Returns
+    whether it was, and the dedicated keys this rank offers."""
+    import copy
+
+    import dmuon
+
+    model = cases.build("ep-moe")
+    mesh = parallelize(model, world_size, ep)
+    predicate = dmuon.default_predicate(model)
+    dmuon.dedicate_params(model, mesh, predicate=predicate, plan=spread_plan(model, predicate, world_size, ep))
+    opt = dmuon.Muon(model, **cases.OPT_KWARGS)
+
+    def step(i: int) -> None:
+        cases.CASES["ep-moe"].loss(model, *cases.local_batch("ep-moe", i, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for i in range(2):
+        step(i)
+    saved = copy.deepcopy(dmuon.state_dict(model, opt))
+    step(2)
+    first = full_params(model, rank)
+    dmuon.load_state_dict(model, opt, saved)
+    step(2)
+    again = full_params(model, rank)
+    same = set(first) == set(again) and all(np.array_equal(first[k], again[k]) for k in first)
+    return dict(same=same, keys=sorted(k for k in saved["model"] if "experts" in k))
+
+
+def bad_ep(rank: int, world_size: int, *, case: str) -> str:
+    """``dedicate_params`` on a bad expert-parallel layout; the error this rank raises.
+
+    ``"indivisible"``: 3 experts ``Shard(0)`` over an ``"ep"`` dimension of 2 ranks.
+    ``"no-ep-mesh"``: 4 experts ``Shard(0)`` over ``"ep"``, but ``dedicate_params`` is given a
+    mesh without an ``"ep"`` dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import dmuon
+
+    torch.manual_seed(0)
+    model = cases.GroupedExperts(8, 6, 3 if case == "indivisible" else 4)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    model.w1 = nn.Parameter(distribute_tensor(model.w1.data, mesh, [Shard(0)]))
+    given = mesh if case == "indivisible" else init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    try:
+        dmuon.dedicate_params(model, given)
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def reference_grad_norm(case: str, world_size: int) -> float:
+    """The single-process model's total gradient 2-norm at step 0 on the global batch."""
+    model = cases.build(case)
+    cases.CASES[case].loss(model, *cases.CASES[case].batch(0, cases.LOCAL_BATCH * world_size)).backward()
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
