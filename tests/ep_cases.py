@@ -164,11 +164,14 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
                 ns_matrices=model._dmuon_state.ns_matrices)
 
 
-def checkpoint_roundtrip(rank: int, world_size: int, *, ep: int = 2) -> dict[str, Any]:
+def checkpoint_roundtrip(rank: int, world_size: int, *, ep: int = 2, path: str | None = None) -> dict[str, Any]:
     """Train 2 steps with the expert stacks split over their groups, take ``dmuon.state_dict``
-    (copied), train a third step, load the copy, train it again: bitwise the same. Returns
-    whether it was, and the dedicated keys this rank offers."""
+    (``dcp.save`` to ``path``, or a deep copy without one), train a third step, load it back,
+    train the third step again: bitwise the same. Returns whether it was, and the dedicated
+    keys this rank offers."""
     import copy
+
+    import torch.distributed.checkpoint as dcp
 
     import dmuon
 
@@ -185,14 +188,22 @@ def checkpoint_roundtrip(rank: int, world_size: int, *, ep: int = 2) -> dict[str
 
     for i in range(2):
         step(i)
-    saved = copy.deepcopy(dmuon.state_dict(model, opt))
+    saved = dmuon.state_dict(model, opt)
+    keys = sorted(k for k in saved["model"] if "experts" in k)
+    if path is None:
+        saved = copy.deepcopy(saved)
+    else:  # DCP writes each key once: two expert groups offering one key would lose one
+        dcp.save(saved, checkpoint_id=path)
     step(2)
     first = full_params(model, rank)
+    if path is not None:
+        saved = dmuon.state_dict(model, opt)
+        dcp.load(saved, checkpoint_id=path)
     dmuon.load_state_dict(model, opt, saved)
     step(2)
     again = full_params(model, rank)
     same = set(first) == set(again) and all(np.array_equal(first[k], again[k]) for k in first)
-    return dict(same=same, keys=sorted(k for k in saved["model"] if "experts" in k))
+    return dict(same=same, keys=keys)
 
 
 def bad_ep(rank: int, world_size: int, *, case: str) -> str:

@@ -161,11 +161,13 @@ def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, opti
         assert any(0 in o["shard_rows"] for o in out), [o["shard_rows"] for o in out]
 
 
-def test_expert_parallel_checkpoint_roundtrip(dist_pool):
-    """dmuon.state_dict / load_state_dict under expert parallelism: bitwise resume, and each
-    expert range is named by its global experts, so no two expert groups offer one key (DCP
-    would write only one of them)."""
-    out = dist_pool.run(4, "tests.ep_cases:checkpoint_roundtrip", dict(ep=2), timeout_s=120, fresh=True)
+@pytest.mark.parametrize("through_dcp", [False, True], ids=["in-memory", "dcp"])
+def test_expert_parallel_checkpoint_roundtrip(dist_pool, tmp_path, through_dcp):
+    """dmuon.state_dict / load_state_dict under expert parallelism, in memory and through
+    ``dcp.save`` / ``dcp.load``: bitwise resume, and each expert is named by its global index,
+    so no two expert groups offer one key (DCP would write only one of them)."""
+    kwargs = dict(ep=2, path=str(tmp_path / "ckpt") if through_dcp else None)
+    out = dist_pool.run(4, "tests.ep_cases:checkpoint_roundtrip", kwargs, timeout_s=120, fresh=True)
     assert all(o["same"] for o in out)
     keys = [k for o in out for k in o["keys"]]
     assert len(keys) == len(set(keys)) == 4 * 4, keys  # 4 stacks x 4 experts, one key each
