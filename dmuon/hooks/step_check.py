@@ -115,8 +115,9 @@ class StepCheck:
 
     def install(self, model: nn.Module) -> list:
         """Check at the model's own forward, in front of every other hook (FSDP2's root
-        all-gather included, when ``dedicate_params`` runs after ``fully_shard``), and at the
-        first gradient of its output, before FSDP2's pre-backward all-gathers.
+        all-gather included: at once when ``dedicate_params`` runs after ``fully_shard``, from
+        binding on otherwise, :meth:`to_front`), and at the first gradient of its output,
+        before FSDP2's pre-backward all-gathers.
 
         Returns:
             The hook handles (``remove()`` them to uninstall).
