@@ -363,7 +363,9 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
 
     world = dist.get_world_size()
     model_cfg = MODELS["tiny" if cfg.tiny else cfg.model]
-    data_cfg = TINY_DATA if cfg.tiny else DataConfig()
+    # the data at the model's image size: DataConfig() renders 96 px since issue 27, the
+    # default benchmark model stays at 48 (DEFAULT_MODEL)
+    data_cfg = TINY_DATA if cfg.tiny else DataConfig(image_size=model_cfg.image_size)
     if cfg.synthetic:
         demos = None
     else:
@@ -438,6 +440,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
 
     records: dict[str, list[dict]] = {v: [] for v in variants}
     next_batch = {v: 0 for v in variants}
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     t_start = time.perf_counter()
     for rnd in range(cfg.rounds):
         order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
@@ -491,6 +494,10 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
                   "counted in the phase medians); ns: Newton-Schulz labels during the step",
         "mesh": cfg.mesh,
         "wall_s": wall_s,
+        # 1/5/15-minute load averages at the start and the end of the measured rounds: on the
+        # shared machine other jobs' load is what makes runs differ
+        "load_average": {"before": load_before,
+                         "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
         "variants": summary,
         "ratios": _ratios(summary),
         "calibration": calibration,

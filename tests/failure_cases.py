@@ -75,6 +75,37 @@ def no_desync_counts(rank: int, world_size: int, *, mode: str = "fsdp", steps: i
                 gloo_group=model._dmuon_state.roles.steps is not None)
 
 
+def check_order(rank: int, world_size: int, *, mode: str = "fsdp") -> list[str]:
+    """The order in which the second forward (after a step) settles dmuon's step check and
+    runs FSDP2's root pre-forward (its all-gather), read from a profile of that forward.
+
+    Returns:
+        The first ``dmuon::step_check_wait`` and ``FSDP::root_pre_forward`` ranges in start
+        order (each once).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    model, _ = build(world_size, mode)
+    opt = dmuon.Muon(model, **_EXACT)
+    names = ("dmuon::step_check_wait", "FSDP::root_pre_forward")
+    order: list[str] = []
+    for step in range(2):
+        idx, y = models.local_batch(step, rank, world_size)
+        if step == 1:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = model(idx)
+            for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+                if event.name in names and event.name not in order:
+                    order.append(event.name)
+            loss = ((out - y) ** 2).mean()
+        else:
+            loss = models.loss_fn(model, idx, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return order
+
+
 def group_timeouts(rank: int, world_size: int, *, mesh_shape: tuple = (2,), names=None) -> dict:
     """The timeout of every group dmuon created, and of the default group, in seconds."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -63,17 +63,34 @@ def test_extra_step_fails_within_the_user_timeout(step_check, words):
     assert PG_TIMEOUT_S - 0.5 <= victim["after_s"] <= PG_TIMEOUT_S + SLACK_S, victim
 
 
-def test_extra_step_under_fsdp2_still_ends_within_the_user_timeout():
+@pytest.mark.parametrize("mode", ["fsdp", "fsdp-before"])
+def test_extra_step_under_fsdp2_fails_by_name_within_the_user_timeout(mode):
     """Under FSDP2 the forward step check goes out at the end of opt.step() (issue 25), so a
-    rank running one step more passes it and waits in FSDP2's first all-gather instead: the
-    wait still ends by the user's timeout, with gloo's message (docs/failure.md)."""
+    rank running one step more passes it with the others' last one; the first thing that waits
+    for them is FSDP2's all-gather of the next forward, whose timeout dmuon raises as the
+    check's error (StepCheck.guard_fsdp_pre_forward), with dedicate_params after or before
+    fully_shard."""
     out = spawn_world(2, "tests.failure_cases:desync",
-                      dict(fault="extra_step", victim=1, mode="fsdp", step_check=True),
+                      dict(fault="extra_step", victim=1, mode=mode, step_check=True),
                       timeout_s=120, pg_timeout_s=PG_TIMEOUT_S)
     assert out[0]["error"] is None, out[0]
     victim = out[1]
-    assert victim["type"] == "RuntimeError" and GLOO_TIMEOUT.search(victim["error"]), victim
+    assert victim["type"] == "RuntimeError", victim
+    for word in ["dmuon: rank 1 waited in vain for the other ranks at its forward after 3 optimizer step(s)",
+                 "step check over ranks [0, 1]", "FSDP2's all-gather", GLOO_TIMEOUT, "ran fewer steps"]:
+        found = word.search(victim["error"]) if isinstance(word, re.Pattern) else word in victim["error"]
+        assert found, (word, victim["error"])
     assert PG_TIMEOUT_S - 0.5 <= victim["after_s"] <= PG_TIMEOUT_S + SLACK_S, victim
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "fsdp-before"])
+def test_forward_check_settles_before_fsdp2_root_all_gather(dist_pool, mode):
+    """fully_shard(model) prepends FSDP2's root pre-forward hook too (FSDPState.init), so with
+    dedicate_params called first it would run before the step check's: binding moves the
+    check back in front, so a rank out of step fails in the check before FSDP2 issues a
+    collective."""
+    out = dist_pool.run(2, "tests.failure_cases:check_order", dict(mode=mode), timeout_s=60)
+    assert out == [["dmuon::step_check_wait", "FSDP::root_pre_forward"]] * 2, out
 
 
 # ----------------------------------------------------------------------------- 2. desync

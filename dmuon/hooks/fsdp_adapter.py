@@ -192,3 +192,45 @@ def gradient_sync_enabled(states: list[Any]) -> bool:
             if not getattr(group, "reduce_grads", True):
                 return False
     return True
+
+
+class _Restore:
+    """Puts FSDP2's own pre-forward hook back where :func:`wrap_pre_forward` replaced it."""
+
+    def __init__(self, hooks: dict, hook_id: int, original: Any) -> None:
+        self.hooks, self.hook_id, self.original = hooks, hook_id, original
+
+    def remove(self) -> None:
+        if self.hook_id in self.hooks:  # FSDP2 may have removed its hook since
+            self.hooks[self.hook_id] = self.original
+
+
+def wrap_pre_forward(states: list[Any], wrap: Any) -> list[_Restore]:
+    """Replace FSDP2's forward pre-hook on each module of ``states`` by ``wrap(hook)``.
+
+    The wrapper takes the original's place in the module's ``_forward_pre_hooks`` (same hook
+    id, so the same position, ``with_kwargs`` flag and FSDP2's own handle). FSDP2 registers
+    ``FSDPState._pre_forward`` itself on a single module, or per module a ``functools.wraps``
+    wrapper of it for grouped ``fully_shard([a, b])`` (``_register_group_forward_hooks``);
+    both are recognised by that bound method. A state whose hook is not found (another torch)
+    is left alone.
+
+    Args:
+        states: the model's FSDP2 states (:func:`fsdp_states`).
+        wrap: ``wrap(hook) -> hook`` of the same signature.
+
+    Returns:
+        Handles whose ``remove()`` puts FSDP2's hooks back.
+    """
+    handles = []
+    for state in states:
+        own = getattr(state, "_pre_forward", None)
+        for module in getattr(state, "_modules", ()):
+            hooks = module._forward_pre_hooks
+            for hook_id, hook in list(hooks.items()):
+                if own is not None and (hook == own or getattr(hook, "__wrapped__", None) == own):
+                    hooks[hook_id] = wrap(hook)
+                    handles.append(_Restore(hooks, hook_id, hook))
+    if states and not handles:
+        logger.debug("dmuon: FSDP2's forward pre-hooks not found; its errors pass unchanged")
+    return handles

@@ -204,6 +204,12 @@ class DedicateState:
                                               before_issue=self.step_check.settle)
         self.bound = True
         self._register_hooks(binding.wiring)
+        if self.fsdp_wrapped and self.step_check.group is not None:
+            # the check settles before FSDP2's root all-gather even when dedicate_params ran
+            # before fully_shard, and a rank the others left fails by name in FSDP2's
+            # all-gather (StepCheck.guard_fsdp_pre_forward)
+            self._handles += self.step_check.to_front(self.model)
+            self._handles += fsdp.wrap_pre_forward(self._fsdp_states, self.step_check.guard_fsdp_pre_forward)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
 

@@ -31,28 +31,46 @@ Under FSDP2 (``issue_at_step=True``, set by the runtime when the model is FSDP2-
 issues its own all-gathers at the start of every forward and backward, so a check must be
 settled before the model's first hook lets FSDP2 go; a check that a rank out of step has not
 settled before then would let FSDP2's collectives pair with different ones (gloo aborts on a
-size mismatch). So the forward check is *issued at the end of* ``opt.step()`` (the counts it
-carries, ``(forward, steps, backwards)``, cannot change before the next forward) and settled in
-the model's forward pre-hook: its round trip overlaps whatever runs between the step and the
-next forward (``zero_grad``, the data loader, logging), and the pre-hook finds it done. A rank
-that skipped ``opt.step()`` issues its forward check in that pre-hook instead (blocking) and
-pairs with the others' early one, and a rank that skipped backward issues its forward check at
-its step, which pairs with the others' backward check: every desync is caught at the same point
-with the same counts as with blocking checks. The backward check stays blocking there: it cannot
-be issued before backward starts (a rank that skips backward must not have sent it), and FSDP2's
-first backward all-gather follows at once. The first forward (no step before it) is checked
-blocking too. One case loses its name: a rank that runs *more* steps than the others (they
-stopped) passes its forward check, issued with theirs at the last common step, and its wait ends
-in FSDP2's first all-gather, by the same user timeout but with gloo's own message
-("Timed out waiting ... for send operation") instead of dmuon's "waited in vain ... at its
-forward after N optimizer step(s)" (which the replicated path and a blocking check still give).
+size mismatch, and two all-gathers of equal size pair silently). So the forward check is
+*issued at the end of* ``opt.step()`` (the counts it carries, ``(forward, steps, backwards)``,
+cannot change before the next forward) and settled in the model's forward pre-hook, which
+binding puts in front of FSDP2's root pre-forward (``fully_shard`` prepends its hook too, so
+when ``dedicate_params`` ran first FSDP2's was in front: :meth:`StepCheck.to_front`): its round
+trip overlaps whatever runs between the step and the next forward (``zero_grad``, the data
+loader, logging), and the pre-hook finds it done. A rank that skipped ``opt.step()`` issues its
+forward check in that pre-hook instead (blocking) and pairs with the others' early one, and a
+rank that skipped backward issues its forward check at its step, which pairs with the others'
+backward check: every desync is caught at the same point with the same counts as with
+blocking checks. The first forward (no step before it) is checked blocking too.
+
+A rank that runs *more* steps than the others (they stopped) passes its forward check, issued
+with theirs at the last common step; no check issued before that forward can tell that the
+others will not come, and one issued at the forward would have to be waited on there, a round
+trip every step. The first thing that waits for them is FSDP2's all-gather of that forward:
+its failure (the user's timeout) is raised as this check's error, "waited in vain for the
+other ranks at its forward after N optimizer step(s)", by a wrapper around FSDP2's forward
+pre-hook (:meth:`StepCheck.guard_fsdp_pre_forward`, installed by the FSDP2 adapter).
+
+The backward check stays blocking under FSDP2, and cannot be deferred: FSDP2's root
+pre-backward is a hook on the same output tensors as the check's (registered after it, in
+FSDP2's post-forward, ``t.register_hook(self._pre_backward)``), and it issues the backward
+prefetch all-gather of the last resharded block at once (``FSDPParamGroup.pre_backward`` ->
+``_backward_prefetch``); nothing runs between the two hooks for a round trip to overlap. Nor can
+it be issued earlier (at the end of forward): a rank that then skips backward would have sent
+it, the others' check would pass, and their backward all-gathers would meet that rank's next
+forward all-gathers (same sizes pair silently). Tried (issue 25): with the backward check
+issued without waiting and settled at dmuon's next collective, a rank skipping backward under
+FSDP2 still failed by name (its step's check met the others' backward one), but the rank that
+ran backward was already inside FSDP2's backward collectives and failed there with gloo's own
+error ("Connection closed by peer", after the other rank had raised and left), where the
+blocking check names both ranks' counts on both.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -92,11 +110,14 @@ class StepCheck:
         self.deferred = False  # issue now, wait at settle() (the runtime sets it at binding)
         self.issue_at_step = False  # FSDP2: the forward check goes out at the step (binding sets it)
         self._pending: tuple[Any, torch.Tensor, int, int, int] | None = None  # work, rows, phase, steps, backwards
+        self._pre_forward: Any = None  # the forward pre-hook and its handle (install, to_front)
+        self._pre_forward_handle: Any = None
 
     def install(self, model: nn.Module) -> list:
         """Check at the model's own forward, in front of every other hook (FSDP2's root
-        all-gather included, when ``dedicate_params`` runs after ``fully_shard``), and at the
-        first gradient of its output, before FSDP2's pre-backward all-gathers.
+        all-gather included: at once when ``dedicate_params`` runs after ``fully_shard``, from
+        binding on otherwise, :meth:`to_front`), and at the first gradient of its output,
+        before FSDP2's pre-backward all-gathers.
 
         Returns:
             The hook handles (``remove()`` them to uninstall).
@@ -112,8 +133,61 @@ class StepCheck:
         def pre_forward(module: nn.Module, args: Any) -> None:
             self.before_forward()
 
-        return [model.register_forward_pre_hook(dynamo_disable(pre_forward), prepend=True),
+        self._pre_forward = dynamo_disable(pre_forward)
+        self._pre_forward_handle = model.register_forward_pre_hook(self._pre_forward, prepend=True)
+        return [self._pre_forward_handle,
                 model.register_forward_hook(dynamo_disable(post_forward), prepend=True)]
+
+    def to_front(self, model: nn.Module) -> list:
+        """Put the forward pre-hook back in front of every hook of ``model``.
+
+        ``fully_shard(model)`` registers FSDP2's root pre-forward (its all-gather) with
+        ``prepend=True`` too (``FSDPState.init``), so when ``dedicate_params`` ran before
+        ``fully_shard`` FSDP2's hook sits in front of the check's. The runtime calls this at
+        binding (after the user's ``fully_shard`` calls).
+
+        Returns:
+            The new hook handle (``remove()`` it to uninstall).
+        """
+        self._pre_forward_handle.remove()
+        self._pre_forward_handle = model.register_forward_pre_hook(self._pre_forward, prepend=True)
+        return [self._pre_forward_handle]
+
+    def guard_fsdp_pre_forward(self, fsdp_pre_forward: Callable[..., Any]) -> Callable[..., Any]:
+        """FSDP2's forward pre-hook (its all-gather) wrapped so that a rank the others have left
+        fails with this check's error instead of the backend's bare timeout.
+
+        Why: a rank that runs one step more than the others passes the forward check, which
+        went out at the end of its last common step together with theirs (see the module
+        docstring), so the first thing that waits for the missing ranks is FSDP2's all-gather
+        of the next forward. Only a blocking check issued at that forward could catch it
+        first, costing every step a round trip. Here the all-gather's failure (the user's
+        timeout, or a closed connection) is raised as :meth:`waited_in_vain` at that forward,
+        chained to the backend's error. Inside backward (activation checkpointing
+        re-running a forward) and out of memory, FSDP2's error passes through unchanged.
+
+        Args:
+            fsdp_pre_forward: the hook FSDP2 registered (``FSDPState._pre_forward`` or its
+                grouped wrapper), called unchanged.
+
+        Returns:
+            The hook to register in its place (same signature).
+        """
+        from dmuon.hooks.compile import dynamo_disable
+
+        def pre_forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fsdp_pre_forward(*args, **kwargs)
+            except RuntimeError as err:
+                if (self.group is None or self.world_size == 1 or self._last != 0
+                        or isinstance(err, torch.OutOfMemoryError) or in_autograd_backward()):
+                    raise
+                raise self.waited_in_vain(
+                    0, self.steps, self.backwards, err,
+                    what="which agreed at this rank's last step; then FSDP2's all-gather of this forward failed",
+                ) from err
+
+        return dynamo_disable(pre_forward)
 
     def before_forward(self) -> None:
         """The first dmuon forward hook since the last backward or step (not inside backward)."""
@@ -171,18 +245,25 @@ class StepCheck:
             with label("dmuon::step_check_wait"):
                 work.wait()
         except RuntimeError as err:
-            global_rank = dist.get_rank()
-            raise RuntimeError(
-                f"dmuon: rank {global_rank} waited in vain for the other ranks at its "
-                f"{PHASES[phase]} after {steps} optimizer step(s) and {backwards} "
-                f"backward(s) (step check over ranks {dist.get_process_group_ranks(self.group)}): "
-                f"{_first_line(err)}. Another rank ran fewer steps, stopped, died or is stuck; "
-                f"every rank must run the same forwards, backwards and opt.step() calls."
-            ) from err
+            raise self.waited_in_vain(phase, steps, backwards, err) from err
         # rows is a CPU tensor on the gloo group: reading it never synchronizes a GPU stream
         states = [tuple(int(v) for v in row) for row in rows.tolist()]
         if len(set(states)) > 1:
             raise RuntimeError(self.describe(states))
+
+    def waited_in_vain(self, phase: int, steps: int, backwards: int, err: BaseException,
+                       what: str = "") -> RuntimeError:
+        """The error of a rank whose wait for the others failed in ``phase`` (0 forward, 1
+        backward) after ``steps`` steps and ``backwards`` backwards: the check's own wait, or
+        (``what`` names it) FSDP2's first collective of a forward after the check passed."""
+        where = f", {what}" if what else ""
+        return RuntimeError(
+            f"dmuon: rank {dist.get_rank()} waited in vain for the other ranks at its "
+            f"{PHASES[phase]} after {steps} optimizer step(s) and {backwards} "
+            f"backward(s) (step check over ranks {dist.get_process_group_ranks(self.group)}{where}): "
+            f"{_first_line(err)}. Another rank ran fewer steps, stopped, died or is stuck; "
+            f"every rank must run the same forwards, backwards and opt.step() calls."
+        )
 
     def describe(self, states: list[tuple[int, int, int]]) -> str:
         """The error text for disagreeing ``(phase, steps, backwards)`` rows, one per rank."""
