@@ -275,7 +275,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
         for row, key in enumerate(("success_rate", "final_coverage")):
             axes[row, col].axhline(expert[key]["mean"], color="k", ls="--", lw=1, label="scripted expert")
     axes[0, 0].set(ylabel="success rate (coverage > 0.95)\nband: Wilson 95%, episodes of all seeds pooled")
-    axes[1, 0].set(ylabel="final coverage of the goal\nband: t 95% over seed means")
+    axes[1, 0].set(ylabel="final coverage of the goal\nband: t 95% over seed means (1 seed: its episodes)")
     for row in range(2):
         axes[row, 0].set(xlabel="samples seen (steps x global batch)")
         axes[row, 1].set(xlabel="training wall-clock s (sum of step times, mean over seeds)")
