@@ -305,6 +305,8 @@ def main(argv=None) -> dict:
 
     def run_job(opt: str, lr: float, seed: int) -> None:
         run = pathlib.Path(a.work_dir) / f"{opt}_lr{lr:g}_s{seed}"
+        if records.get((opt, lr, seed), {}).get("source", {}).get("kind") == "this study":
+            return  # recorded already (the sweep's seed 0 is also the seed grid's)
         if not (run / "summary.json").exists() and (a.summarize_only or (opt, lr, seed) in records):
             return  # not run yet, or a prior run stands for it
         rec = run_record(a, opt, lr, seed, train(a, opt, lr, seed), evaluate_run(a, run, eval_cfg, steps))
