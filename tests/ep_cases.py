@@ -13,6 +13,7 @@ each expert's 2-D slice + ``AdamW``).
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
@@ -22,8 +23,14 @@ from torch import nn
 
 from tests import moe_cases as cases
 
+def _experts_of(block: nn.Module) -> nn.Module | None:
+    """The module holding a block's expert stacks: ``block.experts`` (:class:`EPMoE`),
+    ``block.mlp.experts`` (a Hugging Face MoE decoder layer), ``None`` for a dense layer."""
+    return block.experts if hasattr(block, "experts") else getattr(block.mlp, "experts", None)
+
+
 def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = False,
-                before: Any = None, replicas: int = 1):
+                before: Any = None, replicas: int = 1, case: str = "ep-moe"):
     """torchtitan's layout on ``world_size`` ranks with ``ep`` expert-parallel ranks; returns
     the ``(efsdp, ep)`` mesh (the one dmuon is given).
 
@@ -52,18 +59,23 @@ def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = Fal
         mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
         ep_mesh = mesh["ep"]
         dense = mesh._flatten("dp")  # every rank: the dense blocks' FSDP2 mesh (torchtitan's "fsdp")
-    for block in model.blocks:
-        block.ep_group = ep_mesh.get_group()
-        for name, p in list(block.experts.named_parameters(recurse=False)):
-            block.experts.register_parameter(
-                name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
+    layout = [(block, _experts_of(block)) for block in cases.CASES[case].blocks(model)
+              if _experts_of(block) is not None]  # DeepSeek-V3's first layers are dense
+    for block, experts in layout:
+        if isinstance(block, cases.EPMoE):
+            block.ep_group = ep_mesh.get_group()
+        else:  # a Hugging Face layer: its experts module dispatches (cases.hf_experts_ep_forward)
+            experts.ep_group = ep_mesh.get_group()
+            experts.forward = types.MethodType(cases.hf_experts_ep_forward, experts)
+        for name, p in list(experts.named_parameters(recurse=False)):
+            experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
     if before is not None:
         before(mesh)
-    for block in model.blocks:
+    for block, experts in layout:
         if one_d:
-            fully_shard(block, mesh=dense, ignored_params=set(block.experts.parameters()))
+            fully_shard(block, mesh=dense, ignored_params=set(experts.parameters()))
         else:
-            fully_shard(block.experts, mesh=mesh["replicate", "efsdp"] if replicas > 1 else mesh["efsdp"])
+            fully_shard(experts, mesh=mesh["replicate", "efsdp"] if replicas > 1 else mesh["efsdp"])
             fully_shard(block, mesh=dense)
     fully_shard(model, mesh=dense)
     return mesh
@@ -134,8 +146,9 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
                                                replicate_mode=replicate_mode))
 
     mesh = parallelize(model, world_size, ep, one_d=one_d, before=dedicate if dedicate_first else None,
-                       replicas=replicas)
-    shard_rows = [tuple(p.to_local().shape)[0] for n, p in model.named_parameters() if n.endswith("experts.w1")]
+                       replicas=replicas, case=case)
+    shard_rows = [tuple(p.to_local().shape)[0] for n, p in model.named_parameters()
+                  if n.endswith(("experts.w1", "experts.gate_up_proj"))]
     if not dedicate_first:
         dedicate(mesh)
     plan = dedicated[0]

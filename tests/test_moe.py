@@ -136,6 +136,9 @@ def test_plan_records_expert_ranges():
     ("ep-moe", 4, 2, dict(micro_batches=2)),      # gradient accumulation (dmuon.no_sync)
     ("ep-moe", 4, 2, dict(replicas=2)),           # HSDP in front: ("replicate", "efsdp", "ep") 2x1x2
     ("ep-moe", 4, 2, dict(replicas=2, replicate_mode="broadcast")),
+    ("hf-qwen3-moe", 4, 2, {}),           # Hugging Face models, their experts' forward dispatching
+    ("hf-mixtral", 3, 3, {}),             # 3 experts: ep 3, one per rank
+    ("hf-deepseek-v3", 4, 2, {}),         # a dense first layer, shared + routed experts
 ], ids=lambda v: "-".join(f"{k}={x}" if isinstance(x, str) else k for k, x in v.items()) or "layout" if isinstance(v, dict) else None)
 def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, options):
     """torchtitan's layout (experts Shard(0) over "ep", fully_shard over "efsdp", dense blocks
@@ -152,11 +155,13 @@ def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, opti
     norm = ep_cases.reference_grad_norm(case, world_size)  # dmuon.clip_grad_norm_ counts each expert once
     assert all(abs(o["grad_norm0"] - norm) <= 1e-5 * norm for o in out), ([o["grad_norm0"] for o in out], norm)
     # each expert's Newton-Schulz runs once, on one rank of the group holding it
-    experts = 2 if case == "ep-moe-2" else 4
+    model = cases.build(case)
+    expected = {n: p.shape[0] for n, p in model.named_parameters() if p.ndim == 3}  # every stack
     owned = [m for o in out[: world_size // replicas] for m in o["owned_experts"]]  # replica 0
     assert sorted(owned) == sorted({m for m in owned}), "an expert is owned twice"
     stacks = {fqn for fqn, _ in owned}
-    assert len(stacks) == 4 and all(sorted(e for f, e in owned if f == fqn) == list(range(experts)) for fqn in stacks)
+    assert stacks == set(expected) and all(
+        sorted(e for f, e in owned if f == fqn) == list(range(expected[fqn])) for fqn in stacks)
     if case == "ep-moe-2":  # the case is exercised: FSDP2 left some ranks an empty expert shard
         assert any(0 in o["shard_rows"] for o in out), [o["shard_rows"] for o in out]
 
