@@ -309,18 +309,10 @@ def _owner_entries(rec: DedicatedParam, local: torch.Tensor) -> list[tuple[str, 
         rec: a dedicated matrix or expert range this rank owns.
         local: its master or momentum buffer, fp32 (``[k, rows, cols]`` for a range); not copied.
     """
-    start = _range_start(rec)
-    if start is None:
+    if rec.experts is None:
         return [(rec.key, _tp_sharded(rec, local))]
     experts = local.view(-1, *local.shape[-2:])
-    return [(f"{rec.fqn}[{start + i}]", experts[i]) for i in range(experts.shape[0])]
-
-
-def _range_start(rec: DedicatedParam) -> int | None:
-    """The first expert of ``rec``'s range (its key ``"fqn[start:stop]"``), ``None`` for a matrix."""
-    if rec.key == rec.fqn:
-        return None
-    return int(rec.key[len(rec.fqn) + 1:-1].split(":")[0])
+    return [(f"{rec.fqn}[{rec.experts[0] + i}]", experts[i]) for i in range(experts.shape[0])]
 
 
 def _tp_sharded(rec: DedicatedParam, local: torch.Tensor) -> torch.Tensor:

@@ -227,11 +227,11 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
         group, storage = views[order]
         stacked = sel.layout.is_stack or sel.blocks > 1
         split = len(specs_of[sel.fqn]) > 1  # the module computes with the whole stack
-        key = spec.key
+        key, experts = spec.key, spec.experts
         if spec.ep:  # named by global experts: each "ep" coordinate's own (checkpoint keys)
             first = sl.tp_mesh.get_local_rank() * sel.layout.count
-            start, stop = spec.experts
-            key = f"{sel.fqn}[{first + start}:{first + stop}]"
+            experts = (first + spec.experts[0], first + spec.experts[1])
+            key = f"{sel.fqn}[{experts[0]}:{experts[1]}]"
         wrap = (lambda t, sl=sl, shape=sel.shape: as_compute_param(t, sl, shape))
         rec = make_dedicated(
             fqn=sel.fqn, module=sel.module, attr=sel.attr, full=sl.local,
@@ -243,7 +243,7 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
             tp_shard_dim=sl.shard_dim, tp_owner=spec.tp_owner,
             replicate_mode=spec.replicate_mode or "compute",  # the plan decides
             matrix_shape=sel.layout.matrix_shape if stacked else sel.shape, key=key,
-            optional=sel.optional, group=pgs[order],
+            experts=experts, optional=sel.optional, group=pgs[order],
         )
         if split:
             slot = slots.setdefault(i, StackSlot(sel.module, sel.attr, tuple(sel.layout.shape),

@@ -66,6 +66,8 @@ class DedicatedParam:
             parallelism ``fqn[start:stop]`` over the stack's *global* experts (the plan's range
             is over this rank's local ones), so each expert group's ranges have their own names
             (a checkpoint key is written once per name).
+        experts: a stack's expert range ``(start, stop)`` over its global (flattened leading)
+            experts, the numbers in ``key``; ``None`` for a 2-D matrix.
         stack: the :class:`dmuon.owners.stacks.StackSlot` of a stack split into several
             ranges (it shows the module the whole stack); ``None`` otherwise.
         optional: a routed expert's matrix (:func:`dmuon.owners.stacks.expert_module_names`):
@@ -91,6 +93,7 @@ class DedicatedParam:
     had_grad: bool = False
     matrix_shape: tuple[int, int] = (0, 0)
     key: str = ""
+    experts: tuple[int, int] | None = None
     stack: Any = None
     optional: bool = False
     group: Any = None
