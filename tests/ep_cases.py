@@ -1,6 +1,6 @@
 """Expert parallelism (issue 26 item 4) on gloo ranks: the torchtitan layout.
 
-The model is :class:`tests.moe_cases.EPMoENet` (two top-1 MoE blocks of grouped expert stacks
+The model is :func:`tests.moe_cases.ep_moe_net` (two top-1 MoE blocks of grouped expert stacks
 ``[E, hidden, width]``, a dense router and projection per block). :func:`parallelize` lays it
 out as torchtitan does: a mesh ``(efsdp, ep)`` (torchtitan's ``("efsdp", "ep")``, once
 ``("dp_shard_mod_ep", "ep")``), each block's expert stacks ``distribute_tensor(..., Shard(0))``
@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from tests import moe_cases as cases
+from tests.moe_cases import full_params
 
 def _experts_of(block: nn.Module) -> nn.Module | None:
     """The module holding a block's expert stacks: ``block.experts`` (:class:`EPMoE`),
@@ -81,36 +81,12 @@ def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = Fal
     return mesh
 
 
-def full_params(model: nn.Module, rank: int) -> dict[str, np.ndarray]:
-    """Every parameter's full value on rank 0 (``{}`` elsewhere). Collective.
-
-    A dedicated expert stack is assembled from its owners' ranges, named by global experts
-    (``fqn[start:stop]``: each expert group holds experts ``[c * E / ep, (c + 1) * E / ep)``),
-    the dense matrices from their owners, FSDP2 parameters gathered."""
-    state = model._dmuon_state
-    mine = [(rec.fqn, rec.key, rec.master.detach().numpy().copy()) for rec in state.records if rec.is_owner]
-    parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, mine)
-    pieces: dict[str, dict] = {}
-    for part in parts:
-        for fqn, key, value in part:
-            start = int(key[len(fqn) + 1:].split(":")[0]) if key != fqn else 0
-            pieces.setdefault(fqn, {})[start] = value
-    out = {fqn: np.concatenate([ps[k] for k in sorted(ps)]) for fqn, ps in pieces.items()}
-    for name, p in model.named_parameters():
-        if name not in out and not hasattr(p, "_dmuon_fqn"):
-            t = p.full_tensor() if hasattr(p, "full_tensor") else p
-            out[name] = t.detach().numpy().copy()
-    return out if rank == 0 else {}
-
-
 def owned_experts(model: nn.Module) -> list[tuple[str, int]]:
     """``(stack, global expert)`` of every expert-parallel matrix this rank owns."""
     owned = []
     for rec in model._dmuon_state.records:
         if rec.is_owner and rec.group is not None:
-            start, stop = map(int, rec.key[len(rec.fqn) + 1:-1].split(":"))
-            owned += [(rec.fqn, e) for e in range(start, stop)]
+            owned += [(rec.fqn, e) for e in range(*rec.experts)]
     return owned
 
 

@@ -9,7 +9,7 @@ tall one (``[20, 12]``). The references are single-process ``torch.optim.Muon`` 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -29,6 +29,24 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+class BlocksNet(nn.Module):
+    """An embedding, ``blocks()`` applied in turn (an ``nn.ModuleList``), a scalar head
+    averaged over tokens: the shape of most test models (built in that order, so the seeded
+    initialisation does not depend on who builds it)."""
+
+    def __init__(self, vocab: int, width: int, blocks: Callable[[], list[nn.Module]]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(blocks())
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).mean(dim=(1, 2))
 
 
 class Net(nn.Module):

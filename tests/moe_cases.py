@@ -61,18 +61,9 @@ class ListMoE(nn.Module):
         return x + out.view_as(x)
 
 
-class ListMoENet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 16)
-        self.blocks = nn.ModuleList([ListMoE(16, 12, 4), ListMoE(16, 12, 4)])
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).mean(dim=(1, 2))
+def list_moe_net() -> nn.Module:
+    """Two :class:`ListMoE` blocks of 4 experts."""
+    return models.BlocksNet(VOCAB, 16, lambda: [ListMoE(16, 12, 4), ListMoE(16, 12, 4)])
 
 
 # ------------------------------------------------------- an expert-parallel MoE (torchtitan-like)
@@ -178,21 +169,10 @@ def hf_experts_ep_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k
     return torch.zeros_like(hidden_states).index_add(0, token[order], out.to(hidden_states.dtype))
 
 
-class EPMoENet(nn.Module):
-    """Embedding, two :class:`EPMoE` blocks of ``experts`` experts, a head: the expert
-    parallelism test model (``tests/ep_cases.py``)."""
-
-    def __init__(self, experts: int = 4) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, 16)
-        self.blocks = nn.ModuleList([EPMoE(16, 12, experts), EPMoE(16, 12, experts)])
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).mean(dim=(1, 2))
+def ep_moe_net(experts: int = 4) -> nn.Module:
+    """Two :class:`EPMoE` blocks of ``experts`` experts: the expert parallelism test model
+    (``tests/ep_cases.py``)."""
+    return models.BlocksNet(VOCAB, 16, lambda: [EPMoE(16, 12, experts), EPMoE(16, 12, experts)])
 
 
 def _ep_batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -278,12 +258,12 @@ CASES: dict[str, Case] = {
                        loss=_causal_lm_loss, embeddings=("model.embed_tokens.weight",)),
     "hf-deepseek-v3": Case(build=_deepseek_v3, blocks=lambda m: list(m.model.layers), batch=_tokens,
                            loss=_causal_lm_loss, embeddings=("model.embed_tokens.weight",)),
-    "list-moe": Case(build=ListMoENet, blocks=lambda m: list(m.blocks), batch=_list_batch, loss=_mse,
+    "list-moe": Case(build=list_moe_net, blocks=lambda m: list(m.blocks), batch=_list_batch, loss=_mse,
                      embeddings=("emb.weight",)),
-    "ep-moe": Case(build=EPMoENet, blocks=lambda m: list(m.blocks), batch=_ep_batch, loss=_mse,
+    "ep-moe": Case(build=ep_moe_net, blocks=lambda m: list(m.blocks), batch=_ep_batch, loss=_mse,
                    embeddings=("emb.weight",)),
     # 2 experts: over ep=2 x efsdp=2 each rank's one local expert leaves an empty FSDP2 shard
-    "ep-moe-2": Case(build=lambda: EPMoENet(experts=2), blocks=lambda m: list(m.blocks), batch=_ep_batch,
+    "ep-moe-2": Case(build=lambda: ep_moe_net(experts=2), blocks=lambda m: list(m.blocks), batch=_ep_batch,
                      loss=_mse, embeddings=("emb.weight",)),
 }
 
@@ -310,25 +290,22 @@ def local_batch(case: str, step: int, rank: int, world_size: int) -> tuple[torch
 
 # ------------------------------------------------------------------------------ ranks
 def full_params(model: nn.Module, rank: int) -> dict[str, np.ndarray]:
-    """Every parameter's full value on rank 0 (``{}`` elsewhere): a stack assembled from its
-    owners' expert ranges (replica 0 under HSDP), FSDP2 parameters gathered. Collective."""
+    """Every parameter's full value on rank 0 (``{}`` elsewhere). Collective.
+
+    A dedicated expert stack is assembled from its owners' expert ranges (``rec.experts``,
+    over the global experts: under expert parallelism each expert group holds experts
+    ``[c * E / ep, (c + 1) * E / ep)``), replica 0's under HSDP; the dense matrices come from
+    their owners, FSDP2 parameters are gathered."""
     state = model._dmuon_state
-    mine = [(rec.fqn, rec.key, rec.master.detach().numpy().copy()) for rec in state.records
-            if rec.is_owner and state.replicate_rank == 0]
+    mine = [(rec.fqn, (rec.experts or (0, 0))[0], rec.master.detach().numpy().copy())
+            for rec in state.records if rec.is_owner and state.replicate_rank == 0]
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
-    ranges: dict[str, list] = {}
+    pieces: dict[str, dict[int, np.ndarray]] = {}
     for part in parts:
-        for fqn, key, value in part:
-            start = int(key[len(fqn) + 1:].split(":")[0]) if key != fqn else 0
-            ranges.setdefault(fqn, []).append((start, value))
-    out: dict[str, np.ndarray] = {}
-    for fqn, pieces in ranges.items():
-        pieces.sort(key=lambda p: p[0])
-        out[fqn] = pieces[0][1] if len(pieces) == 1 else np.concatenate([p[1] for p in pieces])
-    shapes = {rec.fqn: rec.stack.shape for rec in state.records if rec.stack is not None}
-    for fqn, shape in shapes.items():
-        out[fqn] = out[fqn].reshape(shape)
+        for fqn, start, value in part:
+            pieces.setdefault(fqn, {})[start] = value
+    out = {fqn: np.concatenate([ps[k] for k in sorted(ps)]) for fqn, ps in pieces.items()}
     for name, p in model.named_parameters():
         if name not in out and not hasattr(p, "_dmuon_fqn"):
             t = p.full_tensor() if hasattr(p, "full_tensor") else p

@@ -57,18 +57,9 @@ class TwiceBlock(nn.Module):
         return x + self.out(torch.tanh(h))
 
 
-class TwiceNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList([TwiceBlock(), TwiceBlock()])
-        self.head = nn.Linear(WIDTH, 1)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x).mean(dim=(1, 2))
+def twice_net() -> nn.Module:
+    """Two :class:`TwiceBlock` blocks."""
+    return models.BlocksNet(VOCAB, WIDTH, lambda: [TwiceBlock(), TwiceBlock()])
 
 
 class ReuseNet(nn.Module):
@@ -165,7 +156,7 @@ def _hf_checkpointing(model: nn.Module) -> None:
 CASES: dict[str, Case] = {
     "torch-encoder": Case(build=EncoderNet, blocks=lambda m: list(m.encoder.layers),
                           batch=_tokens_and_targets, loss=_mse, embeddings=("emb.weight",)),
-    "linear-twice": Case(build=TwiceNet, blocks=lambda m: list(m.blocks),
+    "linear-twice": Case(build=twice_net, blocks=lambda m: list(m.blocks),
                          batch=_tokens_and_targets, loss=_mse, embeddings=("emb.weight",)),
     "block-reused": Case(build=ReuseNet, blocks=lambda m: [m.shared, m.last],
                          batch=_tokens_and_targets, loss=_mse, embeddings=("emb.weight",)),
