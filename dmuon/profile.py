@@ -16,7 +16,9 @@ On a GPU the NS times are measured (cached, see :mod:`dmuon.balance.profiler`); 
 model stands in. The plan JSON (:class:`dmuon.owners.plan.OwnerPlan`, versioned schema) is
 what ``dedicate_params(model, mesh, plan="plan.json")`` loads; owners are global ranks
 ``node * gpus_per_node + gpu`` arranged by the XOR layout (:mod:`dmuon.balance.layout`).
-A per-rank table goes to stdout and a bar chart of per-rank load to ``<out>.png``.
+A per-rank table goes to stdout and a bar chart of per-rank load to ``<out>.png`` when
+matplotlib is installed (``pip install 'dmuon[plot]'``); without it, or with ``--no-plot``, the
+plan is still written and the command exits 0.
 """
 
 from __future__ import annotations
@@ -191,7 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism: expert stacks Shard(0) over this many ranks (the plan "
                         "then runs on an (efsdp, ep) mesh; it must divide the ranks and the experts)")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true",
+                   help="skip the per-rank load chart <out>.png (it needs matplotlib: dmuon[plot])")
     args = p.parse_args(argv)
     if args.nodes < 1 or args.gpus_per_node < 1:
         p.error(f"--nodes and --gpus-per-node must be >= 1, got {args.nodes}, {args.gpus_per_node}")
@@ -224,8 +227,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"plan written to {args.out} (digest {plan.digest()[:16]})")
     if not args.no_plot:
         png = os.path.splitext(args.out)[0] + ".png"
-        plot_loads(plan, png)
-        print(f"per-rank load chart written to {png}")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            # the chart is an extra (dmuon[plot]): a plain install still gets its plan, exit 0
+            print(f"no per-rank load chart: matplotlib is not installed "
+                  f"(pip install 'dmuon[plot]' for {png}, or pass --no-plot)")
+        else:
+            plot_loads(plan, png)
+            print(f"per-rank load chart written to {png}")
     return 0
 
 

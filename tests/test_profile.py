@@ -33,6 +33,38 @@ def test_cli_pi0_tiny_writes_valid_plan_and_chart(tmp_path, capsys):
     assert "makespan" in table and len(table.splitlines()) >= 9 + 1
 
 
+def test_cli_without_matplotlib_writes_the_plan_and_says_how_to_get_the_chart(tmp_path):
+    """Issue 33: the README's ``python -m dmuon.profile`` on a plain install (no matplotlib,
+    blocked here by a ``sys.modules`` entry of None in a fresh interpreter) writes the plan,
+    says in one line how to get the chart, and exits 0; ``--no-plot`` says nothing of it."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runner = ("import runpy, sys; sys.modules['matplotlib'] = None; "
+              "sys.argv = ['dmuon.profile'] + sys.argv[1:]; "
+              "runpy.run_module('dmuon.profile', run_name='__main__')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    for extra in ([], ["--no-plot"]):
+        out = tmp_path / f"plan{len(extra)}.json"
+        proc = subprocess.run(
+            [sys.executable, "-c", runner, "--model", "pi0-tiny", "--nodes", "1", "--gpus-per-node", "4",
+             "--out", str(out), "--time-limit-s", "1", "--measure", "no",
+             "--cache", str(tmp_path / "c.json"), *extra],
+            capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr
+        OwnerPlan.load(out).check_matches(dict(inventory("pi0-tiny")), 4)
+        hint = [line for line in proc.stdout.splitlines() if "chart" in line]
+        assert not (tmp_path / f"plan{len(extra)}.png").exists()
+        if extra:
+            assert hint == [] and "Traceback" not in proc.stderr
+        else:
+            assert len(hint) == 1 and "matplotlib is not installed" in hint[0], proc.stdout
+            assert "pip install 'dmuon[plot]'" in hint[0]
+            assert "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_cli_pi0_on_4x8_is_solved_by_the_milp(tmp_path, capsys):
     """Issue 28's crashing command (Pi0 inventory, 4 nodes x 8 GPUs, FLOP model): CBC aborted
     in its RINS heuristic once warm-started. Now CBC itself returns the plan: no failure, no
