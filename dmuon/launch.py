@@ -7,15 +7,30 @@ Used by ``python -m dmuon.train`` / ``dmuon.train.eval`` (:func:`launch`), the b
 (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), the thread
 count per rank, the CUDA device per rank and the process group's backend and timeout.
 
+When ranks fail, :func:`launch` reports the rank that failed *first* (by the time each rank
+recorded its exception, before its process group went down), with its whole traceback, and the
+others after it as its likely consequences, as ``torchrun``'s error summary does. torch's own
+join reports whichever failed process it happens to reap first; a rank that raises usually
+takes its peers' collectives down with it ("Connection closed by peer"), and those peers often
+exit before it does.
+
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) :func:`launch` runs in this process as
 that one rank instead of spawning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import multiprocessing.connection
 import os
+import signal
 import socket
-from collections.abc import Callable, Sequence
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -25,6 +40,11 @@ import torch.distributed as dist
 #: Default process-group timeout of :func:`launch`: rank 0 may build a dataset while the
 #: others wait in their first collective.
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+#: Seconds :func:`launch` lets the other ranks take to fail (or finish) by themselves after the
+#: first failure before it terminates them: a peer of a failed rank usually fails within
+#: milliseconds (its connection closes); one busy outside collectives is stopped.
+FAILURE_GRACE_S = 5.0
 
 
 def under_torchrun() -> bool:
@@ -129,13 +149,151 @@ def start_ranks(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (), *,
 
 
 def _run_rank(rank: int, fn: Callable[[Any], Any], arg: Any, world_size: int, port: int,
-              backend: str | None, threads: int, timeout: timedelta) -> None:
-    """Body of a rank spawned by :func:`launch`."""
-    init_rank(rank, world_size, port=port, backend=backend, threads=threads, timeout=timeout)
+              backend: str | None, threads: int, timeout: timedelta,
+              error_dir: str | None = None) -> None:
+    """Body of a rank spawned by :func:`launch`.
+
+    On an exception it writes ``error_dir/rank<R>.json`` (time, type, message, traceback)
+    *before* destroying its process group: peers fail only once the group goes down, so the
+    times order the root cause before its consequences.
+    """
     try:
+        init_rank(rank, world_size, port=port, backend=backend, threads=threads, timeout=timeout)
         fn(arg)
+    except Exception as exc:
+        if error_dir is not None:
+            _write_failure(error_dir, rank, exc)
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _write_failure(error_dir: str, rank: int, exc: BaseException) -> None:
+    """Records ``exc`` (raised on ``rank``) atomically: the parent never reads half a file."""
+    record = dict(rank=rank, time=time.monotonic(), pid=os.getpid(),
+                  error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    path = os.path.join(error_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump(record, fh)
+    os.replace(path + ".tmp", path)
+
+
+def _join_ranks(ctx: torch.multiprocessing.ProcessContext, error_dir: str,
+                grace_s: float = FAILURE_GRACE_S) -> None:
+    """Waits for every rank of ``ctx``; on a failure, stops the rest and raises a report that
+    puts the first failure (by recorded time) first.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: If a rank raised; the message is
+            :func:`failure_report`'s, and ``error_index`` is the first failing rank.
+        torch.multiprocessing.ProcessExitedException: If the first failing rank recorded no
+            exception (it exited with a non-zero code or was killed by a signal).
+    """
+    procs = ctx.processes
+    pending = {p.sentinel: rank for rank, p in enumerate(procs)}
+    seen_at: dict[int, float] = {}  # rank -> time this process saw it exit non-zero
+
+    def reap(timeout: float | None) -> None:
+        for sentinel in multiprocessing.connection.wait(list(pending), timeout=timeout):
+            rank = pending.pop(sentinel)
+            procs[rank].join()
+            if procs[rank].exitcode != 0:
+                seen_at[rank] = time.monotonic()
+
+    while pending and not seen_at:
+        reap(None)
+    if not seen_at:
+        return
+    deadline = time.monotonic() + grace_s
+    while pending and time.monotonic() < deadline:  # let the others fail or finish by themselves
+        reap(max(0.0, deadline - time.monotonic()))
+    stopped = sorted(pending.values())
+    for rank in stopped:
+        procs[rank].terminate()
+    for rank in stopped:
+        procs[rank].join(grace_s)
+        if procs[rank].is_alive():
+            procs[rank].kill()
+            procs[rank].join()
+    records = {}
+    for rank in range(len(procs)):
+        path = os.path.join(error_dir, f"rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as fh:
+                records[rank] = json.load(fh)
+    exitcodes = [p.exitcode for p in procs]
+    report, first = failure_report(records, seen_at, exitcodes, stopped)
+    if first in records:
+        raise torch.multiprocessing.ProcessRaisedException(report, first, procs[first].pid)
+    code = exitcodes[first]
+    name = _signal_name(-code) if code is not None and code < 0 else None
+    raise torch.multiprocessing.ProcessExitedException(report, first, procs[first].pid, code, name)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def failure_report(records: dict[int, dict], seen_at: dict[int, float], exitcodes: Sequence[int | None],
+                   stopped: Sequence[int] = ()) -> tuple[str, int]:
+    """The text :func:`launch` raises when ranks fail, and the rank it names as the root cause.
+
+    The first failure is the earliest recorded exception (``records[r]["time"]``, taken on the
+    rank before its process group went down); a rank that died without one (a signal, a
+    non-zero exit) counts from when the launcher saw it exit (``seen_at``), which is later than
+    the moment it failed. That rank's whole traceback comes first; every other failure follows
+    in time order as one line (its exception type and message), then the ranks the launcher
+    stopped itself.
+
+    Args:
+        records: Rank -> record written by the failing rank (keys ``time`` in
+            :func:`time.monotonic` seconds, ``error``, ``traceback``).
+        seen_at: Rank -> :func:`time.monotonic` seconds at which the launcher saw it exit non-zero.
+        exitcodes: Every rank's exit code (negative: killed by that signal; None: still running).
+        stopped: Ranks the launcher terminated after the first failure.
+
+    Returns:
+        ``(report, first_rank)``.
+
+    Raises:
+        ValueError: If no rank failed (nothing recorded, nothing seen).
+    """
+    when = {**{r: t for r, t in seen_at.items() if r not in records},
+            **{r: rec["time"] for r, rec in records.items()}}
+    failed = sorted((r for r in when if r not in stopped), key=lambda r: (when[r], r))
+    if not failed:
+        raise ValueError(f"dmuon.launch: failure_report needs a failed rank; got records for "
+                         f"{sorted(records)}, exits seen for {sorted(seen_at)}")
+    world = len(exitcodes)
+
+    def how(rank: int) -> str:
+        if rank in records:
+            return records[rank]["error"]
+        code = exitcodes[rank]
+        return (f"killed by {_signal_name(-code)}" if code is not None and code < 0
+                else f"exited with code {code} without a Python exception")
+
+    first = failed[0]
+    head = (f"rank {first} of {world} failed first" + (f" ({how(first)})" if first not in records else "")
+            + (":\n\n" + records[first]["traceback"].rstrip() if first in records else ""))
+    lines = [head]
+    if len(failed) > 1 or stopped:
+        lines.append(f"\nafter rank {first}, most likely in consequence (a peer's collectives "
+                     f"break off when a rank fails):")
+        for rank in failed[1:]:
+            lines.append(f"  rank {rank}, {when[rank] - when[first]:+.3f} s: {_one_line(how(rank))}")
+        for rank in stopped:
+            lines.append(f"  rank {rank}: still running, stopped by the launcher")
+    return "\n".join(lines) + "\n", first
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None = None, *,
@@ -162,8 +320,11 @@ def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None = None, *,
 
     Raises:
         ValueError: If ``nproc`` < 1.
-        torch.multiprocessing.ProcessRaisedException: If a spawned rank raised (its
-            traceback is in the message).
+        torch.multiprocessing.ProcessRaisedException: If a spawned rank raised: the message
+            is :func:`failure_report`'s (the first failing rank's whole traceback, then the
+            others' errors in time order) and ``error_index`` is that first rank.
+        torch.multiprocessing.ProcessExitedException: If the first rank to fail died without a
+            Python exception (a signal or a non-zero exit code).
     """
     if torchrun and under_torchrun():
         backend = backend or default_backend()
@@ -191,4 +352,35 @@ def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None = None, *,
     if nproc == 1:
         _run_rank(0, *rank_args)
         return
-    start_ranks(_run_rank, nproc, rank_args)
+    with tempfile.TemporaryDirectory(prefix="dmuon-launch-") as error_dir:
+        ctx = start_ranks(_run_rank, nproc, (*rank_args, error_dir), join=False)
+        try:
+            _join_ranks(ctx, error_dir)
+        except BaseException:
+            for p in ctx.processes:  # Ctrl-C in the launcher, or the failure path: no orphans
+                if p.is_alive():
+                    p.terminate()
+                    p.join(FAILURE_GRACE_S)
+                    if p.is_alive():
+                        p.kill()
+            raise
+        finally:
+            for path in ctx.error_files:  # torch's pickled copies of the tracebacks we report
+                if os.path.exists(path):
+                    os.unlink(path)
+
+
+@contextlib.contextmanager
+def exit_on_rank_failure(prog: str) -> Iterator[None]:
+    """For a command line's ``main`` around :func:`launch`: a spawned rank's failure ends the
+    program with exit code 1 and :func:`failure_report`'s text on stderr (the first failing
+    rank's traceback first), without the launcher's own traceback above it.
+
+    Args:
+        prog: The command's name, prefixed to the report (e.g. ``"python -m dmuon.train"``).
+    """
+    try:
+        yield
+    except (torch.multiprocessing.ProcessRaisedException, torch.multiprocessing.ProcessExitedException) as e:
+        print(f"{prog}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None

@@ -94,9 +94,34 @@ def _launched_rank(out_dir: str) -> None:
 
 
 def _launched_raise(arg: int) -> None:
-    """Rank 1 raises; rank 0 returns."""
+    """Rank 1 raises; rank 0 waits in a barrier that breaks off when rank 1's group goes down.
+
+    (Rank 0 returning at once instead could destroy its group while rank 1 was still connecting
+    gloo's full mesh, and rank 1 then failed in ``init_process_group``, not here.)"""
     if dist.get_rank() == 1:
         raise ValueError(f"deliberate failure on launched rank 1 (arg {arg})")
+    dist.barrier()
+
+
+def _launched_root_cause_exits_last(marker_dir: str) -> None:
+    """Rank 1 raises first but exits last (an exit handler holds it 3 s); the other ranks raise
+    only once it has failed (the handler's marker file), as peers whose collectives broke off.
+    torch's own join names whichever process it reaps first: here always a peer."""
+    import atexit
+    import time
+
+    marker = Path(marker_dir, "rank1_failed")
+    dist.barrier()  # every rank is connected: a peer's failure below is not one in init
+    if dist.get_rank() == 1:
+        atexit.register(time.sleep, 3.0)  # runs after the marker: LIFO
+        atexit.register(marker.touch)
+        raise ValueError("the root cause, raised on rank 1")
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        if time.monotonic() > deadline:
+            return  # rank 1 never got there: the test's assertions say so
+        time.sleep(0.01)
+    raise RuntimeError(f"a consequence on rank {dist.get_rank()}: the peer went away")
 
 
 # ----- tests -----------------------------------------------------------------------------------
@@ -256,6 +281,45 @@ def test_launch_reraises_a_rank_exception_with_its_traceback():
     with pytest.raises(torch.multiprocessing.ProcessRaisedException,
                        match="deliberate failure on launched rank 1 \\(arg 7\\)"):
         launch(_launched_raise, 7, 2, backend="gloo", threads=1, torchrun=False)
+
+
+def test_launch_reports_the_first_failing_rank_first_whole(tmp_path):
+    """Issue 33: the rank that raised first is the root cause, reported first with its whole
+    traceback, even though it exits after the others; their errors follow as consequences.
+    (On the old launcher, torch's join named rank 0's or 2's consequence instead.)"""
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException) as info:
+        launch(_launched_root_cause_exits_last, str(tmp_path), 3, backend="gloo", threads=1,
+               torchrun=False)
+    report = str(info.value)
+    assert info.value.error_index == 1, report
+    head, _, tail = report.partition("after rank 1, most likely in consequence")
+    assert head.startswith("rank 1 of 3 failed first:"), report
+    assert "Traceback (most recent call last):" in head and "_launched_root_cause_exits_last" in head
+    assert head.rstrip().endswith("ValueError: the root cause, raised on rank 1"), report
+    assert "consequence on rank" not in head
+    lines = tail.strip().splitlines()[1:]
+    assert sorted(line.split(",")[0].strip() for line in lines) == ["rank 0", "rank 2"], report
+    assert all("RuntimeError: a consequence on rank" in line and " s: " in line for line in lines)
+
+
+def test_failure_report_orders_by_time_and_names_deaths_without_exceptions():
+    """The report alone: recorded times order the ranks (not rank numbers, not exit order); a
+    rank killed by a signal counts from when it was seen; ranks the launcher stopped come last."""
+    from dmuon.launch import failure_report
+
+    records = {2: dict(time=10.0, error="RuntimeError: boom", traceback="Traceback ...\nRuntimeError: boom\n"),
+               0: dict(time=10.5, error="RuntimeError: Connection closed by peer", traceback="...")}
+    report, first = failure_report(records, {0: 11.0, 1: 10.2, 2: 12.0}, [1, -9, 1, None], stopped=[3])
+    assert first == 2
+    assert report.startswith("rank 2 of 4 failed first:\n\nTraceback ...\nRuntimeError: boom\n")
+    tail = [line.strip() for line in report.split("in consequence", 1)[1].splitlines()[1:]]
+    assert tail == ["rank 1, +0.200 s: killed by SIGKILL",
+                    "rank 0, +0.500 s: RuntimeError: Connection closed by peer",
+                    "rank 3: still running, stopped by the launcher"]
+    report, first = failure_report({}, {1: 3.0}, [0, 7])
+    assert first == 1 and report == "rank 1 of 2 failed first (exited with code 7 without a Python exception)\n"
+    with pytest.raises(ValueError, match="needs a failed rank"):
+        failure_report({}, {}, [0, 0])
 
 
 def test_launch_under_torchrun_runs_in_this_process(tmp_path, monkeypatch):

@@ -149,6 +149,28 @@ def test_cli_end_to_end_two_ranks(tmp_path):
     assert "step    3/3" in proc.stdout
 
 
+def test_cli_without_the_simulator_shows_its_own_error_first(tmp_path):
+    """Issue 33: without gym-pusht (blocked here by a package that fails to import), rank 0's
+    missing-package message is what the user reads first, not a peer's gloo "Connection closed
+    by peer" (2 of 3 runs on the old launcher); the peers' errors follow as consequences."""
+    block = tmp_path / "block" / "gym_pusht"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'gym_pusht'\", name='gym_pusht')\n")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {**os.environ, "DMUON_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(block.parent), str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "dmuon.train", "--nproc", "4", "--steps", "3"],
+                          env=env, capture_output=True, text=True, timeout=240, cwd=root)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = proc.stderr
+    assert err.startswith("python -m dmuon.train: rank 0 of 4 failed first:"), err[:3000]
+    missing = err.index("RuntimeError: dmuon.train: the PushT simulator is missing; install it with "
+                        "`pip install 'gym-pusht>=0.1.5'`")
+    assert "Connection closed" not in err[:missing] and "failed first" not in err[missing:]
+    assert "ModuleNotFoundError: No module named 'gym_pusht'" in err[:missing]  # whole: its cause too
+
+
 def test_cli_meshes_train_the_same_as_fsdp(tmp_path):
     """--mesh hsdp:2x2 (HSDP), --mesh fsdp-tp:2x2 (TP MLPs + FSDP2) and --mesh replicate (dmuon's
     DDP-style path) follow the 1-D FSDP run of the same global batch. (The baselines under torch DDP are covered by

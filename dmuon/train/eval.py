@@ -421,10 +421,11 @@ def eval_rank(args: tuple[argparse.Namespace, EvalConfig]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m dmuon.train.eval``."""
-    from dmuon.launch import launch
+    from dmuon.launch import exit_on_rank_failure, launch
 
     a, cfg = parse_args(argv)
-    launch(eval_rank, (a, cfg), a.nproc, spawn_one=False)
+    with exit_on_rank_failure("python -m dmuon.train.eval"):
+        launch(eval_rank, (a, cfg), a.nproc, spawn_one=False)
 
 
 if __name__ == "__main__":

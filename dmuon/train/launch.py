@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from dmuon.launch import default_nproc, launch, under_torchrun
+from dmuon.launch import default_nproc, exit_on_rank_failure, launch, under_torchrun
 from dmuon.train.data import ACTION_MODES, OBS_KINDS, DataConfig
 from dmuon.train.eval import add_eval_args, eval_config_from
 from dmuon.train.loop import OPTIMIZERS, TrainConfig, train_rank
@@ -119,4 +119,5 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m dmuon.train``."""
     cfg, nproc = parse_args(argv)
-    launch(train_rank, cfg, nproc)
+    with exit_on_rank_failure("python -m dmuon.train"):
+        launch(train_rank, cfg, nproc)
