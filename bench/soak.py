@@ -70,13 +70,13 @@ def _rank_main(job: tuple[str, int, int, str, bool]) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.train.data import PushTDemos, ensure_cached
+    from dmuon.train.data import PushTDemos, ensure_run_data
     from dmuon.train.loop import TrainConfig, build_optimizer
     from dmuon.train.model import Pi0Policy
 
     cfg = TrainConfig(optimizer=variant, steps=steps, batch_size=batch_size, plot=False)
     if rank == 0:
-        ensure_cached(cfg.data, progress=False)
+        ensure_run_data(cfg.data, steps=steps, global_batch=batch_size, seed=cfg.seed, progress=False)
     dist.barrier()
     demos = PushTDemos(cfg.data)
     torch.manual_seed(cfg.seed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ pytest.importorskip("gym_pusht", reason="the PushT simulator (pip install gym-pu
 
 from dmuon.baselines import VanillaMuon  # noqa: E402
 from dmuon.train import data as data_mod  # noqa: E402
+from dmuon.train import frames as frames_mod  # noqa: E402
 from dmuon.train.expert import evaluate_expert  # noqa: E402
 from dmuon.train.model import Pi0Policy  # noqa: E402
 
@@ -41,8 +43,10 @@ def test_dataset_is_cached_and_chunks_follow_the_episode(tmp_path, monkeypatch):
 
     monkeypatch.setattr(data_mod, "generate", _no_regeneration)
     assert data_mod.ensure_cached(TINY_DATA, progress=False) == path
+    n = len(data_mod.PushTDemos(TINY_DATA))
+    frames_mod.ensure_frames(path, np.arange(n), seed=TINY_DATA.seed, max_steps=TINY_DATA.max_steps,
+                             image_size=TINY_DATA.image_size, progress=False)
     demos = data_mod.PushTDemos(TINY_DATA)
-    n = len(demos)
     assert demos.images.shape == (n, 3, 16, 16) and demos.images.dtype == np.uint8
     assert demos.actions.shape == (n, 4, 2) and demos.state.shape == (n, 2)
     assert float(demos.actions.abs().max()) <= 1.0
@@ -60,9 +64,68 @@ def test_dataset_is_cached_and_chunks_follow_the_episode(tmp_path, monkeypatch):
     assert data_mod.cache_path(other) != path
 
 
+def _gym_pixels(cfg) -> np.ndarray:
+    """The reference frames: gym-pusht's own ``pixels`` observations of ``cfg``'s demonstrations
+    (same reset seeds, same expert), row by row as the demonstrations file orders them."""
+    from dmuon.train.expert import ScriptedPushExpert, make_env
+
+    env = make_env(cfg.image_size, cfg.max_steps, obs_type="pixels_agent_pos")
+    expert, frames = ScriptedPushExpert(), []
+    for ep in range(cfg.episodes):
+        obs, _ = env.reset(seed=cfg.seed + ep)
+        expert.reset()
+        episode = []
+        for _ in range(cfg.max_steps):
+            action = expert(env.unwrapped)
+            episode.append(obs["pixels"].transpose(2, 0, 1))
+            obs, _, terminated, truncated, info = env.step(action)
+            if terminated or truncated:
+                break
+        if info["is_success"] or cfg.keep_failed:
+            frames.extend(episode)
+    env.close()
+    return np.stack(frames)
+
+
+def test_frames_cache_holds_the_drawn_rows_rendered_as_gym_pusht_does(tmp_path, monkeypatch):
+    """Issue 33: a run caches the frames of the rows it draws, and nothing else (a 3-step run
+    wrote 590 MiB before); each is gym-pusht's own pixel observation of that sample; a longer
+    run renders only the rows it adds; DMUON_CACHE_DIR and DataConfig.cache_dir move the files."""
+    monkeypatch.delenv("DMUON_CACHE", raising=False)
+    monkeypatch.setenv("DMUON_CACHE_DIR", str(tmp_path / "env"))
+    line = data_mod.ensure_run_data(TINY_DATA, steps=2, global_batch=4, seed=1, progress=False)
+    path = data_mod.cache_path(TINY_DATA)
+    assert path.parent == tmp_path / "env" and str(path.parent) in line and "MiB" in line
+    demos = data_mod.PushTDemos(TINY_DATA)
+    drawn = np.unique(np.concatenate([demos.batch(s, 4, 0, 1, seed=1)["images"].numpy().reshape(4, -1)
+                                      for s in range(2)], axis=0), axis=0)
+    assert len(demos.image_rows) == len(data_mod.drawn_rows(len(demos), 2, 4, seed=1)) < len(demos)
+    assert len(demos.image_rows) == len(drawn)  # each cached frame is one some batch used
+    reference = _gym_pixels(TINY_DATA)
+    assert reference.shape[0] == len(demos)
+    np.testing.assert_array_equal(demos.images, reference[demos.image_rows])
+    first = set(demos.image_rows.tolist())
+    # A longer run: its new rows only are rendered; the earlier ones are kept
+    line = data_mod.ensure_run_data(TINY_DATA, steps=5, global_batch=4, seed=1, progress=False)
+    demos = data_mod.PushTDemos(TINY_DATA)
+    assert first < set(demos.image_rows.tolist())
+    assert f"{len(demos.image_rows) - len(first)} rendered now" in line
+    np.testing.assert_array_equal(demos.images, reference[demos.image_rows])
+    with pytest.raises(RuntimeError, match="no rendered 16 px frame"):
+        demos.batch(0, 4, 0, 1, seed=99)
+    # DataConfig.cache_dir (--cache-dir) wins over the variable; the state policy's run shares
+    # the demonstrations file and renders nothing
+    moved = dataclasses.replace(TINY_DATA, cache_dir=str(tmp_path / "flag"))
+    data_mod.ensure_run_data(moved, steps=1, global_batch=4, seed=1, progress=False)
+    assert data_mod.cache_path(moved) == tmp_path / "flag" / path.name
+    state = dataclasses.replace(TINY_DATA, obs="state")
+    assert data_mod.cache_path(state) == path
+    assert " frames at " not in data_mod.ensure_run_data(state, steps=1, global_batch=4, seed=1, progress=False)
+
+
 def test_global_batch_is_independent_of_world_size(tmp_path, monkeypatch):
     monkeypatch.setenv("DMUON_CACHE", str(tmp_path))
-    data_mod.ensure_cached(TINY_DATA, progress=False)
+    data_mod.ensure_run_data(TINY_DATA, steps=6, global_batch=8, seed=1, progress=False)
     demos = data_mod.PushTDemos(TINY_DATA)
     whole = demos.batch(5, 8, 0, 1, seed=1)
     parts = [demos.batch(5, 8, r, 4, seed=1) for r in range(4)]

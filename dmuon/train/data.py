@@ -16,11 +16,13 @@ A sample is what a vision-language-action policy sees at one control step of a d
 
 Demonstrations run gym-pusht's 300-step episodes (its registered ``max_episode_steps``, and
 LeRobot's evaluation length); only successful ones are kept (``keep_failed=False``), and the
-cache records every episode's success. The dataset is generated once by
-:class:`~dmuon.train.expert.ScriptedPushExpert` and cached as ``.npz`` (images in a sidecar
-``.npy`` that every rank memory-maps) under ``$DMUON_CACHE`` (default ``~/.cache/dmuon``), keyed
-by a hash of the generation fields of :class:`DataConfig` and ``_FORMAT_VERSION``, so a second
-load reads the file and an old cache is never read by new code.
+cache records every episode's success. The demonstrations are generated once by
+:class:`~dmuon.train.expert.ScriptedPushExpert` and cached as ``.npz`` in :func:`cache_dir`
+(``DataConfig.cache_dir``, ``--cache-dir``, else ``$DMUON_CACHE_DIR``, else
+``~/.cache/dmuon``), keyed by a hash of the generation fields of :class:`DataConfig` and
+``_FORMAT_VERSION``, so a second load reads the file and an old cache is never read by new
+code. The file holds no images: the frames a run draws are rendered on demand and cached per
+image size beside it (:mod:`dmuon.train.frames`; :func:`ensure_run_data` does both).
 """
 
 from __future__ import annotations
@@ -37,13 +39,16 @@ import numpy as np
 import torch
 
 from dmuon.train.expert import ScriptedPushExpert, make_env
+from dmuon.train.frames import ensure_frames, frames_path, load_frames
 
 logger = logging.getLogger(__name__)
 
 INSTRUCTION = "push the grey t block onto the green target"
 PAD_ID = 0
 UNK_ID = 1
-_FORMAT_VERSION = 2  # bump when the cached arrays change meaning (2: 300 steps, keypoints, success)
+# bump when the cached arrays change meaning (2: 300 steps, keypoints, success; 3: no images,
+# one file for both observation kinds, frames rendered per run in dmuon.train.frames)
+_FORMAT_VERSION = 3
 DELTA_PX = 32.0  # pixels per unit of a delta action: the expert's pushes lead by <= 30 px
 STATE_FEATURES = 28  # :func:`state_features`' output width
 # gym-pusht's fixed goal pose (PushTEnv._setup): x, y in pixels, angle in radians
@@ -97,6 +102,8 @@ class DataConfig:
         history: Observations per sample for ``obs="state"`` (1: the current one only).
         action_mode: ``"absolute"`` or ``"delta"`` targets (module docstring).
         keep_failed: Keep demonstrations that did not reach the goal.
+        cache_dir: Directory of the cache files; ``None``: :func:`cache_dir`'s default. Not a
+            generation field (the files' names do not depend on it).
     """
 
     episodes: int = 200
@@ -110,6 +117,7 @@ class DataConfig:
     history: int = 1
     action_mode: str = "absolute"
     keep_failed: bool = False
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("episodes", "max_steps", "image_size", "horizon", "max_tokens", "history"):
@@ -123,27 +131,50 @@ class DataConfig:
             raise ValueError(f"dmuon.train: DataConfig.history={self.history} needs obs='state' (images carry one frame).")
 
     def digest(self) -> str:
-        """Returns a 12-hex-digit hash of the generation fields and the cache format version."""
-        fields = {k: getattr(self, k) for k in ("episodes", "max_steps", "obs", "horizon", "seed", "keep_failed")}
-        if self.obs == "image":
-            fields["image_size"] = self.image_size
+        """Returns a 12-hex-digit hash of the generation fields and the cache format version.
+
+        The observation kind and image size are not among them: both kinds train on the same
+        demonstrations, and frames are cached per size (:mod:`dmuon.train.frames`)."""
+        fields = {k: getattr(self, k) for k in ("episodes", "max_steps", "horizon", "seed", "keep_failed")}
         blob = json.dumps({**fields, "v": _FORMAT_VERSION}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def cache_dir() -> pathlib.Path:
-    """Returns the cache directory: ``$DMUON_CACHE`` or ``~/.cache/dmuon`` (not created)."""
-    env = os.environ.get("DMUON_CACHE")
-    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "dmuon"
+def cache_dir(cfg: DataConfig | None = None) -> pathlib.Path:
+    """Returns the cache directory (not created): ``cfg.cache_dir`` if set, else
+    ``$DMUON_CACHE_DIR``, else ``$DMUON_CACHE`` (its older name), else ``~/.cache/dmuon``.
+
+    The one place dmuon reads these variables."""
+    if cfg is not None and cfg.cache_dir:
+        return pathlib.Path(cfg.cache_dir).expanduser()
+    env = os.environ.get("DMUON_CACHE_DIR") or os.environ.get("DMUON_CACHE")
+    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "dmuon"
 
 
 def cache_path(cfg: DataConfig) -> pathlib.Path:
-    """Returns the ``.npz`` path that holds the dataset generated with ``cfg``."""
-    return cache_dir() / f"pusht_{cfg.digest()}.npz"
+    """Returns the ``.npz`` path that holds the demonstrations generated with ``cfg``."""
+    return cache_dir(cfg) / f"pusht_{cfg.digest()}.npz"
 
 
-def _images_path(path: pathlib.Path) -> pathlib.Path:
-    return path.with_name(path.stem + "_images.npy")
+def drawn_rows(n: int, steps: int, global_batch: int, seed: int) -> np.ndarray:
+    """The sample rows that :meth:`PushTDemos.batch` draws over ``steps`` steps, on all ranks.
+
+    Args:
+        n: Samples in the demonstrations (``len(PushTDemos)``).
+        steps: Steps of the run (batches 0 .. steps - 1).
+        global_batch: Samples per step over all ranks.
+        seed: Run seed.
+
+    Returns:
+        int64 [M], sorted unique rows in [0, n).
+    """
+    return np.unique(np.concatenate([_draw(n, step, global_batch, seed)[0].numpy() for step in range(steps)]))
+
+
+def _draw(n: int, step: int, global_batch: int, seed: int) -> tuple[torch.Tensor, torch.Generator]:
+    """The global batch's rows of ``step`` (int64 [global_batch]) and the generator after them."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(n, (global_batch,), generator=gen), gen
 
 
 def normalize_xy(xy: np.ndarray) -> np.ndarray:
@@ -199,29 +230,25 @@ def generate(cfg: DataConfig, *, progress: bool = True) -> dict[str, np.ndarray]
         progress: Show a tqdm bar over episodes.
 
     Returns:
-        Arrays ``images`` uint8 [N, 3, S, S] (``obs="image"`` only), ``keypoints`` float32
-        [N, 16] and ``agent_pos`` float32 [N, 2] (pixels), ``state`` float32 [N, 2]
+        Arrays ``keypoints`` float32 [N, 16] and ``agent_pos`` float32 [N, 2] (pixels), ``state`` float32 [N, 2]
         (normalized), ``actions`` float32 [N, H, 2] (absolute, normalized), ``episode`` int32
         [N], ``step`` int32 [N] (control step in its episode), and per run episode
-        ``final_coverage`` float32, ``success`` bool, ``kept`` bool.
+        ``final_coverage`` float32, ``success`` bool, ``kept`` bool. No images: a run renders
+        the frames it draws (:mod:`dmuon.train.frames`).
     """
     from tqdm import tqdm
 
-    image = cfg.obs == "image"
-    env = make_env(cfg.image_size if image else 16, cfg.max_steps,
-                   obs_type="pixels_agent_pos" if image else "environment_state_agent_pos")
+    env = make_env(16, cfg.max_steps, obs_type="environment_state_agent_pos")
     expert = ScriptedPushExpert()
-    images, kps, agents, chunks, episode_ids, steps = [], [], [], [], [], []
+    kps, agents, chunks, episode_ids, steps = [], [], [], [], []
     coverages, successes, kept = [], [], []
     bar = tqdm(range(cfg.episodes), desc="dmuon: PushT demos", disable=not progress)
     for ep in bar:
         obs, _ = env.reset(seed=cfg.seed + ep)
         expert.reset()
-        ep_images, ep_kps, ep_agents, ep_actions, coverage, success = [], [], [], [], 0.0, False
+        ep_kps, ep_agents, ep_actions, coverage, success = [], [], [], 0.0, False
         for _ in range(cfg.max_steps):
             action = expert(env.unwrapped)
-            if image:
-                ep_images.append(obs["pixels"].transpose(2, 0, 1))
             ep_kps.append(np.asarray(env.unwrapped.get_keypoints(env.unwrapped._block_shapes)).reshape(16))
             ep_agents.append(obs["agent_pos"])
             ep_actions.append(action)
@@ -238,8 +265,6 @@ def generate(cfg: DataConfig, *, progress: bool = True) -> dict[str, np.ndarray]
         acts = normalize_xy(np.stack(ep_actions))
         n = len(acts)
         idx = np.minimum(np.arange(n)[:, None] + np.arange(cfg.horizon)[None, :], n - 1)
-        if image:
-            images.append(np.stack(ep_images).astype(np.uint8))
         kps.append(np.stack(ep_kps).astype(np.float32))
         agents.append(np.stack(ep_agents).astype(np.float32))
         chunks.append(acts[idx])
@@ -260,28 +285,21 @@ def generate(cfg: DataConfig, *, progress: bool = True) -> dict[str, np.ndarray]
         "success": np.asarray(successes, dtype=bool),
         "kept": np.asarray(kept, dtype=bool),
     }
-    if image:
-        out["images"] = np.concatenate(images)
     return out
 
 
 def ensure_cached(cfg: DataConfig, *, progress: bool = True) -> pathlib.Path:
     """Generates the dataset unless its cache file exists; returns the file's path.
 
-    The files are written to temporary names and renamed (images first), so a concurrent reader
-    never sees a partial file. In a multi-rank run one rank per node calls this; the others
-    wait on a barrier.
+    The file is written to a temporary name and renamed, so a concurrent reader never sees a
+    partial file. In a multi-rank run one rank per node calls this; the others wait on a
+    barrier. Frames are :func:`ensure_run_data`'s.
     """
     path = cache_path(cfg)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = generate(cfg, progress=progress)
-    images = arrays.pop("images", None)
-    if images is not None:
-        tmp_img = path.with_name(f"{path.stem}.tmp{os.getpid()}.npy")
-        np.save(tmp_img, images)
-        os.replace(tmp_img, _images_path(path))
     tmp = path.with_suffix(f".tmp{os.getpid()}.npz")
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
@@ -303,6 +321,9 @@ class PushTDemos:
         RuntimeError: If the cache file does not exist (call :func:`ensure_cached` first).
     """
 
+    images: np.ndarray | None
+    image_rows: np.ndarray | None
+
     def __init__(self, cfg: DataConfig) -> None:
         path = cache_path(cfg)
         if not path.exists():
@@ -319,13 +340,33 @@ class PushTDemos:
             step = f["step"]
         # Row of the previous observation in the same episode (itself at the episode's start).
         self.prev = torch.from_numpy(np.where(step > 0, np.arange(len(step)) - 1, np.arange(len(step))))
-        # Memory-mapped: the ranks of a node share one copy in the page cache (~590 MB at 96 px).
-        # uint8 [N, 3, S, S] numpy memmap (read-only), or None for obs="state".
-        self.images = np.load(_images_path(path), mmap_mode="r") if cfg.obs == "image" else None
+        # Memory-mapped: the ranks of a node share one copy in the page cache. The frames
+        # rendered so far (dmuon.train.frames): uint8 [M, 3, S, S] (read-only) with their rows
+        # int64 [M] (sorted), or None for obs="state".
+        self.images = self.image_rows = None
+        if cfg.obs == "image":
+            frames = load_frames(frames_path(path, cfg.image_size))
+            self.images, self.image_rows = frames["image"] if len(frames) else None, np.asarray(frames["row"])
         self.cfg = cfg
         self.tokens = torch.tensor(
             tokenize(INSTRUCTION, vocab_size=cfg.vocab_size, max_len=cfg.max_tokens), dtype=torch.long
         )
+
+    def frames_of(self, rows: np.ndarray) -> np.ndarray:
+        """uint8 [len(rows), 3, S, S]: the rendered frames of ``rows`` (int64 [b]).
+
+        Raises:
+            RuntimeError: If one of them was not rendered (see :func:`ensure_run_data`).
+        """
+        pos = np.searchsorted(self.image_rows, rows)
+        found = pos < len(self.image_rows)
+        found[found] = self.image_rows[pos[found]] == rows[found]
+        if not found.all():
+            raise RuntimeError(
+                f"dmuon.train: rows {rows[~found][:8].tolist()} of the PushT demonstrations have no "
+                f"rendered {self.cfg.image_size} px frame; call ensure_run_data(cfg, steps=..., "
+                f"global_batch=..., seed=...) with this run's values (rank 0) before loading.")
+        return self.images[pos]
 
     def __len__(self) -> int:
         return int(self.state.shape[0])
@@ -359,14 +400,15 @@ class PushTDemos:
 
         Raises:
             ValueError: If ``global_batch`` is not divisible by ``world_size``.
+            RuntimeError: If a drawn row's frame was not rendered (``obs="image"``; call
+                :func:`ensure_run_data` with this run's steps, batch and seed first).
         """
         if global_batch % world_size:
             raise ValueError(
                 f"dmuon.train: global batch {global_batch} is not divisible by world size "
                 f"{world_size}; pick --batch-size as a multiple of {world_size}."
             )
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        idx = torch.randint(len(self), (global_batch,), generator=gen)
+        idx, gen = _draw(len(self), step, global_batch, seed)
         noise = torch.randn(global_batch, self.cfg.horizon, 2, generator=gen)
         # Pi0's time distribution: Beta(1.5, 1) stretched to [0.001, 1], favouring noisy t.
         u = torch.rand(global_batch, generator=gen)
@@ -384,8 +426,35 @@ class PushTDemos:
             "noise": noise[rows],
             "time": time[rows],
         }
-        if self.images is not None:
-            out["images"] = torch.from_numpy(self.images[sel.numpy()]).float().div_(255.0)
+        if self.cfg.obs == "image":
+            out["images"] = torch.from_numpy(self.frames_of(sel.numpy())).float().div_(255.0)
         else:
             out["env_state"] = self.features[self.history_rows(sel)]
         return out
+
+
+def ensure_run_data(cfg: DataConfig, *, steps: int, global_batch: int, seed: int,
+                    progress: bool = True) -> str:
+    """Caches what a run of ``steps`` steps reads: the demonstrations and, for ``obs="image"``,
+    the frames of the rows it draws (:func:`drawn_rows`; rendered only where missing).
+
+    One process per cache directory calls it (local rank 0); the others wait on a barrier.
+
+    Args:
+        cfg: The demonstrations and observation kind.
+        steps, global_batch, seed: The run's, as later passed to :meth:`PushTDemos.batch`.
+        progress: Show tqdm bars while generating and rendering.
+
+    Returns:
+        One line for the user: the cache's location, its files' sizes and how to move it.
+    """
+    path = ensure_cached(cfg, progress=progress)
+    what = f"demonstrations {path.name} ({path.stat().st_size / 2 ** 20:.1f} MiB)"
+    if cfg.obs == "image":
+        with np.load(path) as f:
+            n = len(f["step"])
+        info = ensure_frames(path, drawn_rows(n, steps, global_batch, seed), seed=cfg.seed,
+                             max_steps=cfg.max_steps, image_size=cfg.image_size, progress=progress)
+        what += (f", {info.frames} frames at {cfg.image_size} px in {info.path.name} "
+                 f"({info.nbytes / 2 ** 20:.1f} MiB, {info.rendered} rendered now)")
+    return f"dmuon.train: data cache {path.parent}: {what}; --cache-dir or DMUON_CACHE_DIR moves it"

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                    help="fsdp (1-D), replicate (DDP-style, no FSDP2), hsdp:RxS (replicate x shard) or fsdp-tp:DxT (data x tensor parallel)")
     p.add_argument("--episodes", type=int, default=DataConfig().episodes,
                    help="demonstrations to run (300 steps each; only successful ones are kept)")
+    p.add_argument("--cache-dir", default=None,
+                   help="directory of the PushT demonstrations and rendered frames (default: "
+                        "$DMUON_CACHE_DIR, else ~/.cache/dmuon)")
     p.add_argument("--out", default=None, help="write summary JSON here (rank 0)")
     p.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
                    help="write <out>_loss.png beside the summary (needs matplotlib)")
@@ -100,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
         history = pick("history", 1)
         image_size = pick("image_size", DataConfig().image_size)
         data = DataConfig(episodes=a.episodes, obs=obs, history=history, image_size=image_size,
-                          action_mode=pick("action_mode", "absolute"))
+                          action_mode=pick("action_mode", "absolute"), cache_dir=a.cache_dir)
         model = PolicyConfig(**{**preset.get("model", {}), "obs": obs, "history": history, "image_size": image_size})
         cfg = TrainConfig(
             optimizer=a.optimizer, steps=pick("steps", _DEFAULTS.steps), batch_size=pick("batch_size", _DEFAULTS.batch_size),

@@ -25,7 +25,7 @@ from torch.profiler import record_function
 
 from dmuon.train import ckpt
 from dmuon.train.parallel import Layout, shard_model, wrap_data_parallel
-from dmuon.train.data import DataConfig, PushTDemos, ensure_cached
+from dmuon.train.data import DataConfig, PushTDemos, ensure_run_data
 from dmuon.train.eval import EvalConfig, evaluate, format_summary
 from dmuon.train.model import Pi0Policy, PolicyConfig
 
@@ -198,8 +198,10 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         )
     Layout.parse(cfg.mesh, world)  # fail before generating data
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # one writer per node (per local disk)
-        ensure_cached(cfg.data, progress=True)
-    dist.barrier()  # the others wait for their node's cache file
+        where = ensure_run_data(cfg.data, steps=cfg.steps, global_batch=cfg.batch_size, seed=cfg.seed)
+        if rank == 0:
+            print(where, flush=True)
+    dist.barrier()  # the others wait for their node's cache files
     demos = PushTDemos(cfg.data)
 
     torch.manual_seed(cfg.seed)
