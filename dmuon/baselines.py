@@ -64,8 +64,9 @@ class VanillaMuon(torch.optim.Optimizer):
         adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, A/B))``) or ``"match_rms_adamw"``
             (``0.2 sqrt(max(A, B))``), as in ``torch.optim.Muon``.
         ns_method: ``"gram"`` or ``"standard"``.
-        ns_dtype: NS iteration dtype; ``"standard"`` + ``torch.bfloat16`` + ``"muon"``
-            coefficients is ``torch.optim.Muon``'s iteration bit for bit.
+        ns_dtype: NS iteration dtype; ``None`` (default): by device, as :class:`dmuon.Muon`
+            (:func:`dmuon.kernels.default_ns_dtype`); ``"standard"`` + ``torch.bfloat16`` +
+            ``"muon"`` coefficients is ``torch.optim.Muon``'s iteration bit for bit.
         adamw_lr: AdamW learning rate; ``None`` means ``lr``.
         adamw_betas: AdamW betas.
         adamw_eps: AdamW epsilon.
@@ -88,7 +89,7 @@ class VanillaMuon(torch.optim.Optimizer):
         eps: float = 1e-7,
         adjust_lr_fn: str | None = None,
         ns_method: str = "gram",
-        ns_dtype: torch.dtype = torch.float16,
+        ns_dtype: torch.dtype | None = None,
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,

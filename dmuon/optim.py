@@ -62,9 +62,11 @@ class Muon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz iterations.
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (as ``torch.optim.Muon``).
         ns_method: ``"gram"`` (Gram-space, default) or ``"standard"``.
-        ns_dtype: iteration dtype: ``torch.float16`` (default), ``torch.bfloat16`` (with
-            ``"standard"`` and ``"muon"`` coefficients: ``torch.optim.Muon``'s iteration), or
-            ``torch.float32`` (exact-math mode).
+        ns_dtype: iteration dtype: ``None`` (default): by the owner's device
+            (:func:`dmuon.kernels.default_ns_dtype`: ``torch.float16`` on CUDA, ``torch.float32``
+            on CPU, where half-precision products are converted and slower); ``torch.float16``;
+            ``torch.bfloat16`` (with ``"standard"`` and ``"muon"`` coefficients:
+            ``torch.optim.Muon``'s iteration); or ``torch.float32`` (exact-math mode).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's hyper-parameters for the
             other parameters; ``adamw_lr``/``adamw_weight_decay`` default to ``lr``/``weight_decay``.
         ns_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`dmuon.kernels.newton_schulz`).
@@ -97,7 +99,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         ns_method: str = "gram",
-        ns_dtype: torch.dtype = torch.float16,
+        ns_dtype: torch.dtype | None = None,
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,

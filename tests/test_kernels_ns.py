@@ -263,3 +263,30 @@ def test_newton_schulz_rejects_bad_arguments(kwargs, error):
         newton_schulz(torch.randn(4, 8), **kwargs)
     with pytest.raises(ValueError, match="shape"):
         newton_schulz(torch.randn(2, 2, 2, 2))
+
+
+def test_default_ns_dtype_is_chosen_per_device(monkeypatch):
+    """Issue 33: with no dtype, fp16 on CUDA, fp32 on CPU (where half-precision products are
+    converted around every GEMM: bench/results/ns_dtype_cpu.json). The CPU default then equals
+    the explicit fp32 iteration bit for bit, batches are sized in fp32 bytes, and dmuon.Muon's
+    default reaches the kernel as None (resolved on the owner's device)."""
+    import dmuon
+    import dmuon.kernels.batching as batching
+    from dmuon.kernels import default_ns_dtype
+
+    assert default_ns_dtype("cpu") == torch.float32 and default_ns_dtype(torch.device("cpu")) == torch.float32
+    assert default_ns_dtype("cuda") == torch.float16 and default_ns_dtype(torch.device("cuda", 1)) == torch.float16
+    torch.manual_seed(7)
+    G = torch.randn(3, 12, 20)
+    out = newton_schulz(G, backend="torch")
+    assert out.dtype == torch.float32
+    assert torch.equal(out, newton_schulz(G, dtype=torch.float32, backend="torch"))
+    seen = []
+    real = batching.newton_schulz
+    monkeypatch.setattr(batching, "newton_schulz", lambda X, **kw: seen.append(tuple(X.shape)) or real(X, **kw))
+    orthogonalize_by_shape([G[0], G[1], G[2]], max_batch_bytes=2 * 12 * 20 * 4, backend="torch")
+    assert seen == [(2, 12, 20), (12, 20)]  # two fp32 matrices per batch, not four fp16 ones
+    opt = dmuon.Muon([torch.nn.Parameter(torch.randn(4, 6))], lr=0.02)
+    assert opt.param_groups[0]["ns_dtype"] is None
+    with pytest.raises(ValueError, match="ns_dtype"):
+        dmuon.Muon([torch.nn.Parameter(torch.randn(4, 6))], ns_dtype=torch.int8)

@@ -35,6 +35,7 @@ from torch import Tensor
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
 from dmuon.distconfig.strategies import supports_async
 from dmuon.comm.collectives import check_same_on_all_ranks
+from dmuon.kernels import default_ns_dtype
 from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
 from dmuon.owners.slices import local_tensor
 from dmuon.owners.update import (
@@ -342,7 +343,7 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                                                   **self.ns_kwargs(group))
                     for i, out in zip(ids, outs):
                         updates[rnd.index(i)] = out
-            ns_dtype = entries[rnd[0]][1]["ns_dtype"]
+            ns_dtype = entries[rnd[0]][1]["ns_dtype"] or default_ns_dtype(inputs[rnd[0]].device)
             with torch.profiler.record_function("dmuon::redistribute"):
                 handle = self._issue_redistribute(k, updates, inputs[rnd[0]].device, ns_dtype)
             if cfg.async_gpu_parallelism:

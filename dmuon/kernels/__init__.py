@@ -12,7 +12,7 @@ from dmuon.kernels.coefficients import (
     choose_gram_restarts,
     resolve_coefficients,
 )
-from dmuon.kernels.newton_schulz import newton_schulz, ns_flops
+from dmuon.kernels.newton_schulz import default_ns_dtype, newton_schulz, ns_flops
 
 __all__ = [
     "DEFAULT_MAX_BATCH_BYTES",
@@ -20,6 +20,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLAR_EXPRESS_SAFETY",
     "choose_gram_restarts",
+    "default_ns_dtype",
     "newton_schulz",
     "ns_flops",
     "orthogonalize_by_shape",

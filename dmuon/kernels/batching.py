@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon.kernels.newton_schulz import newton_schulz
+from dmuon.kernels.newton_schulz import default_ns_dtype, newton_schulz
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,6 @@ def orthogonalize_by_shape(
     """
     if not isinstance(max_batch_bytes, int) or max_batch_bytes < 1:
         raise ValueError(f"dmuon: max_batch_bytes must be a positive int; got {max_batch_bytes!r}.")
-    dtype = newton_schulz_kwargs.get("dtype", torch.float16)
-    itemsize = torch.empty((), dtype=dtype).element_size()
     groups: dict[tuple, list[int]] = {}
     for index, t in enumerate(tensors):
         if t.dim() != 2:
@@ -61,8 +59,9 @@ def orthogonalize_by_shape(
         groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(index)
 
     out: list[Tensor | None] = [None] * len(tensors)
-    for (shape, _, _), indices in groups.items():
-        per_matrix = max(1, shape[0] * shape[1] * itemsize)
+    for (shape, _, device), indices in groups.items():
+        dtype = newton_schulz_kwargs.get("dtype") or default_ns_dtype(device)
+        per_matrix = max(1, shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size())
         chunk = max(1, max_batch_bytes // per_matrix)
         for start in range(0, len(indices), chunk):
             part = indices[start : start + chunk]

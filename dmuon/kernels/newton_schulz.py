@@ -94,13 +94,33 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
     return triton_ops.triton_ops_for(X) if triton_ops.auto_prefers_triton(X) else TORCH_OPS
 
 
+def default_ns_dtype(device: torch.device | str) -> torch.dtype:
+    """The Newton-Schulz iteration dtype dmuon uses on ``device`` when none is given.
+
+    float16 on accelerators: tensor cores read fp16 at the bf16 rate with 3 more mantissa bits,
+    and accumulate in fp32. float32 on CPU: CPUs without AVX512-FP16 (and torch's
+    ``ATEN_CPU_CAPABILITY=default`` kernels on any CPU) convert half-precision operands to fp32
+    around every product, so fp16 and bf16 are slower there than fp32, which is also exact-math
+    mode. Measured on a 2-core AMD EPYC (AVX512-BF16, no AVX512-FP16), one thread, Pi0-like
+    shapes (``bench/bench_ns_dtype_cpu.py``, ``bench/results/ns_dtype_cpu.json``): see
+    docs/usage.md for the ratios.
+
+    Args:
+        device: where the iteration runs (the owner's device).
+
+    Returns:
+        ``torch.float32`` for ``"cpu"``, else ``torch.float16``.
+    """
+    return torch.float32 if torch.device(device).type == "cpu" else torch.float16
+
+
 def newton_schulz(
     G: Tensor,
     *,
     steps: int = 5,
     coefficients: str | Sequence[float] | Sequence[Sequence[float]] = "polar_express",
     method: str = "gram",
-    dtype: torch.dtype = torch.float16,
+    dtype: torch.dtype | None = None,
     eps: float = 1e-7,
     backend: str = "auto",
     restarts: Optional[Sequence[int]] = None,
@@ -122,8 +142,9 @@ def newton_schulz(
         coefficients: ``"polar_express"`` (default), ``"muon"``, one ``(a, b, c)`` or a per-step
             list; see :func:`~dmuon.kernels.coefficients.resolve_coefficients`.
         method: ``"gram"`` (default; square matrices use ``"standard"``) or ``"standard"``.
-        dtype: iteration dtype: float16 (default; 3 more mantissa bits than bf16 at the same
-            tensor-core rate), bfloat16, float32 or float64.
+        dtype: iteration dtype: float16 (3 more mantissa bits than bf16 at the same
+            tensor-core rate), bfloat16, float32 or float64; ``None`` (default):
+            :func:`default_ns_dtype` of ``G``'s device (float16 on CUDA, float32 on CPU).
         eps: floor of the Frobenius norm (same units as ``G``); a zero ``G`` maps to zero.
         backend: ``"torch"`` (the reference), ``"triton"`` (CUDA, fp16/bf16), or ``"auto"``
             (Triton on CUDA when importable and the shape is large enough, else torch).
@@ -151,8 +172,10 @@ def newton_schulz(
         raise ValueError(f"dmuon: unknown Newton-Schulz method {method!r}; choose one of {_METHODS}.")
     if backend not in _BACKENDS:
         raise ValueError(f"dmuon: unknown Newton-Schulz backend {backend!r}; choose one of {_BACKENDS}.")
+    if dtype is None:
+        dtype = default_ns_dtype(G.device)
     if dtype not in _DTYPES:
-        raise ValueError(f"dmuon: Newton-Schulz dtype must be one of {_DTYPES}; got {dtype}.")
+        raise ValueError(f"dmuon: Newton-Schulz dtype must be one of {_DTYPES} or None; got {dtype}.")
     if not eps > 0:
         raise ValueError(f"dmuon: Newton-Schulz eps must be > 0; got {eps!r}.")
     coeffs = resolve_coefficients(coefficients, steps)

@@ -24,7 +24,7 @@ NS_METHODS = ("gram", "standard")
 
 def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                              adjust_lr_fn: str | None = None, ns_method: str = "gram",
-                             ns_dtype: torch.dtype = torch.float16, adamw_lr: float | None = None,
+                             ns_dtype: torch.dtype | None = None, adamw_lr: float | None = None,
                              adamw_betas: tuple[float, float] = (0.9, 0.999),
                              ns_coefficients: Any = "polar_express", ns_steps: int = 5,
                              eps: float = 1e-7, adamw_eps: float = 1e-8,
@@ -79,8 +79,8 @@ def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, mom
         raise ValueError(f"dmuon: {where}adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
     if ns_method not in NS_METHODS:
         raise ValueError(f"dmuon: {where}ns_method must be one of {NS_METHODS}, got {ns_method!r}")
-    if ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise ValueError(f"dmuon: {where}ns_dtype must be a float dtype, got {ns_dtype}")
+    if ns_dtype is not None and ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"dmuon: {where}ns_dtype must be a float dtype or None (by device), got {ns_dtype}")
     resolve_coefficients(ns_coefficients, ns_steps)
 
 
