@@ -10,10 +10,9 @@ balanced over the expert group, the dense matrices over all ranks, in two solves
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping
 
-if TYPE_CHECKING:
-    from dmuon.owners.plan import OwnerPlan
+from dmuon.owners.owner_plan import OwnerPlan
 
 
 def expert_parallel_plan(solve: Callable[..., OwnerPlan], named_shapes: list, world_size: int,
@@ -25,7 +24,7 @@ def expert_parallel_plan(solve: Callable[..., OwnerPlan], named_shapes: list, wo
 
     Args:
         solve: :func:`dmuon.owners.plan.build_plan` (passed in: this module does not import
-            the plan module, which imports it).
+            the module that imports it).
         named_shapes: ``(fqn, global shape)`` per dedicated parameter, in model order.
         world_size: ranks of the shard group (every rank of a replica of the mesh).
         expert_parallel: the FQNs of the stacks split ``Shard(0)`` over ``"ep"``.
@@ -35,7 +34,7 @@ def expert_parallel_plan(solve: Callable[..., OwnerPlan], named_shapes: list, wo
         options: the rest of ``build_plan``'s options, passed to both solves.
 
     Returns:
-        The merged :class:`dmuon.owners.plan.OwnerPlan` (``ep_size`` set, ``MatrixSpec.ep`` on
+        The merged :class:`dmuon.owners.owner_plan.OwnerPlan` (``ep_size`` set, ``MatrixSpec.ep`` on
         the expert entries, ``extra["expert_parallel"]`` the expert solve's figures).
 
     Raises:
