@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dmuon.comm.collectives import label
+from dmuon.comm.owned_grad import plain
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
@@ -208,13 +209,14 @@ class OwnerUpdate:
         ctx = self.ctx
         params, grads, bufs, recs = [], [], [], []
         for p in group["params"]:
-            if p.grad is None or p.numel() == 0:  # placeholders: someone else owns it
+            # placeholders: someone else owns it; absent: no rank had a gradient (Muon skips it)
+            if p.grad is None or p.numel() == 0 or getattr(p.grad, "dmuon_absent", False):
                 continue
             state = self.opt.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
-            grads.append(p.grad)
+            grads.append(plain(p.grad))
             bufs.append(state["momentum_buffer"])
             recs.append(ctx.record_of_master[p])
         ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
@@ -291,12 +293,13 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     ctx.ensure_bound()
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
-        if rec.master.grad is None:
+        grad = plain(rec.master.grad)  # the local tensor: a shown grad's pieces are records too
+        if grad is None:
             continue
-        clipped.append(rec.master.grad)
+        clipped.append(grad)
         # HSDP replicas and TP ranks holding a whole matrix have equal copies: count one.
         if ctx.replicate_rank == 0 and (rec.tp_shard_dim is not None or ctx.tp_rank == 0):
-            counted.append(rec.master.grad)
+            counted.append(grad)
     for p in model.parameters():
         if p in ctx.record_of_master or p.grad is None:
             continue

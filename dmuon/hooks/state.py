@@ -51,6 +51,7 @@ from dmuon.comm.collectives import label
 from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
+from dmuon.comm.owned_grad import present, unpresent
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
 from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
 from dmuon.owners.dedicated import DedicatedParam
@@ -267,7 +268,11 @@ class DedicateState:
         with label("dmuon::finish_backward"), torch.no_grad():
             if self.shared_bucket is not None and self.sync_this_backward:
                 self.shared_bucket.issue(self.group, self.reduce_mode)  # the other parameters' .grad
+            unpresent(self.records)  # plain gradients for the owners to add to
             reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
+            # what clipping by third-party code sees (dmuon.comm.owned_grad): every rank alike
+            present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
+                    tp_rank=self.tp_rank)
             if self.replicated is not None and self.sync_this_backward:
                 self.replicated.finish()
 

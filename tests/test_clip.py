@@ -1,0 +1,52 @@
+"""Clipping by third-party code on a dmuon model (issue 31, item 7): torch's
+``clip_grad_norm_(model.parameters())`` (per-tensor and foreach), Accelerate 1.15's
+``Accelerator.clip_grad_norm_`` (its ``MULTI_CPU`` and, state forced, its FSDP2 branch), the
+transformers ``Trainer``'s ``_clip_grad_norm`` and torchtitan 0.3.0's
+``dist_utils.clip_grad_norm_``, each between backward and step with a threshold well below the
+true norm, on the FSDP2 path and the replicated path, against single-process
+``torch.nn.utils.clip_grad_norm_`` + ``torch.optim.Muon`` + ``AdamW`` (``tests/clip_cases.py``):
+every rank reports the single-process norm, and the parameters end where the reference's do.
+
+Before dmuon.comm.owned_grad (main at a8f9066, 2 ranks, step 0, true norm 1.4990): FSDP2 path,
+torch / torchtitan raised ``aten._foreach_norm.Scalar got mixed torch.Tensor and DTensor``,
+Accelerate and the Trainer returned 1.3518 on rank 0 and 0.7530 on rank 1; replicated path,
+every consumer returned 1.3395 / 0.7746.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import clip_cases
+from tests.test_core import FP32_ATOL, compare
+
+STEPS, MAX_NORM = 3, 0.05
+NEEDS = {"accelerate": "accelerate", "accelerate-fsdp2": "accelerate", "trainer": "transformers",
+         "torchtitan": "torchtitan.distributed.utils"}
+
+
+@pytest.mark.parametrize("mode,consumer,world_size", [
+    ("fsdp", "torch", 2),
+    ("fsdp", "torch-foreach", 2),
+    ("fsdp", "accelerate", 2),
+    ("fsdp", "accelerate-fsdp2", 4),
+    ("fsdp", "trainer", 2),
+    ("fsdp", "torchtitan", 2),
+    ("replicated", "torch", 3),
+    ("replicated", "accelerate", 2),
+    ("replicated", "trainer", 2),
+    ("replicated", "torchtitan", 2),
+])
+def test_third_party_clip_matches_single_process(dist_pool, mode, consumer, world_size):
+    if consumer in NEEDS:
+        pytest.importorskip(NEEDS[consumer])
+    out = dist_pool.run(world_size, "tests.clip_cases:clip_train",
+                        dict(mode=mode, consumer=consumer, steps=STEPS, max_norm=MAX_NORM), timeout_s=180)
+    ref, ref_norms = clip_cases.reference_norms(world_size, STEPS, MAX_NORM)
+    assert min(ref_norms) > 4 * MAX_NORM, "the clip must bite for the test to mean anything"
+    assert [o["error"] for o in out] == [None] * world_size, out[0]["error"]
+    for rank, o in enumerate(out):  # the single-process norm, on every rank
+        np.testing.assert_allclose(o["norms"], ref_norms, rtol=1e-5, err_msg=f"rank {rank}")
+    worst = compare(out[0]["params"], ref, FP32_ATOL)
+    print(f"{consumer} on the {mode} path, {world_size} ranks: norms {out[0]['norms']}, max |diff| {worst:.3g}")
