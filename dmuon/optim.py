@@ -192,7 +192,13 @@ class OwnerUpdate:
                 dict(params=others, kind="adamw", **adamw_defaults)]
 
     def step(self) -> None:
-        """Muon then AdamW, then the step check and the publication."""
+        """Muon then AdamW, then the step check and the publication.
+
+        Raises:
+            RuntimeError: ``fully_shard`` ran on the model after binding (first step only,
+                when no forward caught it: :meth:`DedicateState.check_not_sharded_since_binding`).
+        """
+        self.ctx.check_not_sharded_since_binding("the first opt.step()")
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
@@ -253,6 +259,18 @@ class OwnerUpdate:
             )
 
 
+def unwrap_optimizer(opt: Any) -> Any:
+    """The optimizer inside wrappers that hold it as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``), followed until a
+    :class:`Muon` (or something without ``.optimizer``); anything else is returned unchanged."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(opt, Muon) or not isinstance(inner, torch.optim.Optimizer):
+            return opt
+        opt = inner
+    return opt
+
+
 def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute.
@@ -265,8 +283,9 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
 
     Args:
         model_or_optimizer: the model given to ``dedicate_params``, or a :class:`Muon` (any
-            strategy; with ``distributed_config`` pass the optimizer: the norm covers its
-            parameters, and plain non-matrix tensors are taken for replicas, as DDP holds them).
+            strategy, or a wrapper holding it as ``.optimizer``: :func:`unwrap_optimizer`;
+            with ``distributed_config`` pass the optimizer: the norm covers its parameters,
+            and plain non-matrix tensors are taken for replicas, as DDP holds them).
         max_norm: largest allowed norm (same unit as the gradients).
         norm_type: p of the p-norm; ``float("inf")`` for the max norm.
         error_if_nonfinite: raise instead of clipping by a nan/inf norm.
@@ -280,6 +299,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
             plain Muon matrix whose layout the config does not record.
         TypeError: neither a model nor a :class:`Muon`.
     """
+    model_or_optimizer = unwrap_optimizer(model_or_optimizer)
     if isinstance(model_or_optimizer, Muon):
         strategy = model_or_optimizer.strategy
         if not isinstance(strategy, OwnerUpdate):
