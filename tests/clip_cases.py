@@ -78,11 +78,13 @@ def _as_float(norm: Any) -> float:
 
 
 def clip_train(rank: int, world_size: int, *, mode: str, consumer: str, steps: int = 3,
-               max_norm: float = 0.05, dedicate_kwargs: dict | None = None) -> dict[str, Any]:
+               max_norm: float = 0.05, variant: str = "", dedicate_kwargs: dict | None = None
+               ) -> dict[str, Any]:
     """Train the test model ``steps`` steps, clipping with ``consumer`` between backward and
     step. Returns the norms it reported, the final parameters (rank 0), or the error
-    (``"<Type>: <message>"``) of the first step that raised."""
-    model, _ = build(world_size, mode, **(dedicate_kwargs or {}))
+    (``"<Type>: <message>"``) of the first step that raised. ``variant``: of
+    ``tests/models.Net`` ("unused": a matrix no rank uses, whose owner shows absent zeros)."""
+    model, _ = build(world_size, mode, variant=variant, **(dedicate_kwargs or {}))
     opt = dmuon.Muon(model, **OPT_KWARGS)
     clip = clipper(consumer, model, opt)
     norms = []
@@ -98,8 +100,8 @@ def clip_train(rank: int, world_size: int, *, mode: str, consumer: str, steps: i
     return dict(error=None, norms=norms, params=full_params(model, rank))
 
 
-def reference_norms(world_size: int, steps: int, max_norm: float) -> tuple[dict, list[float]]:
+def reference_norms(world_size: int, steps: int, max_norm: float, variant: str = "") -> tuple[dict, list[float]]:
     """Single-process final parameters and per-step total norms with clipping."""
-    ref, _, norms = models.run_reference(world_size, steps, clip=max_norm)
+    ref, _, norms = models.run_reference(world_size, steps, clip=max_norm, variant=variant)
     return ref, norms
 

@@ -50,3 +50,19 @@ def test_third_party_clip_matches_single_process(dist_pool, mode, consumer, worl
         np.testing.assert_allclose(o["norms"], ref_norms, rtol=1e-5, err_msg=f"rank {rank}")
     worst = compare(out[0]["params"], ref, FP32_ATOL)
     print(f"{consumer} on the {mode} path, {world_size} ranks: norms {out[0]['norms']}, max |diff| {worst:.3g}")
+
+
+@pytest.mark.parametrize("mode,consumer", [("fsdp", "torchtitan"), ("replicated", "accelerate")])
+def test_third_party_clip_with_a_matrix_no_rank_uses(dist_pool, mode, consumer):
+    """A matrix without a gradient on any rank: its owner shows absent zeros (every rank must
+    hold a gradient for the same parameters), which the norm adds nothing for and dmuon's
+    step skips, as ``torch.optim.Muon`` skips ``grad=None``."""
+    pytest.importorskip(NEEDS[consumer])
+    out = dist_pool.run(2, "tests.clip_cases:clip_train", dict(mode=mode, consumer=consumer, steps=STEPS,
+                                                               max_norm=MAX_NORM, variant="unused"),
+                        timeout_s=180)
+    ref, ref_norms = clip_cases.reference_norms(2, STEPS, MAX_NORM, variant="unused")
+    assert [o["error"] for o in out] == [None, None], out[0]["error"]
+    for o in out:
+        np.testing.assert_allclose(o["norms"], ref_norms, rtol=1e-5)
+    compare(out[0]["params"], ref, FP32_ATOL)

@@ -233,8 +233,9 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
         grad = plain(master.grad)
         absent = False
         if grad is None:
-            absent = master.numel() > 0  # the owner: no rank had a gradient
-            grad = torch.zeros_like(master)
+            absent = master.numel() > 0  # the owner: no rank had a gradient (or an HSDP
+            # "broadcast" matrix on a replica other than 0): zeros that take no memory
+            grad = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)
         master.grad = _view(grad, pieces, counts, group, absent)
 
 
