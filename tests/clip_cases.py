@@ -105,3 +105,25 @@ def reference_norms(world_size: int, steps: int, max_norm: float, variant: str =
     ref, _, norms = models.run_reference(world_size, steps, clip=max_norm, variant=variant)
     return ref, norms
 
+
+
+def mesh_clip_train(rank: int, world_size: int, *, layout: str, consumer: str, steps: int = 3,
+                    max_norm: float = 0.05, replicate_mode: str = "auto") -> dict[str, Any]:
+    """:func:`clip_train` on an HSDP / FSDP x TP mesh (``tests/mesh_cases.py``'s layouts)."""
+    from tests import mesh_cases
+
+    model, mesh, dp_names = mesh_cases.build(layout, replicate_mode=replicate_mode)
+    opt = dmuon.Muon(model, **OPT_KWARGS)
+    clip = clipper(consumer, model, opt)
+    dp_index, dp_count = mesh_cases.dp_coordinate(mesh, dp_names)
+    norms = []
+    for step in range(steps):
+        idx, y = models.local_batch(step, dp_index, dp_count)
+        models.loss_fn(model, idx, y).backward()
+        try:
+            norms.append(_as_float(clip(max_norm)))
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
+            return dict(error=f"{type(e).__name__}: {e}", norms=norms, dp_count=dp_count)
+        opt.step()
+        opt.zero_grad()
+    return dict(error=None, norms=norms, params=full_params(model, rank), dp_count=dp_count)

@@ -66,3 +66,51 @@ def test_third_party_clip_with_a_matrix_no_rank_uses(dist_pool, mode, consumer):
     for o in out:
         np.testing.assert_allclose(o["norms"], ref_norms, rtol=1e-5)
     compare(out[0]["params"], ref, FP32_ATOL)
+
+
+@pytest.mark.parametrize("layout,consumer,replicate_mode", [
+    ("hsdp", "torch", "compute"),
+    ("hsdp", "accelerate", "broadcast"),
+    ("fsdp-tp", "accelerate", "auto"),
+])
+def test_third_party_clip_on_meshes(dist_pool, layout, consumer, replicate_mode):
+    """HSDP (replicas' equal copies counted once; "broadcast" matrices held on replica 0 only)
+    and FSDP x TP (a TP-split matrix's slices on their TP ranks), 4 ranks. torch's own
+    ``clip_grad_norm_`` cannot span FSDP x TP's two meshes (the head is on the "dp" sub-mesh)
+    without dmuon either; Accelerate norms per mesh."""
+    if consumer in NEEDS:
+        pytest.importorskip(NEEDS[consumer])
+    out = dist_pool.run(4, "tests.clip_cases:mesh_clip_train",
+                        dict(layout=layout, consumer=consumer, steps=STEPS, max_norm=MAX_NORM,
+                             replicate_mode=replicate_mode), timeout_s=180, fresh=True)
+    assert [o["error"] for o in out] == [None] * 4, out[0]["error"]
+    ref, ref_norms = clip_cases.reference_norms(out[0]["dp_count"], STEPS, MAX_NORM)
+    for rank, o in enumerate(out):
+        np.testing.assert_allclose(o["norms"], ref_norms, rtol=1e-5, err_msg=f"rank {rank}")
+    worst = compare(out[0]["params"], ref, FP32_ATOL)
+    print(f"{consumer} on {layout} ({replicate_mode}): max |diff| {worst:.3g}")
+
+
+def test_owned_grad_answers_whole_norms_and_refuses_partial_ones():
+    """Single process (no group): an OwnedGrad's whole-tensor norms are torch's on the tensor
+    (the p-norms of the pieces behind it), a clip scales the pieces, and a norm over some dims,
+    or a matrix norm, raises naming dmuon (the rows live on the owner only)."""
+    import torch
+
+    from dmuon.comm.owned_grad import OwnedGrad, plain
+
+    g = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    owned = g.clone().as_subclass(OwnedGrad)
+    owned.dmuon_pieces, owned.dmuon_counts, owned.dmuon_group, owned.dmuon_absent = [plain(owned)], True, None, False
+    for p in (1.0, 2.0, 3.0, float("inf")):
+        want = torch.linalg.vector_norm(g, p)
+        for got in (torch.linalg.vector_norm(owned, p), owned.norm(p), torch._foreach_norm([owned], p)[0]):
+            assert type(got) is torch.Tensor and torch.allclose(got, want, rtol=1e-6), (p, got, want)
+    param = torch.nn.Parameter(torch.zeros(5, 3))
+    param.grad = owned
+    total = torch.nn.utils.clip_grad_norm_([param], 0.5)
+    assert torch.allclose(total, g.norm()) and torch.allclose(plain(owned), g * (0.5 / (g.norm() + 1e-6)))
+    for bad in (lambda: owned.norm(dim=0), lambda: torch.linalg.vector_norm(owned, 2, 1),
+                lambda: torch.linalg.norm(owned, ord=2)):
+        with pytest.raises(RuntimeError, match="^dmuon: .*dmuon.clip_grad_norm_"):
+            bad()

@@ -116,7 +116,12 @@ def _whole_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
             f"(the same on every rank). Reduce over all dims, or use dmuon.clip_grad_norm_.")
     if not isinstance(grad, OwnedGrad):  # an OwnedGrad passed elsewhere (out=, ...)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+            return func(*args, **[kwargs, dict(kwargs, dim=dim)][dim is not None])
+    if func is torch.linalg.norm and p not in (None, "fro") and grad.dim() != 1:
+        raise RuntimeError(
+            f"dmuon: torch.linalg.norm(ord={p!r}) of a dedicated matrix's gradient is a matrix "
+            f"norm; dmuon answers whole-gradient vector norms only (ord=None / 'fro', or "
+            f"torch.linalg.vector_norm). Use dmuon.clip_grad_norm_.")
     (norm,) = global_norms([grad], _ord(p))
     dtype = kwargs.get("dtype")
     return norm.to(dtype) if dtype is not None else norm
