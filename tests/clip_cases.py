@@ -127,3 +127,33 @@ def mesh_clip_train(rank: int, world_size: int, *, layout: str, consumer: str, s
         opt.step()
         opt.zero_grad()
     return dict(error=None, norms=norms, params=full_params(model, rank), dp_count=dp_count)
+
+
+def split_stack_norms(rank: int, world_size: int, *, case: str = "hf-qwen3-moe", consumer: str = "torch",
+                      steps: int = 2) -> dict[str, Any]:
+    """A Mixture-of-Experts model whose expert stacks are split into ranges with different
+    owners (``tests/moe_cases.spread_plan``; the module shows the first range's master): the
+    norm ``consumer`` reports with no clipping (``max_norm=inf``) after each step's backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tests import moe_cases
+
+    model = moe_cases.build(case)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in moe_cases.CASES[case].blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    predicate = dmuon.default_predicate(model)
+    plan = moe_cases.spread_plan(model, predicate, world_size)
+    dmuon.dedicate_params(model, mesh, predicate=predicate, plan=plan, group_cost=0.0)
+    opt = dmuon.Muon(model, **moe_cases.OPT_KWARGS)
+    clip = clipper(consumer, model, opt)
+    split = sum(1 for rec in model._dmuon_state.records if rec.stack is not None)
+    norms = []
+    for step in range(steps):
+        moe_cases.CASES[case].loss(model, *moe_cases.local_batch(case, step, rank, world_size)).backward()
+        norms.append(_as_float(clip(float("inf"))))
+        opt.step()
+        opt.zero_grad()
+    return dict(norms=norms, split_records=split, params=moe_cases.full_params(model, rank))

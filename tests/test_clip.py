@@ -114,3 +114,28 @@ def test_owned_grad_answers_whole_norms_and_refuses_partial_ones():
                 lambda: torch.linalg.norm(owned, ord=2)):
         with pytest.raises(RuntimeError, match="^dmuon: .*dmuon.clip_grad_norm_"):
             bad()
+
+
+def test_third_party_norm_counts_every_range_of_a_split_expert_stack(dist_pool):
+    """Hugging Face Qwen3-MoE with each expert stack split into owner ranges (the module shows
+    only the first range's parameter): torch's ``clip_grad_norm_`` reports the single-process
+    norm, every range counted (the norm of a stack range is in the shown gradient's pieces)."""
+    import torch
+
+    from tests import moe_cases
+
+    out = dist_pool.run(2, "tests.clip_cases:split_stack_norms", dict(steps=2), timeout_s=180)
+    assert out[0]["split_records"] > 0, "the plan must split a stack for the test to mean anything"
+    ref, _ = moe_cases.reference("hf-qwen3-moe", 2, steps=1)  # the parameters after step 0
+    want = []
+    for step, initial in ((0, None), (1, ref)):
+        model = moe_cases.build("hf-qwen3-moe")
+        if initial is not None:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(torch.as_tensor(initial[n]))
+        moe_cases.CASES["hf-qwen3-moe"].loss(model, *moe_cases.CASES["hf-qwen3-moe"].batch(
+            step, moe_cases.LOCAL_BATCH * 2)).backward()
+        want.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+    for o in out:
+        np.testing.assert_allclose(o["norms"], want, rtol=1e-5)
