@@ -160,6 +160,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # an absent gradient (dmuon.comm.owned_grad) stands for None
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if getattr(p.grad, "dmuon_absent", False):
+                        p.grad = None
         super().zero_grad(set_to_none=set_to_none)
 
 
@@ -314,7 +319,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
         grad = plain(rec.master.grad)  # the local tensor: a shown grad's pieces are records too
-        if grad is None:
+        if grad is None or getattr(rec.master.grad, "dmuon_absent", False):  # absent: None
             continue
         clipped.append(grad)
         # HSDP replicas and TP ranks holding a whole matrix have equal copies: count one.
