@@ -157,3 +157,21 @@ def split_stack_norms(rank: int, world_size: int, *, case: str = "hf-qwen3-moe",
         opt.step()
         opt.zero_grad()
     return dict(norms=norms, split_records=split, params=moe_cases.full_params(model, rank))
+
+
+def expert_parallel_norm(rank: int, world_size: int, *, consumer: str, ep: int = 2,
+                         case: str = "ep-moe") -> float:
+    """torchtitan's expert-parallel layout (``tests/ep_cases.parallelize``: experts ``Shard(0)``
+    over "ep", ``fully_shard`` over "efsdp", dense blocks over every rank) with expert stacks
+    split into owner ranges: the step-0 gradient norm ``consumer`` reports (no clipping)."""
+    from tests import ep_cases, moe_cases
+
+    model = moe_cases.build(case)
+    predicate = dmuon.default_predicate(model)
+    mesh = ep_cases.parallelize(model, world_size, ep, case=case)
+    dmuon.dedicate_params(model, mesh, predicate=predicate, group_cost=0.0,
+                          plan=ep_cases.spread_plan(model, predicate, world_size, ep))
+    opt = dmuon.Muon(model, **moe_cases.OPT_KWARGS)
+    clip = clipper(consumer, model, opt)
+    moe_cases.CASES[case].loss(model, *moe_cases.local_batch(case, 0, rank, world_size)).backward()
+    return _as_float(clip(float("inf")))

@@ -139,3 +139,17 @@ def test_third_party_norm_counts_every_range_of_a_split_expert_stack(dist_pool):
         want.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
     for o in out:
         np.testing.assert_allclose(o["norms"], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("consumer", ["accelerate", "trainer"])
+def test_third_party_norm_under_expert_parallelism(dist_pool, consumer):
+    """Experts over ("efsdp", "ep") = (2, 2), dense matrices over all 4 ranks, each expert
+    stack split into owner ranges: Accelerate and the Trainer (one norm per DTensor mesh, plain
+    gradients as replicas) report the single-process norm on every rank, each expert once."""
+    pytest.importorskip(NEEDS[consumer])
+    from tests import ep_cases
+
+    out = dist_pool.run(4, "tests.clip_cases:expert_parallel_norm", dict(consumer=consumer), timeout_s=180,
+                        fresh=True)
+    want = ep_cases.reference_grad_norm("ep-moe", 4)
+    np.testing.assert_allclose(out, [want] * 4, rtol=1e-5)
