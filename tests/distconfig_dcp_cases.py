@@ -201,7 +201,7 @@ def init_optim_state(rank: int, world_size: int, layout: str) -> dict:
         state tensors not zero; ``lrs``: the groups' lr after; ``layout``: see
         :func:`layout_problems`; ``keys``: state entries per parameter after the second read.
     """
-    model, opt, _, _ = build(layout, world_size, 0)
+    model, opt, _, _ = build(layout, world_size, 0, named=False)
     get_optimizer_state_dict(model, opt)
     steps_after_get = sorted({float(st["step"]) for st in opt.state.values() if "step" in st})
     opt.state.clear()

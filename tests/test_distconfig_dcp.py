@@ -26,31 +26,36 @@ def _assert_close(got: dict, want: dict, what: str) -> None:
                                    msg=lambda m: f"{what} {name}: {m}")
 
 
-@pytest.mark.parametrize("layout,world,flatten", [
-    ("fsdp", 4, False), ("fsdp", 2, False), ("hsdp", 4, False), ("fsdp_tp", 4, False),
-    ("tp", 4, False), ("fsdp", 4, True),
+@pytest.mark.parametrize("layout,world,flatten,named", [
+    ("fsdp", 4, False, True), ("fsdp", 2, False, True), ("hsdp", 4, False, True),
+    ("fsdp_tp", 4, False, True), ("tp", 4, False, False), ("fsdp", 4, True, True),
 ])
-def test_dcp_resume_matches_reference(dist_pool, tmp_path, layout, world, flatten):
+def test_dcp_resume_matches_reference(dist_pool, tmp_path, layout, world, flatten, named):
     """3 steps, dcp.save(get_state_dict(model, opt)), a fresh model and optimizer (other
     weights) loaded with dcp.load + set_state_dict, 2 more steps: every parameter equals
     torch.optim.Muon + AdamW trained 5 steps straight, and the full optimizer state dict's
     momentum_buffer (exp_avg) equals the reference's. ``flatten``: torchtitan's
-    flatten_optimizer_state_dict=True."""
+    flatten_optimizer_state_dict=True; ``named``: param groups of (fqn, parameter) pairs, which
+    then carry param_names (else of parameters)."""
     out = dist_pool.run(world, f"{CASES}:dcp_resume",
-                        {"layout": layout, "path": str(tmp_path / "ckpt"), "flatten": flatten},
+                        {"layout": layout, "path": str(tmp_path / "ckpt"), "flatten": flatten, "named": named},
                         timeout_s=180)
     dp = {"fsdp": world, "hsdp": world, "fsdp_tp": 2, "tp": 1}[layout]
     ref = cases.reference(layout, dp, 5)
     for rank, r in enumerate(out):
-        assert r["layout"] == [], (rank, r["layout"])
         _assert_close(r["params"], ref["params"], f"rank {rank} parameter")
+        assert r["layout"] == [], (rank, r["layout"])
         assert r["full_error"] is None, r["full_error"]
         _assert_close(r["momentum_buffer"], ref["momentum_buffer"], f"rank {rank} momentum_buffer")
         _assert_close(r["exp_avg"], ref["exp_avg"], f"rank {rank} exp_avg")
         muon_group, adamw_group = r["groups"]
         assert muon_group["ns_dtype"] == "float32", muon_group  # a string: DCP-safe
-        assert muon_group["param_names"] == sorted(ref["momentum_buffer"], key=list(ref["params"]).index)
-        assert adamw_group["param_names"] == sorted(ref["exp_avg"], key=list(ref["params"]).index)
+        if named:
+            order = list(ref["params"]).index
+            assert muon_group["param_names"] == sorted(ref["momentum_buffer"], key=order)
+            assert adamw_group["param_names"] == sorted(ref["exp_avg"], key=order)
+        else:
+            assert "param_names" not in muon_group and "param_names" not in adamw_group
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp", "fsdp_tp"])
