@@ -49,9 +49,9 @@ def make(layout: str, seed: int) -> nn.Module:
     return models.make_model(seed) if layout in ("fsdp", "hsdp") else tp_model(seed)
 
 
-def reference(layout: str, dp: int, steps: int) -> dict[str, dict[str, torch.Tensor]]:
+def reference(layout: str, dp: int | list[int], steps: int) -> dict[str, dict[str, torch.Tensor]]:
     """Single-process ``torch.optim.Muon`` (matrices, fp32 Newton-Schulz) + ``AdamW`` (the
-    rest) on the global batch of ``dp`` data-parallel ranks.
+    rest) on the global batch of ``dp`` data-parallel ranks (a list: per step).
 
     Returns:
         ``{"params": {fqn: tensor}, "momentum_buffer": {fqn: tensor}, "exp_avg": {fqn: tensor}}``.
@@ -65,7 +65,7 @@ def reference(layout: str, dp: int, steps: int) -> dict[str, dict[str, torch.Ten
     adamw = torch.optim.AdamW(rest, lr=HYPER["adamw_lr"], weight_decay=HYPER["weight_decay"])
     with models.reference_ns(torch.float32):
         for step in range(steps):
-            idx, y = models.global_batch(step, dp)
+            idx, y = models.global_batch(step, dp[step] if isinstance(dp, list) else dp)
             models.loss_fn(model, idx, y).backward()
             muon.step()
             adamw.step()
@@ -185,6 +185,33 @@ def dcp_resume(rank: int, world_size: int, layout: str, path: str, before: int =
         out[key] = {n: st[key].numpy() for n, st in fosd["state"].items() if key in st}
     out["groups"] = [{k: v for k, v in g.items() if k != "params"} for g in fosd["param_groups"]]
     return out
+
+
+def dcp_save_after(rank: int, world_size: int, layout: str, path: str, steps: int = 3) -> None:
+    """Train ``steps`` steps on ``layout`` and ``dcp.save(get_state_dict(model, opt))``."""
+    model, opt, dp_rank, dp = build(layout, world_size, 0)
+    train(model, opt, range(steps), dp_rank, dp)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def dcp_resume_from(rank: int, world_size: int, layout: str, path: str, before: int = 3,
+                    after: int = 2) -> dict:
+    """A fresh ``layout`` model and optimizer (other weights) loaded from ``path`` (saved by
+    :func:`dcp_save_after`, possibly on another world size or layout) with ``dcp.load`` +
+    ``set_state_dict``, trained ``after`` more steps; the full parameters and momentum."""
+    model, opt, dp_rank, dp = build(layout, world_size, 1)
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    train(model, opt, range(before, before + after), dp_rank, dp)
+    full = StateDictOptions(full_state_dict=True)
+    fosd = get_optimizer_state_dict(model, opt, options=full)
+    return dict(params={n: t.numpy() for n, t in get_model_state_dict(model, options=full).items()},
+                momentum_buffer={n: st["momentum_buffer"].numpy() for n, st in fosd["state"].items()
+                                 if "momentum_buffer" in st},
+                layout=layout_problems(model, opt))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

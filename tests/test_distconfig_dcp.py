@@ -58,6 +58,23 @@ def test_dcp_resume_matches_reference(dist_pool, tmp_path, layout, world, flatte
             assert "param_names" not in muon_group and "param_names" not in adamw_group
 
 
+@pytest.mark.parametrize("saved,loaded", [(("fsdp", 4), ("fsdp", 2)), (("fsdp", 4), ("hsdp", 4)),
+                                          (("hsdp", 4), ("fsdp", 2))])
+def test_dcp_resume_resharded(dist_pool, tmp_path, saved, loaded):
+    """Saved on one layout and world size, resumed on another: DCP reshards the optimizer state
+    with the parameters; 3 + 2 steps equal the reference run on the same global batches
+    (3 steps of the first data-parallel size, 2 of the second) within 1e-5."""
+    path = str(tmp_path / "ckpt")
+    dist_pool.run(saved[1], f"{CASES}:dcp_save_after", {"layout": saved[0], "path": path}, timeout_s=120)
+    out = dist_pool.run(loaded[1], f"{CASES}:dcp_resume_from", {"layout": loaded[0], "path": path},
+                        timeout_s=120)
+    ref = cases.reference("fsdp", [saved[1]] * 3 + [loaded[1]] * 2, 5)
+    for rank, r in enumerate(out):
+        _assert_close(r["params"], ref["params"], f"rank {rank} parameter")
+        _assert_close(r["momentum_buffer"], ref["momentum_buffer"], f"rank {rank} momentum_buffer")
+        assert r["layout"] == [], (rank, r["layout"])
+
+
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp", "fsdp_tp"])
 def test_init_optim_state_changes_nothing(dist_pool, layout):
     """get_optimizer_state_dict on a fresh optimizer does not step it (AdamW's step stays 0);
