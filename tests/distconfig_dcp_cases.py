@@ -78,6 +78,20 @@ def reference(layout: str, dp: int | list[int], steps: int) -> dict[str, dict[st
             "exp_avg": {n: adamw.state[p]["exp_avg"].clone() for n, p in named.items() if n not in names}}
 
 
+_MESHES = [0]
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """``init_device_mesh`` with dim names unique to this call (``"shard"`` -> ``"shard_3"``).
+
+    DeviceMesh equality (and DTensor's sharding-propagation cache, keyed on it) ignores the
+    process groups; the pool destroys a call's groups afterwards, so a later call's mesh equal
+    to an earlier one can be handed the earlier, destroyed groups by that cache (seen: "Could
+    not resolve the process group registered under the name 3" in ``full_tensor``)."""
+    _MESHES[0] += 1
+    return init_device_mesh("cpu", shape, mesh_dim_names=tuple(f"{n}_{_MESHES[0]}" for n in names))
+
+
 def build(layout: str, world_size: int, seed: int, named: bool = True) -> tuple[nn.Module, Any, int, int]:
     """``(model, dmuon.Muon with create_dtensor_config, data-parallel rank, dp size)``.
 
@@ -88,24 +102,26 @@ def build(layout: str, world_size: int, seed: int, named: bool = True) -> tuple[
     rank = dist.get_rank()
     if layout in ("fsdp", "hsdp"):
         if layout == "fsdp":
-            mesh = init_device_mesh("cpu", (world_size,))
+            mesh = _mesh((world_size,), ("shard",))
         else:
-            mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+            mesh = _mesh((2, world_size // 2), ("replicate", "shard"))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         dp_rank, dp = rank, world_size
     else:
         shape, names = ((2, world_size // 2), ("dp", "tp")) if layout == "fsdp_tp" else ((world_size,), ("tp",))
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        mesh = _mesh(shape, names)
+        tp_mesh = mesh[mesh.mesh_dim_names[-1]]
         for block in model.blocks:
-            parallelize_module(block, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            parallelize_module(block, tp_mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
         # the head reads the replicated residual stream: Replicate in, sliced to its Shard(1) columns
-        parallelize_module(model, mesh["tp"], {"head": RowwiseParallel(input_layouts=Replicate())})
+        parallelize_module(model, tp_mesh, {"head": RowwiseParallel(input_layouts=Replicate())})
         if layout == "fsdp_tp":
+            dp_mesh = mesh[mesh.mesh_dim_names[0]]
             for block in model.blocks:
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(model, mesh=mesh["dp"])
+                fully_shard(block, mesh=dp_mesh)
+            fully_shard(model, mesh=dp_mesh)
             dp_rank, dp = mesh.get_coordinate()[0], mesh.size(0)
         else:
             dp_rank, dp = 0, 1
@@ -175,7 +191,7 @@ def dcp_resume(rank: int, world_size: int, layout: str, path: str, before: int =
     problems += layout_problems(model2, opt2)
     full = StateDictOptions(full_state_dict=True)
     params = {n: t.numpy() for n, t in get_model_state_dict(model2, options=full).items()}
-    out = dict(params=params, layout=problems, full_error=None)
+    out = dict(params=params, layout=problems, full_error=None, live_ns_dtype=opt2.param_groups[0]["ns_dtype"])
     try:
         fosd = get_optimizer_state_dict(model2, opt2, options=full)
     except Exception as err:  # noqa: BLE001 - reported to the test (old main: ns_dtype)
@@ -244,3 +260,20 @@ def init_optim_state(rank: int, world_size: int, layout: str) -> dict:
                 lrs=[g["lr"] for g in opt.param_groups], layout=layout_problems(model, opt),
                 keys=sorted({tuple(sorted(st)) for st in opt.state.values()}),
                 stateful=len(opt.state), params=len(named))
+
+
+def mislaid_state(rank: int, world_size: int) -> str:
+    """``opt.load_state_dict`` with a momentum_buffer whose shape is not the parameter's
+    local piece (plain replicas here): the next step raises ``RuntimeError`` naming it."""
+    mats = [nn.Parameter(torch.ones(6, 4)), nn.Parameter(torch.ones(5, 4))]
+    opt = dmuon.Muon(mats, distributed_config=dmuon.create_dtensor_config(), **EXACT)
+    sd = opt.state_dict()
+    sd["state"][1]["momentum_buffer"] = torch.zeros(3, 4)
+    opt.load_state_dict(sd)
+    for p in mats:
+        p.grad = torch.ones_like(p)
+    try:
+        opt.step()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"

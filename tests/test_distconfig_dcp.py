@@ -50,6 +50,7 @@ def test_dcp_resume_matches_reference(dist_pool, tmp_path, layout, world, flatte
         _assert_close(r["exp_avg"], ref["exp_avg"], f"rank {rank} exp_avg")
         muon_group, adamw_group = r["groups"]
         assert muon_group["ns_dtype"] == "float32", muon_group  # a string: DCP-safe
+        assert r["live_ns_dtype"] is torch.float32  # parsed back by set_state_dict
         if named:
             order = list(ref["params"]).index
             assert muon_group["param_names"] == sorted(ref["momentum_buffer"], key=order)
@@ -88,3 +89,12 @@ def test_init_optim_state_changes_nothing(dist_pool, layout):
         assert r["lrs"] == [cases.HYPER["lr"], cases.HYPER["adamw_lr"]], r
         assert r["layout"] == [], r
         assert r["stateful"] == r["params"], r
+
+
+def test_mislaid_state_raises_by_name(dist_pool):
+    """A momentum_buffer of another layout given to opt.load_state_dict: RuntimeError on every
+    rank naming the matrix, both shapes and set_optimizer_state_dict, not a silent misstep."""
+    out = dist_pool.run(2, f"{CASES}:mislaid_state", timeout_s=60)
+    for msg in out:
+        assert msg.startswith("dmuon: Muon matrix 1 (shape (5, 4))"), msg
+        assert "(3, 4)" in msg and "set_optimizer_state_dict" in msg, msg
