@@ -230,8 +230,8 @@ def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
     """``local`` (a state tensor shaped like ``param``'s local piece) as a DTensor aliasing it,
     with ``param``'s mesh, placements, global shape and stride; other values unchanged."""
     if not hasattr(param, "device_mesh") or not isinstance(local, torch.Tensor) \
-            or tuple(local.shape) != tuple(param.to_local().shape):
-        return local
+            or hasattr(local, "device_mesh") or tuple(local.shape) != tuple(param.to_local().shape):
+        return local  # a DTensor already: the distributed_config path keeps its state so
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
