@@ -44,10 +44,13 @@ def micro_batch(step: int, micro: int, rank: int, world_size: int) -> torch.Tens
     return ids[start:start + MICRO]
 
 
-def reference(world_size: int, scheduler_steps_per_step: int = 1
+def reference(world_size: int, schedule: str = "step", scheduler_steps_per_step: int = 1
               ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """Single-process ``torch.optim.Muon`` (fp32 iteration) + ``AdamW``, the same micro-batches
-    summed as ``mean over ranks and micro-batches``, ``clip_grad_norm_(MAX_NORM)``, StepLR.
+    summed as ``mean over ranks and micro-batches``, ``clip_grad_norm_(MAX_NORM)``, and the
+    learning-rate schedule: ``"step"`` (StepLR(1, LR_GAMMA) stepped
+    ``scheduler_steps_per_step`` times per step) or ``"linear"`` (the Trainer's linear decay
+    to 0 over ``STEPS``, no warmup).
 
     Returns:
         Final parameters by name, per-step mean micro-batch losses, per-step total norms.
@@ -59,7 +62,11 @@ def reference(world_size: int, scheduler_steps_per_step: int = 1
     muon = torch.optim.Muon(mats, lr=MUON_KWARGS["lr"], weight_decay=MUON_KWARGS["weight_decay"],
                             ns_coefficients=models.MUON_COEFFICIENTS)
     adamw = torch.optim.AdamW(rest, lr=MUON_KWARGS["adamw_lr"], weight_decay=MUON_KWARGS["weight_decay"])
-    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=LR_GAMMA) for o in (muon, adamw)]
+    if schedule == "step":
+        factor = lambda k: LR_GAMMA ** (k * scheduler_steps_per_step)  # noqa: E731
+    else:
+        factor = lambda k: max(0.0, (STEPS - k) / STEPS)  # noqa: E731
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in (muon, adamw)]
     losses, norms = [], []
     with models.reference_ns(torch.float32):
         for step in range(STEPS):
@@ -75,9 +82,8 @@ def reference(world_size: int, scheduler_steps_per_step: int = 1
             for o in (muon, adamw):
                 o.step()
                 o.zero_grad()
-            for _ in range(scheduler_steps_per_step):
-                for s in scheds:
-                    s.step()
+            for sched in scheds:
+                sched.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms
 
 
@@ -169,3 +175,90 @@ def accelerate_run(rank: int, world_size: int, *, ckpt_dir: str) -> dict[str, An
     return dict(losses=losses, norms=norms, exported=exported, resumed=resumed,
                 resumed_losses=resumed_losses, lrs=lrs, resumed_lrs=resumed_lrs,
                 num_processes=world_size)
+
+
+# ------------------------------------------------------------------ the transformers Trainer
+class _Tokens(torch.utils.data.Dataset):
+    """Every micro-batch of every step in the order the Trainer's sequential sampler and
+    Accelerate's batch sharding hand them out: global micro-batch ``m = step * GA + micro``
+    is ``world_size`` consecutive per-rank batches of ``MICRO`` sequences."""
+
+    def __init__(self, world_size: int) -> None:
+        self.rows = [row for step in range(STEPS) for row in tp.CASES[CASE].batch(step, GA * world_size * MICRO)[0]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _cpu_fsdp2_trainer_class() -> type:
+    """``DmuonTrainer`` whose Accelerate state is forced to FSDP2 (CPU only: on CPU the Trainer's
+    accelerator picks DDP whatever ``fsdp_config`` says; on GPUs the arguments alone do it)."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
+
+    from dmuon.integrations.transformers import DmuonTrainer
+
+    class CpuFsdp2Trainer(DmuonTrainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+            self.accelerator.state.distributed_type = DistributedType.FSDP
+            self.accelerator.state.fsdp_plugin = plugin
+            self.is_fsdp_enabled = True
+
+    return CpuFsdp2Trainer
+
+
+def trainer_run(rank: int, world_size: int, *, out_dir: str) -> dict[str, Any]:
+    """``DmuonTrainer.train()`` for ``STEPS`` steps (GA 2, ``max_grad_norm``, linear schedule,
+    a checkpoint every ``SAVE_AFTER`` steps), ``save_model()``; then a fresh trainer resumed
+    from checkpoint-``SAVE_AFTER`` to the end, ``save_model()`` again. Returns the logged
+    losses and grad norms and both exports (read back from the files ``save_pretrained`` wrote)."""
+    from safetensors.torch import load_file
+    from transformers import TrainingArguments
+    import torch.distributed as dist
+
+    trainer_class = _cpu_fsdp2_trainer_class()
+
+    def trainer(run_dir: str) -> Any:
+        args = TrainingArguments(
+            output_dir=run_dir, per_device_train_batch_size=MICRO, gradient_accumulation_steps=GA,
+            max_steps=STEPS, max_grad_norm=MAX_NORM, lr_scheduler_type="linear", warmup_steps=0,
+            save_strategy="steps", save_steps=SAVE_AFTER, logging_steps=1, report_to=[],
+            train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0,
+            fsdp=True, fsdp_config={"fsdp_version": 2,
+                                            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+            disable_tqdm=True, use_cpu=True)
+        return trainer_class(model=tp.build(CASE), args=args, train_dataset=_Tokens(world_size),
+                             muon_kwargs=MUON_KWARGS)
+
+    def logged(t: Any, after: int = 0) -> tuple[list[float], list[float]]:
+        # a resumed trainer's history starts with the checkpoint's entries: keep its own
+        logs = [h for h in t.state.log_history if "grad_norm" in h and h["step"] > after]
+        return [h["loss"] for h in logs], [h["grad_norm"] for h in logs]
+
+    def exported(path: str) -> dict[str, Any]:
+        dist.barrier()  # rank 0 wrote it
+        return {k: v.numpy().copy() for k, v in load_file(os.path.join(path, "model.safetensors")).items()}
+
+    with _fresh_accelerate_state():
+        t = trainer(out_dir)
+        t.train()
+        t.save_model(os.path.join(out_dir, "final"))
+        losses, norms = logged(t)
+        lrs = [g["lr"] for g in t.optimizer.param_groups]
+        kinds = [g.get("kind") for g in t.optimizer.param_groups]
+    with _fresh_accelerate_state():
+        t2 = trainer(os.path.join(out_dir, "resume"))
+        t2.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SAVE_AFTER}"))
+        t2.save_model(os.path.join(out_dir, "resumed"))
+        resumed_losses, resumed_norms = logged(t2, after=SAVE_AFTER)
+        resumed_lrs = [g["lr"] for g in t2.optimizer.param_groups]
+    return dict(losses=losses, norms=norms, lrs=lrs, kinds=kinds,
+                exported=exported(os.path.join(out_dir, "final")),
+                checkpoint=exported(os.path.join(out_dir, f"checkpoint-{STEPS}")),
+                resumed=exported(os.path.join(out_dir, "resumed")),
+                resumed_losses=resumed_losses, resumed_norms=resumed_norms, resumed_lrs=resumed_lrs)

@@ -45,3 +45,25 @@ def test_accelerate_loop_matches_reference_resumes_and_exports(dist_pool, tmp_pa
         np.testing.assert_array_equal(rank0["resumed"][name], value, err_msg=name)
     assert rank0["resumed_losses"] == rank0["losses"][cases.SAVE_AFTER:]
     assert rank0["resumed_lrs"] == rank0["lrs"]
+
+
+def test_trainer_matches_reference_resumes_and_exports(dist_pool, tmp_path):
+    out = dist_pool.run(2, "tests.integrations_cases:trainer_run",
+                        dict(out_dir=str(tmp_path / "run")), timeout_s=240)
+    ref, ref_losses, ref_norms = cases.reference(2, schedule="linear")
+    rank0 = out[0]
+    assert rank0["kinds"] == ["muon", "adamw"]  # the trainer's optimizer is dmuon.Muon
+    worst = compare(rank0["exported"], ref, FP32_ATOL)  # save_model(): full weights
+    print(f"trainer: max |diff| {worst:.3g}, logged grad_norm {rank0['norms']} vs {ref_norms}, "
+          f"loss {rank0['losses']} vs {ref_losses}")
+    compare(rank0["checkpoint"], ref, FP32_ATOL)  # the save_steps checkpoint's weights too
+    # the logged grad_norm is the true global norm (max_grad_norm clips every step)
+    np.testing.assert_allclose(rank0["norms"], ref_norms, rtol=1e-5)
+    assert min(ref_norms) > 10 * cases.MAX_NORM
+    np.testing.assert_allclose(rank0["losses"], ref_losses, rtol=1e-5)
+    # train(resume_from_checkpoint=checkpoint-2) continues exactly
+    for name, value in rank0["exported"].items():
+        np.testing.assert_array_equal(rank0["resumed"][name], value, err_msg=name)
+    assert rank0["resumed_norms"] == rank0["norms"][cases.SAVE_AFTER:]
+    assert rank0["resumed_losses"] == rank0["losses"][cases.SAVE_AFTER:]
+    assert rank0["resumed_lrs"] == rank0["lrs"]
