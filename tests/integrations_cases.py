@@ -44,8 +44,8 @@ def micro_batch(step: int, micro: int, rank: int, world_size: int) -> torch.Tens
     return ids[start:start + MICRO]
 
 
-def reference(world_size: int, schedule: str = "step", scheduler_steps_per_step: int = 1
-              ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+def reference(world_size: int, schedule: str = "step", scheduler_steps_per_step: int = 1,
+              case: str = CASE) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """Single-process ``torch.optim.Muon`` (fp32 iteration) + ``AdamW``, the same micro-batches
     summed as ``mean over ranks and micro-batches``, ``clip_grad_norm_(MAX_NORM)``, and the
     learning-rate schedule: ``"step"`` (StepLR(1, LR_GAMMA) stepped
@@ -55,8 +55,8 @@ def reference(world_size: int, schedule: str = "step", scheduler_steps_per_step:
     Returns:
         Final parameters by name, per-step mean micro-batch losses, per-step total norms.
     """
-    model = tp.build(CASE)
-    names = set(tp.matrix_names(CASE, model))
+    model = tp.build(case)
+    names = set(tp.matrix_names(case, model))
     mats = [p for n, p in model.named_parameters() if n in names]
     rest = [p for n, p in model.named_parameters() if n not in names and p.requires_grad]
     muon = torch.optim.Muon(mats, lr=MUON_KWARGS["lr"], weight_decay=MUON_KWARGS["weight_decay"],
@@ -111,35 +111,48 @@ def _fresh_accelerate_state() -> Iterator[None]:
         os.environ.update(saved)
 
 
+def _force_fsdp2(accelerator: Any, plugin: Any) -> None:
+    """CPU only: make ``accelerator`` FSDP2 with ``plugin`` (Accelerate chose MULTI_CPU, i.e.
+    DDP, whatever the plugin said; on GPUs the plugin alone gives FSDP2). Both of Accelerate's
+    state singletons: every ``AcceleratorState()`` (each ``AcceleratedOptimizer`` makes one)
+    copies ``PartialState``'s ``distributed_type`` over its own."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+
+
 # ---------------------------------------------------------------------------- Accelerate
 def _accelerator(plugin_kwargs: dict[str, Any]) -> Any:
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    from accelerate.utils import DistributedType
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, **plugin_kwargs)
     accelerator = Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=GA, cpu=True)
-    # CPU only: Accelerate chose MULTI_CPU (DDP) above. A GPU user gets FSDP from the plugin.
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
+    _force_fsdp2(accelerator, plugin)
     return accelerator
 
 
-def accelerate_run(rank: int, world_size: int, *, ckpt_dir: str) -> dict[str, Any]:
+def accelerate_run(rank: int, world_size: int, *, ckpt_dir: str, case: str = CASE,
+                   activation_checkpointing: bool = False) -> dict[str, Any]:
     """The stock Accelerate loop over :func:`dmuon.integrations.accelerate.prepare`:
     4 steps (GA 2, clipping, StepLR), ``save_state`` after step ``SAVE_AFTER``; a fresh
     accelerator + model ``load_state``-ed from it re-runs the last steps; ``get_state_dict``."""
     import dmuon.integrations.accelerate as dmuon_accelerate
 
     plugin_kwargs = dict(auto_wrap_policy="transformer_based_wrap",
-                         transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+                         transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                         activation_checkpointing=activation_checkpointing)
 
     def setup() -> tuple[Any, Any, Any, Any]:
         accelerator = _accelerator(plugin_kwargs)
-        model, optimizer = dmuon_accelerate.prepare(accelerator, tp.build(CASE), **MUON_KWARGS)
+        model, optimizer = dmuon_accelerate.prepare(accelerator, tp.build(case), **MUON_KWARGS)
         sched = accelerator.prepare(torch.optim.lr_scheduler.StepLR(optimizer.optimizer, 1, LR_GAMMA))
         return accelerator, model, optimizer, sched
 
     def run(accelerator, model, optimizer, sched, steps, save_after=None):
+        assert accelerator.is_fsdp2, accelerator.distributed_type  # still forced (see _force_fsdp2)
         losses, norms = [], []
         for step in steps:
             total = 0.0
@@ -197,22 +210,20 @@ def _cpu_fsdp2_trainer_class() -> type:
     """``DmuonTrainer`` whose Accelerate state is forced to FSDP2 (CPU only: on CPU the Trainer's
     accelerator picks DDP whatever ``fsdp_config`` says; on GPUs the arguments alone do it)."""
     from accelerate import FullyShardedDataParallelPlugin
-    from accelerate.utils import DistributedType
 
     from dmuon.integrations.transformers import DmuonTrainer
 
     class CpuFsdp2Trainer(DmuonTrainer):
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
-            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            self.accelerator.state.distributed_type = DistributedType.FSDP
-            self.accelerator.state.fsdp_plugin = plugin
+            _force_fsdp2(self.accelerator, FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
             self.is_fsdp_enabled = True
 
     return CpuFsdp2Trainer
 
 
-def trainer_run(rank: int, world_size: int, *, out_dir: str) -> dict[str, Any]:
+def trainer_run(rank: int, world_size: int, *, out_dir: str, case: str = CASE,
+                activation_checkpointing: bool = False) -> dict[str, Any]:
     """``DmuonTrainer.train()`` for ``STEPS`` steps (GA 2, ``max_grad_norm``, linear schedule,
     a checkpoint every ``SAVE_AFTER`` steps), ``save_model()``; then a fresh trainer resumed
     from checkpoint-``SAVE_AFTER`` to the end, ``save_model()`` again. Returns the logged
@@ -229,10 +240,10 @@ def trainer_run(rank: int, world_size: int, *, out_dir: str) -> dict[str, Any]:
             max_steps=STEPS, max_grad_norm=MAX_NORM, lr_scheduler_type="linear", warmup_steps=0,
             save_strategy="steps", save_steps=SAVE_AFTER, logging_steps=1, report_to=[],
             train_sampling_strategy="sequential", dataloader_drop_last=True, seed=0,
-            fsdp=True, fsdp_config={"fsdp_version": 2,
-                                            "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
+            fsdp=True, fsdp_config={"fsdp_version": 2, "activation_checkpointing": activation_checkpointing,
+                                    "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
             disable_tqdm=True, use_cpu=True)
-        return trainer_class(model=tp.build(CASE), args=args, train_dataset=_Tokens(world_size),
+        return trainer_class(model=tp.build(case), args=args, train_dataset=_Tokens(world_size),
                              muon_kwargs=MUON_KWARGS)
 
     def logged(t: Any, after: int = 0) -> tuple[list[float], list[float]]:
@@ -247,6 +258,7 @@ def trainer_run(rank: int, world_size: int, *, out_dir: str) -> dict[str, Any]:
     with _fresh_accelerate_state():
         t = trainer(out_dir)
         t.train()
+        assert t.accelerator.is_fsdp2, t.accelerator.distributed_type  # still forced
         t.save_model(os.path.join(out_dir, "final"))
         losses, norms = logged(t)
         lrs = [g["lr"] for g in t.optimizer.param_groups]
