@@ -177,6 +177,7 @@ def accelerate_run(rank: int, world_size: int, *, ckpt_dir: str, case: str = CAS
         losses, norms = run(accelerator, model, optimizer, sched, range(STEPS), SAVE_AFTER)
         exported = accelerator.get_state_dict(model)
         exported = {k: v.numpy().copy() for k, v in exported.items()}
+        accelerator.save_model(model, os.path.join(ckpt_dir, "export"))  # safetensors, rank 0
         lrs = [g["lr"] for g in optimizer.param_groups]
     with _fresh_accelerate_state():
         accelerator2, model2, optimizer2, sched2 = setup()

@@ -19,21 +19,46 @@ from tests.test_core import FP32_ATOL, compare
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402 - after the skips
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 
 def _np(d: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {k: v.numpy() for k, v in d.items()}
 
 
-def test_accelerate_loop_matches_reference_resumes_and_exports(dist_pool, tmp_path):
+def _by_parameter(weights: dict[str, np.ndarray], case: str) -> dict[str, np.ndarray]:
+    """An export keyed as ``named_parameters()``: a tied head is a state-dict key of its own
+    (``lm_head.weight``, equal to the embedding) that ``named_parameters()`` lists once."""
+    if case != "hf-llama-tied" or "lm_head.weight" not in weights:  # save_pretrained drops it
+        return weights
+    np.testing.assert_array_equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
+    return {k: v for k, v in weights.items() if k != "lm_head.weight"}
+
+
+# Untied head: Accelerate shards [norm, lm_head] as one FSDP2 group, lm_head on Muon. Tied:
+# [norm, embed_tokens, lm_head] as one group, both on AdamW. The trainer's own FSDP2 activation
+# checkpointing (checkpoint_wrapper around each decoder layer) fails at the checkpoint save:
+# dmuon.state_dict keys keep "_checkpoint_wrapped_module." where model.state_dict() strips it,
+# so each owned matrix is offered twice and DCP's planner asserts (issue 31, state dicts). Strict
+# xfail: it passes, and must be turned into a plain case, once that fix is on main.
+VARIANTS = [("hf-llama-untied", False), ("hf-llama-tied", False),
+            pytest.param("hf-llama-untied", True, marks=pytest.mark.xfail(
+                strict=True, reason="dmuon.state_dict under checkpoint_wrapper (issue 31)"))]
+
+
+@pytest.mark.parametrize("case,activation_checkpointing", VARIANTS)
+def test_accelerate_loop_matches_reference_resumes_and_exports(dist_pool, tmp_path, case,
+                                                               activation_checkpointing):
     out = dist_pool.run(2, "tests.integrations_cases:accelerate_run",
-                        dict(ckpt_dir=str(tmp_path / "ckpt")), timeout_s=180)
+                        dict(ckpt_dir=str(tmp_path / "ckpt"), case=case,
+                             activation_checkpointing=activation_checkpointing), timeout_s=180)
     # Accelerate's scheduler steps num_processes times per optimizer step (its own rule).
-    ref, ref_losses, ref_norms = cases.reference(2, scheduler_steps_per_step=2)
+    ref, ref_losses, ref_norms = cases.reference(2, scheduler_steps_per_step=2, case=case)
     rank0 = out[0]
     assert out[1]["exported"] == {}  # as FSDP2's full state dict: rank 0 only
-    worst = compare(rank0["exported"], ref, FP32_ATOL)
-    print(f"accelerate: max |diff| {worst:.3g}, norms {rank0['norms']} vs {ref_norms}")
+    worst = compare(_by_parameter(rank0["exported"], case), ref, FP32_ATOL)
+    print(f"accelerate {case} ac={activation_checkpointing}: max |diff| {worst:.3g}, norms {rank0['norms']} vs {ref_norms}")
     np.testing.assert_allclose(rank0["losses"], ref_losses, rtol=1e-5)
     # accelerator.clip_grad_norm_ returns the true global norm, the same on every rank
     for o in out:
@@ -45,18 +70,24 @@ def test_accelerate_loop_matches_reference_resumes_and_exports(dist_pool, tmp_pa
         np.testing.assert_array_equal(rank0["resumed"][name], value, err_msg=name)
     assert rank0["resumed_losses"] == rank0["losses"][cases.SAVE_AFTER:]
     assert rank0["resumed_lrs"] == rank0["lrs"]
+    # accelerator.save_model wrote the same full weights
+    saved = load_file(str(tmp_path / "ckpt" / "export" / "model.safetensors"))
+    compare(_by_parameter(_np(saved), case), ref, FP32_ATOL)
 
 
-def test_trainer_matches_reference_resumes_and_exports(dist_pool, tmp_path):
+@pytest.mark.parametrize("case,activation_checkpointing", VARIANTS)
+def test_trainer_matches_reference_resumes_and_exports(dist_pool, tmp_path, case,
+                                                       activation_checkpointing):
     out = dist_pool.run(2, "tests.integrations_cases:trainer_run",
-                        dict(out_dir=str(tmp_path / "run")), timeout_s=240)
-    ref, ref_losses, ref_norms = cases.reference(2, schedule="linear")
+                        dict(out_dir=str(tmp_path / "run"), case=case,
+                             activation_checkpointing=activation_checkpointing), timeout_s=240)
+    ref, ref_losses, ref_norms = cases.reference(2, schedule="linear", case=case)
     rank0 = out[0]
     assert rank0["kinds"] == ["muon", "adamw"]  # the trainer's optimizer is dmuon.Muon
-    worst = compare(rank0["exported"], ref, FP32_ATOL)  # save_model(): full weights
-    print(f"trainer: max |diff| {worst:.3g}, logged grad_norm {rank0['norms']} vs {ref_norms}, "
+    worst = compare(_by_parameter(rank0["exported"], case), ref, FP32_ATOL)  # save_model(): full weights
+    print(f"trainer {case} ac={activation_checkpointing}: max |diff| {worst:.3g}, logged grad_norm {rank0['norms']} vs {ref_norms}, "
           f"loss {rank0['losses']} vs {ref_losses}")
-    compare(rank0["checkpoint"], ref, FP32_ATOL)  # the save_steps checkpoint's weights too
+    compare(_by_parameter(rank0["checkpoint"], case), ref, FP32_ATOL)  # the save_steps checkpoint's weights too
     # the logged grad_norm is the true global norm (max_grad_norm clips every step)
     np.testing.assert_allclose(rank0["norms"], ref_norms, rtol=1e-5)
     assert min(ref_norms) > 10 * cases.MAX_NORM
@@ -64,6 +95,9 @@ def test_trainer_matches_reference_resumes_and_exports(dist_pool, tmp_path):
     # train(resume_from_checkpoint=checkpoint-2) continues exactly
     for name, value in rank0["exported"].items():
         np.testing.assert_array_equal(rank0["resumed"][name], value, err_msg=name)
+    # what save_model() wrote loads with from_pretrained (push_to_hub ready)
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "run" / "final"))
+    compare({n: p.detach().numpy() for n, p in loaded.named_parameters()}, ref, FP32_ATOL)
     assert rank0["resumed_norms"] == rank0["norms"][cases.SAVE_AFTER:]
     assert rank0["resumed_losses"] == rank0["losses"][cases.SAVE_AFTER:]
     assert rank0["resumed_lrs"] == rank0["lrs"]
