@@ -192,6 +192,19 @@ def accelerate_run(rank: int, world_size: int, *, ckpt_dir: str, case: str = CAS
 
 
 # ------------------------------------------------------------------ the transformers Trainer
+def reference_eval_loss(weights: dict[str, torch.Tensor], world_size: int, case: str = CASE) -> float:
+    """The ``Trainer.evaluate`` loss of a model holding ``weights`` on :class:`_Tokens`: the
+    mean over its ``MICRO``-sequence batches of each batch's mean loss (single process)."""
+    model = tp.build(case)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+        ids = torch.stack(_Tokens(world_size).rows)
+        losses = [model(input_ids=ids[i:i + MICRO], labels=ids[i:i + MICRO]).loss.item()
+                  for i in range(0, len(ids), MICRO)]
+    return sum(losses) / len(losses)
+
+
 class _Tokens(torch.utils.data.Dataset):
     """Every micro-batch of every step in the order the Trainer's sequential sampler and
     Accelerate's batch sharding hand them out: global micro-batch ``m = step * GA + micro``
@@ -260,6 +273,7 @@ def trainer_run(rank: int, world_size: int, *, out_dir: str, case: str = CASE,
         t = trainer(out_dir)
         t.train()
         assert t.accelerator.is_fsdp2, t.accelerator.distributed_type  # still forced
+        eval_loss = t.evaluate(_Tokens(world_size))["eval_loss"]  # forward only, sharded loader
         t.save_model(os.path.join(out_dir, "final"))
         losses, norms = logged(t)
         lrs = [g["lr"] for g in t.optimizer.param_groups]
@@ -270,7 +284,7 @@ def trainer_run(rank: int, world_size: int, *, out_dir: str, case: str = CASE,
         t2.save_model(os.path.join(out_dir, "resumed"))
         resumed_losses, resumed_norms = logged(t2, after=SAVE_AFTER)
         resumed_lrs = [g["lr"] for g in t2.optimizer.param_groups]
-    return dict(losses=losses, norms=norms, lrs=lrs, kinds=kinds,
+    return dict(losses=losses, norms=norms, lrs=lrs, kinds=kinds, eval_loss=eval_loss,
                 exported=exported(os.path.join(out_dir, "final")),
                 checkpoint=exported(os.path.join(out_dir, f"checkpoint-{STEPS}")),
                 resumed=exported(os.path.join(out_dir, "resumed")),

@@ -92,6 +92,8 @@ def test_trainer_matches_reference_resumes_and_exports(dist_pool, tmp_path, case
     np.testing.assert_allclose(rank0["norms"], ref_norms, rtol=1e-5)
     assert min(ref_norms) > 10 * cases.MAX_NORM
     np.testing.assert_allclose(rank0["losses"], ref_losses, rtol=1e-5)
+    # trainer.evaluate() after training: the reference model's loss on the same batches
+    np.testing.assert_allclose(rank0["eval_loss"], cases.reference_eval_loss(ref, 2, case), rtol=1e-5)
     # train(resume_from_checkpoint=checkpoint-2) continues exactly
     for name, value in rank0["exported"].items():
         np.testing.assert_array_equal(rank0["resumed"][name], value, err_msg=name)
