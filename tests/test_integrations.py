@@ -103,3 +103,30 @@ def test_trainer_matches_reference_resumes_and_exports(dist_pool, tmp_path, case
     assert rank0["resumed_norms"] == rank0["norms"][cases.SAVE_AFTER:]
     assert rank0["resumed_losses"] == rank0["losses"][cases.SAVE_AFTER:]
     assert rank0["resumed_lrs"] == rank0["lrs"]
+
+
+def test_import_dmuon_imports_no_trainer():
+    """``import dmuon`` (and the integrations package) imports neither trainer."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dmuon, dmuon.integrations, dmuon.integrations.accelerate; "
+            "print(sorted(m for m in ('accelerate', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_misuse_is_refused_by_name():
+    import types
+
+    import dmuon.integrations.accelerate as dmuon_accelerate
+    from dmuon.integrations.transformers import DmuonTrainer
+
+    not_fsdp2 = types.SimpleNamespace(is_fsdp2=False, distributed_type="MULTI_GPU", _models=[])
+    with pytest.raises(ValueError, match=r"^dmuon: dmuon.integrations.accelerate.prepare needs "
+                                         r"Accelerate's FSDP2 \(got distributed_type MULTI_GPU\)"):
+        dmuon_accelerate.prepare(not_fsdp2, torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"^dmuon: DmuonTrainer builds dmuon.Muon itself; drop "
+                                         r"\['optimizers'\] and pass its hyper-parameters as muon_kwargs"):
+        sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
+        DmuonTrainer(model=torch.nn.Linear(2, 2), optimizers=(sgd, None))
