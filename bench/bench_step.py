@@ -4,10 +4,19 @@ One process group, three copies of the same ``dmuon.train`` model (same seed, ea
 FSDP2 ``fully_shard`` per block and root, built with :func:`dmuon.train.loop.build_optimizer`;
 with ``--mesh replicate`` not sharded: ``adamw`` and ``vanilla`` under torch
 ``DistributedDataParallel``, dmuon on the plain module with its DDP-style ``replicas="keep"``),
-stepped in *blocks*: each round runs every variant for ``2 + block_steps`` steps, in an order
-that rotates every round. The first step of a block is discarded (dmuon's publications issued at
-the end of its previous block completed during the other variants' blocks, which would flatter
-it), the next ``block_steps`` are measured, the last is profiled. Every variant sees the same global batches (batch ``j`` at its
+stepped in *blocks*: each round runs every variant for ``warmup_steps + block_steps + 1`` steps,
+in an order that changes every round (:func:`step_stats.round_order`: rotated, and reversed
+every other round). The first ``warmup_steps`` (default 1) of a block are discarded (dmuon's
+publications issued at the end of its previous block completed during the other variants'
+blocks, which would flatter it), the next ``block_steps`` are measured, the last is profiled.
+
+**A/A control** (default on, ``--no-control`` drops it): the baseline runs twice, as
+``adamw`` and ``adamw_b`` (built the same way: FSDP2 + AdamW, or DDP + AdamW with ``--mesh
+replicate``), interleaved like the others. ``round_ratios`` in the JSON gives every ratio as
+the median of per-round ratios with its quartiles, and the A/A ratio ``adamw_b / adamw``'s
+distance from 1 as the noise floor: a ratio within it is "not distinguishable" (method:
+:mod:`step_stats`). ``ratios`` keeps the ratios of the medians over all steps, as recorded
+before the control existed. Every variant sees the same global batches (batch ``j`` at its
 ``j``-th step).
 
 Timing (wall clock, ``time.perf_counter``), per step and rank:
@@ -40,8 +49,10 @@ Usage::
     python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_allreduce ...   # diagnostic variants
     python bench/bench_step.py --nproc 4 --mesh replicate --out bench/results/step_cpu_4r_replicate.json
 
-GPU mode: ``--device cuda`` runs NCCL ranks, one GPU each, with ``torch.cuda.synchronize()``
-before every timestamp (so a phase's time includes its kernels), NS in float16 as ``dmuon.train``
+GPU mode: ``--device cuda`` runs NCCL ranks, one GPU each; the phases are timed by CUDA events
+recorded on the current stream at the phase boundaries (so a phase's time is its kernels' time
+on the device, with no host synchronisation between phases); before every block the device is
+synchronised, the allocator's cache emptied and its peak statistics reset (:func:`_switch`). NS in float16 as ``dmuon.train``
 picks on CUDA, and no gloo calibration. The profiled labels then only see host-side time (NCCL
 waits are stream waits), so only the phase times mean something there. ``--extra
 torch_muon`` (one rank only) adds single-process ``torch.optim.Muon`` on the same matrices plus
@@ -81,6 +92,9 @@ from dmuon.launch import launch  # noqa: E402
 from dmuon.train.data import DataConfig, PushTDemos, ensure_cached  # noqa: E402
 from dmuon.train.loop import TrainConfig, build_optimizer  # noqa: E402
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import step_stats  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +157,13 @@ class BenchConfig:
         synthetic: random batches of the model's input format instead of PushT demonstrations.
         bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every
             ``fully_shard`` (``torch_muon`` stays unsharded in float32).
+        control: run the A/A control: the baseline a second time as ``adamw_b``
+            (:mod:`step_stats`), interleaved like the others.
+        warmup_steps: steps discarded at the start of every block (after each switch of variant).
+        trace_dir: folder for one ``torch.profiler`` chrome trace per variant (rank 0,
+            ``trace_<variant>.json.gz``, ``trace_steps`` steps after one untraced step), taken
+            after the measured rounds; ``None``: no traces.
+        trace_steps: steps per trace.
     """
 
     nproc: int = 4
@@ -159,6 +180,10 @@ class BenchConfig:
     model: str = "default"
     synthetic: bool = False
     bf16: bool = False
+    control: bool = True
+    warmup_steps: int = 1
+    trace_dir: str | None = None
+    trace_steps: int = 2
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -181,10 +206,11 @@ class BenchConfig:
             raise ValueError(
                 f"bench_step: extra_variants={self.extra_variants}; choose from {sorted(EXTRA_VARIANTS)}."
             )
-        if self.nproc < 1 or self.rounds < 1 or self.block_steps < 1:
+        if self.nproc < 1 or self.rounds < 1 or self.block_steps < 1 or self.warmup_steps < 1 or self.trace_steps < 1:
             raise ValueError(
                 f"bench_step: nproc={self.nproc}, rounds={self.rounds}, block_steps="
-                f"{self.block_steps}; all must be >= 1."
+                f"{self.block_steps}, warmup_steps={self.warmup_steps}, trace_steps={self.trace_steps}; "
+                f"all must be >= 1."
             )
         if self.batch_size % self.nproc:
             raise ValueError(
@@ -243,7 +269,9 @@ def synthetic_batch(cfg: PolicyConfig, step: int, global_batch: int, rank: int, 
 
 
 def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) -> dict:
-    """One step, timed by wall clock per phase; with ``profile`` each phase also runs under
+    """One step, timed per phase (CPU: wall clock; CUDA: CUDA events recorded on the current
+    stream between the phases, read after the step, so the host never waits between phases);
+    with ``profile`` each phase also runs under
     ``torch.profiler`` and the record carries ``label_<name>_<phase>`` (seconds inside that
     dmuon ``record_function`` label) and ``ns``. A profiled step's wall times carry the
     profiler's overhead: the caller does not count them as measured."""
@@ -251,10 +279,14 @@ def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) 
     # (see _drain) and no USDT lines on stderr.
     from torch.autograd.profiler import profile as torch_profile
 
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
+    cuda = device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
+    host: list[float] = []
+
+    def mark() -> None:  # phase boundary: a CUDA event on the current stream, or the host clock
+        if cuda:
+            events[len(host)].record()
+        host.append(time.perf_counter())
 
     labels: dict[str, float] = {}
 
@@ -277,14 +309,19 @@ def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) 
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         start_bytes = torch.cuda.memory_allocated(device)
-    t0 = now()
+    mark()
     loss = phase("forward", lambda: model(batch))
-    t1 = now()
+    mark()
     phase("backward", loss.backward)
-    t2 = now()
+    mark()
     phase("step", step)
-    t3 = now()
-    rec = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
+    mark()
+    if cuda:  # elapsed_time is in ms, between events on the same stream
+        events[-1].synchronize()
+        t = [0.0] + [events[0].elapsed_time(e) * 1e-3 for e in events[1:]]
+    else:
+        t = [h - host[0] for h in host]
+    rec = {"forward": t[1] - t[0], "backward": t[2] - t[1], "step": t[3] - t[2], "total": t[3] - t[0],
            "loss": float(loss.detach())}
     if device.type == "cuda":  # bytes: see _summarize
         rec["transient_peak_bytes"] = float(torch.cuda.max_memory_allocated(device) - start_bytes)
@@ -294,6 +331,63 @@ def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) 
         rec["ns"] = sum(s for k, s in labels.items() if any(k == f"label_{n.removeprefix('dmuon::')}_step"
                                                             for n in NS_LABELS))
     return rec
+
+
+def _switch(device: torch.device) -> None:
+    """Before a variant's block on CUDA: finish the previous block's work and return its cached
+    blocks, so each variant starts from the same allocator state (the H100 run of 2026-11-22
+    had AdamW's forward 52% faster than torch_muon's identical forward, after torch_muon's
+    10.5 GB peak against AdamW's 6.9 GB); peak statistics restart. Nothing to do on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _write_traces(models: dict, opts: dict, variants: tuple[str, ...], get_batch, next_batch: dict,
+                  device: torch.device, cfg: BenchConfig, rank: int) -> dict | None:
+    """One ``torch.profiler`` chrome trace per variant, written by rank 0 as
+    ``cfg.trace_dir/trace_<variant>.json.gz``: one untraced step after the switch, then
+    ``cfg.trace_steps`` steps traced (CPU activity, and CUDA on a GPU). Every rank steps (the
+    collectives need them all); dmuon's in-flight publications are waited for before the
+    profiler stops (see :func:`_drain`).
+
+    Returns:
+        On rank 0 ``{variant: {"file": name, "bytes": gzipped size}}``; ``None`` elsewhere.
+    """
+    import contextlib
+    import gzip
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    folder = pathlib.Path(cfg.trace_dir)
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for variant in variants:
+        _switch(device)
+        for k in range(1 + cfg.trace_steps):
+            if k == 1:
+                prof = profile(activities=acts) if rank == 0 else contextlib.nullcontext()
+                prof.__enter__()
+            _timed_step(models[variant], opts[variant], get_batch(next_batch[variant]), device)
+            next_batch[variant] += 1
+        _drain(models[variant])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        prof.__exit__(None, None, None)
+        if rank == 0:
+            name = f"trace_{variant}.json.gz"
+            with tempfile.TemporaryDirectory() as tmp:
+                raw = pathlib.Path(tmp) / "trace.json"
+                prof.export_chrome_trace(str(raw))
+                with raw.open("rb") as src, gzip.open(folder / name, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            out[variant] = {"file": name, "bytes": (folder / name).stat().st_size, "steps": cfg.trace_steps}
+    return out if rank == 0 else None
 
 
 def _calibrate_comm(world: int, sizes: tuple[int, ...] = CALIB_BYTES) -> dict:
@@ -378,7 +472,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
                                                       reduce_dtype=torch.float32)} if cfg.bf16 else {}
     mesh = init_device_mesh(cfg.device, (world,))
     ns_dtype = torch.float16 if device.type == "cuda" else torch.float32  # dmuon.train's "auto"
-    variants = VARIANTS + cfg.extra_variants
+    variants = VARIANTS + cfg.extra_variants + ((step_stats.CONTROL,) if cfg.control else ())
     models, opts = {}, {}
     build_bytes: dict[str, float] = {}
     for variant in variants:
@@ -441,29 +535,37 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     records: dict[str, list[dict]] = {v: [] for v in variants}
     next_batch = {v: 0 for v in variants}
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    orders = []
     t_start = time.perf_counter()
     for rnd in range(cfg.rounds):
-        order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+        order = step_stats.round_order(variants, rnd)
+        orders.append(list(order))
         for variant in order:
-            # 1 discarded + block_steps measured (wall clock) + 1 profiled (label breakdown)
-            for k in range(2 + cfg.block_steps):
+            _switch(device)
+            # warmup_steps discarded + block_steps measured + 1 profiled (label breakdown)
+            for k in range(cfg.warmup_steps + cfg.block_steps + 1):
                 batch = get_batch(next_batch[variant])
                 next_batch[variant] += 1
-                profiled = k == 1 + cfg.block_steps
+                profiled = k == cfg.warmup_steps + cfg.block_steps
                 rec = _timed_step(models[variant], opts[variant], batch, device, profile=profiled)
-                rec.update(round=rnd, measured=0 < k and not profiled, profiled=profiled,
+                rec.update(round=rnd, measured=cfg.warmup_steps <= k and not profiled, profiled=profiled,
                            batch_index=next_batch[variant] - 1)
                 records[variant].append(rec)
         if rank == 0:
             print(f"[bench_step] round {rnd + 1}/{cfg.rounds}: {time.perf_counter() - t_start:.1f} s",
                   file=sys.stderr, flush=True)
     wall_s = time.perf_counter() - t_start
+    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    traces = None
+    if cfg.trace_dir:
+        traces = _write_traces(models, opts, variants, get_batch, next_batch, device, cfg, rank)
 
     gathered: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, records)
     if rank != 0:
         return None
     summary = {v: _summarize([g[v] for g in gathered]) for v in variants}
+    round_ratios = step_stats.round_ratios({v: [g[v] for g in gathered] for v in variants}) if cfg.control else None
     if device.type == "cuda":  # rank 0's bytes: params + optimizer state (first step) + transient
         for v in variants:
             resident = build_bytes[v] + records[v][0]["alloc_delta_bytes"]
@@ -487,8 +589,14 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "config": dataclasses.asdict(cfg),
         "ns_dtype": f"{str(ns_dtype).removeprefix('torch.')} (dmuon.train 'auto' on {device.type})",
         "fences": "dist.barrier() before every step; none between forward/backward/step"
-                  + ("; torch.cuda.synchronize() before every timestamp" if device.type == "cuda" else ""),
-        "discarded": "first step of every block (warm-up; previous block's publications)",
+                  + ("; phases timed by CUDA events on the current stream (no host synchronisation "
+                     "between phases), the host waits for the last one after the step"
+                     if device.type == "cuda" else "; phases timed by the host clock (time.perf_counter)"),
+        "discarded": f"first {cfg.warmup_steps} step(s) of every block (warm-up after a switch of variant; "
+                     "previous block's publications)"
+                     + ("; before every block: torch.cuda.synchronize, empty_cache, reset_peak_memory_stats"
+                        if device.type == "cuda" else ""),
+        "round_orders": orders,
         "labels": "label_<name>_<phase>: inclusive CPU time inside dmuon's record_function <name> "
                   "during <phase>, from torch.profiler on the last step of every block (not "
                   "counted in the phase medians); ns: Newton-Schulz labels during the step",
@@ -496,10 +604,13 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "wall_s": wall_s,
         # 1/5/15-minute load averages at the start and the end of the measured rounds: on the
         # shared machine other jobs' load is what makes runs differ
-        "load_average": {"before": load_before,
-                         "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "load_average": {"before": load_before, "after": load_after},
         "variants": summary,
+        # ratios of the medians over all measured steps (the figures recorded before the A/A
+        # control); round_ratios: the median of per-round ratios with quartiles and verdicts
         "ratios": _ratios(summary),
+        "round_ratios": round_ratios,
+        "traces": traces,
         "calibration": calibration,
     }
     return result
@@ -594,8 +705,15 @@ def format_table(result: dict) -> str:
         lines.append(f"{v:10s} " + " ".join(f"{s[c]['median_s'] * 1e3:10.1f}" if c in s else f"{'-':>10s}"
                                            for c in cols) + f"   {waits or '-'}")
     r = result["ratios"]
-    lines.append(f"dmuon step / vanilla step = {r['dmuon_step_over_vanilla_step']:.3f} (target <= 0.35); "
-                 f"dmuon total / AdamW total = {r['dmuon_total_over_adamw_total']:.3f} (target <= 1.15)")
+    lines.append(f"ratios of medians: dmuon step / vanilla step = {r['dmuon_step_over_vanilla_step']:.3f} "
+                 f"(target <= 0.35); dmuon total / AdamW total = {r['dmuon_total_over_adamw_total']:.3f} "
+                 f"(target <= 1.15)")
+    if result.get("round_ratios"):
+        lines.append(step_stats.format_ratios(result["round_ratios"]))
+    load = result.get("load_average") or {}
+    if load.get("before"):
+        lines.append(f"load average (1, 5, 15 min): before {', '.join(f'{x:.2f}' for x in load['before'])}; "
+                     f"after {', '.join(f'{x:.2f}' for x in load['after'])}")
     return "\n".join(lines)
 
 
@@ -619,11 +737,18 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--model", choices=sorted(MODELS), default=defaults.model, help="model size")
     p.add_argument("--synthetic", action="store_true", help="random batches, no PushT simulator")
     p.add_argument("--bf16", action="store_true", help="bf16 MixedPrecisionPolicy on every fully_shard")
+    p.add_argument("--no-control", action="store_true", help="no A/A control (adamw_b, the baseline run twice)")
+    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
+                   help="steps discarded after every switch of variant")
+    p.add_argument("--trace-dir", default=None, help="one gzipped torch.profiler chrome trace per variant here")
+    p.add_argument("--trace-steps", type=int, default=defaults.trace_steps)
     a = p.parse_args(argv)
     return BenchConfig(nproc=a.nproc, rounds=a.rounds, block_steps=a.block_steps,
                        batch_size=a.batch_size or (8 if a.tiny else defaults.batch_size), tiny=a.tiny,
                        calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra),
-                       device=a.device, mesh=a.mesh, model=a.model, synthetic=a.synthetic, bf16=a.bf16)
+                       device=a.device, mesh=a.mesh, model=a.model, synthetic=a.synthetic, bf16=a.bf16,
+                       control=not a.no_control, warmup_steps=a.warmup_steps, trace_dir=a.trace_dir,
+                       trace_steps=a.trace_steps)
 
 
 def main(argv: list[str] | None = None) -> None:
