@@ -126,7 +126,7 @@ def round_ratios(per_rank: dict[str, list[list[dict]]]) -> dict:
         ``{"method": str, "baseline": "adamw", "control": "adamw_b", "rounds": n,
         "noise_floor": {phase: float}, "ratios": {"<v>_over_adamw": {phase: {"median", "q1",
         "q3", "per_round", "rounds", "noise_floor", "verdict"}}, "dmuon_over_vanilla": {"step":
-        ...}}}``; the A/A ratio is ``ratios["adamw_b_over_adamw"]``.
+        ...}, "dmuon_over_torch_muon": {"step": ..., "total": ...} (when torch_muon ran)}}``; the A/A ratio is ``ratios["adamw_b_over_adamw"]``.
 
     Raises:
         ValueError: If the baseline or the control is missing.
@@ -142,6 +142,8 @@ def round_ratios(per_rank: dict[str, list[list[dict]]]) -> dict:
     pairs = [(v, BASELINE, PHASES) for v in per_rank if v != BASELINE]
     if "dmuon" in per_rank and "vanilla" in per_rank:
         pairs.append(("dmuon", "vanilla", ("step",)))
+    if "dmuon" in per_rank and "torch_muon" in per_rank:  # the single-GPU reference (gpu_suite)
+        pairs.append(("dmuon", "torch_muon", ("step", "total")))
     for num, den, phases in pairs:
         row = {}
         for ph in phases:
