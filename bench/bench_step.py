@@ -5,8 +5,9 @@ FSDP2 ``fully_shard`` per block and root, built with :func:`dmuon.train.loop.bui
 with ``--mesh replicate`` not sharded: ``adamw`` and ``vanilla`` under torch
 ``DistributedDataParallel``, dmuon on the plain module with its DDP-style ``replicas="keep"``),
 stepped in *blocks*: each round runs every variant for ``warmup_steps + block_steps + 1`` steps,
-in an order that changes every round (:func:`step_stats.round_order`: rotated, and reversed
-every other round). The first ``warmup_steps`` (default 1) of a block are discarded (dmuon's
+in an order that changes every round (:func:`step_stats.round_order`: a Williams design, so over
+a cycle of rounds, ``step_stats.design_rounds(n)``, every variant holds every position and follows
+every other variant equally often; pick ``--rounds`` as a multiple of it). The first ``warmup_steps`` (default 1) of a block are discarded (dmuon's
 publications issued at the end of its previous block completed during the other variants'
 blocks, which would flatter it), the next ``block_steps`` are measured, the last is profiled.
 

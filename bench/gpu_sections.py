@@ -496,7 +496,8 @@ def step(opts: SuiteOptions) -> dict:
     ``torch.optim.Muon`` + ``AdamW``, on the ~194 M-parameter ``GPU_MODEL`` (tiny on CPU) with a
     bf16 ``MixedPrecisionPolicy`` and synthetic batches.
 
-    On CUDA: 8 rounds of 4 measured steps (32 per variant; ``--quick`` 16) after 2 discarded
+    On CUDA: 10 rounds (one cycle of the Williams order for 5 variants) of 3 measured steps (30
+    per variant; ``--quick`` 20) after 2 discarded
     ones per block, phases timed by CUDA events, the allocator reset before every block, no
     profiled label step (host-side labels mean little there). Every variant then runs 3 steps
     under ``torch.profiler`` (2 traced); the gzipped chrome traces go into one file,
@@ -511,7 +512,7 @@ def step(opts: SuiteOptions) -> dict:
     path = opts.work / "step_raw.json"
     trace_dir = opts.work / "step_traces"
     cfg = bench_step.BenchConfig(
-        nproc=1, rounds=8 if cuda else 2, block_steps=(2 if opts.quick else 4) if cuda else 1,
+        nproc=1, rounds=10 if cuda else 2, block_steps=(2 if opts.quick else 3) if cuda else 1,
         warmup_steps=2 if cuda else 1, labels=not cuda, trace_dir=str(trace_dir), trace_steps=2,
         batch_size=32 if cuda else 4, tiny=not cuda, model="gpu", calibrate=False,
         extra_variants=("torch_muon",), device=opts.device, synthetic=True, bf16=True, out=str(path))

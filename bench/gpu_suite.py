@@ -23,7 +23,7 @@ CUDA, so the forks start clean):
 * ``ns_speed``: whole-inventory NS, ``torch.optim.Muon`` vs dmuon Gram (torch, Triton), CUDA events.
 * ``step``: world size 1 over NCCL, ~194 M-parameter Pi0-style policy, bf16 mixed precision,
   dmuon vs ``torch.optim.Muon`` + AdamW vs AdamW (``bench/bench_step.py``), with the A/A control
-  (AdamW twice: every ratio carries its noise floor), 32 interleaved measured steps per variant,
+  (AdamW twice: every ratio carries its noise floor), 30 interleaved measured steps per variant,
   CUDA-event phase times, one gzipped chrome trace per variant (``step_traces.tar``) and the
   GPU's clocks, power and temperature at start and end; with
   ``--sync-debug`` also one dmuon step under ``torch.cuda.set_sync_debug_mode("warn")`` and its

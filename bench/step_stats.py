@@ -38,13 +38,18 @@ METHOD = ("ratio = median over rounds of (variant's median measured step in the 
 
 
 def round_order(variants: tuple[str, ...], rnd: int) -> tuple[str, ...]:
-    """The order in which round ``rnd`` runs the variants.
+    """The order in which round ``rnd`` runs the variants: row ``rnd mod rows`` of a Williams
+    design (Williams 1949, "Experimental designs balanced for the estimation of residual effects
+    of treatments").
 
-    Rounds come in pairs: round ``2k`` runs the variants rotated left by ``k``, round ``2k + 1``
-    the same order reversed (A B C D, D C B A, B C D A, A D C B, ...). Over ``2 n`` rounds
-    (``n`` variants) every variant takes every position twice, and each one runs both right
-    after and right before its neighbours, so neither a position (the first block after the
-    previous round's last) nor a predecessor (allocator, cache state) favours one variant.
+    Row ``i`` is the first row ``0, 1, n-1, 2, n-2, ...`` plus ``i`` (mod ``n``); for odd ``n``
+    the ``n`` mirrored rows follow. Over a full cycle (``n`` rounds for even ``n``, ``2 n`` for
+    odd) every variant takes every position equally often, and every variant runs right after
+    every other one equally often: leftovers of the previous block (a variant's in-flight
+    collectives, allocator or cache state) fall on every variant alike. A plain rotation fixes
+    each variant's predecessor; rotation plus reversal (this module's first version) still never
+    put ``adamw`` right after ``dmuon`` while ``adamw_b`` followed it in 6 of 16 rounds, and the
+    A/A ratio of that run read 1.33 (``bench/results/step_cpu_4r_fsdp_aa_rotation.json``).
 
     Args:
         variants: Variant names, in their listed order.
@@ -53,9 +58,17 @@ def round_order(variants: tuple[str, ...], rnd: int) -> tuple[str, ...]:
     Returns:
         The variants in this round's order.
     """
-    k = (rnd // 2) % len(variants)
-    order = variants[k:] + variants[:k]
-    return tuple(reversed(order)) if rnd % 2 else order
+    n = len(variants)
+    first = [0 if j == 0 else (j + 1) // 2 if j % 2 else n - j // 2 for j in range(n)]
+    rows = [[(b + i) % n for b in first] for i in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return tuple(variants[j] for j in rows[rnd % len(rows)])
+
+
+def design_rounds(n: int) -> int:
+    """Rounds in one full cycle of :func:`round_order` for ``n`` variants (``n`` or ``2 n``)."""
+    return n if n % 2 == 0 else 2 * n
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:

@@ -72,8 +72,8 @@ def test_bench_step_aa_control_and_per_round_ratios(tiny_step):
 
     v, rr = tiny_step["variants"], tiny_step["round_ratios"]
     assert v["adamw_b"]["losses"] == v["adamw"]["losses"]  # bit-identical: the same baseline twice
-    assert tiny_step["round_orders"] == [["adamw", "vanilla", "dmuon", "adamw_b"],
-                                         ["adamw_b", "dmuon", "vanilla", "adamw"]]
+    assert tiny_step["round_orders"] == [["adamw", "vanilla", "adamw_b", "dmuon"],
+                                         ["vanilla", "dmuon", "adamw", "adamw_b"]]
     assert (rr["baseline"], rr["control"], rr["rounds"]) == ("adamw", "adamw_b", 2)
     assert set(rr["ratios"]) == {"vanilla_over_adamw", "dmuon_over_adamw", "adamw_b_over_adamw",
                                  "dmuon_over_vanilla"}
@@ -112,16 +112,25 @@ def test_step_stats_against_hand_computed_values():
         step_stats.round_ratios({"adamw": [[]]})
 
 
-def test_round_order_balances_positions_and_neighbours():
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_round_order_balances_positions_and_predecessors(n):
+    """A Williams design: over one cycle every variant holds every position equally often and
+    follows every other variant equally often (counted by hand for n = 4: 12 ordered pairs,
+    once each)."""
+    import collections
+
     import step_stats
 
-    variants = ("a", "b", "c", "d")
-    orders = [step_stats.round_order(variants, r) for r in range(2 * len(variants))]
-    assert orders[:4] == [("a", "b", "c", "d"), ("d", "c", "b", "a"), ("b", "c", "d", "a"), ("a", "d", "c", "b")]
-    for v in variants:  # every position twice over 2n rounds
-        assert sorted(o.index(v) for o in orders) == [0, 0, 1, 1, 2, 2, 3, 3]
-    follows = {(o[i], o[i + 1]) for o in orders for i in range(3)}
-    assert all((y, x) in follows for x, y in follows)  # every adjacency in both directions
+    variants = tuple("abcde"[:n])
+    cycle = step_stats.design_rounds(n)
+    orders = [step_stats.round_order(variants, r) for r in range(cycle)]
+    if n == 4:
+        assert orders == [("a", "b", "d", "c"), ("b", "c", "a", "d"), ("c", "d", "b", "a"), ("d", "a", "c", "b")]
+    for v in variants:
+        assert collections.Counter(o.index(v) for o in orders) == {p: cycle // n for p in range(n)}
+    pairs = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+    assert step_stats.round_order(variants, cycle) == orders[0]
 
 
 def _bench_replicate(rank: int, world_size: int) -> dict | None:
