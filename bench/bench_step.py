@@ -32,9 +32,9 @@ Timing (wall clock, ``time.perf_counter``), per step and rank:
   (``torch.autograd.profiler.profile(use_kineto=False)``: Kineto crashed once here) and
   records ``label_<name>_<phase>``, the CPU time inside label ``dmuon::<name>`` during that
   phase (``pre_forward``: waiting for the publications; ``finish_backward``: waiting for the
-  reduces; ``vanilla_all_gather``: vanilla's per-matrix all-gather, ...; see :data:`LABELS`).
+  reduces; ``vanilla_all_gather``: vanilla's per-matrix all-gather, ...; see :data:`step_timing.LABELS`).
   That step carries the profiler's overhead, and waits for dmuon's in-flight publications
-  before each profiler stops (:func:`_drain`), so it is not among the measured steps.
+  before each profiler stops (:func:`step_timing.drain`), so it is not among the measured steps.
 * ``ns``: the Newton-Schulz labels in the profiled step (dmuon: ``dmuon::newton_schulz``,
   momentum included; vanilla: ``dmuon::vanilla_newton_schulz``).
 
@@ -49,11 +49,13 @@ Usage::
     python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
     python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_allreduce ...   # diagnostic variants
     python bench/bench_step.py --nproc 4 --mesh replicate --out bench/results/step_cpu_4r_replicate.json
+    python bench/bench_step.py --nproc 4 --rounds 16 --block-steps 3 --no-labels --out ...  # A/A runs (docs/performance.md)
+    python bench/bench_step.py --tiny --nproc 2 --trace-dir /tmp/traces   # + one chrome trace per variant
 
 GPU mode: ``--device cuda`` runs NCCL ranks, one GPU each; the phases are timed by CUDA events
 recorded on the current stream at the phase boundaries (so a phase's time is its kernels' time
 on the device, with no host synchronisation between phases); before every block the device is
-synchronised, the allocator's cache emptied and its peak statistics reset (:func:`_switch`). NS in float16 as ``dmuon.train``
+synchronised, the allocator's cache emptied and its peak statistics reset (:func:`switch_variant`). NS in float16 as ``dmuon.train``
 picks on CUDA, and no gloo calibration. The profiled labels then only see host-side time (NCCL
 waits are stream waits), so only the phase times mean something there. ``--extra
 torch_muon`` (one rank only) adds single-process ``torch.optim.Muon`` on the same matrices plus
@@ -96,6 +98,7 @@ from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import step_stats  # noqa: E402
+from step_timing import switch_variant, timed_step, write_traces  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +173,7 @@ class BenchConfig:
             step of the ~194 M model cost seconds; the chrome traces show the device there.
             The A/A runs of issue 34 went without (``--no-labels``): a 16-round 4-rank run
             with it (64 profiled steps a rank) died in round 12 with "malloc(): unsorted double
-            linked list corrupted", the profiler-under-gloo crash class of :func:`_drain`.
+            linked list corrupted", the profiler-under-gloo crash class of :func:`step_timing.drain`.
     """
 
     nproc: int = 4
@@ -226,42 +229,6 @@ class BenchConfig:
             )
 
 
-#: Labels whose inclusive CPU time the profiled step reports (dmuon's ``record_function``
-#: names; ``vanilla_*`` are :class:`dmuon.baselines.VanillaMuon`'s).
-LABELS = ("dmuon::step_check", "dmuon::step_check_wait", "dmuon::pre_forward", "dmuon::pre_backward", "dmuon::reduce_bucket", "dmuon::all_reduce",
-          "dmuon::finish_backward", "dmuon::optimizer_step", "dmuon::newton_schulz", "dmuon::adamw",
-          "dmuon::publish_after_step", "dmuon::publish", "dmuon::vanilla_all_gather",
-          "dmuon::vanilla_newton_schulz", "dmuon::vanilla_adamw")
-NS_LABELS = ("dmuon::newton_schulz", "dmuon::vanilla_newton_schulz")
-
-
-def _label_times(prof) -> dict[str, float]:
-    """Inclusive CPU seconds per dmuon label recorded by ``prof`` (0-size labels omitted)."""
-    out: dict[str, float] = {}
-    for evt in prof.key_averages():
-        if evt.key in LABELS:
-            out[evt.key] = out.get(evt.key, 0.0) + evt.cpu_time_total * 1e-6
-    return out
-
-
-def _drain(model) -> None:
-    """Wait for dmuon's publications still in flight. c10d records a collective's end in the
-    profiler from gloo's worker thread when it completes; one still running when the profiler
-    stops crashed rank 0 (SIGSEGV) in two runs, both right after a profiled dmuon step whose
-    broadcasts were in flight (with Kineto, and without it)."""
-    state = getattr(model, "_dmuon_state", None)
-    for group in getattr(state, "groups", ()):
-        if group.work is not None:
-            group.work.wait()
-    # The step check's all-reduce, issued at the end of opt.step() under FSDP2 (issue 25), is
-    # in flight when the "step" phase's profiler stops too: waited for here, not settled (the
-    # next forward still compares the counts). A 16-round 4-rank run and the 2-round tiny test
-    # each died once with "malloc(): unsorted double linked list corrupted" before this wait.
-    pending = getattr(getattr(state, "step_check", None), "_pending", None)
-    if pending is not None:
-        pending[0].wait()
-
-
 def synthetic_batch(cfg: PolicyConfig, step: int, global_batch: int, rank: int, world: int,
                     seed: int) -> dict[str, torch.Tensor]:
     """Random batch in :meth:`dmuon.train.data.PushTDemos.batch`'s format (this rank's rows).
@@ -281,128 +248,6 @@ def synthetic_batch(cfg: PolicyConfig, step: int, global_batch: int, rank: int, 
             "time": torch.rand(n, generator=gen).pow(1.0 / 1.5) * 0.999 + 0.001}
     b = global_batch // world
     return {k: v[rank * b:(rank + 1) * b] for k, v in full.items()}
-
-
-def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) -> dict:
-    """One step, timed per phase (CPU: wall clock; CUDA: CUDA events recorded on the current
-    stream between the phases, read after the step, so the host never waits between phases);
-    with ``profile`` each phase also runs under
-    ``torch.profiler`` and the record carries ``label_<name>_<phase>`` (seconds inside that
-    dmuon ``record_function`` label) and ``ns``. A profiled step's wall times carry the
-    profiler's overhead: the caller does not count them as measured."""
-    # torch's CPU profiler without Kineto (use_kineto=False): no libkineto in the crash path
-    # (see _drain) and no USDT lines on stderr.
-    from torch.autograd.profiler import profile as torch_profile
-
-    cuda = device.type == "cuda"
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if cuda else []
-    host: list[float] = []
-
-    def mark() -> None:  # phase boundary: a CUDA event on the current stream, or the host clock
-        if cuda:
-            events[len(host)].record()
-        host.append(time.perf_counter())
-
-    labels: dict[str, float] = {}
-
-    def phase(name: str, fn):
-        if not profile:
-            return fn()
-        with torch_profile(use_kineto=False) as prof:
-            out = fn()
-            _drain(model)
-        for key, s in _label_times(prof).items():
-            labels[f"label_{key.removeprefix('dmuon::')}_{name}"] = s
-        return out
-
-    def step():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start_bytes = torch.cuda.memory_allocated(device)
-    mark()
-    loss = phase("forward", lambda: model(batch))
-    mark()
-    phase("backward", loss.backward)
-    mark()
-    phase("step", step)
-    mark()
-    if cuda:  # elapsed_time is in ms, between events on the same stream
-        events[-1].synchronize()
-        t = [0.0] + [events[0].elapsed_time(e) * 1e-3 for e in events[1:]]
-    else:
-        t = [h - host[0] for h in host]
-    rec = {"forward": t[1] - t[0], "backward": t[2] - t[1], "step": t[3] - t[2], "total": t[3] - t[0],
-           "loss": float(loss.detach())}
-    if device.type == "cuda":  # bytes: see _summarize
-        rec["transient_peak_bytes"] = float(torch.cuda.max_memory_allocated(device) - start_bytes)
-        rec["alloc_delta_bytes"] = float(torch.cuda.memory_allocated(device) - start_bytes)
-    if profile:
-        rec.update(labels)
-        rec["ns"] = sum(s for k, s in labels.items() if any(k == f"label_{n.removeprefix('dmuon::')}_step"
-                                                            for n in NS_LABELS))
-    return rec
-
-
-def _switch(device: torch.device) -> None:
-    """Before a variant's block on CUDA: finish the previous block's work and return its cached
-    blocks, so each variant starts from the same allocator state (the H100 run of 2026-11-22
-    had AdamW's forward 52% faster than torch_muon's identical forward, after torch_muon's
-    10.5 GB peak against AdamW's 6.9 GB); peak statistics restart. Nothing to do on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _write_traces(models: dict, opts: dict, variants: tuple[str, ...], get_batch, next_batch: dict,
-                  device: torch.device, cfg: BenchConfig, rank: int) -> dict | None:
-    """One ``torch.profiler`` chrome trace per variant, written by rank 0 as
-    ``cfg.trace_dir/trace_<variant>.json.gz``: one untraced step after the switch, then
-    ``cfg.trace_steps`` steps traced (CPU activity, and CUDA on a GPU). Every rank steps (the
-    collectives need them all); dmuon's in-flight publications are waited for before the
-    profiler stops (see :func:`_drain`).
-
-    Returns:
-        On rank 0 ``{variant: {"file": name, "bytes": gzipped size}}``; ``None`` elsewhere.
-    """
-    import contextlib
-    import gzip
-    import shutil
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    folder = pathlib.Path(cfg.trace_dir)
-    if rank == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for variant in variants:
-        _switch(device)
-        for k in range(1 + cfg.trace_steps):
-            if k == 1:
-                prof = profile(activities=acts) if rank == 0 else contextlib.nullcontext()
-                prof.__enter__()
-            _timed_step(models[variant], opts[variant], get_batch(next_batch[variant]), device)
-            next_batch[variant] += 1
-        _drain(models[variant])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        prof.__exit__(None, None, None)
-        if rank == 0:
-            name = f"trace_{variant}.json.gz"
-            with tempfile.TemporaryDirectory() as tmp:
-                raw = pathlib.Path(tmp) / "trace.json"
-                prof.export_chrome_trace(str(raw))
-                with raw.open("rb") as src, gzip.open(folder / name, "wb") as dst:
-                    shutil.copyfileobj(src, dst)
-            out[variant] = {"file": name, "bytes": (folder / name).stat().st_size, "steps": cfg.trace_steps}
-    return out if rank == 0 else None
 
 
 def _calibrate_comm(world: int, sizes: tuple[int, ...] = CALIB_BYTES) -> dict:
@@ -556,13 +401,13 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         order = step_stats.round_order(variants, rnd)
         orders.append(list(order))
         for variant in order:
-            _switch(device)
+            switch_variant(device)
             # warmup_steps discarded + block_steps measured + 1 profiled (label breakdown)
             for k in range(cfg.warmup_steps + cfg.block_steps + int(cfg.labels)):
                 batch = get_batch(next_batch[variant])
                 next_batch[variant] += 1
                 profiled = k == cfg.warmup_steps + cfg.block_steps
-                rec = _timed_step(models[variant], opts[variant], batch, device, profile=profiled)
+                rec = timed_step(models[variant], opts[variant], batch, device, profile=profiled)
                 rec.update(round=rnd, measured=cfg.warmup_steps <= k and not profiled, profiled=profiled,
                            batch_index=next_batch[variant] - 1)
                 records[variant].append(rec)
@@ -573,7 +418,8 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
     traces = None
     if cfg.trace_dir:
-        traces = _write_traces(models, opts, variants, get_batch, next_batch, device, cfg, rank)
+        traces = write_traces(models, opts, variants, get_batch, next_batch, device, cfg.trace_dir,
+                              cfg.trace_steps, rank)
 
     gathered: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, records)

@@ -83,7 +83,7 @@ def per_round_times(per_rank: list[list[dict]], phase: str) -> dict[int, float]:
 
     Args:
         per_rank: For each rank, that variant's step records (``round``, ``measured`` and the
-            phase times in seconds, as :func:`bench_step._timed_step` writes them).
+            phase times in seconds, as :func:`step_timing.timed_step` writes them).
         phase: ``"forward"``, ``"backward"``, ``"step"`` or ``"total"``.
 
     Returns:
