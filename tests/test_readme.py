@@ -43,7 +43,7 @@ SKIP_PREFIXES = {
     "pip install ": "installs a package: CI's environment is that install",
     "bash .ci/run": "the CI script: it runs the whole suite, this test included",
     "bash .ci/package_check.sh": "builds the wheel and sdist and installs torch into a fresh venv "
-                                 "(minutes); .ci/run runs it after the suite",
+                                 "(minutes): tests/test_package.py runs it",
 }
 #: Programs whose inline code spans in the README's prose count as commands.
 INLINE_PROGRAMS = ("python", "pytest", "bash", "torchrun")
