@@ -99,7 +99,7 @@ README_COMMANDS: dict[str, Run | Covered | Skip] = {
     "dmuon_nocheck --mesh replicate": Covered(
         "tests/test_bench.py::test_bench_step_replicate_mode",
         "runs bench_step's replicated path on gloo ranks; the full benchmark takes minutes"),
-    "python bench/simulate.py --validate '<five' 'step_cpu_*.json>' --out "
+    "python bench/simulate.py --validate '<five' 'history/step_cpu_*.json>' --out "
     "bench/results/sim_gpu.json": Covered(
         "tests/test_bench.py::test_simulate_cli_tiny",
         "placeholder arguments (the five files are listed in docs/performance.md); the "
