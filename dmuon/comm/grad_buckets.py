@@ -13,7 +13,7 @@ data-parallel group, divided by its size on the owner):
 * ``"all_reduce"``: one ``all_reduce`` of the whole bucket; each owner keeps its segment. Twice
   the bytes of ``"reduce"`` for a single collective, for backends where a collective's fixed
   cost dominates. On gloo with 4 ranks on 2 CPU cores the two modes' whole steps differ by less
-  than the run-to-run noise (382 against 372 ms in ``bench/results/step_cpu_4r_buckets.json``;
+  than the run-to-run noise (382 against 372 ms in ``bench/results/history/step_cpu_4r_buckets.json``;
   the other way round, by 4-10 ms, in two runs not kept), so the default moves fewer bytes.
 
 On the DDP-style path (``replicas="keep"``) one bucket also carries the *shared* parameters,
