@@ -191,7 +191,13 @@ class OwnerUpdate:
                 dict(params=others, kind="adamw", **adamw_defaults)]
 
     def step(self) -> None:
-        """Muon then AdamW, then the step check and the publication."""
+        """Muon then AdamW, then the step check and the publication.
+
+        Raises:
+            RuntimeError: a matrix holds a gradient never reduced to its owner
+                (:meth:`dmuon.hooks.state.DedicateState.check_reduced`).
+        """
+        self.ctx.check_reduced()
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
