@@ -173,6 +173,7 @@ def divide_factor(rank: int, world_size: int, *, steps: int = 3, factor: float =
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(factor)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     dmuon.dedicate_params(model, mesh, group_cost=0.0)
     opt = dmuon.Muon(model, **OPT)
     n_global = models.LOCAL_BATCH * world_size
