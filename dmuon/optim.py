@@ -280,7 +280,8 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
 
     Raises:
         RuntimeError: if ``error_if_nonfinite`` and the norm is nan or inf.
-        ValueError: a model not passed to ``dedicate_params``, or (``distributed_config``) a
+        ValueError: a model not passed to ``dedicate_params``, one pipeline stage of several
+            (its norm is not the model's), or (``distributed_config``) a
             plain Muon matrix whose layout the config does not record.
         TypeError: neither a model nor a :class:`Muon`.
     """
@@ -295,6 +296,14 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     model = model_or_optimizer
     ctx = get_state(model)
     ctx.ensure_bound()
+    if ctx.roles.pp_size > 1:
+        # the norm of one stage is not the model's: refuse rather than clip by it
+        raise ValueError(
+            f"dmuon: clip_grad_norm_ covers one model's gradients, and this model is one pipeline "
+            f"stage of {ctx.roles.pp_size} ('pp' mesh dimension): its norm is not the whole "
+            f"model's. Compute each stage's norm (torch.linalg.vector_norm over its gradients, "
+            f"all-reduced within the stage's data-parallel group) and combine them over the 'pp' "
+            f"group, as torchtitan's dist_utils.clip_grad_norm_ does.")
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
         if rec.master.grad is None:

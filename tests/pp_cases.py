@@ -139,7 +139,7 @@ def pipeline(rank: int, world_size: int, *, schedule: str, pp: int, whole_mesh: 
     last = any(s.is_last for s in stages)
     dp_rank = dp_mesh._flatten().get_local_rank() if hsdp else dp_mesh.get_local_rank()
     per_rank = 3 * REF_PER_DP
-    losses = []
+    losses, clip_error = [], None
     for step in range(steps):
         idx, y = models.global_batch(step, REF_PER_DP * dp)
         idx, y = idx[dp_rank * per_rank: (dp_rank + 1) * per_rank], y[dp_rank * per_rank: (dp_rank + 1) * per_rank]
@@ -150,18 +150,25 @@ def pipeline(rank: int, world_size: int, *, schedule: str, pp: int, whole_mesh: 
             losses.append(float(torch.stack(micro).mean()))
         else:
             sched.step(*args)
+        if step == 0 and pp > 1:  # one stage's norm is not the model's: refused by name
+            try:
+                dmuon.clip_grad_norm_(modules[0], 1e9)
+            except ValueError as err:
+                clip_error = str(err)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-    return dict(params=_collect(modules, rank), losses=losses, dp=dp)
+    return dict(params=_collect(modules, rank), losses=losses, dp=dp, clip_error=clip_error)
 
 
 def divide_factor(rank: int, world_size: int, *, steps: int = 3, factor: float = 1.0,
-                  hsdp: bool = False) -> dict:
+                  hsdp: bool = False, clip: float = 0.05) -> dict:
     """torchtitan's normalisation: every FSDP2 module's ``set_gradient_divide_factor(factor)``
     (torchtitan's ``disable_fsdp_gradient_division``: 1.0) and each rank's loss the *sum* of its
     squared errors times ``factor`` over the global number of samples, so the gradient FSDP2
-    gives (the ranks' sum divided by ``factor``) is the global batch's mean gradient."""
+    gives (the ranks' sum divided by ``factor``) is the global batch's mean gradient. Muon's
+    update hardly sees a gradient's scale (Newton-Schulz normalizes it), so the gradient norm
+    (``dmuon.clip_grad_norm_``, clipping at ``clip``) is what shows a wrong one."""
     if hsdp:
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     else:
@@ -177,17 +184,18 @@ def divide_factor(rank: int, world_size: int, *, steps: int = 3, factor: float =
     dmuon.dedicate_params(model, mesh, group_cost=0.0)
     opt = dmuon.Muon(model, **OPT)
     n_global = models.LOCAL_BATCH * world_size
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         idx, y = models.local_batch(step, rank, world_size)
         loss = ((model(idx) - y) ** 2).sum() * factor / n_global
         loss.backward()
         losses.append(loss.item())
+        norms.append(float(dmuon.clip_grad_norm_(model, clip)))
         opt.step()
         opt.zero_grad()
     from tests.dist_cases import full_params
 
-    return dict(params=full_params(model, rank), losses=losses)
+    return dict(params=full_params(model, rank), losses=losses, norms=norms)
 
 
 def unreduced_step(rank: int, world_size: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from tests import models
 from tests.pp_cases import REF_PER_DP
@@ -44,6 +45,8 @@ def test_pipeline_schedules_match_single_process_reference(dist_pool, schedule, 
     for o in out:
         if o["losses"]:  # last-stage ranks: the mean of this rank's micro-batch losses
             assert len(o["losses"]) == STEPS
+        if pp > 1:  # dmuon.clip_grad_norm_ of one stage refuses (its norm is not the model's)
+            assert o["clip_error"].startswith("dmuon: clip_grad_norm_") and "pipeline stage" in o["clip_error"]
 
 
 @pytest.mark.parametrize("schedule,pp", [("1f1b", 1), ("gpipe", 2)])
@@ -60,9 +63,11 @@ def test_gradient_divide_factor_one_with_loss_over_global_count(dist_pool, hsdp)
     """torchtitan: ``set_gradient_divide_factor(1.0)`` and the loss summed over the global
     number of samples: FSDP2 sums the ranks' gradients, and so must dmuon (a mean over 4 ranks
     would leave the matrices' gradients 4x too small)."""
-    out = dist_pool.run(4, "tests.pp_cases:divide_factor", dict(steps=STEPS, hsdp=hsdp),
+    out = dist_pool.run(4, "tests.pp_cases:divide_factor", dict(steps=STEPS, hsdp=hsdp, clip=0.05),
                         timeout_s=240, fresh=True)
-    ref, _, _ = models.run_reference(4, STEPS)
+    ref, _, ref_norms = models.run_reference(4, STEPS, clip=0.05)
+    for o in out:
+        torch.testing.assert_close(torch.tensor(o["norms"]), torch.tensor(ref_norms), rtol=1e-6, atol=0)
     _check_moved_and_exact(out[0]["params"], ref)
 
 
