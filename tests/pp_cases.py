@@ -162,27 +162,40 @@ def pipeline(rank: int, world_size: int, *, schedule: str, pp: int, whole_mesh: 
 
 
 def divide_factor(rank: int, world_size: int, *, steps: int = 3, factor: float = 1.0,
-                  hsdp: bool = False, clip: float = 0.05) -> dict:
+                  hsdp: bool = False, clip: float = 0.05, late: bool = False) -> dict:
     """torchtitan's normalisation: every FSDP2 module's ``set_gradient_divide_factor(factor)``
     (torchtitan's ``disable_fsdp_gradient_division``: 1.0) and each rank's loss the *sum* of its
     squared errors times ``factor`` over the global number of samples, so the gradient FSDP2
     gives (the ranks' sum divided by ``factor``) is the global batch's mean gradient. Muon's
     update hardly sees a gradient's scale (Newton-Schulz normalizes it), so the gradient norm
-    (``dmuon.clip_grad_norm_``, clipping at ``clip``) is what shows a wrong one."""
+    (``dmuon.clip_grad_norm_``, clipping at ``clip``) is what shows a wrong one.
+
+    ``late``: each block's bias-free ``fc2`` is its own FSDP2 module, whose one parameter dmuon
+    takes (FSDP2 loses its parameter group), and the factor is set after ``dmuon.Muon`` bound
+    the model: the setter must still reach dmuon."""
     if hsdp:
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world_size,))
     model = models.make_model()
     for block in model.blocks:
+        if late:
+            fully_shard(block.fc2, mesh=mesh)
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(factor)
-            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    def set_factor() -> None:
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(factor)
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    if not late:
+        set_factor()
     dmuon.dedicate_params(model, mesh, group_cost=0.0)
     opt = dmuon.Muon(model, **OPT)
+    if late:
+        set_factor()
     n_global = models.LOCAL_BATCH * world_size
     losses, norms = [], []
     for step in range(steps):

@@ -58,12 +58,13 @@ def test_pipeline_with_hsdp_inside_a_stage(dist_pool, schedule, pp):
     _check_moved_and_exact(out[0]["params"], ref)
 
 
-@pytest.mark.parametrize("hsdp", [False, True])
-def test_gradient_divide_factor_one_with_loss_over_global_count(dist_pool, hsdp):
+@pytest.mark.parametrize("hsdp,late", [(False, False), (True, False), (False, True)])
+def test_gradient_divide_factor_one_with_loss_over_global_count(dist_pool, hsdp, late):
     """torchtitan: ``set_gradient_divide_factor(1.0)`` and the loss summed over the global
     number of samples: FSDP2 sums the ranks' gradients, and so must dmuon (a mean over 4 ranks
-    would leave the matrices' gradients 4x too small)."""
-    out = dist_pool.run(4, "tests.pp_cases:divide_factor", dict(steps=STEPS, hsdp=hsdp, clip=0.05),
+    would leave the matrices' gradients 4x too small). ``late``: set after binding, on modules
+    whose only parameter dmuon took (FSDP2 no longer holds their parameter group)."""
+    out = dist_pool.run(4, "tests.pp_cases:divide_factor", dict(steps=STEPS, hsdp=hsdp, clip=0.05, late=late),
                         timeout_s=240, fresh=True)
     ref, _, ref_norms = models.run_reference(4, STEPS, clip=0.05)
     for o in out:
