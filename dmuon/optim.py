@@ -200,10 +200,13 @@ class OwnerUpdate:
         """Muon then AdamW, then the step check and the publication.
 
         Raises:
-            RuntimeError: ``fully_shard`` ran on the model after binding (first step only,
-                when no forward caught it: :meth:`DedicateState.check_not_sharded_since_binding`).
+            RuntimeError: a matrix holds a gradient never reduced to its owner
+                (:meth:`dmuon.hooks.state.DedicateState.check_reduced`), or ``fully_shard`` ran on
+                the model after binding (first step only, when no forward caught it:
+                :meth:`DedicateState.check_not_sharded_since_binding`).
         """
         self.ctx.check_not_sharded_since_binding("the first opt.step()")
+        self.ctx.check_reduced()
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
@@ -300,7 +303,8 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
 
     Raises:
         RuntimeError: if ``error_if_nonfinite`` and the norm is nan or inf.
-        ValueError: a model not passed to ``dedicate_params``, or (``distributed_config``) a
+        ValueError: a model not passed to ``dedicate_params``, one pipeline stage of several
+            (its norm is not the model's), or (``distributed_config``) a
             plain Muon matrix whose layout the config does not record.
         TypeError: neither a model nor a :class:`Muon`.
     """
@@ -316,6 +320,14 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     model = model_or_optimizer
     ctx = get_state(model)
     ctx.ensure_bound()
+    if ctx.roles.pp_size > 1:
+        # the norm of one stage is not the model's: refuse rather than clip by it
+        raise ValueError(
+            f"dmuon: clip_grad_norm_ covers one model's gradients, and this model is one pipeline "
+            f"stage of {ctx.roles.pp_size} ('pp' mesh dimension): its norm is not the whole "
+            f"model's. Compute each stage's norm (torch.linalg.vector_norm over its gradients, "
+            f"all-reduced within the stage's data-parallel group) and combine them over the 'pp' "
+            f"group, as torchtitan's dist_utils.clip_grad_norm_ does.")
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
         grad = plain(rec.master.grad)  # the local tensor: a shown grad's pieces are records too

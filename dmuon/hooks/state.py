@@ -214,6 +214,12 @@ class DedicateState:
             # all-gather (StepCheck.guard_fsdp_pre_forward)
             self._handles += self.step_check.to_front(self.model)
             self._handles += fsdp.wrap_pre_forward(self._fsdp_states, self.step_check.guard_fsdp_pre_forward)
+        if self.fsdp_wrapped:
+            # FSDP2 reduces outside any backward too (pipelining schedules call its final callback
+            # themselves): follow it there; and each bucket follows its block's divide factor
+            self._handles += fsdp.wrap_final_callback(self._fsdp_states, self.reduce_outside_backward)
+            for w in binding.wiring:
+                w.bucket.block = w.unit.module
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
 
@@ -297,6 +303,70 @@ class DedicateState:
         no other hook), which copies every ``.grad`` into the bucket at once."""
         self.queue_final_callback()
 
+    def reduce_outside_backward(self) -> None:
+        """FSDP2's final callback ran outside a backward, with gradient sync on: reduce to the
+        owners every gradient accumulated locally since the last reduce, as FSDP2 reduce-scatters
+        its own.
+
+        ``torch.distributed.pipelining`` turns FSDP2's gradient sync off for every micro-batch
+        backward (``backward_maybe_with_nosync``) and then, after the last one, turns it on and
+        calls every ``FSDPParamGroup.post_backward()`` and the root's
+        ``_root_post_backward_final_callback`` itself (``PipelineStage.perform_reduce_grad``), then
+        divides the gradients by the number of micro-batches (``scale_grads``): this runs in that
+        callback, so the owners' ``master.grad`` is in before the division. Inside a backward
+        (the callback FSDP2 queues itself) it does nothing: :meth:`finish_backward`, queued in
+        the same backward, reduces. Collective over the shard group (and the replicate group
+        under HSDP); every rank of a stage's data-parallel group runs the same schedule, so every
+        one of them gets here alike.
+        """
+        if not self.bound or self._final_callback_queued or not self.sync_enabled:
+            return
+        if not fsdp.gradient_sync_enabled(self._fsdp_states):
+            return
+        held = False
+        for bucket in self.buckets:
+            if any(rec.compute.grad is not None for rec in bucket.records):
+                bucket.active = held = True  # GradBucket.issue takes each compute.grad
+        if not held:
+            return
+        with label("dmuon::reduce_outside_backward"), torch.no_grad():
+            self.sync_this_backward = True
+            self.issue_order.next = 0
+            self.step_check.settle()
+            self._set_divide_factors()
+            unpresent(self.records)  # as finish_backward: plain gradients to add to, then shown
+            reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
+            present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
+                    tp_rank=self.tp_rank)
+
+    def _set_divide_factors(self) -> None:
+        """Each bucket's FSDP2 ``set_gradient_divide_factor`` (``None``: the mean), read now."""
+        for bucket in self.buckets:
+            if bucket.block is not None:
+                bucket.divide_factor = fsdp.gradient_divide_factor(bucket.block)
+
+    def check_reduced(self) -> None:
+        """Before a step: no matrix may hold a gradient that never reached its owner.
+
+        A backward with gradient sync off (``dmuon.no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``) keeps each matrix's local gradient on every rank
+        until a synced backward or FSDP2's final callback reduces it; a step before that would
+        skip the matrix (its owner has no gradient), as ``torch.optim.Muon`` skips
+        ``grad=None``, silently.
+
+        Raises:
+            RuntimeError: naming the matrices and the fix, on every rank that computed them.
+        """
+        unreduced = [rec.fqn for rec in self.records if rec.compute.grad is not None]
+        if unreduced:
+            raise RuntimeError(
+                f"dmuon: opt.step() would skip {len(unreduced)} dedicated matrices "
+                f"({unreduced[:4]}{'...' if len(unreduced) > 4 else ''}, rank {dist.get_rank()}): their "
+                f"gradients were computed with gradient sync off (dmuon.no_sync or FSDP2's "
+                f"set_requires_gradient_sync(False)) and never reduced to their owners. Turn sync "
+                f"back on for the last backward of the step (or let FSDP2's post_backward / final "
+                f"callback run with sync on, as torch.distributed.pipelining does) before opt.step().")
+
     def finish_backward(self) -> None:
         """End of backward: close open units, then reduce-to-owner and, under HSDP, the replica
         combine (:func:`dmuon.comm.hsdp_replicas.reduce_to_owners`); the other parameters'
@@ -310,6 +380,8 @@ class DedicateState:
         with label("dmuon::finish_backward"), torch.no_grad():
             if self.shared_bucket is not None and self.sync_this_backward:
                 self.shared_bucket.issue(self.group, self.reduce_mode)  # the other parameters' .grad
+            if self.fsdp_wrapped:
+                self._set_divide_factors()
             unpresent(self.records)  # plain gradients for the owners to add to
             reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
             # what clipping by third-party code sees (dmuon.comm.owned_grad): every rank alike
