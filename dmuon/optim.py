@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dmuon.comm.collectives import label
+from dmuon.comm.owned_grad import plain
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
@@ -161,6 +162,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # an absent gradient (dmuon.comm.owned_grad) stands for None
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if getattr(p.grad, "dmuon_absent", False):
+                        p.grad = None
         super().zero_grad(set_to_none=set_to_none)
 
 
@@ -193,7 +199,16 @@ class OwnerUpdate:
                 dict(params=others, kind="adamw", **adamw_defaults)]
 
     def step(self) -> None:
-        """Muon then AdamW, then the step check and the publication."""
+        """Muon then AdamW, then the step check and the publication.
+
+        Raises:
+            RuntimeError: a matrix holds a gradient never reduced to its owner
+                (:meth:`dmuon.hooks.state.DedicateState.check_reduced`), or ``fully_shard`` ran on
+                the model after binding (first step only, when no forward caught it:
+                :meth:`DedicateState.check_not_sharded_since_binding`).
+        """
+        self.ctx.check_not_sharded_since_binding("the first opt.step()")
+        self.ctx.check_reduced()
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
@@ -210,13 +225,14 @@ class OwnerUpdate:
         ctx = self.ctx
         params, grads, bufs, recs = [], [], [], []
         for p in group["params"]:
-            if p.grad is None or p.numel() == 0:  # placeholders: someone else owns it
+            # placeholders: someone else owns it; absent: no rank had a gradient (Muon skips it)
+            if p.grad is None or p.numel() == 0 or getattr(p.grad, "dmuon_absent", False):
                 continue
             state = self.opt.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
-            grads.append(p.grad)
+            grads.append(plain(p.grad))
             bufs.append(state["momentum_buffer"])
             recs.append(ctx.record_of_master[p])
         ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
@@ -253,6 +269,18 @@ class OwnerUpdate:
             )
 
 
+def unwrap_optimizer(opt: Any) -> Any:
+    """The optimizer inside wrappers that hold it as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``), followed until a
+    :class:`Muon` (or something without ``.optimizer``); anything else is returned unchanged."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(opt, Muon) or not isinstance(inner, torch.optim.Optimizer):
+            return opt
+        opt = inner
+    return opt
+
+
 def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute.
@@ -265,8 +293,9 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
 
     Args:
         model_or_optimizer: the model given to ``dedicate_params``, or a :class:`Muon` (any
-            strategy; with ``distributed_config`` pass the optimizer: the norm covers its
-            parameters, and plain non-matrix tensors are taken for replicas, as DDP holds them).
+            strategy, or a wrapper holding it as ``.optimizer``: :func:`unwrap_optimizer`;
+            with ``distributed_config`` pass the optimizer: the norm covers its parameters,
+            and plain non-matrix tensors are taken for replicas, as DDP holds them).
         max_norm: largest allowed norm (same unit as the gradients).
         norm_type: p of the p-norm; ``float("inf")`` for the max norm.
         error_if_nonfinite: raise instead of clipping by a nan/inf norm.
@@ -276,10 +305,12 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
 
     Raises:
         RuntimeError: if ``error_if_nonfinite`` and the norm is nan or inf.
-        ValueError: a model not passed to ``dedicate_params``, or (``distributed_config``) a
+        ValueError: a model not passed to ``dedicate_params``, one pipeline stage of several
+            (its norm is not the model's), or (``distributed_config``) a
             plain Muon matrix whose layout the config does not record.
         TypeError: neither a model nor a :class:`Muon`.
     """
+    model_or_optimizer = unwrap_optimizer(model_or_optimizer)
     if isinstance(model_or_optimizer, Muon):
         strategy = model_or_optimizer.strategy
         if not isinstance(strategy, OwnerUpdate):
@@ -291,14 +322,23 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     model = model_or_optimizer
     ctx = get_state(model)
     ctx.ensure_bound()
+    if ctx.roles.pp_size > 1:
+        # the norm of one stage is not the model's: refuse rather than clip by it
+        raise ValueError(
+            f"dmuon: clip_grad_norm_ covers one model's gradients, and this model is one pipeline "
+            f"stage of {ctx.roles.pp_size} ('pp' mesh dimension): its norm is not the whole "
+            f"model's. Compute each stage's norm (torch.linalg.vector_norm over its gradients, "
+            f"all-reduced within the stage's data-parallel group) and combine them over the 'pp' "
+            f"group, as torchtitan's dist_utils.clip_grad_norm_ does.")
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
-        if rec.master.grad is None:
+        grad = plain(rec.master.grad)  # the local tensor: a shown grad's pieces are records too
+        if grad is None or getattr(rec.master.grad, "dmuon_absent", False):  # absent: None
             continue
-        clipped.append(rec.master.grad)
+        clipped.append(grad)
         # HSDP replicas and TP ranks holding a whole matrix have equal copies: count one.
         if ctx.replicate_rank == 0 and (rec.tp_shard_dim is not None or ctx.tp_rank == 0):
-            counted.append(rec.master.grad)
+            counted.append(grad)
     for p in model.parameters():
         if p in ctx.record_of_master or p.grad is None:
             continue

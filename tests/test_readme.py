@@ -32,6 +32,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+CI_SCRIPT = REPO / ".ci" / "run"
+#: The README is also the PyPI page (pyproject's ``readme``); the house's size limit (issue 33).
+README_MAX_LINES = 200
 
 #: README commands that run as shown (prefix match): fast on CPU, no files outside the cwd.
 RUN_AS_SHOWN_PREFIXES = ("python -m dmuon.profile ",)
@@ -39,6 +42,8 @@ RUN_AS_SHOWN_PREFIXES = ("python -m dmuon.profile ",)
 SKIP_PREFIXES = {
     "pip install ": "installs a package: CI's environment is that install",
     "bash .ci/run": "the CI script: it runs the whole suite, this test included",
+    "bash .ci/package_check.sh": "builds the wheel and sdist and installs torch into a fresh venv "
+                                 "(minutes): tests/test_package.py runs it",
 }
 #: Programs whose inline code spans in the README's prose count as commands.
 INLINE_PROGRAMS = ("python", "pytest", "bash", "torchrun")
@@ -94,7 +99,7 @@ README_COMMANDS: dict[str, Run | Covered | Skip] = {
     "dmuon_nocheck --mesh replicate": Covered(
         "tests/test_bench.py::test_bench_step_replicate_mode",
         "runs bench_step's replicated path on gloo ranks; the full benchmark takes minutes"),
-    "python bench/simulate.py --validate '<five' 'step_cpu_*.json>' --out "
+    "python bench/simulate.py --validate '<five' 'history/step_cpu_*.json>' --out "
     "bench/results/sim_gpu.json": Covered(
         "tests/test_bench.py::test_simulate_cli_tiny",
         "placeholder arguments (the five files are listed in docs/performance.md); the "
@@ -232,3 +237,47 @@ def test_readme_command_runs(command, tmp_path):
         assert out.stat().st_size > 0, f"{command}: no plan at {out}"
         if "--no-plot" not in argv:
             assert out.with_suffix(".png").stat().st_size > 0, f"{command}: no chart"
+
+
+def _pip_install_args(command: str) -> tuple[str, ...] | None:
+    """``("torch==2.13.0",)`` for ``pip install torch==2.13.0`` or ``python -m pip install -q
+    torch==2.13.0``; None for any other command."""
+    argv = shlex.split(command)
+    if argv[:3] == ["python", "-m", "pip"]:
+        argv = argv[2:]
+    if argv[:2] != ["pip", "install"]:
+        return None
+    return tuple(a for a in argv[2:] if a != "-q")
+
+
+def test_readme_reads_right_on_pypi_and_github():
+    """Issue 33: the README is the PyPI page, where relative links and images break; it shows
+    ``pip install dmuon`` before the contributor commands, and it stays within its size."""
+    text = README.read_text()
+    lines = text.splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines (limit {README_MAX_LINES}): move details to docs/*.md "
+        "and link them")
+    targets = re.findall(r"\]\(([^)\s]+)", text) + re.findall(r"(?:src|href)=\"([^\"]+)\"", text)
+    relative = [t for t in targets if not t.startswith(("https://", "http://"))]
+    assert not relative, (
+        f"README links that break on PyPI: {relative}; use https://github.com/dmuon/dmuon/blob/main/"
+        "<path> for pages and https://raw.githubusercontent.com/dmuon/dmuon/main/<path> for images")
+    assert COMMANDS[0] == "pip install dmuon", f"the README's first command is {COMMANDS[0]!r}"
+    assert COMMANDS.index("pip install dmuon") < min(
+        i for i, c in enumerate(COMMANDS) if c.startswith("pip install -e")), COMMANDS
+
+
+def test_readme_test_command_is_what_ci_runs():
+    """The newcomer's test command (install, then ``python -m pytest -q``) is what ``.ci/run``
+    does: the same pip installs and the same pytest entry point."""
+    blocks = re.findall(r"^```bash\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+    chain = next(line for block in blocks for line in block.splitlines() if "pytest" in line)
+    readme = [shlex.join(shlex.split(c)) for c in chain.split("&&")]
+    ci_lines = [ln.strip() for ln in CI_SCRIPT.read_text().replace("\\\n", " ").splitlines()
+                if ln.strip() and not ln.strip().startswith("#")]
+    ci_installs = {_pip_install_args(ln) for ln in ci_lines} - {None}
+    readme_installs = [_pip_install_args(c) for c in readme if _pip_install_args(c)]
+    assert readme_installs and set(readme_installs) <= ci_installs, (readme_installs, ci_installs)
+    assert readme[-1] == "python -m pytest -q", readme
+    assert any(ln.startswith("python -m pytest -q") for ln in ci_lines), ci_lines

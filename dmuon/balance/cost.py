@@ -23,7 +23,7 @@ OWNER_BYTES_PER_ELEMENT = 12
 #: broadcasts and its reduce, on every rank. Measured on the 2-core CPU, 4 ranks, default
 #: ``dmuon.train`` model, makespan plan (23-26 pairs) against one owner per FSDP2 block (9 to
 #: 12 pairs), same run each: 1.3 to 2.7 ms per pair over four runs
-#: (bench/results/step_cpu_4r_grouped_owners*.json and the first, hand-made block plan).
+#: (bench/results/history/step_cpu_4r_grouped_owners*.json and the first, hand-made block plan).
 GLOO_PAIR_COST_S = 2.5e-3
 #: fp32 Newton-Schulz throughput (FLOP/s) of one CPU thread on the same model's shapes: the
 #: same run's calibration gives 3.4e10-8.3e10 for shapes of >= 1e7 FLOPs; this is about their

@@ -12,7 +12,7 @@ objective is therefore
 with ``group_cost`` the step time one extra pair costs, in the unit of the NS costs. On NCCL an
 extra pair is one more root inside a group call (microseconds: ``group_cost = 0`` keeps the
 pure makespan plan); on gloo each collective costs the CPU about a millisecond (measured in
-``bench/results/step_cpu_4r_grouped_owners.json``), comparable with the NS of a small block.
+``bench/results/history/step_cpu_4r_grouped_owners.json``), comparable with the NS of a small block.
 
 Two heuristics feed the exact MILP (:func:`dmuon.balance.milp.solve_milp` with ``groups``):
 

@@ -13,7 +13,7 @@ data-parallel group, divided by its size on the owner):
 * ``"all_reduce"``: one ``all_reduce`` of the whole bucket; each owner keeps its segment. Twice
   the bytes of ``"reduce"`` for a single collective, for backends where a collective's fixed
   cost dominates. On gloo with 4 ranks on 2 CPU cores the two modes' whole steps differ by less
-  than the run-to-run noise (382 against 372 ms in ``bench/results/step_cpu_4r_buckets.json``;
+  than the run-to-run noise (382 against 372 ms in ``bench/results/history/step_cpu_4r_buckets.json``;
   the other way round, by 4-10 ms, in two runs not kept), so the default moves fewer bytes.
 
 On the DDP-style path (``replicas="keep"``) one bucket also carries the *shared* parameters,
@@ -90,6 +90,11 @@ class GradBucket:
             when not the one :class:`IssueOrder` is given (expert parallelism: the ranks holding
             the same experts; the average still divides by the whole data-parallel size, since
             each member's local gradient already sums its ``"ep"`` peers' tokens).
+        block: the FSDP2 module whose unit the bucket reduces (``None`` without FSDP2).
+        divide_factor: that module's ``set_gradient_divide_factor`` (read at each reduce),
+            ``None`` when unset: the owner's gradient is the sum over every data-parallel rank
+            (shards and HSDP replicas) divided by it, as FSDP2 divides its own; ``None``: the
+            mean (divided by their number, DDP's and FSDP2's default).
     """
 
     records: list[DedicatedParam]
@@ -115,6 +120,8 @@ class GradBucket:
     owner_views: dict[DedicatedParam, torch.Tensor] | None = None
     _owned: list[tuple[DedicatedParam, int, int]] | None = None
     group: dist.ProcessGroup | None = None
+    block: object = None
+    divide_factor: float | None = None
 
     def __post_init__(self) -> None:
         # the matrices' part holds each owner's presence flags too, where the bucket has them
@@ -223,7 +230,7 @@ class GradBucket:
                             self.flat[start: start + numel], owner, group,
                             lambda owner=owner: [r.fqn for r in self.records if r.owner == owner]))
 
-    def _average_mine(self, world_size: int) -> dict[DedicatedParam, torch.Tensor]:
+    def _average_mine(self, world_size: float) -> dict[DedicatedParam, torch.Tensor]:
         """This rank's segment (its matrices are contiguous: owner-major) averaged in fp32 by two
         ops whatever its number of matrices, and a ``[rows, cols]`` view of it per matrix.
 
@@ -263,7 +270,8 @@ class GradBucket:
         """Wait, then yield ``(record, average, ranks)`` for every record of the bucket.
 
         ``average`` is a new fp32 tensor of the record's shape on the owner (the sum over the
-        group divided by ``world_size``; zeros where no rank had a gradient) and ``None``
+        group divided by ``world_size``, or by ``divide_factor`` when set; zeros where no rank
+        had a gradient) and ``None``
         elsewhere; ``ranks`` is, on the owner, how many ranks had a gradient (the summed
         presence flag; 0: no rank used the matrix) and, elsewhere, whether this rank had one.
         The bucket is empty afterwards.
@@ -291,7 +299,8 @@ class GradBucket:
                         avgs.append(avg)
                 if into:
                     torch._foreach_copy_(into, avgs)
-        views = self._average_mine(world_size) if self.my_owner is not None else {}
+        divisor = world_size if self.divide_factor is None else self.divide_factor
+        views = self._average_mine(divisor) if self.my_owner is not None else {}
         # routed experts: the owner reads how many ranks had each gradient (0: none, skip it)
         flags = self.flat[self.flags].tolist() if self.flags else None
         for i, rec in enumerate(self.records):
@@ -344,10 +353,11 @@ class IssueOrder:
 
 
 def finish_buckets(order: IssueOrder, group: dist.ProcessGroup, mode: str,
-                   world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None, float]]:
+                   world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None, float, float | None]]:
     """End of backward: issue the buckets not yet out (in ``order``, the one made at binding:
     it is not sorted again per backward), wait for every bucket, and yield
-    :meth:`GradBucket.take`'s ``(record, average, ranks)`` in that order.
+    :meth:`GradBucket.take`'s ``(record, average, ranks)`` in that order, with the bucket's
+    ``divide_factor``.
 
     A backward that put no gradient in any bucket (``no_sync``, or nothing dedicated took
     part) issues nothing; otherwise every bucket whose members take gradients goes out on
@@ -357,7 +367,9 @@ def finish_buckets(order: IssueOrder, group: dist.ProcessGroup, mode: str,
     order.finish(group, mode)
     for bucket in order.buckets:
         if bucket.issued:
-            yield from bucket.take(world_size)
+            factor = bucket.divide_factor
+            for rec, avg, ranks in bucket.take(world_size):
+                yield rec, avg, ranks, factor
 
 
 def make_buckets(records: list[DedicatedParam], blocks: list[int], persistent: bool = False) -> list[GradBucket]:

@@ -250,7 +250,8 @@ def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, worl
     Under HSDP (``roles.replicate_size > 1``) the owners then combine across
     replicas: one all-reduce of all "compute" averages (each replica's owner runs Newton-Schulz)
     and one reduce to replica 0 of all "broadcast" averages (it runs NS and broadcasts), per dtype;
-    the replica sum is divided by the replica count. Records come back in issue order, the same
+    the replica sum is divided by the replica count (by nothing where the record's FSDP2 module
+    set a gradient divide factor: the shard-level reduce divided the sum by it). Records come back in issue order, the same
     on every rank, so the combine's flat batches line up.
 
     Args:
@@ -262,7 +263,10 @@ def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, worl
     """
     replicas = roles.replicate_size
     combine = ReplicaCombine(group=roles.replicate, replicate_rank=replicate_rank) if replicas > 1 else None
-    for rec, avg, ranks in finish_buckets(order, roles.shard, reduce_mode, world_size):
+    factored: set[DedicatedParam] = set()  # records whose average is already sum / factor
+    for rec, avg, ranks, factor in finish_buckets(order, roles.shard, reduce_mode, world_size):
+        if factor is not None and combine is not None:
+            factored.add(rec)
         # every record of a reduced bucket, on every replica alike ("broadcast" masters go out
         # for all of them: one not stepped is the same on every replica)
         rec.had_grad = True
@@ -275,10 +279,11 @@ def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, worl
     if combine is not None:
         combine.issue()
         for rec, summed in combine.wait():
+            divisor = 1 if rec in factored else replicas
             if not rec.optional:
-                _accumulate(rec, summed.div_(replicas))
+                _accumulate(rec, summed.div_(divisor))
             elif summed[-1] > 0:
-                _accumulate(rec, summed[:-1].view(rec.shape).div_(replicas))
+                _accumulate(rec, summed[:-1].view(rec.shape).div_(divisor))
 
 
 def _accumulate(rec: DedicatedParam, avg: torch.Tensor) -> None:

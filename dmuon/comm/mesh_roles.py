@@ -15,6 +15,17 @@ data-parallel rank for the dense matrices, so their owners are drawn from all of
 drawn from the ranks of the replica that hold the same experts, those sharing this rank's
 ``"ep"`` coordinate (``expert``).
 
+Pipeline parallelism (a dimension named ``"pp"``, as torchtitan names it): pp ranks are
+*stages*, not replicas. ``dedicate_params(stage_module, mesh)`` takes the whole mesh
+(``("pp", "dp")``, ``("pp", "replicate", "shard")``...) or the stage's sub-mesh (``mesh["dp"]``,
+``mesh["replicate", "shard"]``, sliced from such a mesh); the ``"pp"`` dimension is dropped and
+the roles are read from the rest, so every group, the plan and its digest check, and the step
+check live within the stage's data-parallel ranks (:func:`stage_layout`). Every rank still
+creates every stage's groups in the same order (``dist.new_group`` names a group by a counter that
+must agree on its members), which needs no communication: the stages may call
+``dedicate_params`` at different times, as long as each rank calls it equally often (once per
+stage module it holds, as every pipelining schedule gives every rank the same number).
+
 Every group dmuon creates inherits the user's collective timeout (:func:`inherited_timeout`):
 ``dist.new_group`` without ``timeout=`` would wait torch's default 30 minutes (gloo) whatever
 ``init_process_group(timeout=...)`` said, so a desynchronised rank would hang the job.
@@ -35,6 +46,8 @@ logger = logging.getLogger(__name__)
 TP_NAMES = ("tp", "tensor", "model")
 #: mesh dimension names of expert parallelism (torchtitan's ``"ep"``)
 EP_NAMES = ("ep",)
+#: mesh dimension names of pipeline parallelism (torchtitan's ``"pp"``): stages, not replicas
+PP_NAMES = ("pp",)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,12 +56,13 @@ class MeshRoles:
 
     Attributes:
         shard: group over the DP shard dimension (owners live here: publish, reduce-to-owner).
-        world: group over the whole mesh (plan agreement, global gradient norm).
+        world: group over the whole mesh, or the stage's ranks under pipeline parallelism
+            (plan agreement, gradient norm).
         replicate: group over the HSDP replicate dimension, or ``None``.
         tp: group over the tensor-parallel dimension, or ``None``.
         shard_dim, replicate_dim, tp_dim: the mesh dimensions of each role (``None`` if absent).
         tp_name: the mesh dimension name of the TP role.
-        steps: group over the whole mesh for the step-agreement check only
+        steps: group over the whole mesh (the stage's ranks) for the step-agreement check only
             (:mod:`dmuon.hooks.step_check`), so its all-reduce can never pair with another
             collective of a rank that is out of step.
         timeout: the collective timeout every dmuon group was created with (``None``: torch's
@@ -62,6 +76,9 @@ class MeshRoles:
             reduce-to-owner live here. ``None`` without an ``"ep"`` dimension.
         ep_size: size of the ``"ep"`` dimension (1 without one).
         ep_name: the mesh dimension name of expert parallelism, or ``None``.
+        pp_size: number of pipeline stages (the size of the ``"pp"`` dimension; 1 without one).
+            Every other attribute is the stage's: ``world`` and ``steps`` span the stage's
+            data-parallel ranks only.
     """
 
     shard: dist.ProcessGroup
@@ -79,6 +96,7 @@ class MeshRoles:
     expert: dist.ProcessGroup | None = None
     ep_size: int = 1
     ep_name: str | None = None
+    pp_size: int = 1
 
     @property
     def shard_size(self) -> int:
@@ -95,6 +113,89 @@ class MeshRoles:
 
 def _describe(mesh) -> str:
     return f"shape {tuple(mesh.shape)} with dims {getattr(mesh, 'mesh_dim_names', None)}"
+
+
+@dataclass(frozen=True)
+class _MeshView:
+    """The part of a ``DeviceMesh`` role assignment reads: its rank tensor and dimension names
+    (one pipeline stage's, :func:`stage_layout`)."""
+
+    mesh: torch.Tensor
+    mesh_dim_names: tuple[str, ...] | None
+
+    @property
+    def ndim(self) -> int:
+        return self.mesh.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.mesh.shape)
+
+
+def _root_mesh(mesh):
+    """The mesh ``mesh`` was sliced from (itself if not a slice); torch 2.11+ ``_get_root_mesh``,
+    older ``_mesh_resources.get_root_mesh``."""
+    getter = getattr(mesh, "_get_root_mesh", None)
+    if getter is not None:
+        return getter()
+    try:  # pragma: no cover - older torch
+        from torch.distributed.device_mesh import _mesh_resources
+
+        return _mesh_resources.get_root_mesh(mesh)
+    except (ImportError, AttributeError):  # pragma: no cover
+        return mesh
+
+
+def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
+    """Every pipeline stage's data-parallel ranks, for the whole mesh or a stage's sub-mesh.
+
+    Args:
+        mesh: the ``DeviceMesh`` given to ``dedicate_params``: a mesh with a ``"pp"`` dimension
+            (``("pp", "dp")``...), a sub-mesh sliced from one (``mesh["dp"]``, which holds only
+            its own stage's ranks), or any mesh without pipeline parallelism.
+
+    Returns:
+        ``(stages, names, index)``: ``stages`` ``[n_stages, *stage shape]`` int64, the global
+        ranks of every stage in stage order (``n_stages`` is 1 without ``"pp"``); ``names``
+        the stage's dimension names (the mesh's without ``"pp"``; ``None`` for an unnamed
+        mesh); ``index`` this rank's stage.
+
+    Raises:
+        ValueError: a sub-mesh whose parent mesh has dimensions other than ``"pp"`` that the
+            sub-mesh drops (``mesh["shard"]`` of an HSDP mesh would lose the replicas: pass
+            the whole ``("replicate", "shard")`` mesh), or a mesh whose stages cannot be told
+            apart (a 0-D mesh).
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    root = _root_mesh(mesh)
+    source, source_names = mesh.mesh, names
+    if root is not mesh and root is not None:
+        root_names = tuple(getattr(root, "mesh_dim_names", None) or ())
+        dropped = [n for n in root_names if n not in names]
+        if any(n not in PP_NAMES for n in dropped):
+            raise ValueError(
+                f"dmuon: the mesh ({_describe(mesh)}) is a slice of ({_describe(root)}) that drops "
+                f"the dimensions {dropped}; dmuon takes a sub-mesh only of a pipeline stage (dropping "
+                f"'pp'). Pass the mesh with every data-parallel dimension, e.g. "
+                f"mesh[{tuple(n for n in root_names if n not in PP_NAMES)!r}] or the whole mesh.")
+        if dropped and not all(n in root_names for n in names):
+            raise ValueError(f"dmuon: cannot place the sub-mesh ({_describe(mesh)}) in its parent "
+                             f"({_describe(root)}); pass the whole mesh")
+        source, source_names = root.mesh, root_names
+    pp = [i for i, n in enumerate(source_names) if n in PP_NAMES]
+    if len(pp) > 1:
+        raise ValueError(f"dmuon: the mesh ({_describe(mesh)}) has {len(pp)} pipeline dimensions; "
+                         f"give it one named 'pp'")
+    keep = [source_names.index(n) for n in names if n not in PP_NAMES] if source_names else list(
+        range(source.ndim))
+    stages = source.permute(*pp, *keep).reshape(-1, *(source.shape[i] for i in keep))
+    if stages.ndim == 1:  # ("pp",) alone: one rank per stage, a data-parallel group of one
+        stages = stages.unsqueeze(1)
+    me = dist.get_rank()
+    where = (stages == me).nonzero()
+    index = int(where[0, 0]) if len(where) else 0
+    stage_names = tuple(source_names[i] for i in keep) if source_names and keep else None
+    return stages, stage_names, index
 
 
 def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
@@ -220,7 +321,8 @@ def inherited_timeout(mesh) -> timedelta | None:
 
 
 def check_mesh(mesh) -> None:
-    """Refuse what is not a ``DeviceMesh`` over every rank of the job, on every rank.
+    """Refuse what is not a ``DeviceMesh`` over every rank of the job (a pipeline stage's
+    sub-mesh: its parent mesh), on every rank.
 
     Local and identical on every rank (no collective), so no rank is left waiting.
 
@@ -240,7 +342,7 @@ def check_mesh(mesh) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"dmuon: dedicate_params takes a DeviceMesh as mesh, got "
                         f"{type(mesh).__name__}; build one with init_device_mesh(device_type, (world_size,))")
-    ranks = sorted(int(r) for r in mesh.mesh.flatten().tolist())
+    ranks = sorted(int(r) for r in _root_mesh(mesh).mesh.flatten().tolist())
     world = dist.get_world_size()
     if ranks != list(range(world)):
         outside = sorted(set(range(world)) - set(ranks))
@@ -301,22 +403,24 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
     ep_dims = expert_parallel_dims(mesh)
     if ep_dims is not None:
         return _expert_parallel_roles(mesh, ep_dims, backend, timeout, fake, step_check)
-    shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(mesh)
-    ranks = mesh.mesh
+    stages, names, stage = stage_layout(mesh)
+    shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(_MeshView(stages[stage], names))
     if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
-        ranks = ranks.unsqueeze(0)
+        stages = stages.unsqueeze(1)
         shard_dim, tp_dim = 0, 1
-    every = [int(r) for r in ranks.flatten().tolist()]
-    world = dist.new_group(ranks=every, backend=backend, timeout=timeout)
+    # every rank creates every stage's groups, in stage order (one stage without "pp": the
+    # groups and their order are those of a mesh without pipeline parallelism)
+    every = [[int(r) for r in ranks.flatten().tolist()] for ranks in stages]
+    world = _groups_of(every, backend, timeout)
     # gloo even in NCCL jobs: the step check's CPU tensors never synchronize a GPU stream.
-    steps = (dist.new_group(ranks=every, backend="gloo", timeout=timeout)
+    steps = (_groups_of(every, "gloo", timeout)
              if step_check and not fake and dist.is_gloo_available() else None)
     return MeshRoles(
-        shard=_groups_along(ranks, shard_dim, backend, timeout), world=world,
-        replicate=_groups_along(ranks, replicate_dim, backend, timeout),
-        tp=_groups_along(ranks, tp_dim, backend, timeout),
+        shard=_groups_along(stages, shard_dim + 1, backend, timeout), world=world,
+        replicate=_groups_along(stages, None if replicate_dim is None else replicate_dim + 1, backend, timeout),
+        tp=_groups_along(stages, None if tp_dim is None else tp_dim + 1, backend, timeout),
         shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim, tp_name=tp_name,
-        shape=tuple(ranks.shape), steps=steps, timeout=timeout, fake=fake,
+        shape=tuple(stages.shape[1:]), steps=steps, timeout=timeout, fake=fake, pp_size=int(stages.shape[0]),
     )
 
 

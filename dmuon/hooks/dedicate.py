@@ -195,7 +195,14 @@ def dedicate_params(
             (torchtitan's ``("efsdp", "ep")``), ``("ep",)`` or ``("replicate", expert shard,
             "ep")`` (HSDP in front): expert stacks ``Shard(0)`` over
             ``"ep"`` get owners among the ranks holding the same experts, every other matrix
-            among all the mesh's ranks (roles by dimension name, :mod:`dmuon.comm.mesh_roles`).
+            among all the mesh's ranks (roles by dimension name, :mod:`dmuon.comm.mesh_roles`)
+            With pipeline parallelism, ``model`` is one stage module and ``mesh`` the whole
+            mesh with a ``"pp"`` dimension (``("pp", "dp")``, ``("pp", "replicate",
+            "shard")``...) or the stage's sub-mesh sliced from it (``mesh["dp"]``): ``"pp"``
+            ranks are stages, so owners, the plan and its digest check, and the step check
+            live within the stage's data-parallel ranks. Call it once per stage module
+            (several per rank under interleaved schedules); each rank must call it equally
+            often (:func:`dmuon.comm.mesh_roles.stage_layout`).
         predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
             ``k``: cut each stored matrix into ``k`` row blocks); default
             (:func:`default_predicate`): 2-D trainable parameters that are not
@@ -260,7 +267,8 @@ def dedicate_params(
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` not a ``DeviceMesh`` (a
             ``ProcessGroup``, say).
-        ValueError: a mesh that does not hold every rank of the job (on every rank), a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
+        ValueError: a mesh that does not hold every rank of the job (on every rank; a stage's
+            sub-mesh: its parent mesh), a sub-mesh dropping a dimension other than ``"pp"``, a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
             plan for another model or world size, ``prefetch < 1``, an unknown ``replicate_mode`` or
             ``reduce_mode``, a negative or unknown ``group_cost``, ``bucket_cap_mb <= 0``,
             ``replicas`` not ``"keep"``/``"placeholder"`` or given for an FSDP2 model or a 2-D

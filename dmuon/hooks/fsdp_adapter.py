@@ -39,6 +39,57 @@ def _remove_group(state: Any, group: Any) -> None:
         groups.remove(group)
     else:
         state._fsdp_param_group = None
+    # the group's settings stay readable (its divide factor), and the module's later
+    # set_gradient_divide_factor calls, which reach only the groups FSDP2 still holds, reach it
+    taken = state.__dict__.setdefault(_TAKEN, [])
+    taken.append(group)
+    if len(taken) == 1:
+        for module in getattr(state, "_modules", ()):
+            _follow_divide_factor(module, taken)
+
+
+#: attribute of an FSDP2 state holding the parameter groups dmuon emptied and removed
+_TAKEN = "_dmuon_taken_groups"
+_DIVIDE_FACTOR_NAMES = ("gradient_divide_factor", "_gradient_divide_factor")
+
+
+def _follow_divide_factor(module: nn.Module, taken: list[Any]) -> None:
+    """Make ``module.set_gradient_divide_factor`` (FSDP2's, per module) also set it on the
+    groups dmuon removed from the module's state."""
+    original = getattr(module, "set_gradient_divide_factor", None)
+    if original is None or getattr(original, "_dmuon_follows", False):
+        return
+
+    def set_gradient_divide_factor(factor: float) -> None:
+        original(factor)
+        for group in taken:
+            group.gradient_divide_factor = factor
+
+    set_gradient_divide_factor._dmuon_follows = True  # type: ignore[attr-defined]
+    set_gradient_divide_factor.__doc__ = original.__doc__
+    object.__setattr__(module, "set_gradient_divide_factor", set_gradient_divide_factor)
+
+
+def gradient_divide_factor(block: nn.Module) -> float | None:
+    """FSDP2's gradient divide factor of ``block`` (``set_gradient_divide_factor``), or ``None``
+    when unset (FSDP2 then averages over its data-parallel ranks).
+
+    FSDP2 divides the sum of a gradient over every data-parallel rank (reduce-scatter group
+    times HSDP all-reduce group) by this factor, whatever reduce op carries it (``AVG``,
+    ``PREMUL_SUM(1/factor)``, or ``SUM`` with pre/post division,
+    ``_fsdp_collectives._get_gradient_divide_factors``). Read from the module's parameter
+    groups, those dmuon removed included; torch 2.11 and 2.13 name it
+    ``gradient_divide_factor``.
+    """
+    state = _fsdp_state(block)
+    if state is None:
+        return None
+    for group in _param_groups(state) + list(getattr(state, _TAKEN, ())):
+        for name in _DIVIDE_FACTOR_NAMES:
+            factor = getattr(group, name, None)
+            if factor is not None:
+                return float(factor)
+    return None
 
 
 def fsdp_states(model: nn.Module) -> list[Any]:
@@ -194,6 +245,50 @@ def gradient_sync_enabled(states: list[Any]) -> bool:
     return True
 
 
+class _RestoreAttr:
+    """Removes the instance attribute :func:`wrap_final_callback` set (the class's method shows
+    again)."""
+
+    def __init__(self, obj: Any, name: str) -> None:
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        self.obj.__dict__.pop(self.name, None)
+
+
+def wrap_final_callback(states: list[Any], after: Any) -> list[_RestoreAttr]:
+    """Call ``after()`` whenever FSDP2's ``_root_post_backward_final_callback`` of ``states``
+    has run, whoever calls it.
+
+    FSDP2 queues that callback at the end of each backward (its root pre-backward looks it up
+    on the state, so an instance attribute takes the method's place), and
+    ``torch.distributed.pipelining`` calls it itself after the last micro-batch, outside any
+    backward (``PipelineStage.perform_reduce_grad``, torch 2.11 and 2.13). A state without it
+    (another torch) is left alone, with a debug log.
+
+    Args:
+        states: the model's FSDP2 states (:func:`fsdp_states`).
+        after: ``after() -> None``.
+
+    Returns:
+        Handles whose ``remove()`` puts FSDP2's method back.
+    """
+    handles = []
+    for state in states:
+        original = getattr(state, "_root_post_backward_final_callback", None)
+        if original is None:
+            logger.debug("dmuon: FSDP2's _root_post_backward_final_callback not found")
+            continue
+
+        def callback(original: Any = original) -> None:
+            original()
+            after()
+
+        state.__dict__["_root_post_backward_final_callback"] = callback
+        handles.append(_RestoreAttr(state, "_root_post_backward_final_callback"))
+    return handles
+
+
 class _Restore:
     """Puts FSDP2's own pre-forward hook back where :func:`wrap_pre_forward` replaced it."""
 
@@ -205,15 +300,27 @@ class _Restore:
             self.hooks[self.hook_id] = self.original
 
 
+def _wraps(hook: Any, target: Any, depth: int = 8) -> bool:
+    """Whether ``hook`` is ``target`` or wraps it (``functools.wraps`` chains, ``depth`` deep)."""
+    for _ in range(depth):
+        if hook is None:
+            return False
+        if hook == target:
+            return True
+        hook = getattr(hook, "__wrapped__", None)
+    return False
+
+
 def wrap_pre_forward(states: list[Any], wrap: Any) -> list[_Restore]:
     """Replace FSDP2's forward pre-hook on each module of ``states`` by ``wrap(hook)``.
 
     The wrapper takes the original's place in the module's ``_forward_pre_hooks`` (same hook
     id, so the same position, ``with_kwargs`` flag and FSDP2's own handle). FSDP2 registers
     ``FSDPState._pre_forward`` itself on a single module, or per module a ``functools.wraps``
-    wrapper of it for grouped ``fully_shard([a, b])`` (``_register_group_forward_hooks``);
-    both are recognised by that bound method. A state whose hook is not found (another torch)
-    is left alone.
+    wrapper of it for grouped ``fully_shard([a, b])`` (``_register_group_forward_hooks``, which
+    torch 2.13 wraps once more in ``_dynamo_disable``: ``hook.__wrapped__.__wrapped__`` is the
+    bound method); both are recognised by that bound method, at any depth of ``__wrapped__``.
+    A state whose hook is not found (another torch) is left alone.
 
     Args:
         states: the model's FSDP2 states (:func:`fsdp_states`).
@@ -228,7 +335,7 @@ def wrap_pre_forward(states: list[Any], wrap: Any) -> list[_Restore]:
         for module in getattr(state, "_modules", ()):
             hooks = module._forward_pre_hooks
             for hook_id, hook in list(hooks.items()):
-                if own is not None and (hook == own or getattr(hook, "__wrapped__", None) == own):
+                if own is not None and _wraps(hook, own):
                     hooks[hook_id] = wrap(hook)
                     handles.append(_Restore(hooks, hook_id, hook))
     if states and not handles:

@@ -51,6 +51,7 @@ from dmuon.comm.collectives import label
 from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
+from dmuon.comm.owned_grad import present, unpresent
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
 from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
 from dmuon.owners.dedicated import DedicatedParam
@@ -117,6 +118,7 @@ class DedicateState:
         self.shared_bucket: GradBucket | None = None  # keep mode: carries the other parameters
         self.keep = False  # replicas="keep": every rank keeps the full weights
         self.fsdp_wrapped = False
+        self._sharding_checked = False  # check_not_sharded_since_binding ran
         self._fsdp_states: list[Any] = []
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
         self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}  # master -> record
@@ -204,14 +206,61 @@ class DedicateState:
                                               before_issue=self.step_check.settle)
         self.bound = True
         self._register_hooks(binding.wiring)
+        if not self.fsdp_wrapped:  # a later fully_shard (accelerator.prepare) is refused by name
+            self._refuse_later_fully_shard()
         if self.fsdp_wrapped and self.step_check.group is not None:
             # the check settles before FSDP2's root all-gather even when dedicate_params ran
             # before fully_shard, and a rank the others left fails by name in FSDP2's
             # all-gather (StepCheck.guard_fsdp_pre_forward)
             self._handles += self.step_check.to_front(self.model)
             self._handles += fsdp.wrap_pre_forward(self._fsdp_states, self.step_check.guard_fsdp_pre_forward)
+        if self.fsdp_wrapped:
+            # FSDP2 reduces outside any backward too (pipelining schedules call its final callback
+            # themselves): follow it there; and each bucket follows its block's divide factor
+            self._handles += fsdp.wrap_final_callback(self._fsdp_states, self.reduce_outside_backward)
+            for w in binding.wiring:
+                w.bucket.block = w.unit.module
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
+
+    def _refuse_later_fully_shard(self) -> None:
+        """Check at the model's first forward that nobody ran ``fully_shard`` on it after binding.
+
+        The check must run before FSDP2's root pre-forward, whose all-gather of dmuon's masters
+        and placeholders (different sizes on owner and non-owners) fails in the backend
+        (gloo: "Received data size doesn't match expected size"), and ``fully_shard`` puts its
+        hook in front of every hook the model has: so it is a global module forward pre-hook
+        (those run first), removed at the model's first forward. Every rank raises alike.
+        """
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        def first_forward(module: nn.Module, args: Any) -> None:
+            if module is self.model:
+                handle.remove()
+                self.check_not_sharded_since_binding("the model's first forward")
+
+        handle = register_module_forward_pre_hook(dynamo_disable(first_forward))
+        self._handles.append(handle)
+
+    def check_not_sharded_since_binding(self, where: str) -> None:
+        """Raise if the model, bound without FSDP2, is FSDP2-wrapped now (checked once).
+
+        Raises:
+            RuntimeError: ``fully_shard`` ran on the model or a submodule after
+                ``dmuon.Muon(model)`` (or the first forward) bound its dedicated matrices.
+        """
+        if self.fsdp_wrapped or self._sharding_checked:
+            return
+        self._sharding_checked = True
+        if fsdp.is_fsdp_wrapped(self.model):
+            raise RuntimeError(
+                f"dmuon: rank {dist.get_rank()}: the model was wrapped by FSDP2's fully_shard (for "
+                f"instance by accelerator.prepare) after dmuon bound its {len(self.records)} "
+                f"dedicated matrices to the plain module (at dmuon.Muon(model) or the first "
+                f"forward); FSDP2 would now shard dmuon's masters and placeholders (found at "
+                f"{where}). Call fully_shard (accelerator.prepare(model)) first, then "
+                f"dmuon.dedicate_params(model, mesh) and dmuon.Muon(model, ...); with Accelerate, "
+                f"prepare the model alone, build the optimizer, then prepare the optimizer.")
 
     def _bind_at_first_forward(self, module: nn.Module, args: Any) -> None:
         """Root pre-hook (removed once bound): bind if ``dmuon.Muon`` has not yet."""
@@ -254,6 +303,70 @@ class DedicateState:
         no other hook), which copies every ``.grad`` into the bucket at once."""
         self.queue_final_callback()
 
+    def reduce_outside_backward(self) -> None:
+        """FSDP2's final callback ran outside a backward, with gradient sync on: reduce to the
+        owners every gradient accumulated locally since the last reduce, as FSDP2 reduce-scatters
+        its own.
+
+        ``torch.distributed.pipelining`` turns FSDP2's gradient sync off for every micro-batch
+        backward (``backward_maybe_with_nosync``) and then, after the last one, turns it on and
+        calls every ``FSDPParamGroup.post_backward()`` and the root's
+        ``_root_post_backward_final_callback`` itself (``PipelineStage.perform_reduce_grad``), then
+        divides the gradients by the number of micro-batches (``scale_grads``): this runs in that
+        callback, so the owners' ``master.grad`` is in before the division. Inside a backward
+        (the callback FSDP2 queues itself) it does nothing: :meth:`finish_backward`, queued in
+        the same backward, reduces. Collective over the shard group (and the replicate group
+        under HSDP); every rank of a stage's data-parallel group runs the same schedule, so every
+        one of them gets here alike.
+        """
+        if not self.bound or self._final_callback_queued or not self.sync_enabled:
+            return
+        if not fsdp.gradient_sync_enabled(self._fsdp_states):
+            return
+        held = False
+        for bucket in self.buckets:
+            if any(rec.compute.grad is not None for rec in bucket.records):
+                bucket.active = held = True  # GradBucket.issue takes each compute.grad
+        if not held:
+            return
+        with label("dmuon::reduce_outside_backward"), torch.no_grad():
+            self.sync_this_backward = True
+            self.issue_order.next = 0
+            self.step_check.settle()
+            self._set_divide_factors()
+            unpresent(self.records)  # as finish_backward: plain gradients to add to, then shown
+            reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
+            present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
+                    tp_rank=self.tp_rank)
+
+    def _set_divide_factors(self) -> None:
+        """Each bucket's FSDP2 ``set_gradient_divide_factor`` (``None``: the mean), read now."""
+        for bucket in self.buckets:
+            if bucket.block is not None:
+                bucket.divide_factor = fsdp.gradient_divide_factor(bucket.block)
+
+    def check_reduced(self) -> None:
+        """Before a step: no matrix may hold a gradient that never reached its owner.
+
+        A backward with gradient sync off (``dmuon.no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``) keeps each matrix's local gradient on every rank
+        until a synced backward or FSDP2's final callback reduces it; a step before that would
+        skip the matrix (its owner has no gradient), as ``torch.optim.Muon`` skips
+        ``grad=None``, silently.
+
+        Raises:
+            RuntimeError: naming the matrices and the fix, on every rank that computed them.
+        """
+        unreduced = [rec.fqn for rec in self.records if rec.compute.grad is not None]
+        if unreduced:
+            raise RuntimeError(
+                f"dmuon: opt.step() would skip {len(unreduced)} dedicated matrices "
+                f"({unreduced[:4]}{'...' if len(unreduced) > 4 else ''}, rank {dist.get_rank()}): their "
+                f"gradients were computed with gradient sync off (dmuon.no_sync or FSDP2's "
+                f"set_requires_gradient_sync(False)) and never reduced to their owners. Turn sync "
+                f"back on for the last backward of the step (or let FSDP2's post_backward / final "
+                f"callback run with sync on, as torch.distributed.pipelining does) before opt.step().")
+
     def finish_backward(self) -> None:
         """End of backward: close open units, then reduce-to-owner and, under HSDP, the replica
         combine (:func:`dmuon.comm.hsdp_replicas.reduce_to_owners`); the other parameters'
@@ -267,7 +380,13 @@ class DedicateState:
         with label("dmuon::finish_backward"), torch.no_grad():
             if self.shared_bucket is not None and self.sync_this_backward:
                 self.shared_bucket.issue(self.group, self.reduce_mode)  # the other parameters' .grad
+            if self.fsdp_wrapped:
+                self._set_divide_factors()
+            unpresent(self.records)  # plain gradients for the owners to add to
             reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
+            # what clipping by third-party code sees (dmuon.comm.owned_grad): every rank alike
+            present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
+                    tp_rank=self.tp_rank)
             if self.replicated is not None and self.sync_this_backward:
                 self.replicated.finish()
 
