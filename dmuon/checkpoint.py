@@ -81,6 +81,7 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
+from dmuon.hooks.state_dict import canonical_fqn, module_key
 from dmuon.optim import OwnerUpdate
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.slices import local_tensor
@@ -88,7 +89,7 @@ from dmuon.owners.slices import local_tensor
 logger = logging.getLogger(__name__)
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
-_SKIP_GROUP_KEYS = ("params", "kind")
+_SKIP_GROUP_KEYS = ("params", "kind", "param_names")
 
 
 def _adamw_params(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -271,11 +272,13 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     ctx.ensure_bound()
     _ensure_optimizer_state(opt)
     model_sd: dict[str, Any] = {}
-    dedicated = {rec.fqn for rec in ctx.records}
-    for fqn, value in model.state_dict().items():
+    dedicated = {module_key(rec.fqn) for rec in ctx.records}
+    with ctx.state_dict_hooks.raw():  # the live tensors, not torch's FSDP2-like view
+        live = model.state_dict()
+    for fqn, value in live.items():
         if fqn in dedicated:
             continue  # added below, owners only
-        model_sd[fqn] = value
+        model_sd[canonical_fqn(fqn)] = value
     optim_state: dict[str, dict[str, Any]] = {}
     for rec in ctx.records:
         if rec.is_owner:
@@ -289,7 +292,7 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
                 for key, piece in _owner_entries(rec, buf):
                     optim_state[key] = {"momentum_buffer": piece}
     for fqn, param in _adamw_params(model, opt):
-        optim_state[fqn] = dict(opt.state[param])
+        optim_state[canonical_fqn(fqn)] = dict(opt.state[param])
     groups = {g["kind"]: {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}
               for g in opt.param_groups}
     return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
@@ -310,9 +313,10 @@ def _owner_entries(rec: DedicatedParam, local: torch.Tensor) -> list[tuple[str, 
         local: its master or momentum buffer, fp32 (``[k, rows, cols]`` for a range); not copied.
     """
     if rec.experts is None:
-        return [(rec.key, _tp_sharded(rec, local))]
+        return [(canonical_fqn(rec.key), _tp_sharded(rec, local))]
     experts = local.view(-1, *local.shape[-2:])
-    return [(f"{rec.fqn}[{rec.experts[0] + i}]", experts[i]) for i in range(experts.shape[0])]
+    fqn = canonical_fqn(rec.fqn)
+    return [(f"{fqn}[{rec.experts[0] + i}]", experts[i]) for i in range(experts.shape[0])]
 
 
 def _tp_sharded(rec: DedicatedParam, local: torch.Tensor) -> torch.Tensor:

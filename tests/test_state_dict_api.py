@@ -1,0 +1,113 @@
+"""torch's state-dict and DCP APIs on the hooks path see what FSDP2 alone would (issue 31,
+items 4 and 6): ``model.state_dict()`` shows each dedicated matrix as a DTensor laid out like
+FSDP2's sharded parameter holding the owner's weights (full tensors on the replicated path, as
+DDP); ``get_model_state_dict`` / ``get_optimizer_state_dict`` (sharded, full, cpu_offload) and
+``set_*`` work; a generic ``dcp.save(get_state_dict(...))`` resumes exactly in a fresh job
+(with and without activation checkpointing); a damaged checkpoint changes nothing live.
+
+Every number is compared with single-process ``torch.optim.Muon`` + ``AdamW`` (fp32 iteration)
+on the same global batches. Rank functions: ``tests/sd_cases.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests import models, sd_cases
+
+ATOL = 1e-5
+FIRST, THEN = 2, 2
+
+
+def _assert_reference(params: dict, steps: int) -> float:
+    ref, _ = sd_cases.reference_with_state(steps)
+    assert set(params) == set(ref)
+    worst = 0.0
+    for name, value in ref.items():
+        np.testing.assert_allclose(params[name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
+        worst = max(worst, float(np.abs(params[name] - value.numpy()).max()))
+    return worst
+
+
+@pytest.mark.parametrize("mode,world_size", [("fsdp", 4), ("replicated", 2), ("hsdp", 4)])
+def test_model_state_dict_is_fsdp2_layout_with_owner_values(dist_pool, mode, world_size):
+    out = dist_pool.run(world_size, "tests.sd_cases:model_state_dict_view", dict(mode=mode),
+                        timeout_s=180, fresh=mode == "hsdp")
+    ref, ref_state = sd_cases.reference_with_state(2)
+    names = models.matrix_names(models.make_model())
+    for rank, o in enumerate(out):
+        for name in names:
+            kind, shape, local, placements = o["entries"][name]
+            assert shape == tuple(ref[name].shape), (rank, name, shape)  # never (0,)
+            if mode == "replicated":  # DDP's view: the full tensor on every rank
+                assert kind == "Tensor" and local == shape, (rank, name, kind, local)
+            else:  # FSDP2's sharded parameter: Shard(0) rows over the shard ranks
+                shard = world_size if mode == "fsdp" else world_size // 2
+                rows = -(-shape[0] // shard)
+                fsdp2_own = o["entries"]["emb.weight"][3]  # a 2-D parameter FSDP2 manages itself
+                assert kind == "DTensor" and placements == fsdp2_own and placements[-1] == "S(0)", \
+                    (rank, name, placements)
+                assert local[0] <= rows and local[1] == shape[1], (rank, name, local)
+            assert o["momentum_kind"][name] == ("Tensor" if mode == "replicated" else "DTensor")
+    o = out[0]
+    for name, value in ref.items():
+        np.testing.assert_allclose(o["values"][name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(o["full"][name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
+        for key, expected in ref_state[name].items():
+            np.testing.assert_allclose(np.asarray(o["full_optim"][name][key]), expected.numpy(), rtol=0,
+                                       atol=ATOL, err_msg=f"{name}/{key}")
+    for group in o["groups"]:  # plain values only, and the parameters' names
+        assert group["param_names"] == group["params"], group
+        for key, value in group.items():
+            assert isinstance(value, (int, float, str, bool, tuple, list, type(None))), (key, value)
+    assert o["groups"][0]["ns_dtype"] == "float32"
+
+
+@pytest.mark.parametrize("how,ac", [("dcp", False), ("dcp", True), ("full", False), ("module", False)])
+def test_torch_state_dict_roundtrip_resumes_exactly(dist_pool, tmp_path, how, ac):
+    out = dist_pool.run(4, "tests.sd_cases:dcp_roundtrip",
+                        dict(path=str(tmp_path / "ckpt"), ac=ac, first=FIRST, then=THEN, how=how),
+                        timeout_s=240)[0]
+    for name in out["saved"]:
+        np.testing.assert_array_equal(out["loaded"][name], out["saved"][name], err_msg=name)
+    worst = _assert_reference(out["final"], FIRST + THEN)
+    print(f"{how} ac={ac}: resumed run vs single-process reference, max |diff| {worst:.3g}")
+
+
+def test_dcp_roundtrip_hsdp(dist_pool, tmp_path):
+    out = dist_pool.run(4, "tests.sd_cases:dcp_roundtrip",
+                        dict(path=str(tmp_path / "ckpt"), mode="hsdp", first=FIRST, then=THEN),
+                        timeout_s=240, fresh=True)[0]
+    _assert_reference(out["final"], FIRST + THEN)
+
+
+def test_optimizer_state_init_changes_no_parameter(dist_pool):
+    out = dist_pool.run(2, "tests.sd_cases:init_state_changes_nothing", {}, timeout_s=120)[0]
+    for name, value in out["before"].items():
+        np.testing.assert_array_equal(out["after"][name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_damaged_checkpoint_changes_nothing_live(dist_pool, tmp_path, damage):
+    out = dist_pool.run(2, "tests.sd_cases:failed_load",
+                        dict(path=str(tmp_path / "ckpt"), damage=damage), timeout_s=120)
+    for rank, o in enumerate(out):
+        assert o["error"].startswith("RuntimeError: dmuon: loading checkpoint"), (rank, o["error"])
+        assert o["compared"] > 10 and o["changed"] == [], (rank, o["changed"])
+
+
+def test_damaged_checkpoint_through_torch_api_leaves_dedicated_state(dist_pool, tmp_path):
+    out = dist_pool.run(2, "tests.sd_cases:failed_load",
+                        dict(path=str(tmp_path / "ckpt"), damage="missing", api="torch"), timeout_s=120)
+    for rank, o in enumerate(out):
+        assert o["error"] != "no error", rank
+        assert o["compared"] > 5 and o["changed"] == [], (rank, o["changed"])
+
+
+def test_bad_entry_on_one_rank_fails_every_rank_before_writing(dist_pool):
+    out = dist_pool.run(2, "tests.sd_cases:bad_load_state_dict", {}, timeout_s=120)
+    for rank, o in enumerate(out):
+        assert o["error"].startswith("ValueError: dmuon: the state dict does not fit"), (rank, o["error"])
+        assert "rank 1" in o["error"] and "blocks.1.fc1.weight" in o["error"], o["error"]
+        assert o["changed"] == [], (rank, o["changed"])
