@@ -67,7 +67,7 @@ def reference_with_state(steps: int) -> tuple[dict[str, torch.Tensor], dict[str,
     """Single-process ``torch.optim.Muon`` + ``AdamW`` (fp32 iteration) on the 4-rank global
     batch: final parameters and each parameter's optimizer state by name."""
     model = models.make_model()
-    names = set(models.matrix_names(model))
+    names = set(models.matrix_names(models.make_model()))
     mats = [p for n, p in model.named_parameters() if n in names]
     rest = [p for n, p in model.named_parameters() if n not in names]
     muon = torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, ns_coefficients=models.MUON_COEFFICIENTS)
@@ -246,7 +246,7 @@ def bad_load_state_dict(rank: int, world_size: int) -> dict:
     rank must raise naming dmuon, and no rank's masters may change."""
     model, opt, dp_index, dp_count = job(rank, world_size)
     run_steps(model, opt, range(1), dp_index, dp_count)
-    names = set(models.matrix_names(model))
+    names = set(models.matrix_names(models.make_model()))
     sd = {k: v.full_tensor() * 2 for k, v in model.state_dict().items() if k in names}  # another state
     if rank == 1:
         sd["blocks.1.fc1.weight"] = torch.zeros(3, 3)
