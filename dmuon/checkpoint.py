@@ -35,8 +35,9 @@ owners' compute copies). Nothing is gathered on one rank:
 * **Optimizer hyper-parameters** (``lr``, ``betas``, ``initial_lr`` of LR schedulers, ...) are
   small Python objects saved as DCP byte items, one dict per parameter group kind.
 
-Layout (keys are fully qualified parameter names, so a checkpoint survives a change of world
-size, owner plan or FSDP2 wrapping)::
+Layout (keys are canonical fully qualified parameter names, ``_checkpoint_wrapped_module.``
+and ``_orig_mod.`` stripped as torch's state-dict API strips them, so a checkpoint survives a
+change of world size, owner plan, FSDP2 wrapping or activation checkpointing)::
 
     {"model": {fqn: tensor},                       # masters only on their owner
      "optim": {"state": {fqn: {"momentum_buffer": ...} | {"step", "exp_avg", "exp_avg_sq"}},
@@ -59,6 +60,12 @@ it with the parameter. Param groups are saved by index (``"0"``, ``"1"``, ...). 
 Muon matrices (``create_processgroup_config(fsdp_pg=...)``) cannot be described to DCP
 (different local shapes under one key) and raise ``ValueError``; plain non-matrix tensors
 are taken for replicas.
+
+torch's own state-dict API (``model.state_dict()``, ``get_state_dict`` / ``set_state_dict``,
+full or sharded) works on the same models (:mod:`dmuon.hooks.state_dict`,
+:mod:`dmuon.hooks.optim_state`); this module adds checkpoints without a collective or a copy,
+the layouts torch's path refuses (TP-split matrices, split or expert-parallel stacks) and the
+all-or-nothing :func:`load` (docs/checkpointing.md).
 
 Typical use::
 
