@@ -260,3 +260,65 @@ def bad_load_state_dict(rank: int, world_size: int) -> dict:
     dedicated = {rec.master for rec in model._dmuon_state.records}
     keys = [f"param {n}" for n, p in model.named_parameters() if p in dedicated]
     return dict(error=error, changed=[k for k in keys if not np.array_equal(before[k], after[k])])
+
+
+def canonical_keys(rank: int, world_size: int) -> dict:
+    """Block 0 under ``checkpoint_wrapper``, block 1 under ``torch.compile`` (never called), all
+    ``fully_shard``-ed and dedicated: the model keys of ``dmuon.state_dict``, of torch's
+    ``get_model_state_dict`` and of ``model.state_dict()``, and the optimizer state keys of
+    ``dmuon.state_dict`` and ``get_optimizer_state_dict``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    model = models.make_model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.blocks[0] = checkpoint_wrapper(model.blocks[0], checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    model.blocks[1] = torch.compile(model.blocks[1])
+    dmuon.dedicate_params(model, mesh, group_cost=0.0)
+    opt = dmuon.Muon(model, **EXACT)
+    mine = dmuon.state_dict(model, opt)
+    keys = dict(dmuon_model=sorted(mine["model"]),
+                dmuon_optim=sorted(mine["optim"]["state"]),
+                torch_model=sorted(get_model_state_dict(model)),
+                torch_optim=sorted(get_optimizer_state_dict(model, opt)["state"]),
+                module=sorted(model.state_dict()),
+                fqns=[rec.fqn for rec in model._dmuon_state.records])
+    return keys
+
+
+def dmuon_checkpoint_with_ac(rank: int, world_size: int, *, path: str, first: int = 2,
+                             then: int = 2) -> dict:
+    """``dmuon.state_dict`` + ``dcp.save`` of a model with ``checkpoint_wrapper`` on every
+    block, ``dmuon.load`` into a fresh one, ``then`` more steps: full parameters (rank 0)."""
+    model, opt, dp_index, dp_count = job(rank, world_size, ac=True)
+    run_steps(model, opt, range(first), dp_index, dp_count)
+    dcp.save(dmuon.state_dict(model, opt), checkpoint_id=path)
+    model2, opt2, *_ = job(rank, world_size, ac=True)
+    dmuon.load(model2, opt2, path)
+    run_steps(model2, opt2, range(first, first + then), dp_index, dp_count)
+    return dict(final=_canonical_params(model2, rank))
+
+
+def torch_save(rank: int, world_size: int, *, path: str, first: int, mode: str = "fsdp") -> dict:
+    """Train ``first`` steps and ``dcp.save(get_state_dict(model, opt))``: full params (rank 0)."""
+    model, opt, dp_index, dp_count = job(rank, world_size, mode)
+    run_steps(model, opt, range(first), dp_index, dp_count)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    return dict(saved=_canonical_params(model, rank))
+
+
+def torch_load_continue(rank: int, world_size: int, *, path: str, first: int, then: int,
+                        mode: str = "fsdp") -> dict:
+    """A fresh job on ``world_size`` ranks: ``dcp.load`` into ``get_state_dict``,
+    ``set_state_dict``, train steps ``first .. first + then``: full params (rank 0)."""
+    model, opt, dp_index, dp_count = job(rank, world_size, mode)
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    loaded = _canonical_params(model, rank)
+    run_steps(model, opt, range(first, first + then), dp_index, dp_count)
+    return dict(loaded=loaded, final=_canonical_params(model, rank))

@@ -111,3 +111,35 @@ def test_bad_entry_on_one_rank_fails_every_rank_before_writing(dist_pool):
         assert o["error"].startswith("ValueError: dmuon: the state dict does not fit"), (rank, o["error"])
         assert "rank 1" in o["error"] and "blocks.1.fc1.weight" in o["error"], o["error"]
         assert o["changed"] == [], (rank, o["changed"])
+
+
+def test_keys_are_canonical_under_checkpoint_wrapper_and_compile(dist_pool):
+    """``_checkpoint_wrapped_module.`` and ``_orig_mod.`` never reach a checkpoint key: dmuon's
+    and torch's state dicts name every parameter as the plain model does."""
+    out = dist_pool.run(2, "tests.sd_cases:canonical_keys", {}, timeout_s=180)
+    names = sorted(n for n, _ in models.make_model().named_parameters())
+    for rank, keys in enumerate(out):
+        assert any("_checkpoint_wrapped_module" in f for f in keys["fqns"]), keys["fqns"]  # the case
+        assert any("_orig_mod" in f for f in keys["fqns"]), keys["fqns"]
+        assert keys["torch_model"] == names, (rank, keys["torch_model"])
+        assert set(keys["dmuon_model"]) <= set(names), (rank, keys["dmuon_model"])  # masters: owners only
+        assert set(keys["torch_optim"]) == set(names)
+        assert set(keys["dmuon_optim"]) <= set(names), (rank, keys["dmuon_optim"])
+    assert sorted(set().union(*(k["dmuon_model"] for k in out))) == names
+
+
+def test_dmuon_checkpoint_with_activation_checkpointing_resumes(dist_pool, tmp_path):
+    out = dist_pool.run(4, "tests.sd_cases:dmuon_checkpoint_with_ac",
+                        dict(path=str(tmp_path / "ckpt"), first=FIRST, then=THEN), timeout_s=240)[0]
+    _assert_reference(out["final"], FIRST + THEN)
+
+
+def test_torch_checkpoint_reshards_4_ranks_to_2(dist_pool, tmp_path):
+    """DCP reshards what torch's API saved: 4 FSDP2 ranks -> 2 (another owner plan)."""
+    path = str(tmp_path / "ckpt")
+    saved = dist_pool.run(4, "tests.sd_cases:torch_save", dict(path=path, first=FIRST), timeout_s=180)[0]
+    got = dist_pool.run(2, "tests.sd_cases:torch_load_continue", dict(path=path, first=FIRST, then=THEN),
+                        timeout_s=180)[0]
+    for name, value in saved["saved"].items():
+        np.testing.assert_array_equal(got["loaded"][name], value, err_msg=name)
+    _assert_reference(got["final"], FIRST + THEN)
