@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch import nn
 
 import dmuon
-from tests import models
+from tests import mesh_cases, models
 from tests.ckpt_cases import EXACT, GLOBAL_RANKS, batch, run_steps
 from tests.dist_cases import full_params
 
@@ -42,6 +42,9 @@ def job(rank: int, world_size: int, mode: str = "fsdp", ac: bool = False):
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
+    if mode in ("fsdp-tp", "tp"):  # tests/mesh_cases.py: fc1 column-, fc2 row-parallel
+        model, mesh, dp_names = mesh_cases.build(mode, group_cost=0.0)
+        return (model, dmuon.Muon(model, **EXACT), *mesh_cases.dp_coordinate(mesh, dp_names))
     model = models.make_model()
     if ac:
         for i, block in enumerate(model.blocks):

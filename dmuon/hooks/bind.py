@@ -200,7 +200,7 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
         # collective redistributes, in the same order on every rank
         param = sel.param
         taken = fsdp.take_from_fsdp(model, sel.module, sel.attr)
-        layouts[i] = layout_of(taken)
+        layouts[i] = layout_of(taken) if taken is not None else layout_of(param, fsdp=False)
         sl = local_slice(taken if taken is not None else param, sel.fqn, roles.tp_name,
                          roles.ep_name if sel.ep > 1 else None)
         layout, specs = sel.layout, specs_of[sel.fqn]

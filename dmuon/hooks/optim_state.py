@@ -14,8 +14,9 @@ torch optimizer would give: every parameter's state laid out like the parameter,
   ``model.state_dict()`` (an FSDP2-like DTensor, or the full tensor on a plain replicated
   module); an owner that has not stepped the matrix yet offers zeros (what ``torch.optim.Muon``
   starts from). **Collective**: one broadcast per matrix from its owner (HSDP ``"broadcast"``
-  mode: then one more from replica 0, the only replica that steps it). On load, each entry is
-  staged as a full tensor (``full_tensor()``, collective), checked on every rank, the ranks
+  mode: first one from replica 0's owner, the only one that steps it). On load, each entry is
+  staged in the owner's shape (:meth:`dmuon.hooks.state_dict.StateDictHooks.staged`,
+  collective), checked on every rank, the ranks
   agree, and only then the owner's entry becomes its full buffer (the others' are dropped);
   a bad entry raises ``ValueError`` naming dmuon on every rank before anything is written.
 * AdamW state of FSDP2 parameters is a DTensor already (created ``zeros_like`` the parameter);
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.hooks.state_dict import as_fsdp_entry, canonical_fqn, owner_full, staged_full, agree
+from dmuon.hooks.state_dict import agree, canonical_fqn
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -114,12 +115,14 @@ class OptimizerStateHooks:
                 buf = opt.state.get(rec.master, {}).get("momentum_buffer")
                 if buf is None:  # not stepped yet: torch.optim.Muon starts from zeros
                     buf = torch.zeros(rec.shape, dtype=torch.float32, device=rec.master.device)
-            full = owner_full(rec, buf, rec.group or ctx.group)
             if rec.replicate_mode == "broadcast" and ctx.roles.replicate is not None:
-                # only replica 0 steps this matrix; the other replicas' buffers are stale zeros
-                dist.broadcast(full, src=dist.get_global_rank(ctx.roles.replicate, 0), group=ctx.roles.replicate)
+                # only replica 0 steps this matrix; the other replicas' owners hold stale zeros
+                if rec.is_owner:
+                    buf = buf.clone()
+                    dist.broadcast(buf, src=dist.get_global_rank(ctx.roles.replicate, 0),
+                                   group=ctx.roles.replicate)
             pid = groups[gi]["params"][pos]
-            state[pid] = {**state.get(pid, {}), "momentum_buffer": as_fsdp_entry(rec, full)}
+            state[pid] = {**state.get(pid, {}), "momentum_buffer": ctx.state_dict_hooks.entry(rec, buf)}
         # every rank in parameter order: torch's full state dict gathers entry by entry in
         # dict order (owners held their momentum entries before the others got theirs)
         order = [pid for g in groups for pid in g["params"]]
@@ -164,8 +167,8 @@ class OptimizerStateHooks:
                 "Nothing was loaded.")
         staged, problems = [], []
         for pid, rec, entry in present:
-            full, problem = staged_full(entry["momentum_buffer"], rec,
-                                        f"optimizer state {canonical_fqn(rec.fqn)!r}/momentum_buffer")
+            full, problem = ctx.state_dict_hooks.staged(
+                entry["momentum_buffer"], rec, f"optimizer state {canonical_fqn(rec.fqn)!r}/momentum_buffer")
             staged.append(full)
             if problem:
                 problems.append(problem)

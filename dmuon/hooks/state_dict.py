@@ -12,19 +12,24 @@ handles) translate, at the root module:
   recorded at binding in ``DedicatedParam.sd_layout``), whose values are the owner's fp32
   master; on a plain replicated module (DDP-style), the full ``[rows, cols]`` tensor on every
   rank, as DDP shows it. The values are new tensors (never the live master): the owner
-  broadcasts each master over its shard group and every rank keeps its own chunk, so the call
+  broadcasts each master over its shard group and every rank keeps its own rows, so the call
   is **collective** over the mesh, like FSDP2's full state dict. Memory: one full matrix at a
   time, transient.
 * **load_state_dict pre-hook:** each dedicated entry (such a DTensor, or a full tensor) is
-  staged into a full ``[rows, cols]`` tensor (``DTensor.full_tensor()``, collective), checked
+  staged into the owner's shape (the shard ranks' rows gathered over the shard group for a
+  DTensor laid out as above, ``DTensor.full_tensor()`` for another one; collective), checked
   on every rank (shape), the ranks agree (one ``all_gather_object``), and only then the entry
   is replaced: the full tensor on the owner (torch copies it into the fp32 master; dmuon's load
   post-hook then refreshes the published weights), the placeholder elsewhere. A bad entry on
   any rank raises ``ValueError`` naming dmuon on every rank before anything is written.
 
-Not translated (``RuntimeError`` naming dmuon, on every rank): matrices split by tensor
-parallelism, expert stacks split into several owner ranges and expert-parallel stacks. Their
-checkpoints go through :func:`dmuon.state_dict` / :func:`dmuon.load`.
+Tensor parallelism: the owner (of this TP rank's slice) broadcasts its slice over the shard
+group and each rank keeps the rows FSDP2 would (FSDP2 chunks the TP-local tensor along dim 0);
+without FSDP2 the TP slice itself, as the TP DTensor. Not translated (``RuntimeError`` naming
+dmuon, on every rank): expert stacks split into several owner ranges and expert-parallel
+stacks (the optimizer steps each range as a parameter of its own, which
+``model.named_parameters()`` does not list). Their checkpoints go through
+:func:`dmuon.state_dict` / :func:`dmuon.load`.
 
 Keys: ``nn.Module.state_dict`` names parameters as torch does (``checkpoint_wrapper`` strips
 ``_checkpoint_wrapped_module.``; torch's ``get_model_state_dict`` also strips ``_orig_mod.``);
@@ -61,8 +66,6 @@ def module_key(fqn: str) -> str:
 
 def unsupported(rec: DedicatedParam) -> str | None:
     """Why ``rec`` has no FSDP2-like state-dict entry (``None``: it has one)."""
-    if rec.tp_shard_dim is not None:
-        return "is split by tensor parallelism"
     if rec.stack is not None:
         return "is an expert stack split into several owner ranges"
     if rec.group is not None:
@@ -70,11 +73,20 @@ def unsupported(rec: DedicatedParam) -> str | None:
     return None
 
 
-def layout_of(sharded: Any) -> tuple | None:
-    """``(mesh, placements, shape, stride)`` of FSDP2's sharded DTensor; ``None`` without one."""
-    if sharded is None or not hasattr(sharded, "device_mesh"):
+def layout_of(tensor: Any, fsdp: bool = True) -> tuple | None:
+    """``(mesh, placements, shape, stride, fsdp)`` of a DTensor parameter (FSDP2's sharded
+    parameter with ``fsdp``; else a tensor-parallel one FSDP2 does not manage); ``None`` for a
+    plain tensor."""
+    if tensor is None or not hasattr(tensor, "device_mesh"):
         return None
-    return (sharded.device_mesh, tuple(sharded.placements), tuple(sharded.shape), tuple(sharded.stride()))
+    return (tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride()), fsdp)
+
+
+def _chunks(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """``torch.chunk(t, parts, dim=0)`` padded with empty chunks to ``parts`` (FSDP2's
+    ``_chunk_with_empty``): the rows each shard rank holds."""
+    chunks = list(torch.chunk(t, parts, dim=0))
+    return chunks + [t.new_empty((0, *t.shape[1:]))] * (parts - len(chunks))
 
 
 def owner_full(rec: DedicatedParam, owned: torch.Tensor | None, group: Any) -> torch.Tensor:
@@ -92,31 +104,52 @@ def owner_full(rec: DedicatedParam, owned: torch.Tensor | None, group: Any) -> t
     return full
 
 
-def as_fsdp_entry(rec: DedicatedParam, full: torch.Tensor) -> torch.Tensor:
-    """``full`` (``rec.shape``, the same on every rank) as FSDP2 would show the parameter: a
-    DTensor of this rank's chunk with ``rec.sd_layout``'s mesh, placements, shape and stride
-    (``distribute_tensor`` without communication), or ``full`` itself (no FSDP2: DDP's view)."""
+def as_fsdp_entry(rec: DedicatedParam, tp_local: torch.Tensor, shard_rank: int, shard_size: int) -> torch.Tensor:
+    """``tp_local`` (this rank's TP slice ``rec.shape``, the whole matrix without TP; the same on
+    every rank of the shard group) as FSDP2 would show the parameter: its rows chunk for this
+    shard rank (FSDP2 chunks the TP-local tensor along dim 0, ``torch.chunk`` sizes) as a DTensor
+    with ``rec.sd_layout``'s mesh, placements, global shape and stride; without FSDP2 the TP
+    slice as that DTensor, or ``tp_local`` itself (no DTensor at all: DDP's view)."""
     if rec.sd_layout is None:
-        return full
-    from torch.distributed.tensor import distribute_tensor
+        return tp_local
+    from torch.distributed.tensor import DTensor
 
-    mesh, placements, _, _ = rec.sd_layout
-    return distribute_tensor(full, mesh, list(placements), src_data_rank=None)
+    mesh, placements, shape, stride, fsdp = rec.sd_layout
+    local = _chunks(tp_local, shard_size)[shard_rank].clone() if fsdp else tp_local
+    return DTensor.from_local(local, mesh, list(placements), run_check=False, shape=torch.Size(shape),
+                              stride=stride)
 
 
-def staged_full(value: Any, rec: DedicatedParam, where: str) -> tuple[torch.Tensor | None, str | None]:
-    """A loaded entry as the full ``rec.shape`` tensor, or why it cannot be one.
+def staged_tp_local(value: Any, rec: DedicatedParam, where: str, group: Any, tp_rank: int,
+                    tp_size: int) -> tuple[torch.Tensor | None, str | None]:
+    """A loaded entry as this rank's TP slice (``rec.shape``; the whole matrix without TP), or
+    why it cannot be one: ``(tensor, None)`` or ``(None, problem)``.
 
-    Collective for a DTensor (``full_tensor()`` over its mesh). Returns ``(tensor, None)`` or
-    ``(None, problem)``.
+    A DTensor laid out as :func:`as_fsdp_entry` makes it: the shard ranks' chunks, gathered over
+    ``group`` (collective); another DTensor: ``full_tensor()`` (collective over its mesh), then
+    this TP rank's slice; a plain tensor: the full matrix, sliced.
     """
     if not isinstance(value, torch.Tensor):
         return None, f"{where} should be a tensor, got {type(value).__name__}"
-    if tuple(value.shape) != tuple(rec.shape):
-        return None, (f"{where} has shape {tuple(value.shape)} but the matrix is {tuple(rec.shape)} "
+    full_shape = tuple(rec.full_shape) if rec.tp_shard_dim is not None else tuple(rec.shape)
+    if tuple(value.shape) != full_shape:
+        return None, (f"{where} has shape {tuple(value.shape)} but the matrix is {full_shape} "
                       f"(a state dict of another model, or a dmuon placeholder)")
-    full = value.full_tensor() if hasattr(value, "full_tensor") else value
-    return full.detach(), None
+    layout = rec.sd_layout
+    if (layout is not None and layout[4] and hasattr(value, "to_local")
+            and value.device_mesh == layout[0] and tuple(value.placements) == layout[1]):
+        size = dist.get_world_size(group)
+        rows = [c.shape[0] for c in _chunks(torch.empty(rec.shape[0], 0), size)]
+        local = value.to_local().detach()
+        padded = torch.zeros((max(rows), *rec.shape[1:]), dtype=local.dtype, device=local.device)
+        padded[: local.shape[0]] = local
+        parts = [torch.empty_like(padded) for _ in range(size)]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:r] for p, r in zip(parts, rows)]), None
+    full = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()
+    if rec.tp_shard_dim is None:
+        return full, None
+    return torch.chunk(full, tp_size, dim=rec.tp_shard_dim)[tp_rank], None
 
 
 def agree(problems: list[str], group: Any, what: str) -> None:
@@ -160,6 +193,17 @@ class StateDictHooks:
         finally:
             self.enabled = before
 
+    def entry(self, rec: DedicatedParam, owned: torch.Tensor | None) -> torch.Tensor:
+        """The owner's ``owned`` (master or momentum, ``rec.shape``) as FSDP2 would show the
+        parameter on this rank (:func:`owner_full`, :func:`as_fsdp_entry`; collective)."""
+        state = self.state
+        return as_fsdp_entry(rec, owner_full(rec, owned, state.group), state.rank, state.world_size)
+
+    def staged(self, value: Any, rec: DedicatedParam, where: str) -> tuple[torch.Tensor | None, str | None]:
+        """A loaded entry as this rank's TP slice (:func:`staged_tp_local`; collective)."""
+        state = self.state
+        return staged_tp_local(value, rec, where, state.group, state.tp_rank, state.roles.tp_size)
+
     def _records(self) -> list[DedicatedParam]:
         state = self.state
         if not self.enabled or not state.bound:
@@ -181,8 +225,7 @@ class StateDictHooks:
             key = prefix + module_key(rec.fqn)
             if key not in sd:
                 continue
-            full = owner_full(rec, rec.master, rec.group or self.state.group)
-            sd[key] = as_fsdp_entry(rec, full)
+            sd[key] = self.entry(rec, rec.master)
 
     @torch.no_grad()
     def on_load(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
@@ -206,7 +249,7 @@ class StateDictHooks:
                 f"same kind of state dict (all sharded or all full). Nothing was loaded.")
         staged, problems = [], []
         for rec, key in present:
-            full, problem = staged_full(sd[key], rec, f"entry {key!r}")
+            full, problem = self.staged(sd[key], rec, f"entry {key!r}")
             staged.append(full)
             if problem:
                 problems.append(problem)
