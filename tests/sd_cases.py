@@ -325,3 +325,28 @@ def torch_load_continue(rank: int, world_size: int, *, path: str, first: int, th
     loaded = _canonical_params(model, rank)
     run_steps(model, opt, range(first, first + then), dp_index, dp_count)
     return dict(loaded=loaded, final=_canonical_params(model, rank))
+
+
+def split_stack_refused(rank: int, world_size: int) -> dict:
+    """Hugging Face Qwen3-MoE under FSDP2, its expert stacks cut into owner ranges: torch's
+    ``model.state_dict()`` and ``opt.state_dict()`` refuse by name (dmuon.state_dict works)."""
+    from tests import moe_cases
+
+    model = moe_cases.build("hf-qwen3-moe")
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in moe_cases.CASES["hf-qwen3-moe"].blocks(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    predicate = dmuon.default_predicate(model)
+    dmuon.dedicate_params(model, mesh, predicate=predicate, group_cost=0.0,
+                          plan=moe_cases.spread_plan(model, predicate, world_size))
+    opt = dmuon.Muon(model, **EXACT)
+    out = dict(split=any(rec.stack is not None for rec in model._dmuon_state.records))
+    for what, call in (("model", model.state_dict), ("optim", opt.state_dict)):
+        try:
+            call()
+            out[what] = "no error"
+        except Exception as e:  # noqa: BLE001 - the test reads type and message
+            out[what] = f"{type(e).__name__}: {e}"
+    out["dmuon"] = len(dmuon.state_dict(model, opt)["model"])
+    return out

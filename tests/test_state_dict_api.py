@@ -175,3 +175,14 @@ def test_tensor_parallel_full_export(dist_pool):
         for key, expected in ref_state[name].items():
             np.testing.assert_allclose(np.asarray(o["full_optim"][name][key]), expected.numpy(), rtol=0,
                                        atol=ATOL, err_msg=f"{name}/{key}")
+
+
+def test_split_expert_stacks_refused_by_name(dist_pool):
+    out = dist_pool.run(2, "tests.sd_cases:split_stack_refused", {}, timeout_s=180)
+    for rank, o in enumerate(out):
+        assert o["split"], rank  # the case: a stack cut into owner ranges
+        for what in ("model", "optim"):
+            assert o[what].startswith("RuntimeError: dmuon: model.state_dict()/load_state_dict() cannot "
+                                      "show dedicated matrix"), (rank, what, o[what])
+            assert "dmuon.state_dict(model, opt)" in o[what]
+        assert o["dmuon"] > 0
