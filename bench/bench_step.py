@@ -4,10 +4,20 @@ One process group, three copies of the same ``dmuon.train`` model (same seed, ea
 FSDP2 ``fully_shard`` per block and root, built with :func:`dmuon.train.loop.build_optimizer`;
 with ``--mesh replicate`` not sharded: ``adamw`` and ``vanilla`` under torch
 ``DistributedDataParallel``, dmuon on the plain module with its DDP-style ``replicas="keep"``),
-stepped in *blocks*: each round runs every variant for ``2 + block_steps`` steps, in an order
-that rotates every round. The first step of a block is discarded (dmuon's publications issued at
-the end of its previous block completed during the other variants' blocks, which would flatter
-it), the next ``block_steps`` are measured, the last is profiled. Every variant sees the same global batches (batch ``j`` at its
+stepped in *blocks*: each round runs every variant for ``warmup_steps + block_steps + 1`` steps,
+in an order that changes every round (:func:`step_stats.round_order`: a Williams design, so over
+a cycle of rounds, ``step_stats.design_rounds(n)``, every variant holds every position and follows
+every other variant equally often; pick ``--rounds`` as a multiple of it). The first ``warmup_steps`` (default 1) of a block are discarded (dmuon's
+publications issued at the end of its previous block completed during the other variants'
+blocks, which would flatter it), the next ``block_steps`` are measured, the last is profiled.
+
+**A/A control** (default on, ``--no-control`` drops it): the baseline runs twice, as
+``adamw`` and ``adamw_b`` (built the same way: FSDP2 + AdamW, or DDP + AdamW with ``--mesh
+replicate``), interleaved like the others. ``round_ratios`` in the JSON gives every ratio as
+the median of per-round ratios with its quartiles, and the A/A ratio ``adamw_b / adamw``'s
+distance from 1 as the noise floor: a ratio within it is "not distinguishable" (method:
+:mod:`step_stats`). ``ratios`` keeps the ratios of the medians over all steps, as recorded
+before the control existed. Every variant sees the same global batches (batch ``j`` at its
 ``j``-th step).
 
 Timing (wall clock, ``time.perf_counter``), per step and rank:
@@ -22,9 +32,9 @@ Timing (wall clock, ``time.perf_counter``), per step and rank:
   (``torch.autograd.profiler.profile(use_kineto=False)``: Kineto crashed once here) and
   records ``label_<name>_<phase>``, the CPU time inside label ``dmuon::<name>`` during that
   phase (``pre_forward``: waiting for the publications; ``finish_backward``: waiting for the
-  reduces; ``vanilla_all_gather``: vanilla's per-matrix all-gather, ...; see :data:`LABELS`).
+  reduces; ``vanilla_all_gather``: vanilla's per-matrix all-gather, ...; see :data:`step_timing.LABELS`).
   That step carries the profiler's overhead, and waits for dmuon's in-flight publications
-  before each profiler stops (:func:`_drain`), so it is not among the measured steps.
+  before each profiler stops (:func:`step_timing.drain`), so it is not among the measured steps.
 * ``ns``: the Newton-Schulz labels in the profiled step (dmuon: ``dmuon::newton_schulz``,
   momentum included; vanilla: ``dmuon::vanilla_newton_schulz``).
 
@@ -39,9 +49,13 @@ Usage::
     python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
     python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_allreduce ...   # diagnostic variants
     python bench/bench_step.py --nproc 4 --mesh replicate --out bench/results/step_cpu_4r_replicate.json
+    python bench/bench_step.py --nproc 4 --rounds 16 --block-steps 3 --no-labels --out ...  # A/A runs (docs/performance.md)
+    python bench/bench_step.py --tiny --nproc 2 --trace-dir /tmp/traces   # + one chrome trace per variant
 
-GPU mode: ``--device cuda`` runs NCCL ranks, one GPU each, with ``torch.cuda.synchronize()``
-before every timestamp (so a phase's time includes its kernels), NS in float16 as ``dmuon.train``
+GPU mode: ``--device cuda`` runs NCCL ranks, one GPU each; the phases are timed by CUDA events
+recorded on the current stream at the phase boundaries (so a phase's time is its kernels' time
+on the device, with no host synchronisation between phases); before every block the device is
+synchronised, the allocator's cache emptied and its peak statistics reset (:func:`switch_variant`). NS in float16 as ``dmuon.train``
 picks on CUDA, and no gloo calibration. The profiled labels then only see host-side time (NCCL
 waits are stream waits), so only the phase times mean something there. ``--extra
 torch_muon`` (one rank only) adds single-process ``torch.optim.Muon`` on the same matrices plus
@@ -81,6 +95,10 @@ from dmuon.launch import launch  # noqa: E402
 from dmuon.train.data import DataConfig, PushTDemos, ensure_cached  # noqa: E402
 from dmuon.train.loop import TrainConfig, build_optimizer  # noqa: E402
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import step_stats  # noqa: E402
+from step_timing import switch_variant, timed_step, write_traces  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +161,19 @@ class BenchConfig:
         synthetic: random batches of the model's input format instead of PushT demonstrations.
         bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)`` on every
             ``fully_shard`` (``torch_muon`` stays unsharded in float32).
+        control: run the A/A control: the baseline a second time as ``adamw_b``
+            (:mod:`step_stats`), interleaved like the others.
+        warmup_steps: steps discarded at the start of every block (after each switch of variant).
+        trace_dir: folder for one ``torch.profiler`` chrome trace per variant (rank 0,
+            ``trace_<variant>.json.gz``, ``trace_steps`` steps after one untraced step), taken
+            after the measured rounds; ``None``: no traces.
+        trace_steps: steps per trace.
+        labels: end every block with one profiled step (the ``label_*`` breakdown). The GPU
+            suite turns it off on CUDA, where the labels see host time only and the profiled
+            step of the ~194 M model cost seconds; the chrome traces show the device there.
+            The A/A runs of issue 34 went without (``--no-labels``): a 16-round 4-rank run
+            with it (64 profiled steps a rank) died in round 12 with "malloc(): unsorted double
+            linked list corrupted", the profiler-under-gloo crash class of :func:`step_timing.drain`.
     """
 
     nproc: int = 4
@@ -159,6 +190,11 @@ class BenchConfig:
     model: str = "default"
     synthetic: bool = False
     bf16: bool = False
+    control: bool = True
+    warmup_steps: int = 1
+    trace_dir: str | None = None
+    trace_steps: int = 2
+    labels: bool = True
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -181,44 +217,16 @@ class BenchConfig:
             raise ValueError(
                 f"bench_step: extra_variants={self.extra_variants}; choose from {sorted(EXTRA_VARIANTS)}."
             )
-        if self.nproc < 1 or self.rounds < 1 or self.block_steps < 1:
+        if self.nproc < 1 or self.rounds < 1 or self.block_steps < 1 or self.warmup_steps < 1 or self.trace_steps < 1:
             raise ValueError(
                 f"bench_step: nproc={self.nproc}, rounds={self.rounds}, block_steps="
-                f"{self.block_steps}; all must be >= 1."
+                f"{self.block_steps}, warmup_steps={self.warmup_steps}, trace_steps={self.trace_steps}; "
+                f"all must be >= 1."
             )
         if self.batch_size % self.nproc:
             raise ValueError(
                 f"bench_step: batch_size={self.batch_size} is not divisible by nproc={self.nproc}."
             )
-
-
-#: Labels whose inclusive CPU time the profiled step reports (dmuon's ``record_function``
-#: names; ``vanilla_*`` are :class:`dmuon.baselines.VanillaMuon`'s).
-LABELS = ("dmuon::step_check", "dmuon::step_check_wait", "dmuon::pre_forward", "dmuon::pre_backward", "dmuon::reduce_bucket", "dmuon::all_reduce",
-          "dmuon::finish_backward", "dmuon::optimizer_step", "dmuon::newton_schulz", "dmuon::adamw",
-          "dmuon::publish_after_step", "dmuon::publish", "dmuon::vanilla_all_gather",
-          "dmuon::vanilla_newton_schulz", "dmuon::vanilla_adamw")
-NS_LABELS = ("dmuon::newton_schulz", "dmuon::vanilla_newton_schulz")
-
-
-def _label_times(prof) -> dict[str, float]:
-    """Inclusive CPU seconds per dmuon label recorded by ``prof`` (0-size labels omitted)."""
-    out: dict[str, float] = {}
-    for evt in prof.key_averages():
-        if evt.key in LABELS:
-            out[evt.key] = out.get(evt.key, 0.0) + evt.cpu_time_total * 1e-6
-    return out
-
-
-def _drain(model) -> None:
-    """Wait for dmuon's publications still in flight. c10d records a collective's end in the
-    profiler from gloo's worker thread when it completes; one still running when the profiler
-    stops crashed rank 0 (SIGSEGV) in two runs, both right after a profiled dmuon step whose
-    broadcasts were in flight (with Kineto, and without it)."""
-    state = getattr(model, "_dmuon_state", None)
-    for group in getattr(state, "groups", ()):
-        if group.work is not None:
-            group.work.wait()
 
 
 def synthetic_batch(cfg: PolicyConfig, step: int, global_batch: int, rank: int, world: int,
@@ -240,60 +248,6 @@ def synthetic_batch(cfg: PolicyConfig, step: int, global_batch: int, rank: int, 
             "time": torch.rand(n, generator=gen).pow(1.0 / 1.5) * 0.999 + 0.001}
     b = global_batch // world
     return {k: v[rank * b:(rank + 1) * b] for k, v in full.items()}
-
-
-def _timed_step(model, opt, batch, device: torch.device, profile: bool = False) -> dict:
-    """One step, timed by wall clock per phase; with ``profile`` each phase also runs under
-    ``torch.profiler`` and the record carries ``label_<name>_<phase>`` (seconds inside that
-    dmuon ``record_function`` label) and ``ns``. A profiled step's wall times carry the
-    profiler's overhead: the caller does not count them as measured."""
-    # torch's CPU profiler without Kineto (use_kineto=False): no libkineto in the crash path
-    # (see _drain) and no USDT lines on stderr.
-    from torch.autograd.profiler import profile as torch_profile
-
-    def now() -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter()
-
-    labels: dict[str, float] = {}
-
-    def phase(name: str, fn):
-        if not profile:
-            return fn()
-        with torch_profile(use_kineto=False) as prof:
-            out = fn()
-            _drain(model)
-        for key, s in _label_times(prof).items():
-            labels[f"label_{key.removeprefix('dmuon::')}_{name}"] = s
-        return out
-
-    def step():
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        start_bytes = torch.cuda.memory_allocated(device)
-    t0 = now()
-    loss = phase("forward", lambda: model(batch))
-    t1 = now()
-    phase("backward", loss.backward)
-    t2 = now()
-    phase("step", step)
-    t3 = now()
-    rec = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0,
-           "loss": float(loss.detach())}
-    if device.type == "cuda":  # bytes: see _summarize
-        rec["transient_peak_bytes"] = float(torch.cuda.max_memory_allocated(device) - start_bytes)
-        rec["alloc_delta_bytes"] = float(torch.cuda.memory_allocated(device) - start_bytes)
-    if profile:
-        rec.update(labels)
-        rec["ns"] = sum(s for k, s in labels.items() if any(k == f"label_{n.removeprefix('dmuon::')}_step"
-                                                            for n in NS_LABELS))
-    return rec
 
 
 def _calibrate_comm(world: int, sizes: tuple[int, ...] = CALIB_BYTES) -> dict:
@@ -378,7 +332,7 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
                                                       reduce_dtype=torch.float32)} if cfg.bf16 else {}
     mesh = init_device_mesh(cfg.device, (world,))
     ns_dtype = torch.float16 if device.type == "cuda" else torch.float32  # dmuon.train's "auto"
-    variants = VARIANTS + cfg.extra_variants
+    variants = VARIANTS + cfg.extra_variants + ((step_stats.CONTROL,) if cfg.control else ())
     models, opts = {}, {}
     build_bytes: dict[str, float] = {}
     for variant in variants:
@@ -441,29 +395,38 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     records: dict[str, list[dict]] = {v: [] for v in variants}
     next_batch = {v: 0 for v in variants}
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
+    orders = []
     t_start = time.perf_counter()
     for rnd in range(cfg.rounds):
-        order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+        order = step_stats.round_order(variants, rnd)
+        orders.append(list(order))
         for variant in order:
-            # 1 discarded + block_steps measured (wall clock) + 1 profiled (label breakdown)
-            for k in range(2 + cfg.block_steps):
+            switch_variant(device)
+            # warmup_steps discarded + block_steps measured + 1 profiled (label breakdown)
+            for k in range(cfg.warmup_steps + cfg.block_steps + int(cfg.labels)):
                 batch = get_batch(next_batch[variant])
                 next_batch[variant] += 1
-                profiled = k == 1 + cfg.block_steps
-                rec = _timed_step(models[variant], opts[variant], batch, device, profile=profiled)
-                rec.update(round=rnd, measured=0 < k and not profiled, profiled=profiled,
+                profiled = k == cfg.warmup_steps + cfg.block_steps
+                rec = timed_step(models[variant], opts[variant], batch, device, profile=profiled)
+                rec.update(round=rnd, measured=cfg.warmup_steps <= k and not profiled, profiled=profiled,
                            batch_index=next_batch[variant] - 1)
                 records[variant].append(rec)
         if rank == 0:
             print(f"[bench_step] round {rnd + 1}/{cfg.rounds}: {time.perf_counter() - t_start:.1f} s",
                   file=sys.stderr, flush=True)
     wall_s = time.perf_counter() - t_start
+    load_after = os.getloadavg() if hasattr(os, "getloadavg") else None
+    traces = None
+    if cfg.trace_dir:
+        traces = write_traces(models, opts, variants, get_batch, next_batch, device, cfg.trace_dir,
+                              cfg.trace_steps, rank)
 
     gathered: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, records)
     if rank != 0:
         return None
     summary = {v: _summarize([g[v] for g in gathered]) for v in variants}
+    round_ratios = step_stats.round_ratios({v: [g[v] for g in gathered] for v in variants}) if cfg.control else None
     if device.type == "cuda":  # rank 0's bytes: params + optimizer state (first step) + transient
         for v in variants:
             resident = build_bytes[v] + records[v][0]["alloc_delta_bytes"]
@@ -487,8 +450,14 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "config": dataclasses.asdict(cfg),
         "ns_dtype": f"{str(ns_dtype).removeprefix('torch.')} (dmuon.train 'auto' on {device.type})",
         "fences": "dist.barrier() before every step; none between forward/backward/step"
-                  + ("; torch.cuda.synchronize() before every timestamp" if device.type == "cuda" else ""),
-        "discarded": "first step of every block (warm-up; previous block's publications)",
+                  + ("; phases timed by CUDA events on the current stream (no host synchronisation "
+                     "between phases), the host waits for the last one after the step"
+                     if device.type == "cuda" else "; phases timed by the host clock (time.perf_counter)"),
+        "discarded": f"first {cfg.warmup_steps} step(s) of every block (warm-up after a switch of variant; "
+                     "previous block's publications)"
+                     + ("; before every block: torch.cuda.synchronize, empty_cache, reset_peak_memory_stats"
+                        if device.type == "cuda" else ""),
+        "round_orders": orders,
         "labels": "label_<name>_<phase>: inclusive CPU time inside dmuon's record_function <name> "
                   "during <phase>, from torch.profiler on the last step of every block (not "
                   "counted in the phase medians); ns: Newton-Schulz labels during the step",
@@ -496,10 +465,13 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
         "wall_s": wall_s,
         # 1/5/15-minute load averages at the start and the end of the measured rounds: on the
         # shared machine other jobs' load is what makes runs differ
-        "load_average": {"before": load_before,
-                         "after": os.getloadavg() if hasattr(os, "getloadavg") else None},
+        "load_average": {"before": load_before, "after": load_after},
         "variants": summary,
+        # ratios of the medians over all measured steps (the figures recorded before the A/A
+        # control); round_ratios: the median of per-round ratios with quartiles and verdicts
         "ratios": _ratios(summary),
+        "round_ratios": round_ratios,
+        "traces": traces,
         "calibration": calibration,
     }
     return result
@@ -594,8 +566,15 @@ def format_table(result: dict) -> str:
         lines.append(f"{v:10s} " + " ".join(f"{s[c]['median_s'] * 1e3:10.1f}" if c in s else f"{'-':>10s}"
                                            for c in cols) + f"   {waits or '-'}")
     r = result["ratios"]
-    lines.append(f"dmuon step / vanilla step = {r['dmuon_step_over_vanilla_step']:.3f} (target <= 0.35); "
-                 f"dmuon total / AdamW total = {r['dmuon_total_over_adamw_total']:.3f} (target <= 1.15)")
+    lines.append(f"ratios of medians: dmuon step / vanilla step = {r['dmuon_step_over_vanilla_step']:.3f} "
+                 f"(target <= 0.35); dmuon total / AdamW total = {r['dmuon_total_over_adamw_total']:.3f} "
+                 f"(target <= 1.15)")
+    if result.get("round_ratios"):
+        lines.append(step_stats.format_ratios(result["round_ratios"]))
+    load = result.get("load_average") or {}
+    if load.get("before"):
+        lines.append(f"load average (1, 5, 15 min): before {', '.join(f'{x:.2f}' for x in load['before'])}; "
+                     f"after {', '.join(f'{x:.2f}' for x in load['after'])}")
     return "\n".join(lines)
 
 
@@ -619,11 +598,20 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--model", choices=sorted(MODELS), default=defaults.model, help="model size")
     p.add_argument("--synthetic", action="store_true", help="random batches, no PushT simulator")
     p.add_argument("--bf16", action="store_true", help="bf16 MixedPrecisionPolicy on every fully_shard")
+    p.add_argument("--no-control", action="store_true", help="no A/A control (adamw_b, the baseline run twice)")
+    p.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps,
+                   help="steps discarded after every switch of variant")
+    p.add_argument("--trace-dir", default=None, help="one gzipped torch.profiler chrome trace per variant here")
+    p.add_argument("--trace-steps", type=int, default=defaults.trace_steps)
+    p.add_argument("--no-labels", action="store_true",
+                   help="no profiled step at the end of each block (no label_* breakdown, no torch profiler)")
     a = p.parse_args(argv)
     return BenchConfig(nproc=a.nproc, rounds=a.rounds, block_steps=a.block_steps,
                        batch_size=a.batch_size or (8 if a.tiny else defaults.batch_size), tiny=a.tiny,
                        calibrate=not a.no_calibrate, out=a.out, extra_variants=tuple(a.extra),
-                       device=a.device, mesh=a.mesh, model=a.model, synthetic=a.synthetic, bf16=a.bf16)
+                       device=a.device, mesh=a.mesh, model=a.model, synthetic=a.synthetic, bf16=a.bf16,
+                       control=not a.no_control, warmup_steps=a.warmup_steps, trace_dir=a.trace_dir,
+                       trace_steps=a.trace_steps, labels=not a.no_labels)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -448,21 +448,87 @@ def ns_speed(opts: SuiteOptions) -> dict:
 
 # ----------------------------------------------------------------------------- step
 
+#: Fields of ``nvidia-smi --query-gpu`` recorded at the start and the end of the step section.
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "power.draw", "power.limit",
+                    "temperature.gpu", "clocks_throttle_reasons.active")
+
+
+#: Largest ``step_traces.tar`` kept whole: the device returns files of at most 16 MiB. A tiny-model
+#: CPU trace of 2 steps is ~15,700 events (~270 KB gzipped); the GPU model has ~6x the modules.
+TRACE_TAR_BYTES = 15 << 20
+
+
+def gpu_state() -> dict:
+    """Clocks (MHz), power (W) and temperature (C) of GPU 0 now, from ``nvidia-smi --query-gpu``
+    (or pynvml where nvidia-smi is absent); ``{"available": False, "reason": ...}`` when neither
+    answers (the CPU dry run). Never raises."""
+    import shutil
+
+    if shutil.which("nvidia-smi"):
+        try:
+            smi = subprocess.run(["nvidia-smi", "--id=0", f"--query-gpu={','.join(GPU_STATE_FIELDS)}",
+                                  "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=20)
+            if smi.returncode == 0 and smi.stdout.strip():
+                values = [v.strip() for v in smi.stdout.strip().splitlines()[0].split(",")]
+                return {"available": True, "source": "nvidia-smi", **dict(zip(GPU_STATE_FIELDS, values))}
+            reason = f"nvidia-smi exit {smi.returncode}: {(smi.stderr or smi.stdout).strip()[:200]}"
+        except (OSError, subprocess.SubprocessError) as exc:
+            reason = f"nvidia-smi failed: {exc}"
+    else:
+        reason = "nvidia-smi not found"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return {"available": True, "source": "pynvml",
+                "clocks.sm": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "clocks.mem": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+                "power.draw": pynvml.nvmlDeviceGetPowerUsage(h) / 1e3,
+                "temperature.gpu": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)}
+    except Exception as exc:  # noqa: BLE001 - absent or failing NVML is data, not an error
+        return {"available": False, "reason": f"{reason}; pynvml: {type(exc).__name__}: {exc}"}
+
+
 def step(opts: SuiteOptions) -> dict:
     """One GPU, world size 1 over NCCL (gloo on CPU): ``bench_step``'s interleaved run of AdamW,
-    gather-then-compute Muon, dmuon and single-process ``torch.optim.Muon`` + ``AdamW``, on the
-    ~194 M-parameter ``GPU_MODEL`` (tiny on CPU) with a bf16 ``MixedPrecisionPolicy`` and
-    synthetic batches; medians over >= 10 measured steps on CUDA."""
+    AdamW again (the A/A control ``adamw_b``), gather-then-compute Muon, dmuon and single-process
+    ``torch.optim.Muon`` + ``AdamW``, on the ~194 M-parameter ``GPU_MODEL`` (tiny on CPU) with a
+    bf16 ``MixedPrecisionPolicy`` and synthetic batches.
+
+    On CUDA: 10 rounds (one cycle of the Williams order for 5 variants) of 3 measured steps (30
+    per variant; ``--quick`` 20) after 2 discarded
+    ones per block, phases timed by CUDA events, the allocator reset before every block, no
+    profiled label step (host-side labels mean little there). Every variant then runs 3 steps
+    under ``torch.profiler`` (2 traced); the gzipped chrome traces go into one file,
+    ``step_traces.tar`` in ``opts.out`` (members ``trace_<variant>.json.gz``). Clocks, power and
+    temperature (:func:`gpu_state`) are recorded at the start and the end. The CPU dry run runs
+    2 rounds of 1 step on the tiny model, with the same A/A control and traces."""
+    import tarfile
+
     import bench_step
 
     cuda = opts.torch_device().type == "cuda"
     path = opts.work / "step_raw.json"
+    trace_dir = opts.work / "step_traces"
     cfg = bench_step.BenchConfig(
-        nproc=1, rounds=(3 if opts.quick else 5) if cuda else 1, block_steps=2 if cuda else 1,
+        nproc=1, rounds=10 if cuda else 2, block_steps=(2 if opts.quick else 3) if cuda else 1,
+        warmup_steps=2 if cuda else 1, labels=not cuda, trace_dir=str(trace_dir), trace_steps=2,
         batch_size=32 if cuda else 4, tiny=not cuda, model="gpu", calibrate=False,
         extra_variants=("torch_muon",), device=opts.device, synthetic=True, bf16=True, out=str(path))
+    state_start = gpu_state()
     raw = bench_step.run(cfg, threads=torch.get_num_threads())  # one rank, in this process
+    raw["gpu_state"] = {"start": state_start, "end": gpu_state()}
     raw["dedicated_matrices"] = len(raw["dedicated_matrices"])  # 148 rows on the GPU model
+    tar_path = opts.out / "step_traces.tar"
+    traces = raw.get("traces") or {}
+    if sum(info["bytes"] for info in traces.values()) > TRACE_TAR_BYTES:  # keep the A/A pair and dmuon
+        raw["traces_dropped"] = [v for v in traces if v not in ("adamw", "adamw_b", "dmuon")]
+        traces = {v: info for v, info in traces.items() if v not in raw["traces_dropped"]}
+    with tarfile.open(tar_path, "w") as tar:  # one file: the device returns at most 8 (see gpu_suite)
+        for info in traces.values():
+            tar.add(trace_dir / info["file"], arcname=info["file"])
+    raw["traces_file"] = tar_path.name
     if opts.sync_debug and cuda:
         raw["sync_debug"] = _step_sync_debug(opts)
     return raw

@@ -4,8 +4,10 @@
     python bench/gpu_suite.py --out DIR --quick                      # ~2-minute subset
     python bench/gpu_suite.py --out DIR --device cpu --quick         # CPU dry run (CI runs it)
 
-On a lent GPU machine (one command of at most 10 minutes; what is under ``$OUT`` comes back):
-``python bench/gpu_suite.py --out $OUT``, then commit the files under ``bench/results/gpu_<device>/``
+On a lent GPU machine (one command of at most 10 minutes; what is under ``$OUT`` comes back, at
+most 8 files, and the suite writes 9, so bundle them):
+``python bench/gpu_suite.py --out /tmp/gpu; tar -C /tmp/gpu -cf $OUT/gpu_suite.tar .``, then unpack
+and commit the files under ``bench/results/gpu_<device>/``
 and copy ``launch_configs.json`` over ``dmuon/kernels/configs/launch_configs.json``.
 
 Sections, in order, each in its own forked process under a time limit (a section that fails,
@@ -20,16 +22,19 @@ CUDA, so the forks start clean):
   ``launch_configs.json`` (the shipped format) and installs it for the later sections.
 * ``ns_speed``: whole-inventory NS, ``torch.optim.Muon`` vs dmuon Gram (torch, Triton), CUDA events.
 * ``step``: world size 1 over NCCL, ~194 M-parameter Pi0-style policy, bf16 mixed precision,
-  dmuon vs ``torch.optim.Muon`` + AdamW vs AdamW (``bench/bench_step.py``); with
+  dmuon vs ``torch.optim.Muon`` + AdamW vs AdamW (``bench/bench_step.py``), with the A/A control
+  (AdamW twice: every ratio carries its noise floor), 30 interleaved measured steps per variant,
+  CUDA-event phase times, one gzipped chrome trace per variant (``step_traces.tar``) and the
+  GPU's clocks, power and temperature at start and end; with
   ``--sync-debug`` also one dmuon step under ``torch.cuda.set_sync_debug_mode("warn")`` and its
   CUDA-timeline trace.
 * ``rank_view``: this GPU plays the busiest owner rank of an 8- and a 64-GPU job on the same
   policy (``bench/rank_view.py``: torch's fake process group), FSDP2 + AdamW vs dmuon.
 
-``DIR`` receives at most 8 files: ``suite.json`` (environment, tests, section status, targets),
+``DIR`` receives 9 files: ``suite.json`` (environment, tests, section status, targets),
 ``correctness.json``, ``tuning.json``, ``launch_configs.json``, ``ns_speed.json``, ``step.json``,
-``rank_view.json`` and ``summary.md``, which is also printed; with ``--sync-debug`` a ninth,
-``step_trace.json`` (the CUDA timeline of one dmuon step, Chrome trace format). Every target of issue 17 is listed there as met or
+``step_traces.tar``, ``rank_view.json`` and ``summary.md``, which is also printed; with
+``--sync-debug`` a tenth, ``step_trace.json`` (the CUDA timeline of one dmuon step, Chrome trace format). Every target of issue 17 is listed there as met or
 missed, or "not measured" with the reason; CPU figures are marked as a dry run.
 """
 
@@ -193,7 +198,20 @@ def evaluate_targets(records: dict[str, dict], gpu: bool) -> list[dict]:
         out += [_target("fp16_error", None, None, missing("correctness")),
                 _target("kernels_correct", None, None, missing("correctness"))]
     st = result("step")
-    if st:
+    rr = ((st or {}).get("round_ratios") or {}).get("ratios")
+    if st and rr:  # median of per-round ratios; the note gives the quartiles and the A/A verdict
+        def aa_note(s):
+            return (f"[{s['q1']:.3f}, {s['q3']:.3f}] over {s['rounds']} rounds, A/A floor {s['noise_floor']:.3f}: "
+                    f"{s['verdict']}")
+
+        rows = (("step_opt", rr.get("dmuon_over_torch_muon", {}).get("step"), 0.6),
+                ("step_total", rr["dmuon_over_adamw"]["total"], 1.05),
+                ("step_forward", rr["dmuon_over_adamw"]["forward"], 1.05),
+                ("step_backward", rr["dmuon_over_adamw"]["backward"], 1.05))
+        for key, s, limit in rows:
+            out.append(_target(key, round(s["median"], 4), s["median"] <= limit, aa_note(s)) if s else
+                       _target(key, None, None, "no torch_muon variant in the step record"))
+    elif st:
         r = st["ratios"]
         out.append(_target("step_opt", round(r["dmuon_step_over_torch_muon_step"], 4),
                            r["dmuon_step_over_torch_muon_step"] <= 0.6))
@@ -287,7 +305,17 @@ def summary_markdown(suite: dict, records: dict[str, dict]) -> str:
                              f"{s['achieved_tflops']:.1f} | {_fmt(s['fraction_of_peak'])} | - |")
     st = (records.get("step") or {}).get("result")
     if st:
-        lines += ["", f"## Step, world size 1 ({st['backend']}), {st['model']}, {st['params'] / 1e6:.1f} M params", "",
+        lines += ["", f"## Step, world size 1 ({st['backend']}), {st['model']}, {st['params'] / 1e6:.1f} M params", ""]
+        if st.get("round_ratios"):
+            import step_stats
+
+            lines += ["```", step_stats.format_ratios(st["round_ratios"]), "```", ""]
+        for when, state in (st.get("gpu_state") or {}).items():
+            lines.append(f"- GPU at {when}: " + (", ".join(f"{k} {v}" for k, v in state.items() if k != "available")
+                                                 if state.get("available") else f"unavailable ({state.get('reason')})"))
+        if st.get("traces_file"):
+            lines.append(f"- one chrome trace per variant (gzipped) in `{st['traces_file']}`")
+        lines += ["",
                   "| variant | optimizer step ms | whole step ms | peak GiB |", "|---|---|---|---|"]
         for v, s in st["variants"].items():
             peak = s.get("peak_bytes")

@@ -89,7 +89,7 @@ from torch import nn
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
 from dmuon.hooks.state_dict import canonical_fqn, module_key
-from dmuon.optim import OwnerUpdate
+from dmuon.optim import OwnerUpdate, unwrap_optimizer
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.slices import local_tensor
 
@@ -238,8 +238,8 @@ def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
     """``local`` (a state tensor shaped like ``param``'s local piece) as a DTensor aliasing it,
     with ``param``'s mesh, placements, global shape and stride; other values unchanged."""
     if not hasattr(param, "device_mesh") or not isinstance(local, torch.Tensor) \
-            or tuple(local.shape) != tuple(param.to_local().shape):
-        return local
+            or hasattr(local, "device_mesh") or tuple(local.shape) != tuple(param.to_local().shape):
+        return local  # a DTensor already: the distributed_config path keeps its state so
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
@@ -273,6 +273,7 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
             another model, or (``Muon(params, ...)``) a parameter of ``opt`` is not in
             ``model`` or a Muon matrix is a plain shard.
     """
+    opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
     if not _on_owner_runtime(opt):
         return _configured_state_dict(model, opt)
     ctx = _check_optimizer(model, opt)
@@ -441,6 +442,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
             tensor of the wrong kind, shape or dtype (a checkpoint of another model); naming the
             ranks and entries. Nothing is written.
     """
+    opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
     group = _agreement_group(model, opt)
     problems: list[str] = []
     if not isinstance(sd, dict) or MODEL_KEY not in sd or OPTIM_KEY not in sd:
@@ -545,6 +547,7 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
         ValueError: ``extra`` uses the keys ``"model"`` or ``"optim"``, or the loaded state does
             not fit the model (see :func:`load_state_dict`); nothing changed.
     """
+    opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
     import torch.distributed.checkpoint as dcp  # not at import: `import dmuon` changes nothing in torch
     from torch.distributed.checkpoint.api import CheckpointException
 

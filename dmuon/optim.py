@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dmuon.comm.collectives import label
+from dmuon.comm.owned_grad import plain
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
@@ -143,9 +144,10 @@ class Muon(torch.optim.Optimizer):
         else:
             self.strategy = ConfiguredUpdate(self, distributed_config)
         self.distributed_config = distributed_config
-        # torch's state-dict utilities see plain param_groups and, on the owner runtime,
-        # momentum laid out like the parameters (dmuon.hooks.optim_state)
-        self._state_dict_handles = OptimizerStateHooks(self, getattr(self, "state_ctx", None)).install()
+        if isinstance(params, nn.Module):  # the other strategies install their own hooks
+            # torch's state-dict utilities see plain param_groups and momentum laid out like
+            # the parameters (dmuon.hooks.optim_state)
+            self._state_dict_handles = OptimizerStateHooks(self, self.state_ctx).install()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -163,6 +165,11 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # an absent gradient (dmuon.comm.owned_grad) stands for None
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if getattr(p.grad, "dmuon_absent", False):
+                        p.grad = None
         super().zero_grad(set_to_none=set_to_none)
 
 
@@ -196,7 +203,13 @@ class OwnerUpdate:
                 dict(params=others, kind="adamw", param_names=param_names(model, others), **adamw_defaults)]
 
     def step(self) -> None:
-        """Muon then AdamW, then the step check and the publication."""
+        """Muon then AdamW, then the step check and the publication.
+
+        Raises:
+            RuntimeError: ``fully_shard`` ran on the model after binding (first step only,
+                when no forward caught it: :meth:`DedicateState.check_not_sharded_since_binding`).
+        """
+        self.ctx.check_not_sharded_since_binding("the first opt.step()")
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
@@ -213,13 +226,14 @@ class OwnerUpdate:
         ctx = self.ctx
         params, grads, bufs, recs = [], [], [], []
         for p in group["params"]:
-            if p.grad is None or p.numel() == 0:  # placeholders: someone else owns it
+            # placeholders: someone else owns it; absent: no rank had a gradient (Muon skips it)
+            if p.grad is None or p.numel() == 0 or getattr(p.grad, "dmuon_absent", False):
                 continue
             state = self.opt.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
-            grads.append(p.grad)
+            grads.append(plain(p.grad))
             bufs.append(state["momentum_buffer"])
             recs.append(ctx.record_of_master[p])
         ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
@@ -256,6 +270,18 @@ class OwnerUpdate:
             )
 
 
+def unwrap_optimizer(opt: Any) -> Any:
+    """The optimizer inside wrappers that hold it as ``.optimizer`` (Accelerate's
+    ``AcceleratedOptimizer``, Lightning's ``LightningOptimizer``), followed until a
+    :class:`Muon` (or something without ``.optimizer``); anything else is returned unchanged."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(opt, Muon) or not isinstance(inner, torch.optim.Optimizer):
+            return opt
+        opt = inner
+    return opt
+
+
 def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute.
@@ -268,8 +294,9 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
 
     Args:
         model_or_optimizer: the model given to ``dedicate_params``, or a :class:`Muon` (any
-            strategy; with ``distributed_config`` pass the optimizer: the norm covers its
-            parameters, and plain non-matrix tensors are taken for replicas, as DDP holds them).
+            strategy, or a wrapper holding it as ``.optimizer``: :func:`unwrap_optimizer`;
+            with ``distributed_config`` pass the optimizer: the norm covers its parameters,
+            and plain non-matrix tensors are taken for replicas, as DDP holds them).
         max_norm: largest allowed norm (same unit as the gradients).
         norm_type: p of the p-norm; ``float("inf")`` for the max norm.
         error_if_nonfinite: raise instead of clipping by a nan/inf norm.
@@ -283,6 +310,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
             plain Muon matrix whose layout the config does not record.
         TypeError: neither a model nor a :class:`Muon`.
     """
+    model_or_optimizer = unwrap_optimizer(model_or_optimizer)
     if isinstance(model_or_optimizer, Muon):
         strategy = model_or_optimizer.strategy
         if not isinstance(strategy, OwnerUpdate):
@@ -296,12 +324,13 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     ctx.ensure_bound()
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
     for rec in ctx.records:
-        if rec.master.grad is None:
+        grad = plain(rec.master.grad)  # the local tensor: a shown grad's pieces are records too
+        if grad is None or getattr(rec.master.grad, "dmuon_absent", False):  # absent: None
             continue
-        clipped.append(rec.master.grad)
+        clipped.append(grad)
         # HSDP replicas and TP ranks holding a whole matrix have equal copies: count one.
         if ctx.replicate_rank == 0 and (rec.tp_shard_dim is not None or ctx.tp_rank == 0):
-            counted.append(rec.master.grad)
+            counted.append(grad)
     for p in model.parameters():
         if p in ctx.record_of_master or p.grad is None:
             continue

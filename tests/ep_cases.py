@@ -13,13 +13,13 @@ each expert's 2-D slice + ``AdamW``).
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
+from dmuon.integrations.hf_moe import shard_experts
 from tests import moe_cases as cases
 from tests.moe_cases import full_params
 
@@ -64,11 +64,10 @@ def parallelize(model: nn.Module, world_size: int, ep: int, *, one_d: bool = Fal
     for block, experts in layout:
         if isinstance(block, cases.EPMoE):
             block.ep_group = ep_mesh.get_group()
-        else:  # a Hugging Face layer: its experts module dispatches (cases.hf_experts_ep_forward)
-            experts.ep_group = ep_mesh.get_group()
-            experts.forward = types.MethodType(cases.hf_experts_ep_forward, experts)
-        for name, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
+            for name, p in list(experts.named_parameters(recurse=False)):
+                experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
+        else:  # a Hugging Face layer: dmuon's public experts forward dispatches its tokens
+            shard_experts(experts, ep_mesh)
     if before is not None:
         before(mesh)
     for block, experts in layout:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dmuon.integrations.hf_moe import ep_dispatch
 from tests import models
 
 VOCAB, SEQ, LOCAL_BATCH = 32, 6, 2
@@ -113,60 +114,6 @@ class EPMoE(nn.Module):
 
     def _dispatch(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return ep_dispatch(routed, counts, self.ep_group, self.experts)
-
-
-def ep_dispatch(routed: torch.Tensor, counts: torch.Tensor, group: Any,
-                compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
-    """Expert-parallel dispatch and combine (torchtitan's ``ExpertParallel``): ``routed`` rows
-    sorted by global expert, ``counts[e]`` rows for expert ``e``; each row goes (autograd
-    all-to-all) to the ``"ep"`` rank holding its expert, ``compute(rows sorted by local expert,
-    rows per local expert)`` runs there, and the results come back in ``routed``'s order.
-    Without ``group`` every expert is local."""
-    if group is None:
-        return compute(routed, counts.tolist())
-    from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-    ep = dist.get_world_size(group)
-    local = counts.numel() // ep
-    got = torch.empty_like(counts)  # [source rank, local expert]: tokens coming here
-    dist.all_to_all_single(got, counts, group=group)
-    send = counts.view(ep, local).sum(1).tolist()
-    recv = got.view(ep, local).sum(1).tolist()
-    arrived = all_to_all_single_autograd(routed, recv, send, group)
-    # source-major -> expert-major, run the local experts, and back
-    expert_of = torch.arange(local).repeat(ep).repeat_interleave(got)
-    perm = torch.argsort(expert_of, stable=True)
-    done = compute(arrived[perm], got.view(ep, local).sum(0).tolist())
-    back = torch.empty_like(done).index_copy(0, perm, done)
-    return all_to_all_single_autograd(back, send, recv, group)
-
-
-def hf_experts_ep_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                          top_k_weights: torch.Tensor) -> torch.Tensor:
-    """``Qwen3MoeExperts.forward`` (transformers 5) with expert parallelism: the same maths
-    (``act(x W_gate^T) * (x W_up^T)``, then ``W_down``, weighted by the router), but each
-    (token, expert) pair is sent by :func:`ep_dispatch` to the rank holding its expert, whose
-    ``gate_up_proj`` / ``down_proj`` are DTensors ``Shard(0)`` over ``"ep"`` (local experts via
-    ``to_local()``), as a torchtitan user would write it. Installed per module by
-    ``tests.ep_cases.parallelize``; ``experts.ep_group`` is the ``"ep"`` group."""
-    tokens, k = top_k_index.shape
-    expert = top_k_index.reshape(-1)
-    token = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)
-    order = torch.argsort(expert, stable=True)
-    counts = torch.bincount(expert, minlength=experts.num_experts)
-    gate_up, down = (w.to_local() if hasattr(w, "to_local") else w
-                     for w in (experts.gate_up_proj, experts.down_proj))
-
-    def compute(x: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        outs = []
-        for e, chunk in enumerate(torch.split(x, per_expert)):
-            gate, up = nn.functional.linear(chunk, gate_up[e]).chunk(2, dim=-1)
-            outs.append(nn.functional.linear(experts.act_fn(gate) * up, down[e]))
-        return torch.cat(outs) if outs else x[:0]
-
-    out = ep_dispatch(hidden_states[token[order]], counts, experts.ep_group, compute)
-    out = out * top_k_weights.reshape(-1)[order, None]
-    return torch.zeros_like(hidden_states).index_add(0, token[order], out.to(hidden_states.dtype))
 
 
 def ep_moe_net(experts: int = 4) -> nn.Module:

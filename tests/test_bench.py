@@ -26,7 +26,7 @@ def _bench_rank(rank: int, world_size: int) -> dict | None:
     """Pool worker: bench_step's per-rank body on the pool's gloo world (no process spawn)."""
     import bench_step
 
-    cfg = bench_step.BenchConfig(nproc=world_size, rounds=1, block_steps=1, batch_size=4, tiny=True)
+    cfg = bench_step.BenchConfig(nproc=world_size, rounds=2, block_steps=1, batch_size=4, tiny=True)
     return bench_step._run_rank(rank, cfg)
 
 
@@ -46,15 +46,15 @@ def test_bench_step_same_model_and_data_for_every_variant(tiny_step):
 
 def test_bench_step_phases_and_waits(tiny_step):
     v = tiny_step["variants"]
-    for name in ("adamw", "vanilla", "dmuon"):
-        assert v[name]["measured_steps"] == 1
+    for name in ("adamw", "vanilla", "dmuon", "adamw_b"):
+        assert v[name]["measured_steps"] == 2  # 2 rounds x 1 measured step
         # Each phase is a max over the 2 ranks, and each rank's phases add up to its total, so
         # max(total) <= sum of the phases' maxes <= sum of the 2 totals <= 2 max(total).
         parts = sum(v[name][k]["median_s"] for k in ("forward", "backward", "step"))
         total = v[name]["total"]["median_s"]
         assert total * (1 - 1e-9) <= parts <= 2 * total * (1 + 1e-9), (name, parts, total)
     # the breakdown: dmuon's record_function labels, read by torch.profiler on the profiled step
-    assert v["vanilla"]["profiled_steps"] == 1
+    assert v["vanilla"]["profiled_steps"] == 2
     assert 0 < v["vanilla"]["label_vanilla_all_gather_step"]["median_s"]
     assert 0 < v["vanilla"]["ns"]["median_s"] and 0 < v["dmuon"]["ns"]["median_s"]
     for label in ("pre_forward_forward", "finish_backward_backward", "reduce_bucket_backward",
@@ -62,6 +62,75 @@ def test_bench_step_phases_and_waits(tiny_step):
         assert v["dmuon"][f"label_{label}"]["median_s"] > 0, label
     owners = {m["owner"] for m in tiny_step["dedicated_matrices"]}
     assert owners <= {0, 1} and tiny_step["calibration"]["ns_s"]
+
+
+def test_bench_step_aa_control_and_per_round_ratios(tiny_step):
+    """The A/A control: adamw_b is the baseline built again (same weights, same batches: the
+    same losses step for step), run interleaved; every ratio is a median of per-round ratios
+    recomputed here from the per-round times, with quartiles, and a verdict against the floor."""
+    import step_stats
+
+    v, rr = tiny_step["variants"], tiny_step["round_ratios"]
+    assert v["adamw_b"]["losses"] == v["adamw"]["losses"]  # bit-identical: the same baseline twice
+    assert tiny_step["round_orders"] == [["adamw", "vanilla", "adamw_b", "dmuon"],
+                                         ["vanilla", "dmuon", "adamw", "adamw_b"]]
+    assert (rr["baseline"], rr["control"], rr["rounds"]) == ("adamw", "adamw_b", 2)
+    assert set(rr["ratios"]) == {"vanilla_over_adamw", "dmuon_over_adamw", "adamw_b_over_adamw",
+                                 "dmuon_over_vanilla"}
+    assert step_stats.all_finite_positive(rr)
+    for phase in step_stats.PHASES:
+        aa = rr["ratios"]["adamw_b_over_adamw"][phase]
+        assert len(aa["per_round"]) == 2 and aa["q1"] <= aa["median"] <= aa["q3"]
+        assert aa["median"] == pytest.approx(sum(aa["per_round"]) / 2)  # median of two rounds
+        assert rr["noise_floor"][phase] == pytest.approx(max(abs(aa[k] - 1) for k in ("q1", "median", "q3")))
+        d = rr["ratios"]["dmuon_over_adamw"][phase]
+        assert d["verdict"] == ("not distinguishable" if abs(d["median"] - 1) <= rr["noise_floor"][phase]
+                                else "slower" if d["median"] > 1 else "faster")
+    # the old fields (bench/simulate.py, sim_validate.py, gpu_suite read them) are still there
+    assert tiny_step["ratios"]["dmuon_total_over_adamw_total"] > 0
+    load = tiny_step["load_average"]
+    assert len(load["before"]) == 3 and len(load["after"]) == 3
+
+
+def test_step_stats_against_hand_computed_values():
+    import step_stats
+
+    # per-round ratio, not ratio of medians: round 0 runs 2x slower for both variants
+    base = {0: 2.0, 1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0}
+    num = {0: 2.2, 1: 1.1, 2: 1.0, 3: 1.3, 4: 0.9}
+    s = step_stats.ratio_stats(num, base)
+    assert s["per_round"] == pytest.approx([1.1, 1.1, 1.0, 1.3, 0.9])
+    assert (s["q1"], s["median"], s["q3"]) == pytest.approx((1.0, 1.1, 1.1))  # inclusive quartiles
+    aa = {"q1": 0.97, "median": 1.01, "q3": 1.08}
+    assert step_stats.noise_floor(aa) == pytest.approx(0.08)
+    assert step_stats.verdict({"median": 1.07}, 0.08) == "not distinguishable"
+    assert step_stats.verdict({"median": 1.09}, 0.08) == "slower"
+    assert step_stats.verdict({"median": 0.90}, 0.08) == "faster"
+    with pytest.raises(ValueError, match="no common round"):
+        step_stats.ratio_stats({0: 1.0}, {1: 1.0})
+    with pytest.raises(ValueError, match="adamw_b"):
+        step_stats.round_ratios({"adamw": [[]]})
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_round_order_balances_positions_and_predecessors(n):
+    """A Williams design: over one cycle every variant holds every position equally often and
+    follows every other variant equally often (counted by hand for n = 4: 12 ordered pairs,
+    once each)."""
+    import collections
+
+    import step_stats
+
+    variants = tuple("abcde"[:n])
+    cycle = step_stats.design_rounds(n)
+    orders = [step_stats.round_order(variants, r) for r in range(cycle)]
+    if n == 4:
+        assert orders == [("a", "b", "d", "c"), ("b", "c", "a", "d"), ("c", "d", "b", "a"), ("d", "a", "c", "b")]
+    for v in variants:
+        assert collections.Counter(o.index(v) for o in orders) == {p: cycle // n for p in range(n)}
+    pairs = collections.Counter((o[i], o[i + 1]) for o in orders for i in range(n - 1))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+    assert step_stats.round_order(variants, cycle) == orders[0]
 
 
 def _bench_replicate(rank: int, world_size: int) -> dict | None:
@@ -78,6 +147,9 @@ def test_bench_step_replicate_mode(dist_pool):
     and one broadcast per bucket (the JSON says how many)."""
     out = dist_pool.run(2, "tests.test_bench:_bench_replicate", {}, timeout_s=120, isolated=True)[0]
     v = out["variants"]
+    # the A/A control on the replicated path is DDP + AdamW twice: the same losses
+    assert v["adamw_b"]["losses"] == v["adamw"]["losses"]
+    assert out["round_ratios"]["ratios"]["adamw_b_over_adamw"]["total"]["median"] > 0
     first = [v[name]["losses"][0] for name in ("adamw", "vanilla", "dmuon")]
     assert first[1] == pytest.approx(first[0], rel=1e-6) and first[2] == pytest.approx(first[0], rel=1e-6)
     assert out["mesh"] == "replicate" and "keep" in out["dmuon_collectives"]["publish"]
@@ -110,6 +182,8 @@ def test_bench_step_command_line_defaults_and_refusals():
 
     default = bench_step.parse_args([])
     assert (default.nproc, default.rounds, default.block_steps, default.batch_size) == (4, 4, 2, 64)
+    assert default.control and default.warmup_steps == 1 and default.trace_dir is None
+    assert not bench_step.parse_args(["--no-control"]).control
     tiny = bench_step.parse_args(["--tiny", "--nproc", "2", "--extra", "dmuon_allreduce", "dmuon_keep"])
     assert (tiny.nproc, tiny.batch_size, tiny.tiny) == (2, 8, True)
     assert tiny.extra_variants == ("dmuon_allreduce", "dmuon_keep")

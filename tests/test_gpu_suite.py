@@ -43,8 +43,8 @@ def test_dry_run_writes_the_files_and_prints_the_summary(dry_run):
     out, stdout = dry_run
     names = sorted(p.name for p in out.iterdir())
     assert names == ["correctness.json", "launch_configs.json", "ns_speed.json", "rank_view.json", "step.json",
-                     "suite.json", "summary.md", "tuning.json"]
-    assert len(names) <= 8  # what comes back from a lent GPU machine
+                     "step_traces.tar", "suite.json", "summary.md", "tuning.json"]
+    # a lent GPU machine returns at most 8 files: gpu_suite's docstring bundles them with tar
     suite = json.loads((out / "suite.json").read_text())
     assert {n: s["status"] for n, s in suite["sections"].items()} == {n: "ok" for n, _, _ in gpu_suite.SECTIONS}
     assert [t["key"] for t in suite["targets"]] == [k for k, _, _ in gpu_suite.TARGETS]
@@ -88,7 +88,7 @@ def test_dry_run_step_and_ns_speed(dry_run):
     st = _section(out, "step")
     assert st["backend"] == "gloo" and st["world_size"] == 1 and "bf16 MixedPrecisionPolicy" in st["model"]
     first = {v: s["losses"][0] for v, s in st["variants"].items()}
-    assert set(first) == {"adamw", "vanilla", "dmuon", "torch_muon"}
+    assert set(first) == {"adamw", "vanilla", "dmuon", "torch_muon", "adamw_b"}
     # same weights, same first batch: FSDP2 variants agree exactly; the unsharded fp32 torch_muon
     # to bf16 precision
     assert first["vanilla"] == pytest.approx(first["adamw"], rel=1e-6)
@@ -98,6 +98,37 @@ def test_dry_run_step_and_ns_speed(dry_run):
     for model in ("pi0", "qwen2.5-7b"):
         v = ns["models"][model]["variants"]
         assert set(v) == {"torch_muon_bf16", "dmuon_gram_torch"} and v["torch_muon_bf16"]["ratio_to_torch_muon"] == 1.0
+
+
+def test_dry_run_step_aa_control_traces_and_gpu_state(dry_run):
+    """Issue 34: the step section's A/A control (AdamW twice, interleaved), per-round ratios
+    with quartiles, one gzipped chrome trace per variant, the GPU state at start and end, and
+    the targets quoted with the A/A floor."""
+    import gzip
+    import tarfile
+
+    import step_stats
+
+    out, stdout = dry_run
+    st = _section(out, "step")
+    rr = st["round_ratios"]
+    assert rr["rounds"] == 2 and st["round_orders"][0] != st["round_orders"][1]
+    assert st["variants"]["adamw_b"]["losses"] == st["variants"]["adamw"]["losses"]
+    assert step_stats.all_finite_positive(rr)
+    assert {"adamw_b_over_adamw", "dmuon_over_adamw", "dmuon_over_torch_muon"} <= set(rr["ratios"])
+    assert all(0 <= f < float("inf") for f in rr["noise_floor"].values())
+    with tarfile.open(out / st["traces_file"]) as tar:
+        names = sorted(tar.getnames())
+        assert names == sorted(f"trace_{v}.json.gz" for v in st["variants"])
+        trace = json.loads(gzip.decompress(tar.extractfile("trace_dmuon.json.gz").read()))
+    assert any(e.get("name", "").startswith("dmuon::") for e in trace["traceEvents"])  # dmuon's labels
+    for when in ("start", "end"):
+        state = st["gpu_state"][when]
+        assert state["available"] or state["reason"]  # no GPU here: recorded as unavailable, with why
+    suite = json.loads((out / "suite.json").read_text())
+    notes = {t["key"]: t["note"] for t in suite["targets"]}
+    assert all("A/A floor" in notes[k] for k in ("step_opt", "step_total", "step_forward", "step_backward"))
+    assert "adamw_b_over_adamw" in stdout and "chrome trace per variant" in stdout
 
 
 def test_dry_run_rank_view_section(dry_run):

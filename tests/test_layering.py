@@ -20,7 +20,7 @@ PKG = Path(__file__).resolve().parent.parent / "dmuon"
 
 #: Layer of each top-level part of ``dmuon`` (higher imports lower).
 LAYERS = {
-    "train": 8,
+    "train": 8, "integrations": 8,  # glue to third-party trainers: uses the public API
     "__init__": 7,
     "profile": 6, "checkpoint": 6,
     "optim": 5, "baselines": 5,

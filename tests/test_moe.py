@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from tests import ep_cases
 from tests import moe_cases as cases
@@ -277,3 +279,31 @@ def test_modulelist_experts_with_gradient_accumulation(dist_pool):
 def test_checkpoint_roundtrip_with_expert_ranges(dist_pool):
     """dmuon.state_dict / load_state_dict with every stack split into ranges: bitwise resume."""
     assert dist_pool.run(2, "tests.moe_cases:checkpoint_roundtrip", {}, timeout_s=120) == [True, True]
+
+
+def test_shard_experts_refuses_bad_input_by_name():
+    """dmuon.integrations.hf_moe.shard_experts: a module that is not a transformers 5 experts
+    module, a mesh that is not 1-D, or an "ep" size not dividing the experts is refused with
+    the values and the fix, before any parameter is touched."""
+    from types import SimpleNamespace
+
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    from dmuon.integrations.hf_moe import shard_experts
+
+    experts = MixtralExperts(MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=3))
+    before = {n: p.clone() for n, p in experts.named_parameters()}
+
+    def mesh(*shape):
+        return SimpleNamespace(ndim=len(shape), shape=shape, size=lambda: shape[0])
+
+    with pytest.raises(ValueError, match=r"dmuon: MixtralExperts has 3 experts, which the "
+                                         r"expert-parallel mesh of 2 ranks does not divide.*\[1, 3\]"):
+        shard_experts(experts, mesh(2))
+    with pytest.raises(ValueError, match=r"1-D expert-parallel mesh.*\(2, 2\)"):
+        shard_experts(experts, mesh(2, 2))
+    with pytest.raises(ValueError, match="Linear has no gate_up_proj, down_proj, act_fn, num_experts"):
+        shard_experts(nn.Linear(4, 4), mesh(1))
+    for n, p in experts.named_parameters():
+        assert torch.equal(p, before[n]) and not hasattr(p, "to_local"), n

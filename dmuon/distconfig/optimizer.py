@@ -33,6 +33,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
+from dmuon.distconfig.state import (
+    init_state,
+    install_state_dict_hooks,
+    local_state,
+    parse_dtype,
+    zero_state,
+)
 from dmuon.distconfig.strategies import supports_async
 from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
@@ -67,7 +74,9 @@ def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_default
     """Param groups for ``dmuon.Muon(params, ...)``, each marked ``use_muon`` True or False.
 
     Args:
-        params: tensors, or param groups (dicts with ``"params"``). A group may set
+        params: tensors or ``(name, tensor)`` pairs (``model.named_parameters()``: the groups
+            then carry torch's ``param_names``), or param groups (dicts with ``"params"`` of
+            either kind). A group may set
             ``"use_muon": False`` (AdamW) or ``True`` (Muon; every tensor must be 2-D); without
             it, 2-D tensors go to Muon and the rest to AdamW. A group's own keys override the
             defaults and are checked like them.
@@ -84,17 +93,18 @@ def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_default
     raw = items if isinstance(items[0], dict) else [{"params": items}]
     groups = []
     for gi, group in enumerate(raw):
-        tensors = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
+        entries = [group["params"]] if isinstance(group["params"], Tensor) else list(group["params"])
         options = {k: v for k, v in group.items() if k not in ("params", "use_muon")}
         use = group.get("use_muon")
         if use is True:
-            bad = [tuple(t.shape) for t in tensors if t.ndim != 2]
+            bad = [tuple(_tensor(t).shape) for t in entries if _tensor(t).ndim != 2]
             if bad:
                 raise ValueError(f"dmuon: param group {gi} has use_muon=True but holds tensors of "
                                  f"shapes {bad}; Muon takes 2-D matrices. Put them in a group "
                                  f"with use_muon=False (AdamW).")
-        split = ([(True, tensors)] if use is True else [(False, tensors)] if use is False else
-                 [(True, [t for t in tensors if t.ndim == 2]), (False, [t for t in tensors if t.ndim != 2])])
+        split = ([(True, entries)] if use is True else [(False, entries)] if use is False else
+                 [(True, [t for t in entries if _tensor(t).ndim == 2]),
+                  (False, [t for t in entries if _tensor(t).ndim != 2])])
         for is_muon, ts in split:
             if not ts and use is None:
                 continue
@@ -113,6 +123,11 @@ def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_default
     return groups
 
 
+def _tensor(entry: Any) -> Tensor:
+    """The tensor of a param-group entry: a tensor or a ``(name, tensor)`` pair."""
+    return entry[1] if isinstance(entry, tuple) else entry
+
+
 class SingleDeviceUpdate:
     """``distributed_config=None``: Muon on plain full tensors, AdamW on the rest.
 
@@ -125,6 +140,7 @@ class SingleDeviceUpdate:
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
         self.opt = opt
+        self._state_dict_handles = install_state_dict_hooks(opt)  # ns_dtype as a string
 
     def step(self) -> None:
         """AdamW on the ``use_muon=False`` groups, then Muon on the others."""
@@ -139,14 +155,20 @@ class SingleDeviceUpdate:
         for group in opt.param_groups:
             if not group["use_muon"]:
                 ps = [p for p in group["params"] if p.grad is not None]
-                adamw_update_([local_tensor(p) for p in ps], [local_tensor(p.grad) for p in ps],
-                              [opt.state[p] for p in ps], lr=group["lr"], betas=group["betas"],
+                states = [zero_state(opt, p, use_muon=False) for p in ps]
+                for p, st in zip(ps, states):
+                    shape = local_tensor(p.grad).shape
+                    for name in ("exp_avg", "exp_avg_sq"):
+                        local_state(st[name], shape, name, f"AdamW parameter of shape {tuple(p.shape)}")
+                # the parameters themselves (DTensors stay DTensors): adamw_update_ steps their
+                # local pieces in place
+                adamw_update_(ps, [p.grad for p in ps], states, lr=group["lr"], betas=group["betas"],
                               eps=group["eps"], weight_decay=group["weight_decay"])
 
     def ns_kwargs(self, group: dict) -> dict:
         """Newton-Schulz keyword arguments of ``group``."""
         return dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                    method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
+                    method=group["ns_method"], dtype=parse_dtype(group["ns_dtype"]), eps=group["eps"],
                     backend=self.opt.ns_backend)
 
     def _step_single(self, group: dict) -> None:
@@ -212,6 +234,7 @@ class ConfiguredUpdate(SingleDeviceUpdate):
         else:
             self.rounds = [[i] for i in range(len(params))]
         self._async_fns = supports_async(config.gather_fn) and supports_async(config.redistribute_fn)
+        init_state(opt)  # laid out like the parameters, before any state-dict read (state.py)
         logger.debug("dmuon: %d matrices in %d rounds on rank %d", len(params), len(self.rounds), rank)
 
     def muon_params(self) -> list[tuple[Tensor, dict]]:
@@ -237,11 +260,10 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                 raise RuntimeError(f"dmuon: Muon matrix {i} (shape {self.full_shapes[i]}) has no "
                                    f"gradient on rank {self.rank}; with a distributed_config every "
                                    f"matrix takes part in every step (use zeros, or a use_muon=False group)")
-            st = self.opt.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(local_tensor(p), memory_format=torch.preserve_format)
-            inputs.append(momentum_update_(local_tensor(p.grad), st["momentum_buffer"],
-                                           momentum=g["momentum"], nesterov=g["nesterov"]))
+            grad = local_tensor(p.grad)
+            buf = local_state(zero_state(self.opt, p, use_muon=True)["momentum_buffer"], grad.shape,
+                              "momentum_buffer", f"Muon matrix {i} (shape {self.full_shapes[i]})")
+            inputs.append(momentum_update_(grad, buf, momentum=g["momentum"], nesterov=g["nesterov"]))
         return inputs
 
     def _issue_gather(self, k: int, entries, inputs) -> Any:
@@ -342,7 +364,7 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                                                   **self.ns_kwargs(group))
                     for i, out in zip(ids, outs):
                         updates[rnd.index(i)] = out
-            ns_dtype = entries[rnd[0]][1]["ns_dtype"]
+            ns_dtype = parse_dtype(entries[rnd[0]][1]["ns_dtype"])
             with torch.profiler.record_function("dmuon::redistribute"):
                 handle = self._issue_redistribute(k, updates, inputs[rnd[0]].device, ns_dtype)
             if cfg.async_gpu_parallelism:

@@ -205,15 +205,27 @@ class _Restore:
             self.hooks[self.hook_id] = self.original
 
 
+def _wraps(hook: Any, target: Any, depth: int = 8) -> bool:
+    """Whether ``hook`` is ``target`` or wraps it (``functools.wraps`` chains, ``depth`` deep)."""
+    for _ in range(depth):
+        if hook is None:
+            return False
+        if hook == target:
+            return True
+        hook = getattr(hook, "__wrapped__", None)
+    return False
+
+
 def wrap_pre_forward(states: list[Any], wrap: Any) -> list[_Restore]:
     """Replace FSDP2's forward pre-hook on each module of ``states`` by ``wrap(hook)``.
 
     The wrapper takes the original's place in the module's ``_forward_pre_hooks`` (same hook
     id, so the same position, ``with_kwargs`` flag and FSDP2's own handle). FSDP2 registers
     ``FSDPState._pre_forward`` itself on a single module, or per module a ``functools.wraps``
-    wrapper of it for grouped ``fully_shard([a, b])`` (``_register_group_forward_hooks``);
-    both are recognised by that bound method. A state whose hook is not found (another torch)
-    is left alone.
+    wrapper of it for grouped ``fully_shard([a, b])`` (``_register_group_forward_hooks``, which
+    torch 2.13 wraps once more in ``_dynamo_disable``: ``hook.__wrapped__.__wrapped__`` is the
+    bound method); both are recognised by that bound method, at any depth of ``__wrapped__``.
+    A state whose hook is not found (another torch) is left alone.
 
     Args:
         states: the model's FSDP2 states (:func:`fsdp_states`).
@@ -228,7 +240,7 @@ def wrap_pre_forward(states: list[Any], wrap: Any) -> list[_Restore]:
         for module in getattr(state, "_modules", ()):
             hooks = module._forward_pre_hooks
             for hook_id, hook in list(hooks.items()):
-                if own is not None and (hook == own or getattr(hook, "__wrapped__", None) == own):
+                if own is not None and _wraps(hook, own):
                     hooks[hook_id] = wrap(hook)
                     handles.append(_Restore(hooks, hook_id, hook))
     if states and not handles:

@@ -51,6 +51,7 @@ from dmuon.comm.collectives import label
 from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
+from dmuon.comm.owned_grad import present, unpresent
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
 from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
 from dmuon.owners.dedicated import DedicatedParam
@@ -117,6 +118,7 @@ class DedicateState:
         self.shared_bucket: GradBucket | None = None  # keep mode: carries the other parameters
         self.keep = False  # replicas="keep": every rank keeps the full weights
         self.fsdp_wrapped = False
+        self._sharding_checked = False  # check_not_sharded_since_binding ran
         self._fsdp_states: list[Any] = []
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
         self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}  # master -> record
@@ -204,6 +206,8 @@ class DedicateState:
                                               before_issue=self.step_check.settle)
         self.bound = True
         self._register_hooks(binding.wiring)
+        if not self.fsdp_wrapped:  # a later fully_shard (accelerator.prepare) is refused by name
+            self._refuse_later_fully_shard()
         if self.fsdp_wrapped and self.step_check.group is not None:
             # the check settles before FSDP2's root all-gather even when dedicate_params ran
             # before fully_shard, and a rank the others left fails by name in FSDP2's
@@ -212,6 +216,45 @@ class DedicateState:
             self._handles += fsdp.wrap_pre_forward(self._fsdp_states, self.step_check.guard_fsdp_pre_forward)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
+
+    def _refuse_later_fully_shard(self) -> None:
+        """Check at the model's first forward that nobody ran ``fully_shard`` on it after binding.
+
+        The check must run before FSDP2's root pre-forward, whose all-gather of dmuon's masters
+        and placeholders (different sizes on owner and non-owners) fails in the backend
+        (gloo: "Received data size doesn't match expected size"), and ``fully_shard`` puts its
+        hook in front of every hook the model has: so it is a global module forward pre-hook
+        (those run first), removed at the model's first forward. Every rank raises alike.
+        """
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        def first_forward(module: nn.Module, args: Any) -> None:
+            if module is self.model:
+                handle.remove()
+                self.check_not_sharded_since_binding("the model's first forward")
+
+        handle = register_module_forward_pre_hook(dynamo_disable(first_forward))
+        self._handles.append(handle)
+
+    def check_not_sharded_since_binding(self, where: str) -> None:
+        """Raise if the model, bound without FSDP2, is FSDP2-wrapped now (checked once).
+
+        Raises:
+            RuntimeError: ``fully_shard`` ran on the model or a submodule after
+                ``dmuon.Muon(model)`` (or the first forward) bound its dedicated matrices.
+        """
+        if self.fsdp_wrapped or self._sharding_checked:
+            return
+        self._sharding_checked = True
+        if fsdp.is_fsdp_wrapped(self.model):
+            raise RuntimeError(
+                f"dmuon: rank {dist.get_rank()}: the model was wrapped by FSDP2's fully_shard (for "
+                f"instance by accelerator.prepare) after dmuon bound its {len(self.records)} "
+                f"dedicated matrices to the plain module (at dmuon.Muon(model) or the first "
+                f"forward); FSDP2 would now shard dmuon's masters and placeholders (found at "
+                f"{where}). Call fully_shard (accelerator.prepare(model)) first, then "
+                f"dmuon.dedicate_params(model, mesh) and dmuon.Muon(model, ...); with Accelerate, "
+                f"prepare the model alone, build the optimizer, then prepare the optimizer.")
 
     def _bind_at_first_forward(self, module: nn.Module, args: Any) -> None:
         """Root pre-hook (removed once bound): bind if ``dmuon.Muon`` has not yet."""
@@ -267,7 +310,11 @@ class DedicateState:
         with label("dmuon::finish_backward"), torch.no_grad():
             if self.shared_bucket is not None and self.sync_this_backward:
                 self.shared_bucket.issue(self.group, self.reduce_mode)  # the other parameters' .grad
+            unpresent(self.records)  # plain gradients for the owners to add to
             reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
+            # what clipping by third-party code sees (dmuon.comm.owned_grad): every rank alike
+            present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
+                    tp_rank=self.tp_rank)
             if self.replicated is not None and self.sync_this_backward:
                 self.replicated.finish()
 

@@ -1,0 +1,255 @@
+"""What third-party code sees as a dedicated matrix's gradient: an :class:`OwnedGrad`.
+
+After a synchronized backward the full averaged gradient of a dedicated matrix lives on its
+owner only (non-owners hold a zero-size placeholder parameter), so a gradient-norm clip that
+walks ``model.parameters()`` on each rank sees a rank-dependent set of gradients: Accelerate's
+``clip_grad_norm_`` and the transformers ``Trainer`` take plain-tensor gradients for replicas
+and return a different norm on every rank (1.35 and 0.75 on 2 ranks where the norm is 1.50);
+torch's ``clip_grad_norm_`` and torchtitan's raise ``aten._foreach_norm.Scalar got mixed
+torch.Tensor and DTensor`` under FSDP2, and on the replicated path see the owner's gradients
+only (issue 31).
+
+The parameters keep their representation (docs/design.md, "What the code around the loop
+sees"); the *gradient* a dedicated parameter shows outside backward is an :class:`OwnedGrad`:
+the same plain local tensor (the owner's ``[rows, cols]`` fp32 average, a ``[0]`` tensor on a
+non-owner's placeholder), viewed as a tensor subclass whose ``__torch_function__``
+
+* answers a whole-tensor norm (``torch.linalg.vector_norm``, ``torch.norm``, ``Tensor.norm``,
+  ``torch.linalg.norm``, ``torch._foreach_norm``) with the norm of the *full* gradient, the
+  same plain 0-d tensor on every rank (one all-reduce over the mesh per call: a replicated
+  value, as DDP's gradients are, so every consumer that sums per-tensor norms, DTensor-aware
+  or not, adds it once), and
+* runs every other op on the local tensor (a clip's ``mul_`` scales what this rank holds; a
+  0-d DTensor factor, FSDP2's clip coefficient, is taken as its full value).
+
+So ``torch.nn.utils.clip_grad_norm_(model.parameters())``, ``Accelerator.clip_grad_norm_``,
+the ``Trainer``'s clip and torchtitan's ``clip_grad_norm_`` compute the single-process norm and
+clip by it, on the FSDP2 path and the replicated path. Every rank must make the same calls, as
+every rank does with a DTensor: hence every rank holds an ``OwnedGrad`` for every dedicated
+parameter that had a gradient this step, the owner's (zeros marked ``absent`` when no rank
+produced one: dmuon's step then skips the matrix, as ``torch.optim.Muon`` skips ``None``) and
+the placeholders' alike. A module slot that shows one range of a split expert stack carries
+the ranges this rank holds behind it (``pieces``): its norm and ``mul_`` cover them all.
+
+Cost: a third-party clip issues one small all-reduce per dedicated parameter (torch's
+per-tensor norm path); :func:`dmuon.clip_grad_norm_` issues one in all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from dmuon.owners.dedicated import DedicatedParam
+
+_WHOLE_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm)
+
+
+class OwnedGrad(torch.Tensor):
+    """A dedicated parameter's gradient as third-party code sees it (see the module docstring).
+
+    Attributes (set by :func:`present`):
+        dmuon_pieces: the plain local gradients this rank holds behind the parameter (the
+            owner's average; a split stack's ranges; ``[]`` on a placeholder with nothing).
+        dmuon_counts: whether this rank's pieces count in a sum (HSDP replicas and TP ranks
+            holding equal copies: one of them).
+        dmuon_group: the process group the norm is reduced over (the whole mesh).
+        dmuon_absent: no rank produced a gradient (the owner's zeros stand for ``None``).
+    """
+
+    dmuon_pieces: list[torch.Tensor]
+    dmuon_counts: bool
+    dmuon_group: Any
+    dmuon_absent: bool
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _WHOLE_NORMS:
+            return _whole_norm(func, args, kwargs)
+        if func is torch._foreach_norm:
+            return _foreach_norm(*args, **kwargs)
+        if func is torch._foreach_mul_:
+            return _foreach_mul_(*args, **kwargs)
+        args, kwargs = tree_map(_full_scalar, (args, kwargs))
+        if getattr(func, "__name__", "") == "mul_" and isinstance(args[0], OwnedGrad):
+            return _mul_pieces_(args[0], args[1])
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def plain(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """``grad`` as a plain tensor (same storage) for dmuon's own math; ``None`` stays ``None``."""
+    return grad.as_subclass(torch.Tensor) if isinstance(grad, OwnedGrad) else grad
+
+
+def _full_scalar(a: Any) -> Any:
+    """A 0-d DTensor (a clip coefficient computed from FSDP2's DTensor norms) as its full value."""
+    if isinstance(a, torch.Tensor) and not isinstance(a, OwnedGrad) and a.ndim == 0 \
+            and hasattr(a, "full_tensor"):
+        return a.full_tensor()
+    return a
+
+
+def _ord(p: Any) -> float:
+    if p is None or p == "fro":
+        return 2.0
+    if isinstance(p, str):
+        raise RuntimeError(f"dmuon: the norm {p!r} of an owner-held gradient is not a vector norm; "
+                           f"dmuon computes whole-gradient p-norms only. Use dmuon.clip_grad_norm_.")
+    return float(p)
+
+
+def _whole_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """``func(grad, p)`` over the whole gradient: the global norm, the same on every rank."""
+    grad, *rest = args
+    p = kwargs.pop("ord", kwargs.pop("p", rest.pop(0) if rest else None))
+    dim = kwargs.pop("dim", rest.pop(0) if rest else None)
+    if dim is not None or kwargs.get("keepdim", False):
+        raise RuntimeError(
+            f"dmuon: {getattr(func, '__name__', func)}(dim={dim!r}) on the gradient of a dedicated "
+            f"matrix; its rows live on the owner only, so only a whole-tensor norm is answered "
+            f"(the same on every rank). Reduce over all dims, or use dmuon.clip_grad_norm_.")
+    if not isinstance(grad, OwnedGrad):  # an OwnedGrad passed elsewhere (out=, ...)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **[kwargs, dict(kwargs, dim=dim)][dim is not None])
+    if func is torch.linalg.norm and p not in (None, "fro") and grad.dim() != 1:
+        raise RuntimeError(
+            f"dmuon: torch.linalg.norm(ord={p!r}) of a dedicated matrix's gradient is a matrix "
+            f"norm; dmuon answers whole-gradient vector norms only (ord=None / 'fro', or "
+            f"torch.linalg.vector_norm). Use dmuon.clip_grad_norm_.")
+    (norm,) = global_norms([grad], _ord(p))
+    dtype = kwargs.get("dtype")
+    return norm.to(dtype) if dtype is not None else norm
+
+
+def global_norms(grads: Sequence[OwnedGrad], p: float) -> list[torch.Tensor]:
+    """The full gradients' p-norms, one 0-d tensor each (dtype of the gradient), identical on
+    every rank. Collective: one all-reduce (SUM of ``|g|^p``, MAX for the inf-norm) per
+    process group over all ``grads`` together.
+
+    Raises:
+        RuntimeError: ``p`` is 0 or negative (not a norm dmuon sums across ranks).
+    """
+    if not grads:
+        return []
+    if not (p > 0):
+        raise RuntimeError(f"dmuon: the {p}-norm of an owner-held gradient is not supported; "
+                           f"use a p-norm with p > 0 or float('inf').")
+    is_inf = math.isinf(p)
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    by_group: dict[int, list[int]] = {}
+    for i, g in enumerate(grads):
+        by_group.setdefault(id(g.dmuon_group), []).append(i)
+    for idx in by_group.values():
+        first = grads[idx[0]]
+        device = first.device
+        values = torch.zeros(len(idx), dtype=torch.float64, device=device)
+        for j, i in enumerate(idx):
+            g = grads[i]
+            if not (g.dmuon_counts or is_inf):
+                continue
+            for piece in g.dmuon_pieces:
+                if piece.numel() == 0:
+                    continue
+                x = piece.detach().abs().to(torch.float64)
+                values[j] = torch.maximum(values[j], x.max()) if is_inf else values[j] + x.pow(p).sum()
+        if first.dmuon_group is not None and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(values, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM,
+                            group=first.dmuon_group)
+        if not is_inf:
+            values = values.pow(1.0 / p)
+        for j, i in enumerate(idx):
+            out[i] = values[j].to(grads[i].dtype)
+    return out  # type: ignore[return-value]
+
+
+def _foreach_norm(tensors: Sequence[torch.Tensor], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:
+    """``torch._foreach_norm`` of a list holding OwnedGrads: theirs global, the rest as torch does."""
+    p = _ord(ord)
+    mine = [i for i, t in enumerate(tensors) if isinstance(t, OwnedGrad)]
+    rest = [i for i, t in enumerate(tensors) if not isinstance(t, OwnedGrad)]
+    out: list[Any] = [None] * len(tensors)
+    for i, norm in zip(mine, global_norms([tensors[i] for i in mine], p)):
+        out[i] = norm if dtype is None else norm.to(dtype)
+    if rest:
+        kw = {} if dtype is None else {"dtype": dtype}
+        for i, norm in zip(rest, torch._foreach_norm([tensors[i] for i in rest], ord, **kw)):
+            out[i] = norm
+    return out
+
+
+def _mul_pieces_(grad: OwnedGrad, factor: Any) -> OwnedGrad:
+    """In-place ``grad.mul_(factor)`` on every piece behind the parameter (a clip)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        for piece in grad.dmuon_pieces:
+            piece.mul_(factor)
+    return grad
+
+
+def _foreach_mul_(tensors: Sequence[torch.Tensor], other: Any) -> None:
+    """``torch._foreach_mul_`` of a list holding OwnedGrads by one factor (a clip coefficient)."""
+    if isinstance(other, (list, tuple)):
+        for t, o in zip(tensors, other):
+            t.mul_(o)
+        return
+    rest = [t for t in tensors if not isinstance(t, OwnedGrad)]
+    if rest:
+        torch._foreach_mul_(rest, other)
+    factor = _full_scalar(other)
+    for t in tensors:
+        if isinstance(t, OwnedGrad):
+            _mul_pieces_(t, factor)
+
+
+def _view(local: torch.Tensor, pieces: list[torch.Tensor], counts: bool, group: Any,
+          absent: bool = False) -> OwnedGrad:
+    grad = local.as_subclass(OwnedGrad)
+    grad.dmuon_pieces, grad.dmuon_counts, grad.dmuon_group, grad.dmuon_absent = pieces, counts, group, absent
+    return grad
+
+
+def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: int, tp_rank: int) -> None:
+    """End of a synchronized backward: show every dedicated parameter's gradient as an
+    :class:`OwnedGrad` (the owner's average, zeros marked absent when no rank had one, a
+    ``[0]`` gradient on a placeholder), for every record that was reduced (``had_grad``, the
+    same on every rank).
+
+    Args:
+        records: the model's dedicated records (a split stack's ranges in order).
+        group: the group a norm is all-reduced over (every rank of the mesh).
+        replicate_rank, tp_rank: this rank's HSDP replica and TP index (who counts equal copies).
+    """
+    by_param: dict[int, list[DedicatedParam]] = {}
+    for rec in records:
+        shown = rec.stack.records[0] if rec.stack is not None else rec
+        by_param.setdefault(id(shown), []).append(rec)
+    for recs in by_param.values():
+        if not any(r.had_grad for r in recs):
+            continue
+        shown = recs[0].stack.records[0] if recs[0].stack is not None else recs[0]
+        pieces = [plain(r.master.grad) for r in recs if r.master.grad is not None]
+        counts = replicate_rank == 0 and (recs[0].tp_shard_dim is not None or tp_rank == 0)
+        master = shown.master
+        grad = plain(master.grad)
+        absent = False
+        if grad is None:
+            absent = master.numel() > 0  # the owner: no rank had a gradient (or an HSDP
+            # "broadcast" matrix on a replica other than 0): zeros that take no memory
+            grad = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)
+        master.grad = _view(grad, pieces, counts, group, absent)
+
+
+def unpresent(records: Sequence[DedicatedParam]) -> None:
+    """Before the owners accumulate (end of every backward): plain gradients again, and
+    ``None`` where :func:`present` made one up (absent zeros, placeholders), so a second
+    backward before the step adds to what the first left, as with plain tensors."""
+    for rec in records:
+        g = rec.master.grad
+        if isinstance(g, OwnedGrad):
+            rec.master.grad = None if g.dmuon_absent or g.numel() != rec.master.numel() \
+                or (rec.master.numel() == 0 and not rec.is_owner) else plain(g)
