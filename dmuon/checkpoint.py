@@ -35,8 +35,9 @@ owners' compute copies). Nothing is gathered on one rank:
 * **Optimizer hyper-parameters** (``lr``, ``betas``, ``initial_lr`` of LR schedulers, ...) are
   small Python objects saved as DCP byte items, one dict per parameter group kind.
 
-Layout (keys are fully qualified parameter names, so a checkpoint survives a change of world
-size, owner plan or FSDP2 wrapping)::
+Layout (keys are canonical fully qualified parameter names, ``_checkpoint_wrapped_module.``
+and ``_orig_mod.`` stripped as torch's state-dict API strips them, so a checkpoint survives a
+change of world size, owner plan, FSDP2 wrapping or activation checkpointing)::
 
     {"model": {fqn: tensor},                       # masters only on their owner
      "optim": {"state": {fqn: {"momentum_buffer": ...} | {"step", "exp_avg", "exp_avg_sq"}},
@@ -60,6 +61,12 @@ Muon matrices (``create_processgroup_config(fsdp_pg=...)``) cannot be described 
 (different local shapes under one key) and raise ``ValueError``; plain non-matrix tensors
 are taken for replicas.
 
+torch's own state-dict API (``model.state_dict()``, ``get_state_dict`` / ``set_state_dict``,
+full or sharded) works on the same models (:mod:`dmuon.hooks.state_dict`,
+:mod:`dmuon.hooks.optim_state`); this module adds checkpoints without a collective or a copy,
+the layouts torch's path refuses (TP-split matrices, split or expert-parallel stacks) and the
+all-or-nothing :func:`load` (docs/checkpointing.md).
+
 Typical use::
 
     sd = dmuon.checkpoint.state_dict(model, opt)
@@ -81,6 +88,7 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
+from dmuon.hooks.state_dict import canonical_fqn, module_key
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.slices import local_tensor
@@ -88,7 +96,7 @@ from dmuon.owners.slices import local_tensor
 logger = logging.getLogger(__name__)
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
-_SKIP_GROUP_KEYS = ("params", "kind")
+_SKIP_GROUP_KEYS = ("params", "kind", "param_names")
 
 
 def _adamw_params(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
@@ -272,11 +280,13 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     ctx.ensure_bound()
     _ensure_optimizer_state(opt)
     model_sd: dict[str, Any] = {}
-    dedicated = {rec.fqn for rec in ctx.records}
-    for fqn, value in model.state_dict().items():
+    dedicated = {module_key(rec.fqn) for rec in ctx.records}
+    with ctx.state_dict_hooks.raw():  # the live tensors, not torch's FSDP2-like view
+        live = model.state_dict()
+    for fqn, value in live.items():
         if fqn in dedicated:
             continue  # added below, owners only
-        model_sd[fqn] = value
+        model_sd[canonical_fqn(fqn)] = value
     optim_state: dict[str, dict[str, Any]] = {}
     for rec in ctx.records:
         if rec.is_owner:
@@ -290,7 +300,7 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
                 for key, piece in _owner_entries(rec, buf):
                     optim_state[key] = {"momentum_buffer": piece}
     for fqn, param in _adamw_params(model, opt):
-        optim_state[fqn] = dict(opt.state[param])
+        optim_state[canonical_fqn(fqn)] = dict(opt.state[param])
     groups = {g["kind"]: {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}
               for g in opt.param_groups}
     return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
@@ -311,9 +321,10 @@ def _owner_entries(rec: DedicatedParam, local: torch.Tensor) -> list[tuple[str, 
         local: its master or momentum buffer, fp32 (``[k, rows, cols]`` for a range); not copied.
     """
     if rec.experts is None:
-        return [(rec.key, _tp_sharded(rec, local))]
+        return [(canonical_fqn(rec.key), _tp_sharded(rec, local))]
     experts = local.view(-1, *local.shape[-2:])
-    return [(f"{rec.fqn}[{rec.experts[0] + i}]", experts[i]) for i in range(experts.shape[0])]
+    fqn = canonical_fqn(rec.fqn)
+    return [(f"{fqn}[{rec.experts[0] + i}]", experts[i]) for i in range(experts.shape[0])]
 
 
 def _tp_sharded(rec: DedicatedParam, local: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from dmuon.comm.owned_grad import plain
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
+from dmuon.hooks.optim_state import OptimizerStateHooks, param_names
 from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.tp_owner import TPItem, orthogonalize_tp
 from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its old import path
@@ -145,6 +146,10 @@ class Muon(torch.optim.Optimizer):
         else:
             self.strategy = ConfiguredUpdate(self, distributed_config)
         self.distributed_config = distributed_config
+        if isinstance(params, nn.Module):  # the other strategies install their own hooks
+            # torch's state-dict utilities see plain param_groups and momentum laid out like
+            # the parameters (dmuon.hooks.optim_state)
+            self._state_dict_handles = OptimizerStateHooks(self, self.state_ctx).install()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -195,8 +200,9 @@ class OwnerUpdate:
         ctx.ensure_bound()
         dedicated = [rec.master for rec in ctx.records]
         others = [p for p in model.parameters() if p not in ctx.record_of_master and p.requires_grad]
-        return [dict(params=dedicated, kind="muon", **muon_defaults),
-                dict(params=others, kind="adamw", **adamw_defaults)]
+        return [dict(params=dedicated, kind="muon", param_names=param_names(model, dedicated, ctx),
+                     **muon_defaults),
+                dict(params=others, kind="adamw", param_names=param_names(model, others), **adamw_defaults)]
 
     def step(self) -> None:
         """Muon then AdamW, then the step check and the publication.

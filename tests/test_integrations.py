@@ -37,14 +37,10 @@ def _by_parameter(weights: dict[str, np.ndarray], case: str) -> dict[str, np.nda
 
 
 # Untied head: Accelerate shards [norm, lm_head] as one FSDP2 group, lm_head on Muon. Tied:
-# [norm, embed_tokens, lm_head] as one group, both on AdamW. The trainer's own FSDP2 activation
-# checkpointing (checkpoint_wrapper around each decoder layer) fails at the checkpoint save:
-# dmuon.state_dict keys keep "_checkpoint_wrapped_module." where model.state_dict() strips it,
-# so each owned matrix is offered twice and DCP's planner asserts (issue 31, state dicts). Strict
-# xfail: it passes, and must be turned into a plain case, once that fix is on main.
-VARIANTS = [("hf-llama-untied", False), ("hf-llama-tied", False),
-            pytest.param("hf-llama-untied", True, marks=pytest.mark.xfail(
-                strict=True, reason="dmuon.state_dict under checkpoint_wrapper (issue 31)"))]
+# [norm, embed_tokens, lm_head] as one group, both on AdamW. With the trainer's own FSDP2
+# activation checkpointing (checkpoint_wrapper around each decoder layer) the checkpoint keys
+# are canonical ("_checkpoint_wrapped_module." stripped, issue 31), so the save and resume work.
+VARIANTS = [("hf-llama-untied", False), ("hf-llama-tied", False), ("hf-llama-untied", True)]
 
 
 @pytest.mark.parametrize("case,activation_checkpointing", VARIANTS)

@@ -22,6 +22,7 @@ from torch import nn
 from dmuon.hooks import fsdp_adapter as fsdp
 from dmuon.comm.grad_buckets import GradBucket, make_buckets
 from dmuon.hooks.keep import bucket_keys, resolve_replicas
+from dmuon.hooks.state_dict import layout_of
 from dmuon.hooks.tp_placements import as_compute_param, local_slice
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
@@ -193,11 +194,13 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
     check_param_dtypes(selected, policies)  # before anything is taken from FSDP2
     units = make_units(ctx, unit_ctx, unit_modules, parents)
     # one entry per plan entry: a matrix, or an expert range of a stack (the shape seam)
+    layouts: dict[int, Any] = {}  # selected index -> FSDP2's sharded layout (or None)
     entries = []  # (selected index, spec, slice holding the entry's piece, requires_grad, dtypes)
     for i, (sel, (param_dtype, reduce_dtype)) in enumerate(zip(selected, policies)):
         # collective redistributes, in the same order on every rank
         param = sel.param
         taken = fsdp.take_from_fsdp(model, sel.module, sel.attr)
+        layouts[i] = layout_of(taken) if taken is not None else layout_of(param, fsdp=False)
         sl = local_slice(taken if taken is not None else param, sel.fqn, roles.tp_name,
                          roles.ep_name if sel.ep > 1 else None)
         layout, specs = sel.layout, specs_of[sel.fqn]
@@ -244,6 +247,7 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
             replicate_mode=spec.replicate_mode or "compute",  # the plan decides
             matrix_shape=sel.layout.matrix_shape if stacked else sel.shape, key=key,
             experts=experts, optional=sel.optional, group=pgs[order],
+            sd_layout=layouts[i],  # what model.state_dict() shows (dmuon.hooks.state_dict)
         )
         if split:
             slot = slots.setdefault(i, StackSlot(sel.module, sel.attr, tuple(sel.layout.shape),

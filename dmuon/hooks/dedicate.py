@@ -17,6 +17,7 @@ from dmuon.hooks.keep import resolve_replicas
 from dmuon.comm.mesh_roles import build_roles
 from dmuon.hooks.bind import Selected
 from dmuon.hooks.state import DedicateState
+from dmuon.hooks.state_dict import StateDictHooks
 from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
 
 logger = logging.getLogger(__name__)
@@ -363,6 +364,9 @@ def dedicate_params(
                           reduce_mode=reduce_mode, replicas=replicas,
                           step_check=step_check and roles.steps is not None)
     state.offline = tuple(offline)
+    # model.state_dict() / load_state_dict() show FSDP2's (DDP's) view (dmuon.hooks.state_dict)
+    state.state_dict_hooks = StateDictHooks(state)
+    state._handles += state.state_dict_hooks.install()
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:
         loads = plan.loads()

@@ -74,6 +74,9 @@ class DedicatedParam:
             it may take no gradient on some ranks of a step.
         group: the process group ``owner`` is a rank of, when it is not dmuon's shard group
             (expert parallelism: the ranks holding the same experts); ``None``: the shard group.
+        sd_layout: ``(mesh, placements, shape, stride)`` of FSDP2's sharded parameter, which
+            ``model.state_dict()`` shows in its place (:mod:`dmuon.hooks.state_dict`); ``None``
+            when FSDP2 did not manage it (plain replicated module: the full tensor).
     """
 
     fqn: str
@@ -97,6 +100,7 @@ class DedicatedParam:
     stack: Any = None
     optional: bool = False
     group: Any = None
+    sd_layout: Any = None
 
     @property
     def buffer(self) -> torch.Tensor:
