@@ -92,7 +92,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from dmuon.launch import launch  # noqa: E402
-from dmuon.train.data import DataConfig, PushTDemos, ensure_cached  # noqa: E402
+from dmuon.train.data import DataConfig, PushTDemos, ensure_run_data  # noqa: E402
 from dmuon.train.loop import TrainConfig, build_optimizer  # noqa: E402
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 
@@ -323,8 +323,10 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
     if cfg.synthetic:
         demos = None
     else:
-        if rank == 0:
-            ensure_cached(data_cfg, progress=False)
+        if rank == 0:  # the demonstrations and the frames of the rows the run draws
+            steps = cfg.rounds * (cfg.warmup_steps + cfg.block_steps + 1) + 1 + cfg.trace_steps
+            ensure_run_data(data_cfg, steps=steps, global_batch=cfg.batch_size, seed=cfg.seed,
+                            progress=False)
         dist.barrier()
         demos = PushTDemos(data_cfg)
     device = torch.device("cuda", rank) if cfg.device == "cuda" else torch.device("cpu")
