@@ -69,7 +69,11 @@ def test_dmuon_ops_per_step_do_not_grow_with_matrices_per_unit(views):
     assert two["dmuon_units"] == four["dmuon_units"] == 4
     assert four["plan"]["owned_by_rank"] > two["plan"]["owned_by_rank"]  # the owner has more, too
     ops = [x["variants"]["dmuon"]["per_step"]["dmuon_aten_ops"] for x in (two, four)]
-    assert ops[0] == ops[1], ops
+    owned = [x["plan"]["owned_by_rank"] for x in (two, four)]
+    # Per unit, not per matrix, except the gradient presentation (dmuon/comm/owned_grad.py,
+    # issue 31): each gradient the owner holds is shown to third-party code as an OwnedGrad, one
+    # metadata-only aten::alias per owned matrix per step (placeholders cost nothing per step)
+    assert ops[1] - ops[0] == owned[1] - owned[0], (ops, owned)
     # FSDP2's own hooks do grow with the parameters of a group (reference)
     fsdp = [x["variants"]["adamw"]["per_step"]["fsdp_aten_ops"] for x in (two, four)]
     assert fsdp[1] > fsdp[0], fsdp

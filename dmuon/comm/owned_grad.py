@@ -210,10 +210,12 @@ def _view(local: torch.Tensor, pieces: list[torch.Tensor], counts: bool, group: 
           absent: bool = False) -> OwnedGrad:
     grad = local.as_subclass(OwnedGrad)
     grad.dmuon_pieces, grad.dmuon_counts, grad.dmuon_group, grad.dmuon_absent = pieces, counts, group, absent
+    grad.dmuon_local = local  # what unpresent gives back: no second alias per step
     return grad
 
 
-def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: int, tp_rank: int) -> None:
+def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: int, tp_rank: int,
+            made_up: dict[int, OwnedGrad]) -> None:
     """End of a synchronized backward: show every dedicated parameter's gradient as an
     :class:`OwnedGrad` (the owner's average, zeros marked absent when no rank had one, a
     ``[0]`` gradient on a placeholder), for every record that was reduced (``had_grad``, the
@@ -223,6 +225,10 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
         records: the model's dedicated records (a split stack's ranges in order).
         group: the group a norm is all-reduced over (every rank of the mesh).
         replicate_rank, tp_rank: this rank's HSDP replica and TP index (who counts equal copies).
+        made_up: ``id(parameter) -> OwnedGrad`` shown where this rank holds no gradient (a
+            placeholder's ``[0]``, an owner's absent zeros), built once and shown again every
+            step: those never change, and the hot path then dispatches no op for them (only
+            the owner's real gradients cost one ``aten::alias`` each).
     """
     by_param: dict[int, list[DedicatedParam]] = {}
     for rec in records:
@@ -236,12 +242,17 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
         counts = replicate_rank == 0 and (recs[0].tp_shard_dim is not None or tp_rank == 0)
         master = shown.master
         grad = plain(master.grad)
+        if grad is None and len(pieces) == 0 and id(master) in made_up:
+            master.grad = made_up[id(master)]
+            continue
         absent = False
         if grad is None:
             absent = master.numel() > 0  # the owner: no rank had a gradient (or an HSDP
             # "broadcast" matrix on a replica other than 0): zeros that take no memory
             grad = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)
-        master.grad = _view(grad, pieces, counts, group, absent)
+            master.grad = made_up[id(master)] = _view(grad, pieces, counts, group, absent)
+        else:
+            master.grad = _view(grad, pieces, counts, group, absent)
 
 
 def unpresent(records: Sequence[DedicatedParam]) -> None:
@@ -252,4 +263,4 @@ def unpresent(records: Sequence[DedicatedParam]) -> None:
         g = rec.master.grad
         if isinstance(g, OwnedGrad):
             rec.master.grad = None if g.dmuon_absent or g.numel() != rec.master.numel() \
-                or (rec.master.numel() == 0 and not rec.is_owner) else plain(g)
+                or (rec.master.numel() == 0 and not rec.is_owner) else g.dmuon_local

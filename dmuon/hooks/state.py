@@ -126,6 +126,7 @@ class DedicateState:
         self.sync_enabled = True  # False inside dmuon.no_sync
         self._final_callback_queued = False
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
+        self.made_up_grads: dict = {}  # dmuon.comm.owned_grad.present's gradients for "none here"
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
         # what the units share (they never see this object: FSDP2's FSDPCommContext pattern)
@@ -337,7 +338,7 @@ class DedicateState:
             unpresent(self.records)  # as finish_backward: plain gradients to add to, then shown
             reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
             present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
-                    tp_rank=self.tp_rank)
+                    tp_rank=self.tp_rank, made_up=self.made_up_grads)
 
     def _set_divide_factors(self) -> None:
         """Each bucket's FSDP2 ``set_gradient_divide_factor`` (``None``: the mean), read now."""
@@ -386,7 +387,7 @@ class DedicateState:
             reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
             # what clipping by third-party code sees (dmuon.comm.owned_grad): every rank alike
             present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
-                    tp_rank=self.tp_rank)
+                    tp_rank=self.tp_rank, made_up=self.made_up_grads)
             if self.replicated is not None and self.sync_this_backward:
                 self.replicated.finish()
 
