@@ -95,31 +95,17 @@ README_COMMANDS: dict[str, Run | Covered | Skip] = {
         "python -m dmuon.train.expert --episodes 2",
         "the same command-line entry point on 2 of its 50 held-out episodes "
         "(tests/test_expert.py checks 20 episodes' success)"),
-    "python bench/bench_step.py --nproc 4 --rounds 10 --block-steps 3 --batch-size 64 --extra "
-    "dmuon_nocheck --mesh replicate": Covered(
-        "tests/test_bench.py::test_bench_step_replicate_mode",
-        "runs bench_step's replicated path on gloo ranks; the full benchmark takes minutes"),
-    "python bench/simulate.py --validate '<five' 'history/step_cpu_*.json>' --out "
-    "bench/results/sim_gpu.json": Covered(
-        "tests/test_bench.py::test_simulate_cli_tiny",
-        "placeholder arguments (the five files are listed in docs/performance.md); the "
-        "simulator's command line runs there in its --tiny mode"),
-    "python bench/simulate.py --replicated --out bench/results/sim_replicated.json": Run(
-        "python {repo}/bench/simulate.py --replicated --out {tmp}/sim_replicated.json",
-        "as shown, writing to a temporary file instead of the recorded bench/results"),
-    "python bench/soak.py --steps 500 --nproc 2": Skip(
-        "a 500-step memory soak of several variants (minutes); it writes bench/results"),
+    "python bench/bench_step.py --nproc 4 --rounds 16 --block-steps 3 --batch-size 64 "
+    "--no-labels": Covered(
+        "tests/test_bench.py::test_bench_step_aa_control_and_per_round_ratios",
+        "runs bench_step (tiny mode, gloo ranks) with its A/A control and per-round ratios; the "
+        "full benchmark takes minutes"),
     "python bench/gpu_suite.py --out bench/results/gpu_h100": Skip("GPU only (CUDA and Triton)"),
     "python bench/rank_view.py --world 8 --model gpu --layers 1 --image-size 112 --batch-per-rank 1 "
     "--threads 1 --variants adamw dmuon vanilla --out FILE.json": Covered(
         "tests/test_rank_view.py::test_rank_view_plays_the_busiest_owner_with_peers_switched_off",
         "runs rank_view.run at N = 8 (the tiny policy, one round) with the ViewConfig this command "
         "line builds; the GPU-widths run takes minutes on CPU"),
-    "python bench/simulate.py --measured bench/results/rank_view_cpu_gpu_n8.json "
-    "bench/results/rank_view_cpu_gpu_n64.json --out bench/results/sim_measured_cpu.json": Run(
-        "python {repo}/bench/simulate.py --measured {repo}/bench/results/rank_view_cpu_gpu_n8.json "
-        "{repo}/bench/results/rank_view_cpu_gpu_n64.json --out {tmp}/sim_measured_cpu.json",
-        "as shown, writing to a temporary file instead of the recorded bench/results"),
 }
 
 #: Placeholder ``MODULE:FACTORY`` names the README uses -> source of a stand-in module written
