@@ -8,6 +8,8 @@ Each module here imports its third-party package lazily: dmuon itself depends on
   unchanged.
 - :mod:`dmuon.integrations.transformers`: ``DmuonTrainer(..., muon_kwargs=dict(...))``, the
   transformers ``Trainer`` with ``dmuon.Muon`` under FSDP2 (imports ``transformers``).
+- :mod:`dmuon.integrations.torchtitan`: ``DmuonOptimizersContainer``, torchtitan's optimizer
+  container holding ``dmuon.Muon`` (imports ``torchtitan``).
 - :mod:`dmuon.integrations.full_weights`: the full (unsharded) weights of a dmuon model as one
   function (``full_state_dict``); the trainers' own exports no longer need it (torch's full
   state dict shows dedicated matrices whole).
