@@ -169,7 +169,9 @@ def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     root = _root_mesh(mesh)
     source, source_names = mesh.mesh, names
-    if root is not mesh and root is not None:
+    # A mesh holding all of its root's ranks drops nothing (torchtitan unflattens one 1-D
+    # "world" mesh into its ("fsdp",)... meshes): no stage to find, take it as it is.
+    if root is not mesh and root is not None and mesh.mesh.numel() != root.mesh.numel():
         root_names = tuple(getattr(root, "mesh_dim_names", None) or ())
         dropped = [n for n in root_names if n not in names]
         if any(n not in PP_NAMES for n in dropped):

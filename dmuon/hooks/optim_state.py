@@ -13,7 +13,8 @@ torch optimizer would give: every parameter's state laid out like the parameter,
   fp32 ``[rows, cols]``; nothing elsewhere) enters on every rank laid out like the parameter in
   ``model.state_dict()`` (an FSDP2-like DTensor, or the full tensor on a plain replicated
   module); an owner that has not stepped the matrix yet offers zeros (what ``torch.optim.Muon``
-  starts from). **Collective**: one broadcast per matrix from its owner (HSDP ``"broadcast"``
+  starts from), unless no owner on any rank holds a momentum buffer: a fresh optimizer shows no
+  Muon state, as a fresh torch optimizer shows none. **Collective**: one broadcast per matrix from its owner (HSDP ``"broadcast"``
   mode: first one from replica 0's owner, the only one that steps it). On load, each entry is
   staged in the owner's shape (:meth:`dmuon.hooks.state_dict.StateDictHooks.staged`,
   collective), checked on every rank, the ranks
@@ -109,6 +110,18 @@ class OptimizerStateHooks:
             return out
         state = dict(sd["state"])
         ctx = self.state
+        # A fresh optimizer (no owner holds a momentum buffer yet) shows no Muon state, as a
+        # fresh torch optimizer shows none: torch's get_optimizer_state_dict then initialises
+        # the whole state with a zero step (_init_optim_state), and a state_dict/load_state_dict
+        # round trip (Accelerate's AcceleratedOptimizer does one) creates no zero buffers that
+        # would keep it from doing so. Collective, like the broadcasts below.
+        held = torch.tensor([float(any(rec.is_owner and "momentum_buffer" in opt.state.get(rec.master, {})
+                                       for _, _, rec in records))],
+                            device=records[0][2].master.device)  # NCCL reduces on the GPU
+        if dist.is_initialized() and dist.get_world_size(ctx.roles.world) > 1:
+            dist.all_reduce(held, op=dist.ReduceOp.MAX, group=ctx.roles.world)
+        if not held.item():
+            return out
         for gi, pos, rec in records:
             buf = None
             if rec.is_owner:

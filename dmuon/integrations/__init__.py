@@ -8,12 +8,15 @@ Each module here imports its third-party package lazily: dmuon itself depends on
   unchanged.
 - :mod:`dmuon.integrations.transformers`: ``DmuonTrainer(..., muon_kwargs=dict(...))``, the
   transformers ``Trainer`` with ``dmuon.Muon`` under FSDP2 (imports ``transformers``).
-- :mod:`dmuon.integrations.full_weights`: the full (unsharded) weights of a dmuon model, which
-  both of them export.
+- :mod:`dmuon.integrations.torchtitan`: ``DmuonOptimizersContainer``, torchtitan's optimizer
+  container holding ``dmuon.Muon`` (imports ``torchtitan``).
+- :mod:`dmuon.integrations.full_weights`: the full (unsharded) weights of a dmuon model as one
+  function (``full_state_dict``); the trainers' own exports no longer need it (torch's full
+  state dict shows dedicated matrices whole).
 - :mod:`dmuon.integrations.hf_moe`: expert parallelism for Hugging Face Mixture-of-Experts
   models (their experts' forward dispatching tokens by all-to-all to the ``"ep"`` rank holding
   each expert).
 
-docs/integrations.md has a recipe per trainer, what is tested, and where a stock call still
-goes through one of dmuon's own functions.
+docs/integrations.md has a recipe per trainer and what is tested; with dmuon's state-dict and
+clipping transparency, no stock call of either trainer goes through dmuon's own functions.
 """

@@ -22,37 +22,24 @@ shards the model and its scheduler right *after*: ``create_scheduler`` is the fi
 sees the FSDP2 model, so it calls ``dedicate_params`` there, builds ``dmuon.Muon`` and hands it
 to the accelerator in place of the stand-in optimizer, then builds the stock scheduler on it.
 
-**Overrides (until issue 31's state-dict and clipping transparency is on main)**, each a method
-of its own that can be deleted once the stock one sees FSDP2-like values:
-
-* ``_clip_grad_norm`` -> :func:`dmuon.clip_grad_norm_` (stock: Accelerate's FSDP2 clip, a
-  rank-dependent norm); the logged ``grad_norm`` is the global one.
-* ``save_model`` -> :func:`dmuon.integrations.full_weights.full_state_dict` then the stock
-  ``_save`` (stock: DCP's full state dict, zero-size tensors for the matrices another rank
-  owns, written as such by ``save_pretrained``).
-* ``_save_optimizer_and_scheduler`` / ``_load_from_checkpoint`` /
-  ``_load_optimizer_and_scheduler``: the model and optimizer go to ``<checkpoint>/dmuon``
-  through ``dcp.save(dmuon.state_dict(...))`` and come back through :func:`dmuon.load`
-  (all-or-nothing); the scheduler, RNG, scaler and trainer state stay the Trainer's own
-  (stock: DCP's sharded state dicts, which cannot hold an owner's full matrix: the save fails).
+**No other overrides.** Clipping (``max_grad_norm``, the logged ``grad_norm``),
+``save_model`` and the ``save_steps`` checkpoints / ``resume_from_checkpoint`` are the stock
+Trainer's: dedicated gradients are presented as ``OwnedGrad`` to Accelerate's FSDP2 clip (the
+global norm), and torch's state-dict API shows dedicated matrices and their momentum as FSDP2
+would. Each was measured exact with its former override deleted (``tests/test_integrations.py``).
 
 ``transformers`` is imported when this module is (``import dmuon`` does not import it).
 """
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any
 
 import torch
 import transformers
 
 import dmuon
-from dmuon.integrations.full_weights import full_state_dict, is_dedicated_model
-
-#: Sub-directory of a Trainer checkpoint that holds dmuon's DCP checkpoint.
-DMUON_DIR = "dmuon"
+from dmuon.integrations.full_weights import is_dedicated_model
 
 
 class DmuonTrainer(transformers.Trainer):
@@ -129,64 +116,3 @@ class DmuonTrainer(transformers.Trainer):
         if stand_in in self.accelerator._optimizers:
             self.accelerator._optimizers.remove(stand_in)  # save_state pairs _optimizers[i] with _models[i]
         self.optimizer = self.accelerator.prepare_optimizer(dmuon.Muon(model, **self._muon_kwargs()))
-
-    def _muon(self) -> dmuon.Muon:
-        """The :class:`dmuon.Muon` inside the accelerator's wrapper."""
-        opt = self.optimizer
-        while not isinstance(opt, dmuon.Muon) and hasattr(opt, "optimizer"):
-            opt = opt.optimizer
-        return opt
-
-    # ------------------------------------------------------------- the overrides
-    # Each can go once stock Accelerate / torch see FSDP2-like values for a dmuon model (issue 31).
-
-    def _clip_grad_norm(self, model: Any) -> torch.Tensor:
-        """Why: the stock clip (Accelerate's FSDP2 clip) takes owner-only gradients for
-        replicated ones and returns a rank-dependent norm; dmuon's is the global one."""
-        if not is_dedicated_model(self.model):
-            return super()._clip_grad_norm(model)
-        self.accelerator.unscale_gradients()
-        return dmuon.clip_grad_norm_(self.model, self.args.max_grad_norm)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Full weights, written by ``save_pretrained`` on the main process (collective).
-
-        Why: the stock FSDP2 export (DCP's full state dict) returns zero-size tensors for the
-        matrices another rank owns."""
-        if not is_dedicated_model(self.model):
-            return super().save_model(output_dir, _internal_call)
-        output_dir = self.args.output_dir if output_dir is None else output_dir
-        state_dict = full_state_dict(self.model, rank0_only=True, cpu_offload=True)
-        self._save(output_dir, state_dict=state_dict)
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """dmuon's DCP checkpoint of the model and optimizer, then the stock scheduler file.
-
-        Why: the stock FSDP2 save goes through DCP's sharded state dicts, which cannot hold an
-        owner's full matrix beside the other ranks' placeholders."""
-        if not is_dedicated_model(self.model):
-            return super()._save_optimizer_and_scheduler(output_dir)
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(dmuon.state_dict(self.model, self._muon()),
-                 checkpoint_id=os.path.join(output_dir, DMUON_DIR))
-        if self.args.should_save:
-            with warnings.catch_warnings(record=True):
-                torch.save(self.lr_scheduler.state_dict(),
-                           os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        """The model *and* optimizer from ``<checkpoint>/dmuon`` (:func:`dmuon.load`,
-        all-or-nothing on every rank): dmuon's checkpoint holds both."""
-        if not is_dedicated_model(self.model):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        dmuon.load(self.model, self._muon(), os.path.join(resume_from_checkpoint, DMUON_DIR))
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The scheduler only (:meth:`_load_from_checkpoint` loaded the optimizer)."""
-        if checkpoint is None or not is_dedicated_model(self.model):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
-        self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
