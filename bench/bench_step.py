@@ -48,7 +48,7 @@ Usage::
     python bench/bench_step.py --nproc 4 --out bench/results/step_cpu_4r.json
     python bench/bench_step.py --tiny --nproc 2 --out /tmp/step_tiny.json   # CI smoke mode
     python bench/bench_step.py --nproc 4 --extra dmuon_keep dmuon_allreduce ...   # diagnostic variants
-    python bench/bench_step.py --nproc 4 --mesh replicate --out bench/results/step_cpu_4r_replicate.json
+    python bench/bench_step.py --nproc 4 --mesh replicate --out /tmp/step_replicate.json
     python bench/bench_step.py --nproc 4 --rounds 16 --block-steps 3 --no-labels --out ...  # A/A runs (docs/performance.md)
     python bench/bench_step.py --tiny --nproc 2 --trace-dir /tmp/traces   # + one chrome trace per variant
 

@@ -49,7 +49,7 @@ def round_order(variants: tuple[str, ...], rnd: int) -> tuple[str, ...]:
     collectives, allocator or cache state) fall on every variant alike. A plain rotation fixes
     each variant's predecessor; rotation plus reversal (this module's first version) still never
     put ``adamw`` right after ``dmuon`` while ``adamw_b`` followed it in 6 of 16 rounds, and the
-    A/A ratio of that run read 1.33 (``bench/results/step_cpu_4r_fsdp_aa_rotation.json``).
+    A/A ratio of that run read 1.33 (``bench/results/history/step_cpu_4r_fsdp_aa_rotation.json``).
 
     Args:
         variants: Variant names, in their listed order.
