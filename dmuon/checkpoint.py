@@ -92,6 +92,7 @@ from dmuon.hooks.state_dict import canonical_fqn, module_key
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.slices import local_tensor
+from dmuon.owners.update import first_step_state
 
 logger = logging.getLogger(__name__)
 
@@ -133,19 +134,7 @@ def _ensure_optimizer_state(opt: torch.optim.Optimizer) -> None:
             if not p.requires_grad:  # frozen: the optimizer never creates state for it
                 continue
             if group["kind"] != "muon" or p.numel():
-                _zero_state(state, p, group["kind"] == "muon")
-
-
-def _zero_state(state: dict[str, Any], like: torch.Tensor, is_muon: bool) -> None:
-    """Create the state the first step would: Muon's ``momentum_buffer``, or AdamW's ``step``
-    (0-d fp32 0) and ``exp_avg`` / ``exp_avg_sq``, zeros like ``like``; existing state is kept."""
-    if is_muon:
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-    elif not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+                first_step_state(state, p, group["kind"] == "muon")
 
 
 def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> DedicateState:
@@ -226,7 +215,7 @@ def _configured_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict
             if not p.requires_grad:
                 continue
             state = opt.state[p]
-            _zero_state(state, local_tensor(p), group["use_muon"])
+            first_step_state(state, local_tensor(p), group["use_muon"])
             optim_state[fqn] = {k: _laid_out_like(p, v) for k, v in state.items()}
     groups = {str(gi): {k: v for k, v in g.items() if k != "params"}
               for gi, g in enumerate(opt.param_groups)}

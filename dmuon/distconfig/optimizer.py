@@ -37,7 +37,6 @@ from dmuon.distconfig.state import (
     init_state,
     install_state_dict_hooks,
     local_state,
-    parse_dtype,
     zero_state,
 )
 from dmuon.distconfig.strategies import supports_async
@@ -50,6 +49,7 @@ from dmuon.owners.update import (
     apply_update_,
     momentum_update_,
     muon_update_,
+    parse_dtype,
     validate_hyperparameters,
 )
 

@@ -32,38 +32,15 @@ import torch
 from torch import Tensor
 
 from dmuon.owners.slices import local_tensor
+from dmuon.owners.update import dtype_name, first_step_state, parse_dtype
 
 logger = logging.getLogger(__name__)
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float16`` -> ``"float16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(value: Any) -> Any:
-    """``"float16"`` (or ``"torch.float16"``) -> ``torch.float16``; anything else unchanged."""
-    if isinstance(value, str):
-        found = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(found, torch.dtype):
-            return found
-    return value
-
-
 def zero_state(opt: torch.optim.Optimizer, param: Tensor, use_muon: bool) -> dict[str, Any]:
-    """``opt.state[param]``, with the state the first step would create added where missing:
-    Muon's ``momentum_buffer``, or AdamW's ``step`` (0-d fp32 CPU 0) and ``exp_avg`` /
-    ``exp_avg_sq``; zeros like ``param`` (a DTensor for a DTensor), named as torch's
-    optimizers name them."""
-    state = opt.state[param]
-    if use_muon:
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    elif not state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-    return state
+    """``opt.state[param]``, with the state the first step would create added where missing
+    (:func:`dmuon.owners.update.first_step_state`, zeros like ``param``)."""
+    return first_step_state(opt.state[param], param, use_muon)
 
 
 def init_state(opt: torch.optim.Optimizer) -> None:

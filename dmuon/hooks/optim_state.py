@@ -38,18 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.hooks.state_dict import agree, canonical_fqn
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float16`` -> ``"float16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def parse_dtype(value: Any) -> Any:
-    """``"float16"`` -> ``torch.float16``; anything else unchanged."""
-    if isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype):
-        return getattr(torch, value)
-    return value
+from dmuon.owners.update import dtype_name, parse_dtype
 
 
 def param_names(model: torch.nn.Module, params: list[torch.Tensor], state: Any = None) -> list[str]:

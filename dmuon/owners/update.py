@@ -22,6 +22,36 @@ ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 NS_METHODS = ("gram", "standard")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float16`` -> ``"float16"``: how an ``ns_dtype`` is written in a state dict (torch's
+    state-dict utilities and DCP take no ``torch.dtype`` values in ``param_groups``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def parse_dtype(value: Any) -> Any:
+    """``"float16"`` (or ``"torch.float16"``) -> ``torch.float16``; anything else unchanged."""
+    if isinstance(value, str):
+        found = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    return value
+
+
+def first_step_state(state: dict[str, Any], like: torch.Tensor, use_muon: bool) -> dict[str, Any]:
+    """Add to ``state`` what the first step would create, keeping what is there: Muon's
+    ``momentum_buffer``, or AdamW's ``step`` (0-d fp32 CPU 0) and ``exp_avg`` / ``exp_avg_sq``;
+    zeros like ``like`` (a DTensor for a DTensor), named as torch's optimizers name them.
+    Returns ``state`` (mutated)."""
+    if use_muon:
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+    elif not state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(like, memory_format=torch.preserve_format)
+    return state
+
+
 def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                              adjust_lr_fn: str | None = None, ns_method: str = "gram",
                              ns_dtype: torch.dtype | None = None, adamw_lr: float | None = None,
