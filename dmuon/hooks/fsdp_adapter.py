@@ -257,14 +257,16 @@ class _RestoreAttr:
 
 
 def wrap_final_callback(states: list[Any], after: Any) -> list[_RestoreAttr]:
-    """Call ``after()`` whenever FSDP2's ``_root_post_backward_final_callback`` of ``states``
-    has run, whoever calls it.
+    """Call ``after()`` whenever FSDP2 has finished a backward's gradient reduction, whoever
+    made it finish.
 
-    FSDP2 queues that callback at the end of each backward (its root pre-backward looks it up
-    on the state, so an instance attribute takes the method's place), and
-    ``torch.distributed.pipelining`` calls it itself after the last micro-batch, outside any
-    backward (``PipelineStage.perform_reduce_grad``, torch 2.11 and 2.13). A state without it
-    (another torch) is left alone, with a debug log.
+    torch 2.11 and 2.13: FSDP2 queues ``_root_post_backward_final_callback`` at the end of each
+    backward (its root pre-backward looks it up on the state, so an instance attribute takes the
+    method's place), and ``torch.distributed.pipelining`` calls it itself after the last
+    micro-batch, outside any backward (``PipelineStage.perform_reduce_grad``). torch 2.15: every
+    finalization (that callback, ``FSDPModule.finalize_backward``, which pipelining now calls,
+    and its asynchronous handle's ``wait()``) goes through ``FSDPState.wait_for_gradient_reduction``,
+    which is wrapped instead. A state with neither (another torch) is left alone, with a debug log.
 
     Args:
         states: the model's FSDP2 states (:func:`fsdp_states`).
@@ -275,17 +277,21 @@ def wrap_final_callback(states: list[Any], after: Any) -> list[_RestoreAttr]:
     """
     handles = []
     for state in states:
-        original = getattr(state, "_root_post_backward_final_callback", None)
-        if original is None:
-            logger.debug("dmuon: FSDP2's _root_post_backward_final_callback not found")
+        name = next((n for n in ("wait_for_gradient_reduction", "_root_post_backward_final_callback")
+                     if callable(getattr(state, n, None))), None)
+        if name is None:
+            logger.debug("dmuon: neither of FSDP2's wait_for_gradient_reduction and "
+                         "_root_post_backward_final_callback was found")
             continue
+        original = getattr(state, name)
 
-        def callback(original: Any = original) -> None:
-            original()
+        def callback(*args: Any, original: Any = original, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
             after()
+            return out
 
-        state.__dict__["_root_post_backward_final_callback"] = callback
-        handles.append(_RestoreAttr(state, "_root_post_backward_final_callback"))
+        state.__dict__[name] = callback
+        handles.append(_RestoreAttr(state, name))
     return handles
 
 
