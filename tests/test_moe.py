@@ -293,6 +293,9 @@ def test_shard_experts_refuses_bad_input_by_name():
     from dmuon.integrations.hf_moe import shard_experts
 
     experts = MixtralExperts(MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=3))
+    torch.manual_seed(0)
+    for p in experts.parameters():  # transformers may leave them uninitialised (NaN != NaN)
+        torch.nn.init.normal_(p)
     before = {n: p.clone() for n, p in experts.named_parameters()}
 
     def mesh(*shape):
