@@ -35,3 +35,40 @@ def test_torchtitan_parallelize_and_container_match_reference(dist_pool):
     assert out[0]["norms"] == out[1]["norms"]
     np.testing.assert_allclose(rank0["norms"], ref_norms, rtol=1e-4)
     assert min(ref_norms) > 10 * cases.MAX_NORM  # the clip is active at every step
+
+
+def test_torchtitan_checkpoint_manager_resumes_bitwise_and_exports(dist_pool, tmp_path):
+    """torchtitan's own CheckpointManager (model + dmuon's optimizer container + LR scheduler)
+    saves at step 2 and a fresh trainer resumes from it bitwise; model.state_dict() (with
+    torchtitan's fused-QKV split into wq/wk/wv) and the model-only last-step checkpoint are the
+    reference's weights (tests/torchtitan_ckpt_cases.py)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests import torchtitan_ckpt_cases as ckpt
+
+    out = dist_pool.run(2, "tests.torchtitan_ckpt_cases:run_ckpt", {"folder": str(tmp_path)},
+                        timeout_s=600, fresh=True)
+    rank0 = out[0]
+    ref, ref_losses, _ = cases.reference(2)
+    ref_sd = ckpt.reference_state_dict(ref)
+    assert {"layers.0.attention.qkv_linear.wq.weight", "layers.0.attention.qkv_linear.wv.weight"} <= set(ref_sd)
+    # the uninterrupted run: the reference's losses and, exported, its weights (wq/wk/wv split)
+    np.testing.assert_allclose(rank0["losses_a"], ref_losses, rtol=1e-5)
+    assert sorted(rank0["export"]) == sorted(ref_sd)
+    worst = compare(rank0["export"], ref_sd, FP32_ATOL)
+    # the resumed run: bitwise the uninterrupted one
+    assert rank0["saved"] == [f"step-{ckpt.SAVE_AT}", f"step-{cases.STEPS}"]
+    assert [o["last_epoch_b"] for o in out] == [ckpt.SAVE_AT] * 2
+    assert rank0["losses_b"] == rank0["losses_a"][ckpt.SAVE_AT:]
+    assert sorted(rank0["final_b"]) == sorted(rank0["export"])
+    for key, value in rank0["export"].items():
+        assert np.array_equal(rank0["final_b"][key], value), key
+    # torchtitan's model-only last-step checkpoint (last_save_model_only, float32)
+    torch_path = tmp_path / "last.pt"
+    dcp_to_torch_save(str(tmp_path / "checkpoint" / f"step-{cases.STEPS}"), str(torch_path))
+    last = torch.load(torch_path, weights_only=True)
+    assert sorted(last) == sorted(ref_sd)
+    worst_last = compare({k: v.numpy() for k, v in last.items()}, ref_sd, FP32_ATOL)
+    print(f"torchtitan checkpoint: export max |diff| {worst:.3g}, last-step checkpoint {worst_last:.3g}, "
+          f"resumed losses {rank0['losses_b']} == {rank0['losses_a'][ckpt.SAVE_AT:]}")

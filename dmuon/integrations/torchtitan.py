@@ -12,7 +12,10 @@ matrices ``dedicate_params`` picks, AdamW on the rest), built there. In a torcht
         muon_kwargs=dict(lr=0.02, adamw_lr=3e-4, weight_decay=0.1))
 
 Everything else is torchtitan's: its FSDP2 ``parallelize`` (dmuon follows the
-``set_gradient_divide_factor(1.0)`` it sets), and the container's ``step`` / ``zero_grad``.
+``set_gradient_divide_factor(1.0)`` it sets), the container's ``step`` / ``zero_grad`` and
+``state_dict``, its clip, its LR schedulers and its ``CheckpointManager``. One method differs:
+:meth:`DmuonOptimizersContainer.load_state_dict` (torchtitan rebuilds each optimizer's state
+dict from the state this rank holds, and a Muon matrix's momentum lives on its owner only).
 
 ``torchtitan`` is imported when this module is (``import dmuon`` does not import it).
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.components.optimizer.utils import _unflatten_optim_state_dict, init_optim_state
 
 import dmuon
 from dmuon.integrations.accelerate import fsdp_mesh
@@ -67,3 +71,29 @@ class DmuonOptimizersContainer(OptimizersContainer):
             self.optimizers.append(optimizer)
             all_params.extend(p for g in optimizer.param_groups for p in g["params"])
         self._post_init(all_params)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torchtitan's flat, FQN-keyed optimizer state dict (``state.{fqn}.{name}``,
+        ``param_groups.{fqn}.{key}``), as ``OptimizersContainer.load_state_dict`` does, with
+        every Muon matrix's ``momentum_buffer`` handed to :class:`dmuon.Muon` on every rank.
+
+        torchtitan's ``_unflatten_optim_state_dict`` keeps, per parameter, the state names this
+        rank's optimizer holds: a Muon matrix's momentum is held by its owner only, so the other
+        ranks would leave it out, while :class:`dmuon.Muon`'s load needs every rank's piece of
+        the FSDP2-laid-out entry (it gathers them to the owner; collective).
+
+        Raises:
+            ValueError: what :class:`dmuon.Muon`'s ``load_state_dict`` raises (an entry that
+                does not fit, on every rank, before anything is written).
+        """
+        for optim in self.optimizers:
+            init_optim_state(optim)
+            sd = _unflatten_optim_state_dict(optim, state_dict)
+            pid = 0
+            for group in optim.param_groups:
+                for fqn in group["param_names"]:
+                    key = f"state.{fqn}.momentum_buffer"
+                    if group.get("kind") == "muon" and pid not in sd["state"] and key in state_dict:
+                        sd["state"][pid] = {"momentum_buffer": state_dict[key]}
+                    pid += 1
+            optim.load_state_dict(sd)
