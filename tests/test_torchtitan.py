@@ -70,5 +70,10 @@ def test_torchtitan_checkpoint_manager_resumes_bitwise_and_exports(dist_pool, tm
     last = torch.load(torch_path, weights_only=True)
     assert sorted(last) == sorted(ref_sd)
     worst_last = compare({k: v.numpy() for k, v in last.items()}, ref_sd, FP32_ATOL)
+    # torchtitan's Hugging Face export (last_save_in_hf), mapped back by its llama3 adapter
+    hf = ckpt.hf_export_native(str(tmp_path / "hf" / f"step-{cases.STEPS}"))
+    assert sorted(hf) == sorted(ref_sd)
+    worst_hf = compare({k: v.numpy() for k, v in hf.items()}, ref_sd, FP32_ATOL)
     print(f"torchtitan checkpoint: export max |diff| {worst:.3g}, last-step checkpoint {worst_last:.3g}, "
+          f"HF export {worst_hf:.3g}, "
           f"resumed losses {rank0['losses_b']} == {rank0['losses_a'][ckpt.SAVE_AT:]}")

@@ -9,9 +9,10 @@ single-process reference's constant learning rate still applies) and its ``Check
 (synchronous DCP, ``interval`` 2, model + optimizer + LR scheduler):
 
 * run A trains steps 0-1, ``CheckpointManager.save(2)``, trains steps 2-3, then exports with
-  ``model.state_dict()`` (torchtitan's fused-QKV hook splits ``wqkv`` into ``wq``/``wk``/``wv``)
-  and with ``CheckpointManager.save(4, last_step=True)`` (``last_save_model_only``: a
-  model-only DCP checkpoint in float32);
+  ``model.state_dict()`` (torchtitan's fused-QKV hook splits ``wqkv`` into ``wq``/``wk``/``wv``),
+  with ``CheckpointManager.save(4, last_step=True)`` (``last_save_model_only``: a model-only
+  DCP checkpoint in float32) and with a second ``CheckpointManager`` whose last step is saved
+  in Hugging Face safetensors (``last_save_in_hf``, llama3's state-dict adapter);
 * run B is a fresh model (other initial weights), container, schedulers and
   ``CheckpointManager`` on the same folder: ``load(step=2)``, then trains steps 2-3.
 
@@ -108,6 +109,39 @@ def _full(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
             for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
+def _hf_export(model: Any, optimizers: Any, schedulers: Any, folder: str) -> None:
+    """torchtitan's Hugging Face export: a ``CheckpointManager`` with llama3's state-dict adapter
+    (no HF assets) and ``last_save_in_hf``, saving the last step into ``folder/hf/step-N``
+    (one consolidated safetensors file)."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    adapter = Llama3StateDictAdapter(model_registry("debugmodel").model, None)
+    config = CheckpointManager.Config(enable=True, folder="hf", interval=SAVE_AT, keep_latest_k=0,
+                                      last_save_model_only=True, last_save_in_hf=True, export_dtype="float32")
+    checkpointer = CheckpointManager(config, dataloader=None, model_parts=[model], optimizers=optimizers,
+                                     lr_schedulers=schedulers, states={}, sd_adapter=adapter, base_folder=folder)
+    assert checkpointer.save(curr_step=cases.STEPS, last_step=True)
+    checkpointer.close()
+
+
+def hf_export_native(path: str) -> dict[str, torch.Tensor]:
+    """The safetensors files of :func:`_hf_export`'s checkpoint at ``path``, read back and mapped
+    to torchtitan's native keys by llama3's own adapter (``from_hf``: HF names, Q/K RoPE
+    permutation undone)."""
+    from safetensors.torch import load_file
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+    hf: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            hf.update(load_file(os.path.join(path, name)))
+    adapter = Llama3StateDictAdapter(model_registry("debugmodel").model, None)
+    return {k: v.contiguous() for k, v in adapter.from_hf(hf).items()}
+
+
 def run_ckpt(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     """Run A (save at step 2, export at step 4) and run B (load step 2, train to 4).
 
@@ -125,6 +159,7 @@ def run_ckpt(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     export = _full(model.state_dict())  # torchtitan's fused-QKV hook: wq/wk/wv
     assert checkpointer.save(curr_step=cases.STEPS, last_step=True)  # model only, float32
     checkpointer.close()
+    _hf_export(model, optimizers, schedulers, folder)
     del model, optimizers, schedulers, checkpointer
 
     model, optimizers, schedulers, checkpointer = _trainer(rank, world_size, folder, None)
