@@ -25,17 +25,18 @@ it gets what FSDP2 alone would give it. The hooks installed here (by
   - on the root module, before anything is written: each dedicated entry present under its
     canonical key is staged into the owner's shape (the shard ranks' rows gathered over the
     shard group for a DTensor laid out as above, ``DTensor.full_tensor()`` for another one;
-    collective), checked on every rank (shape), the ranks agree (one ``all_gather_object``),
-    and only then the entry is replaced: the full tensor on the owner (torch copies it into the
-    fp32 master; dmuon's load post-hook then refreshes the published weights), the placeholder
-    elsewhere. A bad entry on any rank raises ``ValueError`` naming dmuon on every rank before
-    anything is written.
+    collective), checked on every rank (shape), and the ranks agree (one
+    ``all_gather_object``). A bad entry on any rank raises ``ValueError`` naming dmuon on
+    every rank before anything is written. The entries themselves stay as they are.
   - on each module that holds a dedicated matrix, after that module's ancestors' load
-    pre-hooks and its own earlier ones: an entry the root did not stage (one such a hook made,
-    torchtitan's ``_merge_qkv_on_load`` merging ``wq``/``wk``/``wv`` into ``wqkv``; or any
-    entry when ``submodule.load_state_dict`` is called) is staged, checked and agreed on the
-    same way, for that module's matrices; a bad one raises ``ValueError`` on every rank
-    before they are written (modules loaded before it keep what they loaded).
+    pre-hooks and its own earlier ones: each of its entries is replaced by the full tensor on
+    the owner (torch copies it into the fp32 master; dmuon's load post-hook then refreshes the
+    published weights) and the placeholder elsewhere. An entry that is still the one the root
+    checked takes the staged tensor; another one (made by such a hook, torchtitan's
+    ``_merge_qkv_on_load`` merging ``wq``/``wk``/``wv`` into ``wqkv``, or any entry when
+    ``submodule.load_state_dict`` is called) is staged, checked and agreed on now, the same
+    way, for that module's matrices; a bad one raises ``ValueError`` on every rank before they
+    are written (modules loaded before it keep what they loaded).
 
 Tensor parallelism: the owner (of this TP rank's slice) broadcasts its slice over the shard
 group and each rank keeps the rows FSDP2 would (FSDP2 chunks the TP-local tensor along dim 0);
@@ -167,6 +168,7 @@ def staged_tp_local(value: Any, rec: DedicatedParam, where: str, group: Any, tp_
     return torch.chunk(full, tp_size, dim=rec.tp_shard_dim)[tp_rank], None
 
 
+_UNSTAGED = object()  # no entry is this object: the root pre-hook did not stage the matrix
 NOTHING_LOADED = "Nothing was loaded: the dedicated matrices are unchanged on every rank."
 
 
@@ -194,7 +196,8 @@ class StateDictHooks:
     def __init__(self, state: Any) -> None:
         self.state = state
         self.enabled = True
-        self._staged: dict[int, torch.Tensor] = {}  # id(rec) -> what the root pre-hook put in (this load)
+        # id(rec) -> (the entry the root pre-hook checked, its staged full tensor), this load
+        self._staged: dict[int, tuple[Any, torch.Tensor]] = {}
         self._in_root_load = False  # between the root's load pre-hook and its post-hook
         self._refresh = False  # a module's hook wrote masters outside a root load
         self._by_module: tuple[Any, dict[int, list[DedicatedParam]]] = (None, {})
@@ -280,14 +283,15 @@ class StateDictHooks:
                 sd[key] = self.entry(rec, rec.master)
 
     # ------------------------------------------------------------------ load
-    def _translate(self, present: list[tuple[DedicatedParam, str]], sd: dict[str, Any], consequence: str) -> None:
-        """Stage every ``(rec, key)`` entry of ``sd`` as a full tensor, check, agree, then hand
-        torch the owner's full tensor (the placeholder elsewhere). Collective over the world
-        (two ``all_gather_object`` and the staging); every rank must pass the same keys.
+    def _stage_all(self, present: list[tuple[DedicatedParam, str]], sd: dict[str, Any],
+                   consequence: str) -> list[torch.Tensor]:
+        """Stage every ``(rec, key)`` entry of ``sd`` as a full tensor (this rank's TP slice),
+        check, agree. Collective over the world (two ``all_gather_object`` and the staging);
+        every rank must pass the same keys. Returns the staged tensors, in ``present``'s order.
 
         Raises:
             ValueError: on every rank, if the ranks' entries differ in kind or an entry does
-                not fit on any rank; ``sd`` is unchanged.
+                not fit on any rank; ``consequence`` ends the message.
         """
         world = self.state.roles.world
         kinds = [(key, hasattr(sd[key], "full_tensor")) for _, key in present]
@@ -306,22 +310,23 @@ class StateDictHooks:
             if problem:
                 problems.append(problem)
         agree(problems, world, "the state dict does not fit this model", consequence)
-        for (rec, key), full in zip(present, staged):
-            sd[key] = full if rec.is_owner else rec.master.detach()
+        return staged
 
     @torch.no_grad()
     def on_load(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                 missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        """Root pre-hook: every dedicated entry present under its canonical key, translated
-        before anything is written (:meth:`_translate`). Collective."""
+        """Root pre-hook: every dedicated entry present under its canonical key is staged,
+        checked and agreed on before anything is written (:meth:`_stage_all`); the entries stay
+        as they are, and each module's pre-hook hands torch the staged tensor for an entry that
+        is still the one checked here. Collective."""
         self._staged.clear()
         records = self._records()
         if not records:
             return
         present = [(rec, prefix + module_key(rec.fqn)) for rec in records]
         present = [(rec, key) for rec, key in present if key in sd]
-        self._translate(present, sd, NOTHING_LOADED)
-        self._staged = {id(rec): sd[key] for rec, key in present}
+        staged = self._stage_all(present, sd, NOTHING_LOADED)
+        self._staged = {id(rec): (sd[key], full) for (rec, key), full in zip(present, staged)}
         self._in_root_load = True
 
     def after_load(self, module: Any, incompatible_keys: Any) -> None:
@@ -332,22 +337,33 @@ class StateDictHooks:
     @torch.no_grad()
     def on_module_load(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
                        missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        """Pre-hook of a module holding dedicated matrices: its entries the root pre-hook did
-        not stage (made by a load hook of the module or its ancestors, or a submodule's own
-        ``load_state_dict``) are translated now. Collective when there are such entries."""
-        present = [(rec, prefix + rec.attr) for rec in self._module_records(module)]
-        present = [(rec, key) for rec, key in present if key in sd and sd[key] is not self._staged.get(id(rec))]
-        if not present:
-            return
-        name = prefix[:-1] or "the model"
-        try:
-            self._translate(present, sd, f"Module {name!r}'s dedicated matrices are unchanged on every rank "
-                                         f"(entries a load hook made are checked as their module loads: "
-                                         f"modules loaded before it keep what they loaded).")
-        except ValueError:
-            self._in_root_load = False
-            raise
-        self._refresh = self._refresh or not self._in_root_load
+        """Pre-hook of a module holding dedicated matrices: torch gets the owner's full tensor
+        (the placeholder elsewhere) for each of its entries. An entry the root pre-hook staged
+        and no hook replaced since takes that staged tensor; another one (made by a load hook
+        of this module or its ancestors, or any entry of a submodule's own
+        ``load_state_dict``) is staged, checked and agreed on now: collective when there are
+        such entries."""
+        present, pending = [], []
+        for rec in self._module_records(module):
+            key = prefix + rec.attr
+            if key in sd:
+                checked, full = self._staged.get(id(rec), (_UNSTAGED, None))
+                (present if sd[key] is checked else pending).append((rec, key, full))
+        if pending:
+            name = prefix[:-1] or "the model"
+            try:
+                staged = self._stage_all([(rec, key) for rec, key, _ in pending], sd, (
+                    f"Module {name!r}'s dedicated matrices are unchanged on every rank (entries a load "
+                    f"hook made are checked as their module loads: modules loaded before it keep what "
+                    f"they loaded)."))
+            except ValueError:
+                self._in_root_load = False
+                self._staged.clear()
+                raise
+            present += [(rec, key, full) for (rec, key, _), full in zip(pending, staged)]
+            self._refresh = self._refresh or not self._in_root_load
+        for rec, key, full in present:
+            sd[key] = full if rec.is_owner else rec.master.detach()
 
     def after_module_load(self, module: Any, incompatible_keys: Any) -> None:
         """Post-hook of a module holding dedicated matrices: outside a root load (a submodule's
