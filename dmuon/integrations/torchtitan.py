@@ -12,10 +12,7 @@ matrices ``dedicate_params`` picks, AdamW on the rest), built there. In a torcht
         muon_kwargs=dict(lr=0.02, adamw_lr=3e-4, weight_decay=0.1))
 
 Everything else is torchtitan's: its FSDP2 ``parallelize`` (dmuon follows the
-``set_gradient_divide_factor(1.0)`` it sets), the container's ``step`` / ``zero_grad`` and
-``state_dict``, its clip, its LR schedulers and its ``CheckpointManager``. One method differs:
-:meth:`DmuonOptimizersContainer.load_state_dict` (torchtitan rebuilds each optimizer's state
-dict from the state this rank holds, and a Muon matrix's momentum lives on its owner only).
+``set_gradient_divide_factor(1.0)`` it sets), and the container's ``step`` / ``zero_grad``.
 
 ``torchtitan`` is imported when this module is (``import dmuon`` does not import it).
 """
@@ -27,7 +24,6 @@ from typing import Any
 
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
-from torchtitan.components.optimizer.utils import _unflatten_optim_state_dict, init_optim_state
 
 import dmuon
 from dmuon.integrations.accelerate import fsdp_mesh
@@ -80,12 +76,16 @@ class DmuonOptimizersContainer(OptimizersContainer):
         torchtitan's ``_unflatten_optim_state_dict`` keeps, per parameter, the state names this
         rank's optimizer holds: a Muon matrix's momentum is held by its owner only, so the other
         ranks would leave it out, while :class:`dmuon.Muon`'s load needs every rank's piece of
-        the FSDP2-laid-out entry (it gathers them to the owner; collective).
+        the FSDP2-laid-out entry (it gathers them to the owner; collective). torchtitan's
+        ``CheckpointManager`` calls this on load; every other method (``state_dict`` included)
+        is ``OptimizersContainer``'s.
 
         Raises:
             ValueError: what :class:`dmuon.Muon`'s ``load_state_dict`` raises (an entry that
                 does not fit, on every rank, before anything is written).
         """
+        from torchtitan.components.optimizer.utils import _unflatten_optim_state_dict, init_optim_state
+
         for optim in self.optimizers:
             init_optim_state(optim)
             sd = _unflatten_optim_state_dict(optim, state_dict)
