@@ -3,12 +3,17 @@ single-process ``torch.optim.Muon`` + ``AdamW`` (``tests/torchtitan_cases.py``).
 
 torchtitan's llama3 debug model, torchtitan's own ``parallelize`` (FSDP2, gradient divide
 factor 1.0) and its optimizer container (:class:`dmuon.integrations.torchtitan.
-DmuonOptimizersContainer`), 4 steps with gradient accumulation 2 and torchtitan's own clip
-active at every step. Skipped when torchtitan is not installed (it is not in the test extra:
-its full install pins other packages; ``pip install --no-deps torchtitan==0.3.0``).
+DmuonOptimizersContainer`) on both of dmuon's paths, 4 steps with gradient accumulation 2 and
+torchtitan's own clip active at every step; with its ``LRSchedulersContainer`` and its full /
+selective activation checkpointing. torchtitan is not in the test extra (its full install pins
+other packages): the ``torchtitan_path`` fixture (``tests/conftest.py``) pip-installs it with
+``--no-deps`` into a cache folder when the environment lacks it, and fails when it cannot
+(``DMUON_TESTS_OFFLINE=1``: skip instead).
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pytest
@@ -16,17 +21,41 @@ import pytest
 from tests import torchtitan_cases as cases
 from tests.test_core import FP32_ATOL, compare
 
-pytest.importorskip("torchtitan")
+# (dmuon path, torchtitan's LR scheduler, torchtitan's activation checkpointing)
+CASES = [
+    ("hooks", False, None),
+    ("distributed_config", False, None),
+    ("hooks", True, "full"),
+    ("distributed_config", True, "selective"),
+]
 
 
-def test_torchtitan_parallelize_and_container_match_reference(dist_pool):
-    out = dist_pool.run(2, "tests.torchtitan_cases:run", {}, timeout_s=300)
-    ref, ref_losses, ref_norms = cases.reference(2)
+@functools.lru_cache(maxsize=None)
+def _reference(lr_schedule: bool, site: str | None):
+    return cases.reference(2, lr_schedule=lr_schedule, site=site)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path,lr_schedule,ac", CASES,
+                         ids=["hooks", "distributed_config", "hooks-lr-fullAC",
+                              "distributed_config-lr-selectiveAC"])
+def test_torchtitan_parallelize_and_container_match_reference(dist_pool, torchtitan_path, path,
+                                                              lr_schedule, ac):
+    out = dist_pool.run(2, "tests.torchtitan_cases:run",
+                        dict(site=torchtitan_path, path=path, lr_schedule=lr_schedule, ac=ac),
+                        timeout_s=300, fresh=True)
+    ref, ref_losses, ref_norms = _reference(lr_schedule, torchtitan_path)
     rank0 = out[0]
     assert rank0["muon_names"] == sorted(cases.matrix_names(cases.build_model(meta=True)))
     worst = compare(rank0["final"], ref, FP32_ATOL)
-    print(f"torchtitan: max |diff| {worst:.3g}, norms {rank0['norms']} vs {ref_norms}")
+    print(f"torchtitan {path} lr_schedule={lr_schedule} ac={ac}: max |diff| {worst:.3g}, "
+          f"norms {rank0['norms']} vs {ref_norms}, lrs {rank0['lrs']}")
     np.testing.assert_allclose(rank0["losses"], ref_losses, rtol=1e-5)
+    # The learning rates each step used: torchtitan's schedule on every group (Muon's lr and
+    # AdamW's adamw_lr scaled by the same factor), the reference's by hand.
+    factors = cases.LR_FACTORS[:cases.STEPS] if lr_schedule else (1.0,) * cases.STEPS
+    base = [cases.MUON_KWARGS["lr"], cases.MUON_KWARGS["adamw_lr"]]
+    np.testing.assert_allclose(rank0["lrs"], [[f * b for b in base] for f in factors], rtol=1e-12)
     # torchtitan's clip_grad_norm_ gives the global norm, the same on every rank. rtol 1e-4, not
     # 1e-5: in this setup the output head's gradient differs from the single-process one by
     # ~1e-4 relative even without dmuon (torchtitan + plain FSDP2, step 0, measured by hand:
@@ -35,3 +64,10 @@ def test_torchtitan_parallelize_and_container_match_reference(dist_pool):
     assert out[0]["norms"] == out[1]["norms"]
     np.testing.assert_allclose(rank0["norms"], ref_norms, rtol=1e-4)
     assert min(ref_norms) > 10 * cases.MAX_NORM  # the clip is active at every step
+
+
+def test_container_refuses_an_unknown_path(torchtitan_path):
+    from dmuon.integrations.torchtitan import DmuonOptimizersContainer
+
+    with pytest.raises(ValueError, match=r"dmuon: DmuonOptimizersContainer\.Config\.path is 'fsdp'"):
+        DmuonOptimizersContainer.Config(path="fsdp").build(model_parts=[])
