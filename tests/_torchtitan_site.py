@@ -19,6 +19,7 @@ install fails the test, so CI cannot silently stop running it.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -45,11 +46,13 @@ class SiteUnavailable(RuntimeError):
 
 
 def installed_version() -> str | None:
-    """The version of the torchtitan installed in this environment, ``None`` without one (read
-    from its metadata: nothing is imported)."""
+    """The version of the torchtitan importable in this environment, ``None`` without one (its
+    metadata's version, if ``import torchtitan`` would find a module: nothing is imported)."""
     try:
+        if importlib.util.find_spec("torchtitan") is None:
+            return None
         return importlib.metadata.version("torchtitan")
-    except importlib.metadata.PackageNotFoundError:
+    except (ImportError, importlib.metadata.PackageNotFoundError):
         return None
 
 

@@ -46,6 +46,8 @@ def test_torchtitan_parallelize_and_container_match_reference(dist_pool, torchti
                         timeout_s=300, fresh=True)
     ref, ref_losses, ref_norms = _reference(lr_schedule, torchtitan_path)
     rank0 = out[0]
+    if torchtitan_path is not None:  # the workers imported the copy the fixture installed
+        assert rank0["torchtitan_file"].startswith(torchtitan_path), rank0["torchtitan_file"]
     assert rank0["muon_names"] == sorted(cases.matrix_names(cases.build_model(meta=True)))
     worst = compare(rank0["final"], ref, FP32_ATOL)
     print(f"torchtitan {path} lr_schedule={lr_schedule} ac={ac}: max |diff| {worst:.3g}, "

@@ -208,7 +208,10 @@ def run(rank: int, world_size: int, site: str | None = None, path: str = "hooks"
         if schedulers is not None:
             schedulers.step()
     final = {canonical_fqn(n): v for n, v in _full_weights(model).items()}
+    import torchtitan
+
     return dict(losses=losses, norms=norms, lrs=lrs, muon_names=muon_names,
+                torchtitan_file=torchtitan.__file__,
                 final={k: v.numpy().copy() for k, v in final.items()} if rank == 0 else {})
 
 
