@@ -75,3 +75,25 @@ def test_container_refuses_an_unknown_path(torchtitan_path):
 
     with pytest.raises(ValueError, match=r"dmuon: DmuonOptimizersContainer\.Config\.path is 'fsdp'"):
         DmuonOptimizersContainer.Config(path="fsdp").build(model_parts=[])
+
+
+def test_container_distributed_config_path_refuses_hooks_options(torchtitan_path):
+    from torch import nn
+
+    from dmuon.integrations.torchtitan import DmuonOptimizersContainer
+
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"dedicate_kwargs has \['mesh'\], which only the hooks path"):
+        DmuonOptimizersContainer.Config(path="distributed_config", dedicate_kwargs=dict(mesh=None)
+                                        ).build(model_parts=[model])
+    with pytest.raises(ValueError, match=r"distributed_config is a str; pass a dmuon.DistributedConfig"):
+        DmuonOptimizersContainer.Config(path="distributed_config", distributed_config="dtensor"
+                                        ).build(model_parts=[model])
+    with pytest.raises(ValueError, match=r"asks for 2 row blocks of 'weight'"):
+        DmuonOptimizersContainer.Config(path="distributed_config",
+                                        dedicate_kwargs=dict(predicate=lambda name, p: 2)
+                                        ).build(model_parts=[model])
+    with pytest.raises(ValueError, match=r"'bias' of shape \(3,\) is picked for Muon"):
+        DmuonOptimizersContainer.Config(path="distributed_config",
+                                        dedicate_kwargs=dict(predicate=lambda name, p: True)
+                                        ).build(model_parts=[model])

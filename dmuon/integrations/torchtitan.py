@@ -57,7 +57,8 @@ class DmuonOptimizersContainer(OptimizersContainer):
         ValueError: ``config.path`` is not one of :data:`PATHS`; on the hooks path, a model
             part has no FSDP2 parameter and no ``mesh`` was given in ``dedicate_kwargs``; on the
             ``distributed_config`` path, ``dedicate_kwargs`` other than ``predicate``, a
-            predicate asking for row blocks, or a ``distributed_config`` that is not a
+            predicate asking for row blocks or picking a parameter that is not 2-D (an MoE
+            expert stack), or a ``distributed_config`` that is not a
             :class:`dmuon.DistributedConfig`; or what :func:`dmuon.dedicate_params` /
             :class:`dmuon.Muon` raise.
     """
@@ -119,9 +120,7 @@ def _distributed_config_optimizer(model: nn.Module,
                          f"which only the hooks path takes; with path=\"distributed_config\" "
                          f"pass only 'predicate' (or set path=\"hooks\")")
     dist_config = config.distributed_config
-    if dist_config is None:
-        dist_config = dmuon.create_dtensor_config()
-    elif not isinstance(dist_config, dmuon.DistributedConfig):
+    if dist_config is not None and not isinstance(dist_config, dmuon.DistributedConfig):
         raise ValueError(f"dmuon: DmuonOptimizersContainer.Config.distributed_config is a "
                          f"{type(dist_config).__name__}; pass a dmuon.DistributedConfig (e.g. "
                          f"dmuon.create_dtensor_config()) or None")
@@ -135,7 +134,14 @@ def _distributed_config_optimizer(model: nn.Module,
             raise ValueError(f"dmuon: the predicate asks for {pick!r} row blocks of {name!r}; the "
                              f"distributed_config path orthogonalizes whole 2-D matrices only. "
                              f"Use path=\"hooks\" for row blocks")
+        if pick and p.ndim != 2:
+            raise ValueError(f"dmuon: {name!r} of shape {tuple(p.shape)} is picked for Muon, but the "
+                             f"distributed_config path orthogonalizes 2-D matrices only (not "
+                             f"expert stacks). Use path=\"hooks\", or a predicate that leaves it "
+                             f"to AdamW")
         (muon if pick else adamw).append((canonical_fqn(name), p))
     groups = [{"params": muon, "use_muon": True}] * bool(muon) + [
         {"params": adamw, "use_muon": False}] * bool(adamw)
+    if dist_config is None:
+        dist_config = dmuon.create_dtensor_config()
     return dmuon.Muon(groups, distributed_config=dist_config, **config.muon_kwargs)
