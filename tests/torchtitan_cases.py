@@ -97,11 +97,11 @@ def clip_grad_norm_fp64_(params: Any, max_norm: float) -> float:
     """``torch.nn.utils.clip_grad_norm_`` (2-norm, the same clip coefficient ``max_norm /
     (norm + 1e-6)`` capped at 1, applied in fp32) with the norm summed in float64.
 
-    Not torch's own: its CPU norm kernel sums a tensor's squares in fp32 nearly in sequence, and
-    on ``lm_head``'s ``[2048, 256]`` gradient at step 0 it returns 1.0007751 where the float64
-    norm is 1.0008426 (6.7e-5 relative; the whole model's norm 1.0624677 vs 1.0625314). Its
-    error depends on how the tensor is cut (the two FSDP2 halves: 1.0008177), so it is no
-    reference for a sharded run.
+    Not torch's own: its CPU norm kernel accumulates a tensor's squares in fp32 (the error
+    grows with the tensor's size); on ``lm_head``'s ``[2048, 256]`` gradient at step 0 it returns
+    1.0007751 where the float64 norm is 1.0008426 (6.7e-5 relative; the whole model's norm
+    1.0624677 vs 1.0625314). Its error depends on how the tensor is cut (the two FSDP2 halves:
+    1.0008177), so it is no reference for a sharded run.
 
     Returns:
         The total gradient norm (float64, as a float).
