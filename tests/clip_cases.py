@@ -21,6 +21,7 @@ import torch
 
 import dmuon
 from tests import models
+from tests._torchtitan_site import use_site
 from tests.dist_cases import build, full_params
 
 OPT_KWARGS = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
@@ -78,12 +79,14 @@ def _as_float(norm: Any) -> float:
 
 
 def clip_train(rank: int, world_size: int, *, mode: str, consumer: str, steps: int = 3,
-               max_norm: float = 0.05, variant: str = "", dedicate_kwargs: dict | None = None
-               ) -> dict[str, Any]:
+               max_norm: float = 0.05, variant: str = "", dedicate_kwargs: dict | None = None,
+               site: str | None = None) -> dict[str, Any]:
     """Train the test model ``steps`` steps, clipping with ``consumer`` between backward and
     step. Returns the norms it reported, the final parameters (rank 0), or the error
     (``"<Type>: <message>"``) of the first step that raised. ``variant``: of
-    ``tests/models.Net`` ("unused": a matrix no rank uses, whose owner shows absent zeros)."""
+    ``tests/models.Net`` ("unused": a matrix no rank uses, whose owner shows absent zeros).
+    ``site``: where the test installed torchtitan (``tests/_torchtitan_site.py``), if it did."""
+    use_site(site)
     model, _ = build(world_size, mode, variant=variant, **(dedicate_kwargs or {}))
     out = _clipped_steps(model, consumer, steps, max_norm, rank, world_size)
     return out if out["error"] else dict(out, params=full_params(model, rank))
