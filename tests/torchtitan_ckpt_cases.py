@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tests import torchtitan_cases as cases
+from tests._torchtitan_site import use_site
 
 SAVE_AT = 2
 
@@ -142,8 +143,9 @@ def hf_export_native(path: str) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in adapter.from_hf(hf).items()}
 
 
-def run_ckpt(rank: int, world_size: int, folder: str) -> dict[str, Any]:
-    """Run A (save at step 2, export at step 4) and run B (load step 2, train to 4).
+def run_ckpt(rank: int, world_size: int, folder: str, site: str | None = None) -> dict[str, Any]:
+    """Run A (save at step 2, export at step 4) and run B (load step 2, train to 4); ``site``:
+    the folder holding torchtitan (``tests/_torchtitan_site.py``), or ``None``.
 
     Returns:
         ``losses_a`` (steps 0-3), ``losses_b`` (steps 2-3), ``last_epoch_b`` (the LR
@@ -151,6 +153,7 @@ def run_ckpt(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         ``export`` (run A's final ``model.state_dict()``, full tensors as numpy arrays, keyed as
         it names them) and ``final_b`` (run B's, the same way).
     """
+    use_site(site)
     initial = dict(cases.build_model(meta=False).named_parameters())  # the reference's initial weights
     model, optimizers, schedulers, checkpointer = _trainer(rank, world_size, folder, initial)
     losses_a = _train(model, optimizers, schedulers, range(SAVE_AT), rank, world_size)
@@ -176,10 +179,10 @@ def run_ckpt(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     return out
 
 
-def reference_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def reference_state_dict(weights: dict[str, torch.Tensor], site: str | None = None) -> dict[str, torch.Tensor]:
     """``weights`` (the reference's parameters by name) as torchtitan's unsharded model's own
     ``state_dict()`` shows them (its fused-QKV hook splits ``wqkv`` into ``wq``/``wk``/``wv``)."""
-    model = cases.build_model(meta=False)
+    model = cases.build_model(meta=False, site=site)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(weights[name])
