@@ -102,7 +102,8 @@ def test_container_distributed_config_path_refuses_hooks_options(torchtitan_path
 
 
 @pytest.mark.slow
-def test_torchtitan_checkpoint_manager_resumes_bitwise_and_exports(dist_pool, torchtitan_path, tmp_path):
+@pytest.mark.parametrize("path", ["hooks", "distributed_config"])
+def test_torchtitan_checkpoint_manager_resumes_bitwise_and_exports(dist_pool, torchtitan_path, tmp_path, path):
     """torchtitan's own CheckpointManager (model + dmuon's optimizer container + LR scheduler)
     saves at step 2 and a fresh trainer resumes from it bitwise; model.state_dict() (with
     torchtitan's fused-QKV split into wq/wk/wv) and the model-only last-step checkpoint are the
@@ -113,7 +114,8 @@ def test_torchtitan_checkpoint_manager_resumes_bitwise_and_exports(dist_pool, to
     from tests import torchtitan_ckpt_cases as ckpt
 
     out = dist_pool.run(2, "tests.torchtitan_ckpt_cases:run_ckpt",
-                        {"folder": str(tmp_path), "site": torchtitan_path}, timeout_s=600, fresh=True)
+                        {"folder": str(tmp_path), "site": torchtitan_path, "path": path}, timeout_s=600,
+                        fresh=True)
     rank0 = out[0]
     ref, ref_losses, _ = _reference(False, torchtitan_path)
     ref_sd = ckpt.reference_state_dict(ref, torchtitan_path)
@@ -139,6 +141,6 @@ def test_torchtitan_checkpoint_manager_resumes_bitwise_and_exports(dist_pool, to
     hf = ckpt.hf_export_native(str(tmp_path / "hf" / f"step-{cases.STEPS}"))
     assert sorted(hf) == sorted(ref_sd)
     worst_hf = compare({k: v.numpy() for k, v in hf.items()}, ref_sd, FP32_ATOL)
-    print(f"torchtitan checkpoint: export max |diff| {worst:.3g}, last-step checkpoint {worst_last:.3g}, "
+    print(f"torchtitan checkpoint ({path}): export max |diff| {worst:.3g}, last-step checkpoint {worst_last:.3g}, "
           f"HF export {worst_hf:.3g}, "
           f"resumed losses {rank0['losses_b']} == {rank0['losses_a'][ckpt.SAVE_AT:]}")

@@ -16,6 +16,8 @@ single-process reference's constant learning rate still applies) and its ``Check
 * run B is a fresh model (other initial weights), container, schedulers and
   ``CheckpointManager`` on the same folder: ``load(step=2)``, then trains steps 2-3.
 
+Both of dmuon's paths (``DmuonOptimizersContainer.Config.path``).
+
 The CPU shims are ``tests/torchtitan_cases.py``'s.
 """
 
@@ -60,16 +62,18 @@ def _parallelized(rank: int, world_size: int, initial: dict[str, torch.Tensor] |
     return model
 
 
-def _trainer(rank: int, world_size: int, folder: str, initial: dict[str, torch.Tensor] | None) -> tuple:
-    """Model, optimizers (dmuon's container), LR schedulers and ``CheckpointManager``, built in
-    torchtitan's trainer order."""
+def _trainer(rank: int, world_size: int, folder: str, initial: dict[str, torch.Tensor] | None,
+             path: str) -> tuple:
+    """Model, optimizers (dmuon's container on dmuon's ``path``), LR schedulers and
+    ``CheckpointManager``, built in torchtitan's trainer order."""
     from torchtitan.components.checkpoint import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer
 
     from dmuon.integrations.torchtitan import DmuonOptimizersContainer
 
     model = _parallelized(rank, world_size, initial)
-    optimizers = DmuonOptimizersContainer.Config(muon_kwargs=cases.MUON_KWARGS).build(model_parts=[model])
+    optimizers = DmuonOptimizersContainer.Config(muon_kwargs=cases.MUON_KWARGS, path=path).build(
+        model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=0, decay_ratio=0.0).build(
         optimizers=optimizers, training_steps=cases.STEPS)
     config = CheckpointManager.Config(enable=True, folder="checkpoint", interval=SAVE_AT, keep_latest_k=0,
@@ -143,9 +147,11 @@ def hf_export_native(path: str) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in adapter.from_hf(hf).items()}
 
 
-def run_ckpt(rank: int, world_size: int, folder: str, site: str | None = None) -> dict[str, Any]:
+def run_ckpt(rank: int, world_size: int, folder: str, site: str | None = None,
+             path: str = "hooks") -> dict[str, Any]:
     """Run A (save at step 2, export at step 4) and run B (load step 2, train to 4); ``site``:
-    the folder holding torchtitan (``tests/_torchtitan_site.py``), or ``None``.
+    the folder holding torchtitan (``tests/_torchtitan_site.py``), or ``None``; ``path``:
+    ``DmuonOptimizersContainer.Config.path``.
 
     Returns:
         ``losses_a`` (steps 0-3), ``losses_b`` (steps 2-3), ``last_epoch_b`` (the LR
@@ -155,7 +161,7 @@ def run_ckpt(rank: int, world_size: int, folder: str, site: str | None = None) -
     """
     use_site(site)
     initial = dict(cases.build_model(meta=False).named_parameters())  # the reference's initial weights
-    model, optimizers, schedulers, checkpointer = _trainer(rank, world_size, folder, initial)
+    model, optimizers, schedulers, checkpointer = _trainer(rank, world_size, folder, initial, path)
     losses_a = _train(model, optimizers, schedulers, range(SAVE_AT), rank, world_size)
     assert checkpointer.save(curr_step=SAVE_AT)
     losses_a += _train(model, optimizers, schedulers, range(SAVE_AT, cases.STEPS), rank, world_size)
@@ -165,7 +171,7 @@ def run_ckpt(rank: int, world_size: int, folder: str, site: str | None = None) -
     _hf_export(model, optimizers, schedulers, folder)
     del model, optimizers, schedulers, checkpointer
 
-    model, optimizers, schedulers, checkpointer = _trainer(rank, world_size, folder, None)
+    model, optimizers, schedulers, checkpointer = _trainer(rank, world_size, folder, None, path)
     assert checkpointer.load(step=SAVE_AT)
     last_epoch = schedulers.schedulers[0].last_epoch
     losses_b = _train(model, optimizers, schedulers, range(SAVE_AT, cases.STEPS), rank, world_size)
