@@ -216,13 +216,13 @@ class StateDictHooks:
         # partials: torch marks a public hook with an attribute, which a bound method refuses
         handles = [model.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.on_load, self)),
                    model.register_load_state_dict_post_hook(functools.partial(StateDictHooks.after_load, self))]
+        save, load, loaded = (functools.partial(f, self) for f in (
+            StateDictHooks.on_module_state_dict, StateDictHooks.on_module_load, StateDictHooks.after_module_load))
         for module in dict.fromkeys(sel.module for sel in self.state.selected):
-            save = module.register_state_dict_post_hook(functools.partial(StateDictHooks.on_module_state_dict, self))
-            module._state_dict_hooks.move_to_end(save.id, last=False)
-            handles += [save,
-                        module.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.on_module_load, self)),
-                        module.register_load_state_dict_post_hook(functools.partial(StateDictHooks.after_module_load,
-                                                                                    self))]
+            handle = module.register_state_dict_post_hook(functools.partial(save))
+            module._state_dict_hooks.move_to_end(handle.id, last=False)
+            handles += [handle, module.register_load_state_dict_pre_hook(functools.partial(load)),
+                        module.register_load_state_dict_post_hook(functools.partial(loaded))]
         return handles
 
     @contextlib.contextmanager
