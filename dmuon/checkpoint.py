@@ -273,8 +273,8 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     with ctx.state_dict_hooks.raw():  # the live tensors, not torch's FSDP2-like view
         live = model.state_dict()
     for fqn, value in live.items():
-        if fqn in dedicated:
-            continue  # added below, owners only
+        if fqn in dedicated or (isinstance(value, torch.Tensor) and value.is_meta):
+            continue  # added below, owners only (meta: what a third-party hook made of one)
         model_sd[canonical_fqn(fqn)] = value
     optim_state: dict[str, dict[str, Any]] = {}
     for rec in ctx.records:

@@ -108,3 +108,28 @@ def parent_hooks(rank: int, world_size: int) -> dict:
     if rank == 0:
         out["values"] = saved
     return out
+
+
+def dmuon_checkpoint(rank: int, world_size: int, path: str) -> dict:
+    """dmuon's own checkpoint (``dmuon.state_dict`` + ``dcp.save``, ``dmuon.load``) of a model
+    whose parent modules carry the split/merge hooks: train 2 steps, save, train step 2; a
+    fresh model loads and trains step 2. Returns the error of the first call that raised
+    (``None``), the model keys of ``dmuon.state_dict`` on this rank, and ``differs``: entries
+    of the two models' full state dicts after step 2 that are not bitwise equal."""
+    import torch.distributed.checkpoint as dcp
+
+    import dmuon
+
+    model, opt, dp_index, dp_count = _with_hooks(rank, world_size)
+    run_steps(model, opt, range(2), dp_index, dp_count)
+    try:
+        sd = dmuon.state_dict(model, opt)
+        keys = sorted(sd["model"])
+        dcp.save(sd, checkpoint_id=path)
+        run_steps(model, opt, range(2, 3), dp_index, dp_count)
+        fresh, fresh_opt, _, _ = _with_hooks(rank, world_size)
+        dmuon.load(fresh, fresh_opt, path)
+        run_steps(fresh, fresh_opt, range(2, 3), dp_index, dp_count)
+    except Exception as e:  # noqa: BLE001 - the test reads the type and message
+        return dict(error=f"{type(e).__name__}: {e}")
+    return dict(error=None, keys=keys, differs=_same(_full(fresh.state_dict()), _full(model.state_dict())))

@@ -215,3 +215,19 @@ def test_parent_module_hooks_see_fsdp2_view(dist_pool):
         else:
             got = values[name]
         np.testing.assert_allclose(got, value.numpy(), rtol=0, atol=ATOL, err_msg=name)
+
+
+def test_dmuon_checkpoint_under_parent_module_hooks(dist_pool, tmp_path):
+    """``dmuon.state_dict`` reads the live tensors with dmuon's translation off; a parent
+    module's split hook (torchtitan's fused-QKV style) then met a non-owner's zero-size
+    placeholder (``IndexError``). It now meets a ``meta`` tensor of the matrix's shape, which
+    ``dmuon.state_dict`` drops: the owners' masters are saved under the dedicated FQNs, and
+    ``dmuon.load`` resumes bitwise."""
+    out = dist_pool.run(2, "tests.sd_hook_order_cases:dmuon_checkpoint", dict(path=str(tmp_path / "ckpt")),
+                        timeout_s=180)
+    for rank, o in enumerate(out):
+        assert o["error"] is None, (rank, o["error"])
+        assert not any(k.endswith(("fc1.a", "fc1.b")) for k in o["keys"]), (rank, o["keys"])
+        assert o["differs"] == [], (rank, o["differs"])
+    owned = set(out[0]["keys"]) | set(out[1]["keys"])
+    assert {f"blocks.{i}.fc1.weight" for i in range(2)} <= owned, sorted(owned)
