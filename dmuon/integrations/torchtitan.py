@@ -19,11 +19,12 @@ Everything else is torchtitan's: its FSDP2 ``parallelize`` (dmuon follows the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config.override import derive, override
 
 import dmuon
 from dmuon.integrations.accelerate import fsdp_mesh
@@ -67,3 +68,47 @@ class DmuonOptimizersContainer(OptimizersContainer):
             self.optimizers.append(optimizer)
             all_params.extend(p for g in optimizer.param_groups for p in g["params"])
         self._post_init(all_params)
+
+
+@override(target=OptimizersContainer.Config,
+          description="dmuon.Muon: Muon on the matrices, AdamW on the rest (dmuon.integrations.torchtitan)")
+def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersContainer.Config:
+    """torchtitan override: the trainer's optimizer becomes :class:`DmuonOptimizersContainer`.
+
+    One command-line flag, with torchtitan's own override mechanism (``torchtitan.config.
+    override``)::
+
+        --override.imports dmuon.integrations.torchtitan.muon
+        --override.imports 'dmuon.integrations.torchtitan.muon={"lr": 0.02, "adamw_lr": 8e-4}'
+
+    Without ``lr``, Muon takes the replaced AdamW's learning rate and weight decay with
+    ``adjust_lr_fn="match_rms_adamw"`` (the update's RMS matched to AdamW's, so AdamW's
+    hyper-parameters carry over); the other parameters' AdamW keeps the replaced one's ``lr``,
+    ``betas``, ``eps`` and ``weight_decay``. That AdamW is the config's first ``AdamW``/``Adam``
+    param group (torchtitan's ``default_adamw`` has one, matching every parameter); without
+    one, dmuon.Muon's defaults apply.
+
+    Args:
+        config: the ``OptimizersContainer.Config`` being replaced (torchtitan passes it).
+        **kwargs: :class:`dmuon.Muon` keyword arguments; a name that is a field of
+            :class:`DmuonOptimizersContainer.Config` (e.g. ``dedicate_kwargs``) sets that field.
+
+    Returns:
+        The :class:`DmuonOptimizersContainer.Config` torchtitan builds in its place.
+    """
+    container_fields = {f.name for f in fields(DmuonOptimizersContainer.Config)} - {"muon_kwargs"}
+    container = {k: v for k, v in kwargs.items() if k in container_fields}
+    muon_kwargs = dict(getattr(config, "muon_kwargs", {}))
+    adamw = next((dict(g.optimizer_kwargs) for g in getattr(config, "param_groups", [])
+                  if g.optimizer_name in ("AdamW", "Adam")), None)
+    if adamw is not None:
+        inherited = {f"adamw_{k}": adamw[k] for k in ("lr", "betas", "eps", "weight_decay")
+                     if k in adamw}
+        if "lr" not in kwargs and "lr" not in muon_kwargs and "lr" in adamw:
+            inherited.update(lr=adamw["lr"], adjust_lr_fn="match_rms_adamw",
+                             weight_decay=adamw.get("weight_decay", 0.1))
+        if "adamw_betas" in inherited:
+            inherited["adamw_betas"] = tuple(inherited["adamw_betas"])
+        muon_kwargs = {**inherited, **muon_kwargs}
+    muon_kwargs.update({k: v for k, v in kwargs.items() if k not in container_fields})
+    return derive(config, DmuonOptimizersContainer.Config, muon_kwargs=muon_kwargs, **container)
