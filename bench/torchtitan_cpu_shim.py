@@ -30,10 +30,11 @@ plus the three lines a torchtitan user adds for dmuon (see :func:`llama3_debugmo
    (:class:`ByteTokenizer`, 256 bytes + BOS + EOS, ids below the model's 2048).
 5. *Size.* ``seq_len`` 256 and ``local_batch_size`` 4 instead of 2048 and 8: two shared cores.
 
-Everything else is torchtitan's: ``Trainer``, its FSDP2 ``parallelize_llama`` (fp32 parameters
-here via ``--training.mixed_precision_param float32``, see the script), selective activation
-checkpointing, its loss, ``clip_grad_norm_`` (``training.max_norm``), ``LRSchedulersContainer``
-(warmup, linear decay), metrics logging and ``CheckpointManager``.
+Everything else is torchtitan's, with the debug model's settings: ``Trainer``, its
+``spmd_types`` backend and FSDP2 ``parallelize_llama`` (bf16 parameters in forward/backward, fp32
+reduction), selective activation checkpointing, its chunked cross-entropy loss,
+``clip_grad_norm_`` (``training.max_norm`` 1.0), ``LRSchedulersContainer`` (warmup 2, linear
+decay), metrics logging and ``CheckpointManager``.
 """
 
 from __future__ import annotations

@@ -14,7 +14,10 @@ a venv with torch 2.14.1, ``torchtitan==0.3.0`` and dmuon)::
 
 Every run is one torchtitan command line (stored in the JSON): ``--module
 bench.torchtitan_cpu_shim`` is the CPU shim (see that module), ``--debug.seed 0`` gives every run
-the same initial weights and data, so step 1's loss and gradient norm must agree across runs.
+the same initial weights and data, so step 1's loss and gradient norm must agree across runs;
+``--training.global_batch_size 16`` is 2 micro-batches of 4 per rank (gradient accumulation 2);
+``--metrics.enable_tensorboard`` makes torchtitan log each optimizer group's learning rate, read
+back here from its TensorBoard files.
 
 Runs: ``adamw`` (torchtitan's ``default_adamw``, lr 8e-4); ``dmuon_config`` (the three config
 lines, ``llama3_debugmodel_cpu_dmuon``); ``dmuon_flag`` (the one flag ``--override.imports
@@ -35,11 +38,12 @@ import shutil
 import subprocess
 import sys
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = ["--module", "bench.torchtitan_cpu_shim", "--debug.seed", "0"]
+BASE = ["--module", "bench.torchtitan_cpu_shim", "--debug.seed", "0",
+        "--training.global_batch_size", "16", "--metrics.enable_tensorboard"]
 RUNS = {
     "adamw": ["--config", "llama3_debugmodel_cpu"],
     "dmuon_config": ["--config", "llama3_debugmodel_cpu_dmuon"],
@@ -47,8 +51,9 @@ RUNS = {
                    "--override.imports", "dmuon.integrations.torchtitan.muon"],
 }
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
-STEP_LINE = re.compile(r"^\[titan\] (\S+ \S+) - root - INFO - step:\s*(\d+)\s+loss:\s*([-\d.eE+naif]+)\s+"
-                       r"grad_norm:\s*([-\d.eE+naif]+).*?tps:\s*([\d,]+)")
+NUMBER = r"([-\d.eE+naif]+)"
+STEP_LINE = re.compile(r"^\[titan\] (\S+ \S+) - root - INFO - step:\s*(\d+)\s+"
+                       rf"loss:\s*{NUMBER}\s+grad_norm:\s*{NUMBER}.*?tps:\s*([\d,]+)")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -74,11 +79,12 @@ def torchrun(python: str, nproc: int, port: int, args: list[str], dump: Path, lo
     step_s = [None] + [round((steps[b]["at"] - steps[a]["at"]).total_seconds(), 3)
                        for a, b in zip(order, order[1:])]
     errors = [ln for ln in text.splitlines() if re.search(r"Error|error:|Traceback", ln)]
+    lrs = learning_rates(python, dump)
     shown = " ".join(a if re.fullmatch(r"[\w./=:,-]+", a) else f"'{a}'" for a in cmd[1:])
     return dict(command=f"PYTHONPATH=. OMP_NUM_THREADS=1 python {shown}", returncode=rc,
                 wall_s=round(wall, 1), steps=order, loss=[steps[s]["loss"] for s in order],
                 grad_norm=[steps[s]["grad_norm"] for s in order],
-                tps=[steps[s]["tps"] for s in order], step_s=step_s,
+                tps=[steps[s]["tps"] for s in order], step_s=step_s, lr=lrs,
                 errors=errors[-12:] if rc else [])
 
 
@@ -92,11 +98,91 @@ def cpu_model() -> str:
 
 
 def versions(python: str) -> dict:
-    code = ("import json, torch, importlib.metadata as m; print(json.dumps(dict(torch=torch.__version__, "
-            "torchtitan=m.version('torchtitan'), dmuon=m.version('dmuon'), "
-            "python='.'.join(map(str, __import__('sys').version_info[:3])))))")
+    code = ("import json, sys, torch, importlib.metadata as m; print(json.dumps(dict("
+            "torch=torch.__version__, torchtitan=m.version('torchtitan'), "
+            "python='.'.join(map(str, sys.version_info[:3])))))")
     return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True,
                                      check=True).stdout)
+
+
+TENSORBOARD = """
+import glob, json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+out = {}
+for path in sorted(glob.glob(sys.argv[1] + "/**/events.out.tfevents.*", recursive=True)):
+    acc = EventAccumulator(path, size_guidance={"scalars": 0})
+    acc.Reload()
+    for tag in acc.Tags()["scalars"]:
+        if tag.startswith("lr/"):
+            out[tag] = {e.step: e.value for e in acc.Scalars(tag)}
+print(json.dumps(out))
+"""
+
+
+def learning_rates(python: str, dump: Path) -> dict:
+    """torchtitan's logged learning rates (``lr/<optimizer>[/<group>]``) by step, from the
+    TensorBoard files under ``dump`` (empty if there are none)."""
+    out = subprocess.run([python, "-c", TENSORBOARD, str(dump)], capture_output=True, text=True)
+    if out.returncode:
+        return dict(error=out.stderr.strip().splitlines()[-1:])
+    return {tag: [round(v, 9) for _, v in sorted(by_step.items(), key=lambda kv: int(kv[0]))]
+            for tag, by_step in json.loads(out.stdout).items()}
+
+
+COMPARE = """
+import json, sys, tempfile, torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def flat(d, pre=""):
+    for k, v in d.items():
+        yield from flat(v, f"{pre}{k}.") if isinstance(v, dict) else [(f"{pre}{k}", v)]
+sds = []
+for path in sys.argv[1:3]:
+    with tempfile.NamedTemporaryFile(suffix=".pt") as f:
+        dcp_to_torch_save(path, f.name)
+        sds.append(dict(flat(torch.load(f.name, weights_only=False))))
+a, b = sds
+tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
+same = lambda k: torch.equal(a[k], b[k]) if k in tensors else a[k] == b[k]
+differ = [k for k in a if k not in b or not same(k)]
+print(json.dumps(dict(entries=len(a), tensors=len(tensors), same_keys=sorted(a) == sorted(b),
+                      differing=differ[:20], n_differing=len(differ),
+                      model_tensors=sum(k.startswith("model.") for k in tensors))))
+"""
+
+
+def compare_checkpoints(python: str, a: Path, b: Path) -> dict:
+    """Every entry of two DCP checkpoints (model, optimizer, LR schedulers, dataloader, train
+    state), compared exactly (``torch.equal``) in the trainer's interpreter."""
+    out = subprocess.run([python, "-c", COMPARE, str(a), str(b)], capture_output=True, text=True)
+    if out.returncode:
+        return dict(error=out.stderr.strip().splitlines()[-3:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def checkpoint_runs(a: argparse.Namespace, work: Path) -> dict:
+    """``dmuon_flag`` with ``CheckpointManager`` (interval 5: ``step-5``, ``step-10``); then its
+    ``step-10`` moved aside and the same command run again (it resumes from ``step-5``); the two
+    ``step-10`` checkpoints compared entry by entry."""
+    args = RUNS["dmuon_flag"] + CHECKPOINT
+    dump = work / "ckpt"
+    print("run checkpoint_save", flush=True)
+    save = torchrun(a.python, a.nproc, a.port, args, dump, work / "checkpoint_save.log")
+    folder = dump / "checkpoint"
+    saved = sorted(p.name for p in folder.glob("step-*")) if folder.exists() else []
+    ckpt = dict(command_extra=CHECKPOINT, save=save, saved=saved)
+    if save["returncode"] or saved != ["step-10", "step-5"]:
+        return ckpt
+    shutil.move(folder / "step-10", work / "uninterrupted_step-10")
+    print("run checkpoint_resume", flush=True)
+    resume = torchrun(a.python, a.nproc, a.port, args, dump, work / "checkpoint_resume.log")
+    full = {s: (l, g) for s, l, g in zip(save["steps"], save["loss"], save["grad_norm"])}
+    ckpt.update(resume=resume, resumed_steps=resume["steps"],
+                resume_logs_equal=[full.get(s) == (l, g) for s, l, g in
+                                   zip(resume["steps"], resume["loss"], resume["grad_norm"])])
+    if resume["returncode"] == 0:
+        ckpt["step10_compare"] = compare_checkpoints(a.python, work / "uninterrupted_step-10",
+                                                     folder / "step-10")
+    return ckpt
 
 
 def main() -> None:
@@ -105,7 +191,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="result JSON")
     ap.add_argument("--work", default="/tmp/torchtitan_trainer", help="dump folders and logs")
     ap.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
-    ap.add_argument("--checkpoint", action="store_true", help="also the checkpoint save/resume runs")
+    ap.add_argument("--checkpoint", action="store_true",
+                    help="also the checkpoint save/resume runs")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--port", type=int, default=29631)
     a = ap.parse_args()
@@ -117,28 +204,18 @@ def main() -> None:
     result.update(device=dict(cpu=cpu_model(), cores=os.cpu_count(), ranks=a.nproc,
                               backend="gloo", threads_per_rank=1,
                               loadavg_start=os.getloadavg()),
-                  versions=versions(a.python), date=datetime.utcnow().strftime("%Y-%m-%d %H:%M UTC"))
+                  versions=versions(a.python),
+                  date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     runs = result.setdefault("runs", {})
     for name in a.runs:
         print(f"run {name}", flush=True)
-        runs[name] = torchrun(a.python, a.nproc, a.port, RUNS[name], work / name, work / f"{name}.log")
+        runs[name] = torchrun(a.python, a.nproc, a.port, RUNS[name], work / name,
+                              work / f"{name}.log")
         print({k: runs[name][k] for k in ("returncode", "wall_s", "loss")}, flush=True)
     if a.checkpoint:
-        args = RUNS["dmuon_flag"] + CHECKPOINT
-        dump = work / "ckpt"
-        print("run checkpoint_save", flush=True)
-        save = torchrun(a.python, a.nproc, a.port, args, dump, work / "checkpoint_save.log")
-        saved = sorted(p.name for p in (dump / "checkpoint").glob("step-*")) if (dump / "checkpoint").exists() else []
-        ckpt = dict(save=save, saved=saved)
-        if save["returncode"] == 0 and "step-5" in saved:
-            shutil.rmtree(dump / "checkpoint" / "step-10", ignore_errors=True)
-            print("run checkpoint_resume", flush=True)
-            resume = torchrun(a.python, a.nproc, a.port, args, dump, work / "checkpoint_resume.log")
-            ckpt["resume"] = resume
-            full = dict(zip(save["steps"], save["loss"]))
-            ckpt["resume_equal_losses"] = [full.get(s) == l for s, l in zip(resume["steps"], resume["loss"])]
-        result["checkpoint"] = ckpt
-        print({k: v for k, v in ckpt.items() if k not in ("save", "resume")}, flush=True)
+        result["checkpoint"] = checkpoint_runs(a, work)
+        print({k: v for k, v in result["checkpoint"].items() if k not in ("save", "resume")},
+              flush=True)
     result["device"]["loadavg_end"] = os.getloadavg()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
