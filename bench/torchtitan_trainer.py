@@ -144,9 +144,14 @@ a, b = sds
 tensors = [k for k in a if isinstance(a[k], torch.Tensor)]
 same = lambda k: torch.equal(a[k], b[k]) if k in tensors else a[k] == b[k]
 differ = [k for k in a if k not in b or not same(k)]
-print(json.dumps(dict(entries=len(a), tensors=len(tensors), same_keys=sorted(a) == sorted(b),
-                      differing=differ[:20], n_differing=len(differ),
-                      model_tensors=sum(k.startswith("model.") for k in tensors))))
+parts = ("optimizer", "lr_scheduler", "dataloader", "train_state")
+by_part = {}
+for k in a:
+    part = next((p for p in parts if k.startswith(p + ".")), "model")
+    by_part[part] = by_part.get(part, 0) + 1
+print(json.dumps(dict(entries=len(a), tensors=len(tensors), entries_by_part=by_part,
+                      same_keys=sorted(a) == sorted(b), differing=differ[:20],
+                      n_differing=len(differ))))
 """
 
 
