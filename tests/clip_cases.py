@@ -21,6 +21,7 @@ import torch
 
 import dmuon
 from tests import models
+from tests._torchtitan_site import use_site
 from tests.dist_cases import build, full_params
 
 OPT_KWARGS = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
@@ -78,18 +79,29 @@ def _as_float(norm: Any) -> float:
 
 
 def clip_train(rank: int, world_size: int, *, mode: str, consumer: str, steps: int = 3,
-               max_norm: float = 0.05, variant: str = "", dedicate_kwargs: dict | None = None
-               ) -> dict[str, Any]:
+               max_norm: float = 0.05, variant: str = "", dedicate_kwargs: dict | None = None,
+               site: str | None = None) -> dict[str, Any]:
     """Train the test model ``steps`` steps, clipping with ``consumer`` between backward and
     step. Returns the norms it reported, the final parameters (rank 0), or the error
     (``"<Type>: <message>"``) of the first step that raised. ``variant``: of
-    ``tests/models.Net`` ("unused": a matrix no rank uses, whose owner shows absent zeros)."""
+    ``tests/models.Net`` ("unused": a matrix no rank uses, whose owner shows absent zeros).
+    ``site``: where the test installed torchtitan (``tests/_torchtitan_site.py``), if it did."""
+    use_site(site)
     model, _ = build(world_size, mode, variant=variant, **(dedicate_kwargs or {}))
+    out = _clipped_steps(model, consumer, steps, max_norm, rank, world_size)
+    return out if out["error"] else dict(out, params=full_params(model, rank))
+
+
+def _clipped_steps(model: torch.nn.Module, consumer: str, steps: int, max_norm: float,
+                   dp_index: int, dp_count: int) -> dict[str, Any]:
+    """``steps`` steps of ``dmuon.Muon`` on ``model``, clipping with ``consumer`` between
+    backward and step, on data-parallel batch ``dp_index`` of ``dp_count``. Returns the norms
+    and ``error`` (``"<Type>: <message>"`` of the first clip that raised, else ``None``)."""
     opt = dmuon.Muon(model, **OPT_KWARGS)
     clip = clipper(consumer, model, opt)
     norms = []
     for step in range(steps):
-        idx, y = models.local_batch(step, rank, world_size)
+        idx, y = models.local_batch(step, dp_index, dp_count)
         models.loss_fn(model, idx, y).backward()
         try:
             norms.append(_as_float(clip(max_norm)))
@@ -97,7 +109,7 @@ def clip_train(rank: int, world_size: int, *, mode: str, consumer: str, steps: i
             return dict(error=f"{type(e).__name__}: {e}", norms=norms)
         opt.step()
         opt.zero_grad()
-    return dict(error=None, norms=norms, params=full_params(model, rank))
+    return dict(error=None, norms=norms)
 
 
 def reference_norms(world_size: int, steps: int, max_norm: float, variant: str = "") -> tuple[dict, list[float]]:
@@ -113,20 +125,9 @@ def mesh_clip_train(rank: int, world_size: int, *, layout: str, consumer: str, s
     from tests import mesh_cases
 
     model, mesh, dp_names = mesh_cases.build(layout, replicate_mode=replicate_mode)
-    opt = dmuon.Muon(model, **OPT_KWARGS)
-    clip = clipper(consumer, model, opt)
     dp_index, dp_count = mesh_cases.dp_coordinate(mesh, dp_names)
-    norms = []
-    for step in range(steps):
-        idx, y = models.local_batch(step, dp_index, dp_count)
-        models.loss_fn(model, idx, y).backward()
-        try:
-            norms.append(_as_float(clip(max_norm)))
-        except Exception as e:  # noqa: BLE001 - the test reads the type and message
-            return dict(error=f"{type(e).__name__}: {e}", norms=norms, dp_count=dp_count)
-        opt.step()
-        opt.zero_grad()
-    return dict(error=None, norms=norms, params=full_params(model, rank), dp_count=dp_count)
+    out = dict(_clipped_steps(model, consumer, steps, max_norm, dp_index, dp_count), dp_count=dp_count)
+    return out if out["error"] else dict(out, params=full_params(model, rank))
 
 
 def split_stack_norms(rank: int, world_size: int, *, case: str = "hf-qwen3-moe", consumer: str = "torch",

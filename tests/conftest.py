@@ -23,6 +23,7 @@ if _REPO_ROOT not in sys.path:
     sys.path.insert(0, _REPO_ROOT)
 
 from tests._pool import DistPool  # noqa: E402
+from tests._torchtitan_site import SiteUnavailable, torchtitan_site, use_site  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +40,26 @@ def dist_pool() -> Iterator[DistPool]:
     finally:
         pool.close()
         _reap_multiprocessing_helpers()
+
+
+@pytest.fixture(scope="session")
+def torchtitan_path() -> str | None:
+    """torchtitan 0.3.0 made importable (``tests/_torchtitan_site.py``): ``None`` if installed,
+    else the cache folder it was pip-installed into (put first on this process's ``sys.path``
+    here; pass it to the pool's case functions, which do the same in the workers).
+
+    Fails the test if pip cannot install it; skips instead with ``DMUON_TESTS_OFFLINE=1``.
+    """
+    try:
+        site, failure = torchtitan_site(), None
+    except SiteUnavailable as exc:
+        site, failure = None, exc
+    if failure is not None and failure.offline:
+        pytest.skip(f"DMUON_TESTS_OFFLINE=1 and torchtitan 0.3.0 is not installed: {failure}")
+    if failure is not None:
+        pytest.fail(str(failure), pytrace=False)
+    use_site(site)
+    return site
 
 
 def _reap_multiprocessing_helpers() -> None:

@@ -227,6 +227,12 @@ def shape_mismatch(rank: int, world_size: int, where: str) -> str:
                                   gather_fn=lambda t, dst_rank, state: t if dist.get_rank() == dst_rank else None,
                                   redistribute_fn=lambda u, src_rank, state: u.T)
     opt = dmuon.Muon(mats, distributed_config=bad, **EXACT)
+    return step_error(opt, mats)
+
+
+def step_error(opt: torch.optim.Optimizer, mats: list[nn.Parameter]) -> str:
+    """One ``opt.step()`` with every gradient ones: the ``RuntimeError`` message it raised,
+    or ``"no error"``."""
     for p in mats:
         p.grad = torch.ones_like(p)
     try:

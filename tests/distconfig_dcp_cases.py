@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import dmuon
-from tests import models
+from tests import distconfig_cases, models
 
 EXACT = dict(ns_method="standard", ns_dtype=torch.float32, ns_coefficients="muon")
 HYPER = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1)
@@ -270,10 +270,4 @@ def mislaid_state(rank: int, world_size: int) -> str:
     sd = opt.state_dict()
     sd["state"][1]["momentum_buffer"] = torch.zeros(3, 4)
     opt.load_state_dict(sd)
-    for p in mats:
-        p.grad = torch.ones_like(p)
-    try:
-        opt.step()
-    except RuntimeError as err:
-        return str(err)
-    return "no error"
+    return distconfig_cases.step_error(opt, mats)

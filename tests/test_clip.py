@@ -22,8 +22,17 @@ from tests import clip_cases
 from tests.test_core import FP32_ATOL, compare
 
 STEPS, MAX_NORM = 3, 0.05
-NEEDS = {"accelerate": "accelerate", "accelerate-fsdp2": "accelerate", "trainer": "transformers",
-         "torchtitan": "torchtitan.distributed.utils"}
+NEEDS = {"accelerate": "accelerate", "accelerate-fsdp2": "accelerate", "trainer": "transformers"}
+
+
+def _needs(request: pytest.FixtureRequest, consumer: str) -> dict:
+    """Skip without ``consumer``'s package; torchtitan is installed by the test if absent
+    (``torchtitan_path`` fixture): returns the ``site`` argument for ``clip_train``."""
+    if consumer == "torchtitan":
+        return dict(site=request.getfixturevalue("torchtitan_path"))
+    if consumer in NEEDS:
+        pytest.importorskip(NEEDS[consumer])
+    return {}
 
 
 @pytest.mark.parametrize("mode,consumer,world_size", [
@@ -38,11 +47,11 @@ NEEDS = {"accelerate": "accelerate", "accelerate-fsdp2": "accelerate", "trainer"
     ("replicated", "trainer", 2),
     ("replicated", "torchtitan", 2),
 ])
-def test_third_party_clip_matches_single_process(dist_pool, mode, consumer, world_size):
-    if consumer in NEEDS:
-        pytest.importorskip(NEEDS[consumer])
+def test_third_party_clip_matches_single_process(dist_pool, request, mode, consumer, world_size):
+    site = _needs(request, consumer)
     out = dist_pool.run(world_size, "tests.clip_cases:clip_train",
-                        dict(mode=mode, consumer=consumer, steps=STEPS, max_norm=MAX_NORM), timeout_s=180)
+                        dict(mode=mode, consumer=consumer, steps=STEPS, max_norm=MAX_NORM, **site),
+                        timeout_s=180)
     ref, ref_norms = clip_cases.reference_norms(world_size, STEPS, MAX_NORM)
     assert min(ref_norms) > 4 * MAX_NORM, "the clip must bite for the test to mean anything"
     assert [o["error"] for o in out] == [None] * world_size, out[0]["error"]
@@ -53,13 +62,13 @@ def test_third_party_clip_matches_single_process(dist_pool, mode, consumer, worl
 
 
 @pytest.mark.parametrize("mode,consumer", [("fsdp", "torchtitan"), ("replicated", "accelerate")])
-def test_third_party_clip_with_a_matrix_no_rank_uses(dist_pool, mode, consumer):
+def test_third_party_clip_with_a_matrix_no_rank_uses(dist_pool, request, mode, consumer):
     """A matrix without a gradient on any rank: its owner shows absent zeros (every rank must
     hold a gradient for the same parameters), which the norm adds nothing for and dmuon's
     step skips, as ``torch.optim.Muon`` skips ``grad=None``."""
-    pytest.importorskip(NEEDS[consumer])
+    site = _needs(request, consumer)
     out = dist_pool.run(2, "tests.clip_cases:clip_train", dict(mode=mode, consumer=consumer, steps=STEPS,
-                                                               max_norm=MAX_NORM, variant="unused"),
+                                                               max_norm=MAX_NORM, variant="unused", **site),
                         timeout_s=180)
     ref, ref_norms = clip_cases.reference_norms(2, STEPS, MAX_NORM, variant="unused")
     assert [o["error"] for o in out] == [None, None], out[0]["error"]
@@ -73,13 +82,12 @@ def test_third_party_clip_with_a_matrix_no_rank_uses(dist_pool, mode, consumer):
     ("hsdp", "accelerate", "broadcast"),
     ("fsdp-tp", "accelerate", "auto"),
 ])
-def test_third_party_clip_on_meshes(dist_pool, layout, consumer, replicate_mode):
+def test_third_party_clip_on_meshes(dist_pool, request, layout, consumer, replicate_mode):
     """HSDP (replicas' equal copies counted once; "broadcast" matrices held on replica 0 only)
     and FSDP x TP (a TP-split matrix's slices on their TP ranks), 4 ranks. torch's own
     ``clip_grad_norm_`` cannot span FSDP x TP's two meshes (the head is on the "dp" sub-mesh)
     without dmuon either; Accelerate norms per mesh."""
-    if consumer in NEEDS:
-        pytest.importorskip(NEEDS[consumer])
+    _needs(request, consumer)
     out = dist_pool.run(4, "tests.clip_cases:mesh_clip_train",
                         dict(layout=layout, consumer=consumer, steps=STEPS, max_norm=MAX_NORM,
                              replicate_mode=replicate_mode), timeout_s=180, fresh=True)
@@ -142,11 +150,11 @@ def test_third_party_norm_counts_every_range_of_a_split_expert_stack(dist_pool):
 
 
 @pytest.mark.parametrize("consumer", ["accelerate", "trainer"])
-def test_third_party_norm_under_expert_parallelism(dist_pool, consumer):
+def test_third_party_norm_under_expert_parallelism(dist_pool, request, consumer):
     """Experts over ("efsdp", "ep") = (2, 2), dense matrices over all 4 ranks, each expert
     stack split into owner ranges: Accelerate and the Trainer (one norm per DTensor mesh, plain
     gradients as replicas) report the single-process norm on every rank, each expert once."""
-    pytest.importorskip(NEEDS[consumer])
+    _needs(request, consumer)
     from tests import ep_cases
 
     out = dist_pool.run(4, "tests.clip_cases:expert_parallel_norm", dict(consumer=consumer), timeout_s=180,

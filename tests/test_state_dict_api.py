@@ -30,6 +30,17 @@ def _assert_reference(params: dict, steps: int) -> float:
     return worst
 
 
+def _assert_values_match_reference(o: dict, ref: dict, ref_state: dict) -> None:
+    """Rank ``o``'s sharded entries (full-tensored), full state dict and full optimizer state
+    equal the single-process reference's parameters and Muon/AdamW state within ``ATOL``."""
+    for name, value in ref.items():
+        np.testing.assert_allclose(o["values"][name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
+        np.testing.assert_allclose(o["full"][name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
+        for key, expected in ref_state[name].items():
+            np.testing.assert_allclose(np.asarray(o["full_optim"][name][key]), expected.numpy(), rtol=0,
+                                       atol=ATOL, err_msg=f"{name}/{key}")
+
+
 @pytest.mark.parametrize("mode,world_size", [("fsdp", 4), ("replicated", 2), ("hsdp", 4)])
 def test_model_state_dict_is_fsdp2_layout_with_owner_values(dist_pool, mode, world_size):
     out = dist_pool.run(world_size, "tests.sd_cases:model_state_dict_view", dict(mode=mode),
@@ -51,12 +62,7 @@ def test_model_state_dict_is_fsdp2_layout_with_owner_values(dist_pool, mode, wor
                 assert local[0] <= rows and local[1] == shape[1], (rank, name, local)
             assert o["momentum_kind"][name] == ("Tensor" if mode == "replicated" else "DTensor")
     o = out[0]
-    for name, value in ref.items():
-        np.testing.assert_allclose(o["values"][name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
-        np.testing.assert_allclose(o["full"][name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
-        for key, expected in ref_state[name].items():
-            np.testing.assert_allclose(np.asarray(o["full_optim"][name][key]), expected.numpy(), rtol=0,
-                                       atol=ATOL, err_msg=f"{name}/{key}")
+    _assert_values_match_reference(o, ref, ref_state)
     for group in o["groups"]:  # plain values only, and the parameters' names
         assert group["param_names"] == group["params"], group
         for key, value in group.items():
@@ -169,12 +175,7 @@ def test_tensor_parallel_full_export(dist_pool):
             assert kind == "DTensor" and shape == tuple(ref[name].shape), (name, kind, shape)
             assert len(placements) == (2 if ".fc" in name else 1), (name, placements)  # (dp, tp) for TP
     o = out[0]
-    for name, value in ref.items():
-        np.testing.assert_allclose(o["values"][name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
-        np.testing.assert_allclose(o["full"][name], value.numpy(), rtol=0, atol=ATOL, err_msg=name)
-        for key, expected in ref_state[name].items():
-            np.testing.assert_allclose(np.asarray(o["full_optim"][name][key]), expected.numpy(), rtol=0,
-                                       atol=ATOL, err_msg=f"{name}/{key}")
+    _assert_values_match_reference(o, ref, ref_state)
 
 
 def test_split_expert_stacks_refused_by_name(dist_pool):

@@ -50,5 +50,6 @@ def test_flag_kwargs_win_and_fields_reach_the_container():
     config = _apply(TARGET + '={"lr": 0.02, "adamw_lr": 3e-4, "dedicate_kwargs": {"prefetch": 2}}')
     assert config.muon_kwargs == dict(adamw_lr=3e-4, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
                                       adamw_weight_decay=0.1, lr=0.02)
-    assert config.dedicate_kwargs == {"prefetch": 2}
+    assert config.dedicate_kwargs == {"prefetch": 2} and config.path == "hooks"
+    assert _apply(TARGET + '={"path": "distributed_config"}').path == "distributed_config"
     dmuon.Muon([torch.nn.Parameter(torch.zeros(4, 4))], **config.muon_kwargs)

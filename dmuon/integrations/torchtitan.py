@@ -1,18 +1,31 @@
-"""dmuon as torchtitan's optimizer (torchtitan 0.3.0).
+"""dmuon as torchtitan's optimizer (torchtitan 0.3.0), on either of dmuon's paths.
 
 torchtitan builds its optimizer with ``config.optimizer.build(model_parts=...)`` after
 ``parallelize``, ``to_empty`` and ``init_weights``: the moment :func:`dmuon.dedicate_params`
 needs (the model sharded by FSDP2, its weights final). :class:`DmuonOptimizersContainer` is an
 ``OptimizersContainer`` whose optimizer, per model part, is :class:`dmuon.Muon` (Muon on the
-matrices ``dedicate_params`` picks, AdamW on the rest), built there. In a torchtitan config::
+matrices :func:`dmuon.default_predicate` picks, AdamW on the rest), built there. In a
+torchtitan config::
 
     from dmuon.integrations.torchtitan import DmuonOptimizersContainer
 
     config.optimizer = DmuonOptimizersContainer.Config(
-        muon_kwargs=dict(lr=0.02, adamw_lr=3e-4, weight_decay=0.1))
+        muon_kwargs=dict(lr=0.02, adamw_lr=3e-4, weight_decay=0.1),
+        path="hooks")               # or "distributed_config"
+
+``path="hooks"`` (default) dedicates each matrix to one owner rank (``dedicate_params``: the
+owner keeps the full matrix and its momentum, other ranks a zero-size placeholder);
+``path="distributed_config"`` leaves FSDP2's sharding as it is and gives ``dmuon.Muon`` the
+parameters with a :class:`dmuon.DistributedConfig` (default :func:`dmuon.create_dtensor_config`):
+each matrix's owner gathers its gradient momentum, orthogonalizes it and sends the shards back.
+Both equal single-process ``torch.optim.Muon`` + ``AdamW``.
+
+Or, with no config change, one command-line flag (torchtitan's own override mechanism, see
+:func:`muon`): ``--override.imports dmuon.integrations.torchtitan.muon``.
 
 Everything else is torchtitan's: its FSDP2 ``parallelize`` (dmuon follows the
-``set_gradient_divide_factor(1.0)`` it sets), and the container's ``step`` / ``zero_grad``.
+``set_gradient_divide_factor(1.0)`` it sets), activation checkpointing, ``LRSchedulersContainer``
+(one ``LambdaLR`` per ``dmuon.Muon``) and the container's ``step`` / ``zero_grad``.
 
 ``torchtitan`` is imported when this module is (``import dmuon`` does not import it).
 """
@@ -23,11 +36,14 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
+from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
 
 import dmuon
 from dmuon.integrations.accelerate import fsdp_mesh
+
+PATHS = ("hooks", "distributed_config")
 
 
 class DmuonOptimizersContainer(OptimizersContainer):
@@ -37,14 +53,18 @@ class DmuonOptimizersContainer(OptimizersContainer):
     parallelized and initialised (as torchtitan's trainer does).
 
     Args:
-        config: :class:`DmuonOptimizersContainer.Config`; ``param_groups`` is ignored (dmuon
-            assigns Muon and AdamW itself).
+        config: :class:`DmuonOptimizersContainer.Config`; ``param_groups`` and
+            ``implementation`` are ignored (dmuon assigns Muon and AdamW itself).
         model_parts: torchtitan's model parts (one without pipeline parallelism).
 
     Raises:
-        ValueError: a model part has no FSDP2 parameter and no ``mesh`` was given in
-            ``dedicate_kwargs``; or what :func:`dmuon.dedicate_params` / :class:`dmuon.Muon`
-            raise.
+        ValueError: ``config.path`` is not one of :data:`PATHS`; on the hooks path, a model
+            part has no FSDP2 parameter and no ``mesh`` was given in ``dedicate_kwargs``; on the
+            ``distributed_config`` path, ``dedicate_kwargs`` other than ``predicate``, a
+            predicate asking for row blocks or picking a parameter that is not 2-D (an MoE
+            expert stack), or a ``distributed_config`` that is not a
+            :class:`dmuon.DistributedConfig`; or what :func:`dmuon.dedicate_params` /
+            :class:`dmuon.Muon` raise.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -52,26 +72,87 @@ class DmuonOptimizersContainer(OptimizersContainer):
         muon_kwargs: dict[str, Any] = field(default_factory=dict)
         """Keyword arguments for :class:`dmuon.Muon` (``lr``, ``adamw_lr``, ``weight_decay``, ...)."""
 
+        path: str = "hooks"
+        """dmuon's path: ``"hooks"`` (:func:`dmuon.dedicate_params`, one owner per matrix) or
+        ``"distributed_config"`` (FSDP2's sharding kept, ``dmuon.Muon(params,
+        distributed_config=...)``)."""
+
         dedicate_kwargs: dict[str, Any] = field(default_factory=dict)
-        """Keyword arguments for :func:`dmuon.dedicate_params`; ``mesh``: the mesh to dedicate
-        over (default: the one FSDP2 sharded the part over)."""
+        """Hooks path: keyword arguments for :func:`dmuon.dedicate_params`; ``mesh``: the mesh
+        to dedicate over (default: the one FSDP2 sharded the part over). ``distributed_config``
+        path: only ``predicate`` (which parameters Muon takes; default
+        :func:`dmuon.default_predicate`)."""
+
+        distributed_config: Any = None
+        """``distributed_config`` path: the :class:`dmuon.DistributedConfig` (default
+        :func:`dmuon.create_dtensor_config`, the strategy read from each DTensor's placements)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
+        if config.path not in PATHS:
+            raise ValueError(f"dmuon: DmuonOptimizersContainer.Config.path is {config.path!r}; "
+                             f"use one of {PATHS} (\"hooks\": dedicate_params + dmuon.Muon(model); "
+                             f"\"distributed_config\": dmuon.Muon(params, distributed_config=...))")
         self.optimizers = []
         self.model_parts = model_parts
         all_params = []
         for model in model_parts:
-            kwargs = dict(config.dedicate_kwargs)
-            mesh = kwargs.pop("mesh", None) or fsdp_mesh(model)
-            dmuon.dedicate_params(model, mesh, **kwargs)
-            optimizer = dmuon.Muon(model, **config.muon_kwargs)
+            if config.path == "hooks":
+                optimizer = _hooks_optimizer(model, config)
+            else:
+                optimizer = _distributed_config_optimizer(model, config)
             self.optimizers.append(optimizer)
             all_params.extend(p for g in optimizer.param_groups for p in g["params"])
         self._post_init(all_params)
 
 
+def _hooks_optimizer(model: nn.Module, config: DmuonOptimizersContainer.Config) -> dmuon.Muon:
+    """``dedicate_params`` on ``model`` (collective), then ``dmuon.Muon(model)``."""
+    kwargs = dict(config.dedicate_kwargs)
+    mesh = kwargs.pop("mesh", None) or fsdp_mesh(model)
+    dmuon.dedicate_params(model, mesh, **kwargs)
+    return dmuon.Muon(model, **config.muon_kwargs)
+
+
+def _distributed_config_optimizer(model: nn.Module,
+                                  config: DmuonOptimizersContainer.Config) -> dmuon.Muon:
+    """``dmuon.Muon`` over ``model``'s trainable parameters as FSDP2 left them: the matrices
+    ``predicate`` picks in a Muon group, the rest in an AdamW group, both named
+    (``param_names``, torchtitan's canonical FQNs as its own container records them)."""
+    extra = sorted(set(config.dedicate_kwargs) - {"predicate"})
+    if extra:
+        raise ValueError(f"dmuon: DmuonOptimizersContainer.Config.dedicate_kwargs has {extra}, "
+                         f"which only the hooks path takes; with path=\"distributed_config\" "
+                         f"pass only 'predicate' (or set path=\"hooks\")")
+    dist_config = config.distributed_config
+    if dist_config is not None and not isinstance(dist_config, dmuon.DistributedConfig):
+        raise ValueError(f"dmuon: DmuonOptimizersContainer.Config.distributed_config is a "
+                         f"{type(dist_config).__name__}; pass a dmuon.DistributedConfig (e.g. "
+                         f"dmuon.create_dtensor_config()) or None")
+    predicate = config.dedicate_kwargs.get("predicate") or dmuon.default_predicate(model)
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        pick = predicate(name, p)
+        if pick not in (False, True):  # 0 and 1 compare equal to these
+            raise ValueError(f"dmuon: the predicate asks for {pick!r} row blocks of {name!r}; the "
+                             f"distributed_config path orthogonalizes whole 2-D matrices only. "
+                             f"Use path=\"hooks\" for row blocks")
+        if pick and p.ndim != 2:
+            raise ValueError(f"dmuon: {name!r} of shape {tuple(p.shape)} is picked for Muon, but the "
+                             f"distributed_config path orthogonalizes 2-D matrices only (not "
+                             f"expert stacks). Use path=\"hooks\", or a predicate that leaves it "
+                             f"to AdamW")
+        (muon if pick else adamw).append((canonical_fqn(name), p))
+    groups = [{"params": muon, "use_muon": True}] * bool(muon) + [
+        {"params": adamw, "use_muon": False}] * bool(adamw)
+    if dist_config is None:
+        dist_config = dmuon.create_dtensor_config()
+    return dmuon.Muon(groups, distributed_config=dist_config, **config.muon_kwargs)
+
+
 @override(target=OptimizersContainer.Config,
-          description="dmuon.Muon: Muon on the matrices, AdamW on the rest (dmuon.integrations.torchtitan)")
+          description="dmuon.Muon: Muon on the matrices, AdamW on the rest")
 def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersContainer.Config:
     """torchtitan override: the trainer's optimizer becomes :class:`DmuonOptimizersContainer`.
 
@@ -91,12 +172,14 @@ def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersCo
     Args:
         config: the ``OptimizersContainer.Config`` being replaced (torchtitan passes it).
         **kwargs: :class:`dmuon.Muon` keyword arguments; a name that is a field of
-            :class:`DmuonOptimizersContainer.Config` (e.g. ``dedicate_kwargs``) sets that field.
+            :class:`DmuonOptimizersContainer.Config` (``path``, ``dedicate_kwargs``) sets that
+            field, e.g. ``{"path": "distributed_config"}``.
 
     Returns:
         The :class:`DmuonOptimizersContainer.Config` torchtitan builds in its place.
     """
-    container_fields = {f.name for f in fields(DmuonOptimizersContainer.Config)} - {"muon_kwargs"}
+    container_fields = {f.name for f in fields(DmuonOptimizersContainer.Config)}
+    container_fields -= {"muon_kwargs"}
     container = {k: v for k, v in kwargs.items() if k in container_fields}
     muon_kwargs = dict(getattr(config, "muon_kwargs", {}))
     adamw = next((dict(g.optimizer_kwargs) for g in getattr(config, "param_groups", [])
