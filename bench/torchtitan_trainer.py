@@ -21,7 +21,8 @@ back here from its TensorBoard files.
 
 Runs: ``adamw`` (torchtitan's ``default_adamw``, lr 8e-4); ``dmuon_config`` (the three config
 lines, ``llama3_debugmodel_cpu_dmuon``); ``dmuon_flag`` (the one flag ``--override.imports
-dmuon.integrations.torchtitan.muon``, Muon at AdamW's lr with ``match_rms_adamw``); and, with
+dmuon.integrations.torchtitan.muon``, Muon at AdamW's lr with ``match_rms_adamw``);
+``dmuon_flag_distconfig`` (the same on dmuon's ``distributed_config`` path); and, with
 ``--checkpoint``, ``dmuon_flag`` with ``CheckpointManager`` (interval 5), then the same command
 again after deleting ``step-10`` (so it resumes from step 5), its steps 6-10 compared with the
 uninterrupted run's.
@@ -49,6 +50,8 @@ RUNS = {
     "dmuon_config": ["--config", "llama3_debugmodel_cpu_dmuon"],
     "dmuon_flag": ["--config", "llama3_debugmodel_cpu",
                    "--override.imports", "dmuon.integrations.torchtitan.muon"],
+    "dmuon_flag_distconfig": ["--config", "llama3_debugmodel_cpu", "--override.imports",
+                              'dmuon.integrations.torchtitan.muon={"path": "distributed_config"}'],
 }
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
 NUMBER = r"([-\d.eE+naif]+)"
