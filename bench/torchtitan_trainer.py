@@ -10,7 +10,8 @@ a venv with torch 2.14.1, ``torchtitan==0.3.0`` and dmuon)::
         numpy pulp tqdm
     /tmp/v2141/bin/pip install -e . --no-deps
     python bench/torchtitan_trainer.py --python /tmp/v2141/bin/python \\
-        --out bench/results/torchtitan_trainer_cpu_2r.json
+        --out bench/results/torchtitan_trainer_cpu_2r.json \\
+        --checkpoint dmuon_flag dmuon_flag_distconfig
 
 Every run is one torchtitan command line (stored in the JSON): ``--module
 bench.torchtitan_cpu_shim`` is the CPU shim (see that module), ``--debug.seed 0`` gives every run
@@ -22,10 +23,11 @@ back here from its TensorBoard files.
 Runs: ``adamw`` (torchtitan's ``default_adamw``, lr 8e-4); ``dmuon_config`` (the three config
 lines, ``llama3_debugmodel_cpu_dmuon``); ``dmuon_flag`` (the one flag ``--override.imports
 dmuon.integrations.torchtitan.muon``, Muon at AdamW's lr with ``match_rms_adamw``);
-``dmuon_flag_distconfig`` (the same on dmuon's ``distributed_config`` path); and, with
-``--checkpoint``, ``dmuon_flag`` with ``CheckpointManager`` (interval 5), then the same command
-again after deleting ``step-10`` (so it resumes from step 5), its steps 6-10 compared with the
-uninterrupted run's.
+``dmuon_flag_distconfig`` (the same on dmuon's ``distributed_config`` path). With
+``--checkpoint RUN ...``, each such run again with ``CheckpointManager`` (interval 5), then the
+same command once more with ``step-10`` moved aside, so that it resumes from ``step-5``: its
+logged steps 6-10 and its ``step-10`` checkpoint (model, optimizer, LR scheduler, dataloader,
+train state) are compared with the uninterrupted run's, exactly.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def torchrun(python: str, nproc: int, port: int, args: list[str], dump: Path, lo
            str(port), "--local-ranks-filter", "0", "-m", "torchtitan.train", *BASE, *args,
            "--dump_folder", str(dump)]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    load_start = [round(x, 2) for x in os.getloadavg()]
     t0 = time.perf_counter()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -85,19 +88,26 @@ def torchrun(python: str, nproc: int, port: int, args: list[str], dump: Path, lo
     lrs = learning_rates(python, dump)
     shown = " ".join(a if re.fullmatch(r"[\w./=:,-]+", a) else f"'{a}'" for a in cmd[1:])
     return dict(command=f"PYTHONPATH=. OMP_NUM_THREADS=1 python {shown}", returncode=rc,
-                wall_s=round(wall, 1), steps=order, loss=[steps[s]["loss"] for s in order],
+                wall_s=round(wall, 1), loadavg_start=load_start,
+                loadavg_end=[round(x, 2) for x in os.getloadavg()], steps=order,
+                loss=[steps[s]["loss"] for s in order],
                 grad_norm=[steps[s]["grad_norm"] for s in order],
                 tps=[steps[s]["tps"] for s in order], step_s=step_s, lr=lrs,
                 errors=errors[-12:] if rc else [])
 
 
 def cpu_model() -> str:
+    """lscpu's model name, CPU family, model and hypervisor (``"AMD EPYC, family 25, model 17,
+    KVM"``)."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next(ln.split(":", 1)[1].strip() for ln in out.splitlines()
-                    if ln.startswith("Model name"))
-    except (OSError, StopIteration):
+    except OSError:
         return platform.processor()
+    fields = dict(ln.split(":", 1) for ln in out.splitlines() if ":" in ln)
+    parts = [fields.get("Model name", platform.processor()).strip()]
+    parts += [f"{k.lower()} {fields[k].strip()}" for k in ("CPU family", "Model") if k in fields]
+    parts += [fields["Hypervisor vendor"].strip()] if "Hypervisor vendor" in fields else []
+    return ", ".join(parts)
 
 
 def versions(python: str) -> dict:
@@ -167,13 +177,15 @@ def compare_checkpoints(python: str, a: Path, b: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def checkpoint_runs(a: argparse.Namespace, work: Path) -> dict:
-    """``dmuon_flag`` with ``CheckpointManager`` (interval 5: ``step-5``, ``step-10``); then its
+def checkpoint_runs(a: argparse.Namespace, work: Path, run: str) -> dict:
+    """Run ``run`` with ``CheckpointManager`` (interval 5: ``step-5``, ``step-10``); then its
     ``step-10`` moved aside and the same command run again (it resumes from ``step-5``); the two
     ``step-10`` checkpoints compared entry by entry."""
-    args = RUNS["dmuon_flag"] + CHECKPOINT
-    dump = work / "ckpt"
-    print("run checkpoint_save", flush=True)
+    args = RUNS[run] + CHECKPOINT
+    work = work / f"ckpt_{run}"
+    work.mkdir()
+    dump = work / "dump"
+    print(f"run {run} + checkpoint (save)", flush=True)
     save = torchrun(a.python, a.nproc, a.port, args, dump, work / "checkpoint_save.log")
     folder = dump / "checkpoint"
     saved = sorted(p.name for p in folder.glob("step-*")) if folder.exists() else []
@@ -181,7 +193,7 @@ def checkpoint_runs(a: argparse.Namespace, work: Path) -> dict:
     if save["returncode"] or saved != ["step-10", "step-5"]:
         return ckpt
     shutil.move(folder / "step-10", work / "uninterrupted_step-10")
-    print("run checkpoint_resume", flush=True)
+    print(f"run {run} + checkpoint (resume)", flush=True)
     resume = torchrun(a.python, a.nproc, a.port, args, dump, work / "checkpoint_resume.log")
     full = {s: (l, g) for s, l, g in zip(save["steps"], save["loss"], save["grad_norm"])}
     ckpt.update(resume=resume, resumed_steps=resume["steps"],
@@ -199,8 +211,8 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="result JSON")
     ap.add_argument("--work", default="/tmp/torchtitan_trainer", help="dump folders and logs")
     ap.add_argument("--runs", nargs="*", default=list(RUNS), choices=list(RUNS))
-    ap.add_argument("--checkpoint", action="store_true",
-                    help="also the checkpoint save/resume runs")
+    ap.add_argument("--checkpoint", nargs="*", default=[], choices=list(RUNS),
+                    help="runs to repeat with the checkpoint save/resume")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--port", type=int, default=29631)
     a = ap.parse_args()
@@ -210,8 +222,7 @@ def main() -> None:
     out = Path(a.out)
     result = json.loads(out.read_text()) if out.exists() else {}
     result.update(device=dict(cpu=cpu_model(), cores=os.cpu_count(), ranks=a.nproc,
-                              backend="gloo", threads_per_rank=1,
-                              loadavg_start=os.getloadavg()),
+                              backend="gloo", threads_per_rank=1),
                   versions=versions(a.python),
                   date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     runs = result.setdefault("runs", {})
@@ -220,11 +231,10 @@ def main() -> None:
         runs[name] = torchrun(a.python, a.nproc, a.port, RUNS[name], work / name,
                               work / f"{name}.log")
         print({k: runs[name][k] for k in ("returncode", "wall_s", "loss")}, flush=True)
-    if a.checkpoint:
-        result["checkpoint"] = checkpoint_runs(a, work)
-        print({k: v for k, v in result["checkpoint"].items() if k not in ("save", "resume")},
-              flush=True)
-    result["device"]["loadavg_end"] = os.getloadavg()
+    for run in a.checkpoint:
+        ckpt = result.setdefault("checkpoint", {})
+        ckpt[run] = checkpoint_runs(a, work, run)
+        print({k: v for k, v in ckpt[run].items() if k not in ("save", "resume")}, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
