@@ -187,3 +187,31 @@ def test_split_expert_stacks_refused_by_name(dist_pool):
                                       "show dedicated matrix"), (rank, what, o[what])
             assert "dmuon.state_dict(model, opt)" in o[what]
         assert o["dmuon"] > 0
+
+
+def test_parent_module_hooks_see_fsdp2_view(dist_pool):
+    """A parent module's state-dict hooks that rewrite its child's dedicated entry (torchtitan's
+    fused-QKV split/merge, here fc1.weight <-> fc1.a/fc1.b; tests/sd_hook_order_cases.py) see
+    FSDP2's view: the split halves are the reference's rows, submodule.state_dict() and
+    submodule.load_state_dict() translate, a bad merged entry on one rank raises on every rank
+    naming dmuon before that matrix is written, and a full load restores the model bitwise."""
+    out = dist_pool.run(2, "tests.sd_hook_order_cases:parent_hooks", {}, timeout_s=180)
+    ref, _ = sd_cases.reference_with_state(2)
+    for rank, o in enumerate(out):
+        assert "blocks.0.fc1.a" in o["keys"] and "blocks.0.fc1.weight" not in o["keys"], (rank, o["keys"])
+        assert "fc1.a" in o["sub_keys"] and o["sub_differs"] == [], (rank, o["sub_keys"], o["sub_differs"])
+        assert o["sub_loaded_differs"] == [], (rank, o["sub_loaded_differs"])
+        assert o["bad_error"].startswith("ValueError: dmuon: the state dict does not fit"), (rank, o["bad_error"])
+        assert "blocks.1.fc1.weight" in o["bad_error"] and "rank 1" in o["bad_error"], o["bad_error"]
+        assert not o["bad_changed"], rank
+        assert o["loaded_differs"] == [], (rank, o["loaded_differs"])
+        assert o["losses"][0] == o["losses"][1], (rank, o["losses"])
+    values = out[0]["values"]
+    for name, value in ref.items():
+        if name.endswith("fc1.weight"):
+            half = value.shape[0] // 2
+            got = np.concatenate([values[name[:-len("weight")] + "a"], values[name[:-len("weight")] + "b"]])
+            assert values[name[:-len("weight")] + "a"].shape[0] == half
+        else:
+            got = values[name]
+        np.testing.assert_allclose(got, value.numpy(), rtol=0, atol=ATOL, err_msg=name)

@@ -5,10 +5,11 @@ torchtitan's llama3 debug model, torchtitan's own ``parallelize`` (FSDP2, gradie
 factor 1.0) and its optimizer container (:class:`dmuon.integrations.torchtitan.
 DmuonOptimizersContainer`) on both of dmuon's paths, 4 steps with gradient accumulation 2 and
 torchtitan's own clip active at every step; with its ``LRSchedulersContainer`` and its full /
-selective activation checkpointing. torchtitan is not in the test extra (its full install pins
-other packages): the ``torchtitan_path`` fixture (``tests/conftest.py``) pip-installs it with
-``--no-deps`` into a cache folder when the environment lacks it, and fails when it cannot
-(``DMUON_TESTS_OFFLINE=1``: skip instead).
+selective activation checkpointing; its ``CheckpointManager`` (save, bitwise resume) and
+exports on the hooks path (``tests/torchtitan_ckpt_cases.py``). torchtitan is not in the test
+extra (its full install pins other packages): the ``torchtitan_path`` fixture
+(``tests/conftest.py``) pip-installs it with ``--no-deps`` into a cache folder when the
+environment lacks it, and fails when it cannot (``DMUON_TESTS_OFFLINE=1``: skip instead).
 """
 
 from __future__ import annotations
@@ -98,3 +99,48 @@ def test_container_distributed_config_path_refuses_hooks_options(torchtitan_path
         DmuonOptimizersContainer.Config(path="distributed_config",
                                         dedicate_kwargs=dict(predicate=lambda name, p: True)
                                         ).build(model_parts=[model])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["hooks", "distributed_config"])
+def test_torchtitan_checkpoint_manager_resumes_bitwise_and_exports(dist_pool, torchtitan_path, tmp_path, path):
+    """torchtitan's own CheckpointManager (model + dmuon's optimizer container + LR scheduler)
+    saves at step 2 and a fresh trainer resumes from it bitwise; model.state_dict() (with
+    torchtitan's fused-QKV split into wq/wk/wv) and the model-only last-step checkpoint are the
+    reference's weights (tests/torchtitan_ckpt_cases.py)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests import torchtitan_ckpt_cases as ckpt
+
+    out = dist_pool.run(2, "tests.torchtitan_ckpt_cases:run_ckpt",
+                        {"folder": str(tmp_path), "site": torchtitan_path, "path": path}, timeout_s=600,
+                        fresh=True)
+    rank0 = out[0]
+    ref, ref_losses, _ = _reference(False, torchtitan_path)
+    ref_sd = ckpt.reference_state_dict(ref, torchtitan_path)
+    assert {"layers.0.attention.qkv_linear.wq.weight", "layers.0.attention.qkv_linear.wv.weight"} <= set(ref_sd)
+    # the uninterrupted run: the reference's losses and, exported, its weights (wq/wk/wv split)
+    np.testing.assert_allclose(rank0["losses_a"], ref_losses, rtol=1e-5)
+    assert sorted(rank0["export"]) == sorted(ref_sd)
+    worst = compare(rank0["export"], ref_sd, FP32_ATOL)
+    # the resumed run: bitwise the uninterrupted one
+    assert rank0["saved"] == [f"step-{ckpt.SAVE_AT}", f"step-{cases.STEPS}"]
+    assert [o["last_epoch_b"] for o in out] == [ckpt.SAVE_AT] * 2
+    assert rank0["losses_b"] == rank0["losses_a"][ckpt.SAVE_AT:]
+    assert sorted(rank0["final_b"]) == sorted(rank0["export"])
+    for key, value in rank0["export"].items():
+        assert np.array_equal(rank0["final_b"][key], value), key
+    # torchtitan's model-only last-step checkpoint (last_save_model_only, float32)
+    torch_path = tmp_path / "last.pt"
+    dcp_to_torch_save(str(tmp_path / "checkpoint" / f"step-{cases.STEPS}"), str(torch_path))
+    last = torch.load(torch_path, weights_only=True)
+    assert sorted(last) == sorted(ref_sd)
+    worst_last = compare({k: v.numpy() for k, v in last.items()}, ref_sd, FP32_ATOL)
+    # torchtitan's Hugging Face export (last_save_in_hf), mapped back by its llama3 adapter
+    hf = ckpt.hf_export_native(str(tmp_path / "hf" / f"step-{cases.STEPS}"))
+    assert sorted(hf) == sorted(ref_sd)
+    worst_hf = compare({k: v.numpy() for k, v in hf.items()}, ref_sd, FP32_ATOL)
+    print(f"torchtitan checkpoint ({path}): export max |diff| {worst:.3g}, last-step checkpoint {worst_last:.3g}, "
+          f"HF export {worst_hf:.3g}, "
+          f"resumed losses {rank0['losses_b']} == {rank0['losses_a'][ckpt.SAVE_AT:]}")

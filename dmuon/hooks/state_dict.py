@@ -3,25 +3,40 @@
 Inside dmuon a dedicated matrix is the owner's fp32 master ``[rows, cols]`` and a zero-size
 placeholder ``[0]`` on every other rank. Code outside the training loop (``model.state_dict()``,
 ``torch.distributed.checkpoint.state_dict.get_model_state_dict``, ``dcp.save``, Accelerate's
-``get_state_dict``, ``save_pretrained``) must not see that: it gets what FSDP2 alone would
-give it. The hooks installed here (by :func:`dmuon.dedicate_params`, removed with the state's
-handles) translate, at the root module:
+``get_state_dict``, ``save_pretrained``, torchtitan's ``CheckpointManager``) must not see that:
+it gets what FSDP2 alone would give it. The hooks installed here (by
+:func:`dmuon.dedicate_params`, removed with the state's handles) translate:
 
-* **state_dict post-hook:** each dedicated matrix's entry becomes a DTensor laid out like
-  FSDP2's sharded parameter (the mesh, placements, global shape and stride FSDP2 gave it,
-  recorded at binding in ``DedicatedParam.sd_layout``), whose values are the owner's fp32
-  master; on a plain replicated module (DDP-style), the full ``[rows, cols]`` tensor on every
-  rank, as DDP shows it. The values are new tensors (never the live master): the owner
-  broadcasts each master over its shard group and every rank keeps its own rows, so the call
-  is **collective** over the mesh, like FSDP2's full state dict. Memory: one full matrix at a
-  time, transient.
-* **load_state_dict pre-hook:** each dedicated entry (such a DTensor, or a full tensor) is
-  staged into the owner's shape (the shard ranks' rows gathered over the shard group for a
-  DTensor laid out as above, ``DTensor.full_tensor()`` for another one; collective), checked
-  on every rank (shape), the ranks agree (one ``all_gather_object``), and only then the entry
-  is replaced: the full tensor on the owner (torch copies it into the fp32 master; dmuon's load
-  post-hook then refreshes the published weights), the placeholder elsewhere. A bad entry on
-  any rank raises ``ValueError`` naming dmuon on every rank before anything is written.
+* **state_dict post-hook, on each module that holds a dedicated matrix** (first among that
+  module's post-hooks): the matrix's entry becomes a DTensor laid out like FSDP2's sharded
+  parameter (the mesh, placements, global shape and stride FSDP2 gave it, recorded at binding
+  in ``DedicatedParam.sd_layout``), whose values are the owner's fp32 master; on a plain
+  replicated module (DDP-style), the full ``[rows, cols]`` tensor on every rank, as DDP shows
+  it. It runs where the parameter lives, before any hook of that module's ancestors and before
+  its own later hooks: a parent's hook that rewrites its children's entries (torchtitan's
+  fused-QKV ``_split_qkv_on_save`` splits ``wqkv`` into ``wq``/``wk``/``wv``) already sees
+  FSDP2's view, and ``submodule.state_dict()`` translates too. The values are new tensors
+  (never the live master): the owner broadcasts each master over its shard group and every rank
+  keeps its own rows, so the call is **collective** over the mesh, like FSDP2's full state
+  dict (every rank must call it on the same module). Memory: one full matrix at a time,
+  transient.
+* **load_state_dict pre-hooks**, in two places:
+
+  - on the root module, before anything is written: each dedicated entry present under its
+    canonical key is staged into the owner's shape (the shard ranks' rows gathered over the
+    shard group for a DTensor laid out as above, ``DTensor.full_tensor()`` for another one;
+    collective), checked on every rank (shape), and the ranks agree (one
+    ``all_gather_object``). A bad entry on any rank raises ``ValueError`` naming dmuon on
+    every rank before anything is written. The entries themselves stay as they are.
+  - on each module that holds a dedicated matrix, after that module's ancestors' load
+    pre-hooks and its own earlier ones: each of its entries is replaced by the full tensor on
+    the owner (torch copies it into the fp32 master; dmuon's load post-hook then refreshes the
+    published weights) and the placeholder elsewhere. An entry that is still the one the root
+    checked takes the staged tensor; another one (made by such a hook, torchtitan's
+    ``_merge_qkv_on_load`` merging ``wq``/``wk``/``wv`` into ``wqkv``, or any entry when
+    ``submodule.load_state_dict`` is called) is staged, checked and agreed on now, the same
+    way, for that module's matrices; a bad one raises ``ValueError`` on every rank before they
+    are written (modules loaded before it keep what they loaded).
 
 Tensor parallelism: the owner (of this TP rank's slice) broadcasts its slice over the shard
 group and each rank keeps the rows FSDP2 would (FSDP2 chunks the TP-local tensor along dim 0);
@@ -33,7 +48,8 @@ stacks (the optimizer steps each range as a parameter of its own, which
 
 Keys: ``nn.Module.state_dict`` names parameters as torch does (``checkpoint_wrapper`` strips
 ``_checkpoint_wrapped_module.``; torch's ``get_model_state_dict`` also strips ``_orig_mod.``);
-:func:`canonical_fqn` is that canonical name, used by dmuon's own checkpoints too.
+:func:`canonical_fqn` is that canonical name, used by dmuon's own checkpoints too. The per-module
+hooks see the module's own prefix (``prefix + attr``), whatever wrappers sit above it.
 """
 
 from __future__ import annotations
@@ -152,9 +168,13 @@ def staged_tp_local(value: Any, rec: DedicatedParam, where: str, group: Any, tp_
     return torch.chunk(full, tp_size, dim=rec.tp_shard_dim)[tp_rank], None
 
 
-def agree(problems: list[str], group: Any, what: str) -> None:
+_UNSTAGED = object()  # no entry is this object: the root pre-hook did not stage the matrix
+NOTHING_LOADED = "Nothing was loaded: the dedicated matrices are unchanged on every rank."
+
+
+def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING_LOADED) -> None:
     """Raise ``ValueError`` on every rank of ``group`` if any rank has problems (one
-    ``all_gather_object``); nothing has been written yet."""
+    ``all_gather_object``); nothing has been written yet. ``consequence`` ends the message."""
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, problems, group=group)
     ranks = dist.get_process_group_ranks(group)
@@ -166,7 +186,7 @@ def agree(problems: list[str], group: Any, what: str) -> None:
 
 
 class StateDictHooks:
-    """The model-level state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`.
+    """The state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`.
 
     Attributes:
         enabled: translate (``False`` inside :meth:`raw`: dmuon's own checkpoints read the live
@@ -176,13 +196,34 @@ class StateDictHooks:
     def __init__(self, state: Any) -> None:
         self.state = state
         self.enabled = True
+        # id(rec) -> (the entry the root pre-hook checked, its staged full tensor), this load
+        self._staged: dict[int, tuple[Any, torch.Tensor]] = {}
+        self._in_root_load = False  # between the root's load pre-hook and its post-hook
+        self._refresh = False  # a module's hook wrote masters outside a root load
+        self._by_module: tuple[Any, dict[int, list[DedicatedParam]]] = (None, {})
 
     def install(self) -> list[Any]:
-        """Register the post-hook and pre-hook on the root model; returns their handles."""
+        """Register the hooks; returns their handles.
+
+        On the root model: a load pre-hook and post-hook. On each module that holds a
+        dedicated matrix (``module._parameters[attr]``): a state_dict post-hook moved to the
+        front of the module's ``_state_dict_hooks`` (an ``OrderedDict`` keyed by handle id in
+        every torch >= 2.0; ``register_state_dict_post_hook`` has no ``prepend``), a load
+        pre-hook (last so far: hooks the module registered at construction, like torchtitan's
+        fused-QKV merge, run before it) and a load post-hook.
+        """
         model = self.state.model
         # partials: torch marks a public hook with an attribute, which a bound method refuses
-        return [model.register_state_dict_post_hook(functools.partial(StateDictHooks.on_state_dict, self)),
-                model.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.on_load, self))]
+        handles = [model.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.on_load, self)),
+                   model.register_load_state_dict_post_hook(functools.partial(StateDictHooks.after_load, self))]
+        save, load, loaded = (functools.partial(f, self) for f in (
+            StateDictHooks.on_module_state_dict, StateDictHooks.on_module_load, StateDictHooks.after_module_load))
+        for module in dict.fromkeys(sel.module for sel in self.state.selected):
+            handle = module.register_state_dict_post_hook(functools.partial(save))
+            module._state_dict_hooks.move_to_end(handle.id, last=False)
+            handles += [handle, module.register_load_state_dict_pre_hook(functools.partial(load)),
+                        module.register_load_state_dict_post_hook(functools.partial(loaded))]
+        return handles
 
     @contextlib.contextmanager
     def raw(self) -> Iterator[None]:
@@ -217,42 +258,116 @@ class StateDictHooks:
                 f"dmuon.state_dict(model, opt) + dcp.save and dmuon.load(model, opt, path).")
         return state.records
 
-    @torch.no_grad()
-    def on_state_dict(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """Post-hook: dedicated entries -> FSDP2-laid-out DTensors (or full tensors) of the
-        owners' current masters. Collective (one broadcast per matrix, in model order)."""
-        for rec in self._records():
-            key = prefix + module_key(rec.fqn)
-            if key not in sd:
-                continue
-            sd[key] = self.entry(rec, rec.master)
-
-    @torch.no_grad()
-    def on_load(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        """Pre-hook: stage every dedicated entry as a full tensor, check, agree, then hand torch
-        the owner's full tensor (the placeholder elsewhere). Collective."""
+    def _module_records(self, module: Any) -> list[DedicatedParam]:
+        """The dedicated matrices ``module`` holds itself, in model order (``[]`` outside
+        translation)."""
         records = self._records()
         if not records:
-            return
-        present = [(rec, prefix + module_key(rec.fqn)) for rec in records]
-        present = [(rec, key) for rec, key in present if key in sd]
+            return []
+        if self._by_module[0] is not records:
+            by_module: dict[int, list[DedicatedParam]] = {}
+            for rec in records:
+                by_module.setdefault(id(rec.module), []).append(rec)
+            self._by_module = (records, by_module)
+        return self._by_module[1].get(id(module), [])
+
+    # ------------------------------------------------------------------ save
+    @torch.no_grad()
+    def on_module_state_dict(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        """Post-hook of a module holding dedicated matrices: their entries -> FSDP2-laid-out
+        DTensors (or full tensors) of the owners' current masters. Collective (one broadcast
+        per matrix, in model order)."""
+        for rec in self._module_records(module):
+            key = prefix + rec.attr
+            if key in sd:
+                sd[key] = self.entry(rec, rec.master)
+
+    # ------------------------------------------------------------------ load
+    def _stage_all(self, present: list[tuple[DedicatedParam, str]], sd: dict[str, Any],
+                   consequence: str) -> list[torch.Tensor]:
+        """Stage every ``(rec, key)`` entry of ``sd`` as a full tensor (this rank's TP slice),
+        check, agree. Collective over the world (two ``all_gather_object`` and the staging);
+        every rank must pass the same keys. Returns the staged tensors, in ``present``'s order.
+
+        Raises:
+            ValueError: on every rank, if the ranks' entries differ in kind or an entry does
+                not fit on any rank; ``consequence`` ends the message.
+        """
+        world = self.state.roles.world
         kinds = [(key, hasattr(sd[key], "full_tensor")) for _, key in present]
-        everyone: list[Any] = [None] * dist.get_world_size(self.state.roles.world)
-        dist.all_gather_object(everyone, kinds, group=self.state.roles.world)
-        differ = [r for r, k in zip(dist.get_process_group_ranks(self.state.roles.world), everyone)
-                  if k != everyone[0]]
+        everyone: list[Any] = [None] * dist.get_world_size(world)
+        dist.all_gather_object(everyone, kinds, group=world)
+        differ = [r for r, k in zip(dist.get_process_group_ranks(world), everyone) if k != everyone[0]]
         if differ:  # full_tensor() below must run on every rank or on none
             raise ValueError(
                 f"dmuon: the state dict's dedicated entries (key, is a DTensor) differ across ranks: "
                 f"ranks {differ} against the first rank's {everyone[0][:3]}. Give every rank the "
-                f"same kind of state dict (all sharded or all full). Nothing was loaded.")
+                f"same kind of state dict (all sharded or all full). {consequence}")
         staged, problems = [], []
         for rec, key in present:
             full, problem = self.staged(sd[key], rec, f"entry {key!r}")
             staged.append(full)
             if problem:
                 problems.append(problem)
-        agree(problems, self.state.roles.world, "the state dict does not fit this model")
-        for (rec, key), full in zip(present, staged):
+        agree(problems, world, "the state dict does not fit this model", consequence)
+        return staged
+
+    @torch.no_grad()
+    def on_load(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """Root pre-hook: every dedicated entry present under its canonical key is staged,
+        checked and agreed on before anything is written (:meth:`_stage_all`); the entries stay
+        as they are, and each module's pre-hook hands torch the staged tensor for an entry that
+        is still the one checked here. Collective."""
+        self._staged.clear()
+        records = self._records()
+        if not records:
+            return
+        present = [(rec, prefix + module_key(rec.fqn)) for rec in records]
+        present = [(rec, key) for rec, key in present if key in sd]
+        staged = self._stage_all(present, sd, NOTHING_LOADED)
+        self._staged = {id(rec): (sd[key], full) for (rec, key), full in zip(present, staged)}
+        self._in_root_load = True
+
+    def after_load(self, module: Any, incompatible_keys: Any) -> None:
+        """Root post-hook: forget this load's staged entries."""
+        self._staged.clear()
+        self._in_root_load = False
+
+    @torch.no_grad()
+    def on_module_load(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
+                       missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """Pre-hook of a module holding dedicated matrices: torch gets the owner's full tensor
+        (the placeholder elsewhere) for each of its entries. An entry the root pre-hook staged
+        and no hook replaced since takes that staged tensor; another one (made by a load hook
+        of this module or its ancestors, or any entry of a submodule's own
+        ``load_state_dict``) is staged, checked and agreed on now: collective when there are
+        such entries."""
+        present, pending = [], []
+        for rec in self._module_records(module):
+            key = prefix + rec.attr
+            if key in sd:
+                checked, full = self._staged.get(id(rec), (_UNSTAGED, None))
+                (present if sd[key] is checked else pending).append((rec, key, full))
+        if pending:
+            name = prefix[:-1] or "the model"
+            try:
+                staged = self._stage_all([(rec, key) for rec, key, _ in pending], sd, (
+                    f"Module {name!r}'s dedicated matrices are unchanged on every rank (entries a load "
+                    f"hook made are checked as their module loads: modules loaded before it keep what "
+                    f"they loaded)."))
+            except ValueError:
+                self._in_root_load = False
+                self._staged.clear()
+                raise
+            present += [(rec, key, full) for (rec, key, _), full in zip(pending, staged)]
+            self._refresh = self._refresh or not self._in_root_load
+        for rec, key, full in present:
             sd[key] = full if rec.is_owner else rec.master.detach()
+
+    def after_module_load(self, module: Any, incompatible_keys: Any) -> None:
+        """Post-hook of a module holding dedicated matrices: outside a root load (a submodule's
+        own ``load_state_dict``), the written masters' published copies are refreshed."""
+        if self._refresh and not self._in_root_load:
+            self._refresh = False
+            self.state.publish_after_step(issue=False)

@@ -104,6 +104,36 @@ class DmuonOptimizersContainer(OptimizersContainer):
             all_params.extend(p for g in optimizer.param_groups for p in g["params"])
         self._post_init(all_params)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torchtitan's flat, FQN-keyed optimizer state dict (``state.{fqn}.{name}``,
+        ``param_groups.{fqn}.{key}``), as ``OptimizersContainer.load_state_dict`` does, with
+        every Muon matrix's ``momentum_buffer`` handed to :class:`dmuon.Muon` on every rank.
+
+        torchtitan's ``_unflatten_optim_state_dict`` keeps, per parameter, the state names this
+        rank's optimizer holds: a Muon matrix's momentum is held by its owner only, so the other
+        ranks would leave it out, while :class:`dmuon.Muon`'s load needs every rank's piece of
+        the FSDP2-laid-out entry (it gathers them to the owner; collective). torchtitan's
+        ``CheckpointManager`` calls this on load; every other method (``state_dict`` included)
+        is ``OptimizersContainer``'s.
+
+        Raises:
+            ValueError: what :class:`dmuon.Muon`'s ``load_state_dict`` raises (an entry that
+                does not fit, on every rank, before anything is written).
+        """
+        from torchtitan.components.optimizer.utils import _unflatten_optim_state_dict, init_optim_state
+
+        for optim in self.optimizers:
+            init_optim_state(optim)
+            sd = _unflatten_optim_state_dict(optim, state_dict)
+            pid = 0
+            for group in optim.param_groups:
+                for fqn in group["param_names"]:
+                    key = f"state.{fqn}.momentum_buffer"
+                    if group.get("kind") == "muon" and pid not in sd["state"] and key in state_dict:
+                        sd["state"][pid] = {"momentum_buffer": state_dict[key]}
+                    pid += 1
+            optim.load_state_dict(sd)
+
 
 def _hooks_optimizer(model: nn.Module, config: DmuonOptimizersContainer.Config) -> dmuon.Muon:
     """``dedicate_params`` on ``model`` (collective), then ``dmuon.Muon(model)``."""
