@@ -110,6 +110,15 @@ def cpu_model() -> str:
     return ", ".join(parts)
 
 
+def git_commit() -> str:
+    """The checkout's commit, ``+dirty`` when it has uncommitted changes."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
 def versions(python: str) -> dict:
     code = ("import json, sys, torch, importlib.metadata as m; print(json.dumps(dict("
             "torch=torch.__version__, torchtitan=m.version('torchtitan'), "
@@ -223,7 +232,7 @@ def main() -> None:
     result = json.loads(out.read_text()) if out.exists() else {}
     result.update(device=dict(cpu=cpu_model(), cores=os.cpu_count(), ranks=a.nproc,
                               backend="gloo", threads_per_rank=1),
-                  versions=versions(a.python),
+                  versions=versions(a.python), commit=git_commit(),
                   date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
     runs = result.setdefault("runs", {})
     for name in a.runs:
