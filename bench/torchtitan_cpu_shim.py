@@ -2,13 +2,14 @@
 
 torchtitan's own entry point loads this module as a config registry (``--module``)::
 
-    torchrun --nproc_per_node 2 -m torchtitan.train \\
-        --module bench.torchtitan_cpu_shim --config llama3_debugmodel_cpu_dmuon
+    PYTHONPATH=. torchrun --nproc_per_node 2 -m torchtitan.train \\
+        --module bench.torchtitan_cpu_shim --config llama3_debugmodel_cpu \\
+        --override.imports dmuon.integrations.torchtitan.muon
 
-``llama3_debugmodel_cpu_dmuon`` is torchtitan's ``llama3_debugmodel`` with the CPU shims below
-plus the three lines a torchtitan user adds for dmuon (see :func:`llama3_debugmodel_cpu_dmuon`);
-``llama3_debugmodel_cpu`` is the same without them (torchtitan's stock AdamW).
-``bench/torchtitan_trainer.sh`` has the exact command lines of the recorded run.
+``llama3_debugmodel_cpu`` is torchtitan's ``llama3_debugmodel`` with the CPU shims below (its
+stock AdamW; dmuon by the one flag above); ``llama3_debugmodel_cpu_dmuon`` adds the three lines a
+torchtitan user writes in a config function instead. ``bench/torchtitan_trainer.py`` runs them
+and records the exact command lines in ``bench/results/torchtitan_trainer_cpu_2r.json``.
 
 **CPU shims** (every one is for this machine: a user on GPUs with network access needs none):
 
