@@ -157,6 +157,34 @@ def train_save_continue(rank: int, world_size: int, *, path: str, first: int, th
     return dict(saved=saved, final=full_params(model, rank), modes=replicate_modes(model))
 
 
+def default_ns_dtype_round_trip(rank: int, world_size: int) -> dict:
+    """dmuon.Muon with its default ``ns_dtype=None`` (by device): 2 steps,
+    ``opt.load_state_dict(opt.state_dict())``, 2 more; and the same 4 steps without the round
+    trip (a fresh model). On main the step after the load raised ``KeyError: 'ns_dtype'``.
+
+    Returns:
+        ``ns_dtype`` of each group after the load (``"absent"`` where the key is gone), the
+        error of the step after it (``""`` if none), and on rank 0 both runs' final weights.
+    """
+    kwargs = dict(lr=0.02, adamw_lr=0.01)
+    finals, error, after = [], "", []
+    for round_trip in (True, False):
+        model, _ = build(world_size, "fsdp")
+        opt = dmuon.Muon(model, **kwargs)
+        run_steps(model, opt, range(2), rank, world_size)
+        if round_trip:
+            opt.load_state_dict(opt.state_dict())
+            after = [repr(g.get("ns_dtype", "absent")) for g in opt.param_groups
+                     if g.get("kind") == "muon"]
+        try:
+            run_steps(model, opt, range(2, 4), rank, world_size)
+        except KeyError as e:
+            error = f"KeyError: {e}"
+            return dict(ns_dtype_after_load=after, error=error, final=[])
+        finals.append(full_params(model, rank))
+    return dict(ns_dtype_after_load=after, error=error, final=finals)
+
+
 def replicate_modes(model: nn.Module) -> dict[str, str]:
     """``{fqn: "compute" | "broadcast"}``: the HSDP mode each dedicated matrix runs in."""
     return {rec.fqn: rec.replicate_mode for rec in model._dmuon_state.records}

@@ -111,6 +111,20 @@ def test_load_rejects_state_dict_without_optimizer_entries(dist_pool):
         assert "lacks 'optim' entries" in msg
 
 
+def test_default_ns_dtype_survives_optimizer_state_dict_round_trip(dist_pool):
+    """Every other checkpoint test sets ns_dtype=torch.float32; with the default (None) a
+    load_state_dict dropped the key and the next step raised KeyError (found by torchtitan's
+    Trainer resuming, bench/torchtitan_trainer.py)."""
+    out = dist_pool.run(2, "tests.ckpt_cases:default_ns_dtype_round_trip", {}, timeout_s=120)
+    for rank_out in out:
+        assert rank_out["error"] == "", rank_out["error"]
+        assert rank_out["ns_dtype_after_load"] == ["None"]
+    with_trip, without = out[0]["final"]
+    assert set(with_trip) == set(without)
+    for name, value in without.items():
+        np.testing.assert_array_equal(with_trip[name], value, err_msg=name)
+
+
 # ----------------------------------------------------------------------------- HSDP, FSDP x TP
 def _assert_matches_reference(final: dict, steps: int) -> None:
     ref, _, _ = models.run_reference(ckpt_cases.GLOBAL_RANKS, steps, lr_gamma=0.9)

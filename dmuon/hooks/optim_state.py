@@ -142,9 +142,10 @@ class OptimizerStateHooks:
         """
         groups = [dict(g) for g in sd["param_groups"]]
         for g in groups:
-            g["ns_dtype"] = parse_dtype(g.get("ns_dtype")) if "ns_dtype" in g else None
-            if g["ns_dtype"] is None:
-                del g["ns_dtype"]
+            # keep a Muon group's ns_dtype=None (by device): torch's load_state_dict takes the
+            # saved groups as they are, so a dropped key fails the next step (KeyError)
+            if "ns_dtype" in g:
+                g["ns_dtype"] = parse_dtype(g["ns_dtype"])
         out = {**sd, "param_groups": groups}
         records = self._muon_records()
         if not records:

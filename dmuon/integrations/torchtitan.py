@@ -20,6 +20,9 @@ parameters with a :class:`dmuon.DistributedConfig` (default :func:`dmuon.create_
 each matrix's owner gathers its gradient momentum, orthogonalizes it and sends the shards back.
 Both equal single-process ``torch.optim.Muon`` + ``AdamW``.
 
+Or, with no config change, one command-line flag (torchtitan's own override mechanism, see
+:func:`muon`): ``--override.imports dmuon.integrations.torchtitan.muon``.
+
 Everything else is torchtitan's: its FSDP2 ``parallelize`` (dmuon follows the
 ``set_gradient_divide_factor(1.0)`` it sets), activation checkpointing, ``LRSchedulersContainer``
 (one ``LambdaLR`` per ``dmuon.Muon``) and the container's ``step`` / ``zero_grad``.
@@ -29,12 +32,13 @@ Everything else is torchtitan's: its FSDP2 ``parallelize`` (dmuon follows the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from torch import nn
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import OptimizersContainer
+from torchtitan.config.override import derive, override
 
 import dmuon
 from dmuon.integrations.accelerate import fsdp_mesh
@@ -175,3 +179,49 @@ def _distributed_config_optimizer(model: nn.Module,
     if dist_config is None:
         dist_config = dmuon.create_dtensor_config()
     return dmuon.Muon(groups, distributed_config=dist_config, **config.muon_kwargs)
+
+
+@override(target=OptimizersContainer.Config,
+          description="dmuon.Muon: Muon on the matrices, AdamW on the rest")
+def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersContainer.Config:
+    """torchtitan override: the trainer's optimizer becomes :class:`DmuonOptimizersContainer`.
+
+    One command-line flag, with torchtitan's own override mechanism (``torchtitan.config.
+    override``)::
+
+        --override.imports dmuon.integrations.torchtitan.muon
+        --override.imports 'dmuon.integrations.torchtitan.muon={"lr": 0.02, "adamw_lr": 8e-4}'
+
+    Without ``lr``, Muon takes the replaced AdamW's learning rate and weight decay with
+    ``adjust_lr_fn="match_rms_adamw"`` (the update's RMS matched to AdamW's, so AdamW's
+    hyper-parameters carry over); the other parameters' AdamW keeps the replaced one's ``lr``,
+    ``betas``, ``eps`` and ``weight_decay``. That AdamW is the config's first ``AdamW``/``Adam``
+    param group (torchtitan's ``default_adamw`` has one, matching every parameter); without
+    one, dmuon.Muon's defaults apply.
+
+    Args:
+        config: the ``OptimizersContainer.Config`` being replaced (torchtitan passes it).
+        **kwargs: :class:`dmuon.Muon` keyword arguments; a name that is a field of
+            :class:`DmuonOptimizersContainer.Config` (``path``, ``dedicate_kwargs``) sets that
+            field, e.g. ``{"path": "distributed_config"}``.
+
+    Returns:
+        The :class:`DmuonOptimizersContainer.Config` torchtitan builds in its place.
+    """
+    container_fields = {f.name for f in fields(DmuonOptimizersContainer.Config)}
+    container_fields -= {"muon_kwargs"}
+    container = {k: v for k, v in kwargs.items() if k in container_fields}
+    muon_kwargs = dict(getattr(config, "muon_kwargs", {}))
+    adamw = next((dict(g.optimizer_kwargs) for g in getattr(config, "param_groups", [])
+                  if g.optimizer_name in ("AdamW", "Adam")), None)
+    if adamw is not None:
+        inherited = {f"adamw_{k}": adamw[k] for k in ("lr", "betas", "eps", "weight_decay")
+                     if k in adamw}
+        if "lr" not in kwargs and "lr" not in muon_kwargs and "lr" in adamw:
+            inherited.update(lr=adamw["lr"], adjust_lr_fn="match_rms_adamw",
+                             weight_decay=adamw.get("weight_decay", 0.1))
+        if "adamw_betas" in inherited:
+            inherited["adamw_betas"] = tuple(inherited["adamw_betas"])
+        muon_kwargs = {**inherited, **muon_kwargs}
+    muon_kwargs.update({k: v for k, v in kwargs.items() if k not in container_fields})
+    return derive(config, DmuonOptimizersContainer.Config, muon_kwargs=muon_kwargs, **container)
