@@ -1,34 +1,38 @@
 """``--override.imports dmuon.integrations.torchtitan.muon``: torchtitan 0.3.0's own override
 mechanism turns the trainer's stock AdamW config into :class:`DmuonOptimizersContainer.Config`
 with the expected dmuon.Muon keyword arguments (one process; the trainer run itself, on torch
-2.14.1, is ``bench/torchtitan_trainer.py``). Skipped without torchtitan."""
+2.14.1, is ``bench/torchtitan_trainer.py``). torchtitan is installed by the test when absent
+(the ``torchtitan_path`` fixture, ``tests/_torchtitan_site.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
 
-pytest.importorskip("torchtitan")
-
-from torchtitan.components.optimizer import OptimizersContainer, default_adamw  # noqa: E402
-from torchtitan.config import Configurable  # noqa: E402
-from torchtitan.config.override import OverrideConfig, apply_overrides, parse_cli_imports  # noqa: E402
-
-import dmuon  # noqa: E402
+import dmuon
 
 TARGET = "dmuon.integrations.torchtitan.muon"
 
 
-@dataclass(kw_only=True, slots=True)
-class _Root(Configurable.Config):
-    """The part of torchtitan's ``Trainer.Config`` the override sees (its ``optimizer``)."""
-
-    optimizer: OptimizersContainer.Config = field(default_factory=lambda: default_adamw(lr=8e-4))
+@pytest.fixture(autouse=True)
+def _torchtitan(torchtitan_path: str | None) -> None:
+    """torchtitan importable in this process (installed into the test cache if absent)."""
 
 
-def _apply(cli_token: str) -> OptimizersContainer.Config:
+def _apply(cli_token: str) -> Any:
+    """torchtitan's ``apply_overrides`` of ``cli_token`` on the part of its ``Trainer.Config``
+    the override sees (its ``optimizer``, torchtitan's ``default_adamw(lr=8e-4)``)."""
+    from torchtitan.components.optimizer import OptimizersContainer, default_adamw
+    from torchtitan.config import Configurable
+    from torchtitan.config.override import OverrideConfig, apply_overrides, parse_cli_imports
+
+    @dataclass(kw_only=True, slots=True)
+    class _Root(Configurable.Config):
+        optimizer: OptimizersContainer.Config = field(default_factory=lambda: default_adamw(lr=8e-4))
+
     root = _Root()
     replaced = apply_overrides(OverrideConfig(imports=parse_cli_imports([cli_token])), root)
     assert len(replaced) == 1 and "optimizer" in replaced[0]
