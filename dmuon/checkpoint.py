@@ -54,7 +54,8 @@ it is an interrupted save and the previous directory stays loadable.
 
 **``dmuon.Muon(params, distributed_config=...)``** (and single-device ``dmuon.Muon(params)``):
 the parameters are the user's own (FSDP2/TP DTensors, or plain replicas); the model entries
-are ``model.state_dict()`` as it is, and each optimizer state tensor (a local piece, as the
+are its live parameters and persistent buffers (:func:`live_entries`: what ``model.state_dict()``
+shows before any state-dict hook rewrites it), and each optimizer state tensor (a local piece, as the
 step keeps it) enters as a DTensor with its parameter's mesh and placements, so DCP reshards
 it with the parameter. Param groups are saved by index (``"0"``, ``"1"``, ...). Plain sharded
 Muon matrices (``create_processgroup_config(fsdp_pg=...)``) cannot be described to DCP
@@ -88,7 +89,7 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
-from dmuon.hooks.state_dict import canonical_fqn, module_key
+from dmuon.hooks.state_dict import canonical_fqn
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.slices import local_tensor
@@ -219,8 +220,33 @@ def _configured_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict
             optim_state[fqn] = {k: _laid_out_like(p, v) for k, v in state.items()}
     groups = {str(gi): {k: v for k, v in g.items() if k != "params"}
               for gi, g in enumerate(opt.param_groups)}
-    return {MODEL_KEY: dict(model.state_dict()),
-            OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
+    return {MODEL_KEY: live_entries(model), OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
+
+
+def live_entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of ``model`` as a detached alias of the live tensor,
+    keyed by its canonical FQN (:func:`canonical_fqn`; tied parameters under each of their
+    names), as ``nn.Module.state_dict`` shows them before any state-dict hook runs.
+
+    Not ``model.state_dict()``: a third-party hook may replace entries by new tensors
+    (torchtitan's fused-QKV split turns ``wqkv`` into copies ``wq``/``wk``/``wv``), and then
+    ``dcp.load`` into the state dict would not write through to the model (a silently
+    unchanged weight); and dmuon's own hooks translate dedicated matrices (collective). The
+    modules' state-dict *pre*-hooks do run, as in ``state_dict`` (FSDP2's moves its parameters
+    to their sharded form; ``_state_dict_pre_hooks`` is the dict ``nn.Module.state_dict`` runs).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        base = prefix + "." if prefix else ""
+        for hook in module._state_dict_pre_hooks.values():
+            hook(module, base, False)
+        for name, param in module._parameters.items():
+            if param is not None:
+                out[canonical_fqn(base + name)] = param.detach()
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[canonical_fqn(base + name)] = buf.detach()
+    return out
 
 
 def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
@@ -268,14 +294,8 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     ctx = _check_optimizer(model, opt)
     ctx.ensure_bound()
     _ensure_optimizer_state(opt)
-    model_sd: dict[str, Any] = {}
-    dedicated = {module_key(rec.fqn) for rec in ctx.records}
-    with ctx.state_dict_hooks.raw():  # the live tensors, not torch's FSDP2-like view
-        live = model.state_dict()
-    for fqn, value in live.items():
-        if fqn in dedicated or (isinstance(value, torch.Tensor) and value.is_meta):
-            continue  # added below, owners only (meta: what a third-party hook made of one)
-        model_sd[canonical_fqn(fqn)] = value
+    dedicated = {canonical_fqn(rec.fqn) for rec in ctx.records}
+    model_sd = {fqn: t for fqn, t in live_entries(model).items() if fqn not in dedicated}  # owners: below
     optim_state: dict[str, dict[str, Any]] = {}
     for rec in ctx.records:
         if rec.is_owner:

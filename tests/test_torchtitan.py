@@ -131,6 +131,12 @@ def test_torchtitan_checkpoint_manager_resumes_bitwise_and_exports(dist_pool, to
     assert sorted(rank0["final_b"]) == sorted(rank0["export"])
     for key, value in rank0["export"].items():
         assert np.array_equal(rank0["final_b"][key], value), key
+    # dmuon's own checkpoint (dmuon.state_dict + dcp.save, dmuon.load) of the same step: bitwise too
+    # (inside dmuon.state_dict, torchtitan's fused-QKV split hook meets a meta tensor, not a
+    # non-owner's zero-size placeholder)
+    assert rank0["losses_c"] == rank0["losses_a"][ckpt.SAVE_AT:]
+    for key, value in rank0["export"].items():
+        assert np.array_equal(rank0["final_c"][key], value), key
     # torchtitan's model-only last-step checkpoint (last_save_model_only, float32)
     torch_path = tmp_path / "last.pt"
     dcp_to_torch_save(str(tmp_path / "checkpoint" / f"step-{cases.STEPS}"), str(torch_path))

@@ -27,7 +27,9 @@ import os
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
+import dmuon
 from tests import torchtitan_cases as cases
 from tests._torchtitan_site import use_site
 
@@ -149,21 +151,24 @@ def hf_export_native(path: str) -> dict[str, torch.Tensor]:
 
 def run_ckpt(rank: int, world_size: int, folder: str, site: str | None = None,
              path: str = "hooks") -> dict[str, Any]:
-    """Run A (save at step 2, export at step 4) and run B (load step 2, train to 4); ``site``:
+    """Run A (save at step 2, export at step 4), run B (load step 2 through torchtitan's
+    ``CheckpointManager``, train to 4) and run C (the same through ``dmuon.load`` of a
+    ``dmuon.state_dict`` saved at step 2); ``site``:
     the folder holding torchtitan (``tests/_torchtitan_site.py``), or ``None``; ``path``:
     ``DmuonOptimizersContainer.Config.path``.
 
     Returns:
-        ``losses_a`` (steps 0-3), ``losses_b`` (steps 2-3), ``last_epoch_b`` (the LR
+        ``losses_a`` (steps 0-3), ``losses_b``, ``losses_c`` (steps 2-3), ``last_epoch_b`` (the LR
         scheduler's right after the load), ``saved`` (the checkpoint folders); on rank 0 also
         ``export`` (run A's final ``model.state_dict()``, full tensors as numpy arrays, keyed as
-        it names them) and ``final_b`` (run B's, the same way).
+        it names them), ``final_b`` and ``final_c`` (runs B's and C's, the same way).
     """
     use_site(site)
     initial = dict(cases.build_model(meta=False).named_parameters())  # the reference's initial weights
     model, optimizers, schedulers, checkpointer = _trainer(rank, world_size, folder, initial, path)
     losses_a = _train(model, optimizers, schedulers, range(SAVE_AT), rank, world_size)
     assert checkpointer.save(curr_step=SAVE_AT)
+    dcp.save(dmuon.state_dict(model, optimizers.optimizers[0]), checkpoint_id=os.path.join(folder, "dmuon"))
     losses_a += _train(model, optimizers, schedulers, range(SAVE_AT, cases.STEPS), rank, world_size)
     export = _full(model.state_dict())  # torchtitan's fused-QKV hook: wq/wk/wv
     assert checkpointer.save(curr_step=cases.STEPS, last_step=True)  # model only, float32
@@ -177,11 +182,20 @@ def run_ckpt(rank: int, world_size: int, folder: str, site: str | None = None,
     losses_b = _train(model, optimizers, schedulers, range(SAVE_AT, cases.STEPS), rank, world_size)
     final_b = _full(model.state_dict())
     checkpointer.close()
-    out = dict(losses_a=losses_a, losses_b=losses_b, last_epoch_b=last_epoch,
+    del model, optimizers, schedulers, checkpointer
+
+    # run C: dmuon's own checkpoint of step 2 (dmuon.state_dict + dcp.save, dmuon.load); the
+    # constant LR schedule needs no scheduler state
+    model, optimizers, schedulers, _ = _trainer(rank, world_size, os.path.join(folder, "c"), None, path)
+    dmuon.load(model, optimizers.optimizers[0], os.path.join(folder, "dmuon"))
+    losses_c = _train(model, optimizers, schedulers, range(SAVE_AT, cases.STEPS), rank, world_size)
+    final_c = _full(model.state_dict())
+    out = dict(losses_a=losses_a, losses_b=losses_b, losses_c=losses_c, last_epoch_b=last_epoch,
                saved=sorted(os.listdir(os.path.join(folder, "checkpoint"))))
     if rank == 0:
         out.update(export={k: v.numpy().copy() for k, v in export.items()},
-                   final_b={k: v.numpy().copy() for k, v in final_b.items()})
+                   final_b={k: v.numpy().copy() for k, v in final_b.items()},
+                   final_c={k: v.numpy().copy() for k, v in final_c.items()})
     return out
 
 

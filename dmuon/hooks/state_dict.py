@@ -276,19 +276,7 @@ class StateDictHooks:
     def on_module_state_dict(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
         """Post-hook of a module holding dedicated matrices: their entries -> FSDP2-laid-out
         DTensors (or full tensors) of the owners' current masters. Collective (one broadcast
-        per matrix, in model order).
-
-        Inside :meth:`raw` (dmuon's own checkpoints): local, no collective; each whole-matrix
-        entry becomes a ``meta`` tensor of the matrix's shape on every rank, owner included,
-        so hooks that run after this one (torchtitan's fused-QKV split) meet a tensor of the
-        parameter's shape instead of a zero-size placeholder. :func:`dmuon.state_dict` drops
-        every ``meta`` entry and adds the owners' masters under the dedicated FQNs itself."""
-        if not self.enabled:
-            for rec in self.state.records:
-                key = prefix + rec.attr
-                if rec.module is module and unsupported(rec) is None and key in sd:
-                    sd[key] = torch.empty(rec.shape, dtype=rec.master.dtype, device="meta")
-            return
+        per matrix, in model order)."""
         for rec in self._module_records(module):
             key = prefix + rec.attr
             if key in sd:
