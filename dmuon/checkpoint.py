@@ -234,10 +234,20 @@ def live_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     unchanged weight); and dmuon's own hooks translate dedicated matrices (collective). The
     modules' state-dict *pre*-hooks do run, as in ``state_dict`` (FSDP2's moves its parameters
     to their sharded form; ``_state_dict_pre_hooks`` is the dict ``nn.Module.state_dict`` runs).
+
+    Raises:
+        ValueError: a module defines ``get_extra_state`` (not saved here; torch's state-dict
+            API saves it).
     """
     out: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         base = prefix + "." if prefix else ""
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            raise ValueError(
+                f"dmuon: module {prefix or '<root>'!r} ({type(module).__name__}) has extra state "
+                f"(get_extra_state), which dmuon.state_dict does not save. Checkpoint this model "
+                f"with torch's API instead: get_state_dict(model, opt) + dcp.save, "
+                f"dcp.load + set_state_dict (docs/checkpointing.md).")
         for hook in module._state_dict_pre_hooks.values():
             hook(module, base, False)
         for name, param in module._parameters.items():

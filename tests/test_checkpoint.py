@@ -342,3 +342,28 @@ def test_2rank_hsdp_checkpoint_restored_on_4_ranks(dist_pool, tmp_path):
                         timeout_s=120, fresh=True)
     assert got[0]["modes"] == MIXED, got[0]["modes"]
     _assert_restored(got, out, MESH_FIRST + MESH_THEN)
+
+
+def test_state_dict_refuses_a_module_with_extra_state_by_name():
+    """``dmuon.state_dict`` saves parameters and persistent buffers only: a module with
+    ``get_extra_state`` (e.g. an FP8 module's scaling state) is refused by name, not dropped
+    silently. Single device (``dmuon.Muon(params)``), no process group."""
+    import torch
+    from torch import nn
+
+    import dmuon
+
+    class WithExtra(nn.Linear):
+        def get_extra_state(self):
+            return {"scale": 2.0}
+
+        def set_extra_state(self, state):
+            pass
+
+    model = nn.Sequential(nn.Linear(4, 4), WithExtra(4, 4))
+    opt = dmuon.Muon(list(model.parameters()))
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert sorted(dmuon.state_dict(plain, dmuon.Muon(list(plain.parameters())))["model"]) == sorted(
+        plain.state_dict())
+    with pytest.raises(ValueError, match=r"^dmuon: module '1' \(WithExtra\) has extra state"):
+        dmuon.state_dict(model, opt)
