@@ -10,9 +10,6 @@ Each module here imports its third-party package lazily: dmuon itself depends on
   transformers ``Trainer`` with ``dmuon.Muon`` under FSDP2 (imports ``transformers``).
 - :mod:`dmuon.integrations.torchtitan`: ``DmuonOptimizersContainer``, torchtitan's optimizer
   container holding ``dmuon.Muon`` (imports ``torchtitan``).
-- :mod:`dmuon.integrations.full_weights`: the full (unsharded) weights of a dmuon model as one
-  function (``full_state_dict``); the trainers' own exports no longer need it (torch's full
-  state dict shows dedicated matrices whole).
 - :mod:`dmuon.integrations.hf_moe`: expert parallelism for Hugging Face Mixture-of-Experts
   models (their experts' forward dispatching tokens by all-to-all to the ``"ep"`` rank holding
   each expert).

@@ -39,7 +39,7 @@ import torch
 import transformers
 
 import dmuon
-from dmuon.integrations.full_weights import is_dedicated_model
+from dmuon.hooks.dedicate import STATE_ATTR
 
 
 class DmuonTrainer(transformers.Trainer):
@@ -95,7 +95,7 @@ class DmuonTrainer(transformers.Trainer):
         Raises:
             ValueError: the Trainer is not on FSDP2 (``fsdp_config={"fsdp_version": 2}``).
         """
-        if optimizer is None and not is_dedicated_model(self.model):
+        if optimizer is None and getattr(self.model, STATE_ATTR, None) is None:  # not dedicated yet
             self._dedicate_and_build_muon()
         return super().create_scheduler(num_training_steps, optimizer=optimizer)
 
