@@ -89,7 +89,7 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
-from dmuon.hooks.state_dict import canonical_fqn
+from dmuon.hooks.state_dict import agree, canonical_fqn
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.slices import local_tensor
@@ -98,6 +98,7 @@ from dmuon.owners.update import first_step_state
 logger = logging.getLogger(__name__)
 
 MODEL_KEY, OPTIM_KEY = "model", "optim"
+UNCHANGED = "Nothing was loaded: the model and optimizer are unchanged on every rank."
 _SKIP_GROUP_KEYS = ("params", "kind", "param_names")
 
 
@@ -410,33 +411,6 @@ def _pairs(expected: dict[str, Any], sd: dict[str, Any]) -> list[tuple[torch.Ten
     return pairs
 
 
-def _agree(problems: list[str], group: Any, what: str, error: type[Exception],
-           cause: BaseException | None = None) -> None:
-    """Raise ``error`` on every rank if any rank has problems (one all-gather over ``group``,
-    the default group for ``None``; local only when torch.distributed is not initialized).
-
-    Raises:
-        ``error``: naming each rank with problems and its first ones; nothing was changed.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        everyone: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, problems, group=group)
-        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    else:
-        everyone, ranks = [problems], [0]
-    bad = {ranks[i]: p for i, p in enumerate(everyone) if p}
-    if bad:
-        same: dict[tuple, list[int]] = {}  # identical problems (DCP reports every rank's) once
-        for rank, p in sorted(bad.items()):
-            same.setdefault(tuple(p[:3]) + ((f"+{len(p) - 3} more",) if len(p) > 3 else ()), []).append(rank)
-        listed = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: " + ", ".join(p)
-                           for p, rs in list(same.items())[:4])
-        raise error(f"dmuon: {what} on ranks {sorted(bad)}: {listed}. Nothing was loaded: "
-                    f"the model and optimizer are unchanged on every rank.") from cause
-
-
 def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Apply a state dict from :func:`state_dict` (typically after ``dcp.load`` filled it).
 
@@ -482,7 +456,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
                         f"the optimizer {sorted(expected[OPTIM_KEY]['param_groups'])}")
     if not problems:
         problems = [p for p in (_problem(t, v, w) for t, v, w in _pairs(expected, sd)) if p]
-    _agree(problems, group, "the checkpoint state dict does not fit this model", ValueError)
+    agree(problems, group, "the checkpoint state dict does not fit this model", UNCHANGED)
     for target, value, _ in _pairs(expected, sd):
         _copy_into(target, value)
     saved_groups = sd[OPTIM_KEY]["param_groups"]
@@ -583,7 +557,7 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
     except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported on every rank, chained
         failure = err  # DCP's CheckpointException is a BaseException
     problems = [] if failure is None else [_first_error(failure)]
-    _agree(problems, group, f"loading checkpoint {str(checkpoint_id)!r} failed", RuntimeError, failure)
+    agree(problems, group, f"loading checkpoint {str(checkpoint_id)!r} failed", UNCHANGED, RuntimeError, failure)
     load_state_dict(model, opt, staging)
     _apply(extra, {k: v for k, v in staging.items() if k not in (MODEL_KEY, OPTIM_KEY)})
     return extra

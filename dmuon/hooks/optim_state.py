@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.hooks.state_dict import agree, canonical_fqn
+from dmuon.hooks.state_dict import canonical_fqn
 from dmuon.owners.update import dtype_name, parse_dtype
 
 
@@ -69,9 +69,9 @@ class OptimizerStateHooks:
 
     def _muon_records(self) -> list[tuple[int, int, Any]]:
         """``(group index, position, record)`` of every trainable dedicated matrix, or ``[]``
-        when nothing is to be translated (no owner runtime, or inside dmuon's own checkpoint)."""
+        when nothing is to be translated (no owner runtime, or not bound yet)."""
         state = self.state
-        if state is None or not state.state_dict_hooks.enabled:
+        if state is None:
             return []
         records = state.state_dict_hooks._records()  # raises for the kinds it cannot show
         if not records:
@@ -160,22 +160,10 @@ class OptimizerStateHooks:
             entry = state.get(saved[pos])
             if isinstance(entry, dict) and "momentum_buffer" in entry:
                 present.append((saved[pos], rec, entry))
-        kinds = [(str(pid), hasattr(entry["momentum_buffer"], "full_tensor")) for pid, _, entry in present]
-        everyone: list[Any] = [None] * dist.get_world_size(ctx.roles.world)
-        dist.all_gather_object(everyone, kinds, group=ctx.roles.world)
-        if any(k != everyone[0] for k in everyone):
-            raise ValueError(
-                "dmuon: the optimizer state dict's momentum entries (key, is a DTensor) differ across "
-                "ranks; give every rank the same kind of state dict (all sharded or all full). "
-                "Nothing was loaded.")
-        staged, problems = [], []
-        for pid, rec, entry in present:
-            full, problem = ctx.state_dict_hooks.staged(
-                entry["momentum_buffer"], rec, f"optimizer state {canonical_fqn(rec.fqn)!r}/momentum_buffer")
-            staged.append(full)
-            if problem:
-                problems.append(problem)
-        agree(problems, ctx.roles.world, "the optimizer state dict does not fit this optimizer")
+        staged = ctx.state_dict_hooks.stage_all(
+            [(rec, f"optimizer state {canonical_fqn(rec.fqn)!r}/momentum_buffer", entry["momentum_buffer"])
+             for _, rec, entry in present], "Nothing was loaded: the optimizer state is unchanged on every rank.",
+            source="the optimizer state dict", target="this optimizer")
         for (pid, rec, entry), full in zip(present, staged):
             if rec.is_owner:
                 state[pid] = {**entry, "momentum_buffer": full.to(torch.float32)}

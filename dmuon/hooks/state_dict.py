@@ -54,9 +54,8 @@ hooks see the module's own prefix (``prefix + attr``), whatever wrappers sit abo
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -172,30 +171,33 @@ _UNSTAGED = object()  # no entry is this object: the root pre-hook did not stage
 NOTHING_LOADED = "Nothing was loaded: the dedicated matrices are unchanged on every rank."
 
 
-def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING_LOADED) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` if any rank has problems (one
-    ``all_gather_object``); nothing has been written yet. ``consequence`` ends the message."""
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, problems, group=group)
-    ranks = dist.get_process_group_ranks(group)
+def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING_LOADED,
+          error: type[Exception] = ValueError, cause: BaseException | None = None) -> None:
+    """Raise ``error`` on every rank of ``group`` if any rank has problems (one
+    ``all_gather_object``; ``None``: the default group; local only when torch.distributed is
+    not initialized). Each rank with problems is named with its first three (ranks with the
+    same ones listed together); ``consequence`` ends the message; ``cause`` is chained."""
+    if dist.is_available() and dist.is_initialized():
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, problems, group=group)
+        ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    else:
+        everyone, ranks = [problems], [0]
     bad = {ranks[i]: p for i, p in enumerate(everyone) if p}
     if bad:
-        first = "; ".join(f"rank {r}: {', '.join(p[:3])}" for r, p in sorted(bad.items())[:4])
-        raise ValueError(f"dmuon: {what} on ranks {sorted(bad)}: {first}. Nothing was loaded: the "
-                         f"dedicated matrices are unchanged on every rank.")
+        same: dict[tuple, list[int]] = {}  # identical problems (DCP reports every rank's) once
+        for rank, p in sorted(bad.items()):
+            same.setdefault(tuple(p[:3]) + ((f"+{len(p) - 3} more",) if len(p) > 3 else ()), []).append(rank)
+        listed = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rs if len(rs) > 1 else rs[0]}: " + ", ".join(p)
+                           for p, rs in list(same.items())[:4])
+        raise error(f"dmuon: {what} on ranks {sorted(bad)}: {listed}. {consequence}") from cause
 
 
 class StateDictHooks:
-    """The state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`.
-
-    Attributes:
-        enabled: translate (``False`` inside :meth:`raw`: dmuon's own checkpoints read the live
-            tensors).
-    """
+    """The state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
-        self.enabled = True
         # id(rec) -> (the entry the root pre-hook checked, its staged full tensor), this load
         self._staged: dict[int, tuple[Any, torch.Tensor]] = {}
         self._in_root_load = False  # between the root's load pre-hook and its post-hook
@@ -225,15 +227,6 @@ class StateDictHooks:
                         module.register_load_state_dict_post_hook(functools.partial(loaded))]
         return handles
 
-    @contextlib.contextmanager
-    def raw(self) -> Iterator[None]:
-        """``model.state_dict()`` inside shows dmuon's inside (masters and placeholders)."""
-        before, self.enabled = self.enabled, False
-        try:
-            yield
-        finally:
-            self.enabled = before
-
     def entry(self, rec: DedicatedParam, owned: torch.Tensor | None) -> torch.Tensor:
         """The owner's ``owned`` (master or momentum, ``rec.shape``) as FSDP2 would show the
         parameter on this rank (:func:`owner_full`, :func:`as_fsdp_entry`; collective)."""
@@ -247,7 +240,7 @@ class StateDictHooks:
 
     def _records(self) -> list[DedicatedParam]:
         state = self.state
-        if not self.enabled or not state.bound:
+        if not state.bound:
             return []
         refused = [(r.fqn, why) for r in state.records if (why := unsupported(r))]
         if refused:
@@ -283,33 +276,35 @@ class StateDictHooks:
                 sd[key] = self.entry(rec, rec.master)
 
     # ------------------------------------------------------------------ load
-    def _stage_all(self, present: list[tuple[DedicatedParam, str]], sd: dict[str, Any],
-                   consequence: str) -> list[torch.Tensor]:
-        """Stage every ``(rec, key)`` entry of ``sd`` as a full tensor (this rank's TP slice),
+    def stage_all(self, entries: list[tuple[DedicatedParam, str, Any]], consequence: str,
+                  source: str = "the state dict", target: str = "this model") -> list[torch.Tensor]:
+        """Stage every ``(rec, where, value)`` entry as this rank's TP slice (:meth:`staged`),
         check, agree. Collective over the world (two ``all_gather_object`` and the staging);
-        every rank must pass the same keys. Returns the staged tensors, in ``present``'s order.
+        every rank must pass the same entries (``where`` names one in the errors; ``source``
+        and ``target`` name what is loaded into what). Returns the staged tensors, in
+        ``entries``' order.
 
         Raises:
             ValueError: on every rank, if the ranks' entries differ in kind or an entry does
                 not fit on any rank; ``consequence`` ends the message.
         """
         world = self.state.roles.world
-        kinds = [(key, hasattr(sd[key], "full_tensor")) for _, key in present]
+        kinds = [(where, hasattr(value, "full_tensor")) for _, where, value in entries]
         everyone: list[Any] = [None] * dist.get_world_size(world)
         dist.all_gather_object(everyone, kinds, group=world)
         differ = [r for r, k in zip(dist.get_process_group_ranks(world), everyone) if k != everyone[0]]
         if differ:  # full_tensor() below must run on every rank or on none
             raise ValueError(
-                f"dmuon: the state dict's dedicated entries (key, is a DTensor) differ across ranks: "
+                f"dmuon: {source}'s dedicated entries (name, is a DTensor) differ across ranks: "
                 f"ranks {differ} against the first rank's {everyone[0][:3]}. Give every rank the "
                 f"same kind of state dict (all sharded or all full). {consequence}")
         staged, problems = [], []
-        for rec, key in present:
-            full, problem = self.staged(sd[key], rec, f"entry {key!r}")
+        for rec, where, value in entries:
+            full, problem = self.staged(value, rec, where)
             staged.append(full)
             if problem:
                 problems.append(problem)
-        agree(problems, world, "the state dict does not fit this model", consequence)
+        agree(problems, world, f"{source} does not fit {target}", consequence)
         return staged
 
     @torch.no_grad()
@@ -325,7 +320,7 @@ class StateDictHooks:
             return
         present = [(rec, prefix + module_key(rec.fqn)) for rec in records]
         present = [(rec, key) for rec, key in present if key in sd]
-        staged = self._stage_all(present, sd, NOTHING_LOADED)
+        staged = self.stage_all([(rec, f"entry {key!r}", sd[key]) for rec, key in present], NOTHING_LOADED)
         self._staged = {id(rec): (sd[key], full) for (rec, key), full in zip(present, staged)}
         self._in_root_load = True
 
@@ -352,7 +347,7 @@ class StateDictHooks:
         if pending:
             name = prefix[:-1] or "the model"
             try:
-                staged = self._stage_all([(rec, key) for rec, key, _ in pending], sd, (
+                staged = self.stage_all([(rec, f"entry {key!r}", sd[key]) for rec, key, _ in pending], (
                     f"Module {name!r}'s dedicated matrices are unchanged on every rank (entries a load "
                     f"hook made are checked as their module loads: modules loaded before it keep what "
                     f"they loaded)."))
