@@ -62,12 +62,9 @@ def cache_dir() -> Path:
     return CACHE_ROOT / f"torchtitan-{VERSION}-py{sys.version_info[0]}{sys.version_info[1]}"
 
 
-def torchtitan_site(force: bool = False) -> str | None:
+def torchtitan_site() -> str | None:
     """Make torchtitan 0.3.0 importable: ``None`` if this environment has it, else the cache
     folder holding :data:`PACKAGES` (installed now if missing), to put first on ``sys.path``.
-
-    Args:
-        force: install into the cache (or reuse it) even if torchtitan is installed.
 
     Returns:
         ``None`` or the folder's path (str).
@@ -76,7 +73,7 @@ def torchtitan_site(force: bool = False) -> str | None:
         SiteUnavailable: pip failed (its output in the message); ``offline`` set from
             ``DMUON_TESTS_OFFLINE``.
     """
-    if not force and installed_version() == VERSION:
+    if installed_version() == VERSION:
         return None
     target = cache_dir()
     if (target / _DONE).exists():

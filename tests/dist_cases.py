@@ -39,10 +39,12 @@ def build(world_size: int, mode: str, *, plan=None, predicate=None, variant: str
 
 def full_params(model: torch.nn.Module, rank: int) -> dict[str, np.ndarray]:
     """Every parameter's full value on rank 0 (``{}`` elsewhere), assembled from the owners'
-    masters (TP slices concatenated, HSDP replica 0) and full FSDP2/TP tensors (collective)."""
-    state = model._dmuon_state
-    mine = {rec.fqn: (state.tp_rank, rec.tp_shard_dim, rec.master.detach().numpy().copy())
-            for rec in state.records if rec.is_owner and state.replicate_rank == 0}
+    masters (TP slices concatenated, HSDP replica 0) and full FSDP2/TP tensors (collective).
+    A model without owners (the ``distributed_config`` path): its parameters, full."""
+    state = getattr(model, "_dmuon_state", None)
+    mine = {} if state is None else {
+        rec.fqn: (state.tp_rank, rec.tp_shard_dim, rec.master.detach().numpy().copy())
+        for rec in state.records if rec.is_owner and state.replicate_rank == 0}
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     pieces: dict[str, list] = {}

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from tests import models
+from tests.dist_cases import full_params
 from tests import thirdparty_cases as tp
 from tests._torchtitan_site import use_site
 
@@ -228,25 +229,11 @@ def run(rank: int, world_size: int, site: str | None = None, path: str = "hooks"
         optimizers.zero_grad()
         if schedulers is not None:
             schedulers.step()
-    final = {canonical_fqn(n): v for n, v in _full_weights(model).items()}
+    # straight from the parameters (owners' masters, FSDP2's shards gathered), not through
+    # model.state_dict(): the weights are checked independently of the state-dict translation
+    final = {canonical_fqn(n): v for n, v in full_params(model, rank).items()}
     import torchtitan
 
     return dict(losses=losses, norms=norms, lrs=lrs, muon_names=muon_names,
                 torchtitan_file=torchtitan.__file__,
-                final={k: v.numpy().copy() for k, v in final.items()} if rank == 0 else {})
-
-
-def _full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full weights straight from the parameters, by parameter name: on the hooks path each
-    dedicated matrix from its owner's master (broadcast), the rest gathered from FSDP2's shards.
-    (``model.state_dict()`` is not used: issue 32's checkpoint work covers it.)"""
-    import torch.distributed as dist
-
-    ctx = getattr(model, "_dmuon_state", None)
-    dedicated = {}
-    for rec in ctx.records if ctx is not None else ():
-        full = rec.master.detach().clone() if rec.is_owner else torch.empty(rec.shape)
-        dist.broadcast(full, src=dist.get_global_rank(ctx.roles.shard, rec.owner), group=ctx.roles.shard)
-        dedicated[rec.fqn] = full
-    return {n: dedicated[n] if n in dedicated else p.detach().full_tensor()
-            for n, p in model.named_parameters()}
+                final=final)
