@@ -24,7 +24,8 @@ CAUSES = {
     "raise": cases.CRASH_TEXT,
     "garbage": f"= {cases.GARBAGE_VALUE} is not a count of matrices",
     "zeros": "counts sum to 0",
-    "not_solved": "'Not Solved'",
+    # PuLP 3 names the status on the problem, PuLP 4 its LpSolveStatus
+    "not_solved": "'Not Solved'" if cases.pulp_major() < 4 else "'NotSolved', no solution",
     "infeasible": "'Infeasible'",
     "unreadable": "CBC failed: ValueError: could not convert string to float",
 }
@@ -83,7 +84,10 @@ def test_a_hung_cbc_is_killed_and_falls_back(monkeypatch, caplog):
 def test_retry_without_warm_start_recovers_with_the_real_cbc(monkeypatch):
     import pulp
 
-    real = pulp.PULP_CBC_CMD
+    from dmuon.balance import pulp_api
+
+    name = pulp_api.cbc_class_name(pulp)
+    real = getattr(pulp, name)
     seen = []
 
     class CrashOnWarmStart:
@@ -91,13 +95,21 @@ def test_retry_without_warm_start_recovers_with_the_real_cbc(monkeypatch):
             seen.append(warmStart)
             self.inner = None if warmStart else real(*args, warmStart=warmStart, **kwargs)
 
-        def actualSolve(self, lp, **kwargs):
+        def available(self):
+            return True
+
+        def actualSolve(self, lp, **kwargs):  # PuLP 3's LpProblem.solve calls this
             if self.inner is None:
                 raise pulp.PulpSolverError(cases.CRASH_TEXT)
             return self.inner.actualSolve(lp, **kwargs)
 
+        def solve(self, lp, **kwargs):  # PuLP 4's
+            if self.inner is None:
+                raise pulp.PulpSolverError(cases.CRASH_TEXT)
+            return self.inner.solve(lp, **kwargs)
+
     costs, shapes = tower_costs()
-    monkeypatch.setattr(pulp, "PULP_CBC_CMD", CrashOnWarmStart)
+    monkeypatch.setattr(pulp, name, CrashOnWarmStart)
     res = solve(costs, 3, classes=shapes, method="milp", time_limit_s=2)
     assert seen == [True, False]
     assert res.method == "milp" and not res.fell_back
@@ -178,17 +190,19 @@ def _issue28_model():
 def _run_issue28(monkeypatch, *, rins_on: bool):
     import pulp
 
+    from dmuon.balance import pulp_api
     from dmuon.balance.milp import solve_milp
 
     costs, shapes = _issue28_model()
     warm = heuristic_only(monkeypatch, solve, costs, 32, classes=shapes, time_limit_s=1).owners
-    real = pulp.PULP_CBC_CMD
+    name = pulp_api.cbc_class_name(pulp)
+    real = getattr(pulp, name)
 
     def node_limited(*args, options=(), **kwargs):  # dmuon's own options unless rins_on
         options = [o for o in options if o != "rins off"] if rins_on else list(options)
         return real(*args, options=options, maxNodes=ISSUE28_NODES, **kwargs)
 
-    monkeypatch.setattr(pulp, "PULP_CBC_CMD", node_limited)
+    monkeypatch.setattr(pulp, name, node_limited)
     return costs, warm, lambda: solve_milp(costs, 32, classes=shapes, warm_start=warm,
                                            time_limit_s=10, merge_classes=False)
 
@@ -199,9 +213,11 @@ def _bundled_cbc_version() -> str:
 
     import pulp
 
+    from dmuon.balance import pulp_api
+
     with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API on PULP_CBC_CMD
         warnings.simplefilter("ignore", DeprecationWarning)
-        path = pulp.PULP_CBC_CMD(msg=False).path
+        path = getattr(pulp, pulp_api.cbc_class_name(pulp))(msg=False).path
     out = subprocess.run([path, "-quit"], capture_output=True,
                          text=True, timeout=30, stdin=subprocess.DEVNULL).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines()
