@@ -203,3 +203,75 @@ def dedicate_when_rank0_plan_raises(rank: int, world_size: int) -> str:
     finally:
         dedicate.build_plan = real
     return "no error"
+
+
+def dedicate_with_real_cbc(rank: int, world_size: int) -> dict:
+    """``dedicate_params`` without a plan, with the installed PuLP's real CBC (counted: a
+    subclass that records each construction's warm start); the plan's digest, method,
+    makespan and per-matrix costs, this rank's CBC runs and its warnings."""
+    import pulp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from dmuon.balance import pulp_api
+
+    name = pulp_api.cbc_class_name(pulp)
+    real = getattr(pulp, name)
+    calls: list[bool] = []
+
+    class Counted(real):
+        def __init__(self, *args, warmStart: bool = False, **kwargs) -> None:
+            calls.append(warmStart)
+            super().__init__(*args, warmStart=warmStart, **kwargs)
+
+    model = make_tower()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    records = _Records()
+    loggers = [logging.getLogger(n) for n in ("dmuon.balance.solver", "dmuon.balance.milp")]
+    for log in loggers:
+        log.addHandler(records)
+    setattr(pulp, name, Counted)
+    try:
+        plan = dmuon.dedicate_params(model, mesh, group_cost=0.0)
+    finally:
+        setattr(pulp, name, real)
+        for log in loggers:
+            log.removeHandler(records)
+    return dict(digest=plan.digest(), method=plan.method, extra=dict(plan.extra),
+                makespan=plan.makespan, costs=[m.cost for m in plan.matrices],
+                owners=[m.owner for m in plan.matrices], calls=calls, warnings=records.lines,
+                pulp=pulp_api.version(pulp))
+
+
+def dedicate_when_rank0_error_does_not_pickle(rank: int, world_size: int) -> str:
+    """Like :func:`dedicate_when_rank0_plan_raises`, with an exception that cannot be pickled
+    (its class is local to this function): rank 0 must not be left alone in the broadcast."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    import dmuon.hooks.dedicate as dedicate
+
+    class LocalError(RuntimeError):  # pickle cannot find it by name
+        pass
+
+    model = make_tower()
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model, mesh=mesh)
+
+    def broken(*args, **kwargs):
+        raise LocalError("dmuon: stub build_plan: an error pickle cannot carry")
+
+    real = dedicate.build_plan
+    dedicate.build_plan = broken
+    try:
+        dmuon.dedicate_params(model, mesh, group_cost=0.0)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        dedicate.build_plan = real
+    return "no error"

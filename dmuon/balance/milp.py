@@ -140,7 +140,8 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
         pulp = pulp_api.load()
     except Exception as e:  # ImportError, or PuLP 4's Rust core failing to load
         raise PulpUnusable(f"PuLP could not be imported ({type(e).__name__}: {_first_line(e)}); "
-                           f"pip install 'pulp>=3.3.2'") from e
+                           f"pip install 'pulp>=3.3.2,<5' (on Python >= 3.12: 'pulp[cbc]', "
+                           f"whose CBC PuLP 4 needs)") from e
     start = time.perf_counter()
     try:
         model = _build(pulp, costs, num_ranks, classes=classes, memory=memory,
