@@ -83,6 +83,12 @@ README_COMMANDS: dict[str, Run | Covered | Skip] = {
         "for 3 steps of 1 episode"),
     "python -m pytest -q": Skip("the test suite itself: CI runs it, and this test is part of it"),
     "pytest -m gpu": Skip("the GPU tests: they need CUDA (on CPU they are skipped)"),
+    "pytest -m compat": Skip("the compatibility subset: CI's Python 3.13 job runs it (.ci/compat_job.sh)"),
+    "pytest -m 'compat or lerobot'": Skip("the subset CI's Python 3.12 job runs beside lerobot "
+                                          "(.ci/compat_job.sh)"),
+    "python -m dmuon.train --steps 3": Covered(
+        "tests/test_main_job.py::test_main_job_three_steps_matches_the_gather_then_compute_reference",
+        "runs this command as shown and once more with --optimizer vanilla, and compares the losses"),
     "python -m dmuon.train --nproc 4 --mesh hsdp:2x2": Covered(
         "tests/test_train.py::test_cli_meshes_train_the_same_as_fsdp",
         "runs this launch with --mesh hsdp:2x2 for 3 steps of 1 episode and compares its losses "
