@@ -93,7 +93,7 @@ def test_exposed_time_formula_matches_the_replayed_schedule(seed):
 
 
 def test_heuristic_on_qwen_meets_the_bound_and_beats_the_makespan_plan():
-    """Qwen2.5-7B's 196 matrices on 8 ranks, forward twice a rank's mean NS work: the deadline plan hides
+    """Qwen2.5-7B's 196 matrices on 8 ranks, forward 1.5x a rank's mean NS work: the deadline plan hides
     everything but the largest matrix of layer 0 (the bound), the makespan plan does not."""
     from dmuon.balance.inventories import inventory, layer_groups
     from dmuon.kernels import ns_flops
@@ -102,13 +102,14 @@ def test_heuristic_on_qwen_meets_the_bound_and_beats_the_makespan_plan():
     shapes = [s for _, s in inv]
     units = layer_groups([f for f, _ in inv])
     costs = [float(ns_flops(*s, method="gram")) for s in shapes]
-    forward = [2 * sum(costs) / 8 / 28] * 28
+    forward = [1.5 * sum(costs) / 8 / 28] * 28
     deadlines = dl.deadlines_from_forward(forward)
     res = dl.solve_exposed(costs, 8, units=units, deadlines=deadlines, classes=shapes,
                            method="greedy")
     first = max(c for c, u in zip(costs, units) if u == 0)
     assert res.exposed == pytest.approx(first) and res.exposed_bound == pytest.approx(first)
-    mk = solve(costs, 8, classes=shapes, method="milp", time_limit_s=5)  # the plan dmuon uses
+    # the makespan plan as ``python -m dmuon.profile`` lays it out (XOR over 1 node x 8 GPUs)
+    mk = solve(costs, 8, classes=shapes, method="greedy", groups=units, layout=(1, 8))
     mk_delay = replay_delay(mk.owners, costs, units, forward, 8)
     assert res.exposed < mk_delay
     assert replay_delay(res.owners, costs, units, forward, 8) == pytest.approx(res.exposed)
