@@ -174,3 +174,21 @@ def _cbc_available() -> bool:
     except MilpFailure:
         return False
     return True
+
+
+def test_build_plan_with_deadlines_records_the_exposed_time_and_refuses_other_objectives():
+    from dmuon.balance.inventories import inventory, layer_groups
+    from dmuon.owners.plan import build_plan
+
+    inv = inventory("pi0-tiny")
+    units = layer_groups([f for f, _ in inv])
+    deadlines = dl.deadlines_from_forward([1e6] * (max(units) + 1))
+    plan = build_plan(inv, 4, deadlines=deadlines, method="greedy", layout=(1, 4),
+                      solver_report=True)
+    plan.check_matches(dict(inv), 4)
+    owners = [m.owner for m in plan.matrices]
+    assert plan.extra["objective"] == "exposed" and plan.extra["layout"] == "none"
+    assert plan.extra["exposed"] == pytest.approx(
+        replay_delay(owners, [m.cost for m in plan.matrices], units, [1e6] * len(deadlines), 4))
+    with pytest.raises(ValueError, match=r"takes no \['tp_size'\]"):
+        build_plan(inv, 2, tp_size=2, deadlines=deadlines)
