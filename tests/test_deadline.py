@@ -17,8 +17,6 @@ import pytest
 
 from dmuon.balance import solve
 from dmuon.balance import deadline as dl
-from dmuon.balance import deadline_milp
-from dmuon.balance.milp import MilpFailure
 
 pytestmark = pytest.mark.compat
 
@@ -115,44 +113,43 @@ def test_heuristic_on_qwen_meets_the_bound_and_beats_the_makespan_plan():
     assert replay_delay(res.owners, costs, units, forward, 8) == pytest.approx(res.exposed)
 
 
-def test_cbc_failure_keeps_the_heuristic_plan_with_one_warning(monkeypatch, caplog):
+def test_missing_cbc_keeps_the_heuristic_plan_with_one_warning(monkeypatch, caplog):
+    """PuLP 4 without its cbc extra: no retry, the heuristic plan, one warning naming it."""
+    from dmuon.balance import pulp_api
+
     costs, classes, units, forward, _ = random_instance(3, n=8)
     deadlines = dl.deadlines_from_forward(forward)
     ref = dl.solve_exposed(costs, 3, units=units, deadlines=deadlines, classes=classes,
                            method="greedy")
     calls = []
-
-    def no_cbc():
-        pulp, new_var, _ = real()
-
-        def new_cbc(time_limit_s, warm_start):
-            calls.append(warm_start)
-            raise MilpFailure("stub: CBC binary missing")
-        return pulp, new_var, new_cbc
-
-    real = deadline_milp.pulp_api
-    monkeypatch.setattr(deadline_milp, "pulp_api", no_cbc)
+    monkeypatch.setattr(pulp_api, "cbc_available",
+                        lambda pulp, solver: calls.append(1) or "stub: no CBC binary")
     with caplog.at_level(logging.WARNING, logger="dmuon.balance.deadline"):
         res = dl.solve_exposed(costs, 3, units=units, deadlines=deadlines, classes=classes,
                                method="milp", time_limit_s=1)
-    assert calls == [True, False]  # with the warm start, then once without
+    assert calls == [1]  # asked once: a retry cannot find a binary either
     assert res.method == "greedy" and res.fell_back and res.owners == ref.owners
-    assert "stub: CBC binary missing" in res.milp_status
+    assert res.milp_status == "failed: stub: no CBC binary"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "\n" not in warnings[0] and "deadline MILP failed" in warnings[0]
 
 
-def test_crashing_cbc_falls_back(caplog):
-    pulp = pytest.importorskip("pulp")
-    if not hasattr(pulp, "PULP_CBC_CMD"):
-        pytest.skip("the CBC stubs replace PuLP < 4's PULP_CBC_CMD")
-    from tests.solver_cases import CRASH_TEXT, stub_cbc
+@pytest.mark.parametrize("kind", ["raise", "garbage", "not_solved"])
+def test_crashing_cbc_falls_back(kind, caplog):
+    """Stub CBCs (tests.solver_cases, in either PuLP's terms): tried with the warm start, then
+    once without, then the heuristic plan with one warning."""
+    from tests.solver_cases import stub_cbc
 
     costs, classes, units, forward, _ = random_instance(5, n=8)
-    with caplog.at_level(logging.WARNING, logger="dmuon.balance.deadline"), stub_cbc("raise") as st:
+    deadlines = dl.deadlines_from_forward(forward)
+    ref = dl.solve_exposed(costs, 3, units=units, deadlines=deadlines, classes=classes,
+                           method="greedy")
+    with caplog.at_level(logging.WARNING, logger="dmuon.balance.deadline"), stub_cbc(kind) as st:
         res = dl.solve_exposed(costs, 3, units=units, classes=classes, method="milp",
-                               deadlines=dl.deadlines_from_forward(forward), time_limit_s=1)
-    assert st.calls == [True, False] and res.fell_back and CRASH_TEXT in res.milp_status
+                               deadlines=deadlines, time_limit_s=1)
+    assert st.calls == [True, False] and res.fell_back and res.owners == ref.owners
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "deadline MILP failed" in warnings[0]
 
 
 def test_bad_inputs_name_the_fix():
@@ -167,13 +164,13 @@ def test_bad_inputs_name_the_fix():
 def _cbc_available() -> bool:
     import warnings
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.x announcing 4.0
-            deadline_milp.pulp_api()[2](1.0, False)
-    except MilpFailure:
-        return False
-    return True
+    from dmuon.balance import pulp_api
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.x announcing 4.0
+        pulp = pulp_api.load()
+        solver = pulp_api.cbc(pulp, time_limit_s=1, warm_start=False, options=[])
+    return pulp_api.cbc_available(pulp, solver) is None
 
 
 def test_build_plan_with_deadlines_records_the_exposed_time_and_refuses_other_objectives():

@@ -268,26 +268,31 @@ def _scorer(costs, units, deadlines, num_ranks, weight, *, classes, batch_overhe
 
 def _milp_with_fallback(costs, units, deadlines, num_ranks, warm, score, bound, time_limit_s,
                         weight, *, classes, batch_overhead):
-    """The deadline MILP with the warm start, then once without; after two failures one
-    warning line and ``(None, "failed: ...")``."""
+    """The deadline MILP with the warm start, then once without (not when PuLP or CBC is
+    missing); after the failure one warning line and ``(None, "failed: ...")``, as
+    :func:`dmuon.balance.solver.milp_fallback`."""
     from dmuon.balance.deadline_milp import solve_deadline_milp
-    from dmuon.balance.milp import MilpFailure
+    from dmuon.balance.milp import MilpFailure, PulpUnusable
 
     args = dict(units=units, deadlines=deadlines, classes=classes, batch_overhead=batch_overhead,
                 time_limit_s=time_limit_s, makespan_weight=weight, exposed_bound=bound)
-    first = None
+    first, status = None, None
     try:
         res = solve_deadline_milp(costs, num_ranks, warm_start=warm, **args)
         return res, "optimal" if res[1] else "time limit"
+    except PulpUnusable as e:  # no PuLP or no CBC: a retry would fail the same way
+        status = f"failed: {e}"
     except MilpFailure as e:
         first = str(e)
-    try:
-        res = solve_deadline_milp(costs, num_ranks, warm_start=None, **args)
-        return res, ("optimal" if res[1] else "time limit") + \
-            f" (retried without the warm start after: {first})"
-    except MilpFailure as e:
-        status = (f"failed: {first}; the retry without warm start failed the same way"
-                  if str(e) == first else f"failed: {first}; retry without warm start failed: {e}")
+    if status is None:
+        try:
+            res = solve_deadline_milp(costs, num_ranks, warm_start=None, **args)
+            return res, ("optimal" if res[1] else "time limit") + \
+                f" (retried without the warm start after: {first})"
+        except MilpFailure as e:
+            status = (f"failed: {first}; the retry without warm start failed the same way"
+                      if str(e) == first else
+                      f"failed: {first}; retry without warm start failed: {e}")
     e0 = exposed_time(warm, costs, units, deadlines, num_ranks, classes=classes,
                       batch_overhead=batch_overhead)
     logger.warning("dmuon: deadline MILP %s. Using the deadline_greedy+local_search plan instead "

@@ -16,11 +16,10 @@ it pays a batch overhead), so ``x[q, r]`` counts the matrices of key ``q = (unit
 ``E`` is the exposed time (the max of ``C[k, r] - d_k`` over owners and non-owners alike: see
 :mod:`dmuon.balance.deadline` for why the non-owners add nothing), ``M`` the makespan.
 
-PuLP seam: the model is written against :func:`pulp_api` (make a variable, make CBC), so PuLP 3
-(``PULP_CBC_CMD``, its bundled CBC) and PuLP 4 (``LpProblem.add_variable``, ``COIN_CMD`` with
-``pip install 'pulp[cbc]'``) both serve; no CBC at all is a :class:`MilpFailure` and so the
-heuristic plan with one warning. Every CBC failure maps to :class:`MilpFailure` as in
-:mod:`dmuon.balance.milp`, whose hang guard it shares.
+PuLP goes through :mod:`dmuon.balance.pulp_api` (issue 38: PuLP 3's bundled CBC or PuLP 4's
+``pulp[cbc]``), as :mod:`dmuon.balance.milp` does, whose hang guard it shares: PuLP missing,
+no CBC, a model PuLP cannot build, every CBC failure and unreadable values are a
+:class:`MilpFailure`, so the caller keeps the heuristic plan with one warning.
 """
 
 from __future__ import annotations
@@ -30,40 +29,8 @@ import time
 import warnings
 from typing import Hashable, Mapping, Sequence
 
-from dmuon.balance.milp import MilpFailure, _solve_with_deadline
-
-
-def pulp_api():
-    """``(pulp, new_var, new_cbc)`` for the installed PuLP (2.8 to 4.x).
-
-    ``new_var(prob, name, low, up, cat)`` makes a variable of ``prob``; ``new_cbc(time_limit_s,
-    warm_start)`` a serial CBC with CBC's RINS heuristic off (see :mod:`dmuon.balance.milp`).
-
-    Raises:
-        MilpFailure: when PuLP is not installed or no CBC binary is available.
-    """
-    try:
-        import pulp
-    except ImportError as e:
-        raise MilpFailure(f"PuLP is not installed ({e}); pip install pulp") from e
-
-    def new_var(prob, name, low, up, cat):
-        if hasattr(prob, "add_variable"):  # PuLP >= 3.3; the only way in 4.x
-            return prob.add_variable(name, low, up, cat=cat)
-        return pulp.LpVariable(name, low, up, cat=cat)
-
-    def new_cbc(time_limit_s: float, warm_start: bool):
-        kw = dict(msg=False, timeLimit=max(1, int(round(time_limit_s))), warmStart=warm_start,
-                  options=["rins off"])
-        if hasattr(pulp, "PULP_CBC_CMD"):  # PuLP < 4: CBC bundled
-            return pulp.PULP_CBC_CMD(**kw)
-        solver = pulp.COIN_CMD(**kw)
-        if not solver.available():
-            raise MilpFailure(f"PuLP {pulp.__version__} finds no CBC binary; "
-                              f"pip install 'pulp[cbc]'")
-        return solver
-
-    return pulp, new_var, new_cbc
+from dmuon.balance import pulp_api
+from dmuon.balance.milp import MilpFailure, PulpUnusable, _first_line, _solve_with_deadline
 
 
 def solve_deadline_milp(
@@ -121,9 +88,42 @@ def _keys(costs, units, classes, overhead):
 
 def _solve(costs, num_ranks, units, deadlines, classes, overhead, warm_start, time_limit_s, w,
            exposed_bound):
-    pulp, new_var, new_cbc = pulp_api()
+    try:
+        pulp = pulp_api.load()
+    except Exception as e:  # ImportError, or PuLP 4's Rust core failing to load
+        raise PulpUnusable(f"PuLP could not be imported ({type(e).__name__}: {_first_line(e)}); "
+                           f"pip install 'pulp>=3.3.2,<5' (on Python >= 3.12: 'pulp[cbc]')") from e
     start = time.perf_counter()
     keys, table = _keys(costs, units, classes, overhead)
+    try:
+        prob, x = _build(pulp, keys, table, num_ranks, deadlines, warm_start, w, exposed_bound)
+        solver = pulp_api.cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
+                              warm_start=warm_start is not None, options=["rins off"])
+    except Exception as e:  # a PuLP whose modelling API this code does not know
+        raise MilpFailure(f"PuLP {pulp_api.version(pulp)} could not build the model: "
+                          f"{type(e).__name__}: {_first_line(e)}") from e
+    missing = pulp_api.cbc_available(pulp, solver)
+    if missing is not None:
+        raise PulpUnusable(missing)
+    with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
+        solver.tmpDir = tmp
+        outcome = _solve_with_deadline(pulp, prob, solver, time_limit_s)
+    if not outcome.has_plan:
+        raise MilpFailure(f"CBC returned no plan: {outcome.status} after "
+                          f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
+    try:
+        owners = _read(x, list(table), table, num_ranks, len(costs))
+    except MilpFailure:
+        raise
+    except Exception as e:  # a value PuLP hands back in a form this code does not know
+        raise MilpFailure(f"CBC's solution could not be read through PuLP "
+                          f"{pulp_api.version(pulp)}: {type(e).__name__}: {_first_line(e)}") from e
+    return tuple(owners), outcome.optimal
+
+
+def _build(pulp, keys, table, num_ranks, deadlines, warm_start, w, exposed_bound):
+    """The PuLP problem of the module docstring and its count variables ``x``."""
+    new_var = pulp_api.variable
     order = list(table)
     K, ranks = len(deadlines), range(num_ranks)
     prob = pulp.LpProblem("dmuon_owner_exposed", pulp.LpMinimize)
@@ -156,17 +156,7 @@ def _solve(costs, num_ranks, units, deadlines, classes, overhead, warm_start, ti
             prob += comp[K - 1, r] >= comp[K - 1, r + 1]
     if warm_start is not None:
         _warm(warm_start, keys, order, table, deadlines, num_ranks, x, z, comp, e, m)
-    solver = new_cbc(time_limit_s, warm_start is not None)
-    with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
-        solver.tmpDir = tmp
-        _solve_with_deadline(prob, solver, time_limit_s)
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise MilpFailure(
-            f"CBC returned no plan: status {pulp.LpStatus.get(prob.status, prob.status)!r}, "
-            f"solution {pulp.LpSolution.get(prob.sol_status, prob.sol_status)!r} after "
-            f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
-    return tuple(_read(x, order, table, num_ranks, len(costs))), \
-        prob.sol_status == pulp.LpSolutionOptimal
+    return prob, x
 
 
 def _read(x, order, table, num_ranks, n):
@@ -174,7 +164,7 @@ def _read(x, order, table, num_ranks, n):
     for k, q in enumerate(order):
         counts = []
         for r in range(num_ranks):
-            v = x[k, r].value()
+            v = pulp_api.value(x[k, r])
             ok = isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
             if not ok or abs(v - round(v)) > 1e-6 or round(v) < 0:
                 raise MilpFailure(f"CBC returned an unusable solution: {x[k, r].name} = {v!r} "
