@@ -261,7 +261,10 @@ def _add_overlap(out, work, cluster, p, inv, ns_s, shapes, makespan_owners, fwd,
     the optimizer phase keeps the owners' elementwise work, the NS adds only its exposed time to
     the first micro-batch's forward."""
     groups = layer_groups([f for f, _ in inv])
-    unit_flops = unit_forward_flops(work.name, inv, groups)
+    # unit_forward_flops counts the default sizes (32 Pi0 samples, 16,384 tokens per GPU); FLOPs
+    # scale with them, so a workload of other sizes scales by its FLOPs over the default's
+    scale = work.fb_flops / workloads(accumulation=work.micro_batches)[work.name].fb_flops
+    unit_flops = [f * scale for f in unit_forward_flops(work.name, inv, groups)]
     rate_fb = cluster.peak_flops * cluster.mfu_fb
     forward_s = [f / rate_fb for f in unit_flops]
     if sum(forward_s) > fwd * (1 + 1e-9):
