@@ -189,3 +189,27 @@ def test_build_plan_with_deadlines_records_the_exposed_time_and_refuses_other_ob
         replay_delay(owners, [m.cost for m in plan.matrices], units, [1e6] * len(deadlines), 4))
     with pytest.raises(ValueError, match=r"takes no \['tp_size'\]"):
         build_plan(inv, 2, tp_size=2, deadlines=deadlines)
+
+
+def test_milp_on_flop_scale_costs_returns_a_plan():
+    """Pi0 on 8 ranks in FLOPs (costs ~1e10, deadlines ~1e13): unscaled, CBC reported a solution
+    whose counts were all 0 and the plan fell back; scaled, CBC's plan (at worst the warm start)
+    comes back and is never worse than the heuristic's."""
+    if not _cbc_available():
+        pytest.skip("no CBC binary for this PuLP: pip install 'pulp[cbc]'")
+    from dmuon.balance.inventories import inventory, layer_groups
+    from dmuon.kernels import ns_flops
+
+    inv = inventory("pi0")
+    shapes = [s for _, s in inv]
+    units = layer_groups([f for f, _ in inv])
+    costs = [float(ns_flops(*s, method="gram")) for s in shapes]
+    forward = [0.0] * (max(units) + 1)
+    for (_, (r, c)), u in zip(inv, units):
+        forward[u] += 2.0 * 2048 * r * c
+    deadlines = dl.deadlines_from_forward(forward)
+    res = dl.solve_exposed(costs, 8, units=units, deadlines=deadlines, classes=shapes,
+                           method="milp", time_limit_s=2)
+    assert not res.fell_back, res.milp_status
+    assert res.method == "milp" and res.exposed >= res.exposed_bound
+    assert res.exposed == pytest.approx(replay_delay(res.owners, costs, units, forward, 8))

@@ -94,6 +94,13 @@ def _solve(costs, num_ranks, units, deadlines, classes, overhead, warm_start, ti
         raise PulpUnusable(f"PuLP could not be imported ({type(e).__name__}: {_first_line(e)}); "
                            f"pip install 'pulp>=3.3.2,<5' (on Python >= 3.12: 'pulp[cbc]')") from e
     start = time.perf_counter()
+    # CBC on raw FLOPs (coefficients ~1e10, deadlines ~1e13) returned "solutions" whose counts
+    # were all 0 (Pi0 on 8 ranks, issue 39): the model is solved in units of the largest cost.
+    scale = max([float(c) for c in costs] + [float(v) for v in overhead.values()] + [0.0]) or 1.0
+    costs = [float(c) / scale for c in costs]
+    overhead = {k: float(v) / scale for k, v in overhead.items()}
+    deadlines = [float(d) / scale for d in deadlines]
+    exposed_bound = exposed_bound / scale
     keys, table = _keys(costs, units, classes, overhead)
     try:
         prob, x = _build(pulp, keys, table, num_ranks, deadlines, warm_start, w, exposed_bound)
