@@ -335,7 +335,8 @@ def test_pulp_that_cannot_be_imported_falls_back(monkeypatch, caplog):
     import sys
 
     monkeypatch.setitem(sys.modules, "pulp", None)  # `import pulp` raises ImportError
-    res = _falls_back(monkeypatch, caplog, "PuLP could not be imported (ModuleNotFoundError: import of pulp halted")
+    res = _falls_back(monkeypatch, caplog,
+                      "PuLP could not be imported (ModuleNotFoundError: import of pulp halted")
     assert "retry" not in res.milp_status  # tried once: a retry cannot bring PuLP
 
 
@@ -388,6 +389,11 @@ def test_unreadable_values_fall_back(monkeypatch, caplog):
 def test_dedicate_params_uses_the_milp_plan_on_4_ranks(dist_pool):
     out = dist_pool.run(world_size=4, fn="tests.solver_cases:dedicate_with_real_cbc",
                         timeout_s=180)
+    import pulp
+
+    from dmuon.balance import pulp_api
+
+    assert {o["pulp"] for o in out} == {pulp_api.version(pulp)}  # the PuLP under test
     assert out[0]["calls"] == [True]  # rank 0 ran CBC once, warm-started
     assert all(o["calls"] == [] for o in out[1:])  # the others received its plan
     assert len({o["digest"] for o in out}) == 1

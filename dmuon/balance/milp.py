@@ -27,10 +27,13 @@ class is a (group, shape) pair, a binary ``y[g, r]`` marks that rank ``r`` owns 
 batch of them (see :func:`dmuon.balance.cost.fit_batch_costs`), ``m_s`` its bytes. Solved by
 CBC (bundled with PuLP) with one thread, so an untimed-out solve is reproducible.
 
-Every way CBC can fail (it crashes, PuLP raises, the solution file is missing or holds values
-that are not a plan, no plan by the time limit, an infeasible status, no return at all) raises
+Every way the solver path can fail (PuLP cannot be imported or finds no CBC binary, building
+the model raises, CBC crashes, PuLP raises, the solution file is missing or holds values that
+are not a plan, no plan by the time limit, an infeasible status, no return at all) raises
 :class:`MilpFailure` with the reason; :func:`dmuon.balance.solve` then retries once without the
-warm start and falls back to the heuristic plan with a warning.
+warm start (not when PuLP or CBC is missing: :class:`PulpUnusable`) and falls back to the
+heuristic plan with a warning. PuLP 3.x and 4.x differ in how a variable is made, which class
+runs CBC and how a solve reports its status: :mod:`dmuon.balance.pulp_api` hides that.
 """
 
 from __future__ import annotations
@@ -118,13 +121,15 @@ def solve_milp(
 
     Raises:
         ValueError: when matrices of one class differ in cost or memory.
-        MilpFailure: when CBC gives no usable plan: PuLP or CBC is missing, CBC exits with an
+        MilpFailure: when CBC gives no usable plan: PuLP or CBC is missing
+            (:class:`PulpUnusable`), PuLP raises while the model is built, CBC exits with an
             error (e.g. its ``CoinError`` abort), writes no solution or hangs, the status is
             infeasible or "not solved" (no plan by the time limit), or the values it returns
-            are not a plan (not integral, negative, or not summing to each class's count).
+            are not a plan (not integral, negative, or not summing to each class's count) or
+            cannot be read.
     """
     with warnings.catch_warnings():
-        # PuLP 3.x announces API changes for 4.0; the calls used here work from 2.8 on.
+        # PuLP 3.x announces API changes for 4.0 (PULP_CBC_CMD's removal); pulp_api handles both.
         warnings.simplefilter("ignore", DeprecationWarning)
         return _solve_milp(costs, num_ranks, classes=classes, memory=memory,
                            memory_cap=memory_cap, batch_overhead=batch_overhead,
