@@ -21,6 +21,10 @@ GPUs (8 per node, weak scaling: fixed work per GPU):
   from :func:`dmuon.kernels.ns_flops` (Gram, 5 steps) at ``mfu_ns`` of peak, plus ``ns_call_s``
   per batched shape class), XOR layout over the node x GPU grid, plus owner-side elementwise
   work at HBM speed;
+* dmuon_overlap (issue 39): dmuon with the owners' NS overlapped with the next forward in
+  forward order under the deadline-aware plan (:func:`dmuon.balance.deadline.solve_exposed`);
+  the optimizer phase keeps the owners' elementwise work and the forward stalls for what NS the
+  forward cannot hide, with the contention assumed in :mod:`sim_overlap`;
 * dmuon_per_matrix: the first build, one collective per matrix (ring latency per matrix),
   kept to show what the group calls buy at scale;
 * vanilla: per matrix, a blocking fp32 all-gather of the momentum update and the NS on every
@@ -76,6 +80,7 @@ from dmuon.balance import solve  # noqa: E402
 from dmuon.balance.inventories import inventory, layer_groups  # noqa: E402
 from dmuon.kernels import ns_flops  # noqa: E402
 from sim_model import CLUSTERS, AlphaBeta, Cluster, StepInputs, step_times  # noqa: E402
+from sim_overlap import NS_OVERLAP_RATE, SENSITIVITY_RATES, overlap_ns, unit_forward_flops  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +190,14 @@ def _units(inv) -> list[list[tuple[int, int]]]:
     return units
 
 
-def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto") -> dict:
-    """Predicted phase times (s) of the three optimizers for one model, cluster and GPU count."""
+def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto",
+                overlap: bool | None = None) -> dict:
+    """Predicted phase times (s) of the three optimizers for one model, cluster and GPU count.
+
+    With ``overlap`` (default: for inventories of at most 2,000 matrices, i.e. not the MoE
+    models) also ``dmuon_overlap``: NS overlapped with the next forward under the deadline-aware
+    plan (:mod:`sim_overlap`), its ratio to AdamW, and the same at the sensitivity rates.
+    """
     inv = matrices(inventory(work.name))  # an expert stack: one matrix per expert
     comm = AlphaBeta(cluster, p)
     nodes = max(1, p // cluster.gpus_per_node)
@@ -235,10 +246,48 @@ def predict_one(work: Workload, cluster: Cluster, p: int, *, method: str = "auto
     out["dmuon_per_matrix"] = step_times(StepInputs(comm_forward=tuple(dm_f), comm_backward=tuple(reversed(dm_b)),
                                                     optimizer_s=dm_opt, **common))
     out["dmuon_per_matrix_over_adamw"] = out["dmuon_per_matrix"]["total"] / out["adamw"]["total"]
+    if overlap if overlap is not None else len(shapes) <= 2000:
+        _add_overlap(out, work, cluster, p, inv, ns_s, shapes, plan.owners, fwd, dg_f, dg_b, other,
+                     method=method, common=common)
     out["dmuon_over_adamw"] = out["dmuon"]["total"] / out["adamw"]["total"]
     out["speedup_end_to_end"] = out["vanilla"]["total"] / out["dmuon"]["total"]
     out["speedup_optimizer"] = out["vanilla"]["optimizer"] / out["dmuon"]["optimizer"]
     return out
+
+
+def _add_overlap(out, work, cluster, p, inv, ns_s, shapes, makespan_owners, fwd, dg_f, dg_b, other, *,
+                 method, common) -> None:
+    """``out["dmuon_overlap"]``: dmuon with NS overlapped with the next forward (sim_overlap):
+    the optimizer phase keeps the owners' elementwise work, the NS adds only its exposed time to
+    the first micro-batch's forward."""
+    groups = layer_groups([f for f, _ in inv])
+    # unit_forward_flops counts the default sizes (32 Pi0 samples, 16,384 tokens per GPU); FLOPs
+    # scale with them, so a workload of other sizes scales by its FLOPs over the default's
+    scale = work.fb_flops / workloads(accumulation=work.micro_batches)[work.name].fb_flops
+    unit_flops = [f * scale for f in unit_forward_flops(work.name, inv, groups)]
+    rate_fb = cluster.peak_flops * cluster.mfu_fb
+    forward_s = [f / rate_fb for f in unit_flops]
+    if sum(forward_s) > fwd * (1 + 1e-9):
+        raise ValueError(f"simulate: units' forward {sum(forward_s):.4f} s exceeds the workload's {fwd:.4f} s")
+    rows = {}
+    for rate in (NS_OVERLAP_RATE,) + SENSITIVITY_RATES:
+        info = overlap_ns(ns_s, shapes, groups, forward_s, p, ns_call_s=cluster.ns_call_s,
+                          method=method if rate == NS_OVERLAP_RATE else "greedy", rate=rate,
+                          makespan_owners=makespan_owners)
+        owned = [0.0] * p
+        for (r, c), o in zip(shapes, info.pop("owners")):
+            owned[o] += r * c
+        elem = 30.0 * max(owned) / cluster.hbm_Bps + 28.0 * other / p / cluster.hbm_Bps
+        t = step_times(StepInputs(comm_forward=tuple(dg_f), comm_backward=tuple(reversed(dg_b)),
+                                  optimizer_s=elem, **common))
+        t["exposed_ns"] = info["exposed_s"]
+        t["total"] += info["exposed_s"]
+        rows[rate] = (t, info)
+    out["dmuon_overlap"], out["overlap"] = rows[NS_OVERLAP_RATE]
+    out["dmuon_overlap_over_adamw"] = out["dmuon_overlap"]["total"] / out["adamw"]["total"]
+    out["overlap"]["sensitivity_over_adamw"] = {
+        str(rate): rows[rate][0]["total"] / out["adamw"]["total"] for rate in SENSITIVITY_RATES}
+    out["overlap"]["forward_units_s"] = sum(forward_s)
 
 
 def _view_units(view: dict) -> tuple[list[list[tuple[int, int]]], float]:
@@ -417,16 +466,21 @@ def predict(models: tuple[str, ...], clusters: tuple[str, ...], gpus: tuple[int,
 
 
 def format_table(rows: list[dict]) -> str:
-    """The simulated table: step seconds, dmuon/AdamW, speedups over vanilla, exposed phase."""
+    """The simulated table: step seconds, dmuon/AdamW (NS after backward, as built), the same
+    with NS overlapped with the next forward (``overlap/AdamW``, nan where not simulated),
+    speedups over vanilla, exposed phase."""
     head = (f"{'model':11s} {'cluster':9s} {'GPUs':>4s} {'AdamW s':>8s} {'vanilla s':>9s} {'dmuon s':>8s} "
-            f"{'dmuon/AdamW':>11s} {'e2e x':>6s} {'opt x':>7s} {'per-matrix/AdamW':>16s}  dmuon extra over AdamW (ms): exp.comm, opt")
+            f"{'dmuon/AdamW':>11s} {'overlap/AdamW':>13s} {'e2e x':>6s} {'opt x':>7s} {'per-matrix/AdamW':>16s}  "
+            f"dmuon extra over AdamW (ms): exp.comm, opt")
     lines = [head]
     for r in rows:
         a, v, d = r["adamw"], r["vanilla"], r["dmuon"]
         extra_comm = (d["exposed_comm_forward"] + d["exposed_comm_backward"]
                       - a["exposed_comm_forward"] - a["exposed_comm_backward"])
         lines.append(f"{r['model']:11s} {r['cluster']:9s} {r['gpus']:4d} {a['total']:8.3f} {v['total']:9.3f} "
-                     f"{d['total']:8.3f} {r['dmuon_over_adamw']:11.4f} {r['speedup_end_to_end']:6.2f} "
+                     f"{d['total']:8.3f} {r['dmuon_over_adamw']:11.4f} "
+                     f"{r['dmuon_overlap_over_adamw'] if 'dmuon_overlap' in r else float('nan'):13.4f} "
+                     f"{r['speedup_end_to_end']:6.2f} "
                      f"{r['speedup_optimizer']:7.1f} {r['dmuon_per_matrix_over_adamw']:16.4f}  {extra_comm * 1e3:7.1f}, {(d['optimizer'] - a['optimizer']) * 1e3:6.1f}")
     return "\n".join(lines)
 
@@ -444,8 +498,9 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
         sel = [r for r in rows if (r["model"], r["cluster"]) == key]
         g = [r["gpus"] for r in sel]
         ax = axes[0][j]
-        for v, style in zip(VARIANTS + ("dmuon_per_matrix",), ("-o", "-s", "-^", ":v")):
-            ax.plot(g, [r[v]["total"] for r in sel], style, label=v, ms=4)
+        for v, style in zip(VARIANTS + ("dmuon_per_matrix", "dmuon_overlap"), ("-o", "-s", "-^", ":v", "--D")):
+            if all(v in r for r in sel):
+                ax.plot(g, [r[v]["total"] for r in sel], style, label=v, ms=4)
         ax.set_xscale("log", base=2)
         ax.set_title(f"{key[0]}, {key[1]}", fontsize=9)
         ax.set_ylabel("simulated step (s)")
@@ -553,7 +608,9 @@ def main(argv: list[str] | None = None) -> None:
                     global_tokens=GLOBAL_TOKENS)
     print(f"SIMULATED, fixed global batch of {GLOBAL_TOKENS} tokens (gradient accumulation):")
     print(format_table(fixed))
-    result = {"what": "simulated step times (s) per optimizer; see bench/simulate.py docstring",
+    result = {"what": "simulated step times (s) per optimizer; see bench/simulate.py docstring "
+                      "(dmuon_overlap: NS overlapped with the next forward, bench/sim_overlap.py)",
+              "ns_overlap_rate": NS_OVERLAP_RATE,
               "clusters": {k: dataclasses.asdict(c) for k, c in CLUSTERS.items()},
               "workloads": {k: dataclasses.asdict(w) for k, w in workloads().items()},
               "paper_claims": PAPER, "rows": rows,

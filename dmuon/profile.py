@@ -19,6 +19,13 @@ what ``dedicate_params(model, mesh, plan="plan.json")`` loads; owners are global
 A per-rank table goes to stdout and a bar chart of per-rank load to ``<out>.png`` when
 matplotlib is installed (``pip install 'dmuon[plot]'``); without it, or with ``--no-plot``, the
 plan is still written and the command exits 0.
+
+The summary also gives the plan's *exposed time*: the Newton-Schulz time the next forward
+waits for when owners run NS overlapped with it, in forward order (issue 39; the model is in
+:mod:`dmuon.balance.deadline`). Each unit's forward time comes from
+:func:`dmuon.balance.profiler.unit_times` (``--tokens`` per GPU per micro-batch through each
+matrix: timed matmuls on a GPU, FLOPs on CPU). ``--objective exposed`` builds the plan that
+minimizes it (no XOR layout); the default ``makespan`` keeps the plan the serial step wants.
 """
 
 from __future__ import annotations
@@ -91,7 +98,8 @@ def rank_table(plan, memory_by_rank: Sequence[float], nodes: int, gpus_per_node:
 
 def solver_summary(plan) -> list[str]:
     """Two lines: the makespan against both bounds with the proven gap, then which method
-    produced the plan and what the MILP did (its fallback reason, when it failed).
+    produced the plan and what the MILP did (its fallback reason, when it failed); a third
+    with the exposed time under overlap where :func:`build_owner_plan` recorded it.
 
     Needs a plan built with ``solver_report=True`` (:func:`build_owner_plan`)."""
     unit = plan.cost_unit
@@ -109,7 +117,11 @@ def solver_summary(plan) -> list[str]:
         f"{plan.lower_bound / scale:.4f} (proven bound {proven / scale:.4f}: gap "
         f"{100 * gap:.3f}%{', optimal' if extra['optimal'] else ''})",
         f"plan by {plan.method}/{extra['detail']} ({what}), solved in {extra['solve_s']:.2f} s",
-    ]
+    ] + ([] if "exposed" not in extra else [
+        f"exposed {extra['exposed'] / scale:.4f} {label} of NS under overlap with the next forward "
+        f"(bound {extra['exposed_bound'] / scale:.4f}; forward {extra['forward_total'] / scale:.4f} "
+        f"{label} over {extra['units']} units, {extra['forward_source']}; objective "
+        f"{extra.get('objective', 'makespan')})"])
 
 
 def plot_loads(plan, path: str) -> None:
@@ -137,7 +149,8 @@ def plot_loads(plan, path: str) -> None:
 def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap_bytes=None,
                      measure: bool = False, device="cpu", method: str = "auto",
                      time_limit_s: float = 10.0, cache_path=DEFAULT_CACHE, progress: bool = True,
-                     group_cost: float = 0.0, ep: int = 1):
+                     group_cost: float = 0.0, ep: int = 1, objective: str = "makespan",
+                     tokens: int = 4096):
     """Profile Newton-Schulz costs, then :func:`dmuon.owners.plan.build_plan` inside the XOR
     layout; returns ``(OwnerPlan, per-rank memory bytes)``.
 
@@ -151,24 +164,59 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     the ``world / ep`` ranks holding them (:func:`dmuon.owners.plan.build_plan`'s
     ``expert_parallel``), without the XOR layout.
 
+    ``objective="exposed"`` minimizes the NS time the next forward waits for under overlap
+    (:mod:`dmuon.balance.deadline`; deadlines from :func:`dmuon.balance.profiler.unit_times` with
+    ``tokens`` per GPU per micro-batch), without the XOR layout. Either way, without expert
+    parallelism, ``extra`` records the plan's ``exposed`` time and its bound.
+
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (e.g. an infeasible memory cap).
     """
+    import dataclasses
+
+    from dmuon.balance.deadline import deadlines_from_forward, exposed_lower_bound, exposed_time
+    from dmuon.balance.profiler import unit_times
     from dmuon.owners.plan import build_plan
 
     from dmuon.owners.stacks import param_layout
+
+    if objective not in ("makespan", "exposed"):
+        raise ValueError(f"dmuon: objective={objective!r} is not 'makespan' or 'exposed'")
 
     layouts = [param_layout(fqn, s) for fqn, s in named_shapes]  # a stack: its experts' matrices
     matrix_costs, overhead, unit = profile_costs([lay.matrix_shape for lay in layouts], measure=measure,
                                                  device=device, cache_path=cache_path, progress=progress)
     costs = [c * lay.count for c, lay in zip(matrix_costs, layouts)]  # per parameter
     stacks = [fqn for (fqn, _), lay in zip(named_shapes, layouts) if lay.is_stack] if ep > 1 else []
+    groups = layer_groups([f for f, _ in named_shapes])
+    unit_shapes = [[] for _ in range(max(groups, default=-1) + 1)]
+    for g, lay in zip(groups, layouts):
+        unit_shapes[g].append(lay.matrix_shape)
+    forward, _, fwd_unit = unit_times(unit_shapes, tokens=tokens, measure=measure, device=device,
+                                      cache_path=cache_path)
+    if fwd_unit != unit:
+        raise RuntimeError(f"dmuon: NS costs in {unit} but forward times in {fwd_unit}")
+    deadlines = deadlines_from_forward(forward)
     plan = build_plan(named_shapes, nodes * gpus_per_node, costs=costs, cost_unit=unit,
                       method=method, time_limit_s=time_limit_s,
-                      groups=layer_groups([f for f, _ in named_shapes]), group_cost=group_cost,
+                      groups=groups, group_cost=group_cost,
                       layout=None if ep > 1 else (nodes, gpus_per_node), memory_cap_bytes=memory_cap_bytes,
                       batch_overhead=overhead, solver_report=True,
+                      deadlines=deadlines if objective == "exposed" else None,
                       **({"expert_parallel": stacks, "ep_size": ep} if ep > 1 else {}))
+    if ep == 1:  # the exposed time of whichever plan, in the deadline model's own terms
+        unit_of = dict(zip((f for f, _ in named_shapes), groups))
+        specs = plan.matrices
+        marginal = [m.cost - float(overhead.get(m.shape, 0.0)) for m in specs]
+        kw = dict(classes=[m.shape for m in specs], batch_overhead=overhead or None)
+        units = [unit_of[m.fqn] for m in specs]
+        extra = {**plan.extra, "exposed": exposed_time([m.owner for m in specs], marginal, units,
+                                                       deadlines, plan.world_size, **kw),
+                 "exposed_bound": exposed_lower_bound(marginal, units, deadlines, plan.world_size, **kw),
+                 "forward_total": float(sum(forward)), "units": len(forward),
+                 "forward_source": (f"timed matmuls of {tokens} tokens" if measure else
+                                    f"FLOP model 2 x {tokens} tokens x rows x cols")}
+        plan = dataclasses.replace(plan, extra=extra)
     return plan, list(plan.extra["memory_by_rank"])
 
 
@@ -193,6 +241,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism: expert stacks Shard(0) over this many ranks (the plan "
                         "then runs on an (efsdp, ep) mesh; it must divide the ranks and the experts)")
+    p.add_argument("--objective", choices=("makespan", "exposed"), default="makespan",
+                   help="makespan: balance NS for a step that runs it after backward (default); "
+                        "exposed: minimize the NS the next forward waits for when NS overlaps it "
+                        "(no XOR layout). Both print the makespan and the exposed time")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="tokens per GPU per micro-batch through each matrix: the forward times "
+                        "that set each unit's deadline (default 4096)")
     p.add_argument("--no-plot", action="store_true",
                    help="skip the per-rank load chart <out>.png (it needs matplotlib: dmuon[plot])")
     args = p.parse_args(argv)
@@ -218,7 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan, mem = build_owner_plan(named, args.nodes, args.gpus_per_node, memory_cap_bytes=cap,
                                      measure=measure, device=device, method=args.method,
                                      time_limit_s=args.time_limit_s, cache_path=args.cache,
-                                     group_cost=group_cost, ep=args.ep)
+                                     group_cost=group_cost, ep=args.ep,
+                                     objective=args.objective, tokens=args.tokens)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2

@@ -303,3 +303,38 @@ def test_simulate_measured_compute_with_modelled_nccl():
         assert r["total"] == pytest.approx(sum(phases.values()) * k + r["exposed_comm_forward"]
                                            + r["exposed_comm_backward"])
     assert row["dmuon_over_adamw"] == pytest.approx(row["dmuon"]["total"] / row["adamw"]["total"])
+
+
+def test_overlap_delay_replays_a_hand_computed_schedule():
+    """Two ranks, two units: rank 0 owns a 3 s matrix of unit 0 and a 2 s one of unit 1, rank 1
+    a 1 s one of unit 0; forward 1 s then 5 s; NS at half speed beside a forward. Forward 0 waits 3 s (NS at full speed), during
+    its 1 s rank 0 does 0.5 s of unit 1's 2 s, so forward 1 waits 1.5 s more: 4.5 s."""
+    import sim_overlap
+
+    got = sim_overlap.overlap_delay([0, 1, 0], [3.0, 1.0, 2.0], [(2, 2), (3, 3), (4, 4)], [0, 0, 1],
+                                    [1.0, 5.0], 2, ns_call_s=0.0, rate=0.5)
+    assert got == pytest.approx(4.5)
+    # a batch overhead per (rank, unit, shape): rank 0's unit 0 pays 0.25 s once more
+    got = sim_overlap.overlap_delay([0, 1, 0], [3.0, 1.0, 2.0], [(2, 2), (3, 3), (4, 4)], [0, 0, 1],
+                                    [1.0, 5.0], 2, ns_call_s=0.25, rate=0.5)
+    assert got == pytest.approx(3.25 + 1.75)
+
+
+def test_overlap_row_hides_ns_behind_the_next_forward():
+    """Qwen2.5-7B on 8 H100s: the overlapped step drops the NS makespan from the optimizer phase
+    and stalls at least for the largest matrix of layer 0 (due at once, at full speed) and at most
+    for the makespan plan's NS; its total is its phases plus that stall."""
+    work = simulate.workloads()["qwen2.5-7b"]
+    row = simulate.predict_one(work, sim_model.H100, 8, method="greedy")
+    rate = sim_model.H100.peak_flops * sim_model.H100.mfu_ns
+    p, q = 3584, 18944
+    largest = (8 * p * p * q + 28 * p**3) / rate + sim_model.H100.ns_call_s
+    ov, d = row["dmuon_overlap"], row["dmuon"]
+    assert largest * (1 - 1e-9) <= ov["exposed_ns"] <= row["plan"]["makespan_s"]
+    assert ov["optimizer"] < d["optimizer"] - row["plan"]["makespan_s"] + 1e-3
+    parts = ov["forward_compute"] + ov["backward_compute"] + ov["exposed_comm_forward"] \
+        + ov["exposed_comm_backward"] + ov["optimizer"] + ov["exposed_ns"]
+    assert ov["total"] == pytest.approx(parts)
+    assert row["adamw"]["total"] < ov["total"] < d["total"]
+    assert row["dmuon_overlap_over_adamw"] == pytest.approx(ov["total"] / row["adamw"]["total"])
+    assert set(row["overlap"]["sensitivity_over_adamw"]) == {"1.0", "0.3"}

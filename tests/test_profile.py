@@ -229,3 +229,71 @@ def test_cli_expert_parallel_plan(tmp_path, capsys):
     # stacks / 2 group ranks = 768 per rank, plus a share of the 240 dense matrices
     counts = [int(line.split()[-1]) for line in rows[1:17]]
     assert sum(counts) == 12528 and min(counts) >= 768, counts
+
+
+@pytest.mark.compat
+def test_cli_prints_makespan_and_exposed_time_and_minimizes_the_exposed_one(tmp_path, capsys):
+    """Issue 39: the summary gives the makespan and the exposed NS time under overlap; with
+    ``--objective exposed`` the plan's exposed time, recomputed here by replaying the overlapped
+    schedule from the plan file (forward = 2 x tokens x rows x cols per matrix), is no larger
+    than the makespan plan's."""
+    from dmuon.balance.inventories import layer_groups
+
+    plans, text = {}, {}
+    for objective in ("makespan", "exposed"):
+        out = tmp_path / f"{objective}.json"
+        assert main(["--model", "pi0-tiny", "--gpus-per-node", "4", "--out", str(out),
+                     "--time-limit-s", "1", "--measure", "no", "--no-plot", "--tokens", "64",
+                     "--objective", objective, "--cache", str(tmp_path / "c.json")]) == 0
+        plans[objective] = OwnerPlan.load(out)
+        text[objective] = capsys.readouterr().out
+    inv = inventory("pi0-tiny")
+    unit_of = dict(zip([f for f, _ in inv], layer_groups([f for f, _ in inv])))
+    forward = [0.0] * (max(unit_of.values()) + 1)
+    for fqn, (r, c) in inv:
+        forward[unit_of[fqn]] += 2.0 * 64 * r * c
+
+    def replay(plan):  # every owner runs its NS unit by unit; forward k waits for unit k's NS
+        done = {}
+        for rank in range(plan.world_size):
+            t = 0.0
+            for k in range(len(forward)):
+                mine = [m.cost for m in plan.matrices if m.owner == rank and unit_of[m.fqn] == k]
+                if mine:
+                    t += sum(mine)
+                    done[k] = max(done.get(k, 0.0), t)
+        start = free = 0.0
+        for k, f in enumerate(forward):
+            start = max(free, done.get(k, 0.0))
+            free = start + f
+        return start - sum(forward[:-1])
+
+    for objective, plan in plans.items():
+        plan.check_matches(dict(inv), 4)
+        line = [x for x in text[objective].splitlines() if x.startswith("exposed ")]
+        assert len(line) == 1 and f"objective {objective}" in line[0]
+        assert any(x.startswith("makespan ") for x in text[objective].splitlines())
+        assert float(line[0].split()[1]) == pytest.approx(plan.extra["exposed"] / 1e12, abs=0.6e-4)  # TFLOP, 4 decimals
+        assert plan.extra["exposed"] == pytest.approx(replay(plan), rel=1e-9)
+    assert plans["exposed"].extra["exposed"] <= plans["makespan"].extra["exposed"] * (1 + 1e-9)
+    assert plans["exposed"].extra["objective"] == "exposed"
+    assert plans["exposed"].extra["layout"] == "none"
+
+
+@pytest.mark.compat
+def test_unit_times_flop_model_and_measured_cache(tmp_path, monkeypatch):
+    units = [[(8, 16), (4, 4)], [], [(8, 16)]]
+    fwd, bwd, unit = profiler.unit_times(units, tokens=3, measure=False)
+    assert unit == "flops" and fwd == [2 * 3 * (8 * 16 + 4 * 4), 0.0, 2 * 3 * 8 * 16]
+    assert bwd == [2 * f for f in fwd]
+    calls = []
+    monkeypatch.setattr(profiler, "time_matmul",
+                        lambda shape, tokens, **kw: calls.append(shape) or float(shape[0] + tokens))
+    cache = tmp_path / "c.json"
+    fwd, _, unit = profiler.unit_times(units, tokens=3, measure=True, cache_path=cache)
+    assert unit == "ms" and fwd == [11.0 + 7.0, 0.0, 11.0] and sorted(calls) == [(4, 4), (8, 16)]
+    profiler.unit_times(units, tokens=3, measure=True, cache_path=cache)
+    assert len(calls) == 2  # served from the cache
+    assert profiler.time_matmul((4, 6), 5, device="cpu", warmup=0, repeats=1) > 0
+    with pytest.raises(ValueError, match="tokens"):
+        profiler.unit_times(units, tokens=0, measure=False)

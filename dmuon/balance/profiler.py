@@ -7,6 +7,10 @@ otherwise). The cache is a JSON file keyed by ``device name | torch version | ro
 batch | steps``, so a re-run on the same hardware re-uses every measurement and a new GPU or
 torch version measures again. On CPU the FLOP model stands in (:func:`profile_costs` with
 ``measure=False``) because CPU times say nothing about the GPUs a plan is for.
+
+:func:`unit_times` gives each unit's (FSDP2 block's) forward and backward time, the deadlines
+of the overlap plan (:mod:`dmuon.balance.deadline`): the forward matmuls of its matrices timed
+on the device (cache key ``device | torch | matmul rows x cols | t tokens``), or their FLOPs.
 """
 
 from __future__ import annotations
@@ -136,3 +140,97 @@ def profile_costs(
                              progress=progress)
     fits = {s: fit_batch_costs(t) for s, t in timings.items()}
     return [fits[s][1] for s in shapes], {s: fits[s][0] for s in fits if fits[s][0] > 0}, "ms"
+
+
+def time_matmul(shape: tuple[int, int], tokens: int, *, device, warmup: int = 2, repeats: int = 5,
+                seed: int = 0) -> float:
+    """Median milliseconds of one forward matmul ``x[tokens, cols] @ W[rows, cols].T`` (bf16 on
+    CUDA, fp32 elsewhere): the linear layer a dedicated matrix runs in forward."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(tokens, shape[1], generator=gen).to(device, dtype)
+    w = torch.randn(shape[0], shape[1], generator=gen).to(device, dtype)
+    times = []
+    for it in range(warmup + repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            x @ w.T
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            x @ w.T
+            ms = (time.perf_counter() - t0) * 1e3
+        if it >= warmup:
+            times.append(ms)
+    return float(statistics.median(times))
+
+
+def unit_times(
+    unit_shapes: Sequence[Sequence[tuple[int, int]]],
+    *,
+    tokens: int,
+    measure: bool,
+    device="cpu",
+    cache_path: str | os.PathLike | None = DEFAULT_CACHE,
+) -> tuple[list[float], list[float], str]:
+    """Forward and backward time per unit (FSDP2 block), the deadlines of the overlap plan
+    (:mod:`dmuon.balance.deadline`).
+
+    Only the units' dedicated matrices count: each a linear layer over ``tokens`` tokens, so
+    attention scores, norms, activations and the embedding are left out and the times are
+    lower bounds (the deadlines come earlier than in a real forward: the exposed time is
+    overestimated, never hidden by the model). Backward is twice forward (input and weight
+    gradients, two matmuls of the forward's size).
+
+    Args:
+        unit_shapes: per unit, forward order, the ``(rows, cols)`` of its matrices (an expert
+            stack counts as one matrix: a token passes through few experts).
+        tokens: tokens through each matrix per micro-batch on one GPU.
+        measure: time each distinct shape's matmul on ``device`` (median of 5, cached in
+            ``cache_path`` beside the NS times) and return ms; else the FLOP model
+            ``2 tokens rows cols`` per matrix, in FLOPs (the NS FLOP model's unit, so NS and
+            forward then run at one throughput).
+        device, cache_path: as :func:`profile_shapes`.
+
+    Returns:
+        ``(forward, backward, unit)``: per-unit times, ``"ms"`` or ``"flops"``.
+
+    Raises:
+        ValueError: when ``tokens < 1``.
+    """
+    if int(tokens) < 1:
+        raise ValueError(f"dmuon: unit_times(tokens={tokens!r}) must be >= 1 (tokens per GPU "
+                         f"per micro-batch through each matrix)")
+    tokens = int(tokens)
+    if not measure:
+        fwd = [float(sum(2.0 * tokens * r * c for r, c in shapes)) for shapes in unit_shapes]
+        return fwd, [2.0 * f for f in fwd], "flops"
+    dev = device_name(device)
+    cache: dict[str, float] = {}
+    if cache_path is not None and os.path.exists(cache_path):
+        with open(cache_path) as f:
+            cache = json.load(f)
+    import torch
+
+    def key(s):
+        return f"{dev}|torch {torch.__version__}|matmul {s[0]}x{s[1]}|t{tokens}"
+
+    new = False
+    for s in sorted({(int(r), int(c)) for shapes in unit_shapes for r, c in shapes}):
+        if key(s) not in cache:
+            cache[key(s)] = time_matmul(s, tokens, device=device)
+            new = True
+    if new and cache_path is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+        tmp = f"{cache_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(cache, f, indent=1, sort_keys=True)
+        os.replace(tmp, cache_path)
+    fwd = [float(sum(cache[key((int(r), int(c)))] for r, c in shapes)) for shapes in unit_shapes]
+    return fwd, [2.0 * f for f in fwd], "ms"

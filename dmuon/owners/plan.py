@@ -42,6 +42,7 @@ def build_plan(
     element_size: int = 4,
     expert_parallel: Iterable[str] = (),
     ep_size: int = 1,
+    deadlines: Sequence[float] | None = None,
 ) -> OwnerPlan:
     """Every per-matrix decision of an owner plan, from a model's matrices or an inventory.
 
@@ -111,6 +112,13 @@ def build_plan(
             (:meth:`OwnerPlan.loads`); ``extra["expert_parallel"]`` holds the expert solve's.
             Takes none of ``tp_size > 1``, ``layout``, ``replicate_mode``, ``bucket_bytes``.
         ep_size: size of the ``"ep"`` dimension (divides ``world_size``).
+        deadlines: forward start of each publish group (``groups``, default ``layer_groups``;
+            ids in forward order), in ``cost_unit``: the owners then minimize the Newton-Schulz
+            time the next forward waits for under overlap (:func:`dmuon.balance.deadline.
+            solve_exposed`) instead of the makespan, without the XOR layout; ``extra`` records
+            ``objective="exposed"``, ``exposed`` and ``exposed_bound``. Takes none of
+            ``tp_size > 1``, ``group_cost``, ``memory_cap_bytes``, expert parallelism,
+            ``bucket_bytes``.
 
     Returns:
         The plan, with makespan and lower bound from the solver; ``extra`` records
@@ -131,6 +139,15 @@ def build_plan(
     from dmuon.owners.stacks import collapse_ranges, owner_items, param_layout
 
     expert_parallel = set(expert_parallel)
+    if deadlines is not None:
+        given = {"tp_size": tp_size != 1, "group_cost": group_cost != 0,
+                 "memory_cap_bytes": memory_cap_bytes is not None,
+                 "expert_parallel": bool(expert_parallel) or ep_size != 1,
+                 "bucket_bytes": bucket_bytes is not None}
+        if any(given.values()):
+            raise ValueError(f"dmuon: build_plan(deadlines=...) (the exposed-time objective) takes "
+                             f"no {[k for k, v in given.items() if v]}; leave them out or drop "
+                             f"deadlines to minimize the makespan")
     if expert_parallel or ep_size != 1:
         return expert_parallel_plan(
             build_plan, list(named_shapes), world_size, expert_parallel, ep_size, costs=costs, cost_unit=cost_unit,
@@ -183,11 +200,22 @@ def build_plan(
     # bytes per matrix only where asked for (a cap, or the per-rank report)
     memory = ([it.matrices * m for it, m in zip(items, owner_memory(shapes))]
               if memory_cap_bytes is not None or solver_report else None)
-    result = solve(list(costs), world_size * tp_size, classes=classes, method=method,
-                   time_limit_s=time_limit_s, memory=memory, memory_cap=memory_cap_bytes,
-                   batch_overhead=batch_overhead or None,
-                   groups=None if groups is None or (tp_size > 1 and not xor) else list(groups),
-                   group_cost=group_cost, layout=tuple(layout) if xor else None)
+    exposure = None
+    if deadlines is not None:
+        from dmuon.balance.deadline import solve_exposed
+
+        groups = layer_groups([it.fqn for it in items]) if groups is None else groups
+        xor = False  # the layout would move matrices between units' owners: deadlines decide
+        exposure = solve_exposed(list(costs), world_size, units=list(groups), deadlines=deadlines,
+                                 classes=classes, batch_overhead=batch_overhead or None,
+                                 method=method, time_limit_s=time_limit_s)
+        result = _as_assignment(exposure, costs, memory)
+    else:
+        result = solve(list(costs), world_size * tp_size, classes=classes, method=method,
+                       time_limit_s=time_limit_s, memory=memory, memory_cap=memory_cap_bytes,
+                       batch_overhead=batch_overhead or None,
+                       groups=None if groups is None or (tp_size > 1 and not xor) else list(groups),
+                       group_cost=group_cost, layout=tuple(layout) if xor else None)
     overhead = batch_overhead or {}
     block_of = dict(blocks)
     matrices = tuple(
@@ -200,6 +228,9 @@ def build_plan(
                              if result.group_cost > 0 else {})
     if result.fell_back:  # why the plan is the heuristic's: every rank's copy says so
         extra["milp_status"] = result.milp_status
+    if exposure is not None:
+        extra.update(objective="exposed", exposed=exposure.exposed,
+                     exposed_bound=exposure.exposed_bound)
     if solver_report:
         extra.update(
             proven_bound=result.proven_bound, optimal=result.optimal, detail=result.detail,
@@ -217,6 +248,23 @@ def build_plan(
         extra=extra,
     )
     return plan.with_replicate_modes(replicate_mode, replica_cost)
+
+
+def _as_assignment(exposure, costs, memory):
+    """A :class:`dmuon.balance.deadline.DeadlineAssignment` as the makespan ``Assignment``
+    build_plan records: makespan bounds, ``optimal`` False (the makespan was not minimized)."""
+    from dmuon.balance.bounds import makespan_lower_bound, trivial_lower_bound
+    from dmuon.balance.solver import Assignment
+
+    world = len(exposure.loads)
+    mem = [0.0] * world
+    for i, r in enumerate(exposure.owners):
+        mem[r] += 0.0 if memory is None else float(memory[i])
+    return Assignment(owners=exposure.owners, loads=exposure.loads, memory=tuple(mem),
+                      makespan=exposure.makespan, lower_bound=trivial_lower_bound(costs, world),
+                      proven_bound=min(makespan_lower_bound(costs, world), exposure.makespan),
+                      method=exposure.method, optimal=False, solve_s=exposure.solve_s,
+                      detail=exposure.detail, milp_status=exposure.milp_status)
 
 
 def build_bucket_plan(
