@@ -251,7 +251,7 @@ class QKClip:
 
     def __init__(self, model: nn.Module, ctx: Any) -> None:
         self.ctx = ctx
-        self.layouts = find_attention(model)
+        self.layouts = find_attention(model, ctx.records)
         if not self.layouts:
             raise ValueError(
                 f"dmuon: qk_clip_threshold is set but {type(model).__name__} has no attention "

@@ -126,7 +126,7 @@ def head_rows() -> dict[str, list[tuple[str, int]]]:
 def run_reference(world_size: int, steps: int, *, per_head: bool, tau: float | None = None,
                   alpha: float = 0.5, micro_batches: int = 1, gain: float = 1.0,
                   lr: float = 0.02, adamw_lr: float = 0.01, weight_decay: float = 0.1
-                  ) -> tuple[dict[str, torch.Tensor], int]:
+                  ) -> tuple[dict[str, torch.Tensor], list[int]]:
     """Single-process ``torch.optim.Muon`` (fp32 iteration) + AdamW on the global batch.
 
     ``per_head``: every head block of the q / k / v weights is an ``nn.Parameter`` of its own
@@ -136,7 +136,7 @@ def run_reference(world_size: int, steps: int, *, per_head: bool, tau: float | N
     q rows ``*= eta_g ** alpha``, k rows ``*= eta_g ** (1 - alpha)``).
 
     Returns:
-        Final parameters by name, and how many (step, group) pairs were clipped.
+        Final parameters by name, and per step how many key/value groups were clipped.
     """
     model = make_model(gain=gain)
     named = dict(model.named_parameters())
@@ -155,7 +155,7 @@ def run_reference(world_size: int, steps: int, *, per_head: bool, tau: float | N
                             ns_coefficients=models.MUON_COEFFICIENTS)
     adamw = torch.optim.AdamW(rest, lr=adamw_lr, weight_decay=weight_decay)
     attns = [model.blocks[0].attn, model.blocks[1].attn]
-    clipped = 0
+    clipped: list[int] = []
     with models.reference_ns(torch.float32):
         for step in range(steps):
             for a in attns:
@@ -168,6 +168,7 @@ def run_reference(world_size: int, steps: int, *, per_head: bool, tau: float | N
                     part.grad = g.clone()
             muon.step()
             adamw.step()
+            clipped.append(0)
             with torch.no_grad():
                 for name, parts in blocks.items():
                     named[name].copy_(torch.cat([p.detach() for p in parts]))
@@ -176,7 +177,7 @@ def run_reference(world_size: int, steps: int, *, per_head: bool, tau: float | N
                                                          ("blocks.1.attn.wqkv.weight",) * 2]):
                         s = torch.stack(a.track).amax(dim=0)
                         eta = [min(1.0, tau / float(s[g * GROUP:(g + 1) * GROUP].max())) for g in range(KV_HEADS)]
-                        clipped += sum(e < 1 for e in eta)
+                        clipped[-1] += sum(e < 1 for e in eta)
                         for name, kinds in ((qname, "q"), (kname, "k")):
                             w = named[name].view(-1, HEAD_DIM, WIDTH)
                             for i, (kind, g) in enumerate(rows[name]):

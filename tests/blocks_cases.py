@@ -37,7 +37,7 @@ def build(layout: str, world_size: int, gain: float):
             parallelize_module(block.attn, mesh["tp"], {k: v for k, v in plan.items() if hasattr(block.attn, k)})
     dp_names = tuple(n for n in names if n != "tp")
     if layout != "replicated":
-        dp_mesh = mesh[dp_names] if "tp" in names or len(dp_names) > 1 else mesh
+        dp_mesh = mesh[dp_names] if "tp" in names else mesh  # a slice of all names is cached by torch
         for block in model.blocks:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
@@ -74,16 +74,13 @@ def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, p
         opt.zero_grad()
         strategy = opt.strategy
         clipped.append(strategy.qk_clip.clipped_heads if strategy.qk_clip is not None else 0)
-    return dict(params=full_params(model, rank), clipped=clipped,
+    refusal = ""
+    if layout == "fsdp-tp":  # here, not in a call of its own: one 2-D mesh per pool session
+        try:
+            dmuon.Muon(model, qk_clip_threshold=1.0, **KWARGS)
+        except ValueError as e:
+            refusal = str(e)
+    return dict(params=full_params(model, rank), clipped=clipped, refusal=refusal,
                 group_keys=sorted(k for k in opt.param_groups[0] if k.startswith("qk_clip")),
                 tau=opt.param_groups[0].get("qk_clip_threshold"))
 
-
-def refusal(rank: int, world_size: int, *, layout: str, kwargs: dict) -> str:
-    """The error ``dmuon.Muon(model, **kwargs)`` raises (or ``"no error"``)."""
-    model, _ = build(layout, world_size, 1.0)
-    try:
-        dmuon.Muon(model, **kwargs)
-    except ValueError as e:
-        return str(e)
-    return "no error"

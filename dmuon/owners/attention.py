@@ -101,7 +101,9 @@ def _int_attr(objs: list[Any], names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _rows(module: nn.Module, attr: str = "weight") -> int | None:
+def _rows(module: nn.Module, attr: str = "weight", full_rows: Any = None) -> int | None:
+    if full_rows and (id(module), attr) in full_rows:
+        return int(full_rows[(id(module), attr)])
     w = getattr(module, attr, None)
     shape = getattr(w, "_dmuon_shape", None) or (tuple(w.shape) if w is not None else None)
     return int(shape[0]) if shape else None
@@ -116,11 +118,11 @@ def _check(name: str, what: str, rows: int | None, expected: int) -> None:
 
 
 def _separate(name: str, module: nn.Module, q: nn.Module, k: nn.Module, v: nn.Module,
-              extra: list[Any]) -> AttentionLayout | None:
+              extra: list[Any], full_rows: Any = None) -> AttentionLayout | None:
     sources = [module, *extra, getattr(module, "config", None)]
     sources = [s for s in sources if s is not None]
     heads = _int_attr(sources, _HEADS)
-    q_rows, k_rows, v_rows = _rows(q), _rows(k), _rows(v)
+    q_rows, k_rows, v_rows = (_rows(m, full_rows=full_rows) for m in (q, k, v))
     if heads is None or q_rows is None:
         return None
     kv = _int_attr(sources, _KV_HEADS) or heads
@@ -138,7 +140,7 @@ def _separate(name: str, module: nn.Module, q: nn.Module, k: nn.Module, v: nn.Mo
         v=WeightRef(v, "weight", tuple(h * v_dim for h in range(kv)), v_dim))
 
 
-def _recognize(name: str, module: nn.Module) -> AttentionLayout | None:
+def _recognize(name: str, module: nn.Module, full_rows: Any = None) -> AttentionLayout | None:
     if isinstance(module, nn.MultiheadAttention):
         if not module._qkv_same_embed_dim or module.in_proj_weight is None:
             return None
@@ -150,24 +152,25 @@ def _recognize(name: str, module: nn.Module) -> AttentionLayout | None:
                                head_dim=dim, q=ref(0), k=ref(e), v=ref(2 * e))
     children = dict(module.named_children())
     if all(isinstance(children.get(n), nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
-        return _separate(name, module, children["q_proj"], children["k_proj"], children["v_proj"], [])
+        return _separate(name, module, children["q_proj"], children["k_proj"], children["v_proj"], [],
+                         full_rows)
     # torchtitan: the projections sit on the attention module or on its ``qkv_linear`` child
     for holder, extra in ((module, []), (children.get("qkv_linear"), [module])):
         if holder is None:
             continue
         parts = dict(holder.named_children())
         if all(isinstance(parts.get(n), nn.Linear) for n in ("wq", "wk", "wv")):
-            return _separate(name, module, parts["wq"], parts["wk"], parts["wv"], [holder] + extra)
+            return _separate(name, module, parts["wq"], parts["wk"], parts["wv"], [holder] + extra, full_rows)
         if isinstance(parts.get("wqkv"), nn.Linear):
-            return _fused_group_major(name, module, parts["wqkv"], [holder, module])
+            return _fused_group_major(name, module, parts["wqkv"], [holder, module], full_rows)
     return None
 
 
-def _fused_group_major(name: str, module: nn.Module, wqkv: nn.Linear, sources: list[Any]
-                       ) -> AttentionLayout | None:
+def _fused_group_major(name: str, module: nn.Module, wqkv: nn.Linear, sources: list[Any],
+                       full_rows: Any = None) -> AttentionLayout | None:
     heads = _int_attr(sources, _HEADS)
     head_dim = _int_attr(sources, ("head_dim",))
-    rows = _rows(wqkv)
+    rows = _rows(wqkv, full_rows=full_rows)
     if heads is None or head_dim is None or rows is None:
         return None
     kv = _int_attr(sources, _KV_HEADS) or heads
@@ -182,19 +185,24 @@ def _fused_group_major(name: str, module: nn.Module, wqkv: nn.Linear, sources: l
         v=WeightRef(wqkv, "weight", v_rows, head_dim))
 
 
-def find_attention(model: nn.Module) -> list[AttentionLayout]:
+def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]:
     """Every attention module of ``model`` dmuon recognizes, in module order (an outer match
     hides nothing inside it: its projections are its own).
+
+    Args:
+        records: the model's dedicated records: their ``full_shape`` gives a weight's rows (a
+            TP rank's module holds a slice, a non-owner's a placeholder).
 
     Raises:
         ValueError: a recognized module whose head counts do not match its weights' rows.
     """
+    full_rows = {(id(r.module), r.attr): r.full_shape[0] for r in records}
     found: list[AttentionLayout] = []
     inside: set[int] = set()
     for name, module in model.named_modules():
         if id(module) in inside:
             continue
-        layout = _recognize(name, module)
+        layout = _recognize(name, module, full_rows)
         if layout is not None:
             found.append(layout)
             inside.update(id(m) for m in module.modules())

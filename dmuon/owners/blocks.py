@@ -95,12 +95,12 @@ class Split:
                 f"{shape[self.dim] if len(shape) == 2 else shape}; give sizes that tile it.")
 
 
-def per_head_splits(model: nn.Module) -> dict[tuple[int, str], Split]:
+def per_head_splits(model: nn.Module, records: Sequence[Any] = ()) -> dict[tuple[int, str], Split]:
     """Per-head splits of the q / k / v projections of every attention module
     :func:`dmuon.owners.attention.find_attention` recognizes, keyed by ``(id(module), attr)``
     of the weight (a fused weight: every q, k and v head, in row order)."""
     blocks: dict[tuple[int, str], set[tuple[int, int]]] = {}
-    for layout in find_attention(model):
+    for layout in find_attention(model, records):
         for ref in (layout.q, layout.k, layout.v):
             if ref is not None:
                 blocks.setdefault((id(ref.module), ref.attr), set()).update(
@@ -126,7 +126,7 @@ def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
             its matrix, a matrix that is an expert stack or already cut into row blocks
             (``fused_blocks``), or a value that is not a :class:`Split`.
     """
-    by_slot = per_head_splits(model) if per_head else {}
+    by_slot = per_head_splits(model, records) if per_head else {}
     by_fqn: dict[str, Split] = {}
     call = None
     if callable(split) and not isinstance(split, Mapping):
