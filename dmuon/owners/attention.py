@@ -13,7 +13,10 @@ users have:
 * torchtitan's llama3 (``wq`` / ``wk`` / ``wv`` with ``n_heads`` / ``n_kv_heads`` / ``head_dim``)
   and its fused ``FusedQKVLinear`` (``wqkv`` laid out KV-group-major, ``[n_kv, heads_per_kv + 2,
   head_dim, dim]``: each group's query heads, then its key head, then its value head; torchtitan
-  ``FusedQKVLinear._split_qkv_on_save``).
+  ``FusedQKVLinear._split_qkv_on_save``);
+* a ``qkv`` ``Linear`` laid out ``[q; k; v]`` with ``num_heads`` / ``heads`` (timm's ViT
+  ``Attention``, dmuon.train's vision blocks), and ``q`` + ``kv`` (``[k; v]``) ``Linear`` pairs
+  (dmuon.train's backbone and action-expert blocks).
 
 Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (grouped-query attention as
 ``transformers``' ``repeat_kv`` and ``F.scaled_dot_product_attention(enable_gqa=True)``).
@@ -26,7 +29,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
-_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
+_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_heads")
 
 
@@ -154,6 +157,10 @@ def _recognize(name: str, module: nn.Module, full_rows: Any = None) -> Attention
     if all(isinstance(children.get(n), nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
         return _separate(name, module, children["q_proj"], children["k_proj"], children["v_proj"], [],
                          full_rows)
+    if isinstance(children.get("qkv"), nn.Linear):  # timm / ViT: one [q; k; v] Linear
+        return _fused_qkv(name, module, children["qkv"], full_rows)
+    if isinstance(children.get("q"), nn.Linear) and isinstance(children.get("kv"), nn.Linear):
+        return _q_kv(name, module, children["q"], children["kv"], full_rows)
     # torchtitan: the projections sit on the attention module or on its ``qkv_linear`` child
     for holder, extra in ((module, []), (children.get("qkv_linear"), [module])):
         if holder is None:
@@ -164,6 +171,38 @@ def _recognize(name: str, module: nn.Module, full_rows: Any = None) -> Attention
         if isinstance(parts.get("wqkv"), nn.Linear):
             return _fused_group_major(name, module, parts["wqkv"], [holder, module], full_rows)
     return None
+
+
+def _fused_qkv(name: str, module: nn.Module, qkv: nn.Linear, full_rows: Any) -> AttentionLayout | None:
+    """``qkv`` ``[3 * heads * head_dim, dim]`` laid out ``[q; k; v]`` (timm ``Attention``)."""
+    heads, rows = _int_attr([module], _HEADS), _rows(qkv, full_rows=full_rows)
+    if heads is None or rows is None or rows % (3 * heads):
+        return None
+    dim = _int_attr([module], ("head_dim",)) or rows // (3 * heads)
+    _check(name, "fused qkv", rows, 3 * heads * dim)
+    ref = lambda off: WeightRef(qkv, "weight", tuple(off + h * dim for h in range(heads)), dim)  # noqa: E731
+    return AttentionLayout(name=name, module=module, num_heads=heads, num_kv_heads=heads,
+                           head_dim=dim, q=ref(0), k=ref(heads * dim), v=ref(2 * heads * dim))
+
+
+def _q_kv(name: str, module: nn.Module, q: nn.Linear, kv: nn.Linear, full_rows: Any) -> AttentionLayout | None:
+    """``q`` ``[heads * head_dim, dim]`` and a fused ``kv`` ``[2 * kv_heads * head_dim, dim]``
+    laid out ``[k; v]`` (dmuon.train's policy: one shared key/value head)."""
+    heads, dim = _int_attr([module], _HEADS), _int_attr([module], ("head_dim",))
+    q_rows, kv_rows = _rows(q, full_rows=full_rows), _rows(kv, full_rows=full_rows)
+    if heads is None or q_rows is None or kv_rows is None:
+        return None
+    dim = dim or q_rows // heads
+    _check(name, "query projection", q_rows, heads * dim)
+    kv_heads = _int_attr([module], _KV_HEADS) or kv_rows // (2 * dim)
+    _check(name, "fused kv", kv_rows, 2 * kv_heads * dim)
+    if kv_heads < 1 or heads % kv_heads:
+        return None
+    return AttentionLayout(
+        name=name, module=module, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+        q=WeightRef(q, "weight", tuple(h * dim for h in range(heads)), dim),
+        k=WeightRef(kv, "weight", tuple(h * dim for h in range(kv_heads)), dim),
+        v=WeightRef(kv, "weight", tuple((kv_heads + h) * dim for h in range(kv_heads)), dim))
 
 
 def _fused_group_major(name: str, module: nn.Module, wqkv: nn.Linear, sources: list[Any],
