@@ -6,6 +6,7 @@ import contextlib
 import copy
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -48,23 +49,32 @@ def build(layout: str, world_size: int, gain: float):
 
 def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, per_head: bool = True,
           tau: float | None = None, micro_batches: int = 1, gain: float = 1.0,
-          resume_at: int | None = None) -> dict:
+          resume_at: int | None = None, dcp_path: str | None = None) -> dict:
     """Train the attention model with dmuon; ``resume_at``: save the model and optimizer state
     dicts after that many steps and go on in a fresh model and optimizer that load them (built
-    with another QK-clip threshold: the loaded param group must bring ``tau`` back)."""
+    with another QK-clip threshold: the loaded param group must bring ``tau`` back); with
+    ``dcp_path``, through ``dmuon.state_dict`` + ``dcp.save`` / ``dcp.load`` + ``dmuon.load_state_dict``."""
     model, (index, count) = build(layout, world_size, gain)
     opt = dmuon.Muon(model, per_head=per_head, qk_clip_threshold=tau, **KWARGS)
     clipped = []
     for step in range(steps):
         if resume_at is not None and step == resume_at:
-            saved_model = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                           for k, v in model.state_dict().items()}
-            saved_opt = copy.deepcopy(opt.state_dict())
+            if dcp_path is not None:
+                dcp.save(dmuon.state_dict(model, opt), checkpoint_id=dcp_path)
+            else:
+                saved_model = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                               for k, v in model.state_dict().items()}
+                saved_opt = copy.deepcopy(opt.state_dict())
             model, _ = build(layout, world_size, gain)
             opt = dmuon.Muon(model, per_head=per_head, qk_clip_threshold=None if tau is None else 1e9,
                              **KWARGS)
-            model.load_state_dict(saved_model)
-            opt.load_state_dict(saved_opt)
+            if dcp_path is not None:
+                sd = dmuon.state_dict(model, opt)
+                dcp.load(sd, checkpoint_id=dcp_path)
+                dmuon.load_state_dict(model, opt, sd)
+            else:
+                model.load_state_dict(saved_model)
+                opt.load_state_dict(saved_opt)
         idx, y = am.local_batch(step, index, count)
         for i, (ci, cy) in enumerate(zip(idx.chunk(micro_batches), y.chunk(micro_batches))):
             last = i == micro_batches - 1

@@ -42,13 +42,15 @@ def test_per_head_under_fsdp_x_tp(dist_pool):
     assert "tensor parallelism" in out[0]["refusal"] and "qk_clip_threshold" in out[0]["refusal"]
 
 
-@pytest.mark.compat
-def test_qk_clip_with_accumulation_and_resume_matches_formula(dist_pool):
+@pytest.mark.parametrize("through", [pytest.param("state_dict", marks=pytest.mark.compat), "dcp"])
+def test_qk_clip_with_accumulation_and_resume_matches_formula(dist_pool, tmp_path, through):
     """Logits driven above tau (gain 3 at init, tau 0.3): the clip scales heads every step;
     2 micro-batches; the run is cut after step 1 and resumed from state dicts (built with tau 1e9:
     the clip of step 2 happens only if the loaded param group brings tau 0.3 back)."""
     kwargs = dict(layout="fsdp", steps=STEPS, tau=0.3, gain=3.0, micro_batches=2)
-    out = dist_pool.run(4, "tests.blocks_cases:train", dict(kwargs, resume_at=1), timeout_s=180)
+    dcp_path = str(tmp_path / "ckpt") if through == "dcp" else None
+    out = dist_pool.run(4, "tests.blocks_cases:train", dict(kwargs, resume_at=1, dcp_path=dcp_path),
+                        timeout_s=180)
     ref, clipped = _ref(4, per_head=True, tau=0.3, gain=3.0, micro_batches=2)
     assert clipped[0] > 0 and clipped[1] > 0, clipped  # the clip acted before and after the cut
     assert out[0]["clipped"] == [c * am.GROUP for c in clipped]  # heads of the clipped groups
