@@ -266,6 +266,7 @@ class QKClip:
         self.recorder = LogitRecorder(self.layouts)
         self.warned = False
         self.clipped_heads = 0  # heads with eta < 1 at the last step (for logs and tests)
+        self.max_logit = float("-inf")  # the largest reduced max logit of the last step
 
     def _gather(self) -> torch.Tensor:
         device = self.ctx.records[0].compute.device if self.ctx.records else torch.device("cpu")
@@ -296,6 +297,7 @@ class QKClip:
         alpha = float(group.get("qk_clip_alpha", 0.5))
         flat = self._gather().cpu()
         self.clipped_heads = 0
+        self.max_logit = float(flat.max()) if flat.numel() else float("-inf")
         offset = 0
         for layout in self.layouts:
             s = flat[offset: offset + layout.num_heads]

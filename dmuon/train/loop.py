@@ -260,6 +260,9 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         if rank == 0 and (not quiet or (step + 1) % max(1, cfg.steps // 20) == 0):
             line = (f"step {step + 1:4d}/{cfg.steps}  loss {losses[-1]:.4f}  step {step_s[-1]:.3f}s  "
                     f"opt {opt_s[-1]:.3f}s")
+            clip = getattr(getattr(opt, "strategy", None), "qk_clip", None)
+            if clip is not None:  # --qk-clip: how many heads the step clipped, and the max logit
+                line += f"  qk-clip {clip.clipped_heads} heads (max logit {clip.max_logit:.3f})"
             (bar.write if quiet else print)(line)
         if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps):
             path = ckpt.save_checkpoint(cfg.save, step + 1, model, opt, cfg.optimizer, dataclasses.asdict(cfg))
