@@ -113,3 +113,13 @@ def test_observe_and_recompute_max_logits():
     dmuon.qk_clip.observe(m, torch.tensor([1.0, 5.0]))
     dmuon.qk_clip.observe(m, torch.tensor([2.0, 3.0]))
     assert m._dmuon_max_logits.tolist() == [2.0, 5.0]
+
+
+def test_train_cli_flags_reach_the_optimizer():
+    from dmuon.train.launch import parse_args
+    from dmuon.train.loop import TrainConfig
+
+    cfg, _ = parse_args(["--steps", "3", "--per-head", "--qk-clip", "2.5", "--nproc", "1"])
+    assert cfg.per_head is True and cfg.qk_clip == 2.5
+    with pytest.raises(ValueError, match="--optimizer dmuon"):
+        TrainConfig(optimizer="adamw", per_head=True)
