@@ -123,3 +123,37 @@ def test_train_cli_flags_reach_the_optimizer():
     assert cfg.per_head is True and cfg.qk_clip == 2.5
     with pytest.raises(ValueError, match="--optimizer dmuon"):
         TrainConfig(optimizer="adamw", per_head=True)
+
+
+def test_recorder_sees_hf_llama_sdpa_and_eager_alike():
+    """The SDPA recomputation (q k^T * scale with the causal mask) against HF's eager path,
+    where the softmax input *is* the masked logits; and nn.MultiheadAttention's recomputation
+    against the logits written out here."""
+    transformers = pytest.importorskip("transformers")
+    from dmuon.qk_clip import LogitRecorder
+
+    seen = {}
+    for impl in ("sdpa", "eager"):
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=8, num_hidden_layers=2, vocab_size=10,
+                                       attn_implementation=impl)
+        model = transformers.LlamaForCausalLM(cfg)
+        layouts = find_attention(model)
+        recorder = LogitRecorder(layouts)
+        model(torch.randint(0, 10, (2, 7)))
+        seen[impl] = torch.stack([lay.module._dmuon_max_logits for lay in layouts])
+        recorder.remove()
+    assert seen["sdpa"].shape == (2, 4)
+    torch.testing.assert_close(seen["sdpa"], seen["eager"], rtol=1e-5, atol=1e-5)
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(12, 4, batch_first=True)
+    recorder = LogitRecorder(find_attention(nn.ModuleDict({"a": mha})))
+    x = torch.randn(2, 5, 12)
+    mha(x, x, x, need_weights=False)
+    q, k, _ = torch.nn.functional.linear(x, mha.in_proj_weight, mha.in_proj_bias).chunk(3, dim=-1)
+    q, k = (t.view(2, 5, 4, 3).transpose(1, 2) for t in (q, k))
+    want = (q @ k.transpose(-1, -2) / 3 ** 0.5).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(mha._dmuon_max_logits, want.detach())
+    recorder.remove()
