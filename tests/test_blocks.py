@@ -33,11 +33,12 @@ def test_per_head_fsdp_matches_torch_muon_on_head_blocks(dist_pool):
 
 
 def test_per_head_under_fsdp_x_tp(dist_pool):
-    """TP shards q/k/v by heads (colwise) and the fused wqkv by KV groups; the TP owner cuts the
-    gathered update into heads."""
+    """TP shards q/k/v by heads (colwise) and the fused wqkv by KV groups, on head boundaries:
+    each TP rank orthogonalizes the heads it holds, without a TP exchange."""
     out = dist_pool.run(4, "tests.blocks_cases:train", dict(layout="fsdp-tp", steps=STEPS), timeout_s=180)
     ref, _ = _ref(2, per_head=True)
     compare(out[0]["params"], ref, FP32_ATOL)
+    assert out[0]["local_tp"] == sorted(am.head_rows()), out[0]["local_tp"]
     # QK-clip under TP is refused by name (a TP rank's attention sees its local heads only)
     assert "tensor parallelism" in out[0]["refusal"] and "qk_clip_threshold" in out[0]["refusal"]
 

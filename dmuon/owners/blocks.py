@@ -13,9 +13,11 @@ torchtitan's per-head Muon uses: its ``_adjust_muon_learning_rate`` reads the la
 the ``[num_heads, head_dim, dim]`` compute view (torchtitan ``distributed/flex_shard`` DistMuon,
 ``AttentionPerHeadComputeView``, PR #4078).
 
-Under tensor parallelism the TP owner gathers the slices of the matrix as for any matrix
-(:mod:`dmuon.owners.tp_owner`), cuts the full update into blocks there, and each TP rank applies
-the learning rates of the blocks its slice intersects.
+Under tensor parallelism a matrix whose TP slices hold whole blocks (q / k / v sharded colwise on
+head boundaries) is orthogonalized block by block on each TP rank, with no exchange; otherwise
+the TP owner gathers the slices as for any matrix (:mod:`dmuon.owners.tp_owner`) and cuts the
+full update into blocks there. Each TP rank applies the learning rates of the blocks its slice
+intersects.
 """
 
 from __future__ import annotations
@@ -246,6 +248,27 @@ def tp_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _local_split(rec: Any, split: Split | None, rank: int, size: int) -> Split | None:
+    """The blocks of this TP rank's slice when every TP slice of ``rec`` holds whole blocks
+    (a colwise-sharded q/k/v split by heads on a head boundary); ``None`` otherwise (no split,
+    another shard dim, a block cut by a slice boundary, or an empty slice). Depends on shapes
+    only, so every TP rank decides alike."""
+    if split is None or rec.tp_shard_dim != split.dim or size == 1:
+        return None
+    sizes = chunk_sizes(int(rec.full_shape[split.dim]), size)
+    if 0 in sizes:
+        return None
+    cuts = {0}
+    for n in sizes:
+        cuts.add(max(cuts) + n)
+    edges = {a for a, _ in split.bounds()} | {b for _, b in split.bounds()}
+    if not cuts <= edges:
+        return None
+    start = sum(sizes[:rank])
+    return Split(sizes=tuple(b - a for a, b in split.bounds() if start <= a and b <= start + sizes[rank]),
+                 dim=split.dim)
+
+
 def split_muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor],
                        bufs: list[torch.Tensor], recs: Sequence[Any], splits: Sequence[Split | None],
                        group: dict, ns: Callable[[list[torch.Tensor]], list[torch.Tensor]],
@@ -273,10 +296,21 @@ def split_muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor],
     tp = ctx.roles.tp
     if tp is None:
         ortho = split_orthogonalize(splits, [r.matrix_shape for r in recs], ns)(updates)
-    else:  # the TP owner cuts the gathered full update (orthogonalize_tp keeps item order)
-        mine = [s for s, r in zip(splits, recs) if r.tp_owner == ctx.tp_rank]
-        items = [TPItem(u, r.tp_shard_dim, r.full_shape, r.tp_owner) for u, r in zip(updates, recs)]
-        ortho = orthogonalize_tp(items, tp, split_orthogonalize(mine, None, ns))
+    else:
+        rank, size = tp_rank_size(tp)
+        # blocks that each lie within one TP rank's slice are orthogonalized there, no exchange
+        local = [_local_split(r, s, rank, size) for r, s in zip(recs, splits)]
+        ortho = [None] * len(updates)
+        here = [i for i, s in enumerate(local) if s is not None]
+        for i, out in zip(here, split_orthogonalize([local[i] for i in here], None, ns)(
+                [updates[i] for i in here])):
+            ortho[i] = out
+        # the rest: the TP owner cuts the gathered full update (orthogonalize_tp keeps order)
+        rest = [i for i, s in enumerate(local) if s is None]
+        mine = [splits[i] for i in rest if recs[i].tp_owner == ctx.tp_rank]
+        items = [TPItem(updates[i], recs[i].tp_shard_dim, recs[i].full_shape, recs[i].tp_owner) for i in rest]
+        for i, out in zip(rest, orthogonalize_tp(items, tp, split_orthogonalize(mine, None, ns))):
+            ortho[i] = out
     rank, size = tp_rank_size(tp)
     kwargs = dict(lr=group["lr"], weight_decay=group["weight_decay"], adjust_lr_fn=group["adjust_lr_fn"])
     for param, update, rec, split in zip(params, ortho, recs, splits):
