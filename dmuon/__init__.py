@@ -18,7 +18,9 @@ from dmuon.distconfig import (
 )
 from dmuon.faults import Heartbeat
 from dmuon.hooks.dedicate import dedicate_params, default_predicate, no_sync
+from dmuon import qk_clip
 from dmuon.optim import Muon, clip_grad_norm_
+from dmuon.owners.blocks import Split
 from dmuon.owners.plan import MatrixSpec, OwnerPlan, build_plan
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "MatrixSpec",
     "Muon",
     "OwnerPlan",
+    "Split",
     "build_plan",
     "clip_grad_norm_",
     "create_devicemesh_config",
@@ -37,6 +40,7 @@ __all__ = [
     "load",
     "load_state_dict",
     "no_sync",
+    "qk_clip",
     "state_dict",
 ]
 __version__ = "0.1.0"

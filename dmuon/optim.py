@@ -23,6 +23,7 @@ from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.optim_state import OptimizerStateHooks, param_names
+from dmuon.owners.blocks import Split, resolve_splits, split_muon_update_  # noqa: F401
 from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.tp_owner import TPItem, orthogonalize_tp
 from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its old import path
@@ -32,6 +33,7 @@ from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its 
     ns_by_shape,
     validate_hyperparameters,
 )
+from dmuon.qk_clip import QKClip, validate_qk_clip
 
 
 class Muon(torch.optim.Optimizer):
@@ -73,6 +75,15 @@ class Muon(torch.optim.Optimizer):
             other parameters; ``adamw_lr``/``adamw_weight_decay`` default to ``lr``/``weight_decay``.
         ns_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`dmuon.kernels.newton_schulz`).
         max_batch_bytes: cap (bytes) on one same-shape Newton-Schulz batch.
+        per_head: orthogonalize the query / key / value projections of the attention modules
+            dmuon recognizes one head block at a time (:mod:`dmuon.owners.blocks`; model only).
+        split: ``{fqn or parameter: dmuon.Split}`` or a callable ``(fqn, shape) -> Split | None``:
+            matrices cut into blocks Newton-Schulz treats separately (wins over ``per_head``).
+        qk_clip_threshold: QK-clip (MuonClip) threshold ``tau`` on the per-head max attention
+            logit, applied by the owners after each step (:mod:`dmuon.qk_clip`); ``None``: off.
+            A param-group hyper-parameter (saved in state dicts); model only.
+        qk_clip_alpha: the query's share of the clip (``eta ** alpha`` on q, ``eta ** (1 - alpha)``
+            on k).
 
     Attributes:
         strategy: the update strategy (:class:`OwnerUpdate`, ``ConfiguredUpdate`` or
@@ -108,7 +119,13 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float | None = None,
         ns_backend: str = "auto",
         max_batch_bytes: int = 1 << 30,
+        per_head: bool = False,
+        split: Any = None,
+        qk_clip_threshold: float | None = None,
+        qk_clip_alpha: float = 0.5,
     ) -> None:
+        # issue 40: per-head / split Muon and QK-clip (dmuon.owners.blocks, dmuon.qk_clip)
+        validate_qk_clip(qk_clip_threshold, qk_clip_alpha)
         validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
                                  adamw_lr=adamw_lr, adamw_betas=adamw_betas,
@@ -126,7 +143,14 @@ class Muon(torch.optim.Optimizer):
                     f"dmuon: Muon got a model ({type(params).__name__}) and a distributed_config; "
                     f"a model passed to dedicate_params is distributed by dmuon's owner runtime. "
                     f"Pass the model alone, or its parameters with the distributed_config.")
+            muon_defaults.update(qk_clip_threshold=qk_clip_threshold, qk_clip_alpha=qk_clip_alpha)
             groups = OwnerUpdate.param_groups(params, muon_defaults, adamw_defaults)
+        elif per_head or split is not None or qk_clip_threshold is not None:  # issue 40
+            raise ValueError(
+                "dmuon: per_head, split and qk_clip_threshold need the model passed to "
+                "dedicate_params (dmuon.Muon(model, ...)): they find the attention modules and the "
+                "owners of their weights. The parameter / distributed_config path does not support "
+                "them; pass the model, or leave them off.")
         elif params is None or isinstance(params, (str, bytes)):
             raise TypeError(f"dmuon: Muon takes the model passed to dedicate_params, or parameters "
                             f"/ param groups; got {type(params).__name__}")
@@ -141,6 +165,8 @@ class Muon(torch.optim.Optimizer):
         if isinstance(params, nn.Module):
             self.strategy: Any = OwnerUpdate(self, params)
             self.state_ctx = self.strategy.ctx
+            self.strategy.configure_blocks(per_head=per_head, split=split,  # issue 40
+                                           qk_clip=qk_clip_threshold is not None)
         elif distributed_config is None:
             self.strategy = SingleDeviceUpdate(self)
         else:
@@ -187,6 +213,17 @@ class OwnerUpdate:
     def __init__(self, opt: torch.optim.Optimizer, model: nn.Module) -> None:
         self.opt, self.model = opt, model
         self.ctx = get_state(model)
+        self.splits: dict[int, Any] = {}  # issue 40: id(record) -> Split
+        self.qk_clip: Any = None
+
+    def configure_blocks(self, *, per_head: bool, split: Any, qk_clip: bool) -> None:
+        """Issue 40: resolve the per-head / explicit splits of the dedicated matrices
+        (:func:`dmuon.owners.blocks.resolve_splits`) and install QK-clip's logit recording
+        (:class:`dmuon.qk_clip.QKClip`) when ``qk_clip``."""
+        if per_head or split is not None:
+            self.splits = resolve_splits(self.model, self.ctx.records, per_head=per_head, split=split)
+        if qk_clip:
+            self.qk_clip = QKClip(self.model, self.ctx)
 
     @staticmethod
     def param_groups(model: nn.Module, muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
@@ -221,6 +258,9 @@ class OwnerUpdate:
                     self.step_muon(group)
                 else:
                     self.step_adamw(group)
+            if self.qk_clip is not None:  # issue 40: owners scale q/k head rows before publishing
+                with label("dmuon::qk_clip"):
+                    self.qk_clip.apply(self.opt.param_groups[0])
         self.ctx.publish_after_step()
         # after the publications: under FSDP2 this issues the next forward's step check, which
         # publish_after_step's settle() would otherwise wait for at once
@@ -245,6 +285,12 @@ class OwnerUpdate:
                          method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
                          backend=self.opt.ns_backend)
         orthogonalize = ns_by_shape(ns_kwargs, self.opt.max_batch_bytes)
+        splits = [self.splits.get(id(r)) for r in recs] if self.splits else []
+        if any(s is not None for s in splits):  # issue 40: per-head / split Muon
+            with label("dmuon::newton_schulz"):
+                split_muon_update_(params, grads, bufs, recs, splits, group, orthogonalize, ctx)
+            ctx.ns_matrices += sum(1 for r in recs if ctx.roles.tp is None or r.tp_owner == ctx.tp_rank)
+            return
         if ctx.roles.tp is not None:
             local_ns = orthogonalize
 

@@ -25,6 +25,7 @@ LAYERS = {
     "profile": 6, "checkpoint": 6,
     "optim": 5, "baselines": 5,
     "distconfig": 4,
+    "qk_clip": 2.5,  # QK-clip (issue 40): owners math + a collective, below the optimizer
     "hooks": 3,
     "comm": 2,
     "owners": 1,

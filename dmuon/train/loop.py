@@ -49,6 +49,8 @@ class TrainConfig:
         schedule: After warm-up, ``"constant"`` lr or ``"cosine"`` decay to 0 at ``steps``.
         ns_dtype: Newton-Schulz dtype name; ``"auto"`` is float16 on CUDA, float32 on CPU
             (CPU half-precision matmuls are emulated and slower than float32).
+        per_head: per-head Muon on the attention projections (``dmuon.Muon(per_head=True)``).
+        qk_clip: QK-clip threshold (``dmuon.Muon(qk_clip_threshold=...)``), ``None``: off.
         seed: Seed of model init, batches and flow noise.
         out: Path of ``summary.json`` (rank 0), or ``None``.
         plot: Write ``<out stem>_loss.png`` beside the summary when matplotlib is present.
@@ -70,6 +72,8 @@ class TrainConfig:
     warmup: int = 10
     schedule: str = "constant"
     ns_dtype: str = "auto"
+    per_head: bool = False
+    qk_clip: float | None = None
     seed: int = 0
     out: str | None = None
     plot: bool = True
@@ -98,6 +102,9 @@ class TrainConfig:
                 f"image_size={self.model.image_size}) disagree; build both from the same options.")
         if self.data.horizon != self.model.horizon:
             raise ValueError(f"dmuon.train: data horizon {self.data.horizon} != model horizon {self.model.horizon}.")
+        if (self.per_head or self.qk_clip is not None) and self.optimizer != "dmuon":
+            raise ValueError(f"dmuon.train: --per-head and --qk-clip need --optimizer dmuon, got "
+                             f"{self.optimizer!r}.")
         if self.ns_dtype not in ("auto", "float16", "bfloat16", "float32"):
             raise ValueError(
                 f"dmuon.train: --ns-dtype {self.ns_dtype!r}; choose auto, float16, bfloat16 or float32."
@@ -157,7 +164,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, mesh, device: torch.devi
             "checkout does not export yet; use --optimizer vanilla or adamw."
         )
     dmuon.dedicate_params(model, mesh)
-    return dmuon.Muon(model, **common)
+    return dmuon.Muon(model, per_head=cfg.per_head, qk_clip_threshold=cfg.qk_clip, **common)
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -253,6 +260,9 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         if rank == 0 and (not quiet or (step + 1) % max(1, cfg.steps // 20) == 0):
             line = (f"step {step + 1:4d}/{cfg.steps}  loss {losses[-1]:.4f}  step {step_s[-1]:.3f}s  "
                     f"opt {opt_s[-1]:.3f}s")
+            clip = getattr(getattr(opt, "strategy", None), "qk_clip", None)
+            if clip is not None:  # --qk-clip: how many heads the step clipped, and the max logit
+                line += f"  qk-clip {clip.clipped_heads} heads (max logit {clip.max_logit:.3f})"
             (bar.write if quiet else print)(line)
         if cfg.save and ((cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps):
             path = ckpt.save_checkpoint(cfg.save, step + 1, model, opt, cfg.optimizer, dataclasses.asdict(cfg))

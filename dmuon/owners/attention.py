@@ -1,0 +1,254 @@
+"""Attention modules dmuon recognizes, and where their heads live in the projection weights.
+
+Per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`) both need to know,
+for each attention module, which weight holds the query / key / value projections and which
+rows of it belong to which head. This module is the one place that reads that off the layouts
+users have:
+
+* Hugging Face ``transformers`` (Llama, Qwen, Gemma, SigLIP, ... ``*Attention`` with
+  ``q_proj`` / ``k_proj`` / ``v_proj``): head counts from the module (``num_heads``,
+  ``num_key_value_heads``, ``head_dim``) or its ``config`` (``num_attention_heads``,
+  ``num_key_value_heads``, ``head_dim``);
+* ``torch.nn.MultiheadAttention`` with one ``in_proj_weight`` ``[3E, E]`` (fused ``[q; k; v]``);
+* torchtitan's llama3 (``wq`` / ``wk`` / ``wv`` with ``n_heads`` / ``n_kv_heads`` / ``head_dim``)
+  and its fused ``FusedQKVLinear`` (``wqkv`` laid out KV-group-major, ``[n_kv, heads_per_kv + 2,
+  head_dim, dim]``: each group's query heads, then its key head, then its value head; torchtitan
+  ``FusedQKVLinear._split_qkv_on_save``);
+* a ``qkv`` ``Linear`` laid out ``[q; k; v]`` with ``num_heads`` / ``heads`` (timm's ViT
+  ``Attention``, dmuon.train's vision blocks), and ``q`` + ``kv`` (``[k; v]``) ``Linear`` pairs
+  (dmuon.train's backbone and action-expert blocks).
+
+Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (grouped-query attention as
+``transformers``' ``repeat_kv`` and ``F.scaled_dot_product_attention(enable_gqa=True)``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from torch import nn
+
+_HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head", "heads")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_heads")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightRef:
+    """A projection weight: ``module._parameters[attr]`` (a dedicated record's slot), and the
+    first row of each head in it.
+
+    Attributes:
+        module: the module holding the weight (a ``Linear``, or the attention module itself).
+        attr: the parameter's attribute name.
+        head_rows: first row of each head's ``head_dim`` rows, in head order.
+        head_dim: rows per head.
+    """
+
+    module: nn.Module
+    attr: str
+    head_rows: tuple[int, ...]
+    head_dim: int
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionLayout:
+    """One attention module and its projections.
+
+    Attributes:
+        name: the module's name in the model.
+        module: the module whose forward computes the attention (hooks go here).
+        num_heads: query heads.
+        num_kv_heads: key/value heads (``num_heads`` without grouped-query attention).
+        head_dim: query/key rows per head.
+        q, k, v: the projections' weights and head rows (``v`` may be ``None``).
+    """
+
+    name: str
+    module: nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q: WeightRef
+    k: WeightRef
+    v: WeightRef | None
+
+    @property
+    def group(self) -> int:
+        """Query heads per key head."""
+        return self.num_heads // self.num_kv_heads
+
+    def weights(self) -> list[WeightRef]:
+        """The distinct projection weights, each once with all its heads' rows (a fused weight
+        is one entry holding the q, k and v heads)."""
+        merged: dict[tuple[int, str], WeightRef] = {}
+        for ref in (self.q, self.k, self.v):
+            if ref is None:
+                continue
+            key = (id(ref.module), ref.attr)
+            if key in merged:
+                old = merged[key]
+                rows = tuple(sorted(set(old.head_rows) | set(ref.head_rows)))
+                merged[key] = WeightRef(ref.module, ref.attr, rows, ref.head_dim)
+            else:
+                merged[key] = ref
+        return list(merged.values())
+
+
+def _int_attr(objs: list[Any], names: tuple[str, ...]) -> int | None:
+    for obj in objs:
+        for name in names:
+            value = getattr(obj, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _rows(module: nn.Module, attr: str = "weight", full_rows: Any = None) -> int | None:
+    if full_rows and (id(module), attr) in full_rows:
+        return int(full_rows[(id(module), attr)])
+    w = getattr(module, attr, None)
+    shape = getattr(w, "_dmuon_shape", None) or (tuple(w.shape) if w is not None else None)
+    return int(shape[0]) if shape else None
+
+
+def _check(name: str, what: str, rows: int | None, expected: int) -> None:
+    if rows != expected:
+        raise ValueError(
+            f"dmuon: attention module {name!r}: its {what} has {rows} rows, but its head counts "
+            f"say {expected}; give the split explicitly with split={{...: dmuon.Split(...)}} or "
+            f"leave per_head / qk_clip_threshold off.")
+
+
+def _separate(name: str, module: nn.Module, q: nn.Module, k: nn.Module, v: nn.Module,
+              extra: list[Any], full_rows: Any = None) -> AttentionLayout | None:
+    sources = [module, *extra, getattr(module, "config", None)]
+    sources = [s for s in sources if s is not None]
+    heads = _int_attr(sources, _HEADS)
+    q_rows, k_rows, v_rows = (_rows(m, full_rows=full_rows) for m in (q, k, v))
+    if heads is None or q_rows is None:
+        return None
+    kv = _int_attr(sources, _KV_HEADS) or heads
+    head_dim = _int_attr(sources, ("head_dim",)) or q_rows // heads
+    _check(name, "query projection", q_rows, heads * head_dim)
+    _check(name, "key projection", k_rows, kv * head_dim)
+    if heads % kv or not v_rows or v_rows % kv:
+        raise ValueError(f"dmuon: attention module {name!r}: {heads} query heads, {kv} key/value "
+                         f"heads and {v_rows} value rows do not group evenly.")
+    v_dim = v_rows // kv
+    return AttentionLayout(
+        name=name, module=module, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        q=WeightRef(q, "weight", tuple(h * head_dim for h in range(heads)), head_dim),
+        k=WeightRef(k, "weight", tuple(h * head_dim for h in range(kv)), head_dim),
+        v=WeightRef(v, "weight", tuple(h * v_dim for h in range(kv)), v_dim))
+
+
+def _recognize(name: str, module: nn.Module, full_rows: Any = None) -> AttentionLayout | None:
+    if isinstance(module, nn.MultiheadAttention):
+        if not module._qkv_same_embed_dim or module.in_proj_weight is None:
+            return None
+        heads, dim = module.num_heads, module.head_dim
+        e = module.embed_dim
+        rows = tuple(h * dim for h in range(heads))
+        ref = lambda off: WeightRef(module, "in_proj_weight", tuple(off + r for r in rows), dim)  # noqa: E731
+        return AttentionLayout(name=name, module=module, num_heads=heads, num_kv_heads=heads,
+                               head_dim=dim, q=ref(0), k=ref(e), v=ref(2 * e))
+    children = dict(module.named_children())
+    if all(isinstance(children.get(n), nn.Linear) for n in ("q_proj", "k_proj", "v_proj")):
+        return _separate(name, module, children["q_proj"], children["k_proj"], children["v_proj"], [],
+                         full_rows)
+    if isinstance(children.get("qkv"), nn.Linear):  # timm / ViT: one [q; k; v] Linear
+        return _fused_qkv(name, module, children["qkv"], full_rows)
+    if isinstance(children.get("q"), nn.Linear) and isinstance(children.get("kv"), nn.Linear):
+        return _q_kv(name, module, children["q"], children["kv"], full_rows)
+    # torchtitan: the projections sit on the attention module or on its ``qkv_linear`` child
+    for holder, extra in ((module, []), (children.get("qkv_linear"), [module])):
+        if holder is None:
+            continue
+        parts = dict(holder.named_children())
+        if all(isinstance(parts.get(n), nn.Linear) for n in ("wq", "wk", "wv")):
+            return _separate(name, module, parts["wq"], parts["wk"], parts["wv"], [holder] + extra, full_rows)
+        if isinstance(parts.get("wqkv"), nn.Linear):
+            return _fused_group_major(name, module, parts["wqkv"], [holder, module], full_rows)
+    return None
+
+
+def _fused_qkv(name: str, module: nn.Module, qkv: nn.Linear, full_rows: Any) -> AttentionLayout | None:
+    """``qkv`` ``[3 * heads * head_dim, dim]`` laid out ``[q; k; v]`` (timm ``Attention``)."""
+    heads, rows = _int_attr([module], _HEADS), _rows(qkv, full_rows=full_rows)
+    if heads is None or rows is None or rows % (3 * heads):
+        return None
+    dim = _int_attr([module], ("head_dim",)) or rows // (3 * heads)
+    _check(name, "fused qkv", rows, 3 * heads * dim)
+    ref = lambda off: WeightRef(qkv, "weight", tuple(off + h * dim for h in range(heads)), dim)  # noqa: E731
+    return AttentionLayout(name=name, module=module, num_heads=heads, num_kv_heads=heads,
+                           head_dim=dim, q=ref(0), k=ref(heads * dim), v=ref(2 * heads * dim))
+
+
+def _q_kv(name: str, module: nn.Module, q: nn.Linear, kv: nn.Linear, full_rows: Any) -> AttentionLayout | None:
+    """``q`` ``[heads * head_dim, dim]`` and a fused ``kv`` ``[2 * kv_heads * head_dim, dim]``
+    laid out ``[k; v]`` (dmuon.train's policy: one shared key/value head)."""
+    heads, dim = _int_attr([module], _HEADS), _int_attr([module], ("head_dim",))
+    q_rows, kv_rows = _rows(q, full_rows=full_rows), _rows(kv, full_rows=full_rows)
+    if heads is None or q_rows is None or kv_rows is None:
+        return None
+    dim = dim or q_rows // heads
+    _check(name, "query projection", q_rows, heads * dim)
+    kv_heads = _int_attr([module], _KV_HEADS) or kv_rows // (2 * dim)
+    _check(name, "fused kv", kv_rows, 2 * kv_heads * dim)
+    if kv_heads < 1 or heads % kv_heads:
+        return None
+    return AttentionLayout(
+        name=name, module=module, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+        q=WeightRef(q, "weight", tuple(h * dim for h in range(heads)), dim),
+        k=WeightRef(kv, "weight", tuple(h * dim for h in range(kv_heads)), dim),
+        v=WeightRef(kv, "weight", tuple((kv_heads + h) * dim for h in range(kv_heads)), dim))
+
+
+def _fused_group_major(name: str, module: nn.Module, wqkv: nn.Linear, sources: list[Any],
+                       full_rows: Any = None) -> AttentionLayout | None:
+    heads = _int_attr(sources, _HEADS)
+    head_dim = _int_attr(sources, ("head_dim",))
+    rows = _rows(wqkv, full_rows=full_rows)
+    if heads is None or head_dim is None or rows is None:
+        return None
+    kv = _int_attr(sources, _KV_HEADS) or heads
+    _check(name, "fused wqkv", rows, (heads + 2 * kv) * head_dim)
+    per = heads // kv  # heads_per_kv; each group holds per + 2 head blocks
+    q_rows = tuple(((h // per) * (per + 2) + h % per) * head_dim for h in range(heads))
+    k_rows = tuple((g * (per + 2) + per) * head_dim for g in range(kv))
+    v_rows = tuple((g * (per + 2) + per + 1) * head_dim for g in range(kv))
+    return AttentionLayout(
+        name=name, module=module, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
+        q=WeightRef(wqkv, "weight", q_rows, head_dim), k=WeightRef(wqkv, "weight", k_rows, head_dim),
+        v=WeightRef(wqkv, "weight", v_rows, head_dim))
+
+
+def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]:
+    """Every attention module of ``model`` dmuon recognizes, in module order (an outer match
+    hides nothing inside it: its projections are its own).
+
+    Args:
+        records: the model's dedicated records: their ``full_shape`` gives a weight's rows (a
+            TP rank's module holds a slice, a non-owner's a placeholder).
+
+    Raises:
+        ValueError: a recognized module whose head counts do not match its weights' rows.
+    """
+    full_rows = {(id(r.module), r.attr): r.full_shape[0] for r in records}
+    found: list[AttentionLayout] = []
+    inside: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        layout = _recognize(name, module, full_rows)
+        if layout is not None:
+            found.append(layout)
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
+def iter_weights(layouts: list[AttentionLayout]) -> Iterator[WeightRef]:
+    """Every projection weight of ``layouts`` once (fused weights merged)."""
+    for layout in layouts:
+        yield from layout.weights()

@@ -1,0 +1,322 @@
+"""Split Muon: a matrix orthogonalized block by block (per-head Muon).
+
+A :class:`Split` says how one dedicated matrix cuts into blocks along a dimension that
+Newton-Schulz treats as matrices of their own: ``Split.heads(num_heads, head_dim)`` for a query
+/ key / value projection (rows grouped by head), ``Split(sizes=(...))`` for blocks of any sizes
+(a fused ``[q; k; v]`` as three parts, or each part per head). The owner forms the momentum and
+Nesterov update of the whole matrix, orthogonalizes every block (the blocks of one matrix and
+same-shape blocks of other matrices in one batched Newton-Schulz call,
+:func:`dmuon.kernels.orthogonalize_by_shape`), and applies each block with the learning rate
+adjusted by *the block's* shape. That is ``torch.optim.Muon`` run on every block as a parameter
+of its own (momentum and weight decay are element-wise, so they do not care), and the rule
+torchtitan's per-head Muon uses: its ``_adjust_muon_learning_rate`` reads the last two dims of
+the ``[num_heads, head_dim, dim]`` compute view (torchtitan ``distributed/flex_shard`` DistMuon,
+``AttentionPerHeadComputeView``, PR #4078).
+
+Under tensor parallelism a matrix whose TP slices hold whole blocks (q / k / v sharded colwise on
+head boundaries) is orthogonalized block by block on each TP rank, with no exchange; otherwise
+the TP owner gathers the slices as for any matrix (:mod:`dmuon.owners.tp_owner`) and cuts the
+full update into blocks there. Each TP rank applies the learning rates of the blocks its slice
+intersects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.owners.attention import find_attention
+from dmuon.owners.slices import chunk_sizes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Split:
+    """How one matrix cuts into Newton-Schulz blocks.
+
+    Attributes:
+        sizes: block sizes along ``dim``, in order; they must add up to the matrix's size there.
+        dim: 0 (row blocks, e.g. heads of a ``[heads * head_dim, dim]`` projection) or 1
+            (column blocks).
+    """
+
+    sizes: tuple[int, ...]
+    dim: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.sizes) if isinstance(self.sizes, (tuple, list)) else None
+        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"dmuon: Split.sizes must be a non-empty tuple of positive ints, got "
+                             f"{self.sizes!r}")
+        object.__setattr__(self, "sizes", sizes)
+        if self.dim not in (0, 1):
+            raise ValueError(f"dmuon: Split.dim must be 0 (rows) or 1 (columns), got {self.dim!r}")
+
+    @classmethod
+    def heads(cls, num_heads: int, head_dim: int, *, dim: int = 0) -> "Split":
+        """``num_heads`` blocks of ``head_dim`` rows (or columns)."""
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"dmuon: Split.heads needs a positive num_heads, got {num_heads!r}")
+        return cls(sizes=(head_dim,) * num_heads, dim=dim)
+
+    @classmethod
+    def fused(cls, *parts: "Split | int") -> "Split":
+        """Parts laid end to end along one dim: a :class:`Split` (its blocks) or an ``int`` (one
+        block of that size). ``Split.fused(Split.heads(8, 64), Split.heads(2, 64), 128)``: a
+        fused ``[q; k; v]`` with q and k per head and v whole."""
+        dims = {p.dim for p in parts if isinstance(p, Split)}
+        if len(dims) > 1:
+            raise ValueError(f"dmuon: Split.fused parts split different dims {sorted(dims)}")
+        sizes: list[int] = []
+        for part in parts:
+            sizes.extend(part.sizes if isinstance(part, Split) else (part,))
+        return cls(sizes=tuple(sizes), dim=dims.pop() if dims else 0)
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """``[start, stop)`` of every block along ``dim``."""
+        out, start = [], 0
+        for size in self.sizes:
+            out.append((start, start + size))
+            start += size
+        return out
+
+    def block_shape(self, index: int, shape: Sequence[int]) -> tuple[int, int]:
+        """``(rows, cols)`` of block ``index`` of a matrix of ``shape``."""
+        rows, cols = int(shape[0]), int(shape[1])
+        return (self.sizes[index], cols) if self.dim == 0 else (rows, self.sizes[index])
+
+    def check(self, fqn: str, shape: Sequence[int]) -> None:
+        """Raise ``ValueError`` naming ``fqn`` unless the blocks tile ``shape`` along ``dim``."""
+        if len(shape) != 2 or sum(self.sizes) != shape[self.dim]:
+            raise ValueError(
+                f"dmuon: split of parameter {fqn!r} (shape {tuple(shape)}): blocks {self.sizes} "
+                f"along dim {self.dim} add up to {sum(self.sizes)}, not the matrix's "
+                f"{shape[self.dim] if len(shape) == 2 else shape}; give sizes that tile it.")
+
+
+def per_head_splits(model: nn.Module, records: Sequence[Any] = ()) -> dict[tuple[int, str], Split]:
+    """Per-head splits of the q / k / v projections of every attention module
+    :func:`dmuon.owners.attention.find_attention` recognizes, keyed by ``(id(module), attr)``
+    of the weight (a fused weight: every q, k and v head, in row order)."""
+    blocks: dict[tuple[int, str], set[tuple[int, int]]] = {}
+    for layout in find_attention(model, records):
+        for ref in (layout.q, layout.k, layout.v):
+            if ref is not None:
+                blocks.setdefault((id(ref.module), ref.attr), set()).update(
+                    (r, ref.head_dim) for r in ref.head_rows)
+    return {key: Split(sizes=tuple(size for _, size in sorted(found)))
+            for key, found in blocks.items()}
+
+
+def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
+                   split: Mapping[Any, Split] | Callable[[str, tuple[int, ...]], Split | None] | None
+                   ) -> dict[int, Split]:
+    """The split of every dedicated record that has one, keyed by ``id(record)``.
+
+    Args:
+        model: the model passed to ``dedicate_params``.
+        records: its dedicated records (:class:`dmuon.owners.dedicated.DedicatedParam`).
+        per_head: split the recognized attention projections per head.
+        split: ``{fqn or parameter: Split}`` (explicit entries win over ``per_head``), or a
+            callable ``(fqn, full_shape) -> Split | None``.
+
+    Raises:
+        ValueError: a ``split`` key that names no dedicated matrix, a split that does not tile
+            its matrix, a matrix that is an expert stack or already cut into row blocks
+            (``fused_blocks``), or a value that is not a :class:`Split`.
+    """
+    by_slot = per_head_splits(model, records) if per_head else {}
+    by_fqn: dict[str, Split] = {}
+    call = None
+    if callable(split) and not isinstance(split, Mapping):
+        call = split
+    elif split is not None:
+        if not isinstance(split, Mapping):
+            raise ValueError(f"dmuon: split must be a mapping {{fqn or parameter: Split}} or a "
+                             f"callable (fqn, shape) -> Split | None; got {type(split).__name__}")
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        for rec in records:
+            names.setdefault(id(rec.master), rec.fqn)
+        known = {rec.fqn for rec in records}
+        for key, value in split.items():
+            fqn = key if isinstance(key, str) else names.get(id(key))
+            fqn = getattr(key, "_dmuon_fqn", fqn) if not isinstance(key, str) else fqn
+            if fqn not in known:
+                raise ValueError(
+                    f"dmuon: split names {key if isinstance(key, str) else 'a parameter'!r} "
+                    f"({fqn!r}), which is not a dedicated matrix of this model; name one of "
+                    f"{sorted(known)[:6]}{'...' if len(known) > 6 else ''}.")
+            by_fqn[fqn] = value
+    out: dict[int, Split] = {}
+    for rec in records:
+        found = by_fqn.get(rec.fqn)
+        if found is None and call is not None:
+            found = call(rec.fqn, tuple(rec.full_shape))
+        if found is None:
+            found = by_slot.get((id(rec.module), rec.attr))
+        if found is None:
+            continue
+        if not isinstance(found, Split):
+            raise ValueError(f"dmuon: the split of {rec.fqn!r} must be a dmuon.Split, got "
+                             f"{type(found).__name__}")
+        if rec.stack is not None or rec.experts is not None or tuple(rec.matrix_shape) != tuple(rec.full_shape):
+            raise ValueError(
+                f"dmuon: parameter {rec.fqn!r} is an expert stack or already cut into row blocks "
+                f"(matrix {tuple(rec.matrix_shape)} of {tuple(rec.full_shape)}); a split applies to "
+                f"a plain matrix. Drop it from fused_blocks, or give it no split.")
+        found.check(rec.fqn, rec.full_shape)
+        out[id(rec)] = found
+    return out
+
+
+def _cut(update: torch.Tensor, split: Split) -> list[torch.Tensor]:
+    pieces = [update.narrow(split.dim, a, b - a) for a, b in split.bounds()]
+    return pieces if split.dim == 0 else [p.contiguous() for p in pieces]
+
+
+def split_orthogonalize(splits: Sequence[Split | None], matrix_shapes: Sequence[tuple[int, int]] | None,
+                        ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                        ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """Newton-Schulz over full updates (one per entry of ``splits``), each cut into its blocks
+    (``None``: whole, or a stack's matrices of ``matrix_shapes[i]``), all blocks in one
+    ``ns`` call (batched by shape), each result shaped like its update again."""
+    from dmuon.owners.stacks import as_matrices
+
+    def run(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat: list[torch.Tensor] = []
+        spans = []
+        for i, (update, split) in enumerate(zip(updates, splits)):
+            if split is not None:
+                pieces = _cut(update, split)
+            elif matrix_shapes is None or tuple(update.shape) == tuple(matrix_shapes[i]):
+                pieces = [update]
+            else:
+                pieces = list(as_matrices(update, matrix_shapes[i]).unbind(0))
+            spans.append((len(flat), len(pieces)))
+            flat.extend(pieces)
+        out = ns(flat) if flat else []
+        result = []
+        for update, split, (start, count) in zip(updates, splits, spans):
+            part = out[start: start + count]
+            if split is not None:
+                result.append(torch.cat(part, dim=split.dim))
+            elif count == 1 and tuple(part[0].shape) == tuple(update.shape):
+                result.append(part[0])
+            else:
+                result.append(torch.stack(part).view(update.shape))
+        return result
+
+    return run
+
+
+def apply_split_update_(param: torch.Tensor, update: torch.Tensor, split: Split, *, lr: float,
+                        weight_decay: float, adjust_lr_fn: str | None, full_shape: Sequence[int],
+                        tp_shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Decoupled weight decay, then every block ``param[block] -= adjust_lr(lr, block) *
+    update[block]`` (``torch.optim.Muon``'s ``_single_tensor_muon`` on each block).
+
+    Args:
+        param: fp32 master ``[rows, cols]``, or this rank's TP slice of it; updated in place.
+        update: the orthogonalized update, same shape as ``param``.
+        full_shape: ``(rows, cols)`` of the whole matrix.
+        tp_shard_dim, tp_rank, tp_size: the TP slice ``param`` is (``tp_shard_dim`` None: whole).
+    """
+    from dmuon.owners.update import adjust_lr
+
+    param.mul_(1 - lr * weight_decay)
+    dim = split.dim
+    offset = 0
+    if tp_shard_dim == dim and tp_size > 1:
+        offset = sum(chunk_sizes(int(full_shape[dim]), tp_size)[:tp_rank])
+    length = param.shape[dim]
+    for index, (a, b) in enumerate(split.bounds()):
+        lo, hi = max(a, offset), min(b, offset + length)
+        if lo >= hi:
+            continue
+        alpha = -adjust_lr(lr, adjust_lr_fn, split.block_shape(index, full_shape))
+        param.narrow(dim, lo - offset, hi - lo).add_(
+            update.narrow(dim, lo - offset, hi - lo).to(param.dtype), alpha=alpha)
+
+
+def tp_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """``(rank, size)`` in the TP group, ``(0, 1)`` without one."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _local_split(rec: Any, split: Split | None, rank: int, size: int) -> Split | None:
+    """The blocks of this TP rank's slice when every TP slice of ``rec`` holds whole blocks
+    (a colwise-sharded q/k/v split by heads on a head boundary); ``None`` otherwise (no split,
+    another shard dim, a block cut by a slice boundary, or an empty slice). Depends on shapes
+    only, so every TP rank decides alike."""
+    if split is None or rec.tp_shard_dim != split.dim or size == 1:
+        return None
+    sizes = chunk_sizes(int(rec.full_shape[split.dim]), size)
+    if 0 in sizes:
+        return None
+    cuts = {0}
+    for n in sizes:
+        cuts.add(max(cuts) + n)
+    edges = {a for a, _ in split.bounds()} | {b for _, b in split.bounds()}
+    if not cuts <= edges:
+        return None
+    start = sum(sizes[:rank])
+    return Split(sizes=tuple(b - a for a, b in split.bounds() if start <= a and b <= start + sizes[rank]),
+                 dim=split.dim)
+
+
+def split_muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor],
+                       bufs: list[torch.Tensor], recs: Sequence[Any], splits: Sequence[Split | None],
+                       group: dict, ns: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                       ctx: Any) -> None:
+    """One Muon step on the owned masters of a group of which some have a :class:`Split`.
+
+    Momentum and Nesterov on the whole matrices (:func:`dmuon.owners.update.momentum_update_`),
+    Newton-Schulz of every block (through the TP owners under tensor parallelism), then
+    :func:`apply_split_update_` (split) or :func:`dmuon.owners.update.apply_update_` (the rest,
+    exactly as without splits).
+
+    Args:
+        params, grads, bufs: the owned fp32 masters (TP slices), their reduced gradients and
+            momentum buffers, same order; ``params`` and ``bufs`` updated in place.
+        recs: their records; ``splits``: each one's split or ``None``.
+        group: the Muon param group (hyper-parameters).
+        ns: batched Newton-Schulz over full matrices (:func:`dmuon.owners.update.ns_by_shape`).
+        ctx: the model's :class:`dmuon.hooks.state.DedicateState` (TP group and rank).
+    """
+    from dmuon.owners.tp_owner import TPItem, orthogonalize_tp
+    from dmuon.owners.update import apply_update_, momentum_update_
+
+    updates = [momentum_update_(g, b, momentum=group["momentum"], nesterov=group["nesterov"])
+               for g, b in zip(grads, bufs)]
+    tp = ctx.roles.tp
+    if tp is None:
+        ortho = split_orthogonalize(splits, [r.matrix_shape for r in recs], ns)(updates)
+    else:
+        rank, size = tp_rank_size(tp)
+        # blocks that each lie within one TP rank's slice are orthogonalized there, no exchange
+        local = [_local_split(r, s, rank, size) for r, s in zip(recs, splits)]
+        ortho = [None] * len(updates)
+        here = [i for i, s in enumerate(local) if s is not None]
+        for i, out in zip(here, split_orthogonalize([local[i] for i in here], None, ns)(
+                [updates[i] for i in here])):
+            ortho[i] = out
+        # the rest: the TP owner cuts the gathered full update (orthogonalize_tp keeps order)
+        rest = [i for i, s in enumerate(local) if s is None]
+        mine = [splits[i] for i in rest if recs[i].tp_owner == ctx.tp_rank]
+        items = [TPItem(updates[i], recs[i].tp_shard_dim, recs[i].full_shape, recs[i].tp_owner) for i in rest]
+        for i, out in zip(rest, orthogonalize_tp(items, tp, split_orthogonalize(mine, None, ns))):
+            ortho[i] = out
+    rank, size = tp_rank_size(tp)
+    kwargs = dict(lr=group["lr"], weight_decay=group["weight_decay"], adjust_lr_fn=group["adjust_lr_fn"])
+    for param, update, rec, split in zip(params, ortho, recs, splits):
+        if split is None:
+            apply_update_(param, update, shape=rec.full_shape if tp is not None else rec.matrix_shape,
+                          **kwargs)
+        else:
+            apply_split_update_(param, update, split, full_shape=rec.full_shape,
+                                tp_shard_dim=rec.tp_shard_dim, tp_rank=rank, tp_size=size, **kwargs)
