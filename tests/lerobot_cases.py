@@ -312,3 +312,94 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
     dedicated = sorted(r.fqn for r in policy._dmuon_state.records)
     return dict(params=full_params(policy, rank), losses=losses, norms=norms,
                 local_fraction=local_numel(policy) / total, dedicated=dedicated)
+
+
+# ---------------------------------------------------------------------------- entry point
+@contextlib.contextmanager
+def local_tokenizer(path: str) -> Iterator[None]:
+    """LeRobot's ``TokenizerProcessorStep`` loads the tokenizer at ``path`` whatever name its
+    processor asks for (pi0 / pi05 ask for PaliGemma's on the hub)."""
+    from lerobot.processor import tokenizer_processor as m
+
+    original = m.AutoTokenizer.from_pretrained
+    with mock.patch.object(m.AutoTokenizer, "from_pretrained",
+                           lambda name, *a, **k: original(path, *a, **k)):
+        yield
+
+
+def train_entry(rank: int, world_size: int, *, argv: list[str], policy: str,
+                tokenizer: str) -> list[dict[str, float]]:
+    """``dmuon.integrations.lerobot.train.main(argv)`` with the tiny backbones of ``policy``
+    and the local tokenizer; returns its per-step records."""
+    from dmuon.integrations.lerobot import train
+
+    with tiny(policy), local_tokenizer(tokenizer):
+        return train.main(argv)
+
+
+def entry_reference(cfg: Any, args: Any, *, world_size: int = 2) -> dict[str, Any]:
+    """The entry point's run in one process with ``torch.optim.Muon`` (fp32 iteration) +
+    ``AdamW``: the same LeRobot config, dataset, policy, processors and scheduler, each
+    simulated rank's batches (``train.batches``) and RNG stream (every rank starts from the
+    seeded state and draws its own noise), the loss averaged over ranks, LeRobot's clip.
+    Shares with dmuon only the batch order (``train.batches``, a pure function of the seed)."""
+    from lerobot.datasets.factory import make_train_eval_datasets
+    from lerobot.policies import make_policy, make_pre_post_processors
+    from lerobot.utils.random_utils import set_seed
+
+    from dmuon.integrations.lerobot import train
+    from tests import models
+
+    set_seed(cfg.seed)
+    dataset, _ = make_train_eval_datasets(cfg)
+    policy = make_policy(cfg=cfg.policy, ds_meta=dataset.meta, rename_map=cfg.rename_map)
+    pre, _ = make_pre_post_processors(policy_cfg=cfg.policy, dataset_stats=dataset.meta.stats)
+    policy.train()
+    names = set(matrix_names(policy))
+    o = cfg.optimizer
+    muon = torch.optim.Muon([p for n, p in policy.named_parameters() if n in names], lr=args.lr,
+                            weight_decay=o.weight_decay, ns_coefficients=models.MUON_COEFFICIENTS)
+    adamw = torch.optim.AdamW([p for n, p in policy.named_parameters()
+                               if n not in names and p.requires_grad],
+                              lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+    scheds = [cfg.scheduler.build(x, cfg.steps) for x in (muon, adamw)]
+    initial = {n: p.detach().numpy().copy() for n, p in policy.state_dict().items()}
+    rng = [torch.get_rng_state() for _ in range(world_size)]
+    data = [train.batches(dataset, cfg.batch_size, cfg.seed, 0, r, world_size)
+            for r in range(world_size)]
+    losses = []
+    with models.reference_ns(torch.float32):
+        for _ in range(cfg.steps):
+            total = 0.0
+            for r in range(world_size):
+                torch.set_rng_state(rng[r])
+                loss, _ = policy(pre(next(data[r])))
+                rng[r] = torch.get_rng_state()
+                (loss / world_size).backward()
+                total += loss.item() / world_size
+            losses.append(total)
+            torch.nn.utils.clip_grad_norm_(policy.parameters(), o.grad_clip_norm)
+            for x in (muon, adamw):
+                x.step()
+                x.zero_grad()
+            for s in scheds:
+                s.step()
+    return dict(losses=losses, initial=initial,
+                params={n: p.detach().numpy().copy() for n, p in policy.state_dict().items()})
+
+
+def entry_reference_main(argv: list[str], policy: str, tokenizer: str) -> dict[str, Any]:
+    """:func:`entry_reference` on ``argv`` parsed as the entry point parses it (one process)."""
+    from dmuon.integrations.lerobot import train
+
+    with tiny(policy), local_tokenizer(tokenizer):
+        return train.main(argv, runner=entry_reference)
+
+
+def load_exported(policy: str, path: str, tokenizer: str) -> dict[str, Any]:
+    """``<Policy>.from_pretrained(path)``, LeRobot's own loader, as numpy by state-dict key."""
+    from lerobot.policies.factory import get_policy_class
+
+    with tiny(policy), local_tokenizer(tokenizer):
+        loaded = get_policy_class(policy).from_pretrained(path)
+    return {n: p.detach().numpy().copy() for n, p in loaded.state_dict().items()}
