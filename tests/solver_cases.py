@@ -1,8 +1,10 @@
 """Stub CBC solvers that fail on purpose, and the multi-rank case that runs dedicate_params
 (no plan given) under them (issue 28 item 4).
 
-Each stub replaces ``pulp.PULP_CBC_CMD`` (what :mod:`dmuon.balance.milp` calls) and counts its
-calls, so a test can tell that the MILP really ran and failed, rather than never being tried.
+Each stub replaces PuLP's CBC class (``PULP_CBC_CMD`` on PuLP 3, ``COIN_CMD`` on PuLP 4: what
+:func:`dmuon.balance.pulp_api.cbc` calls) and counts its calls, so a test can tell that the
+MILP really ran and failed, rather than never being tried. The stubs answer in the installed
+PuLP's own terms (PuLP 3: a status on the problem; PuLP 4: an ``LpSolveStats``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,33 @@ CRASH_TEXT = "stub CBC: terminate called after throwing an instance of 'CoinErro
 GARBAGE_VALUE = 0.5
 
 
+def pulp_major() -> int:
+    import pulp
+
+    from dmuon.balance import pulp_api
+
+    return pulp_api.major(pulp)
+
+
+def _answer(lp, outcome: str):
+    """What PuLP's CBC returns for ``outcome`` ("optimal", "not_solved", "infeasible")."""
+    import pulp
+
+    if pulp_major() >= 4:
+        status = {"optimal": pulp.LpSolveStatus.Optimal, "not_solved": pulp.LpSolveStatus.NotSolved,
+                  "infeasible": pulp.LpSolveStatus.Infeasible}[outcome]
+        return pulp.LpSolveStats(solver="stub", status=status, has_solution=outcome == "optimal")
+    status, solution = {
+        "optimal": (pulp.LpStatusOptimal, pulp.LpSolutionOptimal),
+        "not_solved": (pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound),
+        "infeasible": (pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible)}[outcome]
+    lp.assignStatus(status, solution)
+    return status
+
+
 class _Stub:
-    """Takes PULP_CBC_CMD's arguments; ``actualSolve`` is what ``LpProblem.solve`` calls."""
+    """Takes the CBC class's arguments; ``actualSolve`` is what PuLP 3's ``LpProblem.solve``
+    calls, ``solve`` what PuLP 4's calls."""
 
     calls: list[bool] = []  # warmStart of every call, in order (reset by ``stub_cbc``)
     procs: list = []  # the "hang" stub's child processes
@@ -31,6 +58,9 @@ class _Stub:
         # what dmuon's hang watchdog kills by name: the "hang" stub's child runs this binary
         self.path = os.path.realpath(sys.executable)
 
+    def solve(self, lp, **kwargs):
+        return self.actualSolve(lp, **kwargs)
+
     def actualSolve(self, lp, **kwargs):
         import pulp
 
@@ -42,16 +72,13 @@ class _Stub:
         if self.kind == "garbage":  # "optimal", with values that are no plan
             for var in lp.variables():
                 var.varValue = GARBAGE_VALUE
-            lp.assignStatus(pulp.LpStatusOptimal, pulp.LpSolutionOptimal)
-            return pulp.LpStatusOptimal
+            return _answer(lp, "optimal")
         if self.kind == "zeros":  # integral but places no matrix (a blank solution file)
             for var in lp.variables():
                 var.varValue = 0.0
-            lp.assignStatus(pulp.LpStatusOptimal, pulp.LpSolutionOptimal)
-            return pulp.LpStatusOptimal
+            return _answer(lp, "optimal")
         if self.kind == "not_solved":  # time limit struck before any plan
-            lp.assignStatus(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound)
-            return pulp.LpStatusNotSolved
+            return _answer(lp, "not_solved")
         if self.kind == "hang":  # a CBC that never returns: a child process that sleeps
             import subprocess
 
@@ -60,25 +87,27 @@ class _Stub:
             proc.wait()
             raise pulp.PulpSolverError(f"stub CBC exited {proc.returncode}")
         if self.kind == "infeasible":
-            lp.assignStatus(pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible)
-            return pulp.LpStatusInfeasible
+            return _answer(lp, "infeasible")
         raise AssertionError(f"unknown stub kind {self.kind!r}")
 
 
 @contextlib.contextmanager
 def stub_cbc(kind: str) -> Iterator[type[_Stub]]:
-    """Replace ``pulp.PULP_CBC_CMD`` by a stub of ``kind`` ("raise", "garbage", "zeros",
+    """Replace PuLP's CBC class by a stub of ``kind`` ("raise", "garbage", "zeros",
     "not_solved", "infeasible", "unreadable", "hang") inside the block; yields the stub class
     (``.calls``, ``.procs``)."""
     import pulp
 
+    from dmuon.balance import pulp_api
+
+    name = pulp_api.cbc_class_name(pulp)
     stub = type(f"Stub_{kind}", (_Stub,), {"kind": kind, "calls": [], "procs": []})
-    real = pulp.PULP_CBC_CMD
-    pulp.PULP_CBC_CMD = stub
+    real = getattr(pulp, name)
+    setattr(pulp, name, stub)
     try:
         yield stub
     finally:
-        pulp.PULP_CBC_CMD = real
+        setattr(pulp, name, real)
         for proc in stub.procs:  # never leave a sleeper behind, whatever the test did
             if proc.poll() is None:
                 proc.kill()
@@ -170,6 +199,78 @@ def dedicate_when_rank0_plan_raises(rank: int, world_size: int) -> str:
     try:
         dmuon.dedicate_params(model, mesh, group_cost=0.0)
     except Exception as e:  # returned, so the pool need not kill the world
+        return f"{type(e).__name__}: {e}"
+    finally:
+        dedicate.build_plan = real
+    return "no error"
+
+
+def dedicate_with_real_cbc(rank: int, world_size: int) -> dict:
+    """``dedicate_params`` without a plan, with the installed PuLP's real CBC (counted: a
+    subclass that records each construction's warm start); the plan's digest, method,
+    makespan and per-matrix costs, this rank's CBC runs and its warnings."""
+    import pulp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from dmuon.balance import pulp_api
+
+    name = pulp_api.cbc_class_name(pulp)
+    real = getattr(pulp, name)
+    calls: list[bool] = []
+
+    class Counted(real):
+        def __init__(self, *args, warmStart: bool = False, **kwargs) -> None:
+            calls.append(warmStart)
+            super().__init__(*args, warmStart=warmStart, **kwargs)
+
+    model = make_tower()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    records = _Records()
+    loggers = [logging.getLogger(n) for n in ("dmuon.balance.solver", "dmuon.balance.milp")]
+    for log in loggers:
+        log.addHandler(records)
+    setattr(pulp, name, Counted)
+    try:
+        plan = dmuon.dedicate_params(model, mesh, group_cost=0.0)
+    finally:
+        setattr(pulp, name, real)
+        for log in loggers:
+            log.removeHandler(records)
+    return dict(digest=plan.digest(), method=plan.method, extra=dict(plan.extra),
+                makespan=plan.makespan, costs=[m.cost for m in plan.matrices],
+                owners=[m.owner for m in plan.matrices], calls=calls, warnings=records.lines,
+                pulp=pulp_api.version(pulp))
+
+
+def dedicate_when_rank0_error_does_not_pickle(rank: int, world_size: int) -> str:
+    """Like :func:`dedicate_when_rank0_plan_raises`, with an exception that cannot be pickled
+    (its class is local to this function): rank 0 must not be left alone in the broadcast."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    import dmuon.hooks.dedicate as dedicate
+
+    class LocalError(RuntimeError):  # pickle cannot find it by name
+        pass
+
+    model = make_tower()
+    mesh = init_device_mesh("cpu", (world_size,))
+    fully_shard(model, mesh=mesh)
+
+    def broken(*args, **kwargs):
+        raise LocalError("dmuon: stub build_plan: an error pickle cannot carry")
+
+    real = dedicate.build_plan
+    dedicate.build_plan = broken
+    try:
+        dmuon.dedicate_params(model, mesh, group_cost=0.0)
+    except Exception as e:
         return f"{type(e).__name__}: {e}"
     finally:
         dedicate.build_plan = real

@@ -24,7 +24,8 @@ CAUSES = {
     "raise": cases.CRASH_TEXT,
     "garbage": f"= {cases.GARBAGE_VALUE} is not a count of matrices",
     "zeros": "counts sum to 0",
-    "not_solved": "'Not Solved'",
+    # PuLP 3 names the status on the problem, PuLP 4 its LpSolveStatus
+    "not_solved": "'Not Solved'" if cases.pulp_major() < 4 else "'NotSolved', no solution",
     "infeasible": "'Infeasible'",
     "unreadable": "CBC failed: ValueError: could not convert string to float",
 }
@@ -83,7 +84,10 @@ def test_a_hung_cbc_is_killed_and_falls_back(monkeypatch, caplog):
 def test_retry_without_warm_start_recovers_with_the_real_cbc(monkeypatch):
     import pulp
 
-    real = pulp.PULP_CBC_CMD
+    from dmuon.balance import pulp_api
+
+    name = pulp_api.cbc_class_name(pulp)
+    real = getattr(pulp, name)
     seen = []
 
     class CrashOnWarmStart:
@@ -91,13 +95,21 @@ def test_retry_without_warm_start_recovers_with_the_real_cbc(monkeypatch):
             seen.append(warmStart)
             self.inner = None if warmStart else real(*args, warmStart=warmStart, **kwargs)
 
-        def actualSolve(self, lp, **kwargs):
+        def available(self):
+            return True
+
+        def actualSolve(self, lp, **kwargs):  # PuLP 3's LpProblem.solve calls this
             if self.inner is None:
                 raise pulp.PulpSolverError(cases.CRASH_TEXT)
             return self.inner.actualSolve(lp, **kwargs)
 
+        def solve(self, lp, **kwargs):  # PuLP 4's
+            if self.inner is None:
+                raise pulp.PulpSolverError(cases.CRASH_TEXT)
+            return self.inner.solve(lp, **kwargs)
+
     costs, shapes = tower_costs()
-    monkeypatch.setattr(pulp, "PULP_CBC_CMD", CrashOnWarmStart)
+    monkeypatch.setattr(pulp, name, CrashOnWarmStart)
     res = solve(costs, 3, classes=shapes, method="milp", time_limit_s=2)
     assert seen == [True, False]
     assert res.method == "milp" and not res.fell_back
@@ -178,17 +190,19 @@ def _issue28_model():
 def _run_issue28(monkeypatch, *, rins_on: bool):
     import pulp
 
+    from dmuon.balance import pulp_api
     from dmuon.balance.milp import solve_milp
 
     costs, shapes = _issue28_model()
     warm = heuristic_only(monkeypatch, solve, costs, 32, classes=shapes, time_limit_s=1).owners
-    real = pulp.PULP_CBC_CMD
+    name = pulp_api.cbc_class_name(pulp)
+    real = getattr(pulp, name)
 
     def node_limited(*args, options=(), **kwargs):  # dmuon's own options unless rins_on
         options = [o for o in options if o != "rins off"] if rins_on else list(options)
         return real(*args, options=options, maxNodes=ISSUE28_NODES, **kwargs)
 
-    monkeypatch.setattr(pulp, "PULP_CBC_CMD", node_limited)
+    monkeypatch.setattr(pulp, name, node_limited)
     return costs, warm, lambda: solve_milp(costs, 32, classes=shapes, warm_start=warm,
                                            time_limit_s=10, merge_classes=False)
 
@@ -199,9 +213,11 @@ def _bundled_cbc_version() -> str:
 
     import pulp
 
+    from dmuon.balance import pulp_api
+
     with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API on PULP_CBC_CMD
         warnings.simplefilter("ignore", DeprecationWarning)
-        path = pulp.PULP_CBC_CMD(msg=False).path
+        path = getattr(pulp, pulp_api.cbc_class_name(pulp))(msg=False).path
     out = subprocess.run([path, "-quit"], capture_output=True,
                          text=True, timeout=30, stdin=subprocess.DEVNULL).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines()
@@ -234,3 +250,170 @@ def test_issue28_control_bundled_cbc_aborts_with_rins(monkeypatch, tmp_path):
     with pytest.raises(MilpFailure, match="CBC crashed: PulpSolverError"):
         run()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+# --- PuLP 3 and PuLP 4 (issue 38) ---------------------------------------------------------------
+# PuLP 4 (Python >= 3.12) rebuilt its modelling API; these run on whichever PuLP is installed
+# (CI: 3.3.2 on Python 3.11, 4.x on 3.12 and 3.13). The MILP must really solve there, not fall
+# back: its plan is checked against optima found by exhaustive search, written here.
+
+
+def optimum_by_search(costs, ranks):
+    """Optimal makespan by exhaustive depth-first search: matrices by decreasing cost, each on
+    every rank, skipping a rank whose load equals an earlier one's (same subtree) and branches
+    already at least as loaded as the best plan found (cannot improve it)."""
+    costs = sorted(costs, reverse=True)
+    best = [float("inf")]
+    loads = [0.0] * ranks
+
+    def place(i):
+        if i == len(costs):
+            best[0] = min(best[0], max(loads))
+            return
+        seen = set()
+        for r in range(ranks):
+            if loads[r] in seen or loads[r] + costs[i] >= best[0]:
+                continue
+            seen.add(loads[r])
+            loads[r] += costs[i]
+            place(i + 1)
+            loads[r] -= costs[i]
+
+    place(0)
+    return best[0]
+
+
+@pytest.mark.compat
+def test_the_milp_plan_is_cbcs_and_optimal_on_the_installed_pulp(caplog):
+    from tests.test_balance import brute_force
+
+    from dmuon.balance.milp import solve_milp
+
+    costs, shapes = tower_costs()
+    opt = brute_force(costs, 3)
+    assert optimum_by_search(costs, 3) == opt  # the two references agree
+    heuristic = multifit(costs, 3)
+    # CBC alone, from no warm start: its plan is optimal and it proves it
+    owners, optimal = solve_milp(costs, 3, classes=shapes, time_limit_s=20)
+    assert optimal and max(evaluate_loads(owners, costs, 3)) == pytest.approx(opt, rel=1e-12)
+    with caplog.at_level(logging.INFO, logger="dmuon.balance"):
+        res = solve(costs, 3, classes=shapes, method="auto", time_limit_s=20)
+    assert res.method == "milp" and res.detail == "cbc" and res.milp_status == "optimal"
+    assert res.optimal and not res.fell_back
+    assert res.makespan == pytest.approx(opt, rel=1e-12)
+    assert max(evaluate_loads(heuristic, costs, 3)) > opt  # so the MILP had work to do
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+def evaluate_loads(owners, costs, ranks):
+    loads = [0.0] * ranks
+    for c, r in zip(costs, owners):
+        loads[r] += c
+    return loads
+
+
+def _one_warning(caplog):
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    return lines[0]
+
+
+def _falls_back(monkeypatch, caplog, cause):
+    costs, shapes = tower_costs()
+    ref = heuristic_only(monkeypatch, solve, costs, 3, classes=shapes, method="auto")
+    with caplog.at_level(logging.WARNING, logger="dmuon.balance.solver"):
+        res = solve(costs, 3, classes=shapes, method="auto", time_limit_s=2)
+    assert res.method == "greedy" and res.fell_back and res.owners == ref.owners
+    assert cause in res.milp_status
+    warning = _one_warning(caplog)
+    assert cause in warning and ref.detail in warning
+    return res
+
+
+@pytest.mark.compat
+def test_pulp_that_cannot_be_imported_falls_back(monkeypatch, caplog):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "pulp", None)  # `import pulp` raises ImportError
+    res = _falls_back(monkeypatch, caplog,
+                      "PuLP could not be imported (ModuleNotFoundError: import of pulp halted")
+    assert "retry" not in res.milp_status  # tried once: a retry cannot bring PuLP
+
+
+@pytest.mark.compat
+def test_model_build_error_falls_back(monkeypatch, caplog):
+    # What dmuon's PuLP 3 code met on PuLP 4: the variable constructor refused its arguments.
+    import pulp
+
+    def refuse(self, *args, **kwargs):
+        raise TypeError("LpVariable.__init__() got an unexpected keyword argument 'cat'")
+
+    monkeypatch.setattr(pulp.LpProblem, "add_variable", refuse)
+    _falls_back(monkeypatch, caplog, "could not build the model: TypeError: LpVariable.__init__()")
+
+
+@pytest.mark.compat
+def test_missing_cbc_binary_falls_back(monkeypatch, caplog):
+    # PuLP 4 bundles no CBC: without cbcbox or a cbc on PATH its COIN_CMD is not available.
+    import pulp
+
+    from dmuon.balance import pulp_api
+
+    monkeypatch.setattr(getattr(pulp, pulp_api.cbc_class_name(pulp)), "available",
+                        lambda self: False)
+    res = _falls_back(monkeypatch, caplog, "CBC")
+    assert ("finds no CBC binary" if pulp_api.major(pulp) >= 4 else "cannot run") in res.milp_status
+    assert "retry" not in res.milp_status
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("kind", ["raise", "unreadable", "garbage", "not_solved"])
+def test_solve_and_result_errors_fall_back_on_the_installed_pulp(kind, monkeypatch, caplog):
+    with cases.stub_cbc(kind) as stub:
+        _falls_back(monkeypatch, caplog, CAUSES[kind])
+    assert stub.calls == [True, False]
+
+
+@pytest.mark.compat
+def test_unreadable_values_fall_back(monkeypatch, caplog):
+    from dmuon.balance import pulp_api
+
+    def unreadable(var):
+        raise AttributeError("'Variable' object has no attribute 'value'")
+
+    monkeypatch.setattr(pulp_api, "value", unreadable)
+    _falls_back(monkeypatch, caplog, "CBC's solution could not be read through PuLP")
+
+
+@pytest.mark.compat
+def test_dedicate_params_uses_the_milp_plan_on_4_ranks(dist_pool):
+    out = dist_pool.run(world_size=4, fn="tests.solver_cases:dedicate_with_real_cbc",
+                        timeout_s=180)
+    import pulp
+
+    from dmuon.balance import pulp_api
+
+    assert {o["pulp"] for o in out} == {pulp_api.version(pulp)}  # the PuLP under test
+    assert out[0]["calls"] == [True]  # rank 0 ran CBC once, warm-started
+    assert all(o["calls"] == [] for o in out[1:])  # the others received its plan
+    assert len({o["digest"] for o in out}) == 1
+    for o in out:
+        assert o["method"] == "milp" and "milp_status" not in o["extra"], o
+        assert o["warnings"] == []
+    costs = out[0]["costs"]
+    assert sorted(costs) == sorted(tower_costs()[0])
+    opt = optimum_by_search(costs, 4)
+    assert out[0]["makespan"] == pytest.approx(opt, rel=1e-12)
+    loads = evaluate_loads(out[0]["owners"], costs, 4)
+    assert max(loads) == pytest.approx(opt, rel=1e-12)
+    assert max(evaluate_loads(multifit(costs, 4), costs, 4)) > opt  # the heuristic is not
+
+
+def test_rank_0_error_that_cannot_be_pickled_reaches_every_rank(dist_pool):
+    out = dist_pool.run(world_size=3,
+                        fn="tests.solver_cases:dedicate_when_rank0_error_does_not_pickle",
+                        timeout_s=60)
+    assert out[0] == "LocalError: dmuon: stub build_plan: an error pickle cannot carry"
+    for o in out[1:]:
+        assert o == ("RuntimeError: dmuon: rank 0 could not build the owner plan: LocalError: "
+                     "dmuon: stub build_plan: an error pickle cannot carry")

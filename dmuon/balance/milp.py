@@ -27,10 +27,13 @@ class is a (group, shape) pair, a binary ``y[g, r]`` marks that rank ``r`` owns 
 batch of them (see :func:`dmuon.balance.cost.fit_batch_costs`), ``m_s`` its bytes. Solved by
 CBC (bundled with PuLP) with one thread, so an untimed-out solve is reproducible.
 
-Every way CBC can fail (it crashes, PuLP raises, the solution file is missing or holds values
-that are not a plan, no plan by the time limit, an infeasible status, no return at all) raises
+Every way the solver path can fail (PuLP cannot be imported or finds no CBC binary, building
+the model raises, CBC crashes, PuLP raises, the solution file is missing or holds values that
+are not a plan, no plan by the time limit, an infeasible status, no return at all) raises
 :class:`MilpFailure` with the reason; :func:`dmuon.balance.solve` then retries once without the
-warm start and falls back to the heuristic plan with a warning.
+warm start (not when PuLP or CBC is missing: :class:`PulpUnusable`) and falls back to the
+heuristic plan with a warning. PuLP 3.x and 4.x differ in how a variable is made, which class
+runs CBC and how a solve reports its status: :mod:`dmuon.balance.pulp_api` hides that.
 """
 
 from __future__ import annotations
@@ -42,8 +45,10 @@ import tempfile
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
+from dmuon.balance import pulp_api
 from dmuon.balance.assignment import effective_costs
 from dmuon.balance.bounds import makespan_lower_bound
 
@@ -51,7 +56,12 @@ logger = logging.getLogger(__name__)
 
 
 class MilpFailure(RuntimeError):
-    """CBC gave no usable plan; the message says why (crash, status, bad solution values)."""
+    """CBC gave no usable plan; the message says why (PuLP missing or unusable, model build,
+    crash, status, bad solution values)."""
+
+
+class PulpUnusable(MilpFailure):
+    """PuLP cannot be imported or finds no CBC to run: a retry cannot help."""
 
 
 def _class_table(costs, classes, memory):
@@ -111,13 +121,15 @@ def solve_milp(
 
     Raises:
         ValueError: when matrices of one class differ in cost or memory.
-        MilpFailure: when CBC gives no usable plan: PuLP or CBC is missing, CBC exits with an
+        MilpFailure: when CBC gives no usable plan: PuLP or CBC is missing
+            (:class:`PulpUnusable`), PuLP raises while the model is built, CBC exits with an
             error (e.g. its ``CoinError`` abort), writes no solution or hangs, the status is
             infeasible or "not solved" (no plan by the time limit), or the values it returns
-            are not a plan (not integral, negative, or not summing to each class's count).
+            are not a plan (not integral, negative, or not summing to each class's count) or
+            cannot be read.
     """
     with warnings.catch_warnings():
-        # PuLP 3.x announces API changes for 4.0; the calls used here work from 2.8 on.
+        # PuLP 3.x announces API changes for 4.0 (PULP_CBC_CMD's removal); pulp_api handles both.
         warnings.simplefilter("ignore", DeprecationWarning)
         return _solve_milp(costs, num_ranks, classes=classes, memory=memory,
                            memory_cap=memory_cap, batch_overhead=batch_overhead,
@@ -128,16 +140,79 @@ def solve_milp(
 
 def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
                 time_limit_s, groups, group_cost, merge_classes):
+    _class_table(costs, classes, memory)  # one class must be one cost and one memory size
     try:
-        import pulp
-    except ImportError as e:
-        raise MilpFailure(f"PuLP is not installed ({e}); pip install pulp") from e
-
+        pulp = pulp_api.load()
+    except Exception as e:  # ImportError, or PuLP 4's Rust core failing to load
+        raise PulpUnusable(f"PuLP could not be imported ({type(e).__name__}: {_first_line(e)}); "
+                           f"pip install 'pulp>=3.3.2,<5' (on Python >= 3.12: 'pulp[cbc]', "
+                           f"whose CBC PuLP 4 needs)") from e
     start = time.perf_counter()
+    try:
+        model = _build(pulp, costs, num_ranks, classes=classes, memory=memory,
+                       memory_cap=memory_cap, batch_overhead=batch_overhead,
+                       warm_start=warm_start, groups=groups, group_cost=group_cost,
+                       merge_classes=merge_classes)
+        # No ``threads`` option: CBC then runs serially. With ``threads=1`` it starts one
+        # worker thread that, about once in 200 solves here, never starts: CBC's log then shows
+        # "Thread 0 used 0 times, waiting to start 10.0" and the solve stops at the time limit
+        # with gap 0, unproven.
+        # ``rins off``: CBC 2.10.3 (PuLP 3.3's bundled binary) aborts with an uncaught
+        # CoinError inside its RINS heuristic: CbcHeuristicRINS::solution ->
+        # smallBranchAndBound -> ClpSimplex::borrowModel -> ClpPrimalColumnSteepest's copy ->
+        # CoinIndexedVector::gutsOfSetVector (gdb backtrace, issue 28: Pi0 with one class per
+        # shape on 32 ranks, warm-started). RINS only runs once there is an incumbent, which is
+        # why the same model solved without the warm start. Our warm start is already a
+        # local-search optimum, the neighbourhood RINS searches; off, no measured plan got
+        # worse (Pi0, Qwen2.5-7B, 8-64 ranks).
+        solver = pulp_api.cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
+                              warm_start=warm_start is not None, options=["rins off"])
+    except Exception as e:  # a PuLP whose modelling API this code does not know
+        raise MilpFailure(f"PuLP {pulp_api.version(pulp)} could not build the model: "
+                          f"{type(e).__name__}: {_first_line(e)}") from e
+    missing = pulp_api.cbc_available(pulp, solver)
+    if missing is not None:
+        raise PulpUnusable(missing)
+    # PuLP writes the model, warm start and solution next to each other in $TMPDIR and deletes
+    # them only after a solve that returned: a CBC that aborted left ~160 KB per failed solve
+    # behind. A directory of our own is removed whatever happened.
+    with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
+        solver.tmpDir = tmp
+        outcome = _solve_with_deadline(pulp, model.prob, solver, time_limit_s)
+    if not outcome.has_plan:
+        raise MilpFailure(
+            f"CBC returned no plan: {outcome.status} after "
+            f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
+    try:
+        owners = _read_plan(model.x, model.order, model.table, num_ranks, len(costs))
+    except MilpFailure:
+        raise
+    except Exception as e:  # a value PuLP hands back in a form this code does not know
+        raise MilpFailure(f"CBC's solution could not be read through PuLP "
+                          f"{pulp_api.version(pulp)}: {type(e).__name__}: {_first_line(e)}") from e
+    logger.debug("dmuon: CBC %s in %.2fs (%d classes x %d ranks, %d groups)",
+                 "optimal" if outcome.optimal else "incumbent", time.perf_counter() - start,
+                 len(model.order), num_ranks, model.groups)
+    return tuple(owners), outcome.optimal
+
+
+@dataclass(frozen=True, slots=True)
+class _Model:
+    """The PuLP problem and what reading its solution needs."""
+
+    prob: object
+    x: dict  # (class index, rank) -> integer variable: matrices of the class on the rank
+    order: list  # class keys in first-appearance order
+    table: dict  # class key -> [count, cost, memory, member indices]
+    groups: int  # publish groups in the model (0 without)
+
+
+def _build(pulp, costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
+           groups, group_cost, merge_classes) -> _Model:
+    """The MILP of the module docstring as a PuLP problem, warm start set."""
     # Integer variables count matrices per key: the shape, or (group, shape) with groups, as
     # same-shape matrices of different groups are then no longer interchangeable. The batch
     # overhead stays per shape: z[s, r] marks that rank r runs a batch of shape s at all.
-    _class_table(costs, classes, memory)  # one class must be one cost and one memory size
     overhead_of = {s: float((batch_overhead or {}).get(s, 0.0)) for s in classes}
     # Interchangeable matrices share one MILP class: (cost, memory), or the shape itself where
     # it pays a batch overhead (see the module docstring).
@@ -158,14 +233,15 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     overhead = {s: overhead_of[s] for s in shapes}
     ranks = range(num_ranks)
     prob = pulp.LpProblem("dmuon_owner_makespan", pulp.LpMinimize)
-    x = {(k, r): pulp.LpVariable(f"x_{k}_{r}", 0, table[key][0], cat="Integer")
+    var = pulp_api.variable
+    x = {(k, r): var(prob, f"x_{k}_{r}", 0, table[key][0], "Integer")
          for k, key in enumerate(order) for r in ranks}
-    z = {(j, r): pulp.LpVariable(f"z_{j}_{r}", cat="Binary")
+    z = {(j, r): var(prob, f"z_{j}_{r}", cat="Binary")
          for j, s in enumerate(shapes) if overhead[s] > 0 for r in ranks}
     gids = [] if groups is None else list(dict.fromkeys(groups))
-    y = {(g, r): pulp.LpVariable(f"y_{n}_{r}", cat="Binary")
+    y = {(g, r): var(prob, f"y_{n}_{r}", cat="Binary")
          for n, g in enumerate(gids) for r in ranks}
-    t = pulp.LpVariable("makespan", lowBound=0)
+    t = var(prob, "makespan", 0)
     prob += t + group_cost * pulp.lpSum(y.values())
     prob += t >= makespan_lower_bound(effective_costs(costs, classes, overhead), num_ranks)
     if gids:
@@ -178,11 +254,11 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
                 prob += x[k, r] <= table[key][0] * z[j, r]
             if groups is not None:
                 prob += x[k, r] <= table[key][0] * y[key[0], r]
-    for (g, r), var in y.items():  # a pair exists only where the rank owns part of the group
-        prob += var <= pulp.lpSum(x[k, r] for k, key in enumerate(order) if key[0] == g)
-    for (j, r), var in z.items():  # a batch is paid only where a matrix of its shape is owned
-        prob += var <= pulp.lpSum(x[k, r] for k, key in enumerate(order)
-                                  if shape_index[shape_of(key)] == j)
+    for (g, r), v in y.items():  # a pair exists only where the rank owns part of the group
+        prob += v <= pulp.lpSum(x[k, r] for k, key in enumerate(order) if key[0] == g)
+    for (j, r), v in z.items():  # a batch is paid only where a matrix of its shape is owned
+        prob += v <= pulp.lpSum(x[k, r] for k, key in enumerate(order)
+                                if shape_index[shape_of(key)] == j)
     load = []
     for r in ranks:
         expr = pulp.lpSum(table[key][1] * x[k, r] for k, key in enumerate(order))
@@ -197,36 +273,7 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     if warm_start is not None:
         _set_warm_start(warm_start, order, keys, shapes, shape_of, costs, overhead, num_ranks,
                         x, z, y, t)
-    # No ``threads`` option: CBC then runs serially. With ``threads=1`` it starts one worker
-    # thread that, about once in 200 solves here, never starts: CBC's log then shows "Thread 0
-    # used 0 times, waiting to start 10.0" and the solve stops at the time limit with gap 0,
-    # unproven.
-    # ``rins off``: CBC 2.10.3 (PuLP 3.3's bundled binary) aborts with an uncaught CoinError
-    # inside its RINS heuristic: CbcHeuristicRINS::solution -> smallBranchAndBound ->
-    # ClpSimplex::borrowModel -> ClpPrimalColumnSteepest's copy -> CoinIndexedVector::
-    # gutsOfSetVector (gdb backtrace, issue 28: Pi0 with one class per shape on 32 ranks,
-    # warm-started). RINS only runs once there is an incumbent, which is why the same model
-    # solved without the warm start. Our warm start is already a local-search optimum, the
-    # neighbourhood RINS searches; off, no measured plan got worse (Pi0, Qwen2.5-7B, 8-64 ranks).
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=max(1, int(round(time_limit_s))),
-                               warmStart=warm_start is not None, options=["rins off"])
-    # PuLP writes the model, warm start and solution next to each other in $TMPDIR and deletes
-    # them only after a solve that returned: a CBC that aborted left ~160 KB per failed solve
-    # behind. A directory of our own is removed whatever happened.
-    with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
-        solver.tmpDir = tmp
-        _solve_with_deadline(prob, solver, time_limit_s)
-    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        raise MilpFailure(
-            f"CBC returned no plan: status {pulp.LpStatus.get(prob.status, prob.status)!r}, "
-            f"solution {pulp.LpSolution.get(prob.sol_status, prob.sol_status)!r} after "
-            f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
-    owners = _read_plan(x, order, table, num_ranks, len(costs))
-    optimal = prob.sol_status == pulp.LpSolutionOptimal
-    logger.debug("dmuon: CBC %s in %.2fs (%d classes x %d ranks, %d groups)",
-                 "optimal" if optimal else "incumbent", time.perf_counter() - start,
-                 len(order), num_ranks, len(gids))
-    return tuple(owners), optimal
+    return _Model(prob=prob, x=x, order=order, table=table, groups=len(gids))
 
 
 #: Seconds past twice CBC's own time limit after which a CBC that has not returned counts as
@@ -236,8 +283,8 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
 HANG_MARGIN_S = 30.0
 
 
-def _solve_with_deadline(prob, solver, time_limit_s: float) -> None:
-    """``prob.solve(solver)`` in a worker thread, waited on for ``2 * time_limit_s +``
+def _solve_with_deadline(pulp, prob, solver, time_limit_s: float) -> pulp_api.Outcome:
+    """:func:`dmuon.balance.pulp_api.solve` in a worker thread, waited on for ``2 * time_limit_s +``
     :data:`HANG_MARGIN_S` seconds. PuLP waits on CBC's process without a timeout, so a CBC that
     never returns would hang the caller (on ``dedicate_params``' rank 0: the whole job).
 
@@ -247,11 +294,11 @@ def _solve_with_deadline(prob, solver, time_limit_s: float) -> None:
             named like the solver binary, are then killed where ``/proc`` exists).
     """
     done = threading.Event()
-    box: dict[str, BaseException] = {}
+    box: dict[str, object] = {}
 
     def run() -> None:
         try:
-            prob.solve(solver)
+            box["outcome"] = pulp_api.solve(pulp, prob, solver)
         except BaseException as e:  # handed to the caller below
             box["error"] = e
         finally:
@@ -271,6 +318,7 @@ def _solve_with_deadline(prob, solver, time_limit_s: float) -> None:
         # other error came from running CBC (OSError) or reading its solution (ValueError...).
         what = "crashed" if type(e).__name__ == "PulpSolverError" else "failed"
         raise MilpFailure(f"CBC {what}: {type(e).__name__}: {_first_line(e)}") from e
+    return box["outcome"]
 
 
 def _kill_child_processes(name: str) -> int:
@@ -311,7 +359,7 @@ def _read_plan(x, order, table, num_ranks, n):
     for k, key in enumerate(order):
         counts = []
         for r in range(num_ranks):
-            value = x[k, r].value()
+            value = pulp_api.value(x[k, r])
             ok = isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
             if not ok or abs(value - round(value)) > 1e-6 or round(value) < 0:
                 raise MilpFailure(

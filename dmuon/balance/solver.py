@@ -30,7 +30,7 @@ from dmuon.balance.bounds import makespan_lower_bound
 from dmuon.balance.grouping import group_lpt, merge_groups, objective, publish_pairs
 from dmuon.balance.layout import apply_layout
 from dmuon.balance.local_search import improve, multifit
-from dmuon.balance.milp import MilpFailure, solve_milp
+from dmuon.balance.milp import MilpFailure, PulpUnusable, solve_milp
 
 logger = logging.getLogger(__name__)
 
@@ -346,8 +346,8 @@ def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, **milp_args)
     """:func:`dmuon.balance.milp.solve_milp` that never raises for a solver failure.
 
     CBC is tried with the warm start, then once more without it (a warm start is what
-    brought CBC's RINS abort to light, issue 28). When both fail, one warning line says why
-    and names the plan kept instead.
+    brought CBC's RINS abort to light, issue 28; not when PuLP cannot be imported or finds no
+    CBC). When both fail, one warning line says why and names the plan kept instead.
 
     Args:
         costs, num_ranks, milp_args: passed to ``solve_milp``.
@@ -367,22 +367,27 @@ def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, **milp_args)
         return res, ("optimal" if res[1] else "time limit") + note
 
     first = None
+    status = None
     if warm_start is not None:
         try:
             return ok(solve_milp(costs, num_ranks, warm_start=warm_start, **milp_args))
+        except PulpUnusable as e:  # no PuLP or no CBC: a retry would fail the same way
+            status = f"failed: {e}"
         except MilpFailure as e:
             first = str(e)
-    try:
-        res = solve_milp(costs, num_ranks, warm_start=None, **milp_args)
-        if first is not None:  # the plan is CBC's after all: worth a note, not a warning
-            logger.info("dmuon: owner MILP with warm start failed (%s); without it, it worked",
-                        first)
-        return ok(res, "" if first is None else f" (retried without the warm start after: {first})")
-    except MilpFailure as e:
-        status = (f"failed: {e}" if first is None else
-                  f"failed: {first}; the retry without warm start failed the same way"
-                  if str(e) == first else
-                  f"failed: {first}; retry without warm start failed: {e}")
+    if status is None:
+        try:
+            res = solve_milp(costs, num_ranks, warm_start=None, **milp_args)
+            if first is not None:  # the plan is CBC's after all: worth a note, not a warning
+                logger.info("dmuon: owner MILP with warm start failed (%s); without it, it "
+                            "worked", first)
+            return ok(res, "" if first is None else
+                      f" (retried without the warm start after: {first})")
+        except MilpFailure as e:
+            status = (f"failed: {e}" if first is None else
+                      f"failed: {first}; the retry without warm start failed the same way"
+                      if str(e) == first else
+                      f"failed: {first}; retry without warm start failed: {e}")
     if fallback is not None:
         logger.warning("dmuon: owner MILP %s. Using the %s plan instead (%.4fx the bound)",
                        status, fallback, score(warm_start))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
@@ -23,6 +24,8 @@ from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_dmuon_state"
+#: Tags the (tag, error type, message) that rank 0 broadcasts instead of a plan it could not build.
+_PLAN_ERROR = "dmuon: no owner plan"
 Predicate = Callable[[str, nn.Parameter], "bool | int"]
 
 
@@ -336,18 +339,24 @@ def dedicate_params(
             # The MILP is time-limited, hence not reproducible across ranks: one rank solves. A
             # failing CBC already falls back to the heuristic plan inside build_plan; anything
             # else rank 0 raises goes to every rank, so none waits in the broadcast for a plan.
+            # What travels is the plan or an error's name and text, checked to pickle first: an
+            # exception object may not pickle (or unpickle), and a payload that fails to pickle
+            # would raise on rank 0 alone while the others wait in the broadcast forever.
             solved: list[Any] = [None]
+            error: Exception | None = None
             if dist.get_rank(roles.world) == 0:
                 try:
                     solved[0] = solve()
+                    pickle.dumps(solved[0])
                 except Exception as e:  # sent to the other ranks, raised below on all
-                    solved[0] = e
+                    error = e
+                    solved[0] = (_PLAN_ERROR, type(e).__name__, str(e))
             dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
-            if isinstance(solved[0], Exception):
-                if dist.get_rank(roles.world) == 0:
-                    raise solved[0]
+            if isinstance(solved[0], tuple) and solved[0][:1] == (_PLAN_ERROR,):
+                if error is not None:
+                    raise error
                 raise RuntimeError(f"dmuon: rank 0 could not build the owner plan: "
-                                   f"{type(solved[0]).__name__}: {solved[0]}") from solved[0]
+                                   f"{solved[0][1]}: {solved[0][2]}")
             plan = solved[0]
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)
