@@ -138,7 +138,7 @@ def main() -> None:
     metrics = work / f"metrics_{a.policy}.json"
     argv = lerobot_args(a.policy, data, out_dir, steps=a.steps, batch_size=a.batch_size,
                         image_size=a.image_size, save_freq=a.steps, tokenizer=tokenizer)
-    argv += [f"--dmuon.lr={a.lr}", "--dmuon.solver=greedy", f"--dmuon.metrics={metrics}"]
+    argv += [f"--dmuon.lr={a.lr}", f"--dmuon.metrics={metrics}"]
     from tests._pool import spawn_world
 
     t = time.perf_counter()

@@ -266,17 +266,6 @@ def local_numel(policy: torch.nn.Module) -> int:
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in policy.parameters())
 
 
-def greedy_plan(policy: torch.nn.Module, world_size: int) -> Any:
-    """dmuon's greedy owner plan for ``policy`` (unsharded); PuLP 4, which LeRobot's Python
-    3.12 environment installs, is not yet supported by dmuon's MILP."""
-    import dmuon
-    from dmuon.integrations import lerobot as dl
-
-    pick = dl.predicate(policy)
-    return dmuon.build_plan([(n, tuple(p.shape)) for n, p in policy.named_parameters() if pick(n, p)],
-                            world_size, method="greedy")
-
-
 def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
     """fully_shard_policy + dedicate_params + dmuon.Muon over ``STEPS`` steps of ``GA``
     micro-batches with clipping (``torch.nn.utils.clip_grad_norm_``, as LeRobot calls it)."""
@@ -292,9 +281,8 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
     policy = build(name)
     policy.train()
     total = sum(p.numel() for p in policy.parameters())
-    plan = greedy_plan(policy, world_size)
     dl.fully_shard_policy(policy, mesh)
-    dmuon.dedicate_params(policy, mesh, predicate=dl.predicate(policy), plan=plan)
+    dmuon.dedicate_params(policy, mesh, predicate=dl.predicate(policy))
     opt = dmuon.Muon(policy, **OPT_KWARGS)
     losses, norms = [], []
     for step in range(STEPS):

@@ -42,7 +42,7 @@ def _argv(lp, data, out, tokenizer, steps=4):
     return lp.lerobot_args(POLICY, data, out, steps=steps, batch_size=2, image_size=32,
                            save_freq=2, tokenizer=tokenizer) + [
         "--policy.scheduler_warmup_steps=1", "--policy.scheduler_decay_steps=8",
-        "--dmuon.solver=greedy", "--dmuon.ns_method=standard", "--dmuon.ns_coefficients=muon",
+        "--dmuon.ns_method=standard", "--dmuon.ns_coefficients=muon",
         "--dmuon.ns_dtype=float32"]
 
 
@@ -68,7 +68,7 @@ def test_entry_point_matches_reference_resumes_and_exports(dist_pool, local_data
     assert moved > 1e-3  # the run trained
 
     resume = ["--resume=true", f"--config_path={ckpt / '000002' / 'pretrained_model' / 'train_config.json'}",
-              "--dmuon.solver=greedy", "--dmuon.ns_method=standard", "--dmuon.ns_coefficients=muon",
+              "--dmuon.ns_method=standard", "--dmuon.ns_coefficients=muon",
               "--dmuon.ns_dtype=float32"]
     resumed = dist_pool.run(2, "tests.lerobot_cases:train_entry", dict(argv=resume, **kw), timeout_s=300)
     assert [r["step"] for r in resumed[0]] == [3, 4]
