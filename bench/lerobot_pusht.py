@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--max-frames", type=int, default=60)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.02)
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--workdir", default="/tmp/dmuon_lerobot_pusht")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -138,7 +139,8 @@ def main() -> None:
     metrics = work / f"metrics_{a.policy}.json"
     argv = lerobot_args(a.policy, data, out_dir, steps=a.steps, batch_size=a.batch_size,
                         image_size=a.image_size, save_freq=a.steps, tokenizer=tokenizer)
-    argv += [f"--dmuon.lr={a.lr}", f"--dmuon.metrics={metrics}"]
+    argv += [f"--dmuon.lr={a.lr}", f"--dmuon.metrics={metrics}",
+             f"--dmuon.param_dtype={a.param_dtype}"]
     from tests._pool import spawn_world
 
     t = time.perf_counter()
@@ -153,6 +155,7 @@ def main() -> None:
 
     result = dict(policy=a.policy, ranks=a.nproc, backend="gloo", device="cpu",
                   steps=a.steps, global_batch=a.batch_size * a.nproc, dmuon_lr=a.lr,
+                  param_dtype=a.param_dtype,
                   dataset=dict(episodes=a.episodes, max_frames=a.max_frames,
                                image_size=a.image_size),
                   versions=dict(torch=torch.__version__, lerobot=lerobot.__version__,

@@ -1,7 +1,7 @@
 """dmuon with LeRobot's policies (issue 41): ``dmuon.integrations.lerobot.fully_shard_policy``
 + ``dedicate_params`` + ``dmuon.Muon`` on 2 gloo ranks against single-process
 ``torch.optim.Muon`` + ``AdamW`` (``tests/lerobot_cases.py``), for tiny pi0, pi05, SmolVLA and
-ACT built by LeRobot 0.6.1's own classes (random weights, no hub).
+ACT (and diffusion where ``diffusers`` is installed) built by LeRobot 0.6.1's own classes (random weights, no hub).
 
 Each: 3 steps, gradient accumulation 2, clipping active at every step; every parameter within
 1e-5 of the reference except the noise-driven entries (``lerobot_cases.noise_driven``: attention
@@ -24,8 +24,10 @@ pytestmark = [pytest.mark.lerobot, pytest.mark.slow]
 FP32_ATOL = 1e-5
 
 
-@pytest.mark.parametrize("name", ["pi0", "pi05", "smolvla", "act"])
+@pytest.mark.parametrize("name", ["pi0", "pi05", "smolvla", "act", "diffusion"])
 def test_fully_shard_policy_matches_reference(dist_pool, name):
+    if name == "diffusion":
+        pytest.importorskip("diffusers")  # lerobot[diffusion]
     out = dist_pool.run(2, "tests.lerobot_cases:dmuon_run", dict(name=name), timeout_s=300)
     ref, ref_losses, ref_norms = cases.reference(name, 2)
     torch.manual_seed(0)

@@ -115,7 +115,8 @@ def fsdp_units(policy: nn.Module) -> list[nn.Module]:
     return _UNITS[_policy_type(policy)](policy)
 
 
-def fully_shard_policy(policy: nn.Module, mesh: Any, **fully_shard_kwargs: Any) -> nn.Module:
+def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, Any] | None = None,
+                       **fully_shard_kwargs: Any) -> nn.Module:
     """FSDP2 ``fully_shard`` on the units LeRobot's code calls (:func:`fsdp_units`), then on
     the policy (the root unit holding the rest). Each rank then holds ``1/N`` of every
     parameter (``Shard(0)`` over ``mesh``); call :func:`dmuon.dedicate_params` after it.
@@ -130,7 +131,14 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, **fully_shard_kwargs: Any) 
             one original dtype per unit, and LeRobot's ``dtype="bfloat16"`` keeps the vision
             tower and norms in fp32).
         mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D ``("replicate", "shard")`` one (HSDP).
-        fully_shard_kwargs: passed to every ``fully_shard`` call (``mp_policy``,
+        root_kwargs: the root's ``fully_shard`` keyword arguments; default
+            ``fully_shard_kwargs``. bf16: pi0's forward makes fp32 tensors (the flow-matching
+            noise) that meet the root's own layers (``action_in_proj``), so a root
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` fails on a dtype mismatch;
+            give the units ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32, output_dtype=torch.float32)`` and the root
+            ``root_kwargs={}`` (what ``dmuon.integrations.lerobot.train`` does).
+        fully_shard_kwargs: passed to every unit's ``fully_shard`` call (``mp_policy``,
             ``reshard_after_forward``, ``offload_policy``...).
 
     Returns:
@@ -147,7 +155,7 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, **fully_shard_kwargs: Any) 
                          f"call fully_shard_policy once, on the unsharded policy")
     for unit in units:
         fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
-    fully_shard(policy, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(policy, mesh=mesh, **(fully_shard_kwargs if root_kwargs is None else root_kwargs))
     return policy
 
 

@@ -23,7 +23,9 @@ beside it), and the batches come from a deterministic distributed sampler (globa
 is a function of the seed and ``k``), so a resumed run continues exactly.
 
 ``--dmuon.*`` options (see :class:`DmuonArgs`): ``lr``, ``momentum``, ``param_dtype``
-(``float32`` / ``bfloat16``: FSDP2 ``MixedPrecisionPolicy`` with fp32 gradient reduction),
+(``float32`` / ``bfloat16``: FSDP2 ``MixedPrecisionPolicy`` on the units, bf16 compute with
+fp32 outputs and gradient reduction; the root unit, holding norms, embeddings and the
+action/state projections, stays fp32),
 ``solver`` (``auto`` / ``greedy``), ``plan`` (an owner-plan JSON), ``metrics`` (a JSON file
 rank 0 writes the per-step loss, grad norm and lr to), ``ns_method`` / ``ns_coefficients`` /
 ``ns_dtype`` (:class:`dmuon.Muon`'s Newton-Schulz options; ``standard`` / ``muon`` /
@@ -192,11 +194,15 @@ def _build_optimizer(cfg: Any, policy: Any, mesh: Any, args: DmuonArgs) -> Any:
         pick = dl.predicate(policy)
         plan = dmuon.build_plan([(n, tuple(p.shape)) for n, p in policy.named_parameters()
                                  if pick(n, p)], mesh.size(), method=args.solver)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if args.param_dtype == "bfloat16":
+        # bf16 compute in the units (the decoder projections and MLPs, the vision layers),
+        # fp32 outputs and a fp32 root: LeRobot's forward mixes the units' outputs with fp32
+        # tensors it makes itself (the flow-matching noise, masks), as with --policy.dtype=float32
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
-    dl.fully_shard_policy(policy, mesh, **kwargs)
+                                                   reduce_dtype=torch.float32,
+                                                   output_dtype=torch.float32)
+    dl.fully_shard_policy(policy, mesh, root_kwargs={}, **kwargs)
     dmuon.dedicate_params(policy, mesh, predicate=dl.predicate(policy), plan=plan)
     o = cfg.optimizer
     ns_dtype = None if args.ns_dtype == "auto" else getattr(torch, args.ns_dtype)
