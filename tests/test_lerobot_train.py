@@ -12,6 +12,7 @@ dmuon's PushT demonstrations (``bench/lerobot_pusht.py``), a tiny SmolVLA, 2 glo
 from __future__ import annotations
 
 import json
+import pathlib
 import sys
 
 import numpy as np
@@ -27,11 +28,12 @@ POLICY = "smolvla"
 
 @pytest.fixture(scope="module")
 def local_data(tmp_path_factory):
-    sys.path.insert(0, "bench")
+    bench = str(pathlib.Path(__file__).resolve().parents[1] / "bench")
+    sys.path.insert(0, bench)
     try:
         import lerobot_pusht
     finally:
-        sys.path.remove("bench")
+        sys.path.remove(bench)
     root = tmp_path_factory.mktemp("lerobot")
     data = lerobot_pusht.build_dataset(root / "dataset", episodes=2, max_frames=12, image_size=32)
     tokenizer = lerobot_pusht.write_tokenizer(root / "tokenizer")
