@@ -79,3 +79,16 @@ def test_units_are_the_modules_lerobot_calls():
     assert len(units) == 21
     assert not any(u.endswith(("layers.0", "layers.1")) and "vision" not in u for u in units)
     assert "model.paligemma_with_expert.gemma_expert.model.layers.1.mlp" in units
+
+
+def test_dmuon_options_are_split_from_lerobot_arguments():
+    from dmuon.integrations.lerobot.train import DmuonArgs, split_argv
+
+    rest, args = split_argv(["--policy.type=pi0", "--dmuon.lr=0.05", "--steps=3",
+                             "--dmuon.param_dtype=bfloat16"])
+    assert rest == ["--policy.type=pi0", "--steps=3"]
+    assert args == DmuonArgs(lr=0.05, param_dtype="bfloat16")
+    with pytest.raises(ValueError, match="dmuon: unknown or valueless option '--dmuon.lrr=1'"):
+        split_argv(["--dmuon.lrr=1"])
+    with pytest.raises(ValueError, match="--dmuon.param_dtype='fp8'; use float32 or bfloat16"):
+        split_argv(["--dmuon.param_dtype=fp8"])
