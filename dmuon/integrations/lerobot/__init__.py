@@ -1,0 +1,172 @@
+"""dmuon for LeRobot's policies (pi0, pi05, SmolVLA, ACT, diffusion) under FSDP2.
+
+Three calls, on every rank, after the policy is built and before the optimizer::
+
+    from dmuon.integrations import lerobot as dl
+
+    dl.fully_shard_policy(policy, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    dmuon.dedicate_params(policy, mesh, predicate=dl.predicate(policy))
+    optimizer = dmuon.Muon(policy, lr=0.02)
+
+then train with ``loss, _ = policy(batch)`` (not ``policy.forward(batch)``, which skips
+FSDP2's root hooks). :mod:`dmuon.integrations.lerobot.train` runs LeRobot's own training
+script this way.
+
+**Units.** FSDP2 gathers a unit's parameters in the unit's forward pre-hook, so a unit must be
+a module LeRobot's code *calls*. pi0, pi05 and SmolVLA run their joint attention by calling a
+decoder layer's parts directly (``layer.input_layernorm(...)``, ``layer.self_attn.q_proj(...)``,
+``layer.mlp(...)``; ``modeling_pi0.compute_layer_complete``,
+``SmolVLMWithExpertModel.forward_attn_layer``), never the layer: a unit on the decoder layer
+(``GemmaDecoderLayer``, as size- or class-based auto-wrapping picks) never gathers, and its
+parameters reach the norms as DTensors (``aten.mul.Tensor got mixed torch.Tensor and
+DTensor``), or, where a parameter is shared with the joint attention, are freed to size 0
+(awslabs/awsome-distributed-ai #1174). The units here are what is called: per decoder layer
+of the VLM and of the action expert, ``self_attn.q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
+and ``mlp``; per vision-encoder layer, the layer. Norms, embeddings and the action/state
+projections stay in the root unit. ACT: LeRobot's own declaration (``ACTPolicy.
+_fsdp_wrap_modules = ["ACTEncoderLayer", "ACTDecoderLayer"]``, huggingface/lerobot #4010) plus
+the ResNet blocks of its backbone; diffusion: its ``DiffusionConditionalResidualBlock1d`` and
+ResNet blocks.
+
+**Parameters LeRobot never uses in training.** pi0 / pi05 keep PaliGemma's and the action
+expert's ``lm_head`` (vocabulary x width, the largest matrices of a small pi0) although no loss
+reads them. As Muon matrices, each would get an owner that holds it whole (on 2 ranks one rank
+held 0.99 of a tiny pi0's parameters). :func:`predicate` leaves every ``lm_head`` to FSDP2
+(sharded, on AdamW, which skips it while its gradient is ``None``), so each rank holds about
+``1/N`` of the parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+import dmuon
+
+__all__ = ["POLICY_TYPES", "fsdp_units", "fully_shard_policy", "predicate"]
+
+# ResNet blocks (torchvision) of ACT's and diffusion's vision backbones.
+_RESNET_BLOCKS = ("BasicBlock", "Bottleneck")
+
+
+def _decoder_units(language_models: list[nn.Module]) -> list[nn.Module]:
+    units: list[nn.Module] = []
+    for lm in language_models:
+        for layer in lm.layers:
+            attn = layer.self_attn
+            units += [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp]
+    return units
+
+
+def _pi_units(policy: nn.Module) -> list[nn.Module]:
+    pwe = policy.model.paligemma_with_expert
+    tower = pwe.paligemma.model.vision_tower  # a SiglipVisionModel; transformers < 5 nests it
+    vision = list(getattr(tower, "vision_model", tower).encoder.layers)
+    return vision + _decoder_units([pwe.paligemma.model.language_model, pwe.gemma_expert.model])
+
+
+def _smolvla_units(policy: nn.Module) -> list[nn.Module]:
+    vwe = policy.model.vlm_with_expert
+    vlm = vwe.get_vlm_model()
+    return list(vlm.vision_model.encoder.layers) + _decoder_units([vlm.text_model, vwe.lm_expert])
+
+
+def _by_class(*names: str) -> Callable[[nn.Module], list[nn.Module]]:
+    def units(policy: nn.Module) -> list[nn.Module]:
+        return [m for m in policy.modules() if type(m).__name__ in names]
+    return units
+
+
+# policy.name (LeRobot's config type) -> the modules fully_shard_policy wraps, children first
+_UNITS: dict[str, Callable[[nn.Module], list[nn.Module]]] = {
+    "pi0": _pi_units,
+    "pi05": _pi_units,
+    "smolvla": _smolvla_units,
+    "act": _by_class("ACTEncoderLayer", "ACTDecoderLayer", *_RESNET_BLOCKS),
+    "diffusion": _by_class("DiffusionConditionalResidualBlock1d", *_RESNET_BLOCKS),
+}
+POLICY_TYPES = tuple(_UNITS)
+
+
+def _policy_type(policy: nn.Module) -> str:
+    name = getattr(policy, "name", None) or getattr(getattr(policy, "config", None), "type", None)
+    if name not in _UNITS:
+        raise ValueError(
+            f"dmuon: fully_shard_policy knows LeRobot policy types {', '.join(POLICY_TYPES)}; "
+            f"got {type(policy).__name__} (type {name!r}). Shard it by hand: call "
+            f"torch.distributed.fsdp.fully_shard on each module its forward code calls "
+            f"(a transformer layer, or a layer's projections and MLP where the code calls those "
+            f"directly), then on the policy itself, and pass the policy to "
+            f"dmuon.dedicate_params")
+    return name
+
+
+def fsdp_units(policy: nn.Module) -> list[nn.Module]:
+    """The modules :func:`fully_shard_policy` makes FSDP2 units, in forward order.
+
+    Args:
+        policy: a LeRobot ``PreTrainedPolicy`` of a type in :data:`POLICY_TYPES` (its
+            ``name``).
+
+    Raises:
+        ValueError: an unknown policy type (the message says how to shard by hand).
+    """
+    return _UNITS[_policy_type(policy)](policy)
+
+
+def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, Any] | None = None,
+                       **fully_shard_kwargs: Any) -> nn.Module:
+    """FSDP2 ``fully_shard`` on the units LeRobot's code calls (:func:`fsdp_units`), then on
+    the policy (the root unit holding the rest). Each rank then holds ``1/N`` of every
+    parameter (``Shard(0)`` over ``mesh``); call :func:`dmuon.dedicate_params` after it.
+
+    Train with ``policy(batch)``: ``policy.forward(batch)`` (what LeRobot 0.6.1's
+    ``lerobot_train.py`` calls) skips the root's FSDP2 hooks.
+
+    Args:
+        policy: a LeRobot policy of a type in :data:`POLICY_TYPES`, all parameters of one
+            dtype (build pi0 / pi05 with ``dtype="float32"`` and pass ``mp_policy=
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` for bf16 compute: FSDP2 takes
+            one original dtype per unit, and LeRobot's ``dtype="bfloat16"`` keeps the vision
+            tower and norms in fp32).
+        mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D ``("replicate", "shard")`` one (HSDP).
+        root_kwargs: the root's ``fully_shard`` keyword arguments; default
+            ``fully_shard_kwargs``. bf16: pi0's forward makes fp32 tensors (the flow-matching
+            noise) that meet the root's own layers (``action_in_proj``), so a root
+            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` fails on a dtype mismatch;
+            give the units ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+            reduce_dtype=torch.float32, output_dtype=torch.float32)`` and the root
+            ``root_kwargs={}`` (what ``dmuon.integrations.lerobot.train`` does).
+        fully_shard_kwargs: passed to every unit's ``fully_shard`` call (``mp_policy``,
+            ``reshard_after_forward``, ``offload_policy``...).
+
+    Returns:
+        ``policy``, sharded in place (its class is now FSDP2's subclass of it).
+
+    Raises:
+        ValueError: an unknown policy type, or a policy already sharded.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    units = fsdp_units(policy)
+    if isinstance(policy, FSDPModule) or any(isinstance(u, FSDPModule) for u in units):
+        raise ValueError(f"dmuon: {type(policy).__name__} is already (partly) sharded by FSDP2; "
+                         f"call fully_shard_policy once, on the unsharded policy")
+    for unit in units:
+        fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
+    fully_shard(policy, mesh=mesh, **(fully_shard_kwargs if root_kwargs is None else root_kwargs))
+    return policy
+
+
+def predicate(policy: nn.Module) -> dmuon.hooks.dedicate.Predicate:
+    """:func:`dmuon.default_predicate` without the ``lm_head`` matrices, which LeRobot's
+    pi0 / pi05 / SmolVLA training never reads (they stay FSDP2-sharded on AdamW)."""
+    base = dmuon.default_predicate(policy)
+
+    def pick(fqn: str, param: nn.Parameter) -> bool | int:
+        if ".lm_head." in f".{fqn}":
+            return False
+        return base(fqn, param)
+
+    return pick
