@@ -209,12 +209,12 @@ class OwnerUpdate:
 
         Raises:
             RuntimeError: a matrix holds a gradient never reduced to its owner
-                (:meth:`dmuon.hooks.state.DedicateState.check_reduced`), or ``fully_shard`` ran on
+                (:meth:`dmuon.hooks.backward.ReduceToOwners.check_reduced`), or ``fully_shard`` ran on
                 the model after binding (first step only, when no forward caught it:
                 :meth:`DedicateState.check_not_sharded_since_binding`).
         """
         self.ctx.check_not_sharded_since_binding("the first opt.step()")
-        self.ctx.check_reduced()
+        self.ctx.backward.check_reduced()
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
