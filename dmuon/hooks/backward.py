@@ -43,6 +43,9 @@ class ReduceToOwners:
         self.sync_enabled = True  # False inside dmuon.no_sync
         self._final_callback_queued = False
         self.made_up_grads: dict = {}
+        # Muon(overlap="backward"): starts the owners' speculative Newton-Schulz once the
+        # reduced gradients are in (dmuon.owners.overlap.speculate)
+        self.after_reduce: Any = None
 
     def queue_final_callback(self) -> None:
         """First gradient hook of a backward: decide sync once, and wait at the end."""
@@ -148,8 +151,10 @@ class ReduceToOwners:
     def _reduce_and_present(self) -> None:
         """Reduce every bucket to its owners (and combine HSDP replicas), then show the
         gradients as clipping by third-party code sees them (:mod:`dmuon.comm.owned_grad`),
-        every rank alike; the owners' averaged gradients then go to :attr:`arrived`."""
+        every rank alike; then :attr:`after_reduce`, if set."""
         s = self.state
         reduce_to_owners(s.issue_order, s.roles, s.reduce_mode, s.world_size, s.replicate_rank)
         present(s.records, group=s.roles.world, replicate_rank=s.replicate_rank, tp_rank=s.tp_rank,
                 made_up=self.made_up_grads)
+        if self.after_reduce is not None and s.ctx.sync_this_backward:
+            self.after_reduce()

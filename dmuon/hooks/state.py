@@ -56,6 +56,7 @@ from dmuon.comm.hsdp_replicas import broadcast_masters
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
 from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
 from dmuon.owners.dedicated import DedicatedParam
+from dmuon.owners.overlap import PendingSteps
 from dmuon.owners.plan import OwnerPlan
 
 logger = logging.getLogger(__name__)
@@ -126,12 +127,15 @@ class DedicateState:
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
         # phase 2 (dmuon.hooks.backward): what one backward needs, and its entry points
         self.backward = ReduceToOwners(self)
+        # phase 3 behind compute (Muon(overlap=...)): the owners' scheduled updates
+        self.pending = PendingSteps()
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
         # what the units share (they never see this object: FSDP2's FSDPCommContext pattern)
         self.ctx = UnitContext(group=self.group, prefetch=prefetch, reduce_mode=reduce_mode,
                                step_check=self.step_check, ensure_bound=self.ensure_bound,
-                               queue_final_callback=self.backward.queue_final_callback)
+                               queue_final_callback=self.backward.queue_final_callback,
+                               pending=self.pending)
         # what this rank switched off for want of live peers (the fake backend; set by
         # dedicate_params): the rank view reports it
         self.offline: tuple[str, ...] = ()
@@ -158,6 +162,11 @@ class DedicateState:
         if self.shared_bucket is not None:
             for p in self.shared_bucket.shared:
                 self._handles.append(p.register_post_accumulate_grad_hook(self.backward.on_shared_grad))
+        # Nothing reads or writes a master with an overlapped update pending (dmuon.owners.overlap)
+        self._handles.append(self.model.register_state_dict_pre_hook(
+            lambda *args, **kwargs: self.pending.wait_all()))
+        self._handles.append(self.model.register_load_state_dict_pre_hook(
+            lambda *args, **kwargs: self.pending.wait_all()))
         # Loading a state dict writes the masters; the compute copies must follow.
         self._handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
@@ -287,12 +296,16 @@ class DedicateState:
         with label("dmuon::publish_after_step"), torch.no_grad():
             if issue and self.roles.replicate is not None:  # HSDP "broadcast": replica 0 stepped
                 # the same list on every replica: the plan and the matrices with a gradient agree
-                broadcast_masters([rec.master.data for rec in self.records if rec.is_owner and
-                                   rec.replicate_mode == "broadcast" and rec.had_grad],
-                                  self.roles.replicate, self.replicate_rank)
+                masters = [rec.master.data for rec in self.records if rec.is_owner and
+                           rec.replicate_mode == "broadcast" and rec.had_grad]
+                if masters:  # the stepped masters, overlapped or not
+                    self.pending.wait_all()
+                broadcast_masters(masters, self.roles.replicate, self.replicate_rank)
+            if not issue:  # a load writes the masters: nothing may be pending
+                self.pending.wait_all()
             for rec in self.records:
                 rec.had_grad = False
-            for group in self.groups:
-                group.refresh()
+            for group in self.groups:  # a group with a job pending refreshes itself there
+                group.refresh(copy=not self.pending.pending(group))
             if issue:  # keep mode: every bucket, overlapping the next forward
                 self.issue(self.units if self.keep else self.units[: self.prefetch])
