@@ -31,10 +31,12 @@ Tensor parallelism orthogonalizes through collectives over the TP group; they ca
 second thread beside the main thread's collectives in a fixed order, so a TP model steps as
 with ``"off"`` (the mode is accepted and has no effect there). So does a model with expert
 parallelism (records published over an expert group): on the 4-rank ``ep-moe`` test case with
-the default plan, ``"forward"`` gave expert weights off by ~1e-2 after 3 steps in about one
-run of three, and waiting for every job right after ``zero_grad()`` made it exact, so some
-reader of the owners' expert stacks during the next forward does not wait for its job; until
-it is found, expert-parallel models step synchronously.
+the default plan, ``"forward"`` gave expert weights off by ~1e-2 after 3 steps in one run of
+three to four of six (reproducibly the same wrong values), and waiting for every job right after
+``zero_grad()`` made it exact. No job was still pending at any unit's forward pre-hook with its
+group live, and handing the jobs plain tensors only (no DTensor dispatch off the main thread)
+did not help, so the reader that does not wait is not found yet; until it is, expert-parallel
+models step synchronously.
 """
 
 from __future__ import annotations
@@ -222,6 +224,8 @@ def step_overlapped(pending: PendingSteps, hp: dict, items: list[tuple], pubs: l
     Newton-Schulz of its matrices, their master update, and the owner's compute copy
     (``pub.copy_masters()``, the next publication's source).
 
+    Only plain tensors reach the job (no DTensor dispatch off the main thread).
+
     Args:
         pending: the model's :class:`PendingSteps`.
         hp: the Muon param group (lr, weight_decay, momentum, nesterov, adjust_lr_fn).
@@ -251,8 +255,11 @@ def step_overlapped(pending: PendingSteps, hp: dict, items: list[tuple], pubs: l
     master_of = {rec: master for master, _, _, rec in items}
     for pub in pubs:
         mine = [rec for rec in pub.members if rec in master_of]
+        # the compute copy's plain local tensors, taken here: an expert-parallel compute weight
+        # is a DTensor, and DTensor dispatch (to_local) is not for a second thread
+        dsts, srcs = [rec.buffer for rec in pub.members], [rec.master for rec in pub.members]
 
-        def job(pub=pub, mine=mine) -> None:
+        def job(pub=pub, mine=mine, dsts=dsts, srcs=srcs) -> None:
             todo = [rec for rec in mine if rec in update_of]
             if todo:
                 outs = _orthogonalize_stacks([update_of[r] for r in todo], [r.matrix_shape for r in todo],
@@ -261,7 +268,8 @@ def step_overlapped(pending: PendingSteps, hp: dict, items: list[tuple], pubs: l
             for rec in mine:
                 apply_update_(master_of[rec], ortho_of[rec], lr=hp["lr"], weight_decay=hp["weight_decay"],
                               adjust_lr_fn=hp["adjust_lr_fn"], shape=rec.matrix_shape)
-            pub.copy_masters()
+            with torch.autograd._unsafe_preserve_version_counter(pub.flat):  # as pub.copy_masters()
+                torch._foreach_copy_(dsts, srcs)
 
         what = f"{[r.fqn for r in mine][:4]} (owner rank {pub.owner})"
         pending.schedule(pub, job, pub.flat.device, what,
