@@ -119,7 +119,10 @@ EXTRA_VARIANTS = {"dmuon_nocheck": dict(step_check=False),
                   "dmuon_prefetch2": dict(prefetch=2),
                   "dmuon_spread": dict(group_cost=0.0),
                   "dmuon_placeholder": dict(replicas="placeholder"),  # --mesh replicate only
+                  "dmuon_overlap": dict(),  # Muon(overlap="forward"), issue 39 (MUON_OPTIONS)
                   "torch_muon": None}
+#: ``dmuon.Muon`` arguments of an extra variant (the others take the defaults).
+MUON_OPTIONS = {"dmuon_overlap": dict(overlap="forward")}
 PHASES = ("forward", "backward", "step", "total")
 #: Message sizes (bytes, float32 payload) of the gloo calibration; 1 KiB .. 4 MiB.
 CALIB_BYTES = (1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 22)
@@ -359,7 +362,8 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
 
             dmuon.dedicate_params(model, mesh, **EXTRA_VARIANTS[variant])
             opts[variant] = dmuon.Muon(model, lr=tcfg.resolved_lr(), weight_decay=tcfg.weight_decay,
-                                       adamw_lr=tcfg.adamw_lr, ns_dtype=ns_dtype)
+                                       adamw_lr=tcfg.adamw_lr, ns_dtype=ns_dtype,
+                                       **MUON_OPTIONS.get(variant, {}))
         else:
             opts[variant] = build_optimizer(tcfg, model, mesh, device)
         models[variant] = model
@@ -413,6 +417,9 @@ def _run_rank(rank: int, cfg: BenchConfig) -> dict | None:
                 rec.update(round=rnd, measured=cfg.warmup_steps <= k and not profiled, profiled=profiled,
                            batch_index=next_batch[variant] - 1)
                 records[variant].append(rec)
+            pending = getattr(getattr(models[variant], "_dmuon_state", None), "pending", None)
+            if pending is not None:  # an overlapped variant's last update, not beside the next block
+                pending.wait_all()
         if rank == 0:
             print(f"[bench_step] round {rnd + 1}/{cfg.rounds}: {time.perf_counter() - t_start:.1f} s",
                   file=sys.stderr, flush=True)

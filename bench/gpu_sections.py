@@ -492,12 +492,13 @@ def gpu_state() -> dict:
 
 def step(opts: SuiteOptions) -> dict:
     """One GPU, world size 1 over NCCL (gloo on CPU): ``bench_step``'s interleaved run of AdamW,
-    AdamW again (the A/A control ``adamw_b``), gather-then-compute Muon, dmuon and single-process
+    AdamW again (the A/A control ``adamw_b``), gather-then-compute Muon, dmuon, dmuon with
+    ``Muon(overlap="forward")`` (``dmuon_overlap``, issue 39) and single-process
     ``torch.optim.Muon`` + ``AdamW``, on the ~194 M-parameter ``GPU_MODEL`` (tiny on CPU) with a
     bf16 ``MixedPrecisionPolicy`` and synthetic batches.
 
-    On CUDA: 10 rounds (one cycle of the Williams order for 5 variants) of 3 measured steps (30
-    per variant; ``--quick`` 20) after 2 discarded
+    On CUDA: 10 rounds (``step_stats.round_order`` over the 6 variants; before
+    ``dmuon_overlap`` they were one Williams cycle of 5) of 3 measured steps (30 per variant; ``--quick`` 20) after 2 discarded
     ones per block, phases timed by CUDA events, the allocator reset before every block, no
     profiled label step (host-side labels mean little there). Every variant then runs 3 steps
     under ``torch.profiler`` (2 traced); the gzipped chrome traces go into one file,
@@ -515,7 +516,8 @@ def step(opts: SuiteOptions) -> dict:
         nproc=1, rounds=10 if cuda else 2, block_steps=(2 if opts.quick else 3) if cuda else 1,
         warmup_steps=2 if cuda else 1, labels=not cuda, trace_dir=str(trace_dir), trace_steps=2,
         batch_size=32 if cuda else 4, tiny=not cuda, model="gpu", calibrate=False,
-        extra_variants=("torch_muon",), device=opts.device, synthetic=True, bf16=True, out=str(path))
+        extra_variants=("torch_muon", "dmuon_overlap"), device=opts.device, synthetic=True, bf16=True,
+        out=str(path))
     state_start = gpu_state()
     raw = bench_step.run(cfg, threads=torch.get_num_threads())  # one rank, in this process
     raw["gpu_state"] = {"start": state_start, "end": gpu_state()}

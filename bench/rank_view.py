@@ -13,7 +13,12 @@ seed and synthetic batches (this rank's rows of the global batch):
 * ``dmuon``: FSDP2 + ``dmuon.dedicate_params`` + ``dmuon.Muon``;
 * ``vanilla``: FSDP2 + gather-then-compute Muon (:class:`dmuon.baselines.VanillaMuon`);
 * ``torch_muon``: unsharded ``torch.optim.Muon`` + ``AdamW`` (single device; world size 1 by
-  default, where it is what the job runs; ``--variants`` adds it elsewhere if it fits).
+  default, where it is what the job runs; ``--variants`` adds it elsewhere if it fits);
+* ``dmuon-overlap-forward`` / ``dmuon-overlap-backward``: ``dmuon`` with ``Muon(overlap=...)``
+  (Newton-Schulz behind the next forward; the step's "whole step" then includes what the next
+  forward waits for); ``dmuon-a2`` / ``adamw-a2``: a second identical ``dmuon`` / ``adamw``,
+  for the A/A spread. After each block of steps the pending work of an overlapped variant is
+  waited for outside the timed steps, so it never runs beside another variant's.
 
 The owner plan is the one the real N-rank job would use: solved in this process by the same
 solver and inputs rank 0 would use (``group_cost`` of the real job's backend: NCCL on CUDA,
@@ -69,7 +74,11 @@ from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 from inventory_model import InventoryModel, blocks_inventory  # noqa: E402
 from rank_view_profile import cpu_peak_bytes, analyze  # noqa: E402
 
-VARIANTS = ("adamw", "dmuon", "vanilla", "torch_muon")
+VARIANTS = ("adamw", "dmuon", "vanilla", "torch_muon", "dmuon-overlap-forward", "dmuon-overlap-backward",
+            "dmuon-a2", "adamw-a2")
+#: ``Muon(overlap=...)`` of each dmuon variant (issue 39); ``*-a2``: a second, identical instance
+#: of ``dmuon`` / ``adamw`` (its A/A spread: how far two runs of the same thing differ here)
+OVERLAP_OF = {"dmuon-overlap-forward": "forward", "dmuon-overlap-backward": "backward"}
 PHASES = ("forward", "backward", "step")
 
 #: Pi0-3B-shaped policy: PaliGemma's Gemma-2B backbone (2048 wide, 18 layers, MLP 16384, 8
@@ -246,7 +255,7 @@ def build_variant(variant: str, build: Callable[[], nn.Module], mesh, device: to
     if variant == "torch_muon":
         return model, _MuonAndAdamW(model)
     _shard(model, mesh, cfg.bf16)
-    if variant == "adamw":
+    if variant in ("adamw", "adamw-a2"):
         return model, torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
     ns_dtype = torch.float16 if device.type == "cuda" else torch.float32  # dmuon.train's "auto"
     common = dict(lr=0.02, weight_decay=0.01, adamw_lr=3e-4, ns_dtype=ns_dtype)
@@ -257,7 +266,7 @@ def build_variant(variant: str, build: Callable[[], nn.Module], mesh, device: to
     import dmuon
 
     dmuon.dedicate_params(model, mesh, plan=plan)
-    return model, dmuon.Muon(model, **common)
+    return model, dmuon.Muon(model, **common, overlap=OVERLAP_OF.get(variant, "off"))
 
 
 def _step(model, opt, batch, device, profile: bool = False, memory: bool = False) -> dict:
@@ -380,6 +389,9 @@ def run(cfg: ViewConfig) -> dict:
                     profiles[v].append(rec)
                 elif k > 0:
                     steps[v].append(rec)
+            pending = getattr(getattr(models[v], "_dmuon_state", None), "pending", None)
+            if pending is not None:  # an overlapped variant's last update: not beside the next
+                pending.wait_all()
         print(f"[rank_view] round {rnd + 1}/{cfg.rounds}: {time.perf_counter() - t0:.1f} s",
               file=sys.stderr, flush=True)
     wall_s = time.perf_counter() - t0
@@ -417,9 +429,13 @@ def run(cfg: ViewConfig) -> dict:
         d["dmuon_hooks_cpu_s_without_grad_hook"] = d["dmuon_hooks_cpu_s"] - d["dmuon_hook_labels_cpu_s"].get(
             "dmuon::grad_hook", 0.0)
     ratios = {}
+    for v in summary:  # the whole step of every variant against FSDP2 + AdamW and dmuon (overlap off)
+        for base in ("adamw", "dmuon"):
+            if base in summary and v != base:
+                ratios[f"{v}_total_over_{base}_total"] = summary[v]["total"]["median_s"] / summary[base]["total"]["median_s"]
     if "adamw" in summary and "dmuon" in summary:
         med = {v: {p: summary[v][p]["median_s"] for p in (*PHASES, "total")} for v in summary}
-        ratios = {f"dmuon_{p}_over_adamw_{p}": med["dmuon"][p] / med["adamw"][p] for p in (*PHASES, "total")}
+        ratios.update({f"dmuon_{p}_over_adamw_{p}": med["dmuon"][p] / med["adamw"][p] for p in (*PHASES, "total")})
         fsdp_in_adamw = summary["adamw"]["per_step"]["fsdp_hooks_cpu_s"]
         ratios["dmuon_hooks_over_fsdp_hooks_in_adamw"] = summary["dmuon"]["per_step"]["dmuon_hooks_cpu_s"] / fsdp_in_adamw
         ratios["dmuon_hooks_over_fsdp_hooks_in_dmuon"] = (summary["dmuon"]["per_step"]["dmuon_hooks_cpu_s"]

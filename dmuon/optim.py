@@ -25,6 +25,7 @@ from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.optim_state import OptimizerStateHooks, param_names
 from dmuon.owners.blocks import Split, resolve_splits, split_muon_update_  # noqa: F401
 from dmuon.owners.clip import clip_by_total_norm_
+from dmuon.owners.overlap import check_overlap, speculate, step_overlapped
 from dmuon.owners.tp_owner import TPItem, orthogonalize_tp
 from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its old import path
     NS_METHODS,
@@ -84,6 +85,10 @@ class Muon(torch.optim.Optimizer):
             A param-group hyper-parameter (saved in state dicts); model only.
         qk_clip_alpha: the query's share of the clip (``eta ** alpha`` on q, ``eta ** (1 - alpha)``
             on k).
+        overlap: owner runtime only: ``"off"`` (Newton-Schulz inside ``step()``), ``"forward"``
+            (behind the next forward, in forward order) or ``"backward"`` (also started at the
+            end of the last backward, kept only when bit-for-bit valid); see
+            :mod:`dmuon.owners.overlap` and docs/performance.md.
 
     Attributes:
         strategy: the update strategy (:class:`OwnerUpdate`, ``ConfiguredUpdate`` or
@@ -123,6 +128,7 @@ class Muon(torch.optim.Optimizer):
         split: Any = None,
         qk_clip_threshold: float | None = None,
         qk_clip_alpha: float = 0.5,
+        overlap: str = "off",
     ) -> None:
         # issue 40: per-head / split Muon and QK-clip (dmuon.owners.blocks, dmuon.qk_clip)
         validate_qk_clip(qk_clip_threshold, qk_clip_alpha)
@@ -159,6 +165,12 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"dmuon: distributed_config must be a DistributedConfig or None; "
                                  f"got {type(distributed_config).__name__}")
             groups = split_param_groups(params, muon_defaults, adamw_defaults)
+        check_overlap(overlap)
+        if overlap != "off" and not isinstance(params, nn.Module):
+            raise ValueError(f"dmuon: Muon(overlap={overlap!r}) needs the owner runtime (the model "
+                             f"passed to dedicate_params); with parameters (single device or "
+                             f"distributed_config) pass overlap='off'.")
+        self.overlap = overlap
         self.ns_backend = ns_backend
         self.max_batch_bytes = max_batch_bytes
         super().__init__(groups, defaults={})
@@ -200,6 +212,14 @@ class Muon(torch.optim.Optimizer):
                         p.grad = None
         super().zero_grad(set_to_none=set_to_none)
 
+    def overlap_stats(self) -> dict[str, int]:
+        """``{"kept": int, "recomputed": int}``: speculative Newton-Schulz results of
+        ``overlap="backward"`` that ``step()`` used or recomputed, summed over steps (zeros for
+        other modes and strategies)."""
+        if isinstance(self.strategy, OwnerUpdate):
+            return self.strategy.ctx.pending.stats()
+        return {"kept": 0, "recomputed": 0}
+
 
 class OwnerUpdate:
     """The owner runtime's update: Muon on the masters this rank owns (TP matrices through
@@ -215,6 +235,13 @@ class OwnerUpdate:
         self.ctx = get_state(model)
         self.splits: dict[int, Any] = {}  # issue 40: id(record) -> Split
         self.qk_clip: Any = None
+        self.overlap = getattr(opt, "overlap", "off")
+        wait = lambda *args, **kwargs: self.ctx.pending.wait_all()  # noqa: E731
+        # no optimizer state is read or written while an overlapped update is pending
+        opt.register_state_dict_pre_hook(wait)
+        opt.register_load_state_dict_pre_hook(wait)
+        if self.overlap == "backward":
+            self.ctx.backward.after_reduce = self.speculate
 
     def configure_blocks(self, *, per_head: bool, split: Any, qk_clip: bool) -> None:
         """Issue 40: resolve the per-head / explicit splits of the dedicated matrices
@@ -246,12 +273,14 @@ class OwnerUpdate:
 
         Raises:
             RuntimeError: a matrix holds a gradient never reduced to its owner
-                (:meth:`dmuon.hooks.state.DedicateState.check_reduced`), or ``fully_shard`` ran on
+                (:meth:`dmuon.hooks.backward.ReduceToOwners.check_reduced`), or ``fully_shard`` ran on
                 the model after binding (first step only, when no forward caught it:
                 :meth:`DedicateState.check_not_sharded_since_binding`).
         """
+        self.ctx.pending.wait_speculation()  # the last backward's (overlap="backward")
+        self.ctx.pending.wait_for(list(self.ctx.pending.jobs))  # the previous step's
         self.ctx.check_not_sharded_since_binding("the first opt.step()")
-        self.ctx.check_reduced()
+        self.ctx.backward.check_reduced()
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
@@ -266,25 +295,60 @@ class OwnerUpdate:
         # publish_after_step's settle() would otherwise wait for at once
         self.ctx.step_check.after_step()
 
-    def step_muon(self, group: dict) -> None:
-        """Muon on the masters of ``group`` this rank owns (placeholders are skipped)."""
+    @property
+    def overlaps(self) -> bool:
+        """Whether this step's Newton-Schulz runs behind the next forward: ``overlap`` is not
+        ``"off"`` and the model has neither tensor parallelism (its Newton-Schulz is collective)
+        nor expert parallelism (see :mod:`dmuon.owners.overlap`: a race not yet understood),
+        and uses neither per-head / split Muon nor QK-clip (issue 40; their steps stay inside
+        ``step()``: the clip scales the new q/k rows before their publication)."""
         ctx = self.ctx
-        params, grads, bufs, recs = [], [], [], []
+        return (self.overlap != "off" and ctx.roles.tp is None and not self.splits
+                and self.qk_clip is None and not any(rec.group is not None for rec in ctx.records))
+
+    def _owned(self, group: dict) -> list[tuple]:
+        """``(master, grad, momentum buffer, record)`` of every master of ``group`` this rank
+        owns that has a gradient (placeholders are skipped; so is a matrix no rank had a
+        gradient for, as ``torch.optim.Muon`` skips ``grad=None``)."""
+        items = []
         for p in group["params"]:
-            # placeholders: someone else owns it; absent: no rank had a gradient (Muon skips it)
             if p.grad is None or p.numel() == 0 or getattr(p.grad, "dmuon_absent", False):
                 continue
             state = self.opt.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(plain(p.grad))
-            bufs.append(state["momentum_buffer"])
-            recs.append(ctx.record_of_master[p])
-        ns_kwargs = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                         method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
-                         backend=self.opt.ns_backend)
+            items.append((p, plain(p.grad), state["momentum_buffer"], self.ctx.record_of_master[p]))
+        return items
+
+    def _ns_kwargs(self, group: dict) -> dict:
+        return dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                    method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
+                    backend=self.opt.ns_backend)
+
+    def speculate(self) -> None:
+        """End of a synced backward with ``overlap="backward"``: start the owners' momentum and
+        Newton-Schulz into scratch (:func:`dmuon.owners.overlap.speculate`)."""
+        if not self.overlaps:
+            return
+        for group in self.opt.param_groups:
+            if group["kind"] == "muon":
+                ns_kwargs = self._ns_kwargs(group)
+                speculate(self.ctx.pending, group, self._owned(group), ns_kwargs,
+                          ns_by_shape(ns_kwargs, self.opt.max_batch_bytes))
+
+    def step_muon(self, group: dict) -> None:
+        """Muon on the masters of ``group`` this rank owns (placeholders are skipped)."""
+        ctx = self.ctx
+        items = self._owned(group)
+        ns_kwargs = self._ns_kwargs(group)
         orthogonalize = ns_by_shape(ns_kwargs, self.opt.max_batch_bytes)
+        if self.overlaps:
+            pubs = list(dict.fromkeys(g for unit in ctx.units for g in unit.groups if g.is_owner))
+            with label("dmuon::schedule_newton_schulz"):
+                step_overlapped(ctx.pending, group, items, pubs, ns_kwargs, orthogonalize)
+            ctx.ns_matrices += len(items)
+            return
+        params, grads, bufs, recs = (list(x) for x in zip(*items)) if items else ([], [], [], [])
         splits = [self.splits.get(id(r)) for r in recs] if self.splits else []
         if any(s is not None for s in splits):  # issue 40: per-head / split Muon
             with label("dmuon::newton_schulz"):
@@ -374,6 +438,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     model = model_or_optimizer
     ctx = get_state(model)
     ctx.ensure_bound()
+    ctx.pending.wait_all()  # an overlapped update still writing a master (dmuon.owners.overlap)
     if ctx.roles.pp_size > 1:
         # the norm of one stage is not the model's: refuse rather than clip by it
         raise ValueError(

@@ -42,6 +42,8 @@ def full_params(model: torch.nn.Module, rank: int) -> dict[str, np.ndarray]:
     masters (TP slices concatenated, HSDP replica 0) and full FSDP2/TP tensors (collective).
     A model without owners (the ``distributed_config`` path): its parameters, full."""
     state = getattr(model, "_dmuon_state", None)
+    if state is not None:  # Muon(overlap=...): masters read directly, after their pending updates
+        state.pending.wait_all()
     mine = {} if state is None else {
         rec.fqn: (state.tp_rank, rec.tp_shard_dim, rec.master.detach().numpy().copy())
         for rec in state.records if rec.is_owner and state.replicate_rank == 0}

@@ -103,7 +103,7 @@ def spread_plan(model: nn.Module, predicate, world_size: int, ep: int):
 
 def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: int = 3, spread: bool = True,
           one_d: bool = False, dedicate_first: bool = False, micro_batches: int = 1,
-          replicas: int = 1, replicate_mode: str = "auto") -> dict[str, Any]:
+          replicas: int = 1, replicate_mode: str = "auto", overlap: str = "off") -> dict[str, Any]:
     """:func:`parallelize`, dedicate (with ``spread``, a plan that splits every expert stack over
     its expert group), train ``steps`` in fp32 exact mode. Returns the full parameters (rank 0),
     the losses, the plan entries and, per rank, the local expert shard sizes FSDP2 had."""
@@ -127,7 +127,7 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
     if not dedicate_first:
         dedicate(mesh)
     plan = dedicated[0]
-    opt = dmuon.Muon(model, **cases.OPT_KWARGS)
+    opt = dmuon.Muon(model, **cases.OPT_KWARGS, overlap=overlap)
     losses, norm0 = [], None
     for step in range(steps):
         batch = cases.local_batch(case, step, rank, world_size)

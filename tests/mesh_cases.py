@@ -71,10 +71,10 @@ def dp_coordinate(mesh, dp_names) -> tuple[int, int]:
 
 
 def train(rank: int, world_size: int, *, layout: str, steps: int = 5, clip: float | None = None,
-          replicate_mode: str = "auto") -> dict:
+          replicate_mode: str = "auto", overlap: str = "off") -> dict:
     model, mesh, dp_names = build(layout, replicate_mode=replicate_mode)
     opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
-                     ns_dtype=torch.float32, ns_coefficients="muon")
+                     ns_dtype=torch.float32, ns_coefficients="muon", overlap=overlap)
     dp_index, dp_count = dp_coordinate(mesh, dp_names)
     state = model._dmuon_state
     norms, ns_counts = [], []

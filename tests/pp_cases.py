@@ -69,6 +69,7 @@ def _collect(stages: list[nn.Module], rank: int) -> dict[str, np.ndarray]:
     mine: dict[str, np.ndarray] = {}
     for stage in stages:
         state = stage._dmuon_state
+        state.pending.wait_all()  # Muon(overlap=...): masters read directly, after their updates
         owned = {rec.fqn for rec in state.records}
         for rec in state.records:
             if rec.is_owner and state.replicate_rank == 0:
@@ -86,7 +87,7 @@ def _collect(stages: list[nn.Module], rank: int) -> dict[str, np.ndarray]:
 
 
 def pipeline(rank: int, world_size: int, *, schedule: str, pp: int, whole_mesh: bool = False,
-             hsdp: bool = False, steps: int = 3) -> dict:
+             hsdp: bool = False, steps: int = 3, overlap: str = "off") -> dict:
     """Train the cut model under ``torch.distributed.pipelining`` with dmuon inside each stage.
 
     Args:
@@ -123,7 +124,7 @@ def pipeline(rank: int, world_size: int, *, schedule: str, pp: int, whole_mesh: 
             fully_shard(block, mesh=dp_mesh)
         fully_shard(module, mesh=dp_mesh)
         dmuon.dedicate_params(module, mesh if whole_mesh else dp_mesh, group_cost=0.0)
-        opts.append(dmuon.Muon(module, **OPT))
+        opts.append(dmuon.Muon(module, **OPT, overlap=overlap))
     pp_group = mesh["pp"].get_group()
     stages = [PipelineStage(m, i, n_stages, torch.device("cpu"), group=pp_group) for m, i in zip(modules, indices)]
 

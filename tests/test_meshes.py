@@ -17,10 +17,12 @@ STEPS = 5
 ATOL = 1e-5
 
 
-@pytest.mark.parametrize("layout,world_size", [("hsdp", 4), ("fsdp-tp", 4), ("tp", 2),
-                                               pytest.param("hsdp-tp", 8, marks=pytest.mark.slow)])
-def test_mesh_matches_single_process_reference(dist_pool, layout, world_size):
-    out = dist_pool.run(world_size, "tests.mesh_cases:train", dict(layout=layout, steps=STEPS),
+@pytest.mark.parametrize("layout,world_size,overlap", [
+    ("hsdp", 4, "off"), ("fsdp-tp", 4, "off"), ("tp", 2, "off"),
+    pytest.param("hsdp-tp", 8, "off", marks=pytest.mark.slow),
+    ("hsdp", 4, "forward"), ("fsdp-tp", 4, "backward")])  # Muon(overlap=...): dmuon.owners.overlap
+def test_mesh_matches_single_process_reference(dist_pool, layout, world_size, overlap):
+    out = dist_pool.run(world_size, "tests.mesh_cases:train", dict(layout=layout, steps=STEPS, overlap=overlap),
                         timeout_s=240, fresh=True)
     ref, _, _ = models.run_reference(out[0]["dp_count"], STEPS)
     compare(out[0]["params"], ref, ATOL)

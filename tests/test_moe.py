@@ -138,6 +138,8 @@ def test_plan_records_expert_ranges():
     ("ep-moe", 4, 2, dict(micro_batches=2)),      # gradient accumulation (dmuon.no_sync)
     ("ep-moe", 4, 2, dict(replicas=2)),           # HSDP in front: ("replicate", "efsdp", "ep") 2x1x2
     ("ep-moe", 4, 2, dict(replicas=2, replicate_mode="broadcast")),
+    ("ep-moe", 4, 2, dict(overlap="forward")),    # Newton-Schulz behind the next forward
+    ("ep-moe", 4, 2, dict(replicas=2, replicate_mode="broadcast", overlap="backward")),
     ("hf-qwen3-moe", 4, 2, {}),           # Hugging Face models, their experts' forward dispatching
     ("hf-mixtral", 3, 3, {}),             # 3 experts: ep 3, one per rank
     ("hf-deepseek-v3", 4, 2, {}),         # a dense first layer, shared + routed experts

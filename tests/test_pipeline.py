@@ -32,13 +32,14 @@ def _check_moved_and_exact(params: dict[str, np.ndarray], ref: dict) -> None:
     compare(params, ref, ATOL)
 
 
-@pytest.mark.parametrize("schedule,pp,whole_mesh", [
-    ("gpipe", 2, False), ("1f1b", 2, True), ("interleaved", 2, False),
-    ("gpipe", 1, False), ("1f1b", 1, True), ("interleaved", 1, False),
+@pytest.mark.parametrize("schedule,pp,whole_mesh,overlap", [
+    ("gpipe", 2, False, "off"), ("1f1b", 2, True, "off"), ("interleaved", 2, False, "off"),
+    ("gpipe", 1, False, "off"), ("1f1b", 1, True, "off"), ("interleaved", 1, False, "off"),
+    ("1f1b", 2, True, "forward"), ("interleaved", 1, False, "backward"),  # Muon(overlap=...)
 ])
-def test_pipeline_schedules_match_single_process_reference(dist_pool, schedule, pp, whole_mesh):
+def test_pipeline_schedules_match_single_process_reference(dist_pool, schedule, pp, whole_mesh, overlap):
     out = dist_pool.run(4, "tests.pp_cases:pipeline",
-                        dict(schedule=schedule, pp=pp, whole_mesh=whole_mesh, steps=STEPS),
+                        dict(schedule=schedule, pp=pp, whole_mesh=whole_mesh, steps=STEPS, overlap=overlap),
                         timeout_s=300, fresh=True)
     ref, ref_losses, _ = models.run_reference(REF_PER_DP * out[0]["dp"], STEPS)
     _check_moved_and_exact(out[0]["params"], ref)

@@ -150,7 +150,7 @@ class GradBucket:
     def full(self) -> bool:
         """Every matrix that takes a gradient has it, and no shared parameters ride along
         (their gradients are complete only at the end of backward, where
-        :meth:`dmuon.hooks.state.DedicateState.finish_backward` issues the bucket). ``ready``
+        :meth:`dmuon.hooks.backward.ReduceToOwners.finish_backward` issues the bucket). ``ready``
         only holds members of ``expected``."""
         return len(self.ready) == len(self.expected) and not self.shared
 
@@ -279,26 +279,7 @@ class GradBucket:
         for pend in self.pending:
             pend.wait()
         if self.shared:
-            with torch.no_grad():
-                first = self.shared_slots[self.shared[0]][0]
-                self.flat[first: self.numel - len(self.shared)].div_(world_size)
-                # Host sync on CUDA, on the replicated path's keep mode only, once per backward:
-                # which .grad stay None must be known on the host (DDP's find_unused_parameters
-                # reads its bitmap the same way). The FSDP2 path never gets here (no shared).
-                flags = self.flat[self.numel - len(self.shared):].tolist()
-                into, avgs = [], []
-                for p, flag in zip(self.shared, flags):
-                    if flag <= 0:  # no rank produced this gradient: it stays None
-                        continue
-                    start, numel = self.shared_slots[p]
-                    avg = self.flat[start: start + numel].view_as(p)
-                    if p.grad is None:
-                        p.grad = avg.to(p.dtype, copy=True)
-                    else:
-                        into.append(p.grad)
-                        avgs.append(avg)
-                if into:
-                    torch._foreach_copy_(into, avgs)
+            _average_shared(self, world_size)
         divisor = world_size if self.divide_factor is None else self.divide_factor
         views = self._average_mine(divisor) if self.my_owner is not None else {}
         # routed experts: the owner reads how many ranks had each gradient (0: none, skip it)
@@ -315,6 +296,32 @@ class GradBucket:
         self.ready.clear()
         self.grads = [None] * len(self.records)
         self.pending.clear()
+
+
+@torch.no_grad()
+def _average_shared(bucket: GradBucket, world_size: int) -> None:
+    """Keep mode, after the bucket's all-reduce: divide the shared parameters' sums by
+    ``world_size`` and write each average into its parameter's ``.grad`` (one
+    ``_foreach_copy_``); a parameter no rank produced a gradient for keeps ``grad=None``."""
+    first = bucket.shared_slots[bucket.shared[0]][0]
+    bucket.flat[first: bucket.numel - len(bucket.shared)].div_(world_size)
+    # Host sync on CUDA, on the replicated path's keep mode only, once per backward:
+    # which .grad stay None must be known on the host (DDP's find_unused_parameters
+    # reads its bitmap the same way). The FSDP2 path never gets here (no shared).
+    flags = bucket.flat[bucket.numel - len(bucket.shared):].tolist()
+    into, avgs = [], []
+    for p, flag in zip(bucket.shared, flags):
+        if flag <= 0:  # no rank produced this gradient: it stays None
+            continue
+        start, numel = bucket.shared_slots[p]
+        avg = bucket.flat[start: start + numel].view_as(p)
+        if p.grad is None:
+            p.grad = avg.to(p.dtype, copy=True)
+        else:
+            into.append(p.grad)
+            avgs.append(avg)
+    if into:
+        torch._foreach_copy_(into, avgs)
 
 
 @dataclass(eq=False)

@@ -471,7 +471,7 @@ class no_sync:
     def __enter__(self) -> "no_sync":
         from dmuon.hooks import fsdp_adapter as fsdp
 
-        self.state.sync_enabled = False
+        self.state.backward.sync_enabled = False
         if fsdp.is_fsdp_wrapped(self.model):
             fsdp.set_gradient_sync(self.model, False)
         return self
@@ -479,6 +479,6 @@ class no_sync:
     def __exit__(self, *exc: object) -> None:
         from dmuon.hooks import fsdp_adapter as fsdp
 
-        self.state.sync_enabled = True
+        self.state.backward.sync_enabled = True
         if fsdp.is_fsdp_wrapped(self.model):
             fsdp.set_gradient_sync(self.model, True)

@@ -24,7 +24,8 @@ nothing while autograd runs: activation checkpointing re-runs forwards inside ba
 and cuts them short (early stop) so their post-forward never runs.
 Phase 2, reduce-to-owner: a post-accumulate-grad hook on each full weight puts its gradient in
 its unit's :class:`dmuon.comm.grad_buckets.GradBucket`, which issues an async reduce to the
-owners once full; a callback at the end of backward waits and averages.
+owners once full; a callback at the end of backward waits and averages
+(:class:`dmuon.hooks.backward.ReduceToOwners`, the state's ``backward``).
 Phase 4, publication: :meth:`DedicateState.publish_after_step` refreshes the owners' compute
 copies and issues the first units' broadcasts so they overlap the next forward.
 
@@ -45,16 +46,17 @@ from torch import nn
 
 from dmuon.hooks import fsdp_adapter as fsdp
 from dmuon.hooks.bind import BindRequest, Selected, Wiring, bind, check_materialized
+from dmuon.hooks.backward import ReduceToOwners
 from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.step_check import StepCheck
 from dmuon.comm.collectives import label
 from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.comm.mesh_roles import MeshRoles
-from dmuon.comm.hsdp_replicas import broadcast_masters, reduce_to_owners
-from dmuon.comm.owned_grad import present, unpresent
+from dmuon.comm.hsdp_replicas import broadcast_masters
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
 from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
 from dmuon.owners.dedicated import DedicatedParam
+from dmuon.owners.overlap import PendingSteps
 from dmuon.owners.plan import OwnerPlan
 
 logger = logging.getLogger(__name__)
@@ -122,17 +124,18 @@ class DedicateState:
         self._fsdp_states: list[Any] = []
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
         self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}  # master -> record
-        # Per backward:
-        self.sync_enabled = True  # False inside dmuon.no_sync
-        self._final_callback_queued = False
         self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
-        self.made_up_grads: dict = {}  # dmuon.comm.owned_grad.present's gradients for "none here"
+        # phase 2 (dmuon.hooks.backward): what one backward needs, and its entry points
+        self.backward = ReduceToOwners(self)
+        # phase 3 behind compute (Muon(overlap=...)): the owners' scheduled updates
+        self.pending = PendingSteps()
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
         # what the units share (they never see this object: FSDP2's FSDPCommContext pattern)
         self.ctx = UnitContext(group=self.group, prefetch=prefetch, reduce_mode=reduce_mode,
                                step_check=self.step_check, ensure_bound=self.ensure_bound,
-                               queue_final_callback=self.queue_final_callback)
+                               queue_final_callback=self.backward.queue_final_callback,
+                               pending=self.pending)
         # what this rank switched off for want of live peers (the fake backend; set by
         # dedicate_params): the rank view reports it
         self.offline: tuple[str, ...] = ()
@@ -155,10 +158,15 @@ class DedicateState:
                 functools.partial(w.unit.on_grad, w.rec, w.group, w.bucket)))
         if self.replicated is not None:
             for p in self.replicated.params:
-                self._handles.append(p.register_hook(functools.partial(self._on_replicated_grad, p)))
+                self._handles.append(p.register_hook(functools.partial(self.backward.on_replicated_grad, p)))
         if self.shared_bucket is not None:
             for p in self.shared_bucket.shared:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_shared_grad))
+                self._handles.append(p.register_post_accumulate_grad_hook(self.backward.on_shared_grad))
+        # Nothing reads or writes a master with an overlapped update pending (dmuon.owners.overlap)
+        self._handles.append(self.model.register_state_dict_pre_hook(
+            lambda *args, **kwargs: self.pending.wait_all()))
+        self._handles.append(self.model.register_load_state_dict_pre_hook(
+            lambda *args, **kwargs: self.pending.wait_all()))
         # Loading a state dict writes the masters; the compute copies must follow.
         self._handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
@@ -218,7 +226,7 @@ class DedicateState:
         if self.fsdp_wrapped:
             # FSDP2 reduces outside any backward too (pipelining schedules call its final callback
             # themselves): follow it there; and each bucket follows its block's divide factor
-            self._handles += fsdp.wrap_final_callback(self._fsdp_states, self.reduce_outside_backward)
+            self._handles += fsdp.wrap_final_callback(self._fsdp_states, self.backward.reduce_outside_backward)
             for w in binding.wiring:
                 w.bucket.block = w.unit.module
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
@@ -275,122 +283,6 @@ class DedicateState:
         """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
         self.ctx.issue(units)
 
-    @property
-    def sync_this_backward(self) -> bool:
-        """This backward reduces to the owners (held by the units' context)."""
-        return self.ctx.sync_this_backward
-
-    @sync_this_backward.setter
-    def sync_this_backward(self, value: bool) -> None:
-        self.ctx.sync_this_backward = value
-
-    # ------------------------------------------------------------ reduce-to-owner
-    def queue_final_callback(self) -> None:
-        """First gradient hook of a backward: decide sync once, and wait at the end."""
-        if not self._final_callback_queued:
-            self.step_check.before_backward()
-            self._final_callback_queued = True
-            self.sync_this_backward = self.sync_enabled and (
-                not self.fsdp_wrapped or fsdp.gradient_sync_enabled(self._fsdp_states))
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-
-    def _on_replicated_grad(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-        self.queue_final_callback()
-        return self.replicated.on_grad(param, grad, sync=self.sync_this_backward)
-
-    def _on_shared_grad(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook of a non-dedicated parameter in keep mode: only makes sure
-        the backward ends in :meth:`finish_backward` (a model whose matrices are all frozen has
-        no other hook), which copies every ``.grad`` into the bucket at once."""
-        self.queue_final_callback()
-
-    def reduce_outside_backward(self) -> None:
-        """FSDP2's final callback ran outside a backward, with gradient sync on: reduce to the
-        owners every gradient accumulated locally since the last reduce, as FSDP2 reduce-scatters
-        its own.
-
-        ``torch.distributed.pipelining`` turns FSDP2's gradient sync off for every micro-batch
-        backward (``backward_maybe_with_nosync``) and then, after the last one, turns it on and
-        calls every ``FSDPParamGroup.post_backward()`` and the root's
-        ``_root_post_backward_final_callback`` itself (``PipelineStage.perform_reduce_grad``), then
-        divides the gradients by the number of micro-batches (``scale_grads``): this runs in that
-        callback, so the owners' ``master.grad`` is in before the division. Inside a backward
-        (the callback FSDP2 queues itself) it does nothing: :meth:`finish_backward`, queued in
-        the same backward, reduces. Collective over the shard group (and the replicate group
-        under HSDP); every rank of a stage's data-parallel group runs the same schedule, so every
-        one of them gets here alike.
-        """
-        if not self.bound or self._final_callback_queued or not self.sync_enabled:
-            return
-        if not fsdp.gradient_sync_enabled(self._fsdp_states):
-            return
-        held = False
-        for bucket in self.buckets:
-            if any(rec.compute.grad is not None for rec in bucket.records):
-                bucket.active = held = True  # GradBucket.issue takes each compute.grad
-        if not held:
-            return
-        with label("dmuon::reduce_outside_backward"), torch.no_grad():
-            self.sync_this_backward = True
-            self.issue_order.next = 0
-            self.step_check.settle()
-            self._set_divide_factors()
-            unpresent(self.records)  # as finish_backward: plain gradients to add to, then shown
-            reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
-            present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
-                    tp_rank=self.tp_rank, made_up=self.made_up_grads)
-
-    def _set_divide_factors(self) -> None:
-        """Each bucket's FSDP2 ``set_gradient_divide_factor`` (``None``: the mean), read now."""
-        for bucket in self.buckets:
-            if bucket.block is not None:
-                bucket.divide_factor = fsdp.gradient_divide_factor(bucket.block)
-
-    def check_reduced(self) -> None:
-        """Before a step: no matrix may hold a gradient that never reached its owner.
-
-        A backward with gradient sync off (``dmuon.no_sync``, FSDP2's
-        ``set_requires_gradient_sync(False)``) keeps each matrix's local gradient on every rank
-        until a synced backward or FSDP2's final callback reduces it; a step before that would
-        skip the matrix (its owner has no gradient), as ``torch.optim.Muon`` skips
-        ``grad=None``, silently.
-
-        Raises:
-            RuntimeError: naming the matrices and the fix, on every rank that computed them.
-        """
-        unreduced = [rec.fqn for rec in self.records if rec.compute.grad is not None]
-        if unreduced:
-            raise RuntimeError(
-                f"dmuon: opt.step() would skip {len(unreduced)} dedicated matrices "
-                f"({unreduced[:4]}{'...' if len(unreduced) > 4 else ''}, rank {dist.get_rank()}): their "
-                f"gradients were computed with gradient sync off (dmuon.no_sync or FSDP2's "
-                f"set_requires_gradient_sync(False)) and never reduced to their owners. Turn sync "
-                f"back on for the last backward of the step (or let FSDP2's post_backward / final "
-                f"callback run with sync on, as torch.distributed.pipelining does) before opt.step().")
-
-    def finish_backward(self) -> None:
-        """End of backward: close open units, then reduce-to-owner and, under HSDP, the replica
-        combine (:func:`dmuon.comm.hsdp_replicas.reduce_to_owners`); the other parameters'
-        DDP-style all-reduce finishes last."""
-        self._final_callback_queued = False
-        self.issue_order.next = 0  # the rest go out below, in the same order
-        self.step_check.settle()  # before waiting on (or issuing) any reduce of this backward
-        for unit in self.units:  # units with unused matrices, or cut short by checkpointing
-            unit.post_backward()
-            unit.backward_finished = False
-        with label("dmuon::finish_backward"), torch.no_grad():
-            if self.shared_bucket is not None and self.sync_this_backward:
-                self.shared_bucket.issue(self.group, self.reduce_mode)  # the other parameters' .grad
-            if self.fsdp_wrapped:
-                self._set_divide_factors()
-            unpresent(self.records)  # plain gradients for the owners to add to
-            reduce_to_owners(self.issue_order, self.roles, self.reduce_mode, self.world_size, self.replicate_rank)
-            # what clipping by third-party code sees (dmuon.comm.owned_grad): every rank alike
-            present(self.records, group=self.roles.world, replicate_rank=self.replicate_rank,
-                    tp_rank=self.tp_rank, made_up=self.made_up_grads)
-            if self.replicated is not None and self.sync_this_backward:
-                self.replicated.finish()
-
     # --------------------------------------------------------------- after step
     def publish_after_step(self, issue: bool = True) -> None:
         """Phase 4: owners refresh their compute copy; the first units' broadcasts go out.
@@ -404,12 +296,16 @@ class DedicateState:
         with label("dmuon::publish_after_step"), torch.no_grad():
             if issue and self.roles.replicate is not None:  # HSDP "broadcast": replica 0 stepped
                 # the same list on every replica: the plan and the matrices with a gradient agree
-                broadcast_masters([rec.master.data for rec in self.records if rec.is_owner and
-                                   rec.replicate_mode == "broadcast" and rec.had_grad],
-                                  self.roles.replicate, self.replicate_rank)
+                masters = [rec.master.data for rec in self.records if rec.is_owner and
+                           rec.replicate_mode == "broadcast" and rec.had_grad]
+                if masters:  # the stepped masters, overlapped or not
+                    self.pending.wait_all()
+                broadcast_masters(masters, self.roles.replicate, self.replicate_rank)
+            if not issue:  # a load writes the masters: nothing may be pending
+                self.pending.wait_all()
             for rec in self.records:
                 rec.had_grad = False
-            for group in self.groups:
-                group.refresh()
+            for group in self.groups:  # a group with a job pending refreshes itself there
+                group.refresh(copy=not self.pending.pending(group))
             if issue:  # keep mode: every bucket, overlapping the next forward
                 self.issue(self.units if self.keep else self.units[: self.prefetch])

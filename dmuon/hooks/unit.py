@@ -115,17 +115,24 @@ class PublishGroup:
         if len(self.bwd_done) >= len(self.grad_members):  # O(1): bwd_done only holds members
             self.release()
 
-    def refresh(self) -> None:
+    def refresh(self, copy: bool = True) -> None:
         """After a step: the owner copies its stepped masters into its compute copy (the next
-        publication's source); the others free theirs. Either way the group is no longer live."""
+        publication's source; ``copy=False``: a job scheduled by an overlapped step does it,
+        :mod:`dmuon.owners.overlap`); the others free theirs. Either way the group is no
+        longer live."""
         if not self.is_owner:
             self.release()
             return
         self.wait()
-        with torch.autograd._unsafe_preserve_version_counter(self.flat), torch.no_grad():
-            # one op for the group, casting fp32 masters to the compute dtype
-            torch._foreach_copy_([rec.buffer for rec in self.members], [rec.master for rec in self.members])
+        if copy:
+            self.copy_masters()
         self.live = False
+
+    def copy_masters(self) -> None:
+        """The owner's compute copy from its masters: one op for the group, casting fp32 masters
+        to the compute dtype."""
+        with torch.autograd._unsafe_preserve_version_counter(self.flat), torch.no_grad():
+            torch._foreach_copy_([rec.buffer for rec in self.members], [rec.master for rec in self.members])
 
 
 def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
@@ -160,6 +167,8 @@ class UnitContext:
         sync_this_backward: this backward reduces to the owners (``False`` under ``no_sync``).
         issue_order: the one order every rank issues the gradient buckets in (set at binding,
             :class:`dmuon.comm.grad_buckets.IssueOrder`).
+        pending: the owners' updates an overlapped step scheduled
+            (:class:`dmuon.owners.overlap.PendingSteps`); a publication waits for its own.
     """
 
     group: dist.ProcessGroup
@@ -173,10 +182,16 @@ class UnitContext:
     keep: bool = False
     sync_this_backward: bool = True
     issue_order: IssueOrder = field(default_factory=lambda: IssueOrder([]))
+    pending: Any = None
 
     def issue(self, units: list[Unit]) -> None:
-        """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
-        issue_groups([g for unit in units for g in unit.groups if not g.live], self.group)
+        """Publish every group of ``units`` not yet live, as one NCCL group call if possible;
+        each first waits for its owner's overlapped update, if one is pending
+        (:meth:`dmuon.owners.overlap.PendingSteps.wait_for`)."""
+        groups = [g for unit in units for g in unit.groups if not g.live]
+        if self.pending is not None:
+            self.pending.wait_for(groups)
+        issue_groups(groups, self.group)
 
 
 @dataclass(eq=False)

@@ -1,0 +1,160 @@
+"""Phase 2 of a dmuon step, reduce-to-owner: the end of each backward, as FSDP2's root
+``_root_post_backward_final_callback`` ends its own.
+
+:class:`ReduceToOwners` holds what one backward needs (whether gradient sync is on, whether the
+end-of-backward callback is queued, the gradients made up for matrices no rank here used) and
+the runtime's backward entry points: the first gradient hook of a backward
+(:meth:`ReduceToOwners.queue_final_callback`), the end of backward
+(:meth:`ReduceToOwners.finish_backward`), FSDP2's final callback outside a backward
+(:meth:`ReduceToOwners.reduce_outside_backward`, pipelining schedules) and the check before a
+step (:meth:`ReduceToOwners.check_reduced`). It reads the bound units, buckets and process
+groups from its :class:`dmuon.hooks.state.DedicateState`; the collectives are
+:mod:`dmuon.comm.hsdp_replicas`' and :mod:`dmuon.comm.grad_buckets`'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.comm.collectives import label
+from dmuon.comm.hsdp_replicas import reduce_to_owners
+from dmuon.comm.owned_grad import present, unpresent
+from dmuon.hooks import fsdp_adapter as fsdp
+
+
+class ReduceToOwners:
+    """The reduce-to-owner phase of one model's runtime.
+
+    Args:
+        state: the model's :class:`dmuon.hooks.state.DedicateState` (read: its bound units,
+            buckets, process groups and step check).
+
+    Attributes:
+        sync_enabled: ``False`` inside :func:`dmuon.no_sync`.
+        made_up_grads: :func:`dmuon.comm.owned_grad.present`'s gradients for "none here".
+    """
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.sync_enabled = True  # False inside dmuon.no_sync
+        self._final_callback_queued = False
+        self.made_up_grads: dict = {}
+        # Muon(overlap="backward"): starts the owners' speculative Newton-Schulz once the
+        # reduced gradients are in (dmuon.owners.overlap.speculate)
+        self.after_reduce: Any = None
+
+    def queue_final_callback(self) -> None:
+        """First gradient hook of a backward: decide sync once, and wait at the end."""
+        if not self._final_callback_queued:
+            self.state.step_check.before_backward()
+            self._final_callback_queued = True
+            self.state.ctx.sync_this_backward = self.sync_enabled and (
+                not self.state.fsdp_wrapped or fsdp.gradient_sync_enabled(self.state._fsdp_states))
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def on_replicated_grad(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        self.queue_final_callback()
+        return self.state.replicated.on_grad(param, grad, sync=self.state.ctx.sync_this_backward)
+
+    def on_shared_grad(self, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook of a non-dedicated parameter in keep mode: only makes sure
+        the backward ends in :meth:`finish_backward` (a model whose matrices are all frozen has
+        no other hook), which copies every ``.grad`` into the bucket at once."""
+        self.queue_final_callback()
+
+    def reduce_outside_backward(self) -> None:
+        """FSDP2's final callback ran outside a backward, with gradient sync on: reduce to the
+        owners every gradient accumulated locally since the last reduce, as FSDP2 reduce-scatters
+        its own.
+
+        ``torch.distributed.pipelining`` turns FSDP2's gradient sync off for every micro-batch
+        backward (``backward_maybe_with_nosync``) and then, after the last one, turns it on and
+        calls every ``FSDPParamGroup.post_backward()`` and the root's
+        ``_root_post_backward_final_callback`` itself (``PipelineStage.perform_reduce_grad``), then
+        divides the gradients by the number of micro-batches (``scale_grads``): this runs in that
+        callback, so the owners' ``master.grad`` is in before the division. Inside a backward
+        (the callback FSDP2 queues itself) it does nothing: :meth:`finish_backward`, queued in
+        the same backward, reduces. Collective over the shard group (and the replicate group
+        under HSDP); every rank of a stage's data-parallel group runs the same schedule, so every
+        one of them gets here alike.
+        """
+        if not self.state.bound or self._final_callback_queued or not self.sync_enabled:
+            return
+        if not fsdp.gradient_sync_enabled(self.state._fsdp_states):
+            return
+        held = False
+        for bucket in self.state.buckets:
+            if any(rec.compute.grad is not None for rec in bucket.records):
+                bucket.active = held = True  # GradBucket.issue takes each compute.grad
+        if not held:
+            return
+        with label("dmuon::reduce_outside_backward"), torch.no_grad():
+            self.state.ctx.sync_this_backward = True
+            self.state.issue_order.next = 0
+            self.state.step_check.settle()
+            self.set_divide_factors()
+            unpresent(self.state.records)  # as finish_backward: plain gradients to add to, then shown
+            self._reduce_and_present()
+
+    def set_divide_factors(self) -> None:
+        """Each bucket's FSDP2 ``set_gradient_divide_factor`` (``None``: the mean), read now."""
+        for bucket in self.state.buckets:
+            if bucket.block is not None:
+                bucket.divide_factor = fsdp.gradient_divide_factor(bucket.block)
+
+    def check_reduced(self) -> None:
+        """Before a step: no matrix may hold a gradient that never reached its owner.
+
+        A backward with gradient sync off (``dmuon.no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``) keeps each matrix's local gradient on every rank
+        until a synced backward or FSDP2's final callback reduces it; a step before that would
+        skip the matrix (its owner has no gradient), as ``torch.optim.Muon`` skips
+        ``grad=None``, silently.
+
+        Raises:
+            RuntimeError: naming the matrices and the fix, on every rank that computed them.
+        """
+        unreduced = [rec.fqn for rec in self.state.records if rec.compute.grad is not None]
+        if unreduced:
+            raise RuntimeError(
+                f"dmuon: opt.step() would skip {len(unreduced)} dedicated matrices "
+                f"({unreduced[:4]}{'...' if len(unreduced) > 4 else ''}, rank {dist.get_rank()}): their "
+                f"gradients were computed with gradient sync off (dmuon.no_sync or FSDP2's "
+                f"set_requires_gradient_sync(False)) and never reduced to their owners. Turn sync "
+                f"back on for the last backward of the step (or let FSDP2's post_backward / final "
+                f"callback run with sync on, as torch.distributed.pipelining does) before opt.step().")
+
+    def finish_backward(self) -> None:
+        """End of backward: close open units, then reduce-to-owner and, under HSDP, the replica
+        combine (:func:`dmuon.comm.hsdp_replicas.reduce_to_owners`); the other parameters'
+        DDP-style all-reduce finishes last."""
+        self._final_callback_queued = False
+        self.state.issue_order.next = 0  # the rest go out below, in the same order
+        self.state.step_check.settle()  # before waiting on (or issuing) any reduce of this backward
+        for unit in self.state.units:  # units with unused matrices, or cut short by checkpointing
+            unit.post_backward()
+            unit.backward_finished = False
+        with label("dmuon::finish_backward"), torch.no_grad():
+            if self.state.shared_bucket is not None and self.state.ctx.sync_this_backward:
+                self.state.shared_bucket.issue(self.state.group, self.state.reduce_mode)  # the other parameters' .grad
+            if self.state.fsdp_wrapped:
+                self.set_divide_factors()
+            unpresent(self.state.records)  # plain gradients for the owners to add to
+            self._reduce_and_present()
+            if self.state.replicated is not None and self.state.ctx.sync_this_backward:
+                self.state.replicated.finish()
+
+    def _reduce_and_present(self) -> None:
+        """Reduce every bucket to its owners (and combine HSDP replicas), then show the
+        gradients as clipping by third-party code sees them (:mod:`dmuon.comm.owned_grad`),
+        every rank alike; then :attr:`after_reduce`, if set."""
+        s = self.state
+        reduce_to_owners(s.issue_order, s.roles, s.reduce_mode, s.world_size, s.replicate_rank)
+        present(s.records, group=s.roles.world, replicate_rank=s.replicate_rank, tp_rank=s.tp_rank,
+                made_up=self.made_up_grads)
+        if self.after_reduce is not None and s.ctx.sync_this_backward:
+            self.after_reduce()

@@ -1,0 +1,135 @@
+"""Functions that run on every rank of the test pool for ``Muon(overlap=...)`` (tests/test_overlap.py).
+
+Every run slows each overlapped job down (:func:`slow_jobs`: 20 ms before it starts), so a
+reader that did not wait for a pending update would see the old weights and the comparison
+with the single-process reference would fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+import dmuon
+from dmuon.owners.overlap import PendingSteps
+from tests import models
+from tests.dist_cases import build, full_params
+
+OPT = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard", ns_dtype=torch.float32,
+           ns_coefficients="muon")
+
+
+@contextlib.contextmanager
+def slow_jobs(delay_s: float = 0.02, fail: bool = False) -> Iterator[None]:
+    """Every overlapped job sleeps ``delay_s`` first (or raises, with ``fail``); restored on
+    exit (the pool's workers are reused)."""
+    submit = PendingSteps.submit
+
+    def slowed(self, fn, device, what, keep=()):
+        def run() -> None:
+            time.sleep(delay_s)
+            if fail:
+                raise FloatingPointError("injected failure")
+            fn()
+        return submit(self, run, device, what, keep)
+
+    PendingSteps.submit = slowed
+    try:
+        yield
+    finally:
+        PendingSteps.submit = submit
+
+
+def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps: int = 4,
+          micro_batches: int = 1, lr_gamma: float | None = None, clip: float | None = None,
+          readers: bool = False) -> dict[str, Any]:
+    """Train the test model with ``Muon(overlap=overlap)`` and slowed jobs.
+
+    ``lr_gamma``: a StepLR stepped between ``backward()`` and ``step()`` (from step 1 on: the
+    same lr sequence as stepping it after ``step()``). ``readers``: between each ``step()`` and
+    the next forward, an eval forward on the next batch, and another once nothing is pending
+    (both losses are returned) and, after the last step, torch's full model state dict (returned as
+    ``sd_params``, rank 0).
+    """
+    model, _ = build(world_size, mode)
+    opt = dmuon.Muon(model, **OPT, overlap=overlap)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=lr_gamma) if lr_gamma else None
+    losses, eval_losses, norms = [], [], []
+    with slow_jobs():
+        for step in range(steps):
+            idx, y = models.local_batch(step, rank, world_size)
+            if readers and step > 0:  # right after step(), then once nothing is pending
+                with torch.no_grad():
+                    first = models.loss_fn(model, idx, y).item()
+                    model._dmuon_state.pending.wait_all()
+                    eval_losses.append((first, models.loss_fn(model, idx, y).item()))
+            chunks = list(zip(idx.chunk(micro_batches), y.chunk(micro_batches)))
+            for i, (ci, cy) in enumerate(chunks):
+                with contextlib.nullcontext() if i == len(chunks) - 1 else dmuon.no_sync(model):
+                    loss = models.loss_fn(model, ci, cy) / micro_batches
+                    loss.backward()
+            losses.append(loss.item())
+            if clip is not None:
+                norms.append(float(dmuon.clip_grad_norm_(model, clip)))
+            if sched is not None and step > 0:
+                sched.step()
+            opt.step()
+            opt.zero_grad()
+        sd_params = None
+        if readers:  # right after the last step, with its updates still pending
+            sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            sd_params = {k: v.detach().numpy().copy() for k, v in sd.items()} if rank == 0 else None
+    return dict(params=full_params(model, rank), losses=losses, eval_losses=eval_losses, norms=norms,
+                stats=opt.overlap_stats(), sd_params=sd_params)
+
+
+def resume(rank: int, world_size: int, *, overlap: str, path: str, first: int = 2, then: int = 2) -> dict:
+    """Train ``first`` steps and ``dcp.save`` torch's state dict right after the last of them
+    (its updates pending), train ``then`` more; then a fresh model and optimizer load the
+    checkpoint and train the same ``then`` steps. Returns both final weights (rank 0)."""
+
+    def run(model, opt, steps) -> None:
+        for step in steps:
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with slow_jobs():
+        model, _ = build(world_size, "fsdp")
+        opt = dmuon.Muon(model, **OPT, overlap=overlap)
+        run(model, opt, range(first))
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        run(model, opt, range(first, first + then))
+        straight = full_params(model, rank)
+        model2, _ = build(world_size, "fsdp")
+        opt2 = dmuon.Muon(model2, **OPT, overlap=overlap)
+        msd2, osd2 = get_state_dict(model2, opt2)
+        sd2 = {"model": msd2, "optim": osd2}
+        dcp.load(sd2, checkpoint_id=path)
+        set_state_dict(model2, opt2, model_state_dict=sd2["model"], optim_state_dict=sd2["optim"])
+        run(model2, opt2, range(first, first + then))
+    return dict(straight=straight, resumed=full_params(model2, rank))
+
+
+def failing_job(rank: int, world_size: int) -> str:
+    """A job that raises on the worker thread: the error the main thread sees (``""``: none)."""
+    model, _ = build(world_size, "fsdp")
+    opt = dmuon.Muon(model, **OPT, overlap="forward")
+    idx, y = models.local_batch(0, rank, world_size)
+    models.loss_fn(model, idx, y).backward()
+    try:
+        with slow_jobs(fail=True):
+            opt.step()
+            models.loss_fn(model, idx, y)
+            opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
