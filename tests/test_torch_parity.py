@@ -121,3 +121,31 @@ def test_bf16_distributed_config_equals_installed_torch_muon(dist_pool, strategy
                         dict(strategy=strategy, nesterov=nesterov, adjust_lr_fn=NEWEST_FN), timeout_s=120)
     assert max(o["max_ulps"] for o in out) <= 4, out
     assert max(o["max_buf_rel"] for o in out) <= 2.0 ** -5, out
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_owner_update_of_a_bf16_stack_equals_torch_muon_per_matrix(nesterov):
+    """The owner update (``muon_update_``) on a bf16 expert stack ``[2, 5, 9]`` with
+    ``matrix_shapes``: each matrix as torch.optim.Muon steps it as a parameter of its own
+    (lr rule of the newest adjust_lr_fn, and on torch <= 2.14 with nesterov=False each
+    matrix's buffer left divided by its own norm), bitwise over 3 steps."""
+    from dmuon.owners.update import muon_update_
+
+    g = torch.Generator().manual_seed(9)
+    stack = torch.randn(2, 5, 9, generator=g).to(torch.bfloat16)
+    ref = [nn.Parameter(m.clone()) for m in stack.unbind(0)]
+    buf = torch.zeros_like(stack)
+    muon = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=NEWEST_FN,
+                            ns_coefficients=models.MUON_COEFFICIENTS)
+    ns_kwargs = dict(steps=5, coefficients="muon", method="standard", dtype=torch.bfloat16, eps=1e-7,
+                     backend="torch")
+    for _ in range(3):
+        grad = (torch.randn(2, 5, 9, generator=g) * 3).to(torch.bfloat16)
+        for r, gm in zip(ref, grad.unbind(0)):
+            r.grad = gm.clone()
+        muon_update_([stack], [grad], [buf], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
+                     adjust_lr_fn=NEWEST_FN, ns_kwargs=ns_kwargs, matrix_shapes=[(5, 9)])
+        muon.step()
+    torch.testing.assert_close(stack, torch.stack([r.detach() for r in ref]), rtol=0, atol=0)
+    torch.testing.assert_close(buf, torch.stack([muon.state[r]["momentum_buffer"] for r in ref]), rtol=0, atol=0)

@@ -188,13 +188,14 @@ def muon_update_(
                for g, b in zip(grads, momentum_bufs)]
     if orthogonalize is None:
         orthogonalize = ns_by_shape(ns_kwargs, max_batch_bytes)
+    sliced = shapes is not None  # tensor-parallel slices of the matrices
     if matrix_shapes is None:
         ortho = orthogonalize(updates)
     else:
         ortho = _orthogonalize_stacks(updates, matrix_shapes, orthogonalize)
         shapes = matrix_shapes
     normalize_like_torch_(momentum_bufs, nesterov=nesterov, eps=ns_kwargs.get("eps", 1e-7),
-                          matrix_shapes=matrix_shapes, sliced=shapes is not None)
+                          matrix_shapes=matrix_shapes, sliced=sliced)
     for i, (param, update) in enumerate(zip(params, ortho)):
         apply_update_(param, update, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn,
                       shape=shapes[i] if shapes is not None else param.shape)
