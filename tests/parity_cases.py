@@ -35,6 +35,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Max |got - want| in bf16 spacings at |want| (``2^(floor(log2|x|) - 7)``)."""
+    want = want.float()
+    ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -100))) - 7)
+    return float(((got.float() - want).abs() / ulp).max()) if want.numel() else 0.0
+
+
 def bf16_distconfig(rank: int, world_size: int, *, strategy: str, nesterov: bool,
                     adjust_lr_fn: str | None, steps: int = 4) -> dict:
     """bf16 matrices through ``dmuon.Muon(params, distributed_config=...)`` vs the installed
@@ -67,9 +74,7 @@ def bf16_distconfig(rank: int, world_size: int, *, strategy: str, nesterov: bool
         assert got.shape == want.shape and got.dtype == torch.bfloat16, (got.shape, want.shape, got.dtype)
         if not got.numel():
             continue
-        # bf16 spacing at |want|: 2^(floor(log2|x|) - 7)
-        ulp = torch.exp2(torch.floor(torch.log2(want.abs().clamp(min=2.0 ** -100))) - 7)
-        ulps.append(float(((got.float() - want).abs() / ulp).max()))
+        ulps.append(bf16_ulps(got, want))
         buf_rel.append(float((got_buf - want_buf).abs().max() / want_buf.abs().max().clamp(min=1e-30)))
     return dict(max_ulps=max(ulps, default=0.0), max_buf_rel=max(buf_rel, default=0.0),
                 buf_norms=[float(muon.state[r]["momentum_buffer"].float().norm()) for r in ref])

@@ -14,7 +14,7 @@ from torch import nn
 
 import dmuon
 from tests import models
-from tests.parity_cases import TORCH_NS
+from tests.parity_cases import TORCH_NS, bf16_ulps
 
 STEPS = 4
 
@@ -129,7 +129,11 @@ def test_owner_update_of_a_bf16_stack_equals_torch_muon_per_matrix(nesterov):
     """The owner update (``muon_update_``) on a bf16 expert stack ``[2, 5, 9]`` with
     ``matrix_shapes``: each matrix as torch.optim.Muon steps it as a parameter of its own
     (lr rule of the newest adjust_lr_fn, and on torch <= 2.14 with nesterov=False each
-    matrix's buffer left divided by its own norm), bitwise over 3 steps."""
+    matrix's buffer left divided by its own norm), 3 steps. Within one bf16 ulp per step, not
+    bitwise: the stack's ``mul_``/``add_`` run over 90 elements, torch's over 45, and CPU
+    kernels round bf16 differently in their vector body and scalar tail (seen: 1 element of 90,
+    1 ulp, on torch 2.14 and 2.15). Buffers within 2^-5 of their largest value; without the
+    per-matrix normalization on torch <= 2.14 they differ by the norm's factor."""
     from dmuon.owners.update import muon_update_
 
     g = torch.Generator().manual_seed(9)
@@ -147,5 +151,6 @@ def test_owner_update_of_a_bf16_stack_equals_torch_muon_per_matrix(nesterov):
         muon_update_([stack], [grad], [buf], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
                      adjust_lr_fn=NEWEST_FN, ns_kwargs=ns_kwargs, matrix_shapes=[(5, 9)])
         muon.step()
-    torch.testing.assert_close(stack, torch.stack([r.detach() for r in ref]), rtol=0, atol=0)
-    torch.testing.assert_close(buf, torch.stack([muon.state[r]["momentum_buffer"] for r in ref]), rtol=0, atol=0)
+    want_buf = torch.stack([muon.state[r]["momentum_buffer"] for r in ref]).float()
+    assert bf16_ulps(stack, torch.stack([r.detach() for r in ref])) <= 3
+    assert float((buf.float() - want_buf).abs().max() / want_buf.abs().max()) <= 2.0 ** -5
