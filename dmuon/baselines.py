@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
 from dmuon.kernels import newton_schulz
+from dmuon.owners import torch_muon
 from dmuon.owners.update import apply_update_, momentum_update_, validate_hyperparameters
 
 logger = logging.getLogger(__name__)
@@ -61,8 +62,9 @@ class VanillaMuon(torch.optim.Optimizer):
             per-step list; see :func:`dmuon.kernels.newton_schulz`.
         ns_steps: Newton-Schulz iterations.
         eps: Norm floor of the NS normalization.
-        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, A/B))``) or ``"match_rms_adamw"``
-            (``0.2 sqrt(max(A, B))``), as in ``torch.optim.Muon``.
+        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, A/B))``), ``"match_rms_adamw"``
+            (``0.2 sqrt(max(A, B))``) or (torch>=2.14) ``"spectral_unclamped"``
+            (``sqrt(A/B)``), as in ``torch.optim.Muon``.
         ns_method: ``"gram"`` or ``"standard"``.
         ns_dtype: NS iteration dtype; ``None`` (default): by device, as :class:`dmuon.Muon`
             (:func:`dmuon.kernels.default_ns_dtype`); ``"standard"`` + ``torch.bfloat16`` +
@@ -163,6 +165,11 @@ class VanillaMuon(torch.optim.Optimizer):
                     method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
                 )
             self.ns_calls += 1
+            if torch_muon.installed().normalizes_momentum(state["momentum_buffer"], group["nesterov"]):
+                # torch <= 2.14 leaves a bf16 buffer normalized (nesterov=False is when
+                # ``update`` is the buffer, gathered whole)
+                torch_muon.normalize_momentum_(state["momentum_buffer"], group["eps"],
+                                               norm=update.norm() if is_dt else None)
             if is_dt:  # keep this rank's shard; src_data_rank=None: no communication
                 orth = distribute_tensor(orth, p.device_mesh, p.placements, src_data_rank=None)
             with record_function("dmuon::vanilla_apply"):

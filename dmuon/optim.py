@@ -65,7 +65,9 @@ class Muon(torch.optim.Optimizer):
             one ``(a, b, c)`` or a per-step list.
         eps: Frobenius-norm floor of the Newton-Schulz normalization.
         ns_steps: Newton-Schulz iterations.
-        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (as ``torch.optim.Muon``).
+        adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or ``"spectral_unclamped"``
+            (as ``torch.optim.Muon``; the last needs torch>=2.14). Where torch versions' Muon
+            differ, dmuon follows the installed one (:mod:`dmuon.owners.torch_muon`).
         ns_method: ``"gram"`` (Gram-space, default) or ``"standard"``.
         ns_dtype: iteration dtype: ``None`` (default): by the owner's device
             (:func:`dmuon.kernels.default_ns_dtype`: ``torch.float16`` on CUDA, ``torch.float32``

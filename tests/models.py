@@ -162,8 +162,11 @@ def run_reference(
     micro_batches: int = 1,
     variant: str = "",
     fp32_accumulate: bool = False,
+    muon_kwargs: dict | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """Single-process Muon + AdamW on the global batch.
+
+    ``muon_kwargs``: more ``torch.optim.Muon`` keyword arguments (``nesterov``, ``adjust_lr_fn``).
 
     ``fp32_accumulate`` (with an ``ns_dtype``): the iteration's products accumulate in fp32
     whatever the CPU's kernels do (tests/ns_accumulation.py).
@@ -176,7 +179,8 @@ def run_reference(
     names = set(matrix_names(model))
     mats = [p for n, p in model.named_parameters() if n in names]
     rest = [p for n, p in model.named_parameters() if n not in names and p.requires_grad]
-    muon = torch.optim.Muon(mats, lr=lr, weight_decay=weight_decay, ns_coefficients=MUON_COEFFICIENTS)
+    muon = torch.optim.Muon(mats, lr=lr, weight_decay=weight_decay, ns_coefficients=MUON_COEFFICIENTS,
+                            **(muon_kwargs or {}))
     adamw = torch.optim.AdamW(rest, lr=adamw_lr, weight_decay=weight_decay)
     scheds = []
     if lr_gamma is not None:

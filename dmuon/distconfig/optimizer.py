@@ -43,6 +43,7 @@ from dmuon.distconfig.strategies import supports_async
 from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.kernels import default_ns_dtype
 from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
+from dmuon.owners import torch_muon
 from dmuon.owners.slices import local_tensor
 from dmuon.owners.update import (
     adamw_update_,
@@ -374,6 +375,26 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                 self._finish_round(k, handle, entries)
         for k, handle in scatters:
             self._finish_round(k, handle, entries)
+        self._normalize_like_torch(entries)
+
+    def _normalize_like_torch(self, entries: list[tuple[Tensor, dict]]) -> None:
+        """What torch <= 2.14 leaves in a bf16 momentum buffer with ``nesterov=False``: the buffer
+        divided by its norm (:mod:`dmuon.owners.torch_muon`). The full norm from the local pieces
+        (one all-reduce over the group, each piece counted once), after every gather read them.
+        Nothing on other torches, dtypes or with Nesterov."""
+        semantics = torch_muon.installed()
+        todo = []
+        for i, (p, g) in enumerate(entries):
+            buf = self.opt.state[p]["momentum_buffer"]
+            if semantics.normalizes_momentum(buf, g["nesterov"]):
+                todo.append((i, local_tensor(buf)))
+        if not todo:
+            return
+        sq = torch.stack([b.float().pow(2).sum() if is_counted(self, entries[i][0], i)
+                          else b.new_zeros((), dtype=torch.float32) for i, b in todo])
+        dist.all_reduce(sq, group=self.group)
+        for (i, b), norm in zip(todo, sq.sqrt()):
+            torch_muon.normalize_momentum_(b, entries[i][1]["eps"], norm=norm)
 
     def _finish_round(self, k: int, handle: Any, entries) -> None:
         for i, update in zip(self.rounds[k], self._wait(handle)):

@@ -199,6 +199,9 @@ def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersCo
     param group (torchtitan's ``default_adamw`` has one, matching every parameter); without
     one, dmuon.Muon's defaults apply.
 
+    ``adjust_lr_fn`` takes what the installed ``torch.optim.Muon`` takes, as torchtitan's own
+    Muon does (``"spectral_unclamped"`` from torch 2.14; refused by name before).
+
     Args:
         config: the ``OptimizersContainer.Config`` being replaced (torchtitan passes it).
         **kwargs: :class:`dmuon.Muon` keyword arguments; a name that is a field of

@@ -16,9 +16,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dmuon.owners import torch_muon
 from dmuon.owners.slices import local_tensor
 
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+#: Every ``adjust_lr_fn`` dmuon implements; the installed torch may lack some
+#: (:meth:`dmuon.owners.torch_muon.TorchMuon.check_adjust_lr_fn`).
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 NS_METHODS = ("gram", "standard")
 
 
@@ -105,8 +108,7 @@ def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, mom
     number("adamw_betas[1]", adamw_betas[1], high=1.0)
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
         raise ValueError(f"dmuon: {where}ns_steps must be an integer >= 1, got {ns_steps!r}")
-    if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"dmuon: {where}adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    torch_muon.installed().check_adjust_lr_fn(adjust_lr_fn, where)
     if ns_method not in NS_METHODS:
         raise ValueError(f"dmuon: {where}ns_method must be one of {NS_METHODS}, got {ns_method!r}")
     if ns_dtype is not None and ns_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
@@ -122,15 +124,21 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> floa
         lr: base learning rate (unitless step size).
         adjust_lr_fn: ``None``/``"original"``: ``lr * sqrt(max(1, rows / cols))`` (Jordan et al.);
             ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Liu et al. 2025,
-            "Muon is Scalable for LLM Training", eq. 4).
+            "Muon is Scalable for LLM Training", eq. 4); ``"spectral_unclamped"`` (torch>=2.14):
+            ``lr * sqrt(rows / cols)`` (Bernstein, "Deriving Muon").
         shape: ``(rows, cols)`` of the full matrix.
+
+    Raises:
+        ValueError: an ``adjust_lr_fn`` the installed ``torch.optim.Muon`` does not take (a
+            state dict may carry one past construction's check).
     """
     rows, cols = shape[0], shape[1]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"dmuon: adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
+    torch_muon.installed().check_adjust_lr_fn(adjust_lr_fn)
+    return lr * math.sqrt(rows / cols)
 
 
 @torch.no_grad()
@@ -180,11 +188,14 @@ def muon_update_(
                for g, b in zip(grads, momentum_bufs)]
     if orthogonalize is None:
         orthogonalize = ns_by_shape(ns_kwargs, max_batch_bytes)
+    sliced = shapes is not None  # tensor-parallel slices of the matrices
     if matrix_shapes is None:
         ortho = orthogonalize(updates)
     else:
         ortho = _orthogonalize_stacks(updates, matrix_shapes, orthogonalize)
         shapes = matrix_shapes
+    normalize_like_torch_(momentum_bufs, nesterov=nesterov, eps=ns_kwargs.get("eps", 1e-7),
+                          matrix_shapes=matrix_shapes, sliced=sliced)
     for i, (param, update) in enumerate(zip(params, ortho)):
         apply_update_(param, update, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn,
                       shape=shapes[i] if shapes is not None else param.shape)
@@ -231,6 +242,34 @@ def momentum_update_(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float,
     """
     buf.lerp_(grad, 1 - momentum)
     return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def normalize_like_torch_(bufs: list[torch.Tensor], *, nesterov: bool, eps: float,
+                          matrix_shapes: list[tuple[int, int]] | None = None,
+                          sliced: bool = False) -> None:
+    """After Newton-Schulz has read them: what the installed torch's step leaves in the momentum
+    buffers besides the lerp (torch <= 2.14 divides a bf16 buffer by its norm with
+    ``nesterov=False``, :mod:`dmuon.owners.torch_muon`); nothing on other torches, dtypes or
+    with Nesterov. Per Newton-Schulz matrix of ``matrix_shapes``, as torch per parameter.
+
+    Raises:
+        RuntimeError: such a buffer that is a tensor-parallel slice (``sliced``): its norm is
+            the full matrix's. Unreachable through dmuon's paths (their TP buffers are fp32).
+    """
+    from dmuon.owners.stacks import as_matrices
+
+    semantics = torch_muon.installed()
+    for i, buf in enumerate(bufs):
+        if not semantics.normalizes_momentum(buf, nesterov):
+            continue
+        if sliced:
+            raise RuntimeError(f"dmuon: a bf16 momentum buffer of shape {tuple(buf.shape)} is a "
+                               f"tensor-parallel slice; torch {semantics.version} normalizes it "
+                               f"whole with nesterov=False. Use fp32 parameters or nesterov=True.")
+        shape = matrix_shapes[i] if matrix_shapes is not None else buf.shape
+        mats = [buf] if tuple(buf.shape) == tuple(shape) else as_matrices(buf, shape).unbind(0)
+        for mat in mats:
+            torch_muon.normalize_momentum_(mat, eps)
 
 
 def apply_update_(param: torch.Tensor, update: torch.Tensor, *, lr: float, weight_decay: float,
