@@ -272,27 +272,14 @@ def _milp_with_fallback(costs, units, deadlines, num_ranks, warm, score, bound, 
     missing); after the failure one warning line and ``(None, "failed: ...")``, as
     :func:`dmuon.balance.solver.milp_fallback`."""
     from dmuon.balance.deadline_milp import solve_deadline_milp
-    from dmuon.balance.milp import MilpFailure, PulpUnusable
+    from dmuon.balance.solver import milp_fallback
 
-    args = dict(units=units, deadlines=deadlines, classes=classes, batch_overhead=batch_overhead,
-                time_limit_s=time_limit_s, makespan_weight=weight, exposed_bound=bound)
-    first, status = None, None
-    try:
-        res = solve_deadline_milp(costs, num_ranks, warm_start=warm, **args)
-        return res, "optimal" if res[1] else "time limit"
-    except PulpUnusable as e:  # no PuLP or no CBC: a retry would fail the same way
-        status = f"failed: {e}"
-    except MilpFailure as e:
-        first = str(e)
-    if status is None:
-        try:
-            res = solve_deadline_milp(costs, num_ranks, warm_start=None, **args)
-            return res, ("optimal" if res[1] else "time limit") + \
-                f" (retried without the warm start after: {first})"
-        except MilpFailure as e:
-            status = (f"failed: {first}; the retry without warm start failed the same way"
-                      if str(e) == first else
-                      f"failed: {first}; retry without warm start failed: {e}")
+    res, status = milp_fallback(
+        costs, num_ranks, warm_start=warm, fallback=None, score=None, solve_fn=solve_deadline_milp,
+        units=units, deadlines=deadlines, classes=classes, batch_overhead=batch_overhead,
+        time_limit_s=time_limit_s, makespan_weight=weight, exposed_bound=bound)
+    if res is not None:
+        return res, status
     e0 = exposed_time(warm, costs, units, deadlines, num_ranks, classes=classes,
                       batch_overhead=batch_overhead)
     logger.warning("dmuon: deadline MILP %s. Using the deadline_greedy+local_search plan instead "

@@ -24,13 +24,11 @@ no CBC, a model PuLP cannot build, every CBC failure and unreadable values are a
 
 from __future__ import annotations
 
-import tempfile
-import time
 import warnings
 from typing import Hashable, Mapping, Sequence
 
 from dmuon.balance import pulp_api
-from dmuon.balance.milp import MilpFailure, PulpUnusable, _first_line, _solve_with_deadline
+from dmuon.balance.milp import MilpFailure, solve_with_cbc
 
 
 def solve_deadline_milp(
@@ -88,12 +86,6 @@ def _keys(costs, units, classes, overhead):
 
 def _solve(costs, num_ranks, units, deadlines, classes, overhead, warm_start, time_limit_s, w,
            exposed_bound):
-    try:
-        pulp = pulp_api.load()
-    except Exception as e:  # ImportError, or PuLP 4's Rust core failing to load
-        raise PulpUnusable(f"PuLP could not be imported ({type(e).__name__}: {_first_line(e)}); "
-                           f"pip install 'pulp>=3.3.2,<5' (on Python >= 3.12: 'pulp[cbc]')") from e
-    start = time.perf_counter()
     # CBC on raw FLOPs (coefficients ~1e10, deadlines ~1e13) returned "solutions" whose counts
     # were all 0 (Pi0 on 8 ranks, issue 39): the model is solved in units of the largest cost.
     scale = max([float(c) for c in costs] + [float(v) for v in overhead.values()] + [0.0]) or 1.0
@@ -102,30 +94,11 @@ def _solve(costs, num_ranks, units, deadlines, classes, overhead, warm_start, ti
     deadlines = [float(d) / scale for d in deadlines]
     exposed_bound = exposed_bound / scale
     keys, table = _keys(costs, units, classes, overhead)
-    try:
-        prob, x = _build(pulp, keys, table, num_ranks, deadlines, warm_start, w, exposed_bound)
-        solver = pulp_api.cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
-                              warm_start=warm_start is not None, options=["rins off"])
-    except Exception as e:  # a PuLP whose modelling API this code does not know
-        raise MilpFailure(f"PuLP {pulp_api.version(pulp)} could not build the model: "
-                          f"{type(e).__name__}: {_first_line(e)}") from e
-    missing = pulp_api.cbc_available(pulp, solver)
-    if missing is not None:
-        raise PulpUnusable(missing)
-    with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
-        solver.tmpDir = tmp
-        outcome = _solve_with_deadline(pulp, prob, solver, time_limit_s)
-    if not outcome.has_plan:
-        raise MilpFailure(f"CBC returned no plan: {outcome.status} after "
-                          f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
-    try:
-        owners = _read(x, list(table), table, num_ranks, len(costs))
-    except MilpFailure:
-        raise
-    except Exception as e:  # a value PuLP hands back in a form this code does not know
-        raise MilpFailure(f"CBC's solution could not be read through PuLP "
-                          f"{pulp_api.version(pulp)}: {type(e).__name__}: {_first_line(e)}") from e
-    return tuple(owners), outcome.optimal
+    owners, optimal, _, _ = solve_with_cbc(
+        lambda pulp: _build(pulp, keys, table, num_ranks, deadlines, warm_start, w, exposed_bound),
+        lambda x: _read(x, list(table), table, num_ranks, len(costs)),
+        time_limit_s=time_limit_s, warm_start=warm_start is not None)
+    return tuple(owners), optimal
 
 
 def _build(pulp, keys, table, num_ranks, deadlines, warm_start, w, exposed_bound):

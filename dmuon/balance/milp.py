@@ -141,6 +141,43 @@ def solve_milp(
 def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
                 time_limit_s, groups, group_cost, merge_classes):
     _class_table(costs, classes, memory)  # one class must be one cost and one memory size
+
+    def build(pulp):
+        model = _build(pulp, costs, num_ranks, classes=classes, memory=memory,
+                       memory_cap=memory_cap, batch_overhead=batch_overhead,
+                       warm_start=warm_start, groups=groups, group_cost=group_cost,
+                       merge_classes=merge_classes)
+        return model.prob, model
+
+    owners, optimal, model, seconds = solve_with_cbc(
+        build, lambda m: _read_plan(m.x, m.order, m.table, num_ranks, len(costs)),
+        time_limit_s=time_limit_s, warm_start=warm_start is not None)
+    logger.debug("dmuon: CBC %s in %.2fs (%d classes x %d ranks, %d groups)",
+                 "optimal" if optimal else "incumbent", seconds, len(model.order), num_ranks,
+                 model.groups)
+    return tuple(owners), optimal
+
+
+def solve_with_cbc(build, read, *, time_limit_s: float, warm_start: bool):
+    """The CBC solve the owner MILPs share (this module's makespan model and
+    :mod:`dmuon.balance.deadline_milp`'s exposed-time model).
+
+    Args:
+        build: ``pulp -> (problem, handle)``: the PuLP problem, warm start set, and whatever
+            ``read`` needs.
+        read: ``handle -> owners`` (``owners[i]``: the rank of matrix ``i``) from the solved
+            variables.
+        time_limit_s: CBC's time limit (seconds); the solve is abandoned after twice that.
+        warm_start: whether ``build`` set initial values for CBC to start from.
+
+    Returns:
+        ``(owners, proven optimal, handle, seconds)``.
+
+    Raises:
+        PulpUnusable: PuLP cannot be imported or finds no CBC (a retry fails the same way).
+        MilpFailure: the model cannot be built, CBC gives no plan (crash, status, time limit,
+            no return), or its values cannot be read; the message names the stage.
+    """
     try:
         pulp = pulp_api.load()
     except Exception as e:  # ImportError, or PuLP 4's Rust core failing to load
@@ -149,10 +186,7 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
                            f"whose CBC PuLP 4 needs)") from e
     start = time.perf_counter()
     try:
-        model = _build(pulp, costs, num_ranks, classes=classes, memory=memory,
-                       memory_cap=memory_cap, batch_overhead=batch_overhead,
-                       warm_start=warm_start, groups=groups, group_cost=group_cost,
-                       merge_classes=merge_classes)
+        prob, handle = build(pulp)
         # No ``threads`` option: CBC then runs serially. With ``threads=1`` it starts one
         # worker thread that, about once in 200 solves here, never starts: CBC's log then shows
         # "Thread 0 used 0 times, waiting to start 10.0" and the solve stops at the time limit
@@ -166,7 +200,7 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
         # local-search optimum, the neighbourhood RINS searches; off, no measured plan got
         # worse (Pi0, Qwen2.5-7B, 8-64 ranks).
         solver = pulp_api.cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
-                              warm_start=warm_start is not None, options=["rins off"])
+                              warm_start=warm_start, options=["rins off"])
     except Exception as e:  # a PuLP whose modelling API this code does not know
         raise MilpFailure(f"PuLP {pulp_api.version(pulp)} could not build the model: "
                           f"{type(e).__name__}: {_first_line(e)}") from e
@@ -178,22 +212,19 @@ def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead
     # behind. A directory of our own is removed whatever happened.
     with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
         solver.tmpDir = tmp
-        outcome = _solve_with_deadline(pulp, model.prob, solver, time_limit_s)
+        outcome = _solve_with_deadline(pulp, prob, solver, time_limit_s)
     if not outcome.has_plan:
         raise MilpFailure(
             f"CBC returned no plan: {outcome.status} after "
             f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
     try:
-        owners = _read_plan(model.x, model.order, model.table, num_ranks, len(costs))
+        owners = read(handle)
     except MilpFailure:
         raise
     except Exception as e:  # a value PuLP hands back in a form this code does not know
         raise MilpFailure(f"CBC's solution could not be read through PuLP "
                           f"{pulp_api.version(pulp)}: {type(e).__name__}: {_first_line(e)}") from e
-    logger.debug("dmuon: CBC %s in %.2fs (%d classes x %d ranks, %d groups)",
-                 "optimal" if outcome.optimal else "incumbent", time.perf_counter() - start,
-                 len(model.order), num_ranks, model.groups)
-    return tuple(owners), outcome.optimal
+    return owners, outcome.optimal, handle, time.perf_counter() - start
 
 
 @dataclass(frozen=True, slots=True)
