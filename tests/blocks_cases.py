@@ -84,7 +84,7 @@ def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, p
         opt.zero_grad()
         strategy = opt.strategy
         clipped.append(strategy.qk_clip.clipped_heads if strategy.qk_clip is not None else 0)
-    refusal, local_tp = "", []
+    local_tp = []
     if layout == "fsdp-tp":
         from dmuon.owners.blocks import _local_split, tp_rank_size
 
@@ -92,11 +92,7 @@ def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, p
         rank_size = tp_rank_size(state.roles.tp)
         local_tp = sorted(r.fqn for r in state.records
                           if _local_split(r, opt.strategy.splits.get(id(r)), *rank_size) is not None)  # here, not in a call of its own: one 2-D mesh per pool session
-        try:
-            dmuon.Muon(model, qk_clip_threshold=1.0, **KWARGS)
-        except ValueError as e:
-            refusal = str(e)
-    return dict(params=full_params(model, rank), clipped=clipped, refusal=refusal, local_tp=local_tp,
+    return dict(params=full_params(model, rank), clipped=clipped, local_tp=local_tp,
                 group_keys=sorted(k for k in opt.param_groups[0] if k.startswith("qk_clip")),
                 tau=opt.param_groups[0].get("qk_clip_threshold"))
 

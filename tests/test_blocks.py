@@ -32,15 +32,21 @@ def test_per_head_fsdp_matches_torch_muon_on_head_blocks(dist_pool):
             - whole["blocks.1.attn.wqkv.weight"]).abs().max() > 1e-3
 
 
-def test_per_head_under_fsdp_x_tp(dist_pool):
+def test_per_head_and_qk_clip_under_fsdp_x_tp(dist_pool):
     """TP shards q/k/v by heads (colwise) and the fused wqkv by KV groups, on head boundaries:
-    each TP rank orthogonalizes the heads it holds, without a TP exchange."""
-    out = dist_pool.run(4, "tests.blocks_cases:train", dict(layout="fsdp-tp", steps=STEPS), timeout_s=180)
-    ref, _ = _ref(2, per_head=True)
+    each TP rank orthogonalizes the heads it holds, without a TP exchange. QK-clip (gain 3 at
+    init, tau 0.3: heads clip every step): each TP rank records its local heads' max logits at
+    their global indices, the MAX-reduce spans DP and TP, and each slice's owner scales its rows."""
+    out = dist_pool.run(4, "tests.blocks_cases:train", dict(layout="fsdp-tp", steps=STEPS, tau=0.3, gain=3.0),
+                        timeout_s=180)
+    ref, clipped = _ref(2, per_head=True, tau=0.3, gain=3.0)
+    assert clipped[0] > 0 and clipped[-1] > 0, clipped
+    assert out[0]["clipped"] == [c * am.GROUP for c in clipped]
     compare(out[0]["params"], ref, FP32_ATOL)
     assert out[0]["local_tp"] == sorted(am.head_rows()), out[0]["local_tp"]
-    # QK-clip under TP is refused by name (a TP rank's attention sees its local heads only)
-    assert "tensor parallelism" in out[0]["refusal"] and "qk_clip_threshold" in out[0]["refusal"]
+    unclipped, _ = _ref(2, per_head=True, gain=3.0)  # the clip changed the weights
+    for name in ("blocks.0.attn.k_proj.weight", "blocks.1.attn.wqkv.weight"):
+        assert (unclipped[name] - torch.from_numpy(out[0]["params"][name])).abs().max() > 1e-3, name
 
 
 @pytest.mark.parametrize("through", [pytest.param("state_dict", marks=pytest.mark.compat), "dcp"])
