@@ -49,6 +49,26 @@ def test_per_head_and_qk_clip_under_fsdp_x_tp(dist_pool):
         assert (unclipped[name] - torch.from_numpy(out[0]["params"][name])).abs().max() > 1e-3, name
 
 
+@pytest.mark.compat
+def test_per_head_and_qk_clip_under_a_pipeline_schedule(dist_pool):
+    """pp 2 x dp 2, 1F1B, 4 micro-batches: each stage's QK-clip records its own attention
+    modules over the micro-batches and MAX-reduces over the stage's data-parallel ranks (no
+    other stage computes those heads), against the single-process reference on the global batch."""
+    out = dist_pool.run(4, "tests.blocks_cases:pipeline", dict(schedule="1f1b", steps=STEPS, tau=0.3, gain=3.0),
+                        timeout_s=240, fresh=True)
+    from tests.pp_cases import MICRO_BATCHES
+
+    ref, clipped = _ref(MICRO_BATCHES * out[0]["dp"], per_head=True, tau=0.3, gain=3.0)
+    assert clipped[0] > 0 and clipped[1] > 0, clipped
+    # ranks 0, 1: stage 0 (block 0); ranks 2, 3: stage 1 (block 1)
+    assert [a + b for a, b in zip(out[0]["clipped"], out[2]["clipped"])] == [c * am.GROUP for c in clipped]
+    assert out[0]["clipped"][0] > 0 and out[2]["clipped"][0] > 0
+    compare(out[0]["params"], ref, FP32_ATOL)
+    unclipped, _ = _ref(MICRO_BATCHES * out[0]["dp"], per_head=True, gain=3.0)
+    for name in ("blocks.0.attn.q_proj.weight", "blocks.1.attn.wqkv.weight"):
+        assert (unclipped[name] - torch.from_numpy(out[0]["params"][name])).abs().max() > 1e-3, name
+
+
 @pytest.mark.parametrize("through", [pytest.param("state_dict", marks=pytest.mark.compat), "dcp"])
 def test_qk_clip_with_accumulation_and_resume_matches_formula(dist_pool, tmp_path, through):
     """Logits driven above tau (gain 3 at init, tau 0.3): the clip scales heads every step;
