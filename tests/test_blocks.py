@@ -184,3 +184,32 @@ def test_recorder_sees_hf_llama_sdpa_and_eager_alike():
     want = (q @ k.transpose(-1, -2) / 3 ** 0.5).amax(dim=(0, 2, 3))
     torch.testing.assert_close(mha._dmuon_max_logits, want.detach())
     recorder.remove()
+
+
+def test_qk_clip_under_tp_refuses_layouts_it_cannot_map(monkeypatch):
+    """Under TP the heads a rank computes are read off its slice of the query weight: a query
+    projection that is not dedicated, sharded by columns, or cut inside a head is refused by
+    name (TP of 3 ranks over 4 heads of 3 rows: slices of 4 rows cut heads 1 and 2)."""
+    from types import SimpleNamespace
+
+    from dmuon.qk_clip import QKClip
+
+    model = am.make_model()
+    attn0, attn1 = model.blocks[0].attn, model.blocks[1].attn
+
+    def ctx(q_dim, with_q=True):
+        recs = [SimpleNamespace(module=attn1.wqkv, attr="weight", fqn="blocks.1.attn.wqkv.weight",
+                                full_shape=(24, 12), tp_shard_dim=0)]
+        if with_q:
+            recs.append(SimpleNamespace(module=attn0.q_proj, attr="weight", fqn="blocks.0.attn.q_proj.weight",
+                                        full_shape=(12, 12), tp_shard_dim=q_dim))
+        return SimpleNamespace(records=recs, roles=SimpleNamespace(tp=object(), world=None))
+
+    with pytest.raises(ValueError, match="'blocks.0.attn'.*not a dedicated"):
+        QKClip(model, ctx(0, with_q=False))
+    with pytest.raises(ValueError, match="'blocks.0.attn.q_proj.weight'.*sharded along dim 1"):
+        QKClip(model, ctx(1))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 3)
+    with pytest.raises(ValueError, match=r"rows 0:4.*cuts query head 1 of 'blocks.0.attn'"):
+        QKClip(model, ctx(0))
