@@ -18,6 +18,13 @@ max logit (:func:`observe`, or automatically, :class:`LogitRecorder`), as a runn
 the micro-batches of the step; inside ``opt.step()``, after the owners' Muon update, the
 per-head maxima are MAX-reduced over the mesh (the stage's ranks), and the owner of each query
 / key weight scales the head rows of its fp32 master before the publication.
+
+Tensor parallelism (q / k projections sharded colwise, ``Shard(0)``, on head boundaries): a TP
+rank's attention computes only the query heads whose rows lie in its slice of the query weight,
+in head order (Megatron's and torchtitan's layout). Their maxima are placed at their global head
+indices (the slice's row offset, from ``torch.chunk``'s sizes, against the layout's head rows),
+the other heads left at ``-inf``; the MAX-reduce over the whole mesh (data-parallel and TP ranks)
+fills every head. Each TP slice's owner then scales the rows of the heads in its slice.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from dmuon.owners.attention import AttentionLayout, find_attention
+from dmuon.owners.slices import chunk_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -157,21 +165,24 @@ class LogitRecorder:
 
     Args:
         layouts: the model's attention modules.
+        local_heads: per layout, the number of query heads this rank's forward computes (its TP
+            slice's); ``None``: every layout's ``num_heads``.
     """
 
-    def __init__(self, layouts: Sequence[AttentionLayout]) -> None:
+    def __init__(self, layouts: Sequence[AttentionLayout], local_heads: Sequence[int] | None = None) -> None:
         self.layouts = list(layouts)
         self.handles: list[Any] = []
-        for layout in self.layouts:
+        counts = list(local_heads) if local_heads is not None else [lay.num_heads for lay in self.layouts]
+        for layout, count in zip(self.layouts, counts):
             module = layout.module
             if isinstance(module, nn.MultiheadAttention):
                 self.handles.append(module.register_forward_pre_hook(self._mha_hook, with_kwargs=True))
                 continue
             modes: list[_SDPAMode] = []
 
-            def enter(mod, args, layout=layout, modes=modes):
+            def enter(mod, args, count=count, modes=modes):
                 if torch.is_grad_enabled():
-                    mode = _SDPAMode(mod, layout.num_heads)
+                    mode = _SDPAMode(mod, count)
                     mode.__enter__()
                     modes.append(mode)
 
@@ -245,8 +256,9 @@ class QKClip:
         ctx: its :class:`dmuon.hooks.state.DedicateState` (records, groups).
 
     Raises:
-        ValueError: a model with no recognized attention module, or tensor parallelism (the
-            heads of a TP rank's local attention are not mapped to the model's yet).
+        ValueError: a model with no recognized attention module; under tensor parallelism, a
+            query projection that is not a dedicated matrix, is sharded by columns, or whose
+            TP slices cut a head.
     """
 
     def __init__(self, model: nn.Module, ctx: Any) -> None:
@@ -257,29 +269,74 @@ class QKClip:
                 f"dmuon: qk_clip_threshold is set but {type(model).__name__} has no attention "
                 f"module dmuon recognizes (Hugging Face q_proj/k_proj/v_proj, nn.MultiheadAttention, "
                 f"torchtitan wq/wk/wv or wqkv; see docs/usage.md). Leave qk_clip_threshold=None.")
-        if ctx.roles.tp is not None:
-            raise ValueError(
-                "dmuon: qk_clip_threshold under tensor parallelism is not supported yet (a TP "
-                "rank's attention sees its local heads only). Leave qk_clip_threshold=None, or "
-                "train without the TP dimension.")
         self.record_of = {(id(r.module), r.attr): r for r in ctx.records}
-        self.recorder = LogitRecorder(self.layouts)
+        self.local = [self._local_heads(layout) for layout in self.layouts]
+        self.recorder = LogitRecorder(self.layouts, [len(heads) for heads in self.local])
         self.warned = False
         self.clipped_heads = 0  # heads with eta < 1 at the last step (for logs and tests)
         self.max_logit = float("-inf")  # the largest reduced max logit of the last step
 
+    def _tp_rows(self, rec: Any) -> tuple[int, int]:
+        """``(first row, rows)`` of this TP rank's slice of ``rec`` (the whole matrix unless TP
+        shards its rows: ``Shard(0)``, sized as ``torch.chunk``)."""
+        full = int(rec.full_shape[0])
+        tp = self.ctx.roles.tp
+        if tp is None or rec.tp_shard_dim != 0:
+            return 0, full
+        rank, size = dist.get_rank(tp), dist.get_world_size(tp)
+        sizes = chunk_sizes(full, size)
+        return sum(sizes[:rank]), sizes[rank]
+
+    def _local_heads(self, layout: AttentionLayout) -> tuple[int, ...]:
+        """Global indices of the query heads this rank's forward of ``layout`` computes, in the
+        order it computes them: every head, or under TP the heads whose rows lie in this rank's
+        slice of the query weight."""
+        every = tuple(range(layout.num_heads))
+        if self.ctx.roles.tp is None:
+            return every
+        ref = layout.q
+        rec = self.record_of.get((id(ref.module), ref.attr))
+        if rec is None:
+            raise ValueError(
+                f"dmuon: qk_clip_threshold under tensor parallelism maps a TP rank's heads through "
+                f"the query projection of attention module {layout.name!r}, which is not a dedicated "
+                f"matrix; dedicate it (Muon) or leave qk_clip_threshold=None.")
+        if rec.tp_shard_dim is None:
+            return every
+        if rec.tp_shard_dim != 0 or isinstance(layout.module, nn.MultiheadAttention):
+            raise ValueError(
+                f"dmuon: qk_clip_threshold under tensor parallelism needs the query projection "
+                f"{rec.fqn!r} of {layout.name!r} sharded by rows on head boundaries "
+                f"(ColwiseParallel); it is sharded along dim {rec.tp_shard_dim} of "
+                f"{type(layout.module).__name__}. Leave qk_clip_threshold=None for this mesh.")
+        start, rows = self._tp_rows(rec)
+        heads = []
+        for h, first in enumerate(ref.head_rows):
+            inside = start <= first < start + rows
+            if inside != (start < first + ref.head_dim <= start + rows):
+                raise ValueError(
+                    f"dmuon: qk_clip_threshold under tensor parallelism: the TP slice (rows "
+                    f"{start}:{start + rows}) of {rec.fqn!r} cuts query head {h} of {layout.name!r} "
+                    f"(rows {first}:{first + ref.head_dim}); shard on head boundaries (heads "
+                    f"divisible by the TP size) or leave qk_clip_threshold=None.")
+            if inside:
+                heads.append(h)
+        return tuple(heads)
+
     def _gather(self) -> torch.Tensor:
         device = self.ctx.records[0].compute.device if self.ctx.records else torch.device("cpu")
         parts = []
-        for layout in self.layouts:
+        for layout, local in zip(self.layouts, self.local):
             seen = getattr(layout.module, _ATTR, None)
             setattr(layout.module, _ATTR, None)
-            if seen is None:
-                seen = torch.full((layout.num_heads,), float("-inf"))
-            elif seen.numel() != layout.num_heads:
+            full = torch.full((layout.num_heads,), float("-inf"), device=device)
+            if seen is not None and seen.numel() != len(local):
                 raise ValueError(f"dmuon: attention module {layout.name!r} recorded "
-                                 f"{seen.numel()} head maxima; it has {layout.num_heads} heads.")
-            parts.append(seen.to(device))
+                                 f"{seen.numel()} head maxima; this rank computes {len(local)} of "
+                                 f"its {layout.num_heads} heads.")
+            if seen is not None:  # at their global head indices (a TP rank's are a subset)
+                full[list(local)] = seen.to(device)
+            parts.append(full)
         flat = torch.cat(parts)
         if dist.is_initialized() and dist.get_world_size(self.ctx.roles.world) > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.ctx.roles.world)
@@ -323,8 +380,9 @@ class QKClip:
         rows = torch.ones(rec.full_shape[0], dtype=torch.float32)
         for start, factor in zip(ref.head_rows, factors.tolist()):
             rows[start: start + ref.head_dim] = factor
-        master = rec.master.data  # the whole matrix: tensor parallelism is refused above
-        master.mul_(rows.to(master.device).view(-1, 1))
+        first, count = self._tp_rows(rec)  # the master is this TP rank's slice of the rows
+        master = rec.master.data
+        master.mul_(rows[first: first + count].to(master.device).view(-1, 1))
 
     def remove(self) -> None:
         self.recorder.remove()

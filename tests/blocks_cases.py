@@ -84,7 +84,7 @@ def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, p
         opt.zero_grad()
         strategy = opt.strategy
         clipped.append(strategy.qk_clip.clipped_heads if strategy.qk_clip is not None else 0)
-    refusal, local_tp = "", []
+    local_tp = []
     if layout == "fsdp-tp":
         from dmuon.owners.blocks import _local_split, tp_rank_size
 
@@ -92,11 +92,51 @@ def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, p
         rank_size = tp_rank_size(state.roles.tp)
         local_tp = sorted(r.fqn for r in state.records
                           if _local_split(r, opt.strategy.splits.get(id(r)), *rank_size) is not None)  # here, not in a call of its own: one 2-D mesh per pool session
-        try:
-            dmuon.Muon(model, qk_clip_threshold=1.0, **KWARGS)
-        except ValueError as e:
-            refusal = str(e)
-    return dict(params=full_params(model, rank), clipped=clipped, refusal=refusal, local_tp=local_tp,
+    return dict(params=full_params(model, rank), clipped=clipped, local_tp=local_tp,
                 group_keys=sorted(k for k in opt.param_groups[0] if k.startswith("qk_clip")),
                 tau=opt.param_groups[0].get("qk_clip_threshold"))
 
+
+
+def pipeline(rank: int, world_size: int, *, schedule: str = "1f1b", steps: int = 3, tau: float | None = 0.3,
+             gain: float = 3.0) -> dict:
+    """Per-head Muon and QK-clip under ``torch.distributed.pipelining``, pp 2 x dp 2: stage 0 is
+    the embedding and block 0 (Llama-style attention), stage 1 block 1 (fused ``wqkv``) and the
+    head, cut as :mod:`tests.pp_cases` cuts (names kept), each stage ``fully_shard``-ed and
+    dedicated over its data-parallel mesh; ``pp_cases.MICRO_BATCHES`` micro-batches of
+    ``am.LOCAL_BATCH`` sequences per data-parallel rank and step.
+
+    Returns:
+        ``params`` (rank 0: every stage's), ``clipped`` (per step, this stage's clipped heads),
+        ``dp``.
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from tests.pp_cases import MICRO_BATCHES, StageNet, _collect
+
+    pp, dp = 2, world_size // 2
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    dp_mesh, pp_rank = mesh["dp"], mesh["pp"].get_local_rank()
+    module = StageNet(am.make_model(gain=gain), [pp_rank], first=pp_rank == 0, last=pp_rank == pp - 1)
+    for block in module.blocks.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(module, mesh=dp_mesh)
+    dmuon.dedicate_params(module, dp_mesh, group_cost=0.0)
+    opt = dmuon.Muon(module, per_head=True, qk_clip_threshold=tau, **KWARGS)
+    stage = PipelineStage(module, pp_rank, pp, torch.device("cpu"), group=mesh["pp"].get_group())
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = cls(stage, n_microbatches=MICRO_BATCHES, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+    dp_rank, per_rank = dp_mesh.get_local_rank(), MICRO_BATCHES * am.LOCAL_BATCH
+    clipped = []
+    for step in range(steps):
+        idx, y = am.global_batch(step, MICRO_BATCHES * dp)
+        idx, y = idx[dp_rank * per_rank: (dp_rank + 1) * per_rank], y[dp_rank * per_rank: (dp_rank + 1) * per_rank]
+        args = (idx,) if stage.is_first else ()
+        if stage.is_last:
+            sched.step(*args, target=y, losses=[])
+        else:
+            sched.step(*args)
+        opt.step()
+        opt.zero_grad()
+        clipped.append(opt.strategy.qk_clip.clipped_heads if opt.strategy.qk_clip is not None else 0)
+    return dict(params=_collect([module], rank), clipped=clipped, dp=dp)

@@ -32,15 +32,41 @@ def test_per_head_fsdp_matches_torch_muon_on_head_blocks(dist_pool):
             - whole["blocks.1.attn.wqkv.weight"]).abs().max() > 1e-3
 
 
-def test_per_head_under_fsdp_x_tp(dist_pool):
+def test_per_head_and_qk_clip_under_fsdp_x_tp(dist_pool):
     """TP shards q/k/v by heads (colwise) and the fused wqkv by KV groups, on head boundaries:
-    each TP rank orthogonalizes the heads it holds, without a TP exchange."""
-    out = dist_pool.run(4, "tests.blocks_cases:train", dict(layout="fsdp-tp", steps=STEPS), timeout_s=180)
-    ref, _ = _ref(2, per_head=True)
+    each TP rank orthogonalizes the heads it holds, without a TP exchange. QK-clip (gain 3 at
+    init, tau 0.3: heads clip every step): each TP rank records its local heads' max logits at
+    their global indices, the MAX-reduce spans DP and TP, and each slice's owner scales its rows."""
+    out = dist_pool.run(4, "tests.blocks_cases:train", dict(layout="fsdp-tp", steps=STEPS, tau=0.3, gain=3.0),
+                        timeout_s=180)
+    ref, clipped = _ref(2, per_head=True, tau=0.3, gain=3.0)
+    assert clipped[0] > 0 and clipped[-1] > 0, clipped
+    assert out[0]["clipped"] == [c * am.GROUP for c in clipped]
     compare(out[0]["params"], ref, FP32_ATOL)
     assert out[0]["local_tp"] == sorted(am.head_rows()), out[0]["local_tp"]
-    # QK-clip under TP is refused by name (a TP rank's attention sees its local heads only)
-    assert "tensor parallelism" in out[0]["refusal"] and "qk_clip_threshold" in out[0]["refusal"]
+    unclipped, _ = _ref(2, per_head=True, gain=3.0)  # the clip changed the weights
+    for name in ("blocks.0.attn.k_proj.weight", "blocks.1.attn.wqkv.weight"):
+        assert (unclipped[name] - torch.from_numpy(out[0]["params"][name])).abs().max() > 1e-3, name
+
+
+@pytest.mark.compat
+def test_per_head_and_qk_clip_under_a_pipeline_schedule(dist_pool):
+    """pp 2 x dp 2, 1F1B, 4 micro-batches: each stage's QK-clip records its own attention
+    modules over the micro-batches and MAX-reduces over the stage's data-parallel ranks (no
+    other stage computes those heads), against the single-process reference on the global batch."""
+    out = dist_pool.run(4, "tests.blocks_cases:pipeline", dict(schedule="1f1b", steps=STEPS, tau=0.3, gain=3.0),
+                        timeout_s=240, fresh=True)
+    from tests.pp_cases import MICRO_BATCHES
+
+    ref, clipped = _ref(MICRO_BATCHES * out[0]["dp"], per_head=True, tau=0.3, gain=3.0)
+    assert clipped[0] > 0 and clipped[1] > 0, clipped
+    # ranks 0, 1: stage 0 (block 0); ranks 2, 3: stage 1 (block 1)
+    assert [a + b for a, b in zip(out[0]["clipped"], out[2]["clipped"])] == [c * am.GROUP for c in clipped]
+    assert out[0]["clipped"][0] > 0 and out[2]["clipped"][0] > 0
+    compare(out[0]["params"], ref, FP32_ATOL)
+    unclipped, _ = _ref(MICRO_BATCHES * out[0]["dp"], per_head=True, gain=3.0)
+    for name in ("blocks.0.attn.q_proj.weight", "blocks.1.attn.wqkv.weight"):
+        assert (unclipped[name] - torch.from_numpy(out[0]["params"][name])).abs().max() > 1e-3, name
 
 
 @pytest.mark.parametrize("through", [pytest.param("state_dict", marks=pytest.mark.compat), "dcp"])
@@ -158,3 +184,32 @@ def test_recorder_sees_hf_llama_sdpa_and_eager_alike():
     want = (q @ k.transpose(-1, -2) / 3 ** 0.5).amax(dim=(0, 2, 3))
     torch.testing.assert_close(mha._dmuon_max_logits, want.detach())
     recorder.remove()
+
+
+def test_qk_clip_under_tp_refuses_layouts_it_cannot_map(monkeypatch):
+    """Under TP the heads a rank computes are read off its slice of the query weight: a query
+    projection that is not dedicated, sharded by columns, or cut inside a head is refused by
+    name (TP of 3 ranks over 4 heads of 3 rows: slices of 4 rows cut heads 1 and 2)."""
+    from types import SimpleNamespace
+
+    from dmuon.qk_clip import QKClip
+
+    model = am.make_model()
+    attn0, attn1 = model.blocks[0].attn, model.blocks[1].attn
+
+    def ctx(q_dim, with_q=True):
+        recs = [SimpleNamespace(module=attn1.wqkv, attr="weight", fqn="blocks.1.attn.wqkv.weight",
+                                full_shape=(24, 12), tp_shard_dim=0)]
+        if with_q:
+            recs.append(SimpleNamespace(module=attn0.q_proj, attr="weight", fqn="blocks.0.attn.q_proj.weight",
+                                        full_shape=(12, 12), tp_shard_dim=q_dim))
+        return SimpleNamespace(records=recs, roles=SimpleNamespace(tp=object(), world=None))
+
+    with pytest.raises(ValueError, match="'blocks.0.attn'.*not a dedicated"):
+        QKClip(model, ctx(0, with_q=False))
+    with pytest.raises(ValueError, match="'blocks.0.attn.q_proj.weight'.*sharded along dim 1"):
+        QKClip(model, ctx(1))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 3)
+    with pytest.raises(ValueError, match=r"rows 0:4.*cuts query head 1 of 'blocks.0.attn'"):
+        QKClip(model, ctx(0))
