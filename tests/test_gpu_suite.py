@@ -88,7 +88,10 @@ def test_dry_run_step_and_ns_speed(dry_run):
     st = _section(out, "step")
     assert st["backend"] == "gloo" and st["world_size"] == 1 and "bf16 MixedPrecisionPolicy" in st["model"]
     first = {v: s["losses"][0] for v, s in st["variants"].items()}
-    assert set(first) == {"adamw", "vanilla", "dmuon", "torch_muon", "adamw_b"}
+    assert set(first) == {"adamw", "vanilla", "dmuon", "torch_muon", "adamw_b", "dmuon_overlap"}
+    # overlap="forward" moves Newton-Schulz behind the next forward, not its math (issue 39)
+    assert st["variants"]["dmuon_overlap"]["losses"] == pytest.approx(st["variants"]["dmuon"]["losses"],
+                                                                     rel=1e-6)
     # same weights, same first batch: FSDP2 variants agree exactly; the unsharded fp32 torch_muon
     # to bf16 precision
     assert first["vanilla"] == pytest.approx(first["adamw"], rel=1e-6)
