@@ -35,9 +35,15 @@ def _check_moved_and_exact(params: dict[str, np.ndarray], ref: dict) -> None:
 @pytest.mark.parametrize("schedule,pp,whole_mesh,overlap", [
     ("gpipe", 2, False, "off"), ("1f1b", 2, True, "off"), ("interleaved", 2, False, "off"),
     ("gpipe", 1, False, "off"), ("1f1b", 1, True, "off"), ("interleaved", 1, False, "off"),
-    ("1f1b", 2, True, "forward"), ("interleaved", 1, False, "backward"),  # Muon(overlap=...)
+    ("1f1b", 2, True, "forward"), ("interleaved", 2, False, "backward"),  # Muon(overlap=...)
 ])
 def test_pipeline_schedules_match_single_process_reference(dist_pool, schedule, pp, whole_mesh, overlap):
+    if schedule == "interleaved" and pp == 1 and torch.__version__ < "2.13":
+        # torch 2.11's interleaved schedule sends between two stages on one rank through gloo,
+        # which has no pair to itself ("Pair is not connected ... <--> [none]"); reproduced
+        # without dmuon (two nn.Linear stages, world size 1); torch 2.13 passes
+        pytest.skip(f"torch {torch.__version__}: ScheduleInterleaved1F1B with two stages on one "
+                    f"rank fails under gloo without dmuon (fixed by torch 2.13)")
     out = dist_pool.run(4, "tests.pp_cases:pipeline",
                         dict(schedule=schedule, pp=pp, whole_mesh=whole_mesh, steps=STEPS, overlap=overlap),
                         timeout_s=300, fresh=True)
