@@ -165,7 +165,7 @@ def dedicate_under_stub(rank: int, world_size: int, *, kind: str) -> dict:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     records = _Records()
-    log = logging.getLogger("dmuon.balance.solver")
+    log = logging.getLogger("dmuon.balance")  # the fallback's warning: dmuon.balance.milp
     log.addHandler(records)
     try:
         with stub_cbc(kind) as stub:

@@ -49,7 +49,7 @@ def test_every_solver_failure_falls_back_to_the_heuristic_plan(kind, monkeypatch
     costs, shapes = tower_costs()
     ref = heuristic_only(monkeypatch, solve, costs, 3, classes=shapes, method="auto")
     assert ref.milp_status.startswith("not run")
-    with caplog.at_level(logging.WARNING, logger="dmuon.balance.solver"), \
+    with caplog.at_level(logging.WARNING, logger="dmuon.balance"), \
             cases.stub_cbc(kind) as stub:
         res = solve(costs, 3, classes=shapes, method="auto", time_limit_s=1)
     assert stub.calls == [True, False]  # with the warm start, then the one retry without
@@ -70,7 +70,7 @@ def test_a_hung_cbc_is_killed_and_falls_back(monkeypatch, caplog):
     costs, shapes = tower_costs()
     ref = heuristic_only(monkeypatch, solve, costs, 3, classes=shapes, method="auto")
     start = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="dmuon.balance.solver"), \
+    with caplog.at_level(logging.WARNING, logger="dmuon.balance"), \
             cases.stub_cbc("hang") as stub:
         res = solve(costs, 3, classes=shapes, method="auto", time_limit_s=0.2)
         assert [p.wait(timeout=10) for p in stub.procs] == [-9, -9]  # both "CBC"s were killed
@@ -321,7 +321,7 @@ def _one_warning(caplog):
 def _falls_back(monkeypatch, caplog, cause):
     costs, shapes = tower_costs()
     ref = heuristic_only(monkeypatch, solve, costs, 3, classes=shapes, method="auto")
-    with caplog.at_level(logging.WARNING, logger="dmuon.balance.solver"):
+    with caplog.at_level(logging.WARNING, logger="dmuon.balance"):
         res = solve(costs, 3, classes=shapes, method="auto", time_limit_s=2)
     assert res.method == "greedy" and res.fell_back and res.owners == ref.owners
     assert cause in res.milp_status

@@ -30,7 +30,7 @@ the overlapped NS still costs in contention): a greedy in deadline order (each u
 decreasing cost, each to the rank that finishes it first) refined by move/swap local search
 aimed at the critical (rank, unit), then the MILP of :mod:`dmuon.balance.deadline_milp`
 warm-started from it; a CBC failure keeps the heuristic plan with one warning, as
-:func:`dmuon.balance.solver.milp_fallback` does for the makespan MILP.
+:func:`dmuon.balance.milp.milp_fallback` does for the makespan MILP.
 
 Communication (the publication's broadcast) is not in ``E``: it is the same for every plan
 up to the first unit's, and the simulator (``bench/simulate.py``) adds it.
@@ -270,9 +270,9 @@ def _milp_with_fallback(costs, units, deadlines, num_ranks, warm, score, bound, 
                         weight, *, classes, batch_overhead):
     """The deadline MILP with the warm start, then once without (not when PuLP or CBC is
     missing); after the failure one warning line and ``(None, "failed: ...")``, as
-    :func:`dmuon.balance.solver.milp_fallback`."""
+    :func:`dmuon.balance.milp.milp_fallback`."""
     from dmuon.balance.deadline_milp import solve_deadline_milp
-    from dmuon.balance.solver import milp_fallback
+    from dmuon.balance.milp import milp_fallback
 
     res, status = milp_fallback(
         costs, num_ranks, warm_start=warm, fallback=None, score=None, solve_fn=solve_deadline_milp,

@@ -433,3 +433,59 @@ def _set_warm_start(owners, order, keys, shapes, shape_of, costs, overhead, num_
                 var.setInitialValue(1 if any(counts[old][k] for k, key in enumerate(order)
                                              if key[0] == g) else 0)
     t.setInitialValue(max(loads))
+
+
+def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, solve_fn=None, **milp_args):
+    """:func:`dmuon.balance.milp.solve_milp` (or ``solve_fn``, the same contract:
+    :func:`dmuon.balance.deadline_milp.solve_deadline_milp`) that never raises for a solver
+    failure.
+
+    CBC is tried with the warm start, then once more without it (a warm start is what
+    brought CBC's RINS abort to light, issue 28; not when PuLP cannot be imported or finds no
+    CBC). When both fail, one warning line says why and names the plan kept instead.
+
+    Args:
+        costs, num_ranks, milp_args: passed to ``solve_milp`` (``solve_fn``).
+        warm_start: the heuristic plan (owners per matrix), or None.
+        fallback: the heuristic's name (e.g. ``"multifit+local_search"``) for the warning,
+            or None when there is no plan to fall back to (the caller then raises).
+        score: ``owners -> makespan (or objective) / bound`` of a plan, for the warning.
+
+    Returns:
+        ``(result, status)``: ``solve_milp``'s ``(owners, optimal)`` or None after two
+        failures; ``status`` is :attr:`Assignment.milp_status`.
+
+    Raises:
+        ValueError: from ``solve_milp`` on inconsistent classes (a caller's bug, not CBC's).
+    """
+    solve = solve_milp if solve_fn is None else solve_fn
+
+    def ok(res, note=""):
+        return res, ("optimal" if res[1] else "time limit") + note
+
+    first = None
+    status = None
+    if warm_start is not None:
+        try:
+            return ok(solve(costs, num_ranks, warm_start=warm_start, **milp_args))
+        except PulpUnusable as e:  # no PuLP or no CBC: a retry would fail the same way
+            status = f"failed: {e}"
+        except MilpFailure as e:
+            first = str(e)
+    if status is None:
+        try:
+            res = solve(costs, num_ranks, warm_start=None, **milp_args)
+            if first is not None:  # the plan is CBC's after all: worth a note, not a warning
+                logger.info("dmuon: owner MILP with warm start failed (%s); without it, it "
+                            "worked", first)
+            return ok(res, "" if first is None else
+                      f" (retried without the warm start after: {first})")
+        except MilpFailure as e:
+            status = (f"failed: {e}" if first is None else
+                      f"failed: {first}; the retry without warm start failed the same way"
+                      if str(e) == first else
+                      f"failed: {first}; retry without warm start failed: {e}")
+    if fallback is not None:
+        logger.warning("dmuon: owner MILP %s. Using the %s plan instead (%.4fx the bound)",
+                       status, fallback, score(warm_start))
+    return None, status

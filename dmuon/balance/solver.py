@@ -30,7 +30,7 @@ from dmuon.balance.bounds import makespan_lower_bound
 from dmuon.balance.grouping import group_lpt, merge_groups, objective, publish_pairs
 from dmuon.balance.layout import apply_layout
 from dmuon.balance.local_search import improve, multifit
-from dmuon.balance.milp import MilpFailure, PulpUnusable, solve_milp
+from dmuon.balance.milp import milp_fallback
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Assignment:
             best plan when its time limit struck, not proven optimal), ``"not run: ..."``
             (with the reason), or, when CBC failed twice and the heuristic plan was kept,
             ``"failed: <why>; retry without warm start failed: <why>"``
-            (:func:`milp_fallback`). A retry that worked reads ``"optimal (retried ...)"``.
+            (:func:`dmuon.balance.milp.milp_fallback`). A retry that worked reads ``"optimal (retried ...)"``.
     """
 
     owners: tuple[int, ...]
@@ -199,7 +199,7 @@ def solve(
         MILP hits its time limit (then the incumbent may depend on timing: solve once and
         share the plan file). A CBC failure is no error: the MILP is retried once without the
         warm start, then the heuristic plan is returned with one warning naming the cause
-        (:func:`milp_fallback`; ``Assignment.milp_status``).
+        (:func:`dmuon.balance.milp.milp_fallback`; ``Assignment.milp_status``).
 
     Raises:
         ValueError: on bad arguments, or when ``memory_cap`` is infeasible (the message gives
@@ -340,62 +340,6 @@ def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, cl
                                 <= start_obj * (1 + 1e-12)):
             best, used, optimal, detail = res[0], "milp", res[1], "cbc"
     return best, used, optimal, detail, status
-
-
-def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, solve_fn=None, **milp_args):
-    """:func:`dmuon.balance.milp.solve_milp` (or ``solve_fn``, the same contract:
-    :func:`dmuon.balance.deadline_milp.solve_deadline_milp`) that never raises for a solver
-    failure.
-
-    CBC is tried with the warm start, then once more without it (a warm start is what
-    brought CBC's RINS abort to light, issue 28; not when PuLP cannot be imported or finds no
-    CBC). When both fail, one warning line says why and names the plan kept instead.
-
-    Args:
-        costs, num_ranks, milp_args: passed to ``solve_milp`` (``solve_fn``).
-        warm_start: the heuristic plan (owners per matrix), or None.
-        fallback: the heuristic's name (e.g. ``"multifit+local_search"``) for the warning,
-            or None when there is no plan to fall back to (the caller then raises).
-        score: ``owners -> makespan (or objective) / bound`` of a plan, for the warning.
-
-    Returns:
-        ``(result, status)``: ``solve_milp``'s ``(owners, optimal)`` or None after two
-        failures; ``status`` is :attr:`Assignment.milp_status`.
-
-    Raises:
-        ValueError: from ``solve_milp`` on inconsistent classes (a caller's bug, not CBC's).
-    """
-    solve = solve_milp if solve_fn is None else solve_fn
-
-    def ok(res, note=""):
-        return res, ("optimal" if res[1] else "time limit") + note
-
-    first = None
-    status = None
-    if warm_start is not None:
-        try:
-            return ok(solve(costs, num_ranks, warm_start=warm_start, **milp_args))
-        except PulpUnusable as e:  # no PuLP or no CBC: a retry would fail the same way
-            status = f"failed: {e}"
-        except MilpFailure as e:
-            first = str(e)
-    if status is None:
-        try:
-            res = solve(costs, num_ranks, warm_start=None, **milp_args)
-            if first is not None:  # the plan is CBC's after all: worth a note, not a warning
-                logger.info("dmuon: owner MILP with warm start failed (%s); without it, it "
-                            "worked", first)
-            return ok(res, "" if first is None else
-                      f" (retried without the warm start after: {first})")
-        except MilpFailure as e:
-            status = (f"failed: {e}" if first is None else
-                      f"failed: {first}; the retry without warm start failed the same way"
-                      if str(e) == first else
-                      f"failed: {first}; retry without warm start failed: {e}")
-    if fallback is not None:
-        logger.warning("dmuon: owner MILP %s. Using the %s plan instead (%.4fx the bound)",
-                       status, fallback, score(warm_start))
-    return None, status
 
 
 def check_memory_cap(

@@ -92,7 +92,7 @@ def build_plan(
         solver_report: record the solver's ``proven_bound``, ``optimal``, ``detail``,
             ``milp_status``, ``solve_s``, the layout and ``memory_by_rank`` (bytes) in
             ``extra``. Without it, ``extra["milp_status"]`` is still set when CBC failed and
-            the plan is the heuristic fallback (:func:`dmuon.balance.solver.milp_fallback`).
+            the plan is the heuristic fallback (:func:`dmuon.balance.milp.milp_fallback`).
         bucket_bytes: the DDP-style path (``replicas="keep"``, plain module on a 1-D mesh):
             matrices are cut into contiguous buckets in backward (reverse model) order, each
             closed once it holds this many bytes (``bucket_cap_mb * 2**20``, > 0, as DDP's), at
