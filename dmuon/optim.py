@@ -222,6 +222,21 @@ class Muon(torch.optim.Optimizer):
             return self.strategy.ctx.pending.stats()
         return {"kept": 0, "recomputed": 0}
 
+    def wait_pending(self) -> None:
+        """Block until every owner update an overlapped ``step()`` scheduled has finished
+        (``overlap="forward"`` / ``"backward"``; a no-op with ``"off"`` and other strategies).
+
+        ``model.state_dict()``, torch's state-dict and DCP APIs, ``dmuon.state_dict``,
+        ``dmuon.clip_grad_norm_``, the next forward and the next ``step()`` wait by themselves;
+        call this only before reading a dedicated parameter's tensor directly (a master in
+        ``model.parameters()`` outside forward) between ``step()`` and the next forward.
+
+        Raises:
+            RuntimeError: an update failed on dmuon's worker thread (naming the matrices).
+        """
+        if isinstance(self.strategy, OwnerUpdate):
+            self.strategy.ctx.pending.wait_all()
+
 
 class OwnerUpdate:
     """The owner runtime's update: Muon on the masters this rank owns (TP matrices through
@@ -300,13 +315,11 @@ class OwnerUpdate:
     @property
     def overlaps(self) -> bool:
         """Whether this step's Newton-Schulz runs behind the next forward: ``overlap`` is not
-        ``"off"`` and the model has neither tensor parallelism (its Newton-Schulz is collective)
-        nor expert parallelism (see :mod:`dmuon.owners.overlap`: a race not yet understood),
-        and uses neither per-head / split Muon nor QK-clip (issue 40; their steps stay inside
+        ``"off"``, the model has no tensor parallelism (its Newton-Schulz is collective) and
+        uses neither per-head / split Muon nor QK-clip (issue 40; their steps stay inside
         ``step()``: the clip scales the new q/k rows before their publication)."""
-        ctx = self.ctx
-        return (self.overlap != "off" and ctx.roles.tp is None and not self.splits
-                and self.qk_clip is None and not any(rec.group is not None for rec in ctx.records))
+        return (self.overlap != "off" and self.ctx.roles.tp is None and not self.splits
+                and self.qk_clip is None)
 
     def _owned(self, group: dict) -> list[tuple]:
         """``(master, grad, momentum buffer, record)`` of every master of ``group`` this rank

@@ -13,6 +13,7 @@ each expert's 2-D slice + ``AdamW``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from torch import nn
 from dmuon.integrations.hf_moe import shard_experts
 from tests import moe_cases as cases
 from tests.moe_cases import full_params
+from tests.overlap_cases import slow_jobs
 
 def _experts_of(block: nn.Module) -> nn.Module | None:
     """The module holding a block's expert stacks: ``block.experts`` (:class:`EPMoE`),
@@ -128,6 +130,21 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
         dedicate(mesh)
     plan = dedicated[0]
     opt = dmuon.Muon(model, **cases.OPT_KWARGS, overlap=overlap)
+    # overlapped: every job starts 20 ms late, so a reader that did not wait would see old weights
+    with slow_jobs() if overlap != "off" else contextlib.nullcontext():
+        losses, norm0 = _train_steps(model, opt, case, steps, rank, world_size, micro_batches)
+    return dict(params=full_params(model, rank), losses=losses, shard_rows=shard_rows, grad_norm0=norm0,
+                owned_experts=owned_experts(model),
+                entries=[(m.key, m.owner, m.ep) for m in plan.matrices], digest=plan.digest(),
+                ns_matrices=model._dmuon_state.ns_matrices, scheduled=model._dmuon_state.pending.scheduled)
+
+
+def _train_steps(model: nn.Module, opt: Any, case: str, steps: int, rank: int, world_size: int,
+                 micro_batches: int) -> tuple[list[float], float | None]:
+    """:func:`train`'s loop: ``steps`` steps of ``micro_batches`` each; the losses and the
+    first step's global gradient norm."""
+    import dmuon
+
     losses, norm0 = [], None
     for step in range(steps):
         batch = cases.local_batch(case, step, rank, world_size)
@@ -146,10 +163,7 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return dict(params=full_params(model, rank), losses=losses, shard_rows=shard_rows, grad_norm0=norm0,
-                owned_experts=owned_experts(model),
-                entries=[(m.key, m.owner, m.ep) for m in plan.matrices], digest=plan.digest(),
-                ns_matrices=model._dmuon_state.ns_matrices)
+    return losses, norm0
 
 
 def checkpoint_roundtrip(rank: int, world_size: int, *, ep: int = 2, path: str | None = None) -> dict[str, Any]:

@@ -244,6 +244,7 @@ def full_params(model: nn.Module, rank: int) -> dict[str, np.ndarray]:
     ``[c * E / ep, (c + 1) * E / ep)``), replica 0's under HSDP; the dense matrices come from
     their owners, FSDP2 parameters are gathered."""
     state = model._dmuon_state
+    state.pending.wait_all()  # Muon(overlap=...): the masters are read directly, after their updates
     mine = [(rec.fqn, (rec.experts or (0, 0))[0], rec.master.detach().numpy().copy())
             for rec in state.records if rec.is_owner and state.replicate_rank == 0]
     parts: list[Any] = [None] * dist.get_world_size()

@@ -133,3 +133,30 @@ def failing_job(rank: int, world_size: int) -> str:
     except RuntimeError as exc:
         return str(exc)
     return ""
+
+
+def direct_read(rank: int, world_size: int) -> dict[str, bool]:
+    """Read this rank's masters (``model.parameters()`` outside forward) right after
+    ``step()``: once as is (the control: the slowed updates are pending, so the tensors must
+    still differ from their final values), once after ``opt.wait_pending()`` (they must equal
+    them). Returns, per rank, whether updates were pending and what each read matched."""
+    model, _ = build(world_size, "fsdp")
+    opt = dmuon.Muon(model, **OPT, overlap="forward")
+    state = model._dmuon_state
+    owned = [rec for rec in state.records if rec.is_owner]
+    with slow_jobs(delay_s=0.2):
+        for step in range(2):
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            opt.step()
+            pending = bool(state.pending.jobs)
+            raw = [rec.master.detach().clone() for rec in owned]  # no wait: mid-update
+            opt.wait_pending()
+            waited = [rec.master.detach().clone() for rec in owned]
+            left = bool(state.pending.jobs)
+            state.pending.wait_all()
+            final = [rec.master.detach().clone() for rec in owned]
+            opt.zero_grad()
+    return dict(owns=bool(owned), pending=pending, left=left,
+                raw_equal=all(torch.equal(a, b) for a, b in zip(raw, final)),
+                waited_equal=all(torch.equal(a, b) for a, b in zip(waited, final)))

@@ -139,6 +139,8 @@ def test_plan_records_expert_ranges():
     ("ep-moe", 4, 2, dict(replicas=2)),           # HSDP in front: ("replicate", "efsdp", "ep") 2x1x2
     ("ep-moe", 4, 2, dict(replicas=2, replicate_mode="broadcast")),
     ("ep-moe", 4, 2, dict(overlap="forward")),    # Newton-Schulz behind the next forward
+    ("ep-moe", 4, 4, dict(spread=False, overlap="forward")),
+    ("hf-qwen3-moe", 4, 2, dict(overlap="backward")),
     ("ep-moe", 4, 2, dict(replicas=2, replicate_mode="broadcast", overlap="backward")),
     ("hf-qwen3-moe", 4, 2, {}),           # Hugging Face models, their experts' forward dispatching
     ("hf-mixtral", 3, 3, {}),             # 3 experts: ep 3, one per rank
@@ -166,6 +168,8 @@ def test_expert_parallel_matches_reference(dist_pool, case, world_size, ep, opti
     stacks = {fqn for fqn, _ in owned}
     assert stacks == set(expected) and all(
         sorted(e for f, e in owned if f == fqn) == list(range(expected[fqn])) for fqn in stacks)
+    if options.get("overlap", "off") != "off":  # the updates did run behind the next forward
+        assert all(o["scheduled"] > 0 for o in out if o["owned_experts"]), [o["scheduled"] for o in out]
     if case == "ep-moe-2":  # the case is exercised: FSDP2 left some ranks an empty expert shard
         assert any(0 in o["shard_rows"] for o in out), [o["shard_rows"] for o in out]
 

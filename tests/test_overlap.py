@@ -80,6 +80,17 @@ def test_failure_on_worker_thread_is_raised_by_name(dist_pool):
     assert message.startswith("dmuon:") and "worker thread" in message and "FloatingPointError" in message, message
 
 
+def test_wait_pending_before_reading_masters_directly(dist_pool):
+    """opt.wait_pending(): a master read straight after step() (no wait) is still mid-update
+    (the control), and equal to its final value after wait_pending()."""
+    out = dist_pool.run(2, "tests.overlap_cases:direct_read", {}, timeout_s=120, fresh=True)
+    owners = [o for o in out if o["owns"]]
+    assert owners, out
+    for o in owners:
+        assert o["pending"] and not o["left"] and o["waited_equal"], o
+        assert not o["raw_equal"], o  # the control: without the wait the read is stale
+
+
 def test_bad_overlap_value_names_the_choices():
     net = torch.nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r"overlap must be one of \('off', 'forward', 'backward'\)"):

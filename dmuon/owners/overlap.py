@@ -29,14 +29,14 @@ thread at its wait, naming dmuon and the matrices.
 
 Tensor parallelism orthogonalizes through collectives over the TP group; they cannot run on a
 second thread beside the main thread's collectives in a fixed order, so a TP model steps as
-with ``"off"`` (the mode is accepted and has no effect there). So does a model with expert
-parallelism (records published over an expert group): on the 4-rank ``ep-moe`` test case with
-the default plan, ``"forward"`` gave expert weights off by ~1e-2 after 3 steps in one run of
-three to four of six (reproducibly the same wrong values), and waiting for every job right after
-``zero_grad()`` made it exact. No job was still pending at any unit's forward pre-hook with its
-group live, and handing the jobs plain tensors only (no DTensor dispatch off the main thread)
-did not help, so the reader that does not wait is not found yet; until it is, expert-parallel
-models step synchronously.
+with ``"off"`` (the mode is accepted and has no effect there). Expert parallelism overlaps like
+any other layout: an expert group's publication waits for its own job as a dense one does.
+
+Code that reads a dedicated parameter's tensor itself (``rec.master``, or a master found
+through ``model.parameters()`` outside forward) between ``step()`` and the next forward sees it
+mid-update; call :meth:`dmuon.Muon.wait_pending` first. (An earlier "race" under expert
+parallelism was exactly that: a test helper read the owners' expert masters directly after the
+last step.)
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ class PendingSteps:
         speculations: by master: the backward's speculative result (``overlap="backward"``).
         kept, recomputed: speculative results used and discarded by ``step()``, summed over
             steps.
+        scheduled: jobs :meth:`schedule` submitted, summed over steps (0: nothing overlapped).
     """
 
     jobs: dict[Any, Job] = field(default_factory=dict)
@@ -132,6 +133,7 @@ class PendingSteps:
     speculations: dict[Any, Speculation] = field(default_factory=dict)
     kept: int = 0
     recomputed: int = 0
+    scheduled: int = 0
     _executor: ThreadPoolExecutor | None = None
     _streams: dict = field(default_factory=dict)
 
@@ -161,6 +163,7 @@ class PendingSteps:
                  keep: tuple = ()) -> None:
         """Submit ``fn`` as the job the publication of ``key`` waits for."""
         self.jobs[key] = self.submit(fn, device, what, keep)
+        self.scheduled += 1
 
     def pending(self, key: Any) -> bool:
         """Whether ``key`` has a job not yet waited for."""
