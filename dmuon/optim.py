@@ -259,6 +259,8 @@ class OwnerUpdate:
         opt.register_load_state_dict_pre_hook(wait)
         if self.overlap == "backward":
             self.ctx.backward.after_reduce = self.speculate
+            self.ctx.backward.on_reduced = self.speculate_early
+            self.ctx.ctx.poll_reduced = self.ctx.backward.poll_reduced
 
     def configure_blocks(self, *, per_head: bool, split: Any, qk_clip: bool) -> None:
         """Issue 40: resolve the per-head / explicit splits of the dedicated matrices
@@ -350,6 +352,24 @@ class OwnerUpdate:
                 ns_kwargs = self._ns_kwargs(group)
                 speculate(self.ctx.pending, group, self._owned(group), ns_kwargs,
                           ns_by_shape(ns_kwargs, self.opt.max_batch_bytes))
+
+    def speculate_early(self, averages: dict) -> None:
+        """During a synced backward with ``overlap="backward"``: a bucket's reduce-to-owner has
+        completed; start its owned matrices' momentum and Newton-Schulz from ``averages``
+        (``{record: fp32 average}``) into scratch. A matrix with no momentum buffer yet (before
+        its first step) waits for the end of backward."""
+        if not self.overlaps:
+            return
+        group = next(g for g in self.opt.param_groups if g["kind"] == "muon")
+        items = []
+        for rec, avg in averages.items():
+            buf = self.opt.state[rec.master].get("momentum_buffer") if rec.master in self.opt.state else None
+            if buf is not None:
+                items.append((rec.master, avg, buf, rec))
+        if items:
+            ns_kwargs = self._ns_kwargs(group)
+            speculate(self.ctx.pending, group, items, ns_kwargs,
+                      ns_by_shape(ns_kwargs, self.opt.max_batch_bytes), early=True)
 
     def step_muon(self, group: dict) -> None:
         """Muon on the masters of ``group`` this rank owns (placeholders are skipped)."""

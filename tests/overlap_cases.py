@@ -86,7 +86,8 @@ def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps
             sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             sd_params = {k: v.detach().numpy().copy() for k, v in sd.items()} if rank == 0 else None
     return dict(params=full_params(model, rank), losses=losses, eval_losses=eval_losses, norms=norms,
-                stats=opt.overlap_stats(), sd_params=sd_params)
+                stats=opt.overlap_stats(), sd_params=sd_params,
+                started_early=model._dmuon_state.pending.started_early)
 
 
 def resume(rank: int, world_size: int, *, overlap: str, path: str, first: int = 2, then: int = 2) -> dict:

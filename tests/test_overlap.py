@@ -37,6 +37,9 @@ def test_overlap_matches_reference(dist_pool, world_size, mode, overlap):
     # no clipping, nothing touches the gradients: every speculative result is kept
     assert stats == ({"kept": 0, "recomputed": 0} if overlap == "forward"
                      else {"kept": stats["kept"], "recomputed": 0}) and (overlap == "forward" or stats["kept"] > 0)
+    if overlap == "backward" and mode == "fsdp":  # one bucket per FSDP2 block: the owners of the
+        # blocks reduced first start their Newton-Schulz during the rest of the backward
+        assert sum(o["started_early"] for o in out) > 0, [o["started_early"] for o in out]
 
 
 def test_accumulation_scheduler_eval_and_state_dict_between_step_and_forward(dist_pool):

@@ -230,6 +230,18 @@ class GradBucket:
                             self.flat[start: start + numel], owner, group,
                             lambda owner=owner: [r.fqn for r in self.records if r.owner == owner]))
 
+    def _my_segment(self) -> tuple[int, torch.Tensor]:
+        (seg_start, seg_numel), = [(start, numel) for owner, start, numel in self.segments
+                                  if owner == self.my_owner]
+        return seg_start, self.flat[seg_start: seg_start + seg_numel]
+
+    def _owned_slots(self, seg_start: int) -> list[tuple[DedicatedParam, int, int]]:
+        """(record, offset in this rank's segment, numel) of every member it owns, fixed at bind."""
+        if self._owned is None:
+            self._owned = [(rec, start - seg_start, numel)
+                           for rec, (start, numel) in zip(self.records, self.slots) if rec.is_owner]
+        return self._owned
+
     def _average_mine(self, world_size: float) -> dict[DedicatedParam, torch.Tensor]:
         """This rank's segment (its matrices are contiguous: owner-major) averaged in fp32 by two
         ops whatever its number of matrices, and a ``[rows, cols]`` view of it per matrix.
@@ -242,13 +254,9 @@ class GradBucket:
         ``zero_grad(set_to_none=True)`` since the last backward: it may be that very view) gets
         a fresh tensor instead, as before.
         """
-        (seg_start, seg_numel), = [(start, numel) for owner, start, numel in self.segments
-                                  if owner == self.my_owner]
-        seg = self.flat[seg_start: seg_start + seg_numel]
-        if self._owned is None:  # (record, offset in the segment, numel), fixed at bind
-            self._owned = [(rec, start - seg_start, numel)
-                           for rec, (start, numel) in zip(self.records, self.slots) if rec.is_owner]
-        owned = self._owned
+        seg_start, seg = self._my_segment()
+        owned = self._owned_slots(seg_start)
+        seg_numel = seg.numel()
         if any(rec.master.grad is not None for rec, _, _ in owned):
             fresh = seg.to(torch.float32, copy=True).div_(world_size)
             return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in owned}
@@ -296,6 +304,29 @@ class GradBucket:
         self.ready.clear()
         self.grads = [None] * len(self.records)
         self.pending.clear()
+
+
+def reduced(bucket: GradBucket) -> bool:
+    """Whether ``bucket``'s collectives of this backward are out and complete, by a
+    non-blocking query (gloo reads a flag; NCCL queries the work's CUDA event, no host
+    synchronisation)."""
+    if not bucket.pending:
+        return False
+    for pend in bucket.pending:
+        done = getattr(pend.work, "is_completed", None) if pend.work is not None else None
+        if pend.work is not None and (done is None or not done()):
+            return False
+    return True
+
+
+def owned_averages(bucket: GradBucket, divisor: float) -> dict[DedicatedParam, torch.Tensor]:
+    """Once :func:`reduced`, before :meth:`GradBucket.take`: this rank's owned matrices'
+    averages as ``take`` will compute them (the segment cast to fp32, then divided by
+    ``divisor``: the same two element-wise ops, so the same bits), in new tensors; the bucket
+    is untouched. For ``Muon(overlap="backward")``'s start during backward."""
+    seg_start, seg = bucket._my_segment()
+    fresh = seg.to(torch.float32, copy=True).div_(divisor)
+    return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in bucket._owned_slots(seg_start)}
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.comm.collectives import label
+from dmuon.comm.grad_buckets import owned_averages, reduced
 from dmuon.comm.hsdp_replicas import reduce_to_owners
 from dmuon.comm.owned_grad import present, unpresent
 from dmuon.hooks import fsdp_adapter as fsdp
@@ -44,8 +45,11 @@ class ReduceToOwners:
         self._final_callback_queued = False
         self.made_up_grads: dict = {}
         # Muon(overlap="backward"): starts the owners' speculative Newton-Schulz once the
-        # reduced gradients are in (dmuon.owners.overlap.speculate)
+        # reduced gradients are in (dmuon.owners.overlap.speculate): per bucket during backward
+        # (on_reduced, given {record: average}), and the rest at its end (after_reduce)
         self.after_reduce: Any = None
+        self.on_reduced: Any = None
+        self._handed: set = set()  # buckets handed to on_reduced in this backward
 
     def queue_final_callback(self) -> None:
         """First gradient hook of a backward: decide sync once, and wait at the end."""
@@ -55,6 +59,25 @@ class ReduceToOwners:
             self.state.ctx.sync_this_backward = self.sync_enabled and (
                 not self.state.fsdp_wrapped or fsdp.gradient_sync_enabled(self.state._fsdp_states))
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def poll_reduced(self) -> None:
+        """A gradient hook of a synced backward (``Muon(overlap="backward")``): hand each bucket
+        whose reduce-to-owner has completed (:func:`dmuon.comm.grad_buckets.reduced`, a non-blocking query)
+        to :attr:`on_reduced` with this rank's averages, once per backward, so its owner's
+        Newton-Schulz starts while the backward goes on. Not under HSDP (the replica combine
+        comes at the end of backward: the average is not yet the final gradient)."""
+        s = self.state
+        if self.on_reduced is None or s.roles.replicate_size > 1:
+            return
+        order = s.issue_order
+        for bucket in order.buckets[: order.next]:
+            if bucket.my_owner is None or bucket in self._handed or not reduced(bucket):
+                continue
+            self._handed.add(bucket)
+            # the divisor finish_backward will use (set_divide_factors, read now)
+            factor = (fsdp.gradient_divide_factor(bucket.block) if s.fsdp_wrapped and bucket.block is not None
+                      else bucket.divide_factor)
+            self.on_reduced(owned_averages(bucket, s.world_size if factor is None else factor))
 
     def on_replicated_grad(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         self.queue_final_callback()
@@ -158,3 +181,4 @@ class ReduceToOwners:
                 made_up=self.made_up_grads)
         if self.after_reduce is not None and s.ctx.sync_this_backward:
             self.after_reduce()
+        self._handed.clear()

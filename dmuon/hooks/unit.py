@@ -169,6 +169,8 @@ class UnitContext:
             :class:`dmuon.comm.grad_buckets.IssueOrder`).
         pending: the owners' updates an overlapped step scheduled
             (:class:`dmuon.owners.overlap.PendingSteps`); a publication waits for its own.
+        poll_reduced: ``Muon(overlap="backward")``: called whenever a synced backward issues a
+            bucket (:meth:`dmuon.hooks.backward.ReduceToOwners.poll_reduced`).
     """
 
     group: dist.ProcessGroup
@@ -183,6 +185,7 @@ class UnitContext:
     sync_this_backward: bool = True
     issue_order: IssueOrder = field(default_factory=lambda: IssueOrder([]))
     pending: Any = None
+    poll_reduced: Callable[[], None] | None = None
 
     def issue(self, units: list[Unit]) -> None:
         """Publish every group of ``units`` not yet live, as one NCCL group call if possible;
@@ -326,6 +329,8 @@ class Unit:
                 if bucket.add(rec, grad):
                     ctx.step_check.settle()  # the ranks agree before the first reduce goes out
                     ctx.issue_order.full(ctx.group, ctx.reduce_mode)  # in the one order of all ranks
+                    if ctx.poll_reduced is not None:  # Muon(overlap="backward"): owners' NS
+                        ctx.poll_reduced()  # starts for the buckets already reduced
             # else gradient accumulation: keep the local sum in compute.grad (full size on every
             # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
             group.grad_in(rec)

@@ -12,14 +12,18 @@
   matrices are still being orthogonalized. On CUDA a job runs on a side stream and the
   publication's stream waits on its event (no host synchronisation); on CPU it runs on one
   worker thread (torch releases the GIL inside its ops).
-* ``"backward"``: as ``"forward"``, and at the end of the backward that precedes a step (with
-  gradient sync on) the owners start each matrix's momentum and Newton-Schulz into *scratch*
-  tensors (:meth:`PendingSteps.speculate`). ``opt.step()`` keeps a result only when it would
-  have computed the very same bits: the gradient is the same tensor at the same version
-  (clipping, a GradScaler's unscale or user code bump it), the momentum buffer is at the same
-  version, and momentum, nesterov and the Newton-Schulz settings are unchanged (the learning
-  rate and weight decay act after Newton-Schulz, so they may change). Otherwise it recomputes.
-  :meth:`PendingSteps.stats` counts both.
+* ``"backward"``: as ``"forward"``, and in the backward that precedes a step (with gradient
+  sync on) the owners start each matrix's momentum and Newton-Schulz into *scratch* tensors
+  (:func:`speculate`): a bucket's matrices as soon as its reduce-to-owner is seen complete
+  while the backward goes on (polled, without blocking, whenever a later bucket is issued;
+  not under HSDP, whose replica combine comes at the end), the rest at the end of backward.
+  ``opt.step()`` keeps a result only when it would have computed the very same bits: the
+  gradient is the same tensor at the same version (clipping, a GradScaler's unscale or user
+  code bump it) or, for one started during backward, holds the very bits it started from
+  (``torch.equal``), the momentum buffer is at the same version, and momentum, nesterov and
+  the Newton-Schulz settings are unchanged (the learning rate and weight decay act after
+  Newton-Schulz, so they may change). Otherwise it recomputes. :meth:`PendingSteps.stats`
+  counts both.
 
 Nothing outside sees a pending update: the next ``step()``, ``dmuon.clip_grad_norm_``,
 ``model.state_dict()`` / ``load_state_dict`` (and torch's state-dict and DCP APIs, which call
@@ -106,6 +110,8 @@ class Speculation:
         settings: ``(momentum, nesterov, ns settings...)`` it used.
         new_buf: the momentum buffer it computed (scratch; committed only when kept).
         ortho: the orthogonalized update, shaped like the master (filled by the job).
+        early: started during backward from the bucket's average (:func:`speculate` with
+            ``early``): ``grad`` is that average's own copy, compared bit for bit at the step.
     """
 
     grad: torch.Tensor
@@ -114,6 +120,7 @@ class Speculation:
     settings: tuple
     new_buf: torch.Tensor | None = None
     ortho: torch.Tensor | None = None
+    early: bool = False
 
 
 @dataclass(eq=False)
@@ -123,17 +130,21 @@ class PendingSteps:
     Attributes:
         jobs: by publish group (any hashable object the publication names): its job.
         speculations: by master: the backward's speculative result (``overlap="backward"``).
+        early: the masters whose speculation this backward started during backward.
         kept, recomputed: speculative results used and discarded by ``step()``, summed over
             steps.
         scheduled: jobs :meth:`schedule` submitted, summed over steps (0: nothing overlapped).
+        started_early: speculative results started during backward (``early``), summed.
     """
 
     jobs: dict[Any, Job] = field(default_factory=dict)
     spec_jobs: list[Job] = field(default_factory=list)
     speculations: dict[Any, Speculation] = field(default_factory=dict)
+    early: set = field(default_factory=set)
     kept: int = 0
     recomputed: int = 0
     scheduled: int = 0
+    started_early: int = 0
     _executor: ThreadPoolExecutor | None = None
     _streams: dict = field(default_factory=dict)
 
@@ -211,12 +222,14 @@ def speculation_settings(group: dict, ns_kwargs: dict) -> tuple:
 
 def matches(spec: Speculation | None, grad: torch.Tensor, buf: torch.Tensor, settings: tuple) -> bool:
     """Whether ``spec`` computed exactly what ``step()`` would now (see the module doc)."""
+    if spec is None or spec.ortho is None or buf._version != spec.buf_version or spec.settings != settings:
+        return False
+    if spec.early:  # its input was the bucket's average, copied: the gradient must be those bits
+        return grad.shape == spec.grad.shape and grad.dtype == spec.grad.dtype and torch.equal(grad, spec.grad)
     # the same memory (spec.grad keeps it alive, so no other tensor can have taken its address;
     # dmuon.comm.owned_grad may hand out a new view of it) at the same version
-    return (spec is not None and spec.ortho is not None
-            and grad.data_ptr() == spec.grad.data_ptr() and grad.shape == spec.grad.shape
-            and grad.stride() == spec.grad.stride() and grad._version == spec.grad_version
-            and buf._version == spec.buf_version and spec.settings == settings)
+    return (grad.data_ptr() == spec.grad.data_ptr() and grad.shape == spec.grad.shape
+            and grad.stride() == spec.grad.stride() and grad._version == spec.grad_version)
 
 
 def step_overlapped(pending: PendingSteps, hp: dict, items: list[tuple], pubs: list[Any],
@@ -281,21 +294,32 @@ def step_overlapped(pending: PendingSteps, hp: dict, items: list[tuple], pubs: l
 
 
 def speculate(pending: PendingSteps, hp: dict, items: list[tuple], ns_kwargs: dict,
-              orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
-    """End of a synced backward (``overlap="backward"``): start each owned matrix's momentum
-    step and Newton-Schulz into scratch tensors, one job for all (read by
+              orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]], early: bool = False) -> None:
+    """A synced backward with ``overlap="backward"``: start each owned matrix's momentum step
+    and Newton-Schulz into scratch tensors, one job for ``items`` (read by
     :func:`step_overlapped`, which keeps them only when :func:`matches`).
+
+    With ``early``, during backward, once a bucket's reduce-to-owner has completed (``grad``:
+    the owner's average, a copy :func:`dmuon.comm.grad_buckets.owned_averages`
+    made); else at the end of backward, for the masters not started early in it.
 
     Args:
         items: ``(master, grad, momentum buffer, record)`` as in :func:`step_overlapped`.
     """
-    pending.wait_all()
+    pending.wait_for(list(pending.jobs))  # the last step's (done by now: the forward waited)
     settings = speculation_settings(hp, ns_kwargs)
     specs = []
     for master, grad, buf, rec in items:
-        spec = Speculation(grad, grad._version, buf._version, settings)
+        if not early and master in pending.early:
+            continue  # started during this backward
+        spec = Speculation(grad, grad._version, buf._version, settings, early=early)
         pending.speculations[master] = spec
         specs.append((spec, grad, buf, rec))
+        if early:
+            pending.early.add(master)
+            pending.started_early += 1
+    if not early:
+        pending.early.clear()  # the next backward starts afresh
     if not specs:
         return
 
