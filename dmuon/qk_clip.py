@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from typing import Any, Sequence
 
 import torch
@@ -49,6 +50,27 @@ _ATTR = "_dmuon_max_logits"
 _CHUNK_ELEMENTS = 1 << 24
 
 
+#: ``torch.distributed.pipelining`` (torch >= 2.13) runs one forward (and backward) of each
+#: stage with gradients on to infer its shapes, a non-first stage on *uninitialized* inputs
+#: (``torch.empty``); logits of those calls are not the model's (torch 2.11 infers under
+#: ``no_grad``, which the recorder skips anyway)
+_METADATA_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata_inference"})
+
+
+def in_metadata_inference(depth: int = 64) -> bool:
+    """Whether the caller runs inside a pipelining stage's metadata inference (the frames of
+    its :data:`_METADATA_INFERENCE` methods, looked for up to ``depth`` frames up the stack:
+    a few microseconds, paid once per attention call while QK-clip records)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_name in _METADATA_INFERENCE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
     """Record ``module``'s per-head max attention logits for the next QK-clip.
 
@@ -59,7 +81,12 @@ def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
         module: the attention module (as :func:`dmuon.owners.attention.find_attention` finds it).
         max_logits: ``[num_heads]``, any float dtype: each query head's largest scaled logit
             ``q . k * scale`` over the batch (masked positions excluded). Not mutated.
+
+    Calls made while a pipelining stage infers its shapes (:func:`in_metadata_inference`)
+    are ignored: that forward runs on uninitialized inputs.
     """
+    if in_metadata_inference():
+        return
     value = max_logits.detach().reshape(-1).float()
     old = getattr(module, _ATTR, None)
     if old is None:
@@ -153,7 +180,8 @@ class _SDPAMode(TorchFunctionMode):
 class LogitRecorder:
     """Forward hooks that record every recognized attention module's per-head max logits while
     gradients are enabled (training forwards, and activation checkpointing's recomputation,
-    which records the same values again).
+    which records the same values again), except in a pipelining stage's shape inference
+    (:func:`in_metadata_inference`).
 
     * ``nn.MultiheadAttention``: a pre-hook recomputes ``q k^T / sqrt(d)`` from the module's
       inputs and its ``in_proj_weight`` / ``in_proj_bias`` (one extra ``[L, S]`` product per
@@ -181,7 +209,7 @@ class LogitRecorder:
             modes: list[_SDPAMode] = []
 
             def enter(mod, args, count=count, modes=modes):
-                if torch.is_grad_enabled():
+                if torch.is_grad_enabled() and not in_metadata_inference():
                     mode = _SDPAMode(mod, count)
                     mode.__enter__()
                     modes.append(mode)
@@ -195,7 +223,7 @@ class LogitRecorder:
 
     @staticmethod
     def _mha_hook(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or in_metadata_inference():
             return
         names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
         bound = dict(zip(names, args), **kwargs)

@@ -213,3 +213,29 @@ def test_qk_clip_under_tp_refuses_layouts_it_cannot_map(monkeypatch):
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 3)
     with pytest.raises(ValueError, match=r"rows 0:4.*cuts query head 1 of 'blocks.0.attn'"):
         QKClip(model, ctx(0))
+
+
+def test_qk_clip_records_nothing_during_pipelining_metadata_inference():
+    """torch.distributed.pipelining (torch >= 2.13) runs each stage once with gradients on, a
+    non-first stage on uninitialized inputs, to infer its shapes: those logits are not the
+    model's and must not reach QK-clip (they made the pipeline test's clip counts and weights
+    random, NaN at times). Inside a frame of that name nothing is recorded; outside, the same
+    forward records finite maxima (their values are checked against the reference by the
+    pipeline and mesh tests above)."""
+    from dmuon.qk_clip import _ATTR, LogitRecorder, observe
+
+    model = am.make_model(gain=3.0)
+    layouts = find_attention(model)
+    recorder = LogitRecorder(layouts)
+    idx, _ = am.global_batch(0, 2)
+
+    def _forward_metadata_inference() -> None:  # the name torch's PipelineStage method has
+        model(idx)
+        observe(layouts[0].module, torch.full((layouts[0].num_heads,), 1e4))
+
+    _forward_metadata_inference()
+    assert all(getattr(lay.module, _ATTR, None) is None for lay in layouts)
+    model(idx)
+    seen = [getattr(lay.module, _ATTR, None) for lay in layouts]
+    recorder.remove()
+    assert all(s is not None and torch.isfinite(s).all() and s.max() < 1e4 for s in seen), seen
