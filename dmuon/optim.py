@@ -361,11 +361,8 @@ class OwnerUpdate:
         if not self.overlaps:
             return
         group = next(g for g in self.opt.param_groups if g["kind"] == "muon")
-        items = []
-        for rec, avg in averages.items():
-            buf = self.opt.state[rec.master].get("momentum_buffer") if rec.master in self.opt.state else None
-            if buf is not None:
-                items.append((rec.master, avg, buf, rec))
+        bufs = {rec: self.opt.state.get(rec.master, {}).get("momentum_buffer") for rec in averages}
+        items = [(rec.master, avg, bufs[rec], rec) for rec, avg in averages.items() if bufs[rec] is not None]
         if items:
             ns_kwargs = self._ns_kwargs(group)
             speculate(self.ctx.pending, group, items, ns_kwargs,

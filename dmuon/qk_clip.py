@@ -85,8 +85,12 @@ def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
     Calls made while a pipelining stage infers its shapes (:func:`in_metadata_inference`)
     are ignored: that forward runs on uninitialized inputs.
     """
-    if in_metadata_inference():
-        return
+    if not in_metadata_inference():
+        _record(module, max_logits)
+
+
+def _record(module: nn.Module, max_logits: torch.Tensor) -> None:
+    """:func:`observe` without the stack check (the recorder's hooks made it once per call)."""
     value = max_logits.detach().reshape(-1).float()
     old = getattr(module, _ATTR, None)
     if old is None:
@@ -166,14 +170,14 @@ class _SDPAMode(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
             bound = dict(zip(names, args), **kwargs)
-            observe(self.module, max_logits(bound["query"], bound["key"], scale=bound.get("scale"),
+            _record(self.module, max_logits(bound["query"], bound["key"], scale=bound.get("scale"),
                                             attn_mask=bound.get("attn_mask"),
                                             is_causal=bool(bound.get("is_causal", False))))
         elif func in (F.softmax, torch.softmax, torch.Tensor.softmax):
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) and x.shape[1] == self.heads:
-                observe(self.module, x.detach().amax(dim=(0, 2, 3)))
+                _record(self.module, x.detach().amax(dim=(0, 2, 3)))
         return func(*args, **kwargs)
 
 
@@ -252,7 +256,7 @@ class LogitRecorder:
                 if mask is not None and mask.dtype == torch.bool:
                     mask = torch.zeros(mask.shape, device=q.device).masked_fill(mask, float("-inf"))
                 mask = pad if mask is None else mask + pad
-            observe(module, max_logits(q, k, attn_mask=mask, mask_true_keeps=False,
+            _record(module, max_logits(q, k, attn_mask=mask, mask_true_keeps=False,
                                        is_causal=bool(bound.get("is_causal", False)) and mask is None))
 
     def remove(self) -> None:

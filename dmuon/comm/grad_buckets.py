@@ -258,8 +258,7 @@ class GradBucket:
         owned = self._owned_slots(seg_start)
         seg_numel = seg.numel()
         if any(rec.master.grad is not None for rec, _, _ in owned):
-            fresh = seg.to(torch.float32, copy=True).div_(world_size)
-            return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in owned}
+            return owned_averages(self, world_size)
         if self.owner_views is None:
             self.owner_avg = torch.empty(seg_numel, dtype=torch.float32, device=self.device)
             self.owner_views = {rec: self.owner_avg[at: at + numel].view(rec.shape) for rec, at, numel in owned}
@@ -310,13 +309,9 @@ def reduced(bucket: GradBucket) -> bool:
     """Whether ``bucket``'s collectives of this backward are out and complete, by a
     non-blocking query (gloo reads a flag; NCCL queries the work's CUDA event, no host
     synchronisation)."""
-    if not bucket.pending:
-        return False
-    for pend in bucket.pending:
-        done = getattr(pend.work, "is_completed", None) if pend.work is not None else None
-        if pend.work is not None and (done is None or not done()):
-            return False
-    return True
+    return bool(bucket.pending) and all(
+        pend.work is None or (hasattr(pend.work, "is_completed") and pend.work.is_completed())
+        for pend in bucket.pending)
 
 
 def owned_averages(bucket: GradBucket, divisor: float) -> dict[DedicatedParam, torch.Tensor]:
