@@ -12,6 +12,7 @@ The strategies import downward only (``dmuon.distconfig`` never imports this mod
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -23,15 +24,15 @@ from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.optim_state import OptimizerStateHooks, param_names
-from dmuon.owners.blocks import Split, resolve_splits, split_muon_update_  # noqa: F401
+from dmuon.owners.blocks import Split, resolve_splits, tp_orthogonalizer, tp_rank_size  # noqa: F401
 from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.overlap import check_overlap, speculate, step_overlapped
-from dmuon.owners.tp_owner import TPItem, orthogonalize_tp
 from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its old import path
     NS_METHODS,
+    MatrixLayout,
+    MuonHyper,
     adamw_update_,
     muon_update_,
-    ns_by_shape,
     validate_hyperparameters,
 )
 from dmuon.qk_clip import QKClip, validate_qk_clip
@@ -242,6 +243,10 @@ class OwnerUpdate:
     """The owner runtime's update: Muon on the masters this rank owns (TP matrices through
     their TP owner), AdamW on the other parameters, then the publication of the new weights.
 
+    Every path of the Muon step (synchronous, per-head / split, overlapped, speculative) runs
+    the same three functions of :mod:`dmuon.owners.update` (momentum, Newton-Schulz, finish)
+    with a :class:`~dmuon.owners.update.MuonHyper` frozen when ``step()`` runs.
+
     Args:
         opt: the :class:`Muon` built over ``model`` (groups from :meth:`param_groups`).
         model: the model passed to :func:`dmuon.dedicate_params`.
@@ -253,10 +258,24 @@ class OwnerUpdate:
         self.splits: dict[int, Any] = {}  # issue 40: id(record) -> Split
         self.qk_clip: Any = None
         self.overlap = getattr(opt, "overlap", "off")
-        wait = lambda *args, **kwargs: self.ctx.pending.wait_all()  # noqa: E731
+        pending = self.ctx.pending
+
+        def wait(*args: Any, **kwargs: Any) -> None:
+            pending.wait_all()
+
+        def wait_and_forget(*args: Any, **kwargs: Any) -> None:
+            pending.wait_all()
+            pending.clear_speculations()  # new momentum buffers: nothing speculated stays
+
         # no optimizer state is read or written while an overlapped update is pending
         opt.register_state_dict_pre_hook(wait)
-        opt.register_load_state_dict_pre_hook(wait)
+        opt.register_load_state_dict_pre_hook(wait_and_forget)
+        if self.overlap != "off" and self.ctx.roles.tp is not None:
+            warnings.warn(
+                f"dmuon: Muon(overlap={self.overlap!r}) has no effect on this tensor-parallel model: "
+                f"its Newton-Schulz runs through collectives over the TP group, which cannot run "
+                f"on a second thread beside the main thread's; each step runs as with overlap='off'.",
+                stacklevel=3)
         if self.overlap == "backward":
             self.ctx.backward.after_reduce = self.speculate
             self.ctx.backward.on_reduced = self.speculate_early
@@ -288,27 +307,34 @@ class OwnerUpdate:
                 dict(params=others, kind="adamw", param_names=param_names(model, others), **adamw_defaults)]
 
     def step(self) -> None:
-        """Muon then AdamW, then the step check and the publication.
+        """QK-clip's maxima (before anything changes), Muon then AdamW, the clip's scaling,
+        then the step check and the publication.
 
         Raises:
             RuntimeError: a matrix holds a gradient never reduced to its owner
-                (:meth:`dmuon.hooks.backward.ReduceToOwners.check_reduced`), or ``fully_shard`` ran on
-                the model after binding (first step only, when no forward caught it:
-                :meth:`DedicateState.check_not_sharded_since_binding`).
+                (:meth:`dmuon.hooks.backward.ReduceToOwners.check_reduced`), ``fully_shard`` ran
+                on the model after binding (first step only, when no forward caught it:
+                :meth:`DedicateState.check_not_sharded_since_binding`), or QK-clip recorded no
+                logits of an attention layer in the first step (:mod:`dmuon.qk_clip`); each
+                before any parameter changes.
         """
-        self.ctx.pending.wait_speculation()  # the last backward's (overlap="backward")
-        self.ctx.pending.wait_for(list(self.ctx.pending.jobs))  # the previous step's
+        pending = self.ctx.pending
+        pending.wait_for(list(pending.jobs))  # the previous step's
+        pending.retire_speculation()  # the last backward's that finished (overlap="backward")
         self.ctx.check_not_sharded_since_binding("the first opt.step()")
         self.ctx.backward.check_reduced()
+        clip = None
+        if self.qk_clip is not None:  # issue 40: the maxima of this step's forwards, frozen
+            with label("dmuon::qk_clip"):
+                clip = self.qk_clip.prepare(self.opt.param_groups[0])
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
-                    self.step_muon(group)
+                    self.step_muon(group, clip)
                 else:
                     self.step_adamw(group)
-            if self.qk_clip is not None:  # issue 40: owners scale q/k head rows before publishing
-                with label("dmuon::qk_clip"):
-                    self.qk_clip.apply(self.opt.param_groups[0])
+            if clip is not None:  # biases and QK-norm gains (FSDP2 shards), after AdamW
+                clip.scale_others()
         self.ctx.publish_after_step()
         # after the publications: under FSDP2 this issues the next forward's step check, which
         # publish_after_step's settle() would otherwise wait for at once
@@ -317,11 +343,10 @@ class OwnerUpdate:
     @property
     def overlaps(self) -> bool:
         """Whether this step's Newton-Schulz runs behind the next forward: ``overlap`` is not
-        ``"off"``, the model has no tensor parallelism (its Newton-Schulz is collective) and
-        uses neither per-head / split Muon nor QK-clip (issue 40; their steps stay inside
-        ``step()``: the clip scales the new q/k rows before their publication)."""
-        return (self.overlap != "off" and self.ctx.roles.tp is None and not self.splits
-                and self.qk_clip is None)
+        ``"off"`` and the model has no tensor parallelism (its Newton-Schulz is collective;
+        warned once at construction). Per-head / split Muon and QK-clip overlap like the rest:
+        the clip's frozen plan scales the new rows in the job, before the compute copy."""
+        return self.overlap != "off" and self.ctx.roles.tp is None
 
     def _owned(self, group: dict) -> list[tuple]:
         """``(master, grad, momentum buffer, record)`` of every master of ``group`` this rank
@@ -337,73 +362,72 @@ class OwnerUpdate:
             items.append((p, plain(p.grad), state["momentum_buffer"], self.ctx.record_of_master[p]))
         return items
 
-    def _ns_kwargs(self, group: dict) -> dict:
-        return dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                    method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
-                    backend=self.opt.ns_backend)
+    def layout(self, rec: Any) -> MatrixLayout:
+        """How ``rec``'s update is orthogonalized and lr-adjusted: its Newton-Schulz matrix
+        shape, its split (per-head / ``split=``), and its tensor-parallel slice."""
+        split = self.splits.get(id(rec))
+        tp = self.ctx.roles.tp
+        if tp is None:
+            return MatrixLayout(full_shape=tuple(rec.full_shape), matrix_shape=tuple(rec.matrix_shape),
+                                split=split)
+        rank, size = tp_rank_size(tp)
+        return MatrixLayout(full_shape=tuple(rec.full_shape), matrix_shape=tuple(rec.full_shape), split=split,
+                            tp_shard_dim=rec.tp_shard_dim, tp_rank=rank, tp_size=size)
 
+    def hyper(self, group: dict) -> MuonHyper:
+        """The Muon group's hyper-parameters, frozen now."""
+        return MuonHyper.of(group, backend=self.opt.ns_backend, max_batch_bytes=self.opt.max_batch_bytes)
+
+    @torch.no_grad()
     def speculate(self) -> None:
-        """End of a synced backward with ``overlap="backward"``: start the owners' momentum and
-        Newton-Schulz into scratch (:func:`dmuon.owners.overlap.speculate`)."""
+        """End of a synced backward with ``overlap="backward"``: the owners' momentum into
+        copies and their Newton-Schulz behind (:func:`dmuon.owners.overlap.speculate`)."""
         if not self.overlaps:
             return
         for group in self.opt.param_groups:
             if group["kind"] == "muon":
-                ns_kwargs = self._ns_kwargs(group)
-                speculate(self.ctx.pending, group, self._owned(group), ns_kwargs,
-                          ns_by_shape(ns_kwargs, self.opt.max_batch_bytes))
+                items = self._owned(group)
+                speculate(self.ctx.pending, self.hyper(group), items, [self.layout(i[3]) for i in items])
 
+    @torch.no_grad()
     def speculate_early(self, averages: dict) -> None:
         """During a synced backward with ``overlap="backward"``: a bucket's reduce-to-owner has
-        completed; start its owned matrices' momentum and Newton-Schulz from ``averages``
-        (``{record: fp32 average}``) into scratch. A matrix with no momentum buffer yet (before
-        its first step) waits for the end of backward."""
+        completed; start its owned matrices' speculation from ``averages`` (``{record: fp32
+        average}``). A matrix with no momentum buffer yet (before its first step) waits for the
+        end of backward."""
         if not self.overlaps:
             return
         group = next(g for g in self.opt.param_groups if g["kind"] == "muon")
         bufs = {rec: self.opt.state.get(rec.master, {}).get("momentum_buffer") for rec in averages}
         items = [(rec.master, avg, bufs[rec], rec) for rec, avg in averages.items() if bufs[rec] is not None]
         if items:
-            ns_kwargs = self._ns_kwargs(group)
-            speculate(self.ctx.pending, group, items, ns_kwargs,
-                      ns_by_shape(ns_kwargs, self.opt.max_batch_bytes), early=True)
+            speculate(self.ctx.pending, self.hyper(group), items, [self.layout(i[3]) for i in items],
+                      early=True)
 
-    def step_muon(self, group: dict) -> None:
-        """Muon on the masters of ``group`` this rank owns (placeholders are skipped)."""
+    def step_muon(self, group: dict, clip: Any = None) -> None:
+        """Muon on the masters of ``group`` this rank owns (placeholders are skipped), then
+        QK-clip's scaling of their rows (``clip``: the step's frozen plan, or ``None``)."""
         ctx = self.ctx
+        hp = self.hyper(group)
         items = self._owned(group)
-        ns_kwargs = self._ns_kwargs(group)
-        orthogonalize = ns_by_shape(ns_kwargs, self.opt.max_batch_bytes)
+        layouts = [self.layout(item[3]) for item in items]
+        scale = clip.scale_master if clip is not None else None
         if self.overlaps:
             pubs = list(dict.fromkeys(g for unit in ctx.units for g in unit.groups if g.is_owner))
             with label("dmuon::schedule_newton_schulz"):
-                step_overlapped(ctx.pending, group, items, pubs, ns_kwargs, orthogonalize)
+                step_overlapped(ctx.pending, hp, items, layouts, pubs, scale)
             ctx.ns_matrices += len(items)
             return
         params, grads, bufs, recs = (list(x) for x in zip(*items)) if items else ([], [], [], [])
-        splits = [self.splits.get(id(r)) for r in recs] if self.splits else []
-        if any(s is not None for s in splits):  # issue 40: per-head / split Muon
-            with label("dmuon::newton_schulz"):
-                split_muon_update_(params, grads, bufs, recs, splits, group, orthogonalize, ctx)
-            ctx.ns_matrices += sum(1 for r in recs if ctx.roles.tp is None or r.tp_owner == ctx.tp_rank)
-            return
-        if ctx.roles.tp is not None:
-            local_ns = orthogonalize
-
-            def orthogonalize(updates: list[torch.Tensor]) -> list[torch.Tensor]:
-                items = [TPItem(u, r.tp_shard_dim, r.full_shape, r.tp_owner) for u, r in zip(updates, recs)]
-                return orthogonalize_tp(items, ctx.roles.tp, local_ns)
-
+        orthogonalize = None
+        if ctx.roles.tp is not None:  # through the TP owners (collective over the TP group)
+            orthogonalize = tp_orthogonalizer(recs, [lay.split for lay in layouts], ctx.roles.tp,
+                                              hp.orthogonalizer())
         with label("dmuon::newton_schulz"):
-            muon_update_(
-                params, grads, bufs, lr=group["lr"], weight_decay=group["weight_decay"],
-                momentum=group["momentum"], nesterov=group["nesterov"],
-                adjust_lr_fn=group["adjust_lr_fn"], ns_kwargs=ns_kwargs,
-                shapes=[r.full_shape for r in recs] if ctx.roles.tp is not None else None,
-                # without TP a record may be a stack (an expert range): NS per matrix
-                matrix_shapes=[r.matrix_shape for r in recs] if ctx.roles.tp is None else None,
-                orthogonalize=orthogonalize,
-            )
+            muon_update_(params, grads, bufs, hp, layouts, orthogonalize)
+            if scale is not None:
+                for rec, param in zip(recs, params):
+                    scale(rec, param)
         ctx.ns_matrices += sum(1 for r in recs if ctx.roles.tp is None or r.tp_owner == ctx.tp_rank)
 
     def step_adamw(self, group: dict) -> None:
@@ -470,7 +494,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     model = model_or_optimizer
     ctx = get_state(model)
     ctx.ensure_bound()
-    ctx.pending.wait_all()  # an overlapped update still writing a master (dmuon.owners.overlap)
+    # no wait for overlapped work: it writes masters, buffers and its own copies, never a gradient
     if ctx.roles.pp_size > 1:
         # the norm of one stage is not the model's: refuse rather than clip by it
         raise ValueError(

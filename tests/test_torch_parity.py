@@ -127,14 +127,14 @@ def test_bf16_distributed_config_equals_installed_torch_muon(dist_pool, strategy
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_owner_update_of_a_bf16_stack_equals_torch_muon_per_matrix(nesterov):
     """The owner update (``muon_update_``) on a bf16 expert stack ``[2, 5, 9]`` with
-    ``matrix_shapes``: each matrix as torch.optim.Muon steps it as a parameter of its own
+    a stack layout: each matrix as torch.optim.Muon steps it as a parameter of its own
     (lr rule of the newest adjust_lr_fn, and on torch <= 2.14 with nesterov=False each
     matrix's buffer left divided by its own norm), 3 steps. Within one bf16 ulp per step, not
     bitwise: the stack's ``mul_``/``add_`` run over 90 elements, torch's over 45, and CPU
     kernels round bf16 differently in their vector body and scalar tail (seen: 1 element of 90,
     1 ulp, on torch 2.14 and 2.15). Buffers within 2^-5 of their largest value; without the
     per-matrix normalization on torch <= 2.14 they differ by the norm's factor."""
-    from dmuon.owners.update import muon_update_
+    from dmuon.owners.update import MatrixLayout, MuonHyper, muon_update_
 
     g = torch.Generator().manual_seed(9)
     stack = torch.randn(2, 5, 9, generator=g).to(torch.bfloat16)
@@ -142,14 +142,15 @@ def test_owner_update_of_a_bf16_stack_equals_torch_muon_per_matrix(nesterov):
     buf = torch.zeros_like(stack)
     muon = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, nesterov=nesterov, adjust_lr_fn=NEWEST_FN,
                             ns_coefficients=models.MUON_COEFFICIENTS)
-    ns_kwargs = dict(steps=5, coefficients="muon", method="standard", dtype=torch.bfloat16, eps=1e-7,
-                     backend="torch")
+    hp = MuonHyper(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov, adjust_lr_fn=NEWEST_FN,
+                   ns=tuple(sorted(dict(steps=5, coefficients="muon", method="standard", dtype=torch.bfloat16,
+                                        eps=1e-7, backend="torch").items())))
+    layout = MatrixLayout(full_shape=(2, 5, 9), matrix_shape=(5, 9))
     for _ in range(3):
         grad = (torch.randn(2, 5, 9, generator=g) * 3).to(torch.bfloat16)
         for r, gm in zip(ref, grad.unbind(0)):
             r.grad = gm.clone()
-        muon_update_([stack], [grad], [buf], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=nesterov,
-                     adjust_lr_fn=NEWEST_FN, ns_kwargs=ns_kwargs, matrix_shapes=[(5, 9)])
+        muon_update_([stack], [grad], [buf], hp, [layout])
         muon.step()
     want_buf = torch.stack([muon.state[r]["momentum_buffer"] for r in ref]).float()
     assert bf16_ulps(stack, torch.stack([r.detach() for r in ref])) <= 3

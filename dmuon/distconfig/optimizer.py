@@ -46,6 +46,7 @@ from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
 from dmuon.owners import torch_muon
 from dmuon.owners.slices import local_tensor
 from dmuon.owners.update import (
+    MuonHyper,
     adamw_update_,
     apply_update_,
     momentum_update_,
@@ -182,10 +183,8 @@ class SingleDeviceUpdate:
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(st["momentum_buffer"])
-        muon_update_(ps, [p.grad for p in ps], bufs, lr=group["lr"], weight_decay=group["weight_decay"],
-                     momentum=group["momentum"], nesterov=group["nesterov"],
-                     adjust_lr_fn=group["adjust_lr_fn"], ns_kwargs=self.ns_kwargs(group),
-                     max_batch_bytes=opt.max_batch_bytes)
+        hp = MuonHyper.of(group, backend=opt.ns_backend, max_batch_bytes=opt.max_batch_bytes)
+        muon_update_(ps, [p.grad for p in ps], bufs, hp)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every parameter of the optimizer."""

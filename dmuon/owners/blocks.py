@@ -269,54 +269,43 @@ def _local_split(rec: Any, split: Split | None, rank: int, size: int) -> Split |
                  dim=split.dim)
 
 
-def split_muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor],
-                       bufs: list[torch.Tensor], recs: Sequence[Any], splits: Sequence[Split | None],
-                       group: dict, ns: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-                       ctx: Any) -> None:
-    """One Muon step on the owned masters of a group of which some have a :class:`Split`.
+def tp_orthogonalizer(recs: Sequence[Any], splits: Sequence[Split | None], group: dist.ProcessGroup,
+                      ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                      ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """Newton-Schulz of tensor-parallel slices, for :func:`dmuon.owners.update.muon_update_`.
 
-    Momentum and Nesterov on the whole matrices (:func:`dmuon.owners.update.momentum_update_`),
-    Newton-Schulz of every block (through the TP owners under tensor parallelism), then
-    :func:`apply_split_update_` (split) or :func:`dmuon.owners.update.apply_update_` (the rest,
-    exactly as without splits).
+    A slice whose blocks each lie within it (a colwise-sharded q/k/v split by heads on head
+    boundaries, :func:`_local_split`) is orthogonalized block by block on its own TP rank, with
+    no exchange; every other matrix goes to its TP owner, which gathers the slices, cuts the
+    full update into its blocks (if split) and scatters the results back
+    (:func:`dmuon.owners.tp_owner.orthogonalize_tp`).
 
     Args:
-        params, grads, bufs: the owned fp32 masters (TP slices), their reduced gradients and
-            momentum buffers, same order; ``params`` and ``bufs`` updated in place.
-        recs: their records; ``splits``: each one's split or ``None``.
-        group: the Muon param group (hyper-parameters).
-        ns: batched Newton-Schulz over full matrices (:func:`dmuon.owners.update.ns_by_shape`).
-        ctx: the model's :class:`dmuon.hooks.state.DedicateState` (TP group and rank).
+        recs: the owned records, in plan order (the same sequence on every rank of ``group``).
+        splits: each one's :class:`Split` or ``None``.
+        group: the TP process group.
+        ns: batched Newton-Schulz over full matrices.
+
+    Returns:
+        A function from the slices' updates to their orthogonalized slices, same order and
+        shapes; collective over ``group``.
     """
     from dmuon.owners.tp_owner import TPItem, orthogonalize_tp
-    from dmuon.owners.update import apply_update_, momentum_update_
 
-    updates = [momentum_update_(g, b, momentum=group["momentum"], nesterov=group["nesterov"])
-               for g, b in zip(grads, bufs)]
-    tp = ctx.roles.tp
-    if tp is None:
-        ortho = split_orthogonalize(splits, [r.matrix_shape for r in recs], ns)(updates)
-    else:
-        rank, size = tp_rank_size(tp)
-        # blocks that each lie within one TP rank's slice are orthogonalized there, no exchange
-        local = [_local_split(r, s, rank, size) for r, s in zip(recs, splits)]
-        ortho = [None] * len(updates)
+    rank, size = tp_rank_size(group)
+    local = [_local_split(r, s, rank, size) for r, s in zip(recs, splits)]
+
+    def run(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        ortho: list[Any] = [None] * len(updates)
         here = [i for i, s in enumerate(local) if s is not None]
         for i, out in zip(here, split_orthogonalize([local[i] for i in here], None, ns)(
                 [updates[i] for i in here])):
             ortho[i] = out
-        # the rest: the TP owner cuts the gathered full update (orthogonalize_tp keeps order)
         rest = [i for i, s in enumerate(local) if s is None]
-        mine = [splits[i] for i in rest if recs[i].tp_owner == ctx.tp_rank]
+        mine = [splits[i] for i in rest if recs[i].tp_owner == rank]
         items = [TPItem(updates[i], recs[i].tp_shard_dim, recs[i].full_shape, recs[i].tp_owner) for i in rest]
-        for i, out in zip(rest, orthogonalize_tp(items, tp, split_orthogonalize(mine, None, ns))):
+        for i, out in zip(rest, orthogonalize_tp(items, group, split_orthogonalize(mine, None, ns))):
             ortho[i] = out
-    rank, size = tp_rank_size(tp)
-    kwargs = dict(lr=group["lr"], weight_decay=group["weight_decay"], adjust_lr_fn=group["adjust_lr_fn"])
-    for param, update, rec, split in zip(params, ortho, recs, splits):
-        if split is None:
-            apply_update_(param, update, shape=rec.full_shape if tp is not None else rec.matrix_shape,
-                          **kwargs)
-        else:
-            apply_split_update_(param, update, split, full_shape=rec.full_shape,
-                                tp_shard_dim=rec.tp_shard_dim, tp_rank=rank, tp_size=size, **kwargs)
+        return ortho
+
+    return run

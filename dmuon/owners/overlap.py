@@ -13,17 +13,26 @@
   publication's stream waits on its event (no host synchronisation); on CPU it runs on one
   worker thread (torch releases the GIL inside its ops).
 * ``"backward"``: as ``"forward"``, and in the backward that precedes a step (with gradient
-  sync on) the owners start each matrix's momentum and Newton-Schulz into *scratch* tensors
+  sync on) the owners start each matrix's momentum and Newton-Schulz on *copies*
   (:func:`speculate`): a bucket's matrices as soon as its reduce-to-owner is seen complete
   while the backward goes on (polled, without blocking, whenever a later bucket is issued;
   not under HSDP, whose replica combine comes at the end), the rest at the end of backward.
-  ``opt.step()`` keeps a result only when it would have computed the very same bits: the
-  gradient is the same tensor at the same version (clipping, a GradScaler's unscale or user
-  code bump it) or, for one started during backward, holds the very bits it started from
-  (``torch.equal``), the momentum buffer is at the same version, and momentum, nesterov and
-  the Newton-Schulz settings are unchanged (the learning rate and weight decay act after
-  Newton-Schulz, so they may change). Otherwise it recomputes. :meth:`PendingSteps.stats`
-  counts both.
+  The momentum step runs on the main thread into a copy of the buffer (the same function as
+  the step's, :func:`dmuon.owners.update.muon_momentum_`), so the Newton-Schulz input is
+  known at once; only Newton-Schulz runs behind. ``opt.step()`` runs its own momentum step
+  (cheap, element-wise) and keeps a speculative result only on proof: its Newton-Schulz input
+  holds the very bits the speculation's did (compared bit for bit, one host synchronisation
+  per step for all matrices), with the same Newton-Schulz settings and layout. That input is
+  a function of the final gradient and the momentum buffer, so any change to either (a
+  clip below its threshold, a GradScaler's unscale, a ``.data`` write, a loaded state dict)
+  discards the result, and a clip that multiplies by exactly 1 keeps it. A version counter
+  decides nothing (``.data`` and raw-pointer writes skip it). A discarded speculation's job is
+  skipped if it has not started. :meth:`PendingSteps.stats` counts kept and recomputed results.
+
+Every job reads only what ``step()`` (or the backward) handed it: a frozen
+:class:`dmuon.owners.update.MuonHyper` of the step's hyper-parameters, the Newton-Schulz
+inputs, and the tensors it writes. A scheduler stepped right after ``opt.step()`` changes
+the next step's learning rate, never a pending one's.
 
 Nothing outside sees a pending update: the next ``step()``, ``dmuon.clip_grad_norm_``,
 ``model.state_dict()`` / ``load_state_dict`` (and torch's state-dict and DCP APIs, which call
@@ -50,8 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
-from dmuon.owners.update import _orthogonalize_stacks, apply_update_, momentum_update_
+from dmuon.owners.update import MuonHyper, muon_finish_, muon_momentum_, orthogonalize_updates
 
 OVERLAP_MODES = ("off", "forward", "backward")
 
@@ -73,54 +83,68 @@ def check_overlap(overlap: Any) -> str:
 class Job:
     """One scheduled piece of owner work: a worker-thread future (CPU) or a side-stream event
     (CUDA), the tensors it reads or writes (kept alive until waited), and what it does, for
-    an error message."""
+    an error message.
+
+    Attributes:
+        error: what issuing the work raised (a CUDA job is issued on the main thread), raised
+            again at :meth:`wait`.
+    """
 
     what: str
     future: Future | None = None
     event: Any = None
     device: torch.device | None = None
     keep: tuple = ()
+    error: BaseException | None = None
 
     def wait(self) -> None:
         """Block until done (CPU), or make the current stream wait on it (CUDA).
 
         Raises:
-            RuntimeError: the job raised on the worker thread (chained).
+            RuntimeError: the job raised (chained), naming dmuon and the matrices.
         """
+        error = self.error
+        self.error = None
         if self.future is not None:
             try:
                 self.future.result()
             except Exception as exc:  # re-raised on the main thread, by name
-                raise RuntimeError(f"dmuon: the overlapped owner update of {self.what} failed on "
-                                   f"dmuon's worker thread: {exc!r}. The masters of these matrices "
-                                   f"may be half updated: restore the last checkpoint "
-                                   f"(docs/failure.md).") from exc
+                error = exc
+            self.future = None
         elif self.event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
+            self.event = None
         self.keep = ()
+        if error is not None:
+            where = "dmuon's worker thread" if self.device is None else "the side stream"
+            raise RuntimeError(f"dmuon: rank {_rank()}: the overlapped owner update of {self.what} failed "
+                               f"on {where}: {error!r}. The masters of these matrices may be half "
+                               f"updated: restore the last checkpoint (docs/failure.md).") from error
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 @dataclass(eq=False)
 class Speculation:
-    """A momentum step and Newton-Schulz started at the end of a backward, for one master.
+    """A momentum step and Newton-Schulz started during or at the end of a backward, for one
+    owned master.
 
     Attributes:
-        grad: the averaged gradient it read (identity checked at the step).
-        grad_version, buf_version: their ``_version`` when it was started.
-        settings: ``(momentum, nesterov, ns settings...)`` it used.
-        new_buf: the momentum buffer it computed (scratch; committed only when kept).
-        ortho: the orthogonalized update, shaped like the master (filled by the job).
-        early: started during backward from the bucket's average (:func:`speculate` with
-            ``early``): ``grad`` is that average's own copy, compared bit for bit at the step.
+        update: the Newton-Schulz input it computed from the gradient and a copy of the
+            momentum buffer (:func:`dmuon.owners.update.muon_momentum_`); private to it.
+        layout: the master's :class:`dmuon.owners.update.MatrixLayout` it orthogonalized by.
+        ns: the Newton-Schulz settings it used (:attr:`MuonHyper.ns`).
+        ortho: the orthogonalized update, shaped like ``update`` (filled by its job).
+        discarded: set by ``step()`` when the proof fails; a job not yet started skips it.
     """
 
-    grad: torch.Tensor
-    grad_version: int
-    buf_version: int
-    settings: tuple
-    new_buf: torch.Tensor | None = None
+    update: torch.Tensor
+    layout: Any
+    ns: tuple
     ortho: torch.Tensor | None = None
-    early: bool = False
+    discarded: bool = False
 
 
 @dataclass(eq=False)
@@ -135,6 +159,12 @@ class PendingSteps:
             steps.
         scheduled: jobs :meth:`schedule` submitted, summed over steps (0: nothing overlapped).
         started_early: speculative results started during backward (``early``), summed.
+        defer_failures: a failed job waited for on the way to a publication is recorded in
+            ``failure`` instead of raised, so that this rank keeps its collectives in step with
+            the others and every rank raises together at the next step check
+            (:class:`dmuon.hooks.step_check.StepCheck` carries the flag); set by the runtime
+            when there is a step check. Readers (:meth:`wait_all`) always raise.
+        failure: the first failed job's error message on this rank, or ``None``.
     """
 
     jobs: dict[Any, Job] = field(default_factory=dict)
@@ -145,6 +175,8 @@ class PendingSteps:
     recomputed: int = 0
     scheduled: int = 0
     started_early: int = 0
+    defer_failures: bool = False
+    failure: str | None = None
     _executor: ThreadPoolExecutor | None = None
     _streams: dict = field(default_factory=dict)
 
@@ -161,11 +193,15 @@ class PendingSteps:
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
+            error = None
             with torch.cuda.stream(stream), torch.no_grad():
-                fn()
+                try:
+                    fn()
+                except Exception as exc:  # raised at the job's wait, like a worker thread's
+                    error = exc
             event = torch.cuda.Event()
             event.record(stream)
-            return Job(what, event=event, device=device, keep=keep)
+            return Job(what, event=event, device=device, keep=keep, error=error)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-overlap")
         return Job(what, future=self._executor.submit(_no_grad, fn), keep=keep)
@@ -181,24 +217,74 @@ class PendingSteps:
         return key in self.jobs
 
     def wait_for(self, keys: Any) -> None:
-        """Wait for the jobs of ``keys`` (those that have one), in order."""
+        """Wait for the jobs of ``keys`` (those that have one), in order, on the way to their
+        publication: a failure is deferred to the next step check (``defer_failures``)."""
         if not self.jobs:
             return
         for key in keys:
             job = self.jobs.pop(key, None)
             if job is not None:
-                job.wait()
+                self._wait(job, defer=self.defer_failures)
+
+    def _wait(self, job: Job, defer: bool) -> None:
+        try:
+            job.wait()
+        except RuntimeError as exc:
+            if not defer:
+                self.failure = self.failure or str(exc)
+                raise
+            self.record_failure(str(exc))
+
+    def record_failure(self, message: str) -> None:
+        """Keep the first failure, and leave its message in the job's c10d store (under
+        ``dmuon/failure/<rank>``) for the other ranks' step-check error to quote."""
+        if self.failure is not None:
+            return
+        self.failure = message
+        if dist.is_available() and dist.is_initialized():
+            try:
+                dist.distributed_c10d._get_default_store().set(f"dmuon/failure/{dist.get_rank()}", message)
+            except Exception:  # noqa: BLE001 - a message for others; the flag is what fails them
+                pass
 
     def wait_speculation(self) -> None:
         """Wait for the backward's speculative jobs."""
         while self.spec_jobs:
-            self.spec_jobs.pop(0).wait()
+            self._wait(self.spec_jobs.pop(0), defer=False)
+
+    def retire_speculation(self) -> None:
+        """Forget the speculative jobs that have finished (re-raising a failure), without
+        waiting for the others: ``step()`` waits only for the speculations it keeps, through
+        the jobs that read them (one worker thread, or one side stream: in submission order)."""
+        running = []
+        for job in self.spec_jobs:
+            if job.future is None:  # CUDA: ordered on the side stream; nothing to re-raise
+                continue
+            if job.future.done():
+                self._wait(job, defer=self.defer_failures)
+            else:
+                running.append(job)
+        self.spec_jobs = running
+
+    def clear_speculations(self) -> None:
+        """Drop every speculative result (a state dict was loaded: the buffers are new)."""
+        for spec in self.speculations.values():
+            spec.discarded = True
+        self.speculations.clear()
+        self.early.clear()
 
     def wait_all(self) -> None:
-        """Wait for every scheduled job (a reader of masters or optimizer state is next)."""
+        """Wait for every scheduled job (a reader of masters or optimizer state is next).
+
+        Raises:
+            RuntimeError: a job failed, now or earlier (its masters may be half updated: a
+                reader, a checkpoint among them, must not see them).
+        """
         self.wait_speculation()
         while self.jobs:
-            self.jobs.pop(next(iter(self.jobs))).wait()
+            self._wait(self.jobs.pop(next(iter(self.jobs))), defer=False)
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
 
     def close(self) -> None:
         """Wait for everything, then stop the worker thread."""
@@ -214,127 +300,151 @@ def _no_grad(fn: Callable[[], None]) -> None:
         fn()
 
 
-def speculation_settings(group: dict, ns_kwargs: dict) -> tuple:
-    """What a speculative result depends on besides the gradient and the momentum buffer."""
-    return (group["momentum"], group["nesterov"]) + tuple(
-        (k, repr(v)) for k, v in sorted(ns_kwargs.items()))
+def same_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """For each ``(a, b)``: whether they have the same shape, dtype and bits (``-0.0`` is not
+    ``0.0``, a NaN equals only the same NaN), with one host synchronisation for all pairs."""
+    flags: list[Any] = []
+    for a, b in pairs:
+        if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+            flags.append(False)
+        else:
+            ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+            flags.append(torch.eq(a.contiguous().view(ints), b.contiguous().view(ints)).all())
+    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
+    values = iter(torch.stack(tensors).tolist() if tensors else [])
+    return [next(values) if isinstance(f, torch.Tensor) else f for f in flags]
 
 
-def matches(spec: Speculation | None, grad: torch.Tensor, buf: torch.Tensor, settings: tuple) -> bool:
-    """Whether ``spec`` computed exactly what ``step()`` would now (see the module doc)."""
-    if spec is None or spec.ortho is None or buf._version != spec.buf_version or spec.settings != settings:
-        return False
-    if spec.early:  # its input was the bucket's average, copied: the gradient must be those bits
-        return grad.shape == spec.grad.shape and grad.dtype == spec.grad.dtype and torch.equal(grad, spec.grad)
-    # the same memory (spec.grad keeps it alive, so no other tensor can have taken its address;
-    # dmuon.comm.owned_grad may hand out a new view of it) at the same version
-    return (grad.data_ptr() == spec.grad.data_ptr() and grad.shape == spec.grad.shape
-            and grad.stride() == spec.grad.stride() and grad._version == spec.grad_version)
+def take_proven(pending: PendingSteps, masters: list[torch.Tensor], updates: list[torch.Tensor],
+                layouts: list[Any], hp: MuonHyper) -> dict[int, Speculation]:
+    """The speculations ``step()`` may keep, by index into ``masters``: the Newton-Schulz input
+    it just computed equals the speculation's bit for bit, with the same settings and layout
+    (the module docstring says why that is proof). Every other speculation is discarded
+    (its job skipped if not started) and the record cleared."""
+    found = [(i, pending.speculations.pop(m, None)) for i, m in enumerate(masters)]
+    found = [(i, spec) for i, spec in found if spec is not None]
+    for spec in pending.speculations.values():  # speculated, but no gradient at the step
+        spec.discarded = True
+    pending.speculations.clear()
+    pending.early.clear()
+    alike = [spec.ns == hp.ns and spec.layout == layouts[i] for i, spec in found]
+    bits = same_bits([(updates[i], spec.update) for (i, spec), ok in zip(found, alike) if ok])
+    flags = iter(bits)
+    kept: dict[int, Speculation] = {}
+    for (i, spec), ok in zip(found, alike):
+        if ok and next(flags):
+            kept[i] = spec
+            pending.kept += 1
+        else:
+            spec.discarded = True
+            pending.recomputed += 1
+    return kept
 
 
-def step_overlapped(pending: PendingSteps, hp: dict, items: list[tuple], pubs: list[Any],
-                    ns_kwargs: dict, orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-                    ) -> int:
-    """``opt.step()``'s Muon with ``overlap="forward"``/``"backward"``: momentum now (or a
-    kept speculation's), then one job per publish group, in ``pubs``' order (forward order):
-    Newton-Schulz of its matrices, their master update, and the owner's compute copy
-    (``pub.copy_masters()``, the next publication's source).
+def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
+                    pubs: list[Any], scale_master: Callable[[Any, torch.Tensor], None] | None = None) -> int:
+    """``opt.step()``'s Muon with ``overlap="forward"``/``"backward"``: the momentum step now, on
+    the main thread (:func:`dmuon.owners.update.muon_momentum_`), then one job per publish
+    group, in ``pubs``' order (forward order): Newton-Schulz of its matrices (or a proven
+    speculation's result, :func:`take_proven`), :func:`dmuon.owners.update.muon_finish_`, the
+    QK-clip scaling, and the owner's compute copy (the next publication's source).
 
-    Only plain tensors reach the job (no DTensor dispatch off the main thread).
+    Only plain tensors and frozen records reach a job (no param group, no DTensor dispatch off
+    the main thread).
 
     Args:
         pending: the model's :class:`PendingSteps`.
-        hp: the Muon param group (lr, weight_decay, momentum, nesterov, adjust_lr_fn).
+        hp: the step's frozen hyper-parameters.
         items: ``(master, grad, momentum buffer, record)`` of every owned matrix with a
             gradient; masters ``[rows, cols]`` (or a stack ``[k, rows, cols]``) fp32, full.
+        layouts: each item's :class:`dmuon.owners.update.MatrixLayout`.
         pubs: this rank's owner publish groups, in forward order; each has ``members``
-            (records) and ``copy_masters()``.
-        ns_kwargs: the Newton-Schulz settings (compared by a speculation).
-        orthogonalize: batched Newton-Schulz over a list of matrices.
+            (records), ``flat`` and ``owner``.
+        scale_master: ``(record, master)`` after the update, before the compute copy (QK-clip's
+            frozen plan, :mod:`dmuon.qk_clip`), or ``None``.
 
     Returns:
         The number of matrices whose Newton-Schulz runs now (kept speculations excluded).
     """
-    settings = speculation_settings(hp, ns_kwargs)
-    ortho_of, update_of = {}, {}
-    for master, grad, buf, rec in items:
-        spec = pending.speculations.pop(master, None)
-        if spec is not None and matches(spec, grad, buf, settings):
-            buf.copy_(spec.new_buf)  # the speculation's momentum, committed only now
-            ortho_of[rec] = spec.ortho
-            pending.kept += 1
-            continue
-        if spec is not None:
-            pending.recomputed += 1
-        update_of[rec] = momentum_update_(grad, buf, momentum=hp["momentum"], nesterov=hp["nesterov"])
-    pending.speculations.clear()
-    master_of = {rec: master for master, _, _, rec in items}
+    masters = [item[0] for item in items]
+    bufs = [item[2] for item in items]
+    updates = muon_momentum_([item[1] for item in items], bufs, hp)
+    kept = take_proven(pending, masters, updates, layouts, hp)
+    index_of = {item[3]: i for i, item in enumerate(items)}
+    ns = hp.orthogonalizer()
     for pub in pubs:
-        mine = [rec for rec in pub.members if rec in master_of]
+        mine = [index_of[rec] for rec in pub.members if rec in index_of]
         # the compute copy's plain local tensors, taken here: an expert-parallel compute weight
         # is a DTensor, and DTensor dispatch (to_local) is not for a second thread
         dsts, srcs = [rec.buffer for rec in pub.members], [rec.master for rec in pub.members]
+        todo = [i for i in mine if i not in kept]
+        specs = {i: kept[i] for i in mine if i in kept}
+        work = dict(updates=[updates[i] for i in todo], layouts=[layouts[i] for i in todo])
 
-        def job(pub=pub, mine=mine, dsts=dsts, srcs=srcs) -> None:
-            todo = [rec for rec in mine if rec in update_of]
-            if todo:
-                outs = _orthogonalize_stacks([update_of[r] for r in todo], [r.matrix_shape for r in todo],
-                                             orthogonalize)
-                ortho_of.update(zip(todo, outs))
-            for rec in mine:
-                apply_update_(master_of[rec], ortho_of[rec], lr=hp["lr"], weight_decay=hp["weight_decay"],
-                              adjust_lr_fn=hp["adjust_lr_fn"], shape=rec.matrix_shape)
+        def job(pub=pub, mine=mine, todo=todo, specs=specs, work=work, dsts=dsts, srcs=srcs) -> None:
+            ortho = dict(zip(todo, orthogonalize_updates(work["updates"], work["layouts"], ns)))
+            for i, spec in specs.items():
+                if spec.ortho is None:  # its job failed (raised where it is waited) or never ran
+                    raise RuntimeError(f"dmuon: the kept speculative Newton-Schulz of "
+                                       f"{items[i][3].fqn!r} has no result")
+                ortho[i] = spec.ortho
+            muon_finish_([masters[i] for i in mine], [ortho[i] for i in mine], [bufs[i] for i in mine],
+                         [layouts[i] for i in mine], hp)
+            if scale_master is not None:
+                for i in mine:
+                    scale_master(items[i][3], masters[i])
             with torch.autograd._unsafe_preserve_version_counter(pub.flat):  # as pub.copy_masters()
                 torch._foreach_copy_(dsts, srcs)
 
-        what = f"{[r.fqn for r in mine][:4]} (owner rank {pub.owner})"
-        pending.schedule(pub, job, pub.flat.device, what,
-                         keep=tuple(update_of[r] for r in mine if r in update_of))
-    return len(update_of)
+        what = f"{[items[i][3].fqn for i in mine][:4]} (owner rank {pub.owner})"
+        pending.schedule(pub, job, pub.flat.device, what, keep=tuple(work["updates"]))
+    return len(items) - len(kept)
 
 
-def speculate(pending: PendingSteps, hp: dict, items: list[tuple], ns_kwargs: dict,
-              orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]], early: bool = False) -> None:
-    """A synced backward with ``overlap="backward"``: start each owned matrix's momentum step
-    and Newton-Schulz into scratch tensors, one job for ``items`` (read by
-    :func:`step_overlapped`, which keeps them only when :func:`matches`).
+def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
+              early: bool = False) -> None:
+    """A synced backward with ``overlap="backward"``: each owned matrix's momentum step into a
+    copy of its buffer, now (:func:`dmuon.owners.update.muon_momentum_`, the step's own
+    function), and one job that orthogonalizes them all (read by :func:`take_proven`).
 
     With ``early``, during backward, once a bucket's reduce-to-owner has completed (``grad``:
-    the owner's average, a copy :func:`dmuon.comm.grad_buckets.owned_averages`
-    made); else at the end of backward, for the masters not started early in it.
+    the owner's average, a copy :func:`dmuon.comm.grad_buckets.owned_averages` made); else at
+    the end of backward, for the masters not started early in it.
 
     Args:
+        hp: the hyper-parameters of the Muon group now (a later change of momentum or the
+            Newton-Schulz settings only makes the proof fail).
         items: ``(master, grad, momentum buffer, record)`` as in :func:`step_overlapped`.
+        layouts: each item's :class:`dmuon.owners.update.MatrixLayout`.
     """
-    pending.wait_for(list(pending.jobs))  # the last step's (done by now: the forward waited)
-    settings = speculation_settings(hp, ns_kwargs)
-    specs = []
-    for master, grad, buf, rec in items:
-        if not early and master in pending.early:
-            continue  # started during this backward
-        spec = Speculation(grad, grad._version, buf._version, settings, early=early)
-        pending.speculations[master] = spec
-        specs.append((spec, grad, buf, rec))
-        if early:
-            pending.early.add(master)
-            pending.started_early += 1
+    pending.wait_for(list(pending.jobs))  # the last step's (its jobs may write the buffers)
+    chosen = [(item, lay) for item, lay in zip(items, layouts) if early or item[0] not in pending.early]
     if not early:
-        pending.early.clear()  # the next backward starts afresh
-    if not specs:
+        pending.early.clear()  # the next synced backward starts afresh
+    if not chosen:
         return
+    updates = muon_momentum_([item[1] for item, _ in chosen], [item[2].clone() for item, _ in chosen], hp)
+    specs = [Speculation(u, lay, hp.ns) for u, (_, lay) in zip(updates, chosen)]
+    for (item, _), spec in zip(chosen, specs):
+        old = pending.speculations.get(item[0])
+        if old is not None:
+            old.discarded = True
+        pending.speculations[item[0]] = spec
+        if early:
+            pending.early.add(item[0])
+            pending.started_early += 1
+    ns = hp.orthogonalizer()
 
     def job() -> None:
-        updates = []
-        for spec, grad, buf, _ in specs:
-            spec.new_buf = buf.lerp(grad, 1 - hp["momentum"])
-            updates.append(grad.lerp(spec.new_buf, hp["momentum"]) if hp["nesterov"] else spec.new_buf)
-        outs = _orthogonalize_stacks(updates, [rec.matrix_shape for _, _, _, rec in specs], orthogonalize)
-        for (spec, _, _, _), out in zip(specs, outs):
+        live = [spec for spec in specs if not spec.discarded]
+        if not live:
+            return  # step() has already recomputed them all
+        for spec, out in zip(live, orthogonalize_updates([s.update for s in live], [s.layout for s in live], ns)):
             spec.ortho = out
 
-    pending.spec_jobs.append(pending.submit(job, specs[0][1].device, "the speculative Newton-Schulz "
-                                            f"of {[rec.fqn for _, _, _, rec in specs][:4]}"))
+    what = f"the speculative Newton-Schulz of {[item[3].fqn for item, _ in chosen][:4]}"
+    pending.spec_jobs.append(pending.submit(job, updates[0].device, what, keep=tuple(updates)))
 
 
-__all__ = ["OVERLAP_MODES", "PendingSteps", "Speculation", "check_overlap", "matches",
-           "speculation_settings"]
+__all__ = ["OVERLAP_MODES", "PendingSteps", "Speculation", "check_overlap", "same_bits", "speculate",
+           "step_overlapped", "take_proven"]

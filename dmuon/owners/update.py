@@ -12,6 +12,7 @@ single-process ``torch.optim.Muon`` / ``torch.optim.AdamW`` step on the same gra
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -141,95 +142,182 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> floa
     return lr * math.sqrt(rows / cols)
 
 
-@torch.no_grad()
-def muon_update_(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    momentum_bufs: list[torch.Tensor],
-    *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool,
-    adjust_lr_fn: str | None,
-    ns_kwargs: dict[str, Any],
-    max_batch_bytes: int | None = None,
-    shapes: list[tuple[int, int]] | None = None,
-    orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
-    matrix_shapes: list[tuple[int, int]] | None = None,
-) -> int:
-    """One Muon step on full matrices, Newton-Schulz batched by shape.
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MuonHyper:
+    """What one Muon step of a param group reads, frozen when ``opt.step()`` runs.
+
+    Every path of the update (synchronous, per-head, overlapped, speculative) takes its
+    hyper-parameters from one of these, never from the live param group: a job that runs after
+    ``step()`` returned must not see the learning rate a scheduler set in the meantime.
+
+    Attributes:
+        lr: learning rate (unitless step size); weight decay uses it unadjusted.
+        weight_decay: decoupled weight decay (``p *= 1 - lr * weight_decay``).
+        momentum: ``buf.lerp_(grad, 1 - momentum)``.
+        nesterov: Newton-Schulz input ``grad.lerp(buf, momentum)`` (else ``buf``).
+        adjust_lr_fn: as ``torch.optim.Muon`` (:func:`adjust_lr`).
+        ns: the Newton-Schulz settings as sorted ``(name, value)`` pairs (steps, coefficients,
+            method, dtype, eps, backend); lists frozen to tuples, so two records compare by value.
+        max_batch_bytes: cap (bytes) on one same-shape Newton-Schulz batch, or ``None``.
+    """
+
+    lr: float
+    weight_decay: float
+    momentum: float
+    nesterov: bool
+    adjust_lr_fn: str | None
+    ns: tuple[tuple[str, Any], ...]
+    max_batch_bytes: int | None = None
+
+    @classmethod
+    def of(cls, group: dict, *, backend: str = "auto", max_batch_bytes: int | None = None) -> "MuonHyper":
+        """The record of a Muon param group (keys as :class:`dmuon.Muon` writes them)."""
+        ns = dict(steps=group["ns_steps"], coefficients=_frozen(group["ns_coefficients"]),
+                  method=group["ns_method"], dtype=parse_dtype(group["ns_dtype"]), eps=group["eps"],
+                  backend=backend)
+        return cls(lr=_number(group["lr"]), weight_decay=_number(group["weight_decay"]),
+                   momentum=_number(group["momentum"]), nesterov=bool(group["nesterov"]),
+                   adjust_lr_fn=group["adjust_lr_fn"], ns=tuple(sorted(ns.items())),
+                   max_batch_bytes=max_batch_bytes)
+
+    def ns_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`dmuon.kernels.orthogonalize_by_shape`."""
+        return dict(self.ns)
+
+    @property
+    def eps(self) -> float:
+        return dict(self.ns)["eps"]
+
+    def orthogonalizer(self) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+        """Batched Newton-Schulz over full matrices with these settings (:func:`ns_by_shape`)."""
+        return ns_by_shape(self.ns_kwargs(), self.max_batch_bytes)
+
+
+def _frozen(value: Any) -> Any:
+    """Lists (per-step coefficient lists) as tuples, recursively: hashable, compared by value."""
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def _number(value: Any) -> Any:
+    """A 0-d tensor hyper-parameter as a Python number (a scheduler may write into the tensor)."""
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MatrixLayout:
+    """How the update of one master is cut for Newton-Schulz and scaled by the lr adjustment.
+
+    Attributes:
+        full_shape: ``(rows, cols)`` of the whole matrix (a tensor-parallel slice's matrix), or
+            the master's own shape.
+        matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix: ``full_shape`` for a matrix,
+            one expert's for a stack ``[k, rows, cols]`` or a matrix cut into row blocks
+            (:mod:`dmuon.owners.stacks`).
+        split: the :class:`dmuon.owners.blocks.Split` of a per-head / split matrix (each block
+            orthogonalized and lr-adjusted on its own), or ``None``.
+        tp_shard_dim: 0/1 when the master is a tensor-parallel slice of ``full_shape``.
+        tp_rank, tp_size: this rank's place in the TP group (the slice's offset).
+    """
+
+    full_shape: tuple[int, ...]
+    matrix_shape: tuple[int, ...]
+    split: Any = None
+    tp_shard_dim: int | None = None
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @classmethod
+    def whole(cls, param: torch.Tensor) -> "MatrixLayout":
+        """A master that is one plain ``[rows, cols]`` matrix."""
+        shape = tuple(param.shape)
+        return cls(full_shape=shape, matrix_shape=shape[-2:])
+
+    @property
+    def lr_shape(self) -> tuple[int, ...]:
+        """The shape :func:`adjust_lr` reads: the whole matrix of a TP slice, else one
+        Newton-Schulz matrix (each expert of a stack is a matrix of its own)."""
+        return self.full_shape if self.tp_shard_dim is not None else self.matrix_shape
+
+
+def muon_momentum_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor],
+                   hp: MuonHyper) -> list[torch.Tensor]:
+    """Phase 3a: the momentum step of every matrix (``bufs`` updated in place) and its
+    Newton-Schulz input (:func:`momentum_update_`; element-wise, any shape)."""
+    return [momentum_update_(g, b, momentum=hp.momentum, nesterov=hp.nesterov) for g, b in zip(grads, bufs)]
+
+
+def orthogonalize_updates(updates: list[torch.Tensor], layouts: Sequence[MatrixLayout],
+                          ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Phase 3b, on one rank: Newton-Schulz of every matrix of ``updates`` (whole, each expert of
+    a stack, or each block of a split), all in one ``ns`` call batched by shape, each result
+    shaped like its update (:func:`dmuon.owners.blocks.split_orthogonalize`)."""
+    from dmuon.owners.blocks import split_orthogonalize
+
+    return split_orthogonalize([lay.split for lay in layouts], [lay.matrix_shape for lay in layouts],
+                               ns)(updates)
+
+
+def muon_finish_(params: Sequence[torch.Tensor], orthos: Sequence[torch.Tensor],
+                 bufs: Sequence[torch.Tensor], layouts: Sequence[MatrixLayout], hp: MuonHyper) -> None:
+    """Phase 3c: after Newton-Schulz has read its inputs, what the installed torch leaves in the
+    momentum buffers (:func:`normalize_like_torch_`), then the master update: decoupled weight
+    decay and ``param -= adjust_lr(lr, shape) * ortho`` (:func:`apply_update_`, or per block of
+    a split, :func:`dmuon.owners.blocks.apply_split_update_`).
 
     Args:
-        params: fp32 masters ``[rows, cols]``, full (owner side), updated in place.
-        grads: averaged full gradients ``[rows, cols]``, same order.
-        momentum_bufs: fp32 momentum ``[rows, cols]``, updated in place.
-        lr: learning rate; weight decay uses it unadjusted (decoupled, as ``torch.optim.Muon``).
-        ns_kwargs: passed to :func:`dmuon.kernels.orthogonalize_by_shape` (steps, coefficients,
-            method, dtype, eps, backend).
-        max_batch_bytes: cap on one stacked Newton-Schulz batch.
-        shapes: full ``(rows, cols)`` of each matrix for the lr adjustment, when ``params`` are
-            tensor-parallel slices (default: ``param.shape``).
-        orthogonalize: replaces the local batched Newton-Schulz (tensor parallelism routes the
-            updates through their TP owners, :func:`dmuon.owners.tp_owner.orthogonalize_tp`); it
-            receives the updates and ``ns_kwargs``-configured NS is its job.
-        matrix_shapes: ``(rows, cols)`` of one Newton-Schulz matrix of each param: a param
-            of another shape (a stack of experts ``[k, rows, cols]``, or a matrix cut into row
-            blocks) is orthogonalized matrix by matrix (:func:`dmuon.owners.stacks.as_matrices`)
-            and its lr adjusted by that shape, as ``torch.optim.Muon`` on each matrix as a
-            parameter of its own. Default: every param is one matrix.
+        params: fp32 masters (full, a stack, or a TP slice), updated in place.
+        orthos: orthogonalized updates, shaped like ``params``.
+        bufs: the momentum buffers Newton-Schulz read (mutated only as torch does).
+        layouts: each master's :class:`MatrixLayout`.
+        hp: the step's :class:`MuonHyper`.
+    """
+    from dmuon.owners.blocks import apply_split_update_
+
+    normalize_like_torch_(bufs, layouts, nesterov=hp.nesterov, eps=hp.eps)
+    for param, ortho, lay in zip(params, orthos, layouts):
+        if lay.split is None:
+            apply_update_(param, ortho, lr=hp.lr, weight_decay=hp.weight_decay,
+                          adjust_lr_fn=hp.adjust_lr_fn, shape=lay.lr_shape)
+        else:
+            apply_split_update_(param, ortho, lay.split, lr=hp.lr, weight_decay=hp.weight_decay,
+                                adjust_lr_fn=hp.adjust_lr_fn, full_shape=lay.full_shape,
+                                tp_shard_dim=lay.tp_shard_dim, tp_rank=lay.tp_rank, tp_size=lay.tp_size)
+
+
+@torch.no_grad()
+def muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_bufs: list[torch.Tensor],
+                 hp: MuonHyper, layouts: Sequence[MatrixLayout] | None = None,
+                 orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> int:
+    """One Muon step (``torch.optim.Muon``'s ``_single_tensor_muon``, Jordan et al. 2024) on the
+    matrices one rank owns: :func:`muon_momentum_`, Newton-Schulz batched by shape, then
+    :func:`muon_finish_`. The overlapped and speculative paths (:mod:`dmuon.owners.overlap`) run
+    the same three functions, split in time.
+
+    Args:
+        params: fp32 masters ``[rows, cols]`` (or a stack ``[k, rows, cols]``, or a TP slice),
+            updated in place.
+        grads: their averaged gradients, same shapes and order.
+        momentum_bufs: fp32 (or the parameter's dtype) momentum, updated in place.
+        hp: the step's frozen hyper-parameters.
+        layouts: each master's :class:`MatrixLayout` (default: every param one whole matrix).
+        orthogonalize: Newton-Schulz over the updates, each result shaped like its update;
+            default :func:`orthogonalize_updates` on this rank (tensor parallelism passes its
+            TP-owner exchange, :func:`dmuon.owners.blocks.tp_orthogonalizer`).
 
     Returns:
-        The number of matrices orthogonalized.
+        The number of masters updated.
     """
     if not params:
         return 0
-    updates = [momentum_update_(g, b, momentum=momentum, nesterov=nesterov)
-               for g, b in zip(grads, momentum_bufs)]
+    layouts = list(layouts) if layouts is not None else [MatrixLayout.whole(p) for p in params]
+    updates = muon_momentum_(grads, momentum_bufs, hp)
     if orthogonalize is None:
-        orthogonalize = ns_by_shape(ns_kwargs, max_batch_bytes)
-    sliced = shapes is not None  # tensor-parallel slices of the matrices
-    if matrix_shapes is None:
-        ortho = orthogonalize(updates)
+        ns = hp.orthogonalizer()
+        orthos = orthogonalize_updates(updates, layouts, ns)
     else:
-        ortho = _orthogonalize_stacks(updates, matrix_shapes, orthogonalize)
-        shapes = matrix_shapes
-    normalize_like_torch_(momentum_bufs, nesterov=nesterov, eps=ns_kwargs.get("eps", 1e-7),
-                          matrix_shapes=matrix_shapes, sliced=sliced)
-    for i, (param, update) in enumerate(zip(params, ortho)):
-        apply_update_(param, update, lr=lr, weight_decay=weight_decay, adjust_lr_fn=adjust_lr_fn,
-                      shape=shapes[i] if shapes is not None else param.shape)
+        orthos = orthogonalize(updates)
+    muon_finish_(params, orthos, momentum_bufs, layouts, hp)
     return len(params)
-
-
-def _orthogonalize_stacks(updates: list[torch.Tensor], matrix_shapes: list[tuple[int, int]],
-                          orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-                          ) -> list[torch.Tensor]:
-    """``orthogonalize`` over every Newton-Schulz matrix of ``updates`` (the shape seam cuts a
-    stack ``[k, rows, cols]`` into its ``k`` matrices; same-shape matrices still batch), each
-    result shaped like its update again."""
-    from dmuon.owners.stacks import as_matrices
-
-    flat: list[torch.Tensor] = []
-    counts: list[int] = []
-    for update, shape in zip(updates, matrix_shapes):
-        if tuple(update.shape) == tuple(shape):
-            flat.append(update)
-            counts.append(0)
-        else:
-            mats = as_matrices(update, shape)
-            flat.extend(mats.unbind(0))
-            counts.append(mats.shape[0])
-    out = orthogonalize(flat)
-    result, pos = [], 0
-    for update, count in zip(updates, counts):
-        if count == 0:
-            result.append(out[pos])
-            pos += 1
-        else:
-            result.append(torch.stack(out[pos: pos + count]).view(update.shape))
-            pos += count
-    return result
 
 
 def momentum_update_(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float,
@@ -244,30 +332,34 @@ def momentum_update_(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float,
     return grad.lerp(buf, momentum) if nesterov else buf
 
 
-def normalize_like_torch_(bufs: list[torch.Tensor], *, nesterov: bool, eps: float,
-                          matrix_shapes: list[tuple[int, int]] | None = None,
-                          sliced: bool = False) -> None:
+def normalize_like_torch_(bufs: Sequence[torch.Tensor], layouts: Sequence[MatrixLayout], *,
+                          nesterov: bool, eps: float) -> None:
     """After Newton-Schulz has read them: what the installed torch's step leaves in the momentum
     buffers besides the lerp (torch <= 2.14 divides a bf16 buffer by its norm with
     ``nesterov=False``, :mod:`dmuon.owners.torch_muon`); nothing on other torches, dtypes or
-    with Nesterov. Per Newton-Schulz matrix of ``matrix_shapes``, as torch per parameter.
+    with Nesterov. Per Newton-Schulz matrix (each expert of a stack, each block of a split), as
+    torch per parameter.
 
     Raises:
-        RuntimeError: such a buffer that is a tensor-parallel slice (``sliced``): its norm is
-            the full matrix's. Unreachable through dmuon's paths (their TP buffers are fp32).
+        RuntimeError: such a buffer that is a tensor-parallel slice: its norm is the full
+            matrix's. Unreachable through dmuon's paths (their TP buffers are fp32).
     """
     from dmuon.owners.stacks import as_matrices
 
     semantics = torch_muon.installed()
-    for i, buf in enumerate(bufs):
+    for buf, lay in zip(bufs, layouts):
         if not semantics.normalizes_momentum(buf, nesterov):
             continue
-        if sliced:
+        if lay.tp_shard_dim is not None:
             raise RuntimeError(f"dmuon: a bf16 momentum buffer of shape {tuple(buf.shape)} is a "
                                f"tensor-parallel slice; torch {semantics.version} normalizes it "
                                f"whole with nesterov=False. Use fp32 parameters or nesterov=True.")
-        shape = matrix_shapes[i] if matrix_shapes is not None else buf.shape
-        mats = [buf] if tuple(buf.shape) == tuple(shape) else as_matrices(buf, shape).unbind(0)
+        if lay.split is not None:
+            mats = [buf.narrow(lay.split.dim, a, b - a) for a, b in lay.split.bounds()]
+        elif tuple(buf.shape) == tuple(lay.matrix_shape):
+            mats = [buf]
+        else:
+            mats = list(as_matrices(buf, lay.matrix_shape).unbind(0))
         for mat in mats:
             torch_muon.normalize_momentum_(mat, eps)
 
