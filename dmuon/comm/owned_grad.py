@@ -19,6 +19,8 @@ non-owner's placeholder), viewed as a tensor subclass whose ``__torch_function__
   same plain 0-d tensor on every rank (one all-reduce over the mesh per call: a replicated
   value, as DDP's gradients are, so every consumer that sums per-tensor norms, DTensor-aware
   or not, adds it once), and
+* unscales a grad scaler's gradients (``torch._amp_foreach_non_finite_check_and_unscale_``) on
+  the pieces this rank holds, with the non-finite flag reduced over the mesh, and
 * runs every other op on the local tensor (a clip's ``mul_`` scales what this rank holds; a
   0-d DTensor factor, FSDP2's clip coefficient, is taken as its full value).
 
@@ -75,6 +77,8 @@ class OwnedGrad(torch.Tensor):
             return _foreach_norm(*args, **kwargs)
         if func is torch._foreach_mul_:
             return _foreach_mul_(*args, **kwargs)
+        if func is torch._amp_foreach_non_finite_check_and_unscale_:
+            return _amp_unscale_(*args, **kwargs)
         args, kwargs = tree_map(_full_scalar, (args, kwargs))
         if getattr(func, "__name__", "") == "mul_" and isinstance(args[0], OwnedGrad):
             return _mul_pieces_(args[0], args[1])
@@ -204,6 +208,26 @@ def _foreach_mul_(tensors: Sequence[torch.Tensor], other: Any) -> None:
     for t in tensors:
         if isinstance(t, OwnedGrad):
             _mul_pieces_(t, factor)
+
+
+def _amp_unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """A grad scaler's unscale (``torch.amp.GradScaler``, FSDP2's ``ShardedGradScaler``) of a
+    list holding OwnedGrads: the other gradients (FSDP2's DTensors, replicas) as torch does,
+    the pieces this rank holds behind the OwnedGrads multiplied by ``inv_scale``; whether any
+    of those is not finite is MAX-reduced over the mesh (the owners hold them), so
+    ``found_inf`` (``[1]`` fp32, set to 1.0 on a non-finite value) agrees on every rank and
+    every rank skips, or takes, the same step."""
+    rest = [g for g in grads if not isinstance(g, OwnedGrad)]
+    if rest:
+        torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
+    owned = [g for g in grads if isinstance(g, OwnedGrad)]
+    pieces = [p for g in owned for p in g.dmuon_pieces if p.numel()]
+    mine = torch.zeros_like(found_inf)
+    if pieces:
+        torch._amp_foreach_non_finite_check_and_unscale_(pieces, mine, inv_scale)
+    if owned and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=owned[0].dmuon_group)
+    torch.maximum(found_inf, mine, out=found_inf)
 
 
 def _view(local: torch.Tensor, pieces: list[torch.Tensor], counts: bool, group: Any,
