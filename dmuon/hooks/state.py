@@ -131,6 +131,9 @@ class DedicateState:
         self.pending = PendingSteps()
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
+        # a failed overlapped update fails every rank at the next check, not one rank alone
+        self.step_check.pending = self.pending
+        self.pending.defer_failures = self.step_check.group is not None and self.step_check.world_size > 1
         # what the units share (they never see this object: FSDP2's FSDPCommContext pattern)
         self.ctx = UnitContext(group=self.group, prefetch=prefetch, reduce_mode=reduce_mode,
                                step_check=self.step_check, ensure_bound=self.ensure_bound,

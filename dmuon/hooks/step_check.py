@@ -112,6 +112,9 @@ class StepCheck:
         self._pending: tuple[Any, torch.Tensor, int, int, int] | None = None  # work, rows, phase, steps, backwards
         self._pre_forward: Any = None  # the forward pre-hook and its handle (install, to_front)
         self._pre_forward_handle: Any = None
+        # the owners' overlapped work (dmuon.owners.overlap.PendingSteps): its deferred failure
+        # travels in every check, so every rank raises at the same point
+        self.pending: Any = None
 
     def install(self, model: nn.Module) -> list:
         """Check at the model's own forward, in front of every other hook (FSDP2's root
@@ -221,8 +224,9 @@ class StepCheck:
         if self.group is None or self.world_size == 1:
             return
         self.settle()  # at most one check in flight
-        rows = torch.zeros(self.world_size, 3, dtype=torch.int64)
+        rows = torch.zeros(self.world_size, 4, dtype=torch.int64)
         rows[self.rank, 0], rows[self.rank, 1], rows[self.rank, 2] = phase, self.steps, self.backwards
+        rows[self.rank, 3] = int(self.pending is not None and self.pending.failure is not None)
         self.checks += 1
         with label("dmuon::step_check"):
             work = dist.all_reduce(rows, group=self.group, async_op=True)
@@ -247,7 +251,11 @@ class StepCheck:
         except RuntimeError as err:
             raise self.waited_in_vain(phase, steps, backwards, err) from err
         # rows is a CPU tensor on the gloo group: reading it never synchronizes a GPU stream
-        states = [tuple(int(v) for v in row) for row in rows.tolist()]
+        values = rows.tolist()
+        failed = [i for i, row in enumerate(values) if row[3]]
+        if failed:
+            raise RuntimeError(self.describe_failure(failed, phase, steps, backwards))
+        states = [tuple(int(v) for v in row[:3]) for row in values]
         if len(set(states)) > 1:
             raise RuntimeError(self.describe(states))
 
@@ -264,6 +272,25 @@ class StepCheck:
             f"{_first_line(err)}. Another rank ran fewer steps, stopped, died or is stuck; "
             f"every rank must run the same forwards, backwards and opt.step() calls."
         )
+
+    def describe_failure(self, failed: list[int], phase: int, steps: int, backwards: int) -> str:
+        """The error text when the ranks at ``failed`` (indices in the check's group) recorded a
+        failed overlapped owner update: every rank raises it at the same check, quoting the
+        first failing rank's own message (from the c10d store, where it left it)."""
+        ranks = dist.get_process_group_ranks(self.group)
+        names = [ranks[i] for i in failed]
+        if self.pending is not None and self.pending.failure is not None:
+            cause = self.pending.failure
+        else:
+            cause = "its message could not be read"
+            try:
+                raw = dist.distributed_c10d._get_default_store().get(f"dmuon/failure/{names[0]}")
+                cause = raw.decode() if isinstance(raw, bytes) else str(raw)
+            except Exception:  # noqa: BLE001 - the rank numbers are the error; the text is a help
+                pass
+        return (f"dmuon: the overlapped owner update failed on rank(s) {names} (seen on rank "
+                f"{dist.get_rank()} at its {PHASES[phase]} after {steps} optimizer step(s) and "
+                f"{backwards} backward(s); every rank stops at this step check): {cause}")
 
     def describe(self, states: list[tuple[int, int, int]]) -> str:
         """The error text for disagreeing ``(phase, steps, backwards)`` rows, one per rank."""
