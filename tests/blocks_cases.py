@@ -49,13 +49,13 @@ def build(layout: str, world_size: int, gain: float):
 
 def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, per_head: bool = True,
           tau: float | None = None, micro_batches: int = 1, gain: float = 1.0,
-          resume_at: int | None = None, dcp_path: str | None = None) -> dict:
+          resume_at: int | None = None, dcp_path: str | None = None, overlap: str = "off") -> dict:
     """Train the attention model with dmuon; ``resume_at``: save the model and optimizer state
     dicts after that many steps and go on in a fresh model and optimizer that load them (built
     with another QK-clip threshold: the loaded param group must bring ``tau`` back); with
     ``dcp_path``, through ``dmuon.state_dict`` + ``dcp.save`` / ``dcp.load`` + ``dmuon.load_state_dict``."""
     model, (index, count) = build(layout, world_size, gain)
-    opt = dmuon.Muon(model, per_head=per_head, qk_clip_threshold=tau, **KWARGS)
+    opt = dmuon.Muon(model, per_head=per_head, qk_clip_threshold=tau, overlap=overlap, **KWARGS)
     clipped = []
     for step in range(steps):
         if resume_at is not None and step == resume_at:
@@ -92,7 +92,9 @@ def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, p
         rank_size = tp_rank_size(state.roles.tp)
         local_tp = sorted(r.fqn for r in state.records
                           if _local_split(r, opt.strategy.splits.get(id(r)), *rank_size) is not None)  # here, not in a call of its own: one 2-D mesh per pool session
+    state = model._dmuon_state
     return dict(params=full_params(model, rank), clipped=clipped, local_tp=local_tp,
+                scheduled=state.pending.scheduled, owns=any(r.is_owner for r in state.records),
                 group_keys=sorted(k for k in opt.param_groups[0] if k.startswith("qk_clip")),
                 tau=opt.param_groups[0].get("qk_clip_threshold"))
 

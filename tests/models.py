@@ -163,10 +163,17 @@ def run_reference(
     variant: str = "",
     fp32_accumulate: bool = False,
     muon_kwargs: dict | None = None,
+    grad_scale: float | None = None,
+    ema_decay: float | None = None,
+    out: dict | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """Single-process Muon + AdamW on the global batch.
 
     ``muon_kwargs``: more ``torch.optim.Muon`` keyword arguments (``nesterov``, ``adjust_lr_fn``).
+
+    ``grad_scale``: every gradient multiplied by it after backward (before the clip).
+    ``ema_decay``: an exponential moving average of every parameter, updated after each step
+    (``ema.lerp_(p, 1 - decay)``, starting from the initial weights), stored in ``out["ema"]``.
 
     ``fp32_accumulate`` (with an ``ns_dtype``): the iteration's products accumulate in fp32
     whatever the CPU's kernels do (tests/ns_accumulation.py).
@@ -186,6 +193,7 @@ def run_reference(
     if lr_gamma is not None:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=lr_gamma) for o in (muon, adamw)]
     losses, norms = [], []
+    ema = {n: p.detach().clone() for n, p in model.named_parameters()}
     with reference_ns(ns_dtype, coefficients, fp32_accumulate):
         for step in range(steps):
             idx, y = global_batch(step, world_size)
@@ -193,6 +201,10 @@ def run_reference(
                 loss = loss_fn(model, chunk_idx, chunk_y) / micro_batches
                 loss.backward()
             losses.append(loss.item())
+            if grad_scale is not None:
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(grad_scale)
             if clip is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
             muon.step()
@@ -201,4 +213,9 @@ def run_reference(
             adamw.zero_grad()
             for s in scheds:
                 s.step()
+            if ema_decay is not None:
+                for n, p in model.named_parameters():
+                    ema[n].lerp_(p.detach(), 1 - ema_decay)
+    if out is not None:
+        out["ema"] = ema
     return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms

@@ -48,20 +48,40 @@ def slow_jobs(delay_s: float = 0.02, fail: bool = False) -> Iterator[None]:
 
 def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps: int = 4,
           micro_batches: int = 1, lr_gamma: float | None = None, clip: float | None = None,
-          readers: bool = False) -> dict[str, Any]:
+          readers: bool = False, sched_after_step: bool = False, grad_scale: float | None = None,
+          ema_decay: float | None = None, scaler: bool = False, delay_s: float = 0.02,
+          per_head: bool = False, pause_s: float = 0.0) -> dict[str, Any]:
     """Train the test model with ``Muon(overlap=overlap)`` and slowed jobs.
 
     ``lr_gamma``: a StepLR stepped between ``backward()`` and ``step()`` (from step 1 on: the
-    same lr sequence as stepping it after ``step()``). ``readers``: between each ``step()`` and
+    same lr sequence as stepping it after ``step()``), or with ``sched_after_step`` right after
+    ``opt.step()``, the order most training loops use. ``readers``: between each ``step()`` and
     the next forward, an eval forward on the next batch, and another once nothing is pending
     (both losses are returned) and, after the last step, torch's full model state dict (returned as
-    ``sd_params``, rank 0).
+    ``sd_params``, rank 0). ``grad_scale``: between ``backward()`` and ``step()`` every gradient
+    the rank holds (``model.parameters()``) is multiplied by it through ``.data`` (which does not
+    bump the version counter), as older training code does, after ``pause_s`` seconds (logging:
+    the speculative jobs have run by then). ``ema_decay``: after each step and
+    ``opt.wait_pending()``, an EMA of the owned masters read directly (``ema``, per rank) and of
+    torch's full state dict (``sd_ema``, rank 0). ``scaler``: FSDP2's ``ShardedGradScaler`` (scale
+    2^10, never grows) scales the loss, unscales the gradients and steps.
     """
     model, _ = build(world_size, mode)
-    opt = dmuon.Muon(model, **OPT, overlap=overlap)
+    opt = dmuon.Muon(model, **OPT, overlap=overlap, per_head=per_head)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=lr_gamma) if lr_gamma else None
+    grad_scaler = None
+    if scaler:  # FSDP2's scaler (it all-reduces found_inf over the ranks)
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        grad_scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 10, growth_interval=10 ** 6)
+    state = model._dmuon_state
     losses, eval_losses, norms = [], [], []
-    with slow_jobs():
+    ema: dict[str, torch.Tensor] = {}
+    sd_ema: dict[str, torch.Tensor] = {}
+    if ema_decay is not None:
+        ema = {rec.fqn: rec.master.detach().clone() for rec in state.records if rec.is_owner}
+        sd_ema = _full_sd(model, rank)
+    with slow_jobs(delay_s):
         for step in range(steps):
             idx, y = models.local_batch(step, rank, world_size)
             if readers and step > 0:  # right after step(), then once nothing is pending
@@ -73,13 +93,33 @@ def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps
             for i, (ci, cy) in enumerate(chunks):
                 with contextlib.nullcontext() if i == len(chunks) - 1 else dmuon.no_sync(model):
                     loss = models.loss_fn(model, ci, cy) / micro_batches
-                    loss.backward()
+                    (loss if grad_scaler is None else grad_scaler.scale(loss)).backward()
             losses.append(loss.item())
+            if grad_scale is not None:
+                time.sleep(pause_s)
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.data.mul_(grad_scale)
+            if grad_scaler is not None:
+                grad_scaler.unscale_(opt)
             if clip is not None:
                 norms.append(float(dmuon.clip_grad_norm_(model, clip)))
-            if sched is not None and step > 0:
+            if sched is not None and step > 0 and not sched_after_step:
                 sched.step()
-            opt.step()
+            if grad_scaler is not None:
+                grad_scaler.step(opt)
+                grad_scaler.update()
+            else:
+                opt.step()
+            if sched is not None and sched_after_step:
+                sched.step()
+            if ema_decay is not None:
+                opt.wait_pending()
+                for rec in state.records:
+                    if rec.is_owner:
+                        ema[rec.fqn].lerp_(rec.master.detach(), 1 - ema_decay)
+                for name, value in _full_sd(model, rank).items():
+                    sd_ema[name].lerp_(value, 1 - ema_decay)
             opt.zero_grad()
         sd_params = None
         if readers:  # right after the last step, with its updates still pending
@@ -87,7 +127,14 @@ def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps
             sd_params = {k: v.detach().numpy().copy() for k, v in sd.items()} if rank == 0 else None
     return dict(params=full_params(model, rank), losses=losses, eval_losses=eval_losses, norms=norms,
                 stats=opt.overlap_stats(), sd_params=sd_params,
-                started_early=model._dmuon_state.pending.started_early)
+                started_early=model._dmuon_state.pending.started_early,
+                ema={k: v.numpy() for k, v in ema.items()}, sd_ema={k: v.numpy() for k, v in sd_ema.items()})
+
+
+def _full_sd(model: torch.nn.Module, rank: int) -> dict[str, torch.Tensor]:
+    """torch's full model state dict on rank 0 (``{}`` elsewhere), as a logger reads it."""
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().clone() for k, v in sd.items()} if rank == 0 else {}
 
 
 def resume(rank: int, world_size: int, *, overlap: str, path: str, first: int = 2, then: int = 2) -> dict:
@@ -161,3 +208,26 @@ def direct_read(rank: int, world_size: int) -> dict[str, bool]:
     return dict(owns=bool(owned), pending=pending, left=left,
                 raw_equal=all(torch.equal(a, b) for a, b in zip(raw, final)),
                 waited_equal=all(torch.equal(a, b) for a, b in zip(waited, final)))
+
+
+def failing_rank(rank: int, world_size: int, *, victim: int = 1, at: int = 1, steps: int = 3,
+                 mode: str = "fsdp") -> dict[str, Any]:
+    """Train ``steps`` steps with ``overlap="forward"``; from step ``at`` on, every job of rank
+    ``victim`` raises on its worker thread. Returns the error each rank raised (first line),
+    in which step, and the seconds from the start of that step to the error."""
+    model, _ = build(world_size, mode)
+    opt = dmuon.Muon(model, **OPT, overlap="forward")
+    error, after, failed_in = None, None, None
+    start = time.monotonic()
+    step = 0
+    try:
+        for step in range(steps):
+            start = time.monotonic()
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            with slow_jobs(delay_s=0.01, fail=rank == victim and step >= at):
+                opt.step()
+            opt.zero_grad()
+    except RuntimeError as err:
+        error, after, failed_in = str(err).splitlines()[0], time.monotonic() - start, step
+    return dict(error=error, after_s=after, step=failed_in)
