@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -73,8 +75,10 @@ def dp_coordinate(mesh, dp_names) -> tuple[int, int]:
 def train(rank: int, world_size: int, *, layout: str, steps: int = 5, clip: float | None = None,
           replicate_mode: str = "auto", overlap: str = "off") -> dict:
     model, mesh, dp_names = build(layout, replicate_mode=replicate_mode)
-    opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
-                     ns_dtype=torch.float32, ns_coefficients="muon", overlap=overlap)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
+                         ns_dtype=torch.float32, ns_coefficients="muon", overlap=overlap)
     dp_index, dp_count = dp_coordinate(mesh, dp_names)
     state = model._dmuon_state
     norms, ns_counts = [], []
@@ -88,7 +92,8 @@ def train(rank: int, world_size: int, *, layout: str, steps: int = 5, clip: floa
         ns_counts.append(state.ns_matrices - before)
         opt.zero_grad()
     return dict(params=full_params(model, rank), dp_count=dp_count, norms=norms,
-                ns_counts=ns_counts, replicate_rank=state.replicate_rank)
+                ns_counts=ns_counts, replicate_rank=state.replicate_rank,
+                warnings=[str(w.message) for w in caught if str(w.message).startswith("dmuon:")])
 
 
 def unsupported_placement(rank: int, world_size: int) -> str:

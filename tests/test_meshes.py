@@ -26,6 +26,9 @@ def test_mesh_matches_single_process_reference(dist_pool, layout, world_size, ov
                         timeout_s=240, fresh=True)
     ref, _, _ = models.run_reference(out[0]["dp_count"], STEPS)
     compare(out[0]["params"], ref, ATOL)
+    # overlap cannot take effect under TP (collective Newton-Schulz): said once, by name
+    says = [w for w in out[0]["warnings"] if "has no effect" in w]
+    assert len(says) == (1 if overlap != "off" and "tp" in layout else 0), out[0]["warnings"]
 
 
 @pytest.mark.parametrize("mode", ["compute", "broadcast"])
