@@ -294,21 +294,24 @@ class OwnerUpdate:
             RuntimeError: a matrix holds a gradient never reduced to its owner
                 (:meth:`dmuon.hooks.backward.ReduceToOwners.check_reduced`), or ``fully_shard`` ran on
                 the model after binding (first step only, when no forward caught it:
-                :meth:`DedicateState.check_not_sharded_since_binding`).
+                :meth:`DedicateState.check_not_sharded_since_binding`), or QK-clip recorded no
+                logits of an attention module in the first step (:meth:`QKClip.prepare`).
         """
         self.ctx.pending.wait_speculation()  # the last backward's (overlap="backward")
         self.ctx.pending.wait_for(list(self.ctx.pending.jobs))  # the previous step's
         self.ctx.check_not_sharded_since_binding("the first opt.step()")
         self.ctx.backward.check_reduced()
+        # issue 45: QK-clip's reduce and checks before anything moves (an error loses nothing)
+        clip = self.qk_clip.prepare(self.opt.param_groups[0]) if self.qk_clip is not None else None
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
                     self.step_muon(group)
                 else:
                     self.step_adamw(group)
-            if self.qk_clip is not None:  # issue 40: owners scale q/k head rows before publishing
+            if clip is not None:  # issue 40: owners scale q/k head rows before publishing
                 with label("dmuon::qk_clip"):
-                    self.qk_clip.apply(self.opt.param_groups[0])
+                    clip.scale_all()
         self.ctx.publish_after_step()
         # after the publications: under FSDP2 this issues the next forward's step check, which
         # publish_after_step's settle() would otherwise wait for at once
