@@ -124,10 +124,18 @@ def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
             callable ``(fqn, full_shape) -> Split | None``.
 
     Raises:
-        ValueError: a ``split`` key that names no dedicated matrix, a split that does not tile
-            its matrix, a matrix that is an expert stack or already cut into row blocks
+        ValueError: ``per_head`` on a model with no attention module dmuon recognizes, a
+            ``split`` key that names no dedicated matrix, a split that does not tile its
+            matrix, a matrix that is an expert stack or already cut into row blocks
             (``fused_blocks``), or a value that is not a :class:`Split`.
     """
+    if per_head and not find_attention(model, records):
+        raise ValueError(
+            f"dmuon: per_head=True but {type(model).__name__} has no attention module dmuon "
+            f"recognizes (Hugging Face q_proj/k_proj/v_proj, nn.MultiheadAttention, torchtitan "
+            f"wq/wk/wv or wqkv, a ViT qkv, q + kv; see docs/usage.md), so no matrix would be "
+            f"split. Give the splits by name (split={{fqn: dmuon.Split.heads(num_heads, head_dim)}}) "
+            f"or leave per_head=False.")
     by_slot = per_head_splits(model, records) if per_head else {}
     by_fqn: dict[str, Split] = {}
     call = None
