@@ -477,3 +477,46 @@ def local_rows_pieces(rank: int, world_size: int) -> dict:
             bad.append(f"rank {rank} {name} {p.placements}: rows {rows.tolist()} vs local "
                        f"{local.reshape(local.shape[0], -1)[:, 0].tolist()}")
     return dict(bad=bad, placements=sorted({type(pl).__name__ for p in model.parameters() for pl in p.placements}))
+
+
+def plan_is_frozen(rank: int, world_size: int) -> dict:
+    """:class:`EdgeNet` on the replicated path: ``prepare`` outside a step gives a frozen plan;
+    after it, the param group's threshold is changed and the live master is scaled by
+    ``scale_all``; a *copy* of the master taken before is scaled by ``scale_master`` on a worker
+    thread. Both must equal the formula of the threshold ``prepare`` saw."""
+    import dataclasses
+    import threading
+
+    model = EdgeNet()
+    _shard(model, world_size, fsdp=False)
+    opt = dmuon.Muon(model, qk_clip_threshold=1e9, qk_clip_alpha=0.3, **CLIP_ONLY)
+    seen: list[torch.Tensor] = []
+    handles = [b.self_attn.register_forward_pre_hook(
+        lambda m, args: seen.append(m.logits(args[0]).detach().amax(dim=(0, 2, 3)))) for b in model.layers]
+    model(edge_input(rank)).backward()
+    for h in handles:
+        h.remove()
+    maxima = torch.stack(seen)
+    tau = 0.5 * float(maxima[:, 4:].max(dim=1).values.min())
+    group = opt.param_groups[0]
+    group["qk_clip_threshold"] = tau
+    before = _full(model)
+    clip = opt.strategy.qk_clip
+    plan = clip.prepare(group)
+    frozen = False
+    try:
+        plan.tau = 0.0
+    except dataclasses.FrozenInstanceError:
+        frozen = True
+    group["qk_clip_threshold"] = 1e-3  # read at prepare, never again
+    rec = next(r for r in opt.state_ctx.records if r.fqn == "layers.0.self_attn.q_proj.weight")
+    copy = rec.master.detach().clone()
+    worker = threading.Thread(target=plan.scale_master, args=(rec, copy))
+    worker.start()
+    worker.join()
+    plan.scale_all()
+    want = expected_clip(before, maxima, tau, 0.3)
+    return dict(frozen=frozen, tau=plan.tau, clipped=plan.clipped_heads, thread=copy.numpy(),
+                live=rec.master.detach().numpy().copy(), full=_full(model)["layers.0.self_attn.q_proj.bias"].numpy(),
+                want=want["layers.0.self_attn.q_proj.weight"].numpy(),
+                want_bias=want["layers.0.self_attn.q_proj.bias"].numpy())

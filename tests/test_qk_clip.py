@@ -127,3 +127,14 @@ def test_local_rows_are_the_rows_fsdp2_and_tp_pieces_hold(dist_pool):
     out = dist_pool.run(4, "tests.qk_clip_cases:local_rows_pieces", {}, timeout_s=120, fresh=True)
     assert [o["bad"] for o in out] == [[], [], [], []], out
     assert "_StridedShard" in out[0]["placements"] and "Shard" in out[0]["placements"], out[0]
+
+
+def test_prepare_gives_a_frozen_plan_a_worker_thread_can_apply(dist_pool):
+    """The plan holds what the step decided: the threshold changed after ``prepare`` changes
+    nothing, and ``scale_master`` on a worker thread (a copy of the master) gives the formula,
+    as ``scale_all`` does on the live master and bias."""
+    (out,) = dist_pool.run(1, "tests.qk_clip_cases:plan_is_frozen", {}, timeout_s=120)
+    assert out["frozen"] and out["clipped"] == 2 * 2  # group 2 of both layers, 2 query heads each
+    np.testing.assert_allclose(out["thread"], out["want"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(out["thread"], out["live"])
+    np.testing.assert_allclose(out["full"], out["want_bias"], rtol=1e-6, atol=1e-7)
