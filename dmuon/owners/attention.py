@@ -215,7 +215,8 @@ def _fused_qkv(name: str, module: nn.Module, qkv: nn.Linear, full_rows: Any) -> 
         return None
     dim = _int_attr([module], ("head_dim",)) or rows // (3 * heads)
     _check(name, "fused qkv", rows, 3 * heads * dim)
-    ref = lambda off: WeightRef(qkv, "weight", tuple(off + h * dim for h in range(heads)), dim, _bias(qkv))  # noqa: E731
+    bias = _bias(qkv)
+    ref = lambda off: WeightRef(qkv, "weight", tuple(off + h * dim for h in range(heads)), dim, bias)  # noqa: E731
     return AttentionLayout(name=name, module=module, num_heads=heads, num_kv_heads=heads,
                            head_dim=dim, q=ref(0), k=ref(heads * dim), v=ref(2 * heads * dim))
 
