@@ -83,13 +83,21 @@ def in_metadata_inference(depth: int = 64) -> bool:
 def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
     """Record ``module``'s per-head max attention logits for the next QK-clip.
 
-    Any attention implementation can call it (a fused kernel that returns its row maxima, say);
-    calls accumulate a running max until ``opt.step()`` consumes them.
+    Any attention implementation can call it (a fused kernel that returns its row maxima, say;
+    code that computes a module's attention outside its forward, as LeRobot's pi0 / pi05 /
+    SmolVLA do); calls accumulate a running max until ``opt.step()`` consumes them. With a
+    threshold set, an attention module that no rank recorded in the first step is an error
+    (:meth:`QKClip.prepare`).
 
     Args:
         module: the attention module (as :func:`dmuon.owners.attention.find_attention` finds it).
-        max_logits: ``[num_heads]``, any float dtype: each query head's largest scaled logit
-            ``q . k * scale`` over the batch (masked positions excluded). Not mutated.
+        max_logits: ``[num_heads]`` (this rank's heads under tensor parallelism), any float
+            dtype, any device: each query head's largest scaled logit ``q . k * scale`` over
+            the batch (masked positions excluded: ``-inf`` for a head that attended nowhere).
+            Not mutated.
+
+    Raises:
+        ValueError: a head count different from this step's earlier calls for ``module``.
 
     Calls made while a pipelining stage infers its shapes (:func:`in_metadata_inference`)
     are ignored: that forward runs on uninitialized inputs.
