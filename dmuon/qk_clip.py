@@ -420,12 +420,14 @@ class QKClip:
     def _check_recorded(self, recorded: torch.Tensor) -> None:
         """Raise (on every rank: ``recorded`` is reduced) when a module recorded no logits in
         the first step or a wrong head count; later, a module that did not run is skipped."""
-        wrong = [lay.name for lay, r in zip(self.layouts, recorded.tolist()) if r == 2]
+        wrong = {lay.name: f"{len(local)} of {lay.num_heads} heads on rank {getattr(self.ctx, 'rank', '?')}"
+                 for lay, local, r in zip(self.layouts, self.local, recorded.tolist()) if r == 2}
         if wrong:
             raise RuntimeError(
-                f"dmuon: QK-clip: attention module(s) {wrong} recorded a number of head maxima "
-                f"that is not the number of query heads this rank computes (dmuon.qk_clip.observe "
-                f"takes [num_heads], the heads of this rank's forward under tensor parallelism).")
+                f"dmuon: QK-clip: on some rank, attention module(s) {sorted(wrong)} recorded a number "
+                f"of head maxima that is not the number of query heads that rank computes (here: "
+                f"{wrong}); dmuon.qk_clip.observe takes [num_heads], the heads of the rank's own "
+                f"forward under tensor parallelism.")
         missing = [lay.name for lay, r in zip(self.layouts, recorded.tolist()) if r == 0]
         first, self.first_step = self.first_step, False
         if missing and first:

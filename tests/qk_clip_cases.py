@@ -393,7 +393,7 @@ class OutsideBlock(nn.Module):
     """Its ``attn`` holds Llama-named projections, but the block computes the attention itself
     (as LeRobot's pi0 does for its VLM layers): the attention module's forward never runs."""
 
-    def __init__(self, observe: bool = False) -> None:
+    def __init__(self, observe: int = 0) -> None:
         super().__init__()
         self.attn = nn.Module()
         self.attn.num_heads, self.attn.num_key_value_heads, self.attn.head_dim = 4, 2, 4
@@ -408,13 +408,13 @@ class OutsideBlock(nn.Module):
         k = self.attn.k_proj(x).view(b, n, 2, 4).transpose(1, 2)
         v = self.attn.v_proj(x).view(b, n, 2, 4).transpose(1, 2)
         if self.observe:  # what the error tells such code to do
-            dmuon.qk_clip.observe(self.attn, dmuon.qk_clip.max_logits(q, k, is_causal=True))
+            dmuon.qk_clip.observe(self.attn, dmuon.qk_clip.max_logits(q, k, is_causal=True)[:self.observe])
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return x + self.out(o.transpose(1, 2).reshape(b, n, 16))
 
 
 class OutsideNet(nn.Module):
-    def __init__(self, observe: bool = False) -> None:
+    def __init__(self, observe: int = 0) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList([OutsideBlock(observe) for _ in range(2)])
@@ -426,10 +426,11 @@ class OutsideNet(nn.Module):
         return self.head(x).mean()
 
 
-def nothing_recorded(rank: int, world_size: int, *, observe: bool = False) -> dict:
+def nothing_recorded(rank: int, world_size: int, *, observe: int = 0) -> dict:
     """One step of :class:`OutsideNet` with ``qk_clip_threshold`` set (Muon lr 0.02): the error
-    (or ``None``), and whether any parameter changed."""
-    model = OutsideNet(observe)
+    (or ``None``), and which parameters changed. ``observe``: the blocks pass that many head
+    maxima (of 4) to ``dmuon.qk_clip.observe`` on rank 0 (on every rank with ``observe=4``)."""
+    model = OutsideNet(observe if observe == 4 or rank == 0 else 0)
     _shard(model, world_size, fsdp=True)
     opt = dmuon.Muon(model, lr=0.02, adamw_lr=0.01, qk_clip_threshold=0.5)
     g = torch.Generator().manual_seed(4700 + rank)

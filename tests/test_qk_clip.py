@@ -87,10 +87,15 @@ def test_nothing_recorded_is_an_error_on_every_rank(dist_pool):
         assert "'layers.0.attn'" in rank_out["error"] and "'layers.1.attn'" in rank_out["error"]
         assert "dmuon.qk_clip.observe" in rank_out["error"]
         assert rank_out["changed"] == []
-    out = dist_pool.run(2, "tests.qk_clip_cases:nothing_recorded", dict(observe=True), timeout_s=120)
+    out = dist_pool.run(2, "tests.qk_clip_cases:nothing_recorded", dict(observe=4), timeout_s=120)
     for rank_out in out:
         assert rank_out["error"] is None
         assert "layers.0.attn.q_proj.weight" in rank_out["changed"]
+    # rank 0 alone observes 3 maxima of 4 heads: every rank raises, none moves
+    out = dist_pool.run(2, "tests.qk_clip_cases:nothing_recorded", dict(observe=3), timeout_s=120)
+    for rank_out in out:
+        assert "recorded a number of head maxima" in rank_out["error"], rank_out["error"]
+        assert "'layers.0.attn'" in rank_out["error"] and rank_out["changed"] == []
 
 
 def test_per_head_with_no_attention_is_an_error():
