@@ -323,10 +323,8 @@ class OwnerUpdate:
         pending.retire_speculation()  # the last backward's that finished (overlap="backward")
         self.ctx.check_not_sharded_since_binding("the first opt.step()")
         self.ctx.backward.check_reduced()
-        clip = None
-        if self.qk_clip is not None:  # issue 40: the maxima of this step's forwards, frozen
-            with label("dmuon::qk_clip"):
-                clip = self.qk_clip.prepare(self.opt.param_groups[0])
+        # QK-clip's reduce and checks before anything moves (an error loses nothing)
+        clip = self.qk_clip.prepare(self.opt.param_groups[0]) if self.qk_clip is not None else None
         with label("dmuon::optimizer_step"):
             for group in self.opt.param_groups:
                 if group["kind"] == "muon":
@@ -334,7 +332,8 @@ class OwnerUpdate:
                 else:
                     self.step_adamw(group)
             if clip is not None:  # biases and QK-norm gains (FSDP2 shards), after AdamW
-                clip.scale_others()
+                with label("dmuon::qk_clip"):
+                    clip.scale_others()
         self.ctx.publish_after_step()
         # after the publications: under FSDP2 this issues the next forward's step check, which
         # publish_after_step's settle() would otherwise wait for at once

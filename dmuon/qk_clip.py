@@ -2,29 +2,35 @@
 exceeded a threshold.
 
 Kimi Team, "Kimi K2: Open Agentic Intelligence" (2025), MuonClip: for each head ``h`` with max
-logit ``S_h`` (the largest ``q_i . k_j * scale`` the head computed over the step's batch),
-``eta_h = min(1, tau / S_h)``; the head's query rows are scaled by ``eta_h ** alpha`` and its key
-rows by ``eta_h ** (1 - alpha)`` (Kimi: ``alpha = 0.5``), so the head's logits shrink by
-``eta_h``.
+logit ``S_h`` (the largest ``q_i . k_j * scale`` the head computed over the step's batch) above
+the threshold ``tau``, ``eta_h = tau / S_h``; the head's queries are scaled by ``eta_h ** alpha``
+and its keys by ``eta_h ** (1 - alpha)`` (Kimi: ``alpha = 0.5``), so the head's logits shrink by
+``eta_h``. Heads at ``S_h <= tau`` are left alone (``S_h <= 0`` included: ``tau / S_h`` would be
+negative); heads whose max is ``-inf`` (masked everywhere) or NaN are skipped with a warning.
 
 Grouped-query attention (one key head serves ``G`` query heads): Megatron-LM's rule
 (``SelfAttention.clip_qk``, ``megatron/core/transformer/attention.py``): per key/value group
-``g``, ``S_g = max`` over its query heads, ``eta_g = min(1, tau / S_g)``; all of the group's
-query heads take ``eta_g ** alpha`` and its key head ``eta_g ** (1 - alpha)``. Without GQA this
-is Kimi's per-head rule.
+``g``, ``S_g = max`` over its query heads, ``eta_g = tau / S_g`` where ``S_g > tau``; all of the
+group's query heads take ``eta_g ** alpha`` and its key head ``eta_g ** (1 - alpha)``. Without
+GQA this is Kimi's per-head rule. What "scale the queries" touches (weight rows and bias
+entries; a QK-norm's gain instead) is :mod:`dmuon.owners.qk_plan`'s.
 
 Where it runs (dmuon's owner runtime): every forward records each attention module's per-head
 max logit (:func:`observe`, or automatically, :class:`LogitRecorder`), as a running max over
-the micro-batches of the step; inside ``opt.step()``, after the owners' Muon update, the
-per-head maxima are MAX-reduced over the mesh (the stage's ranks), and the owner of each query
-/ key weight scales the head rows of its fp32 master before the publication.
+the micro-batches of the step. At the start of ``opt.step()``, before any parameter moves,
+:meth:`QKClip.prepare` MAX-reduces the maxima over the mesh (the stage's ranks), checks them
+(an attention module that recorded nothing in the first step is an error on every rank) and
+returns a frozen :class:`dmuon.owners.qk_plan.ClipPlan`; after the Muon and AdamW updates the
+owner of each query / key weight scales the head rows of its fp32 master (before the
+publication) and every rank scales its local piece of the biases and gains.
 
 Tensor parallelism (q / k projections sharded colwise, ``Shard(0)``, on head boundaries): a TP
 rank's attention computes only the query heads whose rows lie in its slice of the query weight,
 in head order (Megatron's and torchtitan's layout). Their maxima are placed at their global head
 indices (the slice's row offset, from ``torch.chunk``'s sizes, against the layout's head rows),
 the other heads left at ``-inf``; the MAX-reduce over the whole mesh (data-parallel and TP ranks)
-fills every head. Each TP slice's owner then scales the rows of the heads in its slice.
+fills every head. Each TP slice's owner then scales the rows of the heads in its slice, and each
+rank the entries of its slice of a bias.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+from types import MappingProxyType
 from typing import Any, Sequence
 
 import torch
@@ -40,7 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from dmuon.comm.collectives import label
 from dmuon.owners.attention import AttentionLayout, find_attention
+from dmuon.owners.qk_plan import ClipPlan, RowScale, group_etas, norm_gain, plan_rows
 from dmuon.owners.slices import chunk_sizes
 
 logger = logging.getLogger(__name__)
@@ -74,13 +83,21 @@ def in_metadata_inference(depth: int = 64) -> bool:
 def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
     """Record ``module``'s per-head max attention logits for the next QK-clip.
 
-    Any attention implementation can call it (a fused kernel that returns its row maxima, say);
-    calls accumulate a running max until ``opt.step()`` consumes them.
+    Any attention implementation can call it (a fused kernel that returns its row maxima, say;
+    code that computes a module's attention outside its forward, as LeRobot's pi0 / pi05 /
+    SmolVLA do); calls accumulate a running max until ``opt.step()`` consumes them. With a
+    threshold set, an attention module that no rank recorded in the first step is an error
+    (:meth:`QKClip.prepare`).
 
     Args:
         module: the attention module (as :func:`dmuon.owners.attention.find_attention` finds it).
-        max_logits: ``[num_heads]``, any float dtype: each query head's largest scaled logit
-            ``q . k * scale`` over the batch (masked positions excluded). Not mutated.
+        max_logits: ``[num_heads]`` (this rank's heads under tensor parallelism), any float
+            dtype, any device: each query head's largest scaled logit ``q . k * scale`` over
+            the batch (masked positions excluded: ``-inf`` for a head that attended nowhere).
+            Not mutated.
+
+    Raises:
+        ValueError: a head count different from this step's earlier calls for ``module``.
 
     Calls made while a pipelining stage infers its shapes (:func:`in_metadata_inference`)
     are ignored: that forward runs on uninitialized inputs.
@@ -287,10 +304,18 @@ class QKClip:
         model: the model passed to ``dedicate_params``.
         ctx: its :class:`dmuon.hooks.state.DedicateState` (records, groups).
 
+    ``prepare(group)`` at the start of a step gives the step's frozen plan
+    (:class:`dmuon.owners.qk_plan.ClipPlan`); ``apply(group)`` is prepare then scale everything.
+
+    Attributes:
+        clipped_heads: query heads in the groups the last step clipped.
+        max_logit: the largest finite reduced max logit of the last step.
+
     Raises:
-        ValueError: a model with no recognized attention module; under tensor parallelism, a
-            query projection that is not a dedicated matrix, is sharded by columns, or whose
-            TP slices cut a head.
+        ValueError: a model with no recognized attention module; a ``q_norm`` / ``k_norm``
+            whose gain cannot be scaled (:func:`dmuon.owners.qk_plan.norm_gain`); under tensor
+            parallelism, a query projection that is not a dedicated matrix, is sharded by
+            columns, or whose TP slices cut a head.
     """
 
     def __init__(self, model: nn.Module, ctx: Any) -> None:
@@ -302,11 +327,17 @@ class QKClip:
                 f"module dmuon recognizes (Hugging Face q_proj/k_proj/v_proj, nn.MultiheadAttention, "
                 f"torchtitan wq/wk/wv or wqkv; see docs/usage.md). Leave qk_clip_threshold=None.")
         self.record_of = {(id(r.module), r.attr): r for r in ctx.records}
+        self.module_names = {id(m): n for n, m in model.named_modules()}
+        # QK-norms: their gains are what the clip scales (refused here when it cannot)
+        self.gains = [(norm_gain("q_norm", lay, lay.q_norm, lay.num_heads) if lay.q_norm is not None else None,
+                       norm_gain("k_norm", lay, lay.k_norm, lay.num_kv_heads) if lay.k_norm is not None else None)
+                      for lay in self.layouts]
         self.local = [self._local_heads(layout) for layout in self.layouts]
         self.recorder = LogitRecorder(self.layouts, [len(heads) for heads in self.local])
-        self.warned = False
-        self.clipped_heads = 0  # heads with eta < 1 at the last step (for logs and tests)
-        self.max_logit = float("-inf")  # the largest reduced max logit of the last step
+        self.first_step = True  # nothing recorded in the first step is an error
+        self.warned: set[str] = set()  # modules whose skipped groups were logged
+        self.clipped_heads = 0  # query heads in clipped groups at the last step (logs, tests)
+        self.max_logit = float("-inf")  # the largest finite reduced max logit of the last step
 
     def _tp_rows(self, rec: Any) -> tuple[int, int]:
         """``(first row, rows)`` of this TP rank's slice of ``rec`` (the whole matrix unless TP
@@ -355,66 +386,147 @@ class QKClip:
                 heads.append(h)
         return tuple(heads)
 
-    def _gather(self) -> torch.Tensor:
+    def _gather(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This step's recorded maxima, MAX-reduced over the mesh in one all-reduce, and reset.
+
+        Returns:
+            ``maxima`` ``[total heads]`` fp32 CPU (``-inf``: no rank saw the head; NaN maxima
+            travel as ``-inf`` plus a flag), ``nan`` ``[total heads]`` bool, and ``recorded``
+            ``[layouts]`` fp32: 0 (no rank recorded the module), 1 (some did), 2 (some rank
+            recorded a head count that is not its share: an error every rank sees).
+        """
         device = self.ctx.records[0].compute.device if self.ctx.records else torch.device("cpu")
-        parts = []
+        maxima, nans, flags = [], [], []
         for layout, local in zip(self.layouts, self.local):
             seen = getattr(layout.module, _ATTR, None)
             setattr(layout.module, _ATTR, None)
             full = torch.full((layout.num_heads,), float("-inf"), device=device)
-            if seen is not None and seen.numel() != len(local):
-                raise ValueError(f"dmuon: attention module {layout.name!r} recorded "
-                                 f"{seen.numel()} head maxima; this rank computes {len(local)} of "
-                                 f"its {layout.num_heads} heads.")
-            if seen is not None:  # at their global head indices (a TP rank's are a subset)
-                full[list(local)] = seen.to(device)
-            parts.append(full)
-        flat = torch.cat(parts)
+            nan = torch.zeros(layout.num_heads, device=device)
+            flag = 0.0 if seen is None else 1.0 if seen.numel() == len(local) else 2.0
+            if flag == 1.0:  # at their global head indices (a TP rank's are a subset)
+                seen = seen.to(device)
+                full[list(local)] = seen.masked_fill(seen.isnan(), float("-inf"))  # keeps +-inf
+                nan[list(local)] = seen.isnan().float()
+            maxima.append(full)
+            nans.append(nan)
+            flags.append(flag)
+        flat = torch.cat([*maxima, *nans, torch.tensor(flags, device=device)])
         if dist.is_initialized() and dist.get_world_size(self.ctx.roles.world) > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.ctx.roles.world)
-        return flat
+        flat = flat.cpu()
+        heads = sum(layout.num_heads for layout in self.layouts)
+        return flat[:heads], flat[heads: 2 * heads] > 0, flat[2 * heads:]
+
+    def _check_recorded(self, recorded: torch.Tensor) -> None:
+        """Raise (on every rank: ``recorded`` is reduced) when a module recorded no logits in
+        the first step or a wrong head count; later, a module that did not run is skipped."""
+        wrong = {lay.name: f"{len(local)} of {lay.num_heads} heads on rank {getattr(self.ctx, 'rank', '?')}"
+                 for lay, local, r in zip(self.layouts, self.local, recorded.tolist()) if r == 2}
+        if wrong:
+            raise RuntimeError(
+                f"dmuon: QK-clip: on some rank, attention module(s) {sorted(wrong)} recorded a number "
+                f"of head maxima that is not the number of query heads that rank computes (here: "
+                f"{wrong}); dmuon.qk_clip.observe takes [num_heads], the heads of the rank's own "
+                f"forward under tensor parallelism.")
+        missing = [lay.name for lay, r in zip(self.layouts, recorded.tolist()) if r == 0]
+        first, self.first_step = self.first_step, False
+        if missing and first:
+            raise RuntimeError(
+                f"dmuon: qk_clip_threshold is set, but no rank recorded attention logits of "
+                f"{missing} in the first optimizer step, so QK-clip could never act on them: their "
+                f"attention is computed outside the module's own forward (LeRobot's pi0 / pi05 / "
+                f"SmolVLA compute it in functions of their own) or the modules did not run. Where "
+                f"the logits are computed, call dmuon.qk_clip.observe(module, max_logits) with the "
+                f"attention module and its per-head maxima ([num_heads]; "
+                f"dmuon.qk_clip.max_logits(query, key, ...) computes them), or leave "
+                f"qk_clip_threshold=None. Nothing was updated in this step.")
+        if missing:
+            logger.debug("dmuon: QK-clip: no logits of %s this step (not run); not clipped", missing)
 
     @torch.no_grad()
-    def apply(self, group: dict) -> None:
-        """Reduce this step's maxima and scale the owned query / key head rows (collective over
-        the mesh when ``group["qk_clip_threshold"]`` is set; the maxima are reset either way)."""
+    def prepare(self, group: dict) -> ClipPlan | None:
+        """Reduce this step's maxima and decide the clip, before any parameter moves.
+
+        Call at the start of ``opt.step()`` on every rank of the mesh (collective when
+        ``group["qk_clip_threshold"]`` is set; the recorded maxima are reset either way).
+
+        Args:
+            group: the Muon param group (``qk_clip_threshold`` ``tau``, ``qk_clip_alpha``).
+
+        Returns:
+            The frozen :class:`dmuon.owners.qk_plan.ClipPlan` of this step, or ``None`` when no
+            group clips (or the threshold is ``None``).
+
+        Raises:
+            RuntimeError: on every rank, a module that recorded no logits in the first step, or
+                a wrong number of head maxima.
+        """
         tau = group.get("qk_clip_threshold")
         if tau is None:
             for layout in self.layouts:
                 setattr(layout.module, _ATTR, None)
-            return
+            return None
         alpha = float(group.get("qk_clip_alpha", 0.5))
-        flat = self._gather().cpu()
+        with label("dmuon::qk_clip_prepare"):
+            maxima, nan, recorded = self._gather()
+        self._check_recorded(recorded)
+        finite = maxima[torch.isfinite(maxima)]
+        self.max_logit = float(finite.max()) if finite.numel() else float("-inf")
         self.clipped_heads = 0
-        self.max_logit = float(flat.max()) if flat.numel() else float("-inf")
+        acc: dict[tuple[int, str], list] = {}
         offset = 0
-        for layout in self.layouts:
-            s = flat[offset: offset + layout.num_heads]
+        for layout, gains, seen in zip(self.layouts, self.gains, recorded.tolist()):
+            heads = slice(offset, offset + layout.num_heads)
             offset += layout.num_heads
-            if not torch.isfinite(s).any():
-                if not self.warned:
-                    logger.warning("dmuon: QK-clip saw no logits of %r this step (not run, or its "
-                                   "attention reaches no hook: call dmuon.qk_clip.observe)", layout.name)
-                    self.warned = True
+            if not seen:
                 continue
-            per_group = s.view(layout.num_kv_heads, layout.group).amax(dim=1)
-            eta = torch.clamp(tau / per_group, max=1.0)
-            if bool((eta >= 1).all()):
+            eta, skipped = group_etas(maxima[heads], nan[heads], layout.num_kv_heads, tau)
+            if bool(skipped.any()) and layout.name not in self.warned:
+                self.warned.add(layout.name)
+                logger.warning(
+                    "dmuon: QK-clip left KV group(s) %s of %r unscaled: their max logit is -inf "
+                    "(every position masked), inf or NaN (head maxima %s). Logged once per module.",
+                    skipped.nonzero().flatten().tolist(), layout.name, maxima[heads].tolist())
+            if not bool((eta < 1).any()):
                 continue
             self.clipped_heads += int((eta < 1).sum()) * layout.group
-            self._scale(layout.q, eta.repeat_interleave(layout.group) ** alpha)
-            self._scale(layout.k, eta ** (1 - alpha))
+            for module, attr, factors, shift in plan_rows(layout, eta, alpha, gains, self._rows_of):
+                entry = acc.setdefault((id(module), attr), [module, attr, torch.ones_like(factors), shift])
+                entry[2] = entry[2] * factors  # a fused weight: its q and its k rows
+        if not acc:
+            return None
+        return self._plan(tau, alpha, acc.values())
 
-    def _scale(self, ref: Any, factors: torch.Tensor) -> None:
-        rec = self.record_of.get((id(ref.module), ref.attr))
-        if rec is None or not rec.is_owner or rec.master.numel() == 0:
-            return  # not dedicated here, or someone else owns it
-        rows = torch.ones(rec.full_shape[0], dtype=torch.float32)
-        for start, factor in zip(ref.head_rows, factors.tolist()):
-            rows[start: start + ref.head_dim] = factor
-        first, count = self._tp_rows(rec)  # the master is this TP rank's slice of the rows
-        master = rec.master.data
-        master.mul_(rows[first: first + count].to(master.device).view(-1, 1))
+    def _rows_of(self, module: nn.Module, attr: str) -> int | None:
+        rec = self.record_of.get((id(module), attr))
+        if rec is not None:
+            return int(rec.full_shape[0])
+        param = module._parameters.get(attr)
+        return None if param is None else int(param.shape[0])
+
+    def _plan(self, tau: float, alpha: float, entries: Any) -> ClipPlan:
+        masters, records, others = {}, [], []
+        for module, attr, factors, shift in entries:
+            rec = self.record_of.get((id(module), attr))
+            if rec is None:
+                name = self.module_names.get(id(module), type(module).__name__)
+                others.append(RowScale(fqn=f"{name}.{attr}", module=module, attr=attr,
+                                       factors=factors.float(), offset=shift))
+            elif rec.is_owner and rec.master.numel():
+                first, count = self._tp_rows(rec)  # the master is this TP rank's slice of the rows
+                masters[id(rec)] = factors[first: first + count].float().to(rec.master.device)
+                records.append(rec)
+        return ClipPlan(tau=float(tau), alpha=alpha, masters=MappingProxyType(masters),
+                        records=tuple(records), others=tuple(others),
+                        clipped_heads=self.clipped_heads, max_logit=self.max_logit)
+
+    @torch.no_grad()
+    def apply(self, group: dict) -> None:
+        """:meth:`prepare`, then scale everything at once (the owned masters and the other
+        tensors): QK-clip after an optimizer step that has already run."""
+        plan = self.prepare(group)
+        if plan is not None:
+            plan.scale_all()
 
     def remove(self) -> None:
         self.recorder.remove()

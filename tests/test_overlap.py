@@ -121,17 +121,23 @@ def test_backward_speculation_survives_a_clip_that_does_not_bind(dist_pool):
     assert sum(o["stats"]["kept"] for o in out) > 0
 
 
-@pytest.mark.parametrize("overlap", ["forward", "backward"])
-def test_per_head_muon_overlaps(dist_pool, overlap):
-    """Per-head Muon goes through the overlapped job like any matrix (it used to step
-    synchronously whatever ``overlap`` said): equal to torch.optim.Muon on every head block."""
+@pytest.mark.parametrize("overlap,tau", [("forward", None), ("backward", None), ("forward", 0.3),
+                                         ("backward", 0.3)])
+def test_per_head_muon_and_qk_clip_overlap(dist_pool, overlap, tau):
+    """Per-head Muon and QK-clip go through the overlapped job like any matrix (they used to
+    step synchronously whatever ``overlap`` said; the clip's frozen plan scales the new rows in
+    the job): equal to torch.optim.Muon on every head block, clipped by Kimi's rule (gain 3,
+    tau 0.3: heads clip every step)."""
     from tests import attention_models as am
 
-    out = dist_pool.run(4, "tests.blocks_cases:train", dict(layout="fsdp", steps=3, overlap=overlap),
-                        timeout_s=180)
-    ref, _ = am.run_reference(4, 3, per_head=True)
+    gain = 1.0 if tau is None else 3.0
+    out = dist_pool.run(4, "tests.blocks_cases:train", dict(layout="fsdp", steps=3, overlap=overlap, tau=tau,
+                                                            gain=gain), timeout_s=180)
+    ref, clipped = am.run_reference(4, 3, per_head=True, tau=tau, gain=gain)
     compare(out[0]["params"], ref, FP32_ATOL)
     assert all(o["scheduled"] > 0 for o in out if o["owns"]), out
+    if tau is not None:
+        assert clipped[0] > 0 and out[0]["clipped"] == [c * am.GROUP for c in clipped], (clipped, out[0]["clipped"])
 
 
 @pytest.mark.compat

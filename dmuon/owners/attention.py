@@ -20,11 +20,17 @@ users have:
 
 Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (grouped-query attention as
 ``transformers``' ``repeat_kv`` and ``F.scaled_dot_product_attention(enable_gqa=True)``).
+
+What sits between a projection and the logits matters to QK-clip (:mod:`dmuon.qk_clip`): a
+projection's bias (``q = W x + b``: Qwen2, SigLIP, ``nn.MultiheadAttention``'s ``in_proj_bias``)
+has the same rows as its weight (:attr:`WeightRef.bias`), and a QK-norm (``q_norm`` / ``k_norm``
+children applied after the projections: Qwen3, Gemma 3, OLMo 2) is recorded on the layout
+(:attr:`AttentionLayout.q_norm`); ``nn.Identity`` (timm's default) counts as none.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 from torch import nn
@@ -43,12 +49,16 @@ class WeightRef:
         attr: the parameter's attribute name.
         head_rows: first row of each head's ``head_dim`` rows, in head order.
         head_dim: rows per head.
+        bias: the attribute name of the projection's bias on ``module`` (same rows as the
+            weight: ``bias`` of a ``Linear``, ``in_proj_bias`` of ``nn.MultiheadAttention``);
+            ``None`` when it has none.
     """
 
     module: nn.Module
     attr: str
     head_rows: tuple[int, ...]
     head_dim: int
+    bias: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,8 @@ class AttentionLayout:
         num_kv_heads: key/value heads (``num_heads`` without grouped-query attention).
         head_dim: query/key rows per head.
         q, k, v: the projections' weights and head rows (``v`` may be ``None``).
+        q_norm, k_norm: the module's ``q_norm`` / ``k_norm`` children (a QK-norm applied to the
+            projections' output before the logits), ``None`` where it has none.
     """
 
     name: str
@@ -72,6 +84,8 @@ class AttentionLayout:
     q: WeightRef
     k: WeightRef
     v: WeightRef | None
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
 
     @property
     def group(self) -> int:
@@ -89,10 +103,26 @@ class AttentionLayout:
             if key in merged:
                 old = merged[key]
                 rows = tuple(sorted(set(old.head_rows) | set(ref.head_rows)))
-                merged[key] = WeightRef(ref.module, ref.attr, rows, ref.head_dim)
+                merged[key] = WeightRef(ref.module, ref.attr, rows, ref.head_dim, ref.bias)
             else:
                 merged[key] = ref
         return list(merged.values())
+
+
+def _bias(module: nn.Module, attr: str = "bias") -> str | None:
+    """``attr`` when ``module`` has a bias parameter there, else ``None``."""
+    return attr if getattr(module, attr, None) is not None else None
+
+
+def _with_norms(layout: AttentionLayout | None) -> AttentionLayout | None:
+    """``layout`` with the attention module's ``q_norm`` / ``k_norm`` children (``nn.Identity``:
+    none)."""
+    if layout is None:
+        return None
+    children = dict(layout.module.named_children())
+    norms = [children.get(n) for n in ("q_norm", "k_norm")]
+    norms = [None if n is None or isinstance(n, nn.Identity) else n for n in norms]
+    return replace(layout, q_norm=norms[0], k_norm=norms[1]) if any(norms) else layout
 
 
 def _int_attr(objs: list[Any], names: tuple[str, ...]) -> int | None:
@@ -138,19 +168,24 @@ def _separate(name: str, module: nn.Module, q: nn.Module, k: nn.Module, v: nn.Mo
     v_dim = v_rows // kv
     return AttentionLayout(
         name=name, module=module, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-        q=WeightRef(q, "weight", tuple(h * head_dim for h in range(heads)), head_dim),
-        k=WeightRef(k, "weight", tuple(h * head_dim for h in range(kv)), head_dim),
-        v=WeightRef(v, "weight", tuple(h * v_dim for h in range(kv)), v_dim))
+        q=WeightRef(q, "weight", tuple(h * head_dim for h in range(heads)), head_dim, _bias(q)),
+        k=WeightRef(k, "weight", tuple(h * head_dim for h in range(kv)), head_dim, _bias(k)),
+        v=WeightRef(v, "weight", tuple(h * v_dim for h in range(kv)), v_dim, _bias(v)))
 
 
 def _recognize(name: str, module: nn.Module, full_rows: Any = None) -> AttentionLayout | None:
+    return _with_norms(_projections(name, module, full_rows))
+
+
+def _projections(name: str, module: nn.Module, full_rows: Any = None) -> AttentionLayout | None:
     if isinstance(module, nn.MultiheadAttention):
         if not module._qkv_same_embed_dim or module.in_proj_weight is None:
             return None
         heads, dim = module.num_heads, module.head_dim
         e = module.embed_dim
         rows = tuple(h * dim for h in range(heads))
-        ref = lambda off: WeightRef(module, "in_proj_weight", tuple(off + r for r in rows), dim)  # noqa: E731
+        bias = _bias(module, "in_proj_bias")
+        ref = lambda off: WeightRef(module, "in_proj_weight", tuple(off + r for r in rows), dim, bias)  # noqa: E731
         return AttentionLayout(name=name, module=module, num_heads=heads, num_kv_heads=heads,
                                head_dim=dim, q=ref(0), k=ref(e), v=ref(2 * e))
     children = dict(module.named_children())
@@ -180,7 +215,8 @@ def _fused_qkv(name: str, module: nn.Module, qkv: nn.Linear, full_rows: Any) -> 
         return None
     dim = _int_attr([module], ("head_dim",)) or rows // (3 * heads)
     _check(name, "fused qkv", rows, 3 * heads * dim)
-    ref = lambda off: WeightRef(qkv, "weight", tuple(off + h * dim for h in range(heads)), dim)  # noqa: E731
+    bias = _bias(qkv)
+    ref = lambda off: WeightRef(qkv, "weight", tuple(off + h * dim for h in range(heads)), dim, bias)  # noqa: E731
     return AttentionLayout(name=name, module=module, num_heads=heads, num_kv_heads=heads,
                            head_dim=dim, q=ref(0), k=ref(heads * dim), v=ref(2 * heads * dim))
 
@@ -200,9 +236,9 @@ def _q_kv(name: str, module: nn.Module, q: nn.Linear, kv: nn.Linear, full_rows: 
         return None
     return AttentionLayout(
         name=name, module=module, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-        q=WeightRef(q, "weight", tuple(h * dim for h in range(heads)), dim),
-        k=WeightRef(kv, "weight", tuple(h * dim for h in range(kv_heads)), dim),
-        v=WeightRef(kv, "weight", tuple((kv_heads + h) * dim for h in range(kv_heads)), dim))
+        q=WeightRef(q, "weight", tuple(h * dim for h in range(heads)), dim, _bias(q)),
+        k=WeightRef(kv, "weight", tuple(h * dim for h in range(kv_heads)), dim, _bias(kv)),
+        v=WeightRef(kv, "weight", tuple((kv_heads + h) * dim for h in range(kv_heads)), dim, _bias(kv)))
 
 
 def _fused_group_major(name: str, module: nn.Module, wqkv: nn.Linear, sources: list[Any],
@@ -220,8 +256,9 @@ def _fused_group_major(name: str, module: nn.Module, wqkv: nn.Linear, sources: l
     v_rows = tuple((g * (per + 2) + per + 1) * head_dim for g in range(kv))
     return AttentionLayout(
         name=name, module=module, num_heads=heads, num_kv_heads=kv, head_dim=head_dim,
-        q=WeightRef(wqkv, "weight", q_rows, head_dim), k=WeightRef(wqkv, "weight", k_rows, head_dim),
-        v=WeightRef(wqkv, "weight", v_rows, head_dim))
+        q=WeightRef(wqkv, "weight", q_rows, head_dim, _bias(wqkv)),
+        k=WeightRef(wqkv, "weight", k_rows, head_dim, _bias(wqkv)),
+        v=WeightRef(wqkv, "weight", v_rows, head_dim, _bias(wqkv)))
 
 
 def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]:

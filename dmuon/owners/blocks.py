@@ -31,6 +31,7 @@ from torch import nn
 
 from dmuon.owners.attention import find_attention
 from dmuon.owners.slices import chunk_sizes
+from dmuon.owners.update import split_orthogonalize
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,10 +125,18 @@ def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
             callable ``(fqn, full_shape) -> Split | None``.
 
     Raises:
-        ValueError: a ``split`` key that names no dedicated matrix, a split that does not tile
-            its matrix, a matrix that is an expert stack or already cut into row blocks
+        ValueError: ``per_head`` on a model with no attention module dmuon recognizes, a
+            ``split`` key that names no dedicated matrix, a split that does not tile its
+            matrix, a matrix that is an expert stack or already cut into row blocks
             (``fused_blocks``), or a value that is not a :class:`Split`.
     """
+    if per_head and not find_attention(model, records):
+        raise ValueError(
+            f"dmuon: per_head=True but {type(model).__name__} has no attention module dmuon "
+            f"recognizes (Hugging Face q_proj/k_proj/v_proj, nn.MultiheadAttention, torchtitan "
+            f"wq/wk/wv or wqkv, a ViT qkv, q + kv; see docs/usage.md), so no matrix would be "
+            f"split. Give the splits by name (split={{fqn: dmuon.Split.heads(num_heads, head_dim)}}) "
+            f"or leave per_head=False.")
     by_slot = per_head_splits(model, records) if per_head else {}
     by_fqn: dict[str, Split] = {}
     call = None
@@ -170,75 +179,6 @@ def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
         found.check(rec.fqn, rec.full_shape)
         out[id(rec)] = found
     return out
-
-
-def _cut(update: torch.Tensor, split: Split) -> list[torch.Tensor]:
-    pieces = [update.narrow(split.dim, a, b - a) for a, b in split.bounds()]
-    return pieces if split.dim == 0 else [p.contiguous() for p in pieces]
-
-
-def split_orthogonalize(splits: Sequence[Split | None], matrix_shapes: Sequence[tuple[int, int]] | None,
-                        ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-                        ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """Newton-Schulz over full updates (one per entry of ``splits``), each cut into its blocks
-    (``None``: whole, or a stack's matrices of ``matrix_shapes[i]``), all blocks in one
-    ``ns`` call (batched by shape), each result shaped like its update again."""
-    from dmuon.owners.stacks import as_matrices
-
-    def run(updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        flat: list[torch.Tensor] = []
-        spans = []
-        for i, (update, split) in enumerate(zip(updates, splits)):
-            if split is not None:
-                pieces = _cut(update, split)
-            elif matrix_shapes is None or tuple(update.shape) == tuple(matrix_shapes[i]):
-                pieces = [update]
-            else:
-                pieces = list(as_matrices(update, matrix_shapes[i]).unbind(0))
-            spans.append((len(flat), len(pieces)))
-            flat.extend(pieces)
-        out = ns(flat) if flat else []
-        result = []
-        for update, split, (start, count) in zip(updates, splits, spans):
-            part = out[start: start + count]
-            if split is not None:
-                result.append(torch.cat(part, dim=split.dim))
-            elif count == 1 and tuple(part[0].shape) == tuple(update.shape):
-                result.append(part[0])
-            else:
-                result.append(torch.stack(part).view(update.shape))
-        return result
-
-    return run
-
-
-def apply_split_update_(param: torch.Tensor, update: torch.Tensor, split: Split, *, lr: float,
-                        weight_decay: float, adjust_lr_fn: str | None, full_shape: Sequence[int],
-                        tp_shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
-    """Decoupled weight decay, then every block ``param[block] -= adjust_lr(lr, block) *
-    update[block]`` (``torch.optim.Muon``'s ``_single_tensor_muon`` on each block).
-
-    Args:
-        param: fp32 master ``[rows, cols]``, or this rank's TP slice of it; updated in place.
-        update: the orthogonalized update, same shape as ``param``.
-        full_shape: ``(rows, cols)`` of the whole matrix.
-        tp_shard_dim, tp_rank, tp_size: the TP slice ``param`` is (``tp_shard_dim`` None: whole).
-    """
-    from dmuon.owners.update import adjust_lr
-
-    param.mul_(1 - lr * weight_decay)
-    dim = split.dim
-    offset = 0
-    if tp_shard_dim == dim and tp_size > 1:
-        offset = sum(chunk_sizes(int(full_shape[dim]), tp_size)[:tp_rank])
-    length = param.shape[dim]
-    for index, (a, b) in enumerate(split.bounds()):
-        lo, hi = max(a, offset), min(b, offset + length)
-        if lo >= hi:
-            continue
-        alpha = -adjust_lr(lr, adjust_lr_fn, split.block_shape(index, full_shape))
-        param.narrow(dim, lo - offset, hi - lo).add_(
-            update.narrow(dim, lo - offset, hi - lo).to(param.dtype), alpha=alpha)
 
 
 def tp_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

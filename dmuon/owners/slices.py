@@ -212,6 +212,31 @@ def put(full: Tensor, piece: tuple[Runs, Runs], value: Tensor) -> None:
     full[rows[:, None], cols] = value.to(full.dtype)
 
 
+def local_rows(t: Tensor) -> Tensor:
+    """Indices, along dim 0 of the full tensor, of the rows this rank's local piece of ``t``
+    holds, in local order (int64 CPU ``[local rows]``).
+
+    ``t``: a DTensor of any rank >= 1 (FSDP2's ``Shard(0)``, a TP slice, ``_StridedShard`` under
+    FSDP x TP, a replica; only placements of dim 0 cut rows, applied in the order
+    :func:`placement_slice` applies them), or a plain tensor (every row).
+    """
+    rows = int(t.shape[0])
+    mesh = getattr(t, "device_mesh", None)
+    if mesh is None:
+        return torch.arange(rows)
+    coords = mesh.get_coordinate()
+    if coords is None:  # not on this tensor's mesh: holds nothing
+        return torch.zeros(0, dtype=torch.long)
+    runs: Runs = ((0, rows),) if rows else ()
+    order = sorted(zip(t.placements, mesh.mesh.shape, coords), key=lambda x: type(x[0]).__name__ == "_StridedShard")
+    for placement, size, coord in order:
+        dim = getattr(placement, "dim", None)
+        if dim is None or dim % t.dim() == 0:
+            got, new = apply_placement(runs, placement, int(size), int(coord))
+            runs = new if got is not None else runs
+    return index_of(runs)
+
+
 def dtensor_layout(t: Tensor, group_ranks: Sequence[int]) -> MatrixLayout:
     """Layout of a 2-D DTensor whose mesh holds exactly the ranks ``group_ranks``.
 

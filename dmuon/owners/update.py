@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dmuon.owners import torch_muon
-from dmuon.owners.slices import local_tensor
+from dmuon.owners.slices import chunk_sizes, local_tensor
 
 #: Every ``adjust_lr_fn`` dmuon implements; the installed torch may lack some
 #: (:meth:`dmuon.owners.torch_muon.TorchMuon.check_adjust_lr_fn`).
@@ -239,6 +239,73 @@ class MatrixLayout:
         return self.full_shape if self.tp_shard_dim is not None else self.matrix_shape
 
 
+def _cut(update: torch.Tensor, split: Any) -> list[torch.Tensor]:
+    pieces = [update.narrow(split.dim, a, b - a) for a, b in split.bounds()]
+    return pieces if split.dim == 0 else [p.contiguous() for p in pieces]
+
+
+def split_orthogonalize(splits: Sequence[Any], matrix_shapes: Sequence[tuple[int, int]] | None,
+                        ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                        ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """Newton-Schulz over full updates (one per entry of ``splits``), each cut into its blocks
+    (``None``: whole, or a stack's matrices of ``matrix_shapes[i]``), all blocks in one
+    ``ns`` call (batched by shape), each result shaped like its update again."""
+    from dmuon.owners.stacks import as_matrices
+
+    def run(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+        flat: list[torch.Tensor] = []
+        spans = []
+        for i, (update, split) in enumerate(zip(updates, splits)):
+            if split is not None:
+                pieces = _cut(update, split)
+            elif matrix_shapes is None or tuple(update.shape) == tuple(matrix_shapes[i]):
+                pieces = [update]
+            else:
+                pieces = list(as_matrices(update, matrix_shapes[i]).unbind(0))
+            spans.append((len(flat), len(pieces)))
+            flat.extend(pieces)
+        out = ns(flat) if flat else []
+        result = []
+        for update, split, (start, count) in zip(updates, splits, spans):
+            part = out[start: start + count]
+            if split is not None:
+                result.append(torch.cat(part, dim=split.dim))
+            elif count == 1 and tuple(part[0].shape) == tuple(update.shape):
+                result.append(part[0])
+            else:
+                result.append(torch.stack(part).view(update.shape))
+        return result
+
+    return run
+
+
+def apply_split_update_(param: torch.Tensor, update: torch.Tensor, split: Any, *, lr: float,
+                        weight_decay: float, adjust_lr_fn: str | None, full_shape: Sequence[int],
+                        tp_shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Decoupled weight decay, then every block ``param[block] -= adjust_lr(lr, block) *
+    update[block]`` (``torch.optim.Muon``'s ``_single_tensor_muon`` on each block).
+
+    Args:
+        param: fp32 master ``[rows, cols]``, or this rank's TP slice of it; updated in place.
+        update: the orthogonalized update, same shape as ``param``.
+        full_shape: ``(rows, cols)`` of the whole matrix.
+        tp_shard_dim, tp_rank, tp_size: the TP slice ``param`` is (``tp_shard_dim`` None: whole).
+    """
+    param.mul_(1 - lr * weight_decay)
+    dim = split.dim
+    offset = 0
+    if tp_shard_dim == dim and tp_size > 1:
+        offset = sum(chunk_sizes(int(full_shape[dim]), tp_size)[:tp_rank])
+    length = param.shape[dim]
+    for index, (a, b) in enumerate(split.bounds()):
+        lo, hi = max(a, offset), min(b, offset + length)
+        if lo >= hi:
+            continue
+        alpha = -adjust_lr(lr, adjust_lr_fn, split.block_shape(index, full_shape))
+        param.narrow(dim, lo - offset, hi - lo).add_(
+            update.narrow(dim, lo - offset, hi - lo).to(param.dtype), alpha=alpha)
+
+
 def muon_momentum_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor],
                    hp: MuonHyper) -> list[torch.Tensor]:
     """Phase 3a: the momentum step of every matrix (``bufs`` updated in place) and its
@@ -250,9 +317,7 @@ def orthogonalize_updates(updates: list[torch.Tensor], layouts: Sequence[MatrixL
                           ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
     """Phase 3b, on one rank: Newton-Schulz of every matrix of ``updates`` (whole, each expert of
     a stack, or each block of a split), all in one ``ns`` call batched by shape, each result
-    shaped like its update (:func:`dmuon.owners.blocks.split_orthogonalize`)."""
-    from dmuon.owners.blocks import split_orthogonalize
-
+    shaped like its update (:func:`split_orthogonalize`)."""
     return split_orthogonalize([lay.split for lay in layouts], [lay.matrix_shape for lay in layouts],
                                ns)(updates)
 
@@ -262,7 +327,7 @@ def muon_finish_(params: Sequence[torch.Tensor], orthos: Sequence[torch.Tensor],
     """Phase 3c: after Newton-Schulz has read its inputs, what the installed torch leaves in the
     momentum buffers (:func:`normalize_like_torch_`), then the master update: decoupled weight
     decay and ``param -= adjust_lr(lr, shape) * ortho`` (:func:`apply_update_`, or per block of
-    a split, :func:`dmuon.owners.blocks.apply_split_update_`).
+    a split, :func:`apply_split_update_`).
 
     Args:
         params: fp32 masters (full, a stack, or a TP slice), updated in place.
@@ -271,8 +336,6 @@ def muon_finish_(params: Sequence[torch.Tensor], orthos: Sequence[torch.Tensor],
         layouts: each master's :class:`MatrixLayout`.
         hp: the step's :class:`MuonHyper`.
     """
-    from dmuon.owners.blocks import apply_split_update_
-
     normalize_like_torch_(bufs, layouts, nesterov=hp.nesterov, eps=hp.eps)
     for param, ortho, lay in zip(params, orthos, layouts):
         if lay.split is None:
