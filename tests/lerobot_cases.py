@@ -267,8 +267,9 @@ def local_numel(policy: torch.nn.Module) -> int:
 
 
 def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
-    """fully_shard_policy + dedicate_params + dmuon.Muon over ``STEPS`` steps of ``GA``
-    micro-batches with clipping (``torch.nn.utils.clip_grad_norm_``, as LeRobot calls it)."""
+    """fully_shard_policy + dedicate_params (the default call, no ``predicate=``) + dmuon.Muon
+    over ``STEPS`` steps of ``GA`` micro-batches with clipping (``torch.nn.utils.clip_grad_norm_``,
+    as LeRobot calls it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -281,8 +282,9 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
     policy = build(name)
     policy.train()
     total = sum(p.numel() for p in policy.parameters())
+    full = {n: p.numel() for n, p in policy.named_parameters()}
     dl.fully_shard_policy(policy, mesh)
-    dmuon.dedicate_params(policy, mesh, predicate=dl.predicate(policy))
+    dmuon.dedicate_params(policy, mesh)  # no predicate=: fully_shard_policy declared its own
     opt = dmuon.Muon(policy, **OPT_KWARGS)
     losses, norms = [], []
     for step in range(STEPS):
@@ -298,8 +300,12 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     dedicated = sorted(r.fqn for r in policy._dmuon_state.records)
+    # the share of each lm_head this rank stores: 1/N as an FSDP2 shard; 1 or 0 had it an owner
+    heads = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() / full[n]
+             for n, p in policy.named_parameters() if "lm_head" in n}
     return dict(params=full_params(policy, rank), losses=losses, norms=norms,
-                local_fraction=local_numel(policy) / total, dedicated=dedicated)
+                local_fraction=local_numel(policy) / total, dedicated=dedicated,
+                lm_head_shares=heads)
 
 
 # ---------------------------------------------------------------------------- entry point

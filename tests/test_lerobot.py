@@ -3,11 +3,12 @@
 ``torch.optim.Muon`` + ``AdamW`` (``tests/lerobot_cases.py``), for tiny pi0, pi05, SmolVLA and
 ACT (and diffusion where ``diffusers`` is installed) built by LeRobot 0.6.1's own classes (random weights, no hub).
 
-Each: 3 steps, gradient accumulation 2, clipping active at every step; every parameter within
+Each: the default call (``dedicate_params(policy, mesh)`` without ``predicate=``, issue 45),
+3 steps, gradient accumulation 2, clipping active at every step; every parameter within
 1e-5 of the reference except the noise-driven entries (``lerobot_cases.noise_driven``: attention
 key biases and ACT's first decoder self-attention's query/key rows, whose true gradient is ~0),
-which are only bounded by the optimizer's largest step; each rank stores < 0.6 of the
-parameters. Skipped where LeRobot is not installed (the Python 3.11 CI job).
+which are only bounded by the optimizer's largest step; no ``lm_head`` is dedicated and each
+rank stores between 0.4 and 0.6 of the parameters. Skipped where LeRobot is not installed (the Python 3.11 CI job).
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ def test_fully_shard_policy_matches_reference(dist_pool, name):
         np.testing.assert_allclose(o["norms"], ref_norms, rtol=1e-5)
     assert min(ref_norms) > cases.MAX_NORM  # the clip is active at every step
     assert out[0]["dedicated"] == sorted(cases.matrix_names(cases.build(name)))
-    for o in out:  # each rank holds about half the parameters (lm_heads left to FSDP2)
-        assert o["local_fraction"] < 0.6
+    # each rank holds about half the parameters: the default dedicate_params call leaves the
+    # lm_heads to FSDP2 (issue 45: without the declared predicate one pi0 rank held 0.99)
+    for o in out:
+        assert 0.4 < o["local_fraction"] < 0.6, [o["local_fraction"] for o in out]
+        for n, share in o["lm_head_shares"].items():  # sharded, not held whole by an owner
+            assert abs(share - 1 / len(out)) < 0.01, (n, share)
 
 
 def test_unknown_policy_type_is_refused_by_name():
