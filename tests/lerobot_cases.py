@@ -1,95 +1,26 @@
 """Tiny LeRobot policies (pi0, pi05, SmolVLA, ACT, diffusion) for dmuon's LeRobot tests.
 
 Every policy is LeRobot 0.6.1's own class, built from its own config with random weights and no
-hub access: :func:`tiny` shrinks the pretrained backbones those classes hard-code (PaliGemma's
-Gemma 2B / 300M and SigLIP, SmolVLM2's config and processor, ResNet-18's ImageNet weights) for
-the duration of the constructor. Layer structure, forward code, loss and processors stay
-LeRobot's. ``*_run`` functions run on every rank of the test pool (``tests/_pool.py``).
+hub access: :func:`dmuon.integrations.lerobot.tiny.tiny` shrinks the pretrained backbones those
+classes hard-code (PaliGemma's Gemma 2B / 300M and SigLIP, SmolVLM2's config and processor) for
+the duration of the constructor, and the configs here drop ResNet-18's ImageNet weights. Layer
+structure, forward code, loss and processors stay LeRobot's. ``*_run`` functions run on every
+rank of the test pool (``tests/_pool.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from types import SimpleNamespace
-from typing import Any, Iterator
-from unittest import mock
+from typing import Any
 
 import torch
 
+from dmuon.integrations.lerobot.tiny import IMAGE, local_tokenizer, tiny, train_tiny
+
 POLICIES = ("pi0", "pi05", "smolvla", "act", "diffusion")
-IMAGE = 32        # pixels per side of the camera image
 STATE_DIM, ACTION_DIM = 6, 4
 CHUNK = 4         # action chunk (horizon) length
 LANG_LEN = 5      # language tokens per sample (pi0 / pi05 / SmolVLA)
 VOCAB = 257152    # PaliGemma's vocabulary, hard-coded by LeRobot's pi0 / pi05
-
-
-def _frozen_fields(config: Any, keep: dict[str, Any]) -> Any:
-    """``config`` (a transformers config) with the ``keep`` fields set and deaf to later
-    assignments (LeRobot's pi0 sets SigLIP's ``intermediate_size`` / ``projection_dim`` to the
-    2B model's sizes after building the config)."""
-    for k, v in keep.items():
-        setattr(config, k, v)
-    base = type(config)
-
-    def setattr_(self: Any, name: str, value: Any) -> None:
-        if name not in keep:
-            base.__setattr__(self, name, value)
-
-    config.__class__ = type(base.__name__, (base,), {"__setattr__": setattr_})
-    return config
-
-
-@contextlib.contextmanager
-def _tiny_paligemma(module: Any, width: int = 32) -> Iterator[None]:
-    """Patch a pi0 / pi05 modeling module: both Gemmas ``width`` wide, 2 layers, SigLIP 1
-    layer on ``IMAGE``-pixel images with 8-pixel patches."""
-    from transformers.models.auto import CONFIG_MAPPING
-
-    def gemma(variant: str) -> Any:
-        return module.GemmaConfig(width=width, depth=2, mlp_dim=2 * width, num_heads=8,
-                                  num_kv_heads=1, head_dim=8)  # LeRobot hard-codes 8 heads
-
-    def paligemma() -> Any:
-        config = CONFIG_MAPPING["paligemma"]()
-        vision = config.vision_config
-        vision.hidden_size, vision.num_hidden_layers, vision.num_attention_heads = 16, 1, 2
-        vision.patch_size = 8
-        _frozen_fields(vision, dict(intermediate_size=32, projection_dim=width))
-        return config
-
-    mapping = {"paligemma": paligemma, "gemma": CONFIG_MAPPING["gemma"]}
-    with mock.patch.object(module, "get_gemma_config", gemma), \
-            mock.patch.object(module, "CONFIG_MAPPING", mapping):
-        yield
-
-
-def smolvlm_config() -> Any:
-    """A 2-layer SmolVLM config (text 64 wide, vision 16 wide, ``IMAGE``-pixel images)."""
-    from transformers import SmolVLMConfig
-
-    return SmolVLMConfig(
-        text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, vocab_size=128, max_position_embeddings=256),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=IMAGE, patch_size=8),
-        scale_factor=2, vocab_size=128)
-
-
-# SmolVLA's model reads two token ids off the processor (used only with
-# add_image_special_tokens=True); the tokenizer itself runs in the preprocessor, not the model.
-_PROCESSOR = SimpleNamespace(tokenizer=SimpleNamespace(fake_image_token_id=126,
-                                                       global_image_token_id=127))
-
-
-@contextlib.contextmanager
-def _tiny_smolvlm() -> Iterator[None]:
-    from lerobot.policies.smolvla import smolvlm_with_expert as m
-
-    with mock.patch.object(m.AutoConfig, "from_pretrained", lambda *a, **k: smolvlm_config()), \
-            mock.patch.object(m.AutoProcessor, "from_pretrained", lambda *a, **k: _PROCESSOR):
-        yield
 
 
 def features() -> tuple[dict, dict]:
@@ -131,21 +62,6 @@ def config(name: str, **overrides: Any) -> Any:
     kw.update(overrides)
     return PreTrainedConfig.get_choice_class(name)(**common, **kw)
 
-
-@contextlib.contextmanager
-def tiny(name: str) -> Iterator[None]:
-    """While active, LeRobot's constructors (``make_policy``, ``from_pretrained``) of policy
-    type ``name`` build the tiny backbones of this module instead of the pretrained ones."""
-    if name in ("pi0", "pi05"):
-        import importlib
-        module = importlib.import_module(f"lerobot.policies.{name}.modeling_{name}")
-        with _tiny_paligemma(module):
-            yield
-    elif name == "smolvla":
-        with _tiny_smolvlm():
-            yield
-    else:
-        yield
 
 
 def build(name: str, **overrides: Any) -> torch.nn.Module:
@@ -309,26 +225,10 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- entry point
-@contextlib.contextmanager
-def local_tokenizer(path: str) -> Iterator[None]:
-    """LeRobot's ``TokenizerProcessorStep`` loads the tokenizer at ``path`` whatever name its
-    processor asks for (pi0 / pi05 ask for PaliGemma's on the hub)."""
-    from lerobot.processor import tokenizer_processor as m
-
-    original = m.AutoTokenizer.from_pretrained
-    with mock.patch.object(m.AutoTokenizer, "from_pretrained",
-                           lambda name, *a, **k: original(path, *a, **k)):
-        yield
-
-
 def train_entry(rank: int, world_size: int, *, argv: list[str], policy: str,
                 tokenizer: str) -> list[dict[str, float]]:
-    """``dmuon.integrations.lerobot.train.main(argv)`` with the tiny backbones of ``policy``
-    and the local tokenizer; returns its per-step records."""
-    from dmuon.integrations.lerobot import train
-
-    with tiny(policy), local_tokenizer(tokenizer):
-        return train.main(argv)
+    """Pool worker: :func:`dmuon.integrations.lerobot.tiny.train_tiny`; its per-step records."""
+    return train_tiny(argv, policy, tokenizer)
 
 
 def entry_reference(cfg: Any, args: Any, *, world_size: int = 2) -> dict[str, Any]:
@@ -384,10 +284,7 @@ def entry_reference(cfg: Any, args: Any, *, world_size: int = 2) -> dict[str, An
 
 def entry_reference_main(argv: list[str], policy: str, tokenizer: str) -> dict[str, Any]:
     """:func:`entry_reference` on ``argv`` parsed as the entry point parses it (one process)."""
-    from dmuon.integrations.lerobot import train
-
-    with tiny(policy), local_tokenizer(tokenizer):
-        return train.main(argv, runner=entry_reference)
+    return train_tiny(argv, policy, tokenizer, runner=entry_reference)
 
 
 def load_exported(policy: str, path: str, tokenizer: str) -> dict[str, Any]:
