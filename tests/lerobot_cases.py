@@ -294,3 +294,149 @@ def load_exported(policy: str, path: str, tokenizer: str) -> dict[str, Any]:
     with tiny(policy), local_tokenizer(tokenizer):
         loaded = get_policy_class(policy).from_pretrained(path)
     return {n: p.detach().numpy().copy() for n, p in loaded.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------- QK-clip
+class _SoftmaxInputs(torch.overrides.TorchFunctionMode):
+    """Per head and query row, the max of every ``[batch, heads, rows, keys]`` softmax input over
+    the last dim: the scaled, masked attention logits LeRobot's eager attention normalizes (its
+    own tensor, read here without dmuon)."""
+
+    def __init__(self, out: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.out = out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if args[0].dim() == 4 and dim in (-1, 3):
+                self.out.append(args[0].detach().amax(dim=(0, 3)).clone())  # [heads, rows]
+        return func(*args, **kwargs)
+
+
+class DecoderLogits:
+    """While active: per call of LeRobot's decoder-layer function (pi0 / pi05
+    ``compute_layer_complete``, SmolVLA ``forward_attn_layer`` / ``forward_cross_attn_layer``)
+    its input hidden states (``inputs[i]``) and, per attention it computes and per model whose
+    queries it holds, the per-head max logits (``blocks``: ``(layer, model, kind, [heads])``;
+    model 0 the VLM, 1 the expert; kind ``"joint"`` (both models' tokens in one attention),
+    ``"prefix"`` (SmolVLA's VLM alone in a cross-attention layer) or ``"cross"`` (its expert
+    over the VLM's keys)). With ``replay`` (another instance's ``inputs``) each call runs on the
+    replayed inputs instead of its own: every layer then sees the hidden states of the replayed
+    forward, whatever the layers below it do now."""
+
+    def __init__(self, name: str, replay: list[list[Any]] | None = None) -> None:
+        import importlib
+        from unittest import mock
+
+        self.inputs: list[list[Any]] = []
+        self.blocks: list[tuple[int, int, str, torch.Tensor]] = []
+        self.replay = replay
+        if name in ("pi0", "pi05"):
+            module = importlib.import_module(f"lerobot.policies.{name}.modeling_{name}")
+            original = module.compute_layer_complete
+
+            def layer(inputs_embeds, *args, **kwargs):
+                return self._run(original, inputs_embeds, lambda x: (x, *args), kwargs, cross=False)
+
+            self.patches = [mock.patch.object(module, "compute_layer_complete", layer)]
+        else:
+            from lerobot.policies.smolvla.smolvlm_with_expert import SmolVLMWithExpertModel as cls
+
+            def wrap(original, cross):
+                def layer(vwe, model_layers, inputs_embeds, *args, **kwargs):
+                    return self._run(original, inputs_embeds,
+                                     lambda x: (vwe, model_layers, x, *args), kwargs, cross=cross)
+                return layer
+
+            self.patches = [mock.patch.object(cls, n, wrap(getattr(cls, n), n.endswith("cross_attn_layer")))
+                            for n in ("forward_attn_layer", "forward_cross_attn_layer")]
+
+    def _run(self, original, inputs_embeds, args, kwargs, cross):
+        index = len(self.inputs)
+        if self.replay is not None:
+            inputs_embeds = self.replay[index]
+        self.inputs.append([None if x is None else x.detach().clone() for x in inputs_embeds])
+        seen: list[torch.Tensor] = []
+        with _SoftmaxInputs(seen):
+            out = original(*args(inputs_embeds), **kwargs)
+        rows = [x.shape[1] for x in inputs_embeds]
+        if cross:  # the VLM over its prefix, then the expert over the VLM's keys
+            assert len(seen) == 2 and [m.shape[1] for m in seen] == rows
+            self.blocks += [(index, 0, "prefix", seen[0].amax(dim=1)),
+                            (index, 1, "cross", seen[1].amax(dim=1))]
+        else:  # one joint attention: the VLM's query rows, then the expert's
+            assert len(seen) == 1 and seen[0].shape[1] == sum(rows)
+            self.blocks += [(index, 0, "joint", seen[0][:, :rows[0]].amax(dim=1)),
+                            (index, 1, "joint", seen[0][:, rows[0]:].amax(dim=1))]
+        return out
+
+    def __enter__(self) -> "DecoderLogits":
+        for p in self.patches:
+            p.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in reversed(self.patches):
+            p.stop()
+
+
+def qk_clip_run(rank: int, world_size: int, *, name: str, alpha: float = 0.5, fraction: float = 0.5,
+                **overrides: Any) -> dict[str, Any]:
+    """QK-clip on a LeRobot VLA (config ``overrides``) through fully_shard_policy (issue 45):
+    one clip-only step (``lr`` 0, AdamW ``lr`` 0, no weight decay, ``qk_clip_alpha=alpha``) at
+    ``tau = fraction x`` the smallest max logit of any decoder attention block whose queries
+    train, on any rank; then the same batch again, each decoder layer on the hidden states it
+    saw in the step (so a layer's logits change only by its own clip).
+
+    Returns:
+        ``tau``, and per attention block (:class:`DecoderLogits`: layer, model, kind) whether
+        the model trains (``trains``) and this rank's per-head max logits ``before`` / ``after``
+        the step (lists of floats): LeRobot's own logits, read by :class:`DecoderLogits`.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from dmuon.integrations import lerobot as dl
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    policy = build(name, **overrides)
+    policy.train()
+    if name == "smolvla":  # SmolVLA freezes its VLM (train_expert_only) or its last layer
+        vwe = policy.model.vlm_with_expert
+        models = [vwe.get_vlm_model().text_model, vwe.lm_expert]
+    else:
+        pwe = policy.model.paligemma_with_expert
+        models = [pwe.paligemma.model.language_model, pwe.gemma_expert.model]
+    trains = {(i, m): layer.self_attn.q_proj.weight.requires_grad  # (layer, model)
+              for m, model in enumerate(models) for i, layer in enumerate(model.layers)}
+    dl.fully_shard_policy(policy, mesh)
+    dmuon.dedicate_params(policy, mesh)
+    b = batch(name, 500 + rank, MICRO)
+
+    def forward(capture: DecoderLogits, grad: bool) -> torch.Tensor:
+        torch.manual_seed(77 + rank)  # the same flow-matching noise and time every time
+        with capture, torch.set_grad_enabled(grad):
+            loss, _ = policy(b)
+        return loss
+
+    probe = DecoderLogits(name)
+    forward(probe, grad=False)
+    smallest = torch.tensor(min(float(m.max()) for layer, model, _, m in probe.blocks
+                                if trains[layer, model]))
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    tau = fraction * float(smallest)
+    opt = dmuon.Muon(policy, lr=0.0, adamw_lr=0.0, weight_decay=0.0, qk_clip_threshold=tau,
+                     qk_clip_alpha=alpha)
+    step = DecoderLogits(name)
+    forward(step, grad=True).backward()
+    opt.step()
+    opt.zero_grad()
+    after = DecoderLogits(name, replay=step.inputs)
+    forward(after, grad=False)
+    return dict(tau=tau, blocks=[dict(layer=layer, model=model, kind=kind, trains=trains[layer, model],
+                                      before=m.tolist(), after=a[3].tolist())
+                                 for (layer, model, kind, m), a in zip(step.blocks, after.blocks)])

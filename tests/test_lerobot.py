@@ -97,3 +97,50 @@ def test_dmuon_options_are_split_from_lerobot_arguments():
         split_argv(["--dmuon.lrr=1"])
     with pytest.raises(ValueError, match="--dmuon.param_dtype='fp8'; use float32 or bfloat16"):
         split_argv(["--dmuon.param_dtype=fp8"])
+
+
+@pytest.mark.parametrize("name, alpha, overrides", [
+    ("pi0", 0.5, {}),
+    ("smolvla", 0.5, {"train_expert_only": False}),
+    ("smolvla", 1.0, {}),  # SmolVLA's default: the VLM is frozen
+], ids=["pi0", "smolvla-all-trained", "smolvla-expert-only"])
+def test_qk_clip_bounds_the_decoder_logits_lerobot_computes(dist_pool, name, alpha, overrides):
+    """Issue 45: pi0 / SmolVLA compute their decoder attention outside the attention modules'
+    forward; fully_shard_policy records it where LeRobot computes it. A clip-only step at tau =
+    half the smallest max logit leaves the max logit of every decoder attention block whose
+    queries train <= tau on the same batch (each layer on the hidden states of the step), on
+    every rank, read from LeRobot's own softmax input, not from dmuon; the largest over ranks
+    is tau itself, as the clip scales those logits exactly (a joint attention of trained models:
+    both models' q and k rows take the layer's eta; SmolVLA's VLM prefix attention in a
+    cross-attention layer: one eta for all heads; next to a frozen VLM, qk_clip_alpha=1: all of
+    eta on the expert's queries), except the expert's cross-attention (bounded, its keys also
+    shrink with the VLM's). A frozen VLM's own logits do not change."""
+    out = dist_pool.run(2, "tests.lerobot_cases:qk_clip_run",
+                        dict(name=name, alpha=alpha, **overrides), timeout_s=300)
+    tau, blocks = out[0]["tau"], out[0]["blocks"]
+    assert all([(b["layer"], b["kind"]) for b in o["blocks"]] == [(b["layer"], b["kind"]) for b in blocks]
+               for o in out)
+    assert len(blocks) == 4  # 2 layers x (VLM, expert) query rows
+    lines, units = [], {}
+    for i, block in enumerate(blocks):
+        before = max(max(o["blocks"][i]["before"]) for o in out)
+        after = max(max(o["blocks"][i]["after"]) for o in out)
+        what = f"layer {block['layer']} {('VLM', 'expert')[block['model']]} {block['kind']}"
+        lines.append(f"{name} {what}: max logit {before:.4g} -> {after:.4g}")
+        if not block["trains"]:
+            for o in out:
+                np.testing.assert_allclose(o["blocks"][i]["after"], o["blocks"][i]["before"], rtol=1e-6)
+            continue
+        for o in out:
+            assert max(o["blocks"][i]["after"]) <= tau * (1 + 1e-5), (what, o["blocks"][i]["after"], tau)
+        if block["kind"] != "cross":
+            # one eta per clip unit: a joint layer of trained models (both models' rows), else
+            # each model's own rows; the unit's largest logit over ranks lands on tau
+            joint = block["kind"] == "joint" and all(b["trains"] for b in blocks
+                                                     if b["layer"] == block["layer"])
+            unit = units.setdefault((block["layer"], None if joint else block["model"]), [])
+            unit.append((before, after))
+    for key, unit in units.items():
+        assert max(b for b, _ in unit) > tau, key
+        assert max(a for _, a in unit) == pytest.approx(tau, rel=1e-5), (key, unit, tau)
+    print(f"tau {tau:.4g} alpha {alpha}\n" + "\n".join(lines))

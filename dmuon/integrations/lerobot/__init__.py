@@ -46,8 +46,9 @@ from torch import nn
 
 import dmuon
 from dmuon.hooks.dedicate import declare_predicate
+from dmuon.integrations.lerobot.attention import record_attention
 
-__all__ = ["POLICY_TYPES", "fsdp_units", "fully_shard_policy", "predicate"]
+__all__ = ["POLICY_TYPES", "fsdp_units", "fully_shard_policy", "predicate", "record_attention"]
 
 # ResNet blocks (torchvision) of ACT's and diffusion's vision backbones.
 _RESNET_BLOCKS = ("BasicBlock", "Bottleneck")
@@ -125,6 +126,8 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, A
     parameter (``Shard(0)`` over ``mesh``); call :func:`dmuon.dedicate_params` after it.
     Declares :func:`predicate` as the policy's default for :func:`dmuon.dedicate_params`
     (:func:`dmuon.hooks.dedicate.declare_predicate`): its ``lm_head`` matrices stay FSDP2's.
+    pi0 / pi05 / SmolVLA: records their decoder attention's logits for QK-clip where LeRobot
+    computes them (:func:`record_attention`).
 
     Train with ``policy(batch)``: ``policy.forward(batch)`` (what LeRobot 0.6.1's
     ``lerobot_train.py`` calls) skips the root's FSDP2 hooks.
@@ -162,6 +165,7 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, A
         fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
     fully_shard(policy, mesh=mesh, **(fully_shard_kwargs if root_kwargs is None else root_kwargs))
     declare_predicate(policy, predicate(policy))
+    record_attention(policy)
     return policy
 
 
