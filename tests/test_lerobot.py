@@ -103,7 +103,9 @@ def test_dmuon_options_are_split_from_lerobot_arguments():
     ("pi0", 0.5, {}),
     ("smolvla", 0.5, {"train_expert_only": False}),
     ("smolvla", 1.0, {}),  # SmolVLA's default: the VLM is frozen
-], ids=["pi0", "smolvla-all-trained", "smolvla-expert-only"])
+    # every layer cross-attention: a trained VLM's prefix attention whose keys the expert reads
+    ("smolvla", 0.5, {"train_expert_only": False, "self_attn_every_n_layers": -1}),
+], ids=["pi0", "smolvla-all-trained", "smolvla-expert-only", "smolvla-cross"])
 def test_qk_clip_bounds_the_decoder_logits_lerobot_computes(dist_pool, name, alpha, overrides):
     """Issue 45: pi0 / SmolVLA compute their decoder attention outside the attention modules'
     forward; fully_shard_policy records it where LeRobot computes it. A clip-only step at tau =
