@@ -41,6 +41,7 @@ The vision encoders' attention runs in their modules' ``forward``; LogitRecorder
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -126,8 +127,6 @@ def _pi_eager(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Stands in for ``transformers.models.gemma.modeling_gemma.eager_attention_forward``:
     the original, recording only LeRobot's joint calls (its ``compute_layer_complete``, with a
     registered VLM layer's attention module, gradients enabled); every other call passes through."""
-    import sys
-
     original = _pi_original[0]
     pending = _PI_PENDING.get(module)
     if pending is None or not torch.is_grad_enabled() or sys._getframe(1).f_code.co_name != _PI_CALLER:
