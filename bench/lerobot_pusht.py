@@ -11,9 +11,10 @@ to ``bench/results/lerobot_pusht_<policy>.json``::
     python bench/lerobot_pusht.py --policy smolvla --steps 40 --nproc 2
 
 "Tiny": LeRobot's own pi0 / SmolVLA classes with the pretrained backbones shrunk
-(``tests/lerobot_cases.tiny``: 2-layer Gemmas 32 wide, a 1-layer SigLIP; a 2-layer SmolVLM)
-and a word-level tokenizer written to a local directory, since LeRobot's processors would
-otherwise download PaliGemma's / SmolVLM2's tokenizer.
+(:func:`dmuon.integrations.lerobot.tiny.tiny`: 2-layer Gemmas 32 wide, a 1-layer SigLIP; a
+2-layer SmolVLM) and a word-level tokenizer written to a local directory, since LeRobot's
+processors would otherwise download PaliGemma's / SmolVLM2's tokenizer. The ranks are started
+by :func:`dmuon.launch.launch`; rank 0 writes the per-step records (``--dmuon.metrics``).
 """
 
 from __future__ import annotations
@@ -114,6 +115,14 @@ def lerobot_args(policy: str, dataset_root: pathlib.Path, output_dir: pathlib.Pa
     return args
 
 
+def train_rank(arg: tuple[list[str], str, str]) -> None:
+    """One rank (process group initialized by :func:`dmuon.launch.launch`):
+    :func:`dmuon.integrations.lerobot.tiny.train_tiny` on ``arg = (argv, policy, tokenizer)``."""
+    from dmuon.integrations.lerobot.tiny import train_tiny
+
+    train_tiny(*arg)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policy", default="pi0", choices=["pi0", "pi05", "smolvla", "act"])
@@ -141,15 +150,15 @@ def main() -> None:
                         image_size=a.image_size, save_freq=a.steps, tokenizer=tokenizer)
     argv += [f"--dmuon.lr={a.lr}", f"--dmuon.metrics={metrics}",
              f"--dmuon.param_dtype={a.param_dtype}"]
-    from tests._pool import spawn_world
+    from dmuon.launch import exit_on_rank_failure, launch
 
+    metrics.unlink(missing_ok=True)  # rank 0 writes it anew
     t = time.perf_counter()
-    out = spawn_world(a.nproc, "tests.lerobot_cases:train_entry", dict(argv=argv, policy=a.policy,
-                      tokenizer=str(tokenizer)), timeout_s=3000)
+    with exit_on_rank_failure("bench/lerobot_pusht.py"):
+        launch(train_rank, (argv, a.policy, str(tokenizer)), a.nproc, backend="gloo",
+               torchrun=False)
     wall = time.perf_counter() - t
-    if not isinstance(out[0], list):
-        raise SystemExit(f"failed: {out[0]}")
-    losses = [r["loss"] for r in out[0]]
+    losses = [r["loss"] for r in json.loads(metrics.read_text())]
     import lerobot
     import torch
 

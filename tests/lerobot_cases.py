@@ -1,95 +1,26 @@
 """Tiny LeRobot policies (pi0, pi05, SmolVLA, ACT, diffusion) for dmuon's LeRobot tests.
 
 Every policy is LeRobot 0.6.1's own class, built from its own config with random weights and no
-hub access: :func:`tiny` shrinks the pretrained backbones those classes hard-code (PaliGemma's
-Gemma 2B / 300M and SigLIP, SmolVLM2's config and processor, ResNet-18's ImageNet weights) for
-the duration of the constructor. Layer structure, forward code, loss and processors stay
-LeRobot's. ``*_run`` functions run on every rank of the test pool (``tests/_pool.py``).
+hub access: :func:`dmuon.integrations.lerobot.tiny.tiny` shrinks the pretrained backbones those
+classes hard-code (PaliGemma's Gemma 2B / 300M and SigLIP, SmolVLM2's config and processor) for
+the duration of the constructor, and the configs here drop ResNet-18's ImageNet weights. Layer
+structure, forward code, loss and processors stay LeRobot's. ``*_run`` functions run on every
+rank of the test pool (``tests/_pool.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-from types import SimpleNamespace
-from typing import Any, Iterator
-from unittest import mock
+from typing import Any
 
 import torch
 
+from dmuon.integrations.lerobot.tiny import IMAGE, local_tokenizer, tiny, train_tiny
+
 POLICIES = ("pi0", "pi05", "smolvla", "act", "diffusion")
-IMAGE = 32        # pixels per side of the camera image
 STATE_DIM, ACTION_DIM = 6, 4
 CHUNK = 4         # action chunk (horizon) length
 LANG_LEN = 5      # language tokens per sample (pi0 / pi05 / SmolVLA)
 VOCAB = 257152    # PaliGemma's vocabulary, hard-coded by LeRobot's pi0 / pi05
-
-
-def _frozen_fields(config: Any, keep: dict[str, Any]) -> Any:
-    """``config`` (a transformers config) with the ``keep`` fields set and deaf to later
-    assignments (LeRobot's pi0 sets SigLIP's ``intermediate_size`` / ``projection_dim`` to the
-    2B model's sizes after building the config)."""
-    for k, v in keep.items():
-        setattr(config, k, v)
-    base = type(config)
-
-    def setattr_(self: Any, name: str, value: Any) -> None:
-        if name not in keep:
-            base.__setattr__(self, name, value)
-
-    config.__class__ = type(base.__name__, (base,), {"__setattr__": setattr_})
-    return config
-
-
-@contextlib.contextmanager
-def _tiny_paligemma(module: Any, width: int = 32) -> Iterator[None]:
-    """Patch a pi0 / pi05 modeling module: both Gemmas ``width`` wide, 2 layers, SigLIP 1
-    layer on ``IMAGE``-pixel images with 8-pixel patches."""
-    from transformers.models.auto import CONFIG_MAPPING
-
-    def gemma(variant: str) -> Any:
-        return module.GemmaConfig(width=width, depth=2, mlp_dim=2 * width, num_heads=8,
-                                  num_kv_heads=1, head_dim=8)  # LeRobot hard-codes 8 heads
-
-    def paligemma() -> Any:
-        config = CONFIG_MAPPING["paligemma"]()
-        vision = config.vision_config
-        vision.hidden_size, vision.num_hidden_layers, vision.num_attention_heads = 16, 1, 2
-        vision.patch_size = 8
-        _frozen_fields(vision, dict(intermediate_size=32, projection_dim=width))
-        return config
-
-    mapping = {"paligemma": paligemma, "gemma": CONFIG_MAPPING["gemma"]}
-    with mock.patch.object(module, "get_gemma_config", gemma), \
-            mock.patch.object(module, "CONFIG_MAPPING", mapping):
-        yield
-
-
-def smolvlm_config() -> Any:
-    """A 2-layer SmolVLM config (text 64 wide, vision 16 wide, ``IMAGE``-pixel images)."""
-    from transformers import SmolVLMConfig
-
-    return SmolVLMConfig(
-        text_config=dict(model_type="llama", hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, vocab_size=128, max_position_embeddings=256),
-        vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=IMAGE, patch_size=8),
-        scale_factor=2, vocab_size=128)
-
-
-# SmolVLA's model reads two token ids off the processor (used only with
-# add_image_special_tokens=True); the tokenizer itself runs in the preprocessor, not the model.
-_PROCESSOR = SimpleNamespace(tokenizer=SimpleNamespace(fake_image_token_id=126,
-                                                       global_image_token_id=127))
-
-
-@contextlib.contextmanager
-def _tiny_smolvlm() -> Iterator[None]:
-    from lerobot.policies.smolvla import smolvlm_with_expert as m
-
-    with mock.patch.object(m.AutoConfig, "from_pretrained", lambda *a, **k: smolvlm_config()), \
-            mock.patch.object(m.AutoProcessor, "from_pretrained", lambda *a, **k: _PROCESSOR):
-        yield
 
 
 def features() -> tuple[dict, dict]:
@@ -131,21 +62,6 @@ def config(name: str, **overrides: Any) -> Any:
     kw.update(overrides)
     return PreTrainedConfig.get_choice_class(name)(**common, **kw)
 
-
-@contextlib.contextmanager
-def tiny(name: str) -> Iterator[None]:
-    """While active, LeRobot's constructors (``make_policy``, ``from_pretrained``) of policy
-    type ``name`` build the tiny backbones of this module instead of the pretrained ones."""
-    if name in ("pi0", "pi05"):
-        import importlib
-        module = importlib.import_module(f"lerobot.policies.{name}.modeling_{name}")
-        with _tiny_paligemma(module):
-            yield
-    elif name == "smolvla":
-        with _tiny_smolvlm():
-            yield
-    else:
-        yield
 
 
 def build(name: str, **overrides: Any) -> torch.nn.Module:
@@ -267,8 +183,9 @@ def local_numel(policy: torch.nn.Module) -> int:
 
 
 def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
-    """fully_shard_policy + dedicate_params + dmuon.Muon over ``STEPS`` steps of ``GA``
-    micro-batches with clipping (``torch.nn.utils.clip_grad_norm_``, as LeRobot calls it)."""
+    """fully_shard_policy + dedicate_params (the default call, no ``predicate=``) + dmuon.Muon
+    over ``STEPS`` steps of ``GA`` micro-batches with clipping (``torch.nn.utils.clip_grad_norm_``,
+    as LeRobot calls it)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -281,8 +198,9 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
     policy = build(name)
     policy.train()
     total = sum(p.numel() for p in policy.parameters())
+    full = {n: p.numel() for n, p in policy.named_parameters()}
     dl.fully_shard_policy(policy, mesh)
-    dmuon.dedicate_params(policy, mesh, predicate=dl.predicate(policy))
+    dmuon.dedicate_params(policy, mesh)  # no predicate=: fully_shard_policy declared its own
     opt = dmuon.Muon(policy, **OPT_KWARGS)
     losses, norms = [], []
     for step in range(STEPS):
@@ -298,31 +216,19 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     dedicated = sorted(r.fqn for r in policy._dmuon_state.records)
+    # the share of each lm_head this rank stores: 1/N as an FSDP2 shard; 1 or 0 had it an owner
+    heads = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() / full[n]
+             for n, p in policy.named_parameters() if "lm_head" in n}
     return dict(params=full_params(policy, rank), losses=losses, norms=norms,
-                local_fraction=local_numel(policy) / total, dedicated=dedicated)
+                local_fraction=local_numel(policy) / total, dedicated=dedicated,
+                lm_head_shares=heads)
 
 
 # ---------------------------------------------------------------------------- entry point
-@contextlib.contextmanager
-def local_tokenizer(path: str) -> Iterator[None]:
-    """LeRobot's ``TokenizerProcessorStep`` loads the tokenizer at ``path`` whatever name its
-    processor asks for (pi0 / pi05 ask for PaliGemma's on the hub)."""
-    from lerobot.processor import tokenizer_processor as m
-
-    original = m.AutoTokenizer.from_pretrained
-    with mock.patch.object(m.AutoTokenizer, "from_pretrained",
-                           lambda name, *a, **k: original(path, *a, **k)):
-        yield
-
-
 def train_entry(rank: int, world_size: int, *, argv: list[str], policy: str,
                 tokenizer: str) -> list[dict[str, float]]:
-    """``dmuon.integrations.lerobot.train.main(argv)`` with the tiny backbones of ``policy``
-    and the local tokenizer; returns its per-step records."""
-    from dmuon.integrations.lerobot import train
-
-    with tiny(policy), local_tokenizer(tokenizer):
-        return train.main(argv)
+    """Pool worker: :func:`dmuon.integrations.lerobot.tiny.train_tiny`; its per-step records."""
+    return train_tiny(argv, policy, tokenizer)
 
 
 def entry_reference(cfg: Any, args: Any, *, world_size: int = 2) -> dict[str, Any]:
@@ -378,10 +284,7 @@ def entry_reference(cfg: Any, args: Any, *, world_size: int = 2) -> dict[str, An
 
 def entry_reference_main(argv: list[str], policy: str, tokenizer: str) -> dict[str, Any]:
     """:func:`entry_reference` on ``argv`` parsed as the entry point parses it (one process)."""
-    from dmuon.integrations.lerobot import train
-
-    with tiny(policy), local_tokenizer(tokenizer):
-        return train.main(argv, runner=entry_reference)
+    return train_tiny(argv, policy, tokenizer, runner=entry_reference)
 
 
 def load_exported(policy: str, path: str, tokenizer: str) -> dict[str, Any]:
@@ -391,3 +294,149 @@ def load_exported(policy: str, path: str, tokenizer: str) -> dict[str, Any]:
     with tiny(policy), local_tokenizer(tokenizer):
         loaded = get_policy_class(policy).from_pretrained(path)
     return {n: p.detach().numpy().copy() for n, p in loaded.state_dict().items()}
+
+
+# ---------------------------------------------------------------------------- QK-clip
+class _SoftmaxInputs(torch.overrides.TorchFunctionMode):
+    """Per head and query row, the max of every ``[batch, heads, rows, keys]`` softmax input over
+    the last dim: the scaled, masked attention logits LeRobot's eager attention normalizes (its
+    own tensor, read here without dmuon)."""
+
+    def __init__(self, out: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.out = out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if args[0].dim() == 4 and dim in (-1, 3):
+                self.out.append(args[0].detach().amax(dim=(0, 3)).clone())  # [heads, rows]
+        return func(*args, **kwargs)
+
+
+class DecoderLogits:
+    """While active: per call of LeRobot's decoder-layer function (pi0 / pi05
+    ``compute_layer_complete``, SmolVLA ``forward_attn_layer`` / ``forward_cross_attn_layer``)
+    its input hidden states (``inputs[i]``) and, per attention it computes and per model whose
+    queries it holds, the per-head max logits (``blocks``: ``(layer, model, kind, [heads])``;
+    model 0 the VLM, 1 the expert; kind ``"joint"`` (both models' tokens in one attention),
+    ``"prefix"`` (SmolVLA's VLM alone in a cross-attention layer) or ``"cross"`` (its expert
+    over the VLM's keys)). With ``replay`` (another instance's ``inputs``) each call runs on the
+    replayed inputs instead of its own: every layer then sees the hidden states of the replayed
+    forward, whatever the layers below it do now."""
+
+    def __init__(self, name: str, replay: list[list[Any]] | None = None) -> None:
+        import importlib
+        from unittest import mock
+
+        self.inputs: list[list[Any]] = []
+        self.blocks: list[tuple[int, int, str, torch.Tensor]] = []
+        self.replay = replay
+        if name in ("pi0", "pi05"):
+            module = importlib.import_module(f"lerobot.policies.{name}.modeling_{name}")
+            original = module.compute_layer_complete
+
+            def layer(inputs_embeds, *args, **kwargs):
+                return self._run(original, inputs_embeds, lambda x: (x, *args), kwargs, cross=False)
+
+            self.patches = [mock.patch.object(module, "compute_layer_complete", layer)]
+        else:
+            from lerobot.policies.smolvla.smolvlm_with_expert import SmolVLMWithExpertModel as cls
+
+            def wrap(original, cross):
+                def layer(vwe, model_layers, inputs_embeds, *args, **kwargs):
+                    return self._run(original, inputs_embeds,
+                                     lambda x: (vwe, model_layers, x, *args), kwargs, cross=cross)
+                return layer
+
+            self.patches = [mock.patch.object(cls, n, wrap(getattr(cls, n), n.endswith("cross_attn_layer")))
+                            for n in ("forward_attn_layer", "forward_cross_attn_layer")]
+
+    def _run(self, original, inputs_embeds, args, kwargs, cross):
+        index = len(self.inputs)
+        if self.replay is not None:
+            inputs_embeds = self.replay[index]
+        self.inputs.append([None if x is None else x.detach().clone() for x in inputs_embeds])
+        seen: list[torch.Tensor] = []
+        with _SoftmaxInputs(seen):
+            out = original(*args(inputs_embeds), **kwargs)
+        rows = [x.shape[1] for x in inputs_embeds]
+        if cross:  # the VLM over its prefix, then the expert over the VLM's keys
+            assert len(seen) == 2 and [m.shape[1] for m in seen] == rows
+            self.blocks += [(index, 0, "prefix", seen[0].amax(dim=1)),
+                            (index, 1, "cross", seen[1].amax(dim=1))]
+        else:  # one joint attention: the VLM's query rows, then the expert's
+            assert len(seen) == 1 and seen[0].shape[1] == sum(rows)
+            self.blocks += [(index, 0, "joint", seen[0][:, :rows[0]].amax(dim=1)),
+                            (index, 1, "joint", seen[0][:, rows[0]:].amax(dim=1))]
+        return out
+
+    def __enter__(self) -> "DecoderLogits":
+        for p in self.patches:
+            p.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in reversed(self.patches):
+            p.stop()
+
+
+def qk_clip_run(rank: int, world_size: int, *, name: str, alpha: float = 0.5, fraction: float = 0.5,
+                **overrides: Any) -> dict[str, Any]:
+    """QK-clip on a LeRobot VLA (config ``overrides``) through fully_shard_policy (issue 45):
+    one clip-only step (``lr`` 0, AdamW ``lr`` 0, no weight decay, ``qk_clip_alpha=alpha``) at
+    ``tau = fraction x`` the smallest max logit of any decoder attention block whose queries
+    train, on any rank; then the same batch again, each decoder layer on the hidden states it
+    saw in the step (so a layer's logits change only by its own clip).
+
+    Returns:
+        ``tau``, and per attention block (:class:`DecoderLogits`: layer, model, kind) whether
+        the model trains (``trains``) and this rank's per-head max logits ``before`` / ``after``
+        the step (lists of floats): LeRobot's own logits, read by :class:`DecoderLogits`.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from dmuon.integrations import lerobot as dl
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    policy = build(name, **overrides)
+    policy.train()
+    if name == "smolvla":  # SmolVLA freezes its VLM (train_expert_only) or its last layer
+        vwe = policy.model.vlm_with_expert
+        models = [vwe.get_vlm_model().text_model, vwe.lm_expert]
+    else:
+        pwe = policy.model.paligemma_with_expert
+        models = [pwe.paligemma.model.language_model, pwe.gemma_expert.model]
+    trains = {(i, m): layer.self_attn.q_proj.weight.requires_grad  # (layer, model)
+              for m, model in enumerate(models) for i, layer in enumerate(model.layers)}
+    dl.fully_shard_policy(policy, mesh)
+    dmuon.dedicate_params(policy, mesh)
+    b = batch(name, 500 + rank, MICRO)
+
+    def forward(capture: DecoderLogits, grad: bool) -> torch.Tensor:
+        torch.manual_seed(77 + rank)  # the same flow-matching noise and time every time
+        with capture, torch.set_grad_enabled(grad):
+            loss, _ = policy(b)
+        return loss
+
+    probe = DecoderLogits(name)
+    forward(probe, grad=False)
+    smallest = torch.tensor(min(float(m.max()) for layer, model, _, m in probe.blocks
+                                if trains[layer, model]))
+    dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+    tau = fraction * float(smallest)
+    opt = dmuon.Muon(policy, lr=0.0, adamw_lr=0.0, weight_decay=0.0, qk_clip_threshold=tau,
+                     qk_clip_alpha=alpha)
+    step = DecoderLogits(name)
+    forward(step, grad=True).backward()
+    opt.step()
+    opt.zero_grad()
+    after = DecoderLogits(name, replay=step.inputs)
+    forward(after, grad=False)
+    return dict(tau=tau, blocks=[dict(layer=layer, model=model, kind=kind, trains=trains[layer, model],
+                                      before=m.tolist(), after=a[3].tolist())
+                                 for (layer, model, kind, m), a in zip(step.blocks, after.blocks)])

@@ -24,6 +24,8 @@ from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_dmuon_state"
+#: Where :func:`declare_predicate` keeps a model's own default predicate.
+PREDICATE_ATTR = "_dmuon_predicate"
 #: Tags the (tag, error type, message) that rank 0 broadcasts instead of a plan it could not build.
 _PLAN_ERROR = "dmuon: no owner plan"
 Predicate = Callable[[str, nn.Parameter], "bool | int"]
@@ -101,6 +103,30 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
         return True if k == 1 else k
 
     return predicate
+
+
+def declare_predicate(model: nn.Module, predicate: Predicate) -> None:
+    """Make ``predicate`` the one :func:`dedicate_params` uses for ``model`` when the caller
+    passes none.
+
+    For code that prepares a model for dmuon and knows which of its matrices Muon must not take
+    (dmuon's LeRobot integration: the ``lm_head`` matrices that training never reads, which
+    :func:`default_predicate` would give an owner that holds them whole). Forgetting
+    ``predicate=`` then costs the user nothing; a predicate passed explicitly still wins.
+
+    Args:
+        model: the model later passed to :func:`dedicate_params` (the same object; FSDP2's
+            ``fully_shard`` keeps it).
+        predicate: ``predicate(fqn, param) -> bool | int``, as :func:`dedicate_params` takes it;
+            it must give the same answer before and after ``fully_shard``.
+
+    Raises:
+        TypeError: ``predicate`` is not callable.
+    """
+    if not callable(predicate):
+        raise TypeError(f"dmuon: declare_predicate takes a callable predicate(fqn, param), got "
+                        f"{type(predicate).__name__}")
+    object.__setattr__(model, PREDICATE_ATTR, predicate)
 
 
 def select_matrices(model: nn.Module, predicate: Predicate, *, ep_name: str | None = None,
@@ -208,8 +234,10 @@ def dedicate_params(
             (several per rank under interleaved schedules); each rank must call it equally
             often (:func:`dmuon.comm.mesh_roles.stage_layout`).
         predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
-            ``k``: cut each stored matrix into ``k`` row blocks); default
-            (:func:`default_predicate`): 2-D trainable parameters that are not
+            ``k``: cut each stored matrix into ``k`` row blocks); default: the one declared
+            on the model (:func:`declare_predicate`; ``fully_shard_policy`` of dmuon's LeRobot
+            integration declares one without the unused ``lm_head`` matrices), else
+            :func:`default_predicate`: 2-D trainable parameters that are not
             ``nn.Embedding`` weights, and MoE expert stacks ``[E, rows, cols]``.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
             default: solved now on rank 0 from the Newton-Schulz FLOP model
@@ -310,7 +338,9 @@ def dedicate_params(
 
     plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
     keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
-    selected = select_matrices(model, predicate or default_predicate(model), ep_name=roles.ep_name,
+    if predicate is None:
+        predicate = getattr(model, PREDICATE_ATTR, None) or default_predicate(model)
+    selected = select_matrices(model, predicate, ep_name=roles.ep_name,
                                ep_size=roles.ep_size)
     shapes = {s.fqn: s.layout for s in selected}  # under expert parallelism, this rank's local stacks
     expert_parallel = [s.fqn for s in selected if s.ep > 1]

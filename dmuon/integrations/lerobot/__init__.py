@@ -5,7 +5,7 @@ Three calls, on every rank, after the policy is built and before the optimizer::
     from dmuon.integrations import lerobot as dl
 
     dl.fully_shard_policy(policy, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    dmuon.dedicate_params(policy, mesh, predicate=dl.predicate(policy))
+    dmuon.dedicate_params(policy, mesh)
     optimizer = dmuon.Muon(policy, lr=0.02)
 
 then train with ``loss, _ = policy(batch)`` (not ``policy.forward(batch)``, which skips
@@ -33,7 +33,9 @@ expert's ``lm_head`` (vocabulary x width, the largest matrices of a small pi0) a
 reads them. As Muon matrices, each would get an owner that holds it whole (on 2 ranks one rank
 held 0.99 of a tiny pi0's parameters). :func:`predicate` leaves every ``lm_head`` to FSDP2
 (sharded, on AdamW, which skips it while its gradient is ``None``), so each rank holds about
-``1/N`` of the parameters.
+``1/N`` of the parameters. :func:`fully_shard_policy` declares it on the policy
+(:func:`dmuon.hooks.dedicate.declare_predicate`), so ``dmuon.dedicate_params(policy, mesh)``
+without ``predicate=`` uses it; a predicate passed there explicitly replaces it.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ from typing import Any, Callable
 from torch import nn
 
 import dmuon
+from dmuon.hooks.dedicate import declare_predicate
+from dmuon.integrations.lerobot.attention import record_attention
 
-__all__ = ["POLICY_TYPES", "fsdp_units", "fully_shard_policy", "predicate"]
+__all__ = ["POLICY_TYPES", "fsdp_units", "fully_shard_policy", "predicate", "record_attention"]
 
 # ResNet blocks (torchvision) of ACT's and diffusion's vision backbones.
 _RESNET_BLOCKS = ("BasicBlock", "Bottleneck")
@@ -120,6 +124,10 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, A
     """FSDP2 ``fully_shard`` on the units LeRobot's code calls (:func:`fsdp_units`), then on
     the policy (the root unit holding the rest). Each rank then holds ``1/N`` of every
     parameter (``Shard(0)`` over ``mesh``); call :func:`dmuon.dedicate_params` after it.
+    Declares :func:`predicate` as the policy's default for :func:`dmuon.dedicate_params`
+    (:func:`dmuon.hooks.dedicate.declare_predicate`): its ``lm_head`` matrices stay FSDP2's.
+    pi0 / pi05 / SmolVLA: records their decoder attention's logits for QK-clip where LeRobot
+    computes them (:func:`record_attention`).
 
     Train with ``policy(batch)``: ``policy.forward(batch)`` (what LeRobot 0.6.1's
     ``lerobot_train.py`` calls) skips the root's FSDP2 hooks.
@@ -156,6 +164,8 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, A
     for unit in units:
         fully_shard(unit, mesh=mesh, **fully_shard_kwargs)
     fully_shard(policy, mesh=mesh, **(fully_shard_kwargs if root_kwargs is None else root_kwargs))
+    declare_predicate(policy, predicate(policy))
+    record_attention(policy)
     return policy
 
 

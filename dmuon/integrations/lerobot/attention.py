@@ -1,0 +1,252 @@
+"""QK-clip's logits for LeRobot's pi0 / pi05 / SmolVLA: recorded where LeRobot computes them.
+
+These policies run their decoder attention in functions of their own, not in the attention
+modules' ``forward`` that :class:`dmuon.qk_clip.LogitRecorder` hooks:
+
+* pi0 / pi05: ``modeling_pi0.compute_layer_complete`` (``modeling_pi05``'s is the same) projects
+  the VLM's (PaliGemma's) and the action expert's tokens with each model's own ``q_proj`` /
+  ``k_proj``, concatenates them, applies RoPE and calls transformers'
+  ``modeling_gemma.eager_attention_forward`` once, with the VLM layer's attention module: one
+  *joint* attention over both token sets.
+* SmolVLA: ``SmolVLMWithExpertModel.forward_attn_layer`` (joint, the same way) and
+  ``forward_cross_attn_layer`` (the VLM attends over its prefix, then the expert attends over
+  keys its ``k_proj`` computes *from the VLM's keys*) call ``self.eager_attention_forward``.
+
+:func:`record_attention` records, for every such call made with gradients enabled (training
+forwards, and activation checkpointing's recomputation), each query head's largest logit as
+LeRobot's softmax sees it (the scaled, masked ``q . k`` after RoPE: the softmax's input, read
+with one ``amax`` while the call runs), and passes it to :func:`dmuon.qk_clip.observe` for the
+attention modules whose weights produced it (the modules whose ``q_proj`` ran since the last
+call, with their token counts: the query rows are concatenated in that order):
+
+* a joint attention of trained models: the whole call's maxima for the VLM's and the expert's
+  module of the layer. Query rows of both and key rows of both take the same per-group ``eta``,
+  so every block of the joint logits (VLM-VLM, expert-VLM, expert-expert) shrinks by exactly
+  ``eta``.
+* a joint attention next to a frozen model (SmolVLA trains only its expert by default, and
+  freezes the VLM's last layer otherwise): each module the maxima of its own query rows; a
+  frozen module's logits cannot be clipped and must not clip the other. The expert's queries
+  also meet the frozen keys, which the clip does not scale: those logits shrink by
+  ``eta ** qk_clip_alpha``, so only ``qk_clip_alpha=1`` (all of ``eta`` on the queries)
+  bounds them by ``tau`` in one step (with Kimi's 0.5 they reach it over a few steps).
+* SmolVLA's cross-attention layer: the expert's maxima for the expert's module; for the VLM's
+  module, its prefix attention's largest head for *every* head. The expert's keys are its
+  ``k_proj`` of all the VLM's key heads, so per-head factors on the VLM's key rows would change
+  the expert's logits by amounts no per-head rule bounds; one factor ``c <= 1`` for all of them
+  scales the expert's keys by ``c`` (its own clip then bounds them), at the cost of clipping
+  the VLM's smaller heads of that layer with its largest.
+
+The vision encoders' attention runs in their modules' ``forward``; LogitRecorder records it.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from dmuon.qk_clip import observe
+
+__all__ = ["AttentionRecording", "record_attention"]
+
+_ATTR = "_dmuon_attention_recording"
+
+
+class _SoftmaxMax(TorchFunctionMode):
+    """While active: per head and query row, the max of every softmax over the last dim of a
+    ``[batch, heads, rows, keys]`` tensor (the attention logits an eager attention normalizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxima: list[torch.Tensor] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (F.softmax, torch.softmax, torch.Tensor.softmax):
+            x = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3):
+                self.maxima.append(x.detach().amax(dim=(0, 3)).float())  # [heads, rows]
+        return func(*args, **kwargs)
+
+
+def _run_and_record(fn: Callable[..., Any], members: list[tuple[nn.Module, int]], uniform: bool,
+                    args: tuple, kwargs: dict) -> Any:
+    """``fn(*args, **kwargs)``, an eager attention call over the query rows of ``members``
+    (``(attention module, rows)`` in the order LeRobot concatenates them), and its softmax's
+    per-head maxima observed for each module (module doc): the whole call's for every module
+    when all of them train, else each module's own query rows (a frozen module's rows cannot be
+    clipped, so they must not clip the others); all heads at the largest with ``uniform``. A
+    call whose softmax dmuon cannot read (another LeRobot version) records nothing, and QK-clip
+    then reports the layer as unrecorded."""
+    mode = _SoftmaxMax()
+    with mode:
+        out = fn(*args, **kwargs)
+    rows = sum(r for _, r in members)
+    if len(mode.maxima) != 1 or mode.maxima[0].shape[1] != rows:
+        return out
+    per_row = mode.maxima[0]
+    joint = all(_trains(m) for m, _ in members)
+    start = 0
+    for module, count in members:
+        maxima = (per_row if joint else per_row[:, start: start + count]).amax(dim=1)
+        start += count
+        observe(module, maxima.amax().expand_as(maxima) if uniform else maxima)
+    return out
+
+
+def _trains(attn: nn.Module) -> bool:
+    """Whether the optimizer can move ``attn``'s query and key projections."""
+    return attn.q_proj.weight.requires_grad and attn.k_proj.weight.requires_grad
+
+
+def _pending_hook(pending: list[tuple[nn.Module, int]], attn: nn.Module) -> Callable[..., None]:
+    """A forward pre-hook for ``attn.q_proj``: note ``attn`` and its query rows (tokens) in
+    ``pending``, the members of the next attention call."""
+    def hook(_module: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled():
+            if any(m is attn for m, _ in pending):  # a call that never reached attention
+                pending.clear()
+            pending.append((attn, int(args[0].shape[-2])))
+    return hook
+
+
+# pi0 / pi05: transformers' Gemma eager attention, as LeRobot's compute_layer_complete calls it.
+# The VLM layer's attention module it is called with -> the members its q_proj hooks noted.
+_PI_PENDING: "weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, int]]]" = weakref.WeakKeyDictionary()
+_PI_CALLER = "compute_layer_complete"
+_pi_original: list[Callable[..., Any]] = []  # transformers' function while ours stands in
+
+
+def _pi_eager(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Stands in for ``transformers.models.gemma.modeling_gemma.eager_attention_forward``:
+    the original, recording only LeRobot's joint calls (its ``compute_layer_complete``, with a
+    registered VLM layer's attention module, gradients enabled); every other call passes through."""
+    original = _pi_original[0]
+    pending = _PI_PENDING.get(module)
+    if pending is None or not torch.is_grad_enabled() or sys._getframe(1).f_code.co_name != _PI_CALLER:
+        return original(module, *args, **kwargs)
+    members = list(pending)
+    pending.clear()
+    return _run_and_record(original, members, False, (module, *args), kwargs)
+
+
+def _install_pi() -> None:
+    from transformers.models.gemma import modeling_gemma
+
+    if not _pi_original:
+        _pi_original.append(modeling_gemma.eager_attention_forward)
+        modeling_gemma.eager_attention_forward = _pi_eager
+
+
+def _uninstall_pi() -> None:
+    from transformers.models.gemma import modeling_gemma
+
+    if _pi_original and not len(_PI_PENDING):
+        if modeling_gemma.eager_attention_forward is _pi_eager:
+            modeling_gemma.eager_attention_forward = _pi_original[0]
+        _pi_original.clear()
+
+
+class AttentionRecording:
+    """What :func:`record_attention` installed on one policy; :meth:`remove` takes it out."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        self.policy = policy
+        self.groups: list[tuple[nn.Module, ...]] = []  # the attention groups recorded, in layer order
+        self._handles: list[Any] = []
+        self._pi_keys: list[nn.Module] = []
+        self._smolvla: Any = None
+
+    def _on_pi(self, pwe: nn.Module) -> None:
+        vlm_layers = pwe.paligemma.model.language_model.layers
+        for vlm, expert in zip(vlm_layers, pwe.gemma_expert.model.layers, strict=True):
+            group = (vlm.self_attn, expert.self_attn)
+            pending: list[tuple[nn.Module, int]] = []
+            _PI_PENDING[vlm.self_attn] = pending
+            self._pi_keys.append(vlm.self_attn)
+            self.groups.append(group)
+            for attn in group:
+                self._handles.append(attn.q_proj.register_forward_pre_hook(_pending_hook(pending, attn)))
+        _install_pi()
+
+    def _on_smolvla(self, vwe: nn.Module) -> None:
+        models = [vwe.get_vlm_model().text_model, vwe.lm_expert]
+        vlm_layers, expert_layers = vwe.get_model_layers(models)
+        every = vwe.self_attn_every_n_layers
+        uniform: set[int] = set()  # VLM modules whose keys a cross-attending expert projects
+        for idx, (vlm, expert) in enumerate(zip(vlm_layers, expert_layers)):
+            cross = "cross" in vwe.attention_mode and not (every > 0 and idx % every == 0)
+            if expert is not None and cross:
+                uniform.add(id(vlm.self_attn))
+                self.groups += [(vlm.self_attn,), (expert.self_attn,)]
+            else:
+                self.groups.append((vlm.self_attn,) + (() if expert is None else (expert.self_attn,)))
+        pending: list[tuple[nn.Module, int]] = []  # members of the next attention call
+        for group in self.groups:
+            for attn in group:
+                self._handles.append(attn.q_proj.register_forward_pre_hook(_pending_hook(pending, attn)))
+
+        def eager(*args: Any, **kwargs: Any) -> Any:
+            original = type(vwe).eager_attention_forward.__get__(vwe)
+            members = list(pending)
+            pending.clear()
+            if not members or not torch.is_grad_enabled():
+                return original(*args, **kwargs)
+            is_uniform = len(members) == 1 and id(members[0][0]) in uniform
+            return _run_and_record(original, members, is_uniform, args, kwargs)
+
+        vwe.eager_attention_forward = eager  # the instance's: get_attention_interface returns it
+        self._smolvla = vwe
+
+    def remove(self) -> None:
+        """Stop recording on this policy (and restore transformers' Gemma attention function
+        once no policy records through it)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for key in self._pi_keys:
+            _PI_PENDING.pop(key, None)
+        if self._pi_keys:
+            self._pi_keys.clear()
+            _uninstall_pi()
+        if self._smolvla is not None:
+            self._smolvla.__dict__.pop("eager_attention_forward", None)
+            self._smolvla = None
+        if self.policy.__dict__.get(_ATTR) is self:
+            del self.policy.__dict__[_ATTR]
+
+
+def record_attention(policy: nn.Module) -> AttentionRecording | None:
+    """Record the decoder attention logits of a LeRobot pi0 / pi05 / SmolVLA policy for QK-clip
+    (``dmuon.Muon(..., qk_clip_threshold=tau)``), where LeRobot computes them (module doc).
+
+    :func:`dmuon.integrations.lerobot.fully_shard_policy` calls it; call it yourself on a policy
+    you shard by hand. Idempotent. Costs one ``amax`` over each decoder layer's logits per
+    training forward, whether or not QK-clip is on.
+
+    Args:
+        policy: a LeRobot policy (``policy.name`` ``"pi0"``, ``"pi05"`` or ``"smolvla"``;
+            other types compute attention in their modules and need nothing).
+
+    Returns:
+        The recording (``remove()`` undoes it), or ``None`` for a policy type that needs none.
+    """
+    name = getattr(policy, "name", None) or getattr(getattr(policy, "config", None), "type", None)
+    if name not in ("pi0", "pi05", "smolvla"):
+        return None
+    existing = policy.__dict__.get(_ATTR)
+    if existing is not None:
+        return existing
+    recording = AttentionRecording(policy)
+    if name == "smolvla":
+        recording._on_smolvla(policy.model.vlm_with_expert)
+    else:
+        recording._on_pi(policy.model.paligemma_with_expert)
+    object.__setattr__(policy, _ATTR, recording)
+    return recording
