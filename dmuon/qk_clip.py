@@ -55,6 +55,8 @@ from dmuon.owners.slices import chunk_sizes
 logger = logging.getLogger(__name__)
 
 _ATTR = "_dmuon_max_logits"
+#: set on every attention module a :class:`QKClip` reads, while it does (:func:`watched`)
+_WATCH = "_dmuon_qk_clip_watch"
 #: elements of one chunk of recomputed logits ([batch, heads, rows, keys] fp32): 16 Mi = 64 MiB
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -104,6 +106,12 @@ def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
     """
     if not in_metadata_inference():
         _record(module, max_logits)
+
+
+def watched(module: nn.Module) -> bool:
+    """Whether a :class:`QKClip` reads ``module``'s maxima: a recorder that computes them outside
+    the module (:mod:`dmuon.integrations.lerobot.attention`) skips the work otherwise."""
+    return bool(getattr(module, _WATCH, False))
 
 
 def _record(module: nn.Module, max_logits: torch.Tensor) -> None:
@@ -334,6 +342,8 @@ class QKClip:
                       for lay in self.layouts]
         self.local = [self._local_heads(layout) for layout in self.layouts]
         self.recorder = LogitRecorder(self.layouts, [len(heads) for heads in self.local])
+        for layout in self.layouts:  # recorders outside this module (observe's callers) ask
+            setattr(layout.module, _WATCH, True)
         self.first_step = True  # nothing recorded in the first step is an error
         self.warned: set[str] = set()  # modules whose skipped groups were logged
         self.clipped_heads = 0  # query heads in clipped groups at the last step (logs, tests)
@@ -509,6 +519,9 @@ class QKClip:
         for module, attr, factors, shift in entries:
             rec = self.record_of.get((id(module), attr))
             if rec is None:
+                param = module._parameters.get(attr)
+                if param is None or not param.requires_grad:
+                    continue  # frozen: no optimizer step moves it, nor does its clip
                 name = self.module_names.get(id(module), type(module).__name__)
                 others.append(RowScale(fqn=f"{name}.{attr}", module=module, attr=attr,
                                        factors=factors.float(), offset=shift))
@@ -530,3 +543,5 @@ class QKClip:
 
     def remove(self) -> None:
         self.recorder.remove()
+        for layout in self.layouts:
+            setattr(layout.module, _WATCH, False)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dmuon.qk_clip import observe
+from dmuon.qk_clip import observe, watched
 
 __all__ = ["AttentionRecording", "record_attention"]
 
@@ -133,6 +133,8 @@ def _pi_eager(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return original(module, *args, **kwargs)
     members = list(pending)
     pending.clear()
+    if not any(watched(m) for m, _ in members):  # no QK-clip reads this layer: no extra work
+        return original(module, *args, **kwargs)
     return _run_and_record(original, members, False, (module, *args), kwargs)
 
 
@@ -196,7 +198,7 @@ class AttentionRecording:
             original = type(vwe).eager_attention_forward.__get__(vwe)
             members = list(pending)
             pending.clear()
-            if not members or not torch.is_grad_enabled():
+            if not members or not torch.is_grad_enabled() or not any(watched(m) for m, _ in members):
                 return original(*args, **kwargs)
             is_uniform = len(members) == 1 and id(members[0][0]) in uniform
             return _run_and_record(original, members, is_uniform, args, kwargs)
@@ -227,8 +229,9 @@ def record_attention(policy: nn.Module) -> AttentionRecording | None:
     (``dmuon.Muon(..., qk_clip_threshold=tau)``), where LeRobot computes them (module doc).
 
     :func:`dmuon.integrations.lerobot.fully_shard_policy` calls it; call it yourself on a policy
-    you shard by hand. Idempotent. Costs one ``amax`` over each decoder layer's logits per
-    training forward, whether or not QK-clip is on.
+    you shard by hand. Idempotent. With QK-clip on (a :class:`dmuon.qk_clip.QKClip` reads the
+    layer), costs one ``amax`` over each decoder layer's logits per training forward; without,
+    a q_proj pre-hook per layer and one check per attention call.
 
     Args:
         policy: a LeRobot policy (``policy.name`` ``"pi0"``, ``"pi05"`` or ``"smolvla"``;
