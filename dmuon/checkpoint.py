@@ -152,7 +152,7 @@ def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> DedicateSt
             f"dmuon: the optimizer ({type(opt).__name__}) was not built over this model; "
             f"pass the dmuon.Muon(model, ...) of the same model"
         )
-    ctx.pending.wait_all()  # Muon(overlap=...): no master or momentum with an update pending
+    ctx.settle_pending()  # Muon(overlap=...): no master or momentum with an update pending
     return ctx
 
 

@@ -236,7 +236,7 @@ class Muon(torch.optim.Optimizer):
             RuntimeError: an update failed on dmuon's worker thread (naming the matrices).
         """
         if isinstance(self.strategy, OwnerUpdate):
-            self.strategy.ctx.pending.wait_all()
+            self.strategy.ctx.settle_pending()
 
 
 class OwnerUpdate:
@@ -258,13 +258,13 @@ class OwnerUpdate:
         self.splits: dict[int, Any] = {}  # issue 40: id(record) -> Split
         self.qk_clip: Any = None
         self.overlap = getattr(opt, "overlap", "off")
-        pending = self.ctx.pending
+        pending, state = self.ctx.pending, self.ctx
 
         def wait(*args: Any, **kwargs: Any) -> None:
-            pending.wait_all()
+            state.settle_pending()
 
         def wait_and_forget(*args: Any, **kwargs: Any) -> None:
-            pending.wait_all()
+            state.settle_pending()
             pending.clear_speculations()  # new momentum buffers: nothing speculated stays
 
         # no optimizer state is read or written while an overlapped update is pending

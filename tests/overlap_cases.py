@@ -231,3 +231,45 @@ def failing_rank(rank: int, world_size: int, *, victim: int = 1, at: int = 1, st
     except RuntimeError as err:
         error, after, failed_in = str(err).splitlines()[0], time.monotonic() - start, step
     return dict(error=error, after_s=after, step=failed_in)
+
+
+def unit_timeline(rank: int, world_size: int, *, slow_s: float = 0.4, steps: int = 3) -> dict[str, Any]:
+    """``overlap="forward"`` on the FSDP2 test model, with the jobs of ``blocks.1``'s matrices
+    (unit 1) slowed by ``slow_s`` and every other job not slowed. Per step after the first:
+    how long ``opt.step()`` took, when block 0's forward ended and when this rank's unit-1 job
+    ended (``None`` on a rank that owns nothing in block 1), in seconds from the step's start."""
+    model, _ = build(world_size, "fsdp")
+    opt = dmuon.Muon(model, **OPT, overlap="forward")
+    marks: dict[str, float] = {}
+    submit = PendingSteps.submit
+
+    def slowed(self, fn, device, what, keep=()):
+        def run() -> None:
+            if "blocks.1." in what:
+                time.sleep(slow_s)
+                fn()
+                marks["job1_end"] = time.monotonic()
+            else:
+                fn()
+        return submit(self, run, device, what, keep)
+
+    model.blocks[0].register_forward_hook(lambda *a: marks.__setitem__("block0_end", time.monotonic()))
+    rows = []
+    PendingSteps.submit = slowed
+    try:
+        for step in range(steps):
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            marks.clear()
+            start = time.monotonic()
+            opt.step()
+            step_s = time.monotonic() - start
+            opt.zero_grad()
+            models.loss_fn(model, idx, y)  # the next forward (its graph is dropped)
+            model._dmuon_state.pending.wait_all()
+            if step > 0:
+                rows.append(dict(step_s=step_s, block0_end=marks["block0_end"] - start,
+                                 job1_end=marks["job1_end"] - start if "job1_end" in marks else None))
+    finally:
+        PendingSteps.submit = submit
+    return dict(rows=rows)

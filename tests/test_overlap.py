@@ -162,6 +162,21 @@ def test_failure_on_worker_thread_is_raised_by_name(dist_pool):
     assert message.startswith("dmuon:") and "worker thread" in message and "FloatingPointError" in message, message
 
 
+def test_forward_waits_only_for_its_own_units_newton_schulz(dist_pool):
+    """Unit 1's job (block 1's matrices) is 400 ms slow, the others are not: ``opt.step()``
+    returns at once (it used to wait for unit 0's job), and block 0's forward ends before unit
+    1's job, on the rank that runs it (the prefetch of unit 1's publication used to make unit
+    0's forward wait for unit 1's Newton-Schulz; issue 46, review finding 1)."""
+    out = dist_pool.run(2, "tests.overlap_cases:unit_timeline", {}, timeout_s=120)
+    owners = [row for o in out for row in o["rows"] if row["job1_end"] is not None]
+    assert owners, out
+    for row in owners:
+        assert row["block0_end"] < row["job1_end"], row
+    for o in out:
+        for row in o["rows"]:
+            assert row["step_s"] < 0.2, row
+
+
 @pytest.mark.parametrize("mode", ["fsdp", "replicated"])
 def test_failure_on_one_rank_fails_every_rank_at_the_next_check(dist_pool, mode):
     """Rank 1's overlapped jobs fail from step 1 on: rank 1 keeps publishing (its old weights)

@@ -55,6 +55,7 @@ class ReduceToOwners:
         """First gradient hook of a backward: decide sync once, and wait at the end."""
         if not self._final_callback_queued:
             self.state.step_check.before_backward()
+            self.state.ctx.flush()  # publications held back go out before any reduce-to-owner
             self._final_callback_queued = True
             self.state.ctx.sync_this_backward = self.sync_enabled and (
                 not self.state.fsdp_wrapped or fsdp.gradient_sync_enabled(self.state._fsdp_states))

@@ -167,9 +167,9 @@ class DedicateState:
                 self._handles.append(p.register_post_accumulate_grad_hook(self.backward.on_shared_grad))
         # Nothing reads or writes a master with an overlapped update pending (dmuon.owners.overlap)
         self._handles.append(self.model.register_state_dict_pre_hook(
-            lambda *args, **kwargs: self.pending.wait_all()))
+            lambda *args, **kwargs: self.settle_pending()))
         self._handles.append(self.model.register_load_state_dict_pre_hook(
-            lambda *args, **kwargs: self.pending.wait_all()))
+            lambda *args, **kwargs: self.settle_pending()))
         # Loading a state dict writes the masters; the compute copies must follow.
         self._handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
@@ -282,6 +282,13 @@ class DedicateState:
             root.pre_forward(module, args)
 
     # -------------------------------------------------------------- publication
+    def settle_pending(self) -> None:
+        """Wait for every overlapped owner update (:meth:`PendingSteps.wait_all`), and publish
+        what this rank held back (:meth:`UnitContext.flush`): before a reader of masters or
+        state, and before another collective on the publications' group."""
+        self.pending.wait_all()
+        self.ctx.flush()
+
     def issue(self, units: list[Unit]) -> None:
         """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
         self.ctx.issue(units)
@@ -302,10 +309,10 @@ class DedicateState:
                 masters = [rec.master.data for rec in self.records if rec.is_owner and
                            rec.replicate_mode == "broadcast" and rec.had_grad]
                 if masters:  # the stepped masters, overlapped or not
-                    self.pending.wait_all()
+                    self.settle_pending()
                 broadcast_masters(masters, self.roles.replicate, self.replicate_rank)
             if not issue:  # a load writes the masters: nothing may be pending
-                self.pending.wait_all()
+                self.settle_pending()
             for rec in self.records:
                 rec.had_grad = False
             for group in self.groups:  # a group with a job pending refreshes itself there

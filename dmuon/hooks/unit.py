@@ -171,6 +171,9 @@ class UnitContext:
             (:class:`dmuon.owners.overlap.PendingSteps`); a publication waits for its own.
         poll_reduced: ``Muon(overlap="backward")``: called whenever a synced backward issues a
             bucket (:meth:`dmuon.hooks.backward.ReduceToOwners.poll_reduced`).
+        deferred: publish groups this rank held back at its last :meth:`issue` (an owner's
+            prefetched group whose update was still running, and those after it); the other
+            ranks may have issued them.
     """
 
     group: dist.ProcessGroup
@@ -186,12 +189,64 @@ class UnitContext:
     issue_order: IssueOrder = field(default_factory=lambda: IssueOrder([]))
     pending: Any = None
     poll_reduced: Callable[[], None] | None = None
+    deferred: list[PublishGroup] = field(default_factory=list)
 
-    def issue(self, units: list[Unit]) -> None:
-        """Publish every group of ``units`` not yet live, as one NCCL group call if possible;
-        each first waits for its owner's overlapped update, if one is pending
-        (:meth:`dmuon.owners.overlap.PendingSteps.wait_for`)."""
+    def issue(self, units: list[Unit], need: Unit | None = None) -> None:
+        """Publish the groups of ``units`` not yet live, in order, as one NCCL group call if
+        possible.
+
+        With overlapped owner updates pending (:class:`dmuon.owners.overlap.PendingSteps`), a
+        group's broadcast goes out only after its own update: the groups up to and including
+        ``need``'s (the unit about to run) wait for theirs; a later, prefetched group goes out
+        only if its update is done, and this rank stops at the first one that is not (it and
+        the groups after it go out at a later issue, in the same order, so every rank issues
+        the publications in one order and a forward never waits on a later unit's
+        Newton-Schulz). On CUDA an update is a side-stream job: the broadcasts are issued on
+        that stream, behind the jobs, and only the unit that runs makes the compute stream
+        wait, on its publication (:meth:`PublishGroup.wait`).
+
+        Args:
+            units: the units to publish, in forward (or backward prefetch) order.
+            need: the unit whose forward or backward is next (its groups must go out now);
+                ``None``: everything here is a prefetch (after a step).
+        """
         groups = [g for unit in units for g in unit.groups if not g.live]
+        if self.deferred:  # what this rank held back last time goes first: one order on all ranks
+            groups = [g for g in self.deferred if not g.live] + [g for g in groups if g not in self.deferred]
+            self.deferred = []
+        pending = self.pending
+        if pending is None or not pending.jobs:
+            issue_groups(groups, self.group)
+            return
+        last = max((i for i, g in enumerate(groups) if need is not None and g in need.groups), default=-1)
+        ready = groups
+        for i, g in enumerate(groups):
+            # never hold back a group with a process group of its own (expert parallelism: the
+            # model's own collectives may run on it before this rank's next issue)
+            if i > last and not pending.done(g) and all(h.pg is None for h in groups[i:]):
+                ready, self.deferred = groups[:i], groups[i:]
+                break
+        stream = pending.stream_for(ready)
+        if stream is None:
+            pending.wait_for(ready)
+            issue_groups(ready, self.group)
+            return
+        for g in ready:  # a non-owner's buffer is allocated on the compute stream, which frees it
+            if not g.is_owner:
+                alloc_storage(g.flat)
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            pending.wait_for(ready)  # already ordered on this stream: no wait on the compute stream
+            issue_groups(ready, self.group)
+
+    def flush(self) -> None:
+        """Publish what :meth:`issue` held back (waiting for those owners' updates): before any
+        other collective on the publications' process group (a state dict's broadcast, the
+        backward's reduce-to-owner), which every other rank issues after them."""
+        if not self.deferred:
+            return
+        groups = [g for g in self.deferred if not g.live]
+        self.deferred = []
         if self.pending is not None:
             self.pending.wait_for(groups)
         issue_groups(groups, self.group)
@@ -278,7 +333,7 @@ class Unit:
                     g.in_flight() for g in self.groups):
                 ctx.step_check.settle()  # a deferred check, before issuing or blocking
             if to_issue:
-                ctx.issue(to_issue)
+                ctx.issue(to_issue, need=self)
             self.wait()
         self.show("compute")
 
@@ -309,7 +364,8 @@ class Unit:
             with label("dmuon::pre_backward"):
                 ctx.step_check.settle()
                 previous = ctx.units[max(0, self.index - ctx.prefetch): self.index][::-1]
-                ctx.issue([self] + [prev for prev in previous if prev.takes_grad and not prev.backward_finished])
+                ctx.issue([self] + [prev for prev in previous if prev.takes_grad and not prev.backward_finished],
+                          need=self)
                 self.wait()
         # Like FSDP2's pre-backward unshard: a recomputed forward reads the module's weights.
         self.in_backward = True

@@ -216,6 +216,21 @@ class PendingSteps:
         """Whether ``key`` has a job not yet waited for."""
         return key in self.jobs
 
+    def done(self, key: Any) -> bool:
+        """Whether ``key``'s publication can go out without blocking the host: no job, a
+        finished worker-thread job, or a CUDA job (its stream orders the broadcast after it)."""
+        job = self.jobs.get(key)
+        return job is None or job.future is None or job.future.done()
+
+    def stream_for(self, keys: Any) -> Any:
+        """The side stream of the CUDA jobs of ``keys`` (their broadcasts are issued on it, so
+        that only the publication, not the compute stream, waits for them), or ``None``."""
+        for key in keys:
+            job = self.jobs.get(key)
+            if job is not None and job.event is not None:
+                return self._streams.get(job.device)
+        return None
+
     def wait_for(self, keys: Any) -> None:
         """Wait for the jobs of ``keys`` (those that have one), in order, on the way to their
         publication: a failure is deferred to the next step check (``defer_failures``)."""
