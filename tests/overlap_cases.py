@@ -46,11 +46,40 @@ def slow_jobs(delay_s: float = 0.02, fail: bool = False) -> Iterator[None]:
         PendingSteps.submit = submit
 
 
+@contextlib.contextmanager
+def coalesced_on_gloo() -> Iterator[None]:
+    """Gloo cannot coalesce (``startCoalescing`` is NCCL's); this makes the gradient buckets'
+    ``issued_together`` hand every :class:`Pending` of a bucket one
+    ``torch.distributed._coalescing_manager``'s manager holding the bucket's works, the object
+    NCCL's coalesced group call leaves there, so a CPU run goes through the code that polls it."""
+    from torch.distributed.distributed_c10d import _CoalescingManager
+
+    from dmuon.comm import grad_buckets
+
+    original = grad_buckets.issued_together
+
+    @contextlib.contextmanager
+    def together(group, device, pendings):
+        first = len(pendings)
+        yield
+        manager = _CoalescingManager()
+        for pend in pendings[first:]:
+            manager.append(pend.work)
+        for pend in pendings[first:]:
+            pend.work = manager
+
+    grad_buckets.issued_together = together
+    try:
+        yield
+    finally:
+        grad_buckets.issued_together = original
+
+
 def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps: int = 4,
           micro_batches: int = 1, lr_gamma: float | None = None, clip: float | None = None,
           readers: bool = False, sched_after_step: bool = False, grad_scale: float | None = None,
           ema_decay: float | None = None, scaler: bool = False, delay_s: float = 0.02,
-          per_head: bool = False, pause_s: float = 0.0) -> dict[str, Any]:
+          per_head: bool = False, pause_s: float = 0.0, coalesce: bool = False) -> dict[str, Any]:
     """Train the test model with ``Muon(overlap=overlap)`` and slowed jobs.
 
     ``lr_gamma``: a StepLR stepped between ``backward()`` and ``step()`` (from step 1 on: the
@@ -64,7 +93,8 @@ def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps
     the speculative jobs have run by then). ``ema_decay``: after each step and
     ``opt.wait_pending()``, an EMA of the owned masters read directly (``ema``, per rank) and of
     torch's full state dict (``sd_ema``, rank 0). ``scaler``: FSDP2's ``ShardedGradScaler`` (scale
-    2^10, never grows) scales the loss, unscales the gradients and steps.
+    2^10, never grows) scales the loss, unscales the gradients and steps. ``coalesce``: the
+    buckets' collectives as NCCL's coalesced group calls leave them (:func:`coalesced_on_gloo`).
     """
     model, _ = build(world_size, mode)
     opt = dmuon.Muon(model, **OPT, overlap=overlap, per_head=per_head)
@@ -81,7 +111,7 @@ def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps
     if ema_decay is not None:
         ema = {rec.fqn: rec.master.detach().clone() for rec in state.records if rec.is_owner}
         sd_ema = _full_sd(model, rank)
-    with slow_jobs(delay_s):
+    with slow_jobs(delay_s), coalesced_on_gloo() if coalesce else contextlib.nullcontext():
         for step in range(steps):
             idx, y = models.local_batch(step, rank, world_size)
             if readers and step > 0:  # right after step(), then once nothing is pending

@@ -140,6 +140,17 @@ def test_per_head_muon_and_qk_clip_overlap(dist_pool, overlap, tau):
         assert clipped[0] > 0 and out[0]["clipped"] == [c * am.GROUP for c in clipped], (clipped, out[0]["clipped"])
 
 
+def test_backward_start_fires_on_a_coalesced_reduce(dist_pool):
+    """On NCCL a bucket's reduce-to-owner collectives are one coalesced group call, whose
+    manager has no ``is_completed`` of its own: the early start polls each of its works (it
+    never fired on NCCL before; issue 46, review finding 2). Gloo cannot coalesce, so the
+    buckets' works are wrapped in the same manager type (overlap_cases.coalesced_on_gloo)."""
+    out = dist_pool.run(4, "tests.overlap_cases:train", dict(overlap="backward", steps=STEPS, coalesce=True),
+                        timeout_s=120)
+    _exact(out, 4)
+    assert sum(o["started_early"] for o in out) > 0, [o["started_early"] for o in out]
+
+
 @pytest.mark.compat
 def test_backward_speculation_rejected_by_clipping(dist_pool):
     out = dist_pool.run(2, "tests.overlap_cases:train", dict(overlap="backward", steps=STEPS, clip=0.05),

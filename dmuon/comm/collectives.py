@@ -86,6 +86,21 @@ def wait_failure(what: str | Callable[[], str], group: dist.ProcessGroup | None,
             f"backward), died or is stuck; the other ranks' errors say which.")
 
 
+def is_complete(work: Any) -> bool:
+    """Whether ``work`` is known complete, by non-blocking queries (gloo reads a flag; NCCL
+    queries the work's CUDA event, no host synchronisation): ``None`` (nothing in flight) is;
+    a coalesced NCCL group call (``torch.distributed._coalescing_manager``, what
+    :func:`issued_together` rebinds its :class:`Pending` objects to) is when each of its works
+    is; a work that cannot be queried never is."""
+    if work is None:
+        return True
+    works = getattr(work, "works", None)
+    if works is not None:
+        return all(is_complete(w) for w in works)
+    done = getattr(work, "is_completed", None)
+    return done is not None and bool(done())
+
+
 @contextlib.contextmanager
 def issued_together(group: dist.ProcessGroup, device: torch.device, pendings: list[Pending]) -> Iterator[None]:
     """Issue the collectives started inside as one NCCL group call where the backend can.

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dmuon.comm.collectives import Pending, all_reduce_sum, issued_together, label, reduce_to_owner
+from dmuon.comm.collectives import Pending, all_reduce_sum, is_complete, issued_together, label, reduce_to_owner
 from dmuon.owners.dedicated import DedicatedParam
 
 logger = logging.getLogger(__name__)
@@ -306,12 +306,10 @@ class GradBucket:
 
 
 def reduced(bucket: GradBucket) -> bool:
-    """Whether ``bucket``'s collectives of this backward are out and complete, by a
-    non-blocking query (gloo reads a flag; NCCL queries the work's CUDA event, no host
-    synchronisation)."""
-    return bool(bucket.pending) and all(
-        pend.work is None or (hasattr(pend.work, "is_completed") and pend.work.is_completed())
-        for pend in bucket.pending)
+    """Whether ``bucket``'s collectives of this backward are out and complete, by non-blocking
+    queries (:func:`dmuon.comm.collectives.is_complete`: a coalesced NCCL group call through
+    its works)."""
+    return bool(bucket.pending) and all(is_complete(pend.work) for pend in bucket.pending)
 
 
 def owned_averages(bucket: GradBucket, divisor: float) -> dict[DedicatedParam, torch.Tensor]:

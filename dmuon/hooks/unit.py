@@ -28,7 +28,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from dmuon.comm import collectives as comm
-from dmuon.comm.collectives import Pending, issued_together, label
+from dmuon.comm.collectives import Pending, is_complete, issued_together, label
 from dmuon.hooks.step_check import StepCheck, in_autograd_backward
 from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
@@ -81,10 +81,9 @@ class PublishGroup:
         """Whether this group's broadcast is issued and not known to be complete."""
         if self.work is None or self.work.work is None:
             return False
-        # One query per group and forward, never a loop: on NCCL is_completed() queries the
-        # work's CUDA event (cudaEventQuery, no host synchronisation); on gloo it reads a flag.
-        done = getattr(self.work.work, "is_completed", None)
-        return done is None or not done()
+        # One query per group and forward, never a loop (collectives.is_complete: a coalesced
+        # NCCL group call answers through its works)
+        return not is_complete(self.work.work)
 
     def wait(self) -> None:
         """Wait for this group's broadcast, if one is in flight (on NCCL the current stream
