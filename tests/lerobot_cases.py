@@ -219,9 +219,10 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
     # the share of each lm_head this rank stores: 1/N as an FSDP2 shard; 1 or 0 had it an owner
     heads = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() / full[n]
              for n, p in policy.named_parameters() if "lm_head" in n}
+    names = {m: n for n, m in policy.named_modules()}
     return dict(params=full_params(policy, rank), losses=losses, norms=norms,
                 local_fraction=local_numel(policy) / total, dedicated=dedicated,
-                lm_head_shares=heads)
+                lm_head_shares=heads, units=[names[u.module] for u in policy._dmuon_state.units])
 
 
 # ---------------------------------------------------------------------------- entry point

@@ -51,7 +51,8 @@ class BlocksNet(nn.Module):
 
 class Net(nn.Module):
     """``variant``: "" (plain), "frozen" (one matrix and one LayerNorm frozen), "unused" (a
-    matrix never used in forward), "tied" (an output projection tied to the embedding)."""
+    matrix never used in forward), "tied" (an output projection tied to the embedding),
+    "reversed" (the blocks run last to first: execution order is not registration order)."""
 
     def __init__(self, variant: str = "") -> None:
         super().__init__()
@@ -70,7 +71,7 @@ class Net(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.emb(idx)
-        for block in self.blocks:
+        for block in (reversed(self.blocks) if self.variant == "reversed" else self.blocks):
             x = block(x)
         y = self.head(x).mean(dim=(1, 2))
         if self.variant == "tied":

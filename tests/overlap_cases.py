@@ -303,3 +303,27 @@ def unit_timeline(rank: int, world_size: int, *, slow_s: float = 0.4, steps: int
     finally:
         PendingSteps.submit = submit
     return dict(rows=rows)
+
+
+def forward_order(rank: int, world_size: int, *, overlap: str = "forward", steps: int = 3) -> dict[str, Any]:
+    """Train the "reversed" test model (its blocks run last to first) with FSDP2: the units'
+    module names before the first step and after it, the order the forward ran the blocks
+    in (forward pre-hooks of the test's own), and the final weights."""
+    model, _ = build(world_size, "fsdp", variant="reversed")
+    opt = dmuon.Muon(model, **OPT, overlap=overlap)
+    state = model._dmuon_state
+    names = {m: n for n, m in model.named_modules()}
+    ran: list[str] = []
+    handles = [block.register_forward_pre_hook(lambda m, a: ran.append(names[m])) for block in model.blocks]
+    before = [names[u.module] for u in state.units]
+    with slow_jobs():
+        for step in range(steps):
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                for h in handles:
+                    h.remove()
+    return dict(before=before, after=[names[u.module] for u in state.units], ran=ran,
+                params=full_params(model, rank))

@@ -59,6 +59,13 @@ def test_fully_shard_policy_matches_reference(dist_pool, name):
         assert 0.4 < o["local_fraction"] < 0.6, [o["local_fraction"] for o in out]
         for n, share in o["lm_head_shares"].items():  # sharded, not held whole by an owner
             assert abs(share - 1 / len(out)) < 0.01, (n, share)
+    if name in ("pi0", "pi05"):  # issue 46: units in the order LeRobot runs them, VLM and
+        # expert layers interleaved (registration order had every VLM layer first)
+        for o in out:
+            units = o["units"]
+            vlm1 = units.index(next(u for u in units if "language_model.layers.1.self_attn.q_proj" in u))
+            expert0 = units.index(next(u for u in units if "gemma_expert.model.layers.0.self_attn.q_proj" in u))
+            assert expert0 < vlm1, units
 
 
 def test_unknown_policy_type_is_refused_by_name():

@@ -140,6 +140,22 @@ def test_per_head_muon_and_qk_clip_overlap(dist_pool, overlap, tau):
         assert clipped[0] > 0 and out[0]["clipped"] == [c * am.GROUP for c in clipped], (clipped, out[0]["clipped"])
 
 
+@pytest.mark.parametrize("overlap", ["off", "forward"])
+def test_units_follow_the_first_forwards_order(dist_pool, overlap):
+    """A model whose blocks run in another order than they were registered (pi0 and SmolVLA
+    interleave their VLM and expert layers): from the first step on, units, prefetch and the
+    overlapped jobs follow the order the first forward ran them (issue 46, review finding 4;
+    they kept registration order on 586b72b); exact against the reference either way."""
+    out = dist_pool.run(2, "tests.overlap_cases:forward_order", dict(overlap=overlap), timeout_s=120)
+    ref, _, _ = models.run_reference(2, 3, variant="reversed")
+    compare(out[0]["params"], ref, FP32_ATOL)
+    for o in out:
+        blocks_after = [n for n in o["after"] if n.startswith("blocks.")]
+        assert o["ran"] == ["blocks.2", "blocks.1", "blocks.0"], o["ran"]
+        assert blocks_after == o["ran"], o
+        assert [n for n in o["before"] if n.startswith("blocks.")] == ["blocks.0", "blocks.1", "blocks.2"], o
+
+
 def test_backward_start_fires_on_a_coalesced_reduce(dist_pool):
     """On NCCL a bucket's reduce-to-owner collectives are one coalesced group call, whose
     manager has no ``is_completed`` of its own: the early start polls each of its works (it

@@ -289,6 +289,13 @@ class DedicateState:
         self.pending.wait_all()
         self.ctx.flush()
 
+    def adopt_forward_order(self) -> None:
+        """At the first step: units, prefetch and the overlapped jobs follow the order the
+        first forward ran the units (:meth:`UnitContext.adopt_forward_order`; collective once)."""
+        if self.ctx.seen is not None:
+            self.ctx.flush()
+            self.ctx.adopt_forward_order()
+
     def issue(self, units: list[Unit]) -> None:
         """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
         self.ctx.issue(units)

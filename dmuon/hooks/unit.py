@@ -18,6 +18,7 @@ cuts them short (early stop) so their post-forward never runs.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,10 +30,13 @@ from torch.utils._pytree import tree_flatten
 
 from dmuon.comm import collectives as comm
 from dmuon.comm.collectives import Pending, is_complete, issued_together, label
+from dmuon.comm.mesh_roles import is_fake_backend
 from dmuon.hooks.step_check import StepCheck, in_autograd_backward
 from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
 
+
+logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class PublishGroup:
@@ -173,6 +177,8 @@ class UnitContext:
         deferred: publish groups this rank held back at its last :meth:`issue` (an owner's
             prefetched group whose update was still running, and those after it); the other
             ranks may have issued them.
+        seen: the units in the order the first forward ran them (``None`` once
+            :meth:`adopt_forward_order` has run).
     """
 
     group: dist.ProcessGroup
@@ -189,6 +195,7 @@ class UnitContext:
     pending: Any = None
     poll_reduced: Callable[[], None] | None = None
     deferred: list[PublishGroup] = field(default_factory=list)
+    seen: list[Unit] | None = field(default_factory=list)
 
     def issue(self, units: list[Unit], need: Unit | None = None) -> None:
         """Publish the groups of ``units`` not yet live, in order, as one NCCL group call if
@@ -237,6 +244,36 @@ class UnitContext:
         with torch.cuda.stream(stream):
             pending.wait_for(ready)  # already ordered on this stream: no wait on the compute stream
             issue_groups(ready, self.group)
+
+    def adopt_forward_order(self) -> None:
+        """Once, at the first step: reorder :attr:`units` (and their ``index``) as the first
+        forward ran them (units it did not run keep their place after those), so prefetch,
+        backward prefetch and the overlapped jobs follow execution order, as FSDP2's own
+        prefetch does. pi0 and SmolVLA run their VLM and action-expert layers interleaved; in
+        registration order expert layer 0 would wait for every VLM layer's Newton-Schulz.
+
+        Collective over the publications' group: the ranks adopt the order only if they all
+        saw the same one (a forward whose modules depend on the data, e.g. experts that
+        receive no tokens, keeps registration order), so they keep issuing in one order.
+        """
+        seen, self.seen = self.seen, None
+        if not seen or self.keep:
+            return
+        order = seen + [u for u in self.units if u not in set(seen)]
+        if order == self.units:
+            return
+        digest = tuple(u.index for u in order)
+        if dist.is_initialized() and dist.get_world_size(self.group) > 1 and \
+                not is_fake_backend(dist.get_backend(self.group)):
+            everyone: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, digest, group=self.group)
+            if any(d != digest for d in everyone):
+                logger.info("dmuon: the ranks ran their units in different orders in the first "
+                            "forward; prefetch keeps registration order")
+                return
+        self.units[:] = order
+        for index, unit in enumerate(self.units):
+            unit.index = index
 
     def flush(self) -> None:
         """Publish what :meth:`issue` held back (waiting for those owners' updates): before any
@@ -317,6 +354,8 @@ class Unit:
         ctx = self.ctx
         ctx.ensure_bound()
         ctx.step_check.before_forward()
+        if ctx.seen is not None and not (self.in_backward or in_autograd_backward()) and self not in ctx.seen:
+            ctx.seen.append(self)  # the first forward's order (adopt_forward_order)
         with label("dmuon::pre_forward"):
             if ctx.keep:  # every bucket goes out at once (normally right after the step, else
                 # here: at the first forward, after loading a state dict); each unit waits for
