@@ -17,7 +17,10 @@ seed and synthetic batches (this rank's rows of the global batch):
 * ``dmuon-overlap-forward`` / ``dmuon-overlap-backward``: ``dmuon`` with ``Muon(overlap=...)``
   (Newton-Schulz behind the next forward; the step's "whole step" then includes what the next
   forward waits for); ``dmuon-a2`` / ``adamw-a2``: a second identical ``dmuon`` / ``adamw``,
-  for the A/A spread. After each block of steps the pending work of an overlapped variant is
+  for the A/A spread; ``dmuon-no-ns``: ``dmuon`` whose Newton-Schulz is replaced by a cheap
+  stand-in (each update divided by its Frobenius norm; timing only, its weights are not
+  Muon's), so that ``whole step - dmuon-no-ns whole step`` is the Newton-Schulz a variant
+  leaves exposed (issue 46). After each block of steps the pending work of an overlapped variant is
   waited for outside the timed steps, so it never runs beside another variant's.
 
 The owner plan is the one the real N-rank job would use: solved in this process by the same
@@ -75,7 +78,7 @@ from inventory_model import InventoryModel, blocks_inventory  # noqa: E402
 from rank_view_profile import cpu_peak_bytes, analyze  # noqa: E402
 
 VARIANTS = ("adamw", "dmuon", "vanilla", "torch_muon", "dmuon-overlap-forward", "dmuon-overlap-backward",
-            "dmuon-a2", "adamw-a2")
+            "dmuon-a2", "adamw-a2", "dmuon-no-ns")
 #: ``Muon(overlap=...)`` of each dmuon variant (issue 39); ``*-a2``: a second, identical instance
 #: of ``dmuon`` / ``adamw`` (its A/A spread: how far two runs of the same thing differ here)
 OVERLAP_OF = {"dmuon-overlap-forward": "forward", "dmuon-overlap-backward": "backward"}
@@ -266,7 +269,59 @@ def build_variant(variant: str, build: Callable[[], nn.Module], mesh, device: to
     import dmuon
 
     dmuon.dedicate_params(model, mesh, plan=plan)
-    return model, dmuon.Muon(model, **common, overlap=OVERLAP_OF.get(variant, "off"))
+    opt = dmuon.Muon(model, **common, overlap=OVERLAP_OF.get(variant, "off"))
+    if variant == "dmuon-no-ns":
+        _without_newton_schulz(opt)
+    return model, opt
+
+
+def _without_newton_schulz(opt) -> None:
+    """Timing only: ``opt``'s Newton-Schulz becomes one division per matrix by its Frobenius
+    norm (the rest of the step: momentum, master update, publication, unchanged)."""
+    import types
+
+    from dmuon.owners.update import MuonHyper
+
+    class StandIn(MuonHyper):
+        __slots__ = ()
+
+        def orthogonalizer(self):
+            return lambda mats: [m / (torch.linalg.vector_norm(m) + 1e-7) for m in mats]
+
+    strategy = opt.strategy
+    real = type(strategy).hyper
+
+    def hyper(self, group):
+        hp = real(self, group)
+        return StandIn(**{f.name: getattr(hp, f.name) for f in dataclasses.fields(MuonHyper)})
+
+    strategy.hyper = types.MethodType(hyper, strategy)
+
+
+def flop_budget(cfg: ViewConfig, build: Callable[[], nn.Module], plan, rank: int) -> dict:
+    """FLOPs of ``rank``'s step: its Newton-Schulz (the plan's matrices it owns, the kernels'
+    own count, :func:`dmuon.balance.cost.ns_flops`, Gram method) and its forward + backward
+    (``6 x tokens x sum(rows x cols)`` over every matrix of the model, the matmuls' count;
+    attention scores, norms and element-wise work not counted)."""
+    from dmuon.balance.cost import ns_flops
+
+    with torch.device("meta"):
+        model = build()
+    from dmuon.hooks.dedicate import default_predicate
+
+    pick = default_predicate(model)
+    mats = {n: tuple(p.shape) for n, p in model.named_parameters() if p.dim() == 2 and pick(n, p)}
+    owner = getattr(plan, "owner_by_fqn", {})
+    mine = [shape for n, shape in mats.items() if owner.get(n) == rank]
+    ns = sum(ns_flops(r, c) for r, c in mine)
+    described = make_model(cfg)[2]
+    if described["kind"] == "InventoryModel":
+        tokens = cfg.batch_per_rank * described["tokens_per_sample"]
+        fwd_bwd = 6.0 * tokens * sum(r * c for r, c in mats.values())
+    else:
+        fwd_bwd = None  # a policy: its tokens per matrix differ by stack; not counted here
+    return {"ns_flops": ns, "fwd_bwd_matmul_flops": fwd_bwd,
+            "ns_over_fwd_bwd": None if fwd_bwd is None else ns / fwd_bwd, "matrices_owned": len(mine)}
 
 
 def _step(model, opt, batch, device, profile: bool = False, memory: bool = False) -> dict:
@@ -430,9 +485,18 @@ def run(cfg: ViewConfig) -> dict:
             "dmuon::grad_hook", 0.0)
     ratios = {}
     for v in summary:  # the whole step of every variant against FSDP2 + AdamW and dmuon (overlap off)
-        for base in ("adamw", "dmuon"):
+        for base in ("adamw", "dmuon", "dmuon-no-ns"):
             if base in summary and v != base:
                 ratios[f"{v}_total_over_{base}_total"] = summary[v]["total"]["median_s"] / summary[base]["total"]["median_s"]
+    if "dmuon-no-ns" in summary:  # issue 46: the Newton-Schulz each dmuon variant leaves exposed
+        base = summary["dmuon-no-ns"]["total"]["median_s"]
+        exposed = {v: summary[v]["total"]["median_s"] - base for v in summary if v.startswith("dmuon") and v != "dmuon-no-ns"}
+        ratios["exposed_ns_s"] = exposed
+        if exposed.get("dmuon", 0) > 0:
+            ratios["exposed_ns_over_off"] = {v: e / exposed["dmuon"] for v, e in exposed.items()}
+        if "adamw" in summary:
+            ratios["exposed_ns_over_adamw_total"] = {v: e / summary["adamw"]["total"]["median_s"]
+                                                     for v, e in exposed.items()}
     if "adamw" in summary and "dmuon" in summary:
         med = {v: {p: summary[v][p]["median_s"] for p in (*PHASES, "total")} for v in summary}
         ratios.update({f"dmuon_{p}_over_adamw_{p}": med["dmuon"][p] / med["adamw"][p] for p in (*PHASES, "total")})
@@ -465,6 +529,7 @@ def run(cfg: ViewConfig) -> dict:
                         f"{cfg.layers} block(s) per stack instead of the config's depth; widths unchanged"),
         "config": dataclasses.asdict(cfg),
         "global_batch": cfg.batch_per_rank * cfg.world,
+        "flops": flop_budget(cfg, build, plan, rank),
         "plan": {"method": plan.method, "makespan": plan.makespan, "lower_bound": plan.lower_bound,
                  "cost_unit": plan.cost_unit, "loads": loads, "group_cost": real_group_cost(cfg.device),
                  "solve_s": plan_s, "owned_by_rank": len(owned),
