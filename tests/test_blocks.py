@@ -146,8 +146,10 @@ def test_train_cli_flags_reach_the_optimizer():
     from dmuon.train.launch import parse_args
     from dmuon.train.loop import TrainConfig
 
-    cfg, _ = parse_args(["--steps", "3", "--per-head", "--qk-clip", "2.5", "--nproc", "1"])
+    cfg, _ = parse_args(["--steps", "3", "--per-head", "--qk-clip", "2.5", "--nproc", "1",
+                         "--overlap", "backward", "--clip-grad-norm", "1.0"])
     assert cfg.per_head is True and cfg.qk_clip == 2.5
+    assert cfg.overlap == "backward" and cfg.clip == 1.0
     with pytest.raises(ValueError, match="--optimizer dmuon"):
         TrainConfig(optimizer="adamw", per_head=True)
 

@@ -264,6 +264,8 @@ def test_bad_plan_file_names_the_file_and_the_field(tmp_path, text, error, words
     (["--steps", "-1"], ["--steps -1", "must be >= 1"]),
     (["--nproc", "4", "--mesh", "hsdp:3x3"], ["--mesh hsdp:3x3 needs 9 ranks", "the job has 4", "--nproc 9"]),
     (["--nproc", "0"], ["--nproc 0"]),
+    (["--optimizer", "adamw", "--overlap", "forward"], ["--overlap forward needs --optimizer dmuon"]),
+    (["--clip-grad-norm", "0"], ["--clip-grad-norm 0.0 must be > 0"]),
 ])
 def test_train_cli_answers_bad_values_with_a_usage_error(capsys, monkeypatch, argv, words):
     from dmuon.train.launch import parse_args

@@ -68,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
                    help="per-head Muon: orthogonalize q/k/v projections one head at a time")
     p.add_argument("--qk-clip", type=float, default=None, metavar="TAU",
                    help="QK-clip (MuonClip) threshold on the per-head max attention logit")
+    p.add_argument("--overlap", choices=("off", "forward", "backward"), default="off",
+                   help="dmuon.Muon(overlap=...): Newton-Schulz behind the next forward, or also "
+                        "started during the last backward (default off)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="NORM",
+                   help="clip the gradients to this global norm before each step (default: no clip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mesh", default="fsdp",
                    help="fsdp (1-D), replicate (DDP-style, no FSDP2), hsdp:RxS (replicate x shard) or fsdp-tp:DxT (data x tensor parallel)")
@@ -113,7 +118,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, int | None]:
             optimizer=a.optimizer, steps=pick("steps", _DEFAULTS.steps), batch_size=pick("batch_size", _DEFAULTS.batch_size),
             lr=pick("lr", None), adamw_lr=pick("adamw_lr", _DEFAULTS.adamw_lr), weight_decay=a.weight_decay,
             warmup=pick("warmup", _DEFAULTS.warmup), schedule=pick("schedule", "constant"), ns_dtype=a.ns_dtype,
-            per_head=a.per_head, qk_clip=a.qk_clip, seed=a.seed, out=a.out, plot=a.plot, mesh=a.mesh, data=data, model=model,
+            per_head=a.per_head, qk_clip=a.qk_clip, overlap=a.overlap, clip=a.clip_grad_norm, seed=a.seed,
+            out=a.out, plot=a.plot, mesh=a.mesh, data=data, model=model,
             save=a.save, save_every=a.save_every, eval=eval_config_from(a, p),
         )
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (a.nproc or default_nproc())

@@ -51,6 +51,10 @@ class TrainConfig:
             (CPU half-precision matmuls are emulated and slower than float32).
         per_head: per-head Muon on the attention projections (``dmuon.Muon(per_head=True)``).
         qk_clip: QK-clip threshold (``dmuon.Muon(qk_clip_threshold=...)``), ``None``: off.
+        overlap: ``dmuon.Muon(overlap=...)``: ``"off"``, ``"forward"`` or ``"backward"``
+            (dmuon only; the summary counts the speculative results kept and recomputed).
+        clip: clip the gradients to this global norm between backward and step
+            (``dmuon.clip_grad_norm_`` / ``torch.nn.utils.clip_grad_norm_``), ``None``: off.
         seed: Seed of model init, batches and flow noise.
         out: Path of ``summary.json`` (rank 0), or ``None``.
         plot: Write ``<out stem>_loss.png`` beside the summary when matplotlib is present.
@@ -74,6 +78,8 @@ class TrainConfig:
     ns_dtype: str = "auto"
     per_head: bool = False
     qk_clip: float | None = None
+    overlap: str = "off"
+    clip: float | None = None
     seed: int = 0
     out: str | None = None
     plot: bool = True
@@ -94,6 +100,10 @@ class TrainConfig:
             )
         if self.schedule not in ("constant", "cosine"):
             raise ValueError(f"dmuon.train: --schedule {self.schedule!r}; choose constant or cosine.")
+        if self.overlap != "off" and self.optimizer != "dmuon":
+            raise ValueError(f"dmuon.train: --overlap {self.overlap} needs --optimizer dmuon.")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"dmuon.train: --clip-grad-norm {self.clip} must be > 0.")
         if (self.data.obs, self.data.history) != (self.model.obs, self.model.history) or (
                 self.data.obs == "image" and self.data.image_size != self.model.image_size):
             raise ValueError(
@@ -164,7 +174,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, mesh, device: torch.devi
             "checkout does not export yet; use --optimizer vanilla or adamw."
         )
     dmuon.dedicate_params(model, mesh)
-    return dmuon.Muon(model, per_head=cfg.per_head, qk_clip_threshold=cfg.qk_clip, **common)
+    return dmuon.Muon(model, per_head=cfg.per_head, qk_clip_threshold=cfg.qk_clip, overlap=cfg.overlap, **common)
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -243,6 +253,13 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         with record_function("dmuon::forward_backward"):
             loss = model(batch)
             loss.backward()
+        if cfg.clip is not None:
+            if cfg.optimizer == "dmuon":
+                import dmuon
+
+                dmuon.clip_grad_norm_(model, cfg.clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
         _sync(device)
         t1 = time.perf_counter()
         with record_function("dmuon::optimizer_step"):
@@ -295,6 +312,8 @@ def train_rank(cfg: TrainConfig) -> dict | None:
         "train_s": train_s,
         "torch": torch.__version__,
     }
+    if cfg.optimizer == "dmuon":  # Muon(overlap="backward"): speculative results kept / recomputed
+        summary["overlap_stats"] = opt.overlap_stats()
     if evaluation is not None:
         summary["eval"] = evaluation
     print(f"dmuon.train: first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}, median step "
