@@ -327,3 +327,35 @@ def forward_order(rank: int, world_size: int, *, overlap: str = "forward", steps
                     h.remove()
     return dict(before=before, after=[names[u.module] for u in state.units], ran=ran,
                 params=full_params(model, rank))
+
+
+def clip_then_step(rank: int, world_size: int, *, slow_s: float = 0.5, steps: int = 3,
+                   clip: float = 0.05) -> dict[str, Any]:
+    """``overlap="backward"``, every speculative job slowed by ``slow_s`` and a clip that binds
+    every step: the seconds ``dmuon.clip_grad_norm_`` + ``opt.step()`` take after backward
+    (neither may wait for the speculations the clip makes useless), and the final weights."""
+    model, _ = build(world_size, "fsdp")
+    opt = dmuon.Muon(model, **OPT, overlap="backward")
+    submit = PendingSteps.submit
+
+    def slowed(self, fn, device, what, keep=()):
+        def run() -> None:
+            if what.startswith("the speculative"):
+                time.sleep(slow_s)
+            fn()
+        return submit(self, run, device, what, keep)
+
+    took = []
+    PendingSteps.submit = slowed
+    try:
+        for step in range(steps):
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            start = time.monotonic()
+            dmuon.clip_grad_norm_(model, clip)
+            opt.step()
+            took.append(time.monotonic() - start)
+            opt.zero_grad()
+    finally:
+        PendingSteps.submit = submit
+    return dict(took=took, stats=opt.overlap_stats(), params=full_params(model, rank))
