@@ -134,6 +134,10 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.02)
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--overlap", default="off", choices=["off", "forward", "backward"],
+                   help="dmuon.Muon(overlap=...); the result counts rank 0's speculations kept")
+    p.add_argument("--clip", type=float, default=None,
+                   help="the policy preset's gradient clip norm (pi0, pi05, SmolVLA; default: LeRobot's)")
     p.add_argument("--workdir", default="/tmp/dmuon_lerobot_pusht")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -149,7 +153,9 @@ def main() -> None:
     argv = lerobot_args(a.policy, data, out_dir, steps=a.steps, batch_size=a.batch_size,
                         image_size=a.image_size, save_freq=a.steps, tokenizer=tokenizer)
     argv += [f"--dmuon.lr={a.lr}", f"--dmuon.metrics={metrics}",
-             f"--dmuon.param_dtype={a.param_dtype}"]
+             f"--dmuon.param_dtype={a.param_dtype}", f"--dmuon.overlap={a.overlap}"]
+    if a.clip is not None:
+        argv.append(f"--policy.optimizer_grad_clip_norm={a.clip}")
     from dmuon.launch import exit_on_rank_failure, launch
 
     metrics.unlink(missing_ok=True)  # rank 0 writes it anew
@@ -158,13 +164,17 @@ def main() -> None:
         launch(train_rank, (argv, a.policy, str(tokenizer)), a.nproc, backend="gloo",
                torchrun=False)
     wall = time.perf_counter() - t
-    losses = [r["loss"] for r in json.loads(metrics.read_text())]
+    records = json.loads(metrics.read_text())
+    losses = [r["loss"] for r in records]
     import lerobot
     import torch
 
     result = dict(policy=a.policy, ranks=a.nproc, backend="gloo", device="cpu",
                   steps=a.steps, global_batch=a.batch_size * a.nproc, dmuon_lr=a.lr,
-                  param_dtype=a.param_dtype,
+                  param_dtype=a.param_dtype, overlap=a.overlap, clip=a.clip,
+                  grad_norms=[round(r["grad_norm"], 4) for r in records],
+                  speculation_rank0={k.removeprefix("speculation_"): v for k, v in records[-1].items()
+                                     if k.startswith("speculation_")},
                   dataset=dict(episodes=a.episodes, max_frames=a.max_frames,
                                image_size=a.image_size),
                   versions=dict(torch=torch.__version__, lerobot=lerobot.__version__,

@@ -26,6 +26,8 @@ out = {"tiny": rank_view.run(rank_view.ViewConfig(model="tiny", **quick))}
 for k in (2, 4):  # same 4 units, 2x the matrices per unit
     out[f"blocks{k}"] = rank_view.run(rank_view.ViewConfig(model=f"blocks{k}", blocks=4, width=64,
                                                           variants=("adamw", "dmuon"), **quick))
+out["no_ns"] = rank_view.run(rank_view.ViewConfig(model="pi0", scale=32, layers=2, variants=(
+    "adamw", "dmuon", "dmuon-no-ns", "dmuon-overlap-forward"), **quick))
 print(json.dumps(out))
 """
 
@@ -77,3 +79,15 @@ def test_dmuon_ops_per_step_do_not_grow_with_matrices_per_unit(views):
     # FSDP2's own hooks do grow with the parameters of a group (reference)
     fsdp = [x["variants"]["adamw"]["per_step"]["fsdp_aten_ops"] for x in (two, four)]
     assert fsdp[1] > fsdp[0], fsdp
+
+
+def test_exposed_newton_schulz_against_the_no_ns_variant(views):
+    """issue 46: ``dmuon-no-ns`` runs dmuon without Newton-Schulz (a norm division stands in),
+    the JSON gives each dmuon variant's exposed NS against it and the measured rank's FLOPs."""
+    v = views["no_ns"]
+    exposed = v["ratios"]["exposed_ns_s"]
+    assert set(exposed) == {"dmuon", "dmuon-overlap-forward"}
+    base, off = (v["variants"][k]["total"]["median_s"] for k in ("dmuon-no-ns", "dmuon"))
+    assert exposed["dmuon"] == pytest.approx(off - base)
+    flops = v["flops"]
+    assert flops["ns_flops"] > 0 and flops["fwd_bwd_matmul_flops"] > 0 and flops["matrices_owned"] > 0

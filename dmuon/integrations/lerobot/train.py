@@ -29,7 +29,9 @@ action/state projections, stays fp32),
 ``solver`` (``auto`` / ``greedy``), ``plan`` (an owner-plan JSON), ``metrics`` (a JSON file
 rank 0 writes the per-step loss, grad norm and lr to), ``ns_method`` / ``ns_coefficients`` /
 ``ns_dtype`` (:class:`dmuon.Muon`'s Newton-Schulz options; ``standard`` / ``muon`` /
-``float32`` is ``torch.optim.Muon``'s iteration in fp32).
+``float32`` is ``torch.optim.Muon``'s iteration in fp32), ``overlap`` (``off`` / ``forward`` /
+``backward``: :class:`dmuon.Muon`'s; the metrics count this rank's speculative results kept and
+recomputed).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class DmuonArgs:
     ns_method: str = "gram"
     ns_coefficients: str = "polar_express"
     ns_dtype: str = "auto"
+    overlap: str = "off"
 
     def __post_init__(self) -> None:
         if self.param_dtype not in ("float32", "bfloat16"):
@@ -71,6 +74,8 @@ class DmuonArgs:
                              f"use float32 or bfloat16")
         if self.solver not in ("auto", "greedy", "milp"):
             raise ValueError(f"dmuon: --dmuon.solver={self.solver!r}; use auto, greedy or milp")
+        if self.overlap not in ("off", "forward", "backward"):
+            raise ValueError(f"dmuon: --dmuon.overlap={self.overlap!r}; use off, forward or backward")
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], DmuonArgs]:
@@ -209,7 +214,7 @@ def _build_optimizer(cfg: Any, policy: Any, mesh: Any, args: DmuonArgs) -> Any:
     return dmuon.Muon(policy, lr=args.lr, momentum=args.momentum,
                       weight_decay=o.weight_decay, adamw_lr=o.lr,
                       adamw_betas=tuple(o.betas), adamw_eps=o.eps, ns_method=args.ns_method,
-                      ns_coefficients=args.ns_coefficients, ns_dtype=ns_dtype)
+                      ns_coefficients=args.ns_coefficients, ns_dtype=ns_dtype, overlap=args.overlap)
 
 
 def run(cfg: Any, args: DmuonArgs) -> list[dict[str, float]]:
@@ -255,7 +260,8 @@ def run(cfg: Any, args: DmuonArgs) -> list[dict[str, float]]:
         step += 1
         mean = loss.detach().double().cpu()
         dist.all_reduce(mean)
-        records.append(dict(step=step, loss=float(mean) / world, grad_norm=float(norm), lr=lr))
+        records.append(dict(step=step, loss=float(mean) / world, grad_norm=float(norm), lr=lr,
+                            **{f"speculation_{k}": v for k, v in opt.overlap_stats().items()}))
         if rank == 0 and (step % max(cfg.log_freq, 1) == 0 or step == cfg.steps):
             log.info("step %d loss %.5f grad_norm %.4f lr %.3g (%.1fs)", step,
                      records[-1]["loss"], records[-1]["grad_norm"], lr, time.perf_counter() - t0)
