@@ -6,12 +6,14 @@
   matrix before it returns (:func:`dmuon.owners.update.muon_update_`).
 * ``"forward"``: ``opt.step()`` runs the cheap part (momentum on the main thread, AdamW) and
   *schedules* each publish group's Newton-Schulz, master update and refresh of the owner's
-  compute copy, in the order the units run forward; it returns at once. The publication of a
-  group waits for that group's job only (:meth:`PendingSteps.wait_for`, called by
-  :meth:`dmuon.hooks.unit.UnitContext.issue`), so unit 0's forward starts while unit 5's
-  matrices are still being orthogonalized. On CUDA a job runs on a side stream and the
-  publication's stream waits on its event (no host synchronisation); on CPU it runs on one
-  worker thread (torch releases the GIL inside its ops).
+  compute copy, in the order the units run forward (the first forward's order); it returns at
+  once. The publication of a group waits for that group's job only, and a prefetched
+  publication whose job is still running is held back rather than waited for
+  (:meth:`dmuon.hooks.unit.UnitContext.issue`), so unit k's forward waits for unit k's
+  Newton-Schulz and no later one's. On CUDA a job runs on a side stream and the broadcasts of
+  groups with a job are issued on that stream (no host synchronisation; the compute stream
+  waits only on the publication it needs); on CPU it runs on one worker thread (torch
+  releases the GIL inside its ops).
 * ``"backward"``: as ``"forward"``, and in the backward that precedes a step (with gradient
   sync on) the owners start each matrix's momentum and Newton-Schulz on *copies*
   (:func:`speculate`): a bucket's matrices as soon as its reduce-to-owner is seen complete
@@ -34,16 +36,18 @@ Every job reads only what ``step()`` (or the backward) handed it: a frozen
 inputs, and the tensors it writes. A scheduler stepped right after ``opt.step()`` changes
 the next step's learning rate, never a pending one's.
 
-Nothing outside sees a pending update: the next ``step()``, ``dmuon.clip_grad_norm_``,
-``model.state_dict()`` / ``load_state_dict`` (and torch's state-dict and DCP APIs, which call
-them), the optimizer's ``state_dict`` / ``load_state_dict`` and ``dmuon.state_dict`` /
-``dmuon.load`` first call :meth:`PendingSteps.wait_all`. A job that fails re-raises on the main
-thread at its wait, naming dmuon and the matrices.
+Nothing outside sees a pending update: the next ``step()``, ``model.state_dict()`` /
+``load_state_dict`` (and torch's state-dict and DCP APIs, which call them), the optimizer's
+``state_dict`` / ``load_state_dict`` and ``dmuon.state_dict`` / ``dmuon.load`` first call
+:meth:`PendingSteps.wait_all` (``dmuon.clip_grad_norm_`` reads gradients, which no job writes,
+and waits for nothing). A job that fails is raised, naming dmuon and the matrices, at once by
+a reader, and on the way to a publication at the next step check on every rank
+(``defer_failures``).
 
 Tensor parallelism orthogonalizes through collectives over the TP group; they cannot run on a
 second thread beside the main thread's collectives in a fixed order, so a TP model steps as
-with ``"off"`` (the mode is accepted and has no effect there). Expert parallelism overlaps like
-any other layout: an expert group's publication waits for its own job as a dense one does.
+with ``"off"`` (``dmuon.Muon`` warns once). Expert parallelism overlaps like any other layout:
+an expert group's publication waits for its own job as a dense one does.
 
 Code that reads a dedicated parameter's tensor itself (``rec.master``, or a master found
 through ``model.parameters()`` outside forward) between ``step()`` and the next forward sees it
