@@ -323,7 +323,7 @@ class OwnerUpdate:
         pending.retire_speculation()  # the last backward's that finished (overlap="backward")
         self.ctx.check_not_sharded_since_binding("the first opt.step()")
         self.ctx.backward.check_reduced()
-        self.ctx.adopt_forward_order()  # first step: jobs and prefetch in execution order
+        self.ctx.ctx.adopt_forward_order()  # first step: jobs and prefetch in execution order
         # QK-clip's reduce and checks before anything moves (an error loses nothing)
         clip = self.qk_clip.prepare(self.opt.param_groups[0]) if self.qk_clip is not None else None
         with label("dmuon::optimizer_step"):

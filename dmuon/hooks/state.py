@@ -131,9 +131,7 @@ class DedicateState:
         self.pending = PendingSteps()
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
-        # a failed overlapped update fails every rank at the next check, not one rank alone
-        self.step_check.pending = self.pending
-        self.pending.defer_failures = self.step_check.group is not None and self.step_check.world_size > 1
+        self.step_check.watch(self.pending)  # a failed overlapped update fails every rank at once
         # what the units share (they never see this object: FSDP2's FSDPCommContext pattern)
         self.ctx = UnitContext(group=self.group, prefetch=prefetch, reduce_mode=reduce_mode,
                                step_check=self.step_check, ensure_bound=self.ensure_bound,
@@ -283,22 +281,10 @@ class DedicateState:
 
     # -------------------------------------------------------------- publication
     def settle_pending(self) -> None:
-        """Wait for every overlapped owner update (:meth:`PendingSteps.wait_all`), and publish
-        what this rank held back (:meth:`UnitContext.flush`): before a reader of masters or
-        state, and before another collective on the publications' group."""
+        """Every overlapped update done and what this rank held back published
+        (:meth:`UnitContext.flush`): before a reader, or another collective on that group."""
         self.pending.wait_all()
         self.ctx.flush()
-
-    def adopt_forward_order(self) -> None:
-        """At the first step: units, prefetch and the overlapped jobs follow the order the
-        first forward ran the units (:meth:`UnitContext.adopt_forward_order`; collective once)."""
-        if self.ctx.seen is not None:
-            self.ctx.flush()
-            self.ctx.adopt_forward_order()
-
-    def issue(self, units: list[Unit]) -> None:
-        """Publish every group of ``units`` not yet live, as one NCCL group call if possible."""
-        self.ctx.issue(units)
 
     # --------------------------------------------------------------- after step
     def publish_after_step(self, issue: bool = True) -> None:
@@ -325,4 +311,4 @@ class DedicateState:
             for group in self.groups:  # a group with a job pending refreshes itself there
                 group.refresh(copy=not self.pending.pending(group))
             if issue:  # keep mode: every bucket, overlapping the next forward
-                self.issue(self.units if self.keep else self.units[: self.prefetch])
+                self.ctx.issue(self.units if self.keep else self.units[: self.prefetch])

@@ -116,6 +116,12 @@ class StepCheck:
         # travels in every check, so every rank raises at the same point
         self.pending: Any = None
 
+    def watch(self, pending: Any) -> None:
+        """Carry ``pending``'s (:class:`dmuon.owners.overlap.PendingSteps`) failure flag in every
+        check; with peers to tell, it then defers a failure met on the way to a publication."""
+        self.pending = pending
+        pending.defer_failures = self.group is not None and self.world_size > 1
+
     def install(self, model: nn.Module) -> list:
         """Check at the model's own forward, in front of every other hook (FSDP2's root
         all-gather included: at once when ``dedicate_params`` runs after ``fully_shard``, from

@@ -256,6 +256,9 @@ class UnitContext:
         saw the same one (a forward whose modules depend on the data, e.g. experts that
         receive no tokens, keeps registration order), so they keep issuing in one order.
         """
+        if self.seen is None:
+            return
+        self.flush()  # nothing held back may cross the all_gather below
         seen, self.seen = self.seen, None
         if not seen or self.keep:
             return
