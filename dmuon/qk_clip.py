@@ -127,21 +127,22 @@ def _record(module: nn.Module, max_logits: torch.Tensor) -> None:
         torch.maximum(old, value.to(old.device), out=old)
 
 
-def _masked_max(scores: torch.Tensor, start: int, attn_mask: torch.Tensor | None, is_causal: bool,
-                mask_true_keeps: bool) -> torch.Tensor:
-    """Per-head max of ``scores`` ``[batch, heads, rows, keys]`` (rows ``start:``), masked."""
+def _masked_max_(scores: torch.Tensor, start: int, attn_mask: torch.Tensor | None, is_causal: bool,
+                 mask_true_keeps: bool) -> torch.Tensor:
+    """Per-head max of ``scores`` ``[batch, heads, rows, keys]`` (rows ``start:``), masked in
+    place (the caller's own tensor: no second copy of the logits)."""
     rows, keys = scores.shape[-2], scores.shape[-1]
     if is_causal:
-        keep = torch.ones(rows, keys, dtype=torch.bool, device=scores.device).tril(diagonal=start)
-        scores = scores.masked_fill(~keep, float("-inf"))
+        drop = torch.ones(rows, keys, dtype=torch.bool, device=scores.device).triu_(diagonal=start + 1)
+        scores.masked_fill_(drop, float("-inf"))
     if attn_mask is not None:
         mask = attn_mask
         if mask.dim() >= 2 and mask.shape[-2] != 1:
             mask = mask[..., start: start + rows, :]
         if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask if mask_true_keeps else mask, float("-inf"))
+            scores.masked_fill_(~mask if mask_true_keeps else mask, float("-inf"))
         else:
-            scores = scores + mask
+            scores.add_(mask)
     return scores.amax(dim=(0, 2, 3))
 
 
@@ -167,18 +168,37 @@ def max_logits(query: torch.Tensor, key: torch.Tensor, *, scale: float | None = 
     """
     if query.dim() == 3:
         query, key = query.unsqueeze(0), key.unsqueeze(0)
-    heads, kv = query.shape[1], key.shape[1]
-    if heads != kv:
-        key = key.repeat_interleave(heads // kv, dim=1)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    keys = key.float().transpose(-1, -2)
-    rows = query.shape[2]
-    step = max(1, _CHUNK_ELEMENTS // max(1, query.shape[0] * heads * key.shape[2]))
+    batch, heads, rows, dim = query.shape
+    if key.shape[1] > 1 and key.stride(1) == 0:  # one key head expanded to every query head
+        key = key[:, :1]
+    kv = key.shape[1]
+    group = heads // kv
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    # A positive scale commutes with the max (rounding is monotonic: max(fl(c s)) = fl(c max s)),
+    # so the logits are scaled after the max, [heads] numbers instead of every logit; an
+    # additive float mask needs the scaled logits.
+    late = scale > 0 and (attn_mask is None or attn_mask.dtype == torch.bool)
+    keys = key.float().transpose(-1, -2)  # [batch, kv, dim, keys]
+    step = max(1, _CHUNK_ELEMENTS // max(1, batch * heads * key.shape[2]))
     best = torch.full((heads,), float("-inf"), device=query.device)
     for start in range(0, rows, step):
-        scores = torch.matmul(query[:, :, start: start + step].float(), keys) * scale
-        best = torch.maximum(best, _masked_max(scores, start, attn_mask, is_causal, mask_true_keeps))
-    return best
+        chunk = query[:, :, start: start + step].float()
+        count = chunk.shape[2]
+        # grouped-query attention: each key head's query heads in one product, no copy of the
+        # keys per query head (query head h reads key head h // group)
+        scores = torch.matmul(chunk.reshape(batch, kv, group * count, dim), keys)
+        scores = scores.view(batch, heads, count, -1)
+        if not late:
+            scores.mul_(scale)
+        best = torch.maximum(best, _masked_max_(scores, start, attn_mask, is_causal, mask_true_keeps))
+    return best * scale if late else best
+
+
+def _records_now() -> bool:
+    """Gradients on (a training forward, or activation checkpointing's recomputation: with
+    reentrant checkpointing the first forward runs without gradients, so the recomputation is
+    the only one seen), not a pipelining stage's shape inference."""
+    return torch.is_grad_enabled() and not in_metadata_inference()
 
 
 class _SDPAMode(TorchFunctionMode):
@@ -238,7 +258,7 @@ class LogitRecorder:
             modes: list[_SDPAMode] = []
 
             def enter(mod, args, count=count, modes=modes):
-                if torch.is_grad_enabled() and not in_metadata_inference():
+                if _records_now():
                     mode = _SDPAMode(mod, count)
                     mode.__enter__()
                     modes.append(mode)
@@ -252,7 +272,7 @@ class LogitRecorder:
 
     @staticmethod
     def _mha_hook(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
-        if not torch.is_grad_enabled() or in_metadata_inference():
+        if not _records_now():
             return
         names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
         bound = dict(zip(names, args), **kwargs)

@@ -143,3 +143,41 @@ def test_prepare_gives_a_frozen_plan_a_worker_thread_can_apply(dist_pool):
     np.testing.assert_allclose(out["thread"], out["want"], rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(out["thread"], out["live"])
     np.testing.assert_allclose(out["full"], out["want_bias"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kv,mask", [(1, "none"), (2, "causal"), (3, "bool"), (6, "float"), (6, "expanded"),
+                                     (2, "padding")])
+def test_max_logits_equals_the_float64_formula(kv, mask):
+    """``max_logits`` (grouped-query products, the scale applied after the max where it
+    commutes, masks in place) against ``max over keys of q . k * scale`` computed in float64
+    with the key heads repeated and the mask applied as SDPA / nn.MultiheadAttention do."""
+    from dmuon.qk_clip import max_logits
+
+    g = torch.Generator().manual_seed(kv * 7 + len(mask))
+    b, h, t, s, d = 2, 6, 5, 7, 8
+    q = torch.randn(b, h, t, d, generator=g)
+    k = torch.randn(b, kv, t if mask == "causal" else s, d, generator=g)
+    kwargs: dict = {}
+    keep = torch.ones(b, h, t, k.shape[2], dtype=torch.bool)
+    add = torch.zeros(b, h, t, k.shape[2], dtype=torch.float64)
+    if mask == "causal":
+        kwargs["is_causal"] = True
+        keep &= torch.ones(t, t, dtype=torch.bool).tril()
+    elif mask == "bool":
+        m = torch.rand(t, s, generator=g) > 0.3
+        kwargs["attn_mask"], keep = m, keep & m
+    elif mask == "float":
+        m = torch.randn(b, 1, t, s, generator=g)
+        kwargs["attn_mask"], add = m, add + m.double()
+    elif mask == "padding":  # True marks a masked position (nn.MultiheadAttention's convention)
+        m = torch.rand(b, h, t, s, generator=g) > 0.6
+        kwargs.update(attn_mask=m, mask_true_keeps=False)
+        keep &= ~m
+    elif mask == "expanded":
+        k = k[:, :1].expand(-1, h, -1, -1)
+    kwargs["scale"] = 0.3
+    full = k.repeat_interleave(h // k.shape[1], dim=1) if mask != "expanded" else k
+    logits = q.double() @ full.double().transpose(-1, -2) * 0.3 + add
+    want = logits.masked_fill(~keep, float("-inf")).amax(dim=(0, 2, 3))
+    got = max_logits(q, k, **kwargs)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
