@@ -242,7 +242,7 @@ class UnitContext:
                 alloc_storage(g.flat)
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
-            pending.wait_for(ready)  # already ordered on this stream: no wait on the compute stream
+            pending.wait_for(ready)  # this stream waits on each job's event, not the compute stream
             issue_groups(ready, self.group)
 
     def adopt_forward_order(self) -> None:

@@ -10,9 +10,10 @@
   once. The publication of a group waits for that group's job only, and a prefetched
   publication whose job is still running is held back rather than waited for
   (:meth:`dmuon.hooks.unit.UnitContext.issue`), so unit k's forward waits for unit k's
-  Newton-Schulz and no later one's. On CUDA a job runs on a side stream and the broadcasts of
-  groups with a job are issued on that stream (no host synchronisation; the compute stream
-  waits only on the publication it needs); on CPU it runs on one worker thread (torch
+  Newton-Schulz and no later one's. On CUDA a job runs on a side stream and records an
+  event; the broadcasts of groups with a job are issued on a publication stream that waits for
+  each one's own event (no host synchronisation; the compute stream waits only on the
+  publication it needs); on CPU it runs on one worker thread (torch
   releases the GIL inside its ops).
 * ``"backward"``: as ``"forward"``, and in the backward that precedes a step (with gradient
   sync on) the owners start each matrix's momentum and Newton-Schulz on *copies*
@@ -183,6 +184,7 @@ class PendingSteps:
     failure: str | None = None
     _executor: ThreadPoolExecutor | None = None
     _streams: dict = field(default_factory=dict)
+    _publish_streams: dict = field(default_factory=dict)
 
     def stats(self) -> dict[str, int]:
         """``{"kept": int, "recomputed": int}``, summed over steps."""
@@ -227,12 +229,18 @@ class PendingSteps:
         return job is None or job.future is None or job.future.done()
 
     def stream_for(self, keys: Any) -> Any:
-        """The side stream of the CUDA jobs of ``keys`` (their broadcasts are issued on it, so
-        that only the publication, not the compute stream, waits for them), or ``None``."""
+        """The publication stream for the broadcasts of ``keys`` when one of them has a CUDA
+        job, or ``None``. It is not the jobs' side stream (a broadcast queued there would wait
+        for every job submitted before it, not only its own): the caller makes it wait for the
+        compute stream, then :meth:`wait_for` under it makes it wait for each job's own event,
+        so only the publication waits for its unit's Newton-Schulz."""
         for key in keys:
             job = self.jobs.get(key)
             if job is not None and job.event is not None:
-                return self._streams.get(job.device)
+                stream = self._publish_streams.get(job.device)
+                if stream is None:
+                    stream = self._publish_streams[job.device] = torch.cuda.Stream(job.device)
+                return stream
         return None
 
     def wait_for(self, keys: Any) -> None:
