@@ -269,7 +269,7 @@ def test_runtime_plan_exposes_less_than_the_makespan_plan(name, world):
     from dmuon.balance.inventories import inventory
     from dmuon.balance.overlap_plan import MAKESPAN_SLACK
     from dmuon.balance.profiler import unit_times
-    from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, RUNTIME_TIME_LIMIT_S
+    from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, RUNTIME_TIME_LIMIT_S, runtime_method
     from dmuon.owners.plan import build_plan
 
     inv = inventory(name)
@@ -283,7 +283,8 @@ def test_runtime_plan_exposes_less_than_the_makespan_plan(name, world):
     old = build_plan(inv, world, groups=units)
     t0 = time.perf_counter()
     new = build_plan(inv, world, groups=units, deadlines=deadlines, makespan_slack=MAKESPAN_SLACK,
-                     method="heuristic", time_limit_s=RUNTIME_TIME_LIMIT_S)
+                     method=runtime_method(len({s for _, s in inv}), world),
+                     time_limit_s=RUNTIME_TIME_LIMIT_S)
     solve_s = time.perf_counter() - t0
 
     def exposed(plan):
@@ -295,7 +296,7 @@ def test_runtime_plan_exposes_less_than_the_makespan_plan(name, world):
           f"{sum(forward):.4g} FLOPs): makespan plan exposed {e_old:.4g} makespan "
           f"{old.makespan:.4g}; runtime plan exposed {e_new:.4g} makespan {new.makespan:.4g} "
           f"({new.extra['candidate']}, bound {new.extra['exposed_bound']:.4g}); runtime solve "
-          f"{solve_s:.2f} s")
+          f"{solve_s:.2f} s ({runtime_method(len({s for _, s in inv}), world)})")
     assert new.extra["objective"] == "overlap"
     assert new.extra["exposed"] == pytest.approx(e_new)
     assert e_new <= e_old * (1 + 1e-12) and e_new < e_old

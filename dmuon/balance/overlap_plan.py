@@ -159,6 +159,6 @@ def refine_for_overlap(
     return OverlapChoice(
         owners=tuple(int(r) for r in owners), loads=tuple(float(x) for x in loads),
         makespan=float(loads.max()), exposed=scored[best][0],
-        exposed_bound=exposed_lower_bound(costs, units, deadlines, num_ranks, **kw),
+        exposed_bound=float(exposed_lower_bound(costs, units, deadlines, num_ranks, **kw)),
         makespan_plan_exposed=scored["makespan"][0], makespan_plan_makespan=scored["makespan"][1],
         pairs=publish_pairs(owners, units), candidate=best, solve_s=time.perf_counter() - start)
