@@ -194,14 +194,14 @@ def dedicate_when_rank0_plan_raises(rank: int, world_size: int) -> str:
     def broken(*args, **kwargs):
         raise ValueError("dmuon: stub build_plan: bad cost table on rank 0")
 
-    real = dedicate.build_plan
-    dedicate.build_plan = broken
+    real = dedicate.default_plan
+    dedicate.default_plan = broken
     try:
         dmuon.dedicate_params(model, mesh, group_cost=0.0)
     except Exception as e:  # returned, so the pool need not kill the world
         return f"{type(e).__name__}: {e}"
     finally:
-        dedicate.build_plan = real
+        dedicate.default_plan = real
     return "no error"
 
 
@@ -266,12 +266,12 @@ def dedicate_when_rank0_error_does_not_pickle(rank: int, world_size: int) -> str
     def broken(*args, **kwargs):
         raise LocalError("dmuon: stub build_plan: an error pickle cannot carry")
 
-    real = dedicate.build_plan
-    dedicate.build_plan = broken
+    real = dedicate.default_plan
+    dedicate.default_plan = broken
     try:
         dmuon.dedicate_params(model, mesh, group_cost=0.0)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     finally:
-        dedicate.build_plan = real
+        dedicate.default_plan = real
     return "no error"

@@ -251,3 +251,26 @@ def test_bad_overlap_value_names_the_choices():
         dmuon.Muon(net.parameters(), overlap="always")
     with pytest.raises(ValueError, match="owner runtime"):
         dmuon.Muon(net.parameters(), overlap="forward")
+
+
+@pytest.mark.parametrize("mode,world_size", [pytest.param("fsdp", 4, marks=pytest.mark.compat),
+                                             ("replicated", 3)])
+def test_runtime_deadline_aware_plan_matches_reference(dist_pool, mode, world_size):
+    """Without a plan file ``dedicate_params`` solves the deadline-aware plan
+    (:mod:`dmuon.hooks.default_plan`). At 64 tokens per rank (units: FSDP2 blocks, or the leaf
+    modules of a plain module with ``replicas="placeholder"``) the plan leaves the makespan plan (``candidate``)
+    to expose less NS; runs with it under ``overlap="forward"`` and ``"off"`` equal
+    single-process torch.optim.Muon + AdamW."""
+    outs = {}
+    for overlap in ("forward", "off"):
+        outs[overlap] = out = dist_pool.run(
+            world_size, "tests.dist_cases:train",
+            dict(mode=mode, steps=STEPS, opt_kwargs=dict(overlap=overlap),
+                 dedicate_kwargs=dict(forward_tokens=64, **(
+                     {"replicas": "placeholder"} if mode == "replicated" else {}))), timeout_s=120)
+        _exact_params(out, world_size, STEPS)
+    extra = outs["forward"][0]["plan_extra"]
+    assert extra["objective"] == "overlap" and extra["forward_tokens"] == 64, extra
+    assert extra["candidate"] != "makespan", extra
+    assert extra["exposed"] < extra["makespan_plan_exposed"], extra
+    assert [o["owned"] for o in outs["off"]] == [o["owned"] for o in outs["forward"]]

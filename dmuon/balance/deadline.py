@@ -1,17 +1,37 @@
 """Owner plans that know deadlines: minimize the Newton-Schulz time the next forward waits for.
 
-With NS overlapped with the next forward (issue 39), every owner runs the NS of its matrices in
-the order their units (FSDP2 blocks) run forward, on a side stream, and the publication of unit
-``k`` waits only for the NS of unit ``k``'s matrices. What the step then pays is not the NS
-makespan but the part of it the forward cannot hide.
+With NS overlapped with the next forward (``Muon(overlap="forward"|"backward")``), what the
+step pays is not the NS makespan but the part of it the forward cannot hide. What the code
+enforces (issue 46; :mod:`dmuon.owners.overlap`, :meth:`dmuon.hooks.unit.UnitContext.issue`):
+
+* ``opt.step()`` schedules one job per publish group (a unit's matrices on one owner) and
+  returns without waiting for any. Each owner runs its jobs one after the other, in the
+  units' forward order (the order the first forward ran them,
+  :meth:`~dmuon.hooks.unit.UnitContext.adopt_forward_order`), on one worker thread (CPU) or
+  one side stream (CUDA), from when ``step()`` returns: time 0 here, which is taken as the
+  start of forward 0 (whatever runs in between, e.g. data loading, only adds slack).
+* The publication of unit ``k`` waits for unit ``k``'s jobs only. A prefetched publication
+  whose job is not done is held back, not waited for, so forward ``k`` never waits for a later
+  unit's NS. (Before issue 46 forward ``k`` waited for unit ``k + 1``'s jobs too, and
+  ``step()`` for unit 0's: ``P_(k+1)`` against ``d_k``; this model never described that.)
+
+So the constraint is, per owner ``r`` and unit ``k``: the end of ``r``'s jobs for units
+``0..k`` (forward order) against the start of unit ``k``'s forward.
+
+That holds on CPU. On CUDA, as the code stands, ``step()`` queues every job on the side stream
+at once and a publication is issued *on that stream*, so its broadcast is ordered behind every
+job queued before it, later units' included: there unit ``k`` waits for ``C[r, K-1]`` (each
+owner's whole load), and the plan's ``E`` is what a publication stream that waits on unit
+``k``'s job event alone would give.
 
 Model (``K`` units in forward order, ``D`` identical ranks):
 
 * ``f_j``: forward time of unit ``j``; unit ``k``'s *deadline* ``d_k = f_0 + ... + f_(k-1)`` is
   when its forward starts when nothing waits (``d_0 = 0``).
 * ``C[r, k]``: when rank ``r`` has finished the NS of every matrix it owns in units ``0..k``
-  (its NS run in unit order back to back, so ``C[r, k]`` is the prefix sum of its per-unit
-  loads, each plus the batch overhead ``f_s`` of every shape it owns in that unit).
+  (its jobs run in unit order back to back, so ``C[r, k]`` is the prefix sum of its per-unit
+  loads, each plus the batch overhead ``f_s`` of every shape it owns in that unit: one job
+  batches a unit's matrices by shape).
 * ``P_k = max_r C[r, k]`` over the owners of unit ``k``: when publication ``k`` can go.
 * Forward ``k`` starts at ``S_k = max(S_(k-1) + f_(k-1), P_k)`` (publication ``k`` gates
   forward ``k``, forward ``k+1`` waits for forward ``k``).
@@ -33,7 +53,13 @@ warm-started from it; a CBC failure keeps the heuristic plan with one warning, a
 :func:`dmuon.balance.milp.milp_fallback` does for the makespan MILP.
 
 Communication (the publication's broadcast) is not in ``E``: it is the same for every plan
-up to the first unit's, and the simulator (``bench/simulate.py``) adds it.
+up to the first unit's, and the simulator (``bench/simulate.py``) adds it. Nor is contention:
+on CUDA the side stream shares the SMs with the forward.
+
+Without a plan file, ``dedicate_params`` takes the least ``E`` among plans within 2% of the
+makespan plan's makespan (:mod:`dmuon.balance.overlap_plan`, forward times from shapes:
+:mod:`dmuon.hooks.default_plan`); :func:`solve_exposed` is ``python -m dmuon.profile
+--objective exposed``'s.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ class _State:
         self.d = np.asarray(deadlines, dtype=float)
         self.D, self.K = num_ranks, len(deadlines)
         self.count: dict[tuple, int] = {}
+        self.in_unit: dict[tuple, int] = {}  # matrices per (rank, unit): its publish pairs
         self.per = np.zeros((self.D, self.K))
         for i, r in enumerate(self.owners):
             self._add(i, r, +1)
@@ -38,12 +39,33 @@ class _State:
     def _add(self, i, r, sign):
         key = (r, self.units[i], self.classes[i])
         n = self.count.get(key, 0)
+        pair = (r, self.units[i])
+        self.in_unit[pair] = self.in_unit.get(pair, 0) + sign
         if sign > 0:
             self.per[r, self.units[i]] += self.costs[i] + (self.over[i] if n == 0 else 0.0)
             self.count[key] = n + 1
         else:
             self.per[r, self.units[i]] -= self.costs[i] + (self.over[i] if n == 1 else 0.0)
             self.count[key] = n - 1
+
+    @property
+    def pairs(self) -> int:
+        """Distinct (rank, unit) pairs: the publish (group, owner) pairs of the plan."""
+        return sum(1 for n in self.in_unit.values() if n > 0)
+
+    def pair_delta(self, moves) -> int:
+        """Change in :attr:`pairs` when the matrices ``i`` of ``moves`` ((i, rank) pairs, each
+        from its current owner) move at once."""
+        change: dict[tuple, int] = {}
+        for i, r in moves:
+            k = self.units[i]
+            change[(self.owners[i], k)] = change.get((self.owners[i], k), 0) - 1
+            change[(r, k)] = change.get((r, k), 0) + 1
+        delta = 0
+        for pair, d in change.items():
+            n = self.in_unit.get(pair, 0)
+            delta += (n + d > 0) - (n > 0)
+        return delta
 
     def move(self, i, r):
         self._add(i, self.owners[i], -1)
@@ -86,10 +108,21 @@ def deadline_greedy(costs, units, num_ranks, *, classes, batch_overhead=None) ->
 
 
 def improve_exposed(owners, costs, units, deadlines, num_ranks, *, classes, batch_overhead=None,
-                    makespan_weight=1e-3, time_limit_s=5.0) -> list[int]:
-    """The local search of the module docstring; returns improved owners (never worse)."""
+                    makespan_weight=1e-3, time_limit_s=5.0, load_cap=None,
+                    pair_cap=None) -> list[int]:
+    """The local search of the module docstring; returns improved owners (never worse).
+
+    Args:
+        load_cap: no move or swap takes a rank's load (batch overheads included) above this,
+            in the unit of ``costs`` (``None``: no cap); owners that start above it may only
+            shed load.
+        pair_cap: no move or swap takes the distinct (rank, unit) pairs (publish pairs) above
+            this (``None``: no cap).
+    """
     over = [float((batch_overhead or {}).get(c, 0.0)) for c in classes]
     st = _State(owners, costs, units, deadlines, num_ranks, classes, over)
+    st.load_cap = np.inf if load_cap is None else float(load_cap) * (1 + 1e-12)
+    st.pair_cap = pair_cap
     w = float(makespan_weight)
     deadline = time.perf_counter() + time_limit_s
     eps = 1e-12 * max(1.0, sum(costs))
@@ -98,6 +131,7 @@ def improve_exposed(owners, costs, units, deadlines, num_ranks, *, classes, batc
         slack = cum - st.d[None, :]
         rowmax, loads = slack.max(axis=1), cum[:, -1]
         score = max(0.0, rowmax.max()) + w * loads.max()
+        st.npairs = st.pairs if st.pair_cap is not None else 0
         # prefix max over k' < k and suffix max over k' >= k, per rank
         pre = np.concatenate([np.full((num_ranks, 1), _NEG),
                               np.maximum.accumulate(slack, axis=1)[:, :-1]], axis=1)
@@ -107,7 +141,7 @@ def improve_exposed(owners, costs, units, deadlines, num_ranks, *, classes, batc
             best = _best_move(st, a, rowmax, loads, pre, suf, w, best)
         if best[1] is None:
             for a in dict.fromkeys((int(rowmax.argmax()), int(loads.argmax()))):
-                best = _best_swap(st, a, rowmax, loads, w, best)
+                best = _best_swap(st, a, rowmax, loads, w, best, deadline)
         if best[1] is None:
             break
         for i, r in best[1]:
@@ -142,13 +176,21 @@ def _best_move(st, a, rowmax, loads, pre, suf, w, best):
         m = np.maximum.reduce([_others(loads, a), np.full(st.D, load_a), loads + delta])
         total = e + w * m
         total[a] = np.inf
+        total[loads + delta > st.load_cap] = np.inf
+        if st.pair_cap is not None:
+            gain = np.array([st.in_unit.get((b, k), 0) == 0 for b in range(st.D)])
+            lose = st.in_unit.get((a, k), 0) == 1
+            total[st.npairs + gain - lose > st.pair_cap] = np.inf
         b = int(total.argmin())
         if total[b] < best[0]:
             best = (float(total[b]), [(i, b)])
     return best
 
 
-def _best_swap(st, a, rowmax, loads, w, best):
+def _best_swap(st, a, rowmax, loads, w, best, deadline=np.inf):
+    """The best swap of one of ``a``'s matrices with another rank's; the search stops at
+    ``deadline`` (``time.perf_counter()``), each candidate costing two prefix sums (Pi0 on 8
+    ranks: ~0.3 s for all of them)."""
     mine = {}
     for i, r in enumerate(st.owners):
         if r == a:
@@ -158,11 +200,17 @@ def _best_swap(st, a, rowmax, loads, w, best):
         if r != a:
             theirs.setdefault((r, st.units[j], st.classes[j]), j)
     for key_i, i in mine.items():
+        if time.perf_counter() > deadline:
+            break
         for (b, *key_j), j in theirs.items():
             if tuple(key_j) == key_i:
                 continue
             row_a, load_a = st.row_with(a, remove=(i,), add=(j,))
             row_b, load_b = st.row_with(b, remove=(j,), add=(i,))
+            if max(load_a, load_b) > st.load_cap:
+                continue
+            if st.pair_cap is not None and st.npairs + st.pair_delta(((i, b), (j, a))) > st.pair_cap:
+                continue
             keep = np.ones(st.D, dtype=bool)
             keep[[a, b]] = False
             e_rest = rowmax[keep].max() if keep.any() else _NEG

@@ -47,7 +47,7 @@ AUTO_MAX_INTEGER_VARS = 8192
 #: small models that gloo serves (tens of pairs, <= 16 ranks) solve in well under a second.
 AUTO_MAX_GROUP_VARS = 2048
 
-_METHODS = ("auto", "greedy", "milp")
+_METHODS = ("auto", "greedy", "milp", "heuristic")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -189,6 +189,8 @@ def solve(
             plan already meets the lower bound). Never worse than LPT. With ``group_cost``:
             the better of the makespan plan and group-LPT, each refined by ``merge_groups``,
             then (``"milp"``, or ``"auto"`` up to :data:`AUTO_MAX_GROUP_VARS`) the group MILP.
+            ``"heuristic"``: as ``"auto"`` without CBC (the runtime's choice: at 16 to 64
+            ranks CBC's time-limited plan for Pi0 was its warm start, docs/performance.md).
         time_limit_s: CBC wall-clock limit, seconds; on timeout the best plan found is kept.
         group_cost: step time one (group, owner) pair costs (its broadcasts and reduce), in the
             unit of ``costs``; with ``groups``, the objective becomes ``makespan + group_cost *
@@ -234,7 +236,7 @@ def solve(
     optimal = False
     n_vars = len(set(classes)) * num_ranks
     want_milp = method == "milp" or (method == "auto" and n_vars <= AUTO_MAX_INTEGER_VARS)
-    status = ("not run: method='greedy'" if method == "greedy" else
+    status = (f"not run: method={method!r}" if method in ("greedy", "heuristic") else
               f"not run: {n_vars} integer variables > AUTO_MAX_INTEGER_VARS="
               f"{AUTO_MAX_INTEGER_VARS}" if not want_milp else "not run")
     heuristic = "lpt"

@@ -19,7 +19,8 @@ from dmuon.comm.mesh_roles import build_roles
 from dmuon.hooks.bind import Selected
 from dmuon.hooks.state import DedicateState
 from dmuon.hooks.state_dict import StateDictHooks
-from dmuon.owners.plan import OwnerPlan, build_bucket_plan, build_plan
+from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, default_plan, publish_units
+from dmuon.owners.plan import OwnerPlan, build_bucket_plan
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,7 @@ def dedicate_params(
     step_check: bool = True,
     replicas: str | None = None,
     replica_cost: ReplicaCost | None = None,
+    forward_tokens: int = DEFAULT_FORWARD_TOKENS,
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -240,8 +242,12 @@ def dedicate_params(
             :func:`default_predicate`: 2-D trainable parameters that are not
             ``nn.Embedding`` weights, and MoE expert stacks ``[E, rows, cols]``.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
-            default: solved now on rank 0 from the Newton-Schulz FLOP model
-            (:func:`dmuon.build_plan`, MILP with a 5 s limit) and broadcast.
+            default: solved now on rank 0 from the Newton-Schulz FLOP model and broadcast: the
+            least Newton-Schulz exposed to the next forward under ``Muon(overlap=...)`` among
+            plans within 2% of the makespan plan's makespan (:mod:`dmuon.hooks.default_plan`:
+            heuristics, and CBC for the makespan plan of small models; under a second); under
+            tensor or expert parallelism the makespan plan (:func:`dmuon.build_plan`, MILP with
+            a 5 s limit).
         prefetch: number of units (modules holding dedicated matrices) whose publication is
             issued ahead of the one running (>= 1).
         reshard_after_forward: free non-owners' full weights between forward and backward
@@ -292,6 +298,10 @@ def dedicate_params(
         replica_cost: HSDP, ``replicate_mode="auto"`` only: the cost model that picks each
             matrix's mode (default :class:`dmuon.balance.cost.ReplicaCost`: H100 NS throughput
             and 200 Gb/s InfiniBand).
+        forward_tokens: for the default plan only: tokens per rank per micro-batch through each
+            dedicated matrix (>= 1), from which each unit's forward time, hence the deadline of
+            the next unit's Newton-Schulz, is estimated (:mod:`dmuon.hooks.default_plan`). A
+            wrong figure never costs ``overlap="off"`` more than the 2% makespan slack.
 
     Returns:
         The owner plan in use (identical on every rank).
@@ -301,7 +311,7 @@ def dedicate_params(
             ``ProcessGroup``, say).
         ValueError: a mesh that does not hold every rank of the job (on every rank; a stage's
             sub-mesh: its parent mesh), a sub-mesh dropping a dimension other than ``"pp"``, a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
-            plan for another model or world size, ``prefetch < 1``, an unknown ``replicate_mode`` or
+            plan for another model or world size, ``prefetch < 1``, ``forward_tokens < 1``, an unknown ``replicate_mode`` or
             ``reduce_mode``, a negative or unknown ``group_cost``, ``bucket_cap_mb <= 0``,
             ``replicas`` not ``"keep"``/``"placeholder"`` or given for an FSDP2 model or a 2-D
             mesh, a model wrapped in ``DistributedDataParallel``.
@@ -329,6 +339,9 @@ def dedicate_params(
         raise ValueError(f"dmuon: bucket_cap_mb must be a number of MiB > 0 (DDP's default is 25), "
                          f"got {bucket_cap_mb!r}")
     bucket_bytes = max(1, int(bucket_cap_mb * 2**20))
+    if isinstance(forward_tokens, bool) or not isinstance(forward_tokens, int) or forward_tokens < 1:
+        raise ValueError(f"dmuon: forward_tokens must be a positive int (tokens per rank per "
+                         f"micro-batch through each matrix), got {forward_tokens!r}")
     _refuse_ddp(model)
     if not dist.is_initialized():
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
@@ -357,10 +370,9 @@ def dedicate_params(
     offline: list[str] = []
     if plan is None:
         def solve() -> OwnerPlan:
-            return build_plan([(s.fqn, s.shape) for s in selected], world_size, tp_size=tp_size,
-                              groups=publish_groups(model, selected) if cost > 0 else None,
-                              group_cost=cost, blocks=blocks, expert_parallel=expert_parallel,
-                              ep_size=roles.ep_size)
+            return default_plan(model, selected, world_size, tp_size=tp_size, blocks=blocks,
+                                expert_parallel=expert_parallel, ep_size=roles.ep_size,
+                                group_cost=cost, forward_tokens=forward_tokens)
 
         if roles.fake:  # the plan rank 0 of the real job would solve and broadcast, solved here
             plan = solve()
@@ -415,6 +427,10 @@ def dedicate_params(
             len(selected), world_size, plan.method, plan.makespan, plan.cost_unit,
             plan.lower_bound, min(loads) if loads else 0, max(loads) if loads else 0,
         )
+        if "exposed" in plan.extra:
+            logger.info("dmuon: Newton-Schulz exposed to the next forward under overlap %.3g %s "
+                        "(bound %.3g; objective %s)", plan.extra["exposed"], plan.cost_unit,
+                        plan.extra.get("exposed_bound", float("nan")), plan.extra.get("objective"))
     return plan
 
 
@@ -455,15 +471,9 @@ def _group_cost(group_cost: float | str, backend: str) -> float:
 
 def publish_groups(model: nn.Module, selected: list[Selected]) -> list[int]:
     """Publish group id per selected matrix (:func:`dmuon.hooks.fsdp_adapter.publish_block`),
-    numbered in model order."""
-    from dmuon.hooks import fsdp_adapter as fsdp
-
-    parents = fsdp.parent_map(model)
-    ids: dict[int, int] = {}
-    out = []
-    for sel in selected:
-        out.append(ids.setdefault(id(fsdp.publish_block(sel.module, parents)), len(ids)))
-    return out
+    numbered in the order the units' forward pre-hooks fire in registration order
+    (:func:`dmuon.hooks.default_plan.publish_units`)."""
+    return publish_units(model, selected)[0]
 
 
 def get_state(model: nn.Module) -> DedicateState:

@@ -43,6 +43,7 @@ def build_plan(
     expert_parallel: Iterable[str] = (),
     ep_size: int = 1,
     deadlines: Sequence[float] | None = None,
+    makespan_slack: float | None = None,
 ) -> OwnerPlan:
     """Every per-matrix decision of an owner plan, from a model's matrices or an inventory.
 
@@ -119,6 +120,13 @@ def build_plan(
             ``objective="exposed"``, ``exposed`` and ``exposed_bound``. Takes none of
             ``tp_size > 1``, ``group_cost``, ``memory_cap_bytes``, expert parallelism,
             ``bucket_bytes``.
+        makespan_slack: with ``deadlines``: the runtime's objective instead
+            (:func:`dmuon.balance.overlap_plan.solve_overlap`, what ``dedicate_params`` solves
+            without a plan file): the least exposed time among plans whose makespan is at most
+            ``1 + makespan_slack`` times the makespan plan's (and whose publish pairs are no
+            more than its, with ``group_cost``); ``group_cost`` is then allowed. ``extra``
+            records ``objective="overlap"``, ``exposed``, ``exposed_bound``,
+            ``makespan_plan_exposed``, ``makespan_plan_makespan`` and ``candidate``.
 
     Returns:
         The plan, with makespan and lower bound from the solver; ``extra`` records
@@ -140,7 +148,7 @@ def build_plan(
 
     expert_parallel = set(expert_parallel)
     if deadlines is not None:
-        given = {"tp_size": tp_size != 1, "group_cost": group_cost != 0,
+        given = {"tp_size": tp_size != 1, "group_cost": group_cost != 0 and makespan_slack is None,
                  "memory_cap_bytes": memory_cap_bytes is not None,
                  "expert_parallel": bool(expert_parallel) or ep_size != 1,
                  "bucket_bytes": bucket_bytes is not None}
@@ -200,8 +208,11 @@ def build_plan(
     # bytes per matrix only where asked for (a cap, or the per-rank report)
     memory = ([it.matrices * m for it, m in zip(items, owner_memory(shapes))]
               if memory_cap_bytes is not None or solver_report else None)
-    exposure = None
-    if deadlines is not None:
+    exposure = overlap = None
+    if deadlines is not None and makespan_slack is not None:
+        groups = layer_groups([it.fqn for it in items]) if groups is None else groups
+        xor = False  # the layout would move matrices between units' owners: deadlines decide
+    if deadlines is not None and makespan_slack is None:
         from dmuon.balance.deadline import solve_exposed
 
         groups = layer_groups([it.fqn for it in items]) if groups is None else groups
@@ -216,6 +227,9 @@ def build_plan(
                        batch_overhead=batch_overhead or None,
                        groups=None if groups is None or (tp_size > 1 and not xor) else list(groups),
                        group_cost=group_cost, layout=tuple(layout) if xor else None)
+    if deadlines is not None and makespan_slack is not None:
+        result, overlap = _refine_for_overlap(result, costs, groups, deadlines, classes,
+                                              batch_overhead, memory, makespan_slack, time_limit_s)
     overhead = batch_overhead or {}
     block_of = dict(blocks)
     matrices = tuple(
@@ -231,6 +245,12 @@ def build_plan(
     if exposure is not None:
         extra.update(objective="exposed", exposed=exposure.exposed,
                      exposed_bound=exposure.exposed_bound)
+    if overlap is not None:
+        extra.update(objective="overlap", exposed=overlap.exposed,
+                     exposed_bound=overlap.exposed_bound,
+                     makespan_plan_exposed=overlap.makespan_plan_exposed,
+                     makespan_plan_makespan=overlap.makespan_plan_makespan,
+                     candidate=overlap.candidate, makespan_slack=float(makespan_slack))
     if solver_report:
         extra.update(
             proven_bound=result.proven_bound, optimal=result.optimal, detail=result.detail,
@@ -248,6 +268,33 @@ def build_plan(
         extra=extra,
     )
     return plan.with_replicate_modes(replicate_mode, replica_cost)
+
+
+def _refine_for_overlap(result, costs, groups, deadlines, classes, batch_overhead, memory, slack,
+                        time_limit_s):
+    """:func:`dmuon.balance.overlap_plan.refine_for_overlap` of the makespan plan ``result``
+    (an ``Assignment``): ``(the chosen plan as an Assignment, whose detail names the candidate,
+    the OverlapChoice)``."""
+    from dataclasses import replace
+
+    from dmuon.balance.overlap_plan import refine_for_overlap
+
+    choice = refine_for_overlap(result.owners, costs, len(result.loads), units=list(groups),
+                                deadlines=deadlines, classes=classes,
+                                batch_overhead=batch_overhead or None,
+                                keep_pairs=result.group_cost > 0, makespan_slack=slack,
+                                time_limit_s=time_limit_s)
+    moved = choice.candidate != "makespan"
+    mem = [0.0] * len(choice.loads)
+    for i, r in enumerate(choice.owners):
+        mem[r] += 0.0 if memory is None else float(memory[i])
+    return replace(
+        result, owners=choice.owners, loads=choice.loads, makespan=choice.makespan,
+        memory=tuple(mem), optimal=result.optimal and not moved,
+        proven_bound=min(result.proven_bound, choice.makespan),
+        publish_pairs=choice.pairs if result.group_cost > 0 else result.publish_pairs,
+        detail=f"{result.detail}; {choice.candidate}" if moved else result.detail,
+        solve_s=result.solve_s + choice.solve_s), choice
 
 
 def _as_assignment(exposure, costs, memory):
