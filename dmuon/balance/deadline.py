@@ -18,11 +18,9 @@ enforces (issue 46; :mod:`dmuon.owners.overlap`, :meth:`dmuon.hooks.unit.UnitCon
 So the constraint is, per owner ``r`` and unit ``k``: the end of ``r``'s jobs for units
 ``0..k`` (forward order) against the start of unit ``k``'s forward.
 
-That holds on CPU. On CUDA, as the code stands, ``step()`` queues every job on the side stream
-at once and a publication is issued *on that stream*, so its broadcast is ordered behind every
-job queued before it, later units' included: there unit ``k`` waits for ``C[r, K-1]`` (each
-owner's whole load), and the plan's ``E`` is what a publication stream that waits on unit
-``k``'s job event alone would give.
+The same holds on CUDA: each job records an event on the jobs' side stream, and a
+publication is issued on a publication stream that waits for its own unit's job event only
+(:meth:`dmuon.owners.overlap.PendingSteps.stream_for`).
 
 Model (``K`` units in forward order, ``D`` identical ranks):
 
