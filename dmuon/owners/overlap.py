@@ -199,6 +199,9 @@ class PendingSteps:
             if stream is None:
                 stream = self._streams[device] = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
+            for t in keep:  # made on the compute stream, read here: not reused before this stream
+                if isinstance(t, torch.Tensor) and t.is_cuda:  # is past them (caching allocator)
+                    t.record_stream(stream)
             error = None
             with torch.cuda.stream(stream), torch.no_grad():
                 try:
