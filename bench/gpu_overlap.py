@@ -310,7 +310,7 @@ class StreamRecorder:
         early = [e for e in by["submit"] if e["speculation"] and not e["main_thread"]]
         out: dict[str, Any] = {"counts": counts, "early_submits_off_main_thread": len(early),
                                "job_threads": sorted({e["thread"] for e in by["job"]}),
-                               "max_later_jobs_before_of_a_publication": max(
+                               "max_later_jobs_before_a_publication": max(
                                    (e["later_jobs_before"] for e in by["publish"] if e["job"]), default=None)}
         if not self.cuda:
             return out
@@ -326,7 +326,7 @@ class StreamRecorder:
             "forward_on_compute_stream": all(e["stream"] == comp for e in by["forward"]),
             "unit_waits_on_compute_stream": all(e["stream"] == comp for e in by["unit_wait"]),
             "step_on_compute_stream": all(e["stream"] == comp for e in by["step"]),
-            "publication_queued_behind_no_later_job": (out["max_later_jobs_before_of_a_publication"] or 0) == 0,
+            "publication_queued_behind_no_later_job": (out["max_later_jobs_before_a_publication"] or 0) == 0,
         }
         out.update(checks=checks, compute_stream=comp, side_streams=sorted(side))
         return out

@@ -3,9 +3,10 @@
     python bench/gpu_suite.py --out bench/results/gpu_h100           # the real run (CUDA)
     python bench/gpu_suite.py --out DIR --quick                      # ~2-minute subset
     python bench/gpu_suite.py --out DIR --device cpu --quick         # CPU dry run (CI runs it)
+    python bench/gpu_suite.py --out DIR --sections environment overlap   # issue 46's overlap run, ~3 min
 
 On a lent GPU machine (one command of at most 10 minutes; what is under ``$OUT`` comes back, at
-most 8 files, and the suite writes 9, so bundle them):
+most 8 files, and the suite writes 11, so bundle them):
 ``python bench/gpu_suite.py --out /tmp/gpu; tar -C /tmp/gpu -cf $OUT/gpu_suite.tar .``, then unpack
 and commit the files under ``bench/results/gpu_<device>/``
 and copy ``launch_configs.json`` over ``dmuon/kernels/configs/launch_configs.json``.
@@ -30,11 +31,21 @@ CUDA, so the forks start clean):
   CUDA-timeline trace.
 * ``rank_view``: this GPU plays the busiest owner rank of an 8- and a 64-GPU job on the same
   policy (``bench/rank_view.py``: torch's fake process group), FSDP2 + AdamW vs dmuon.
+* ``overlap`` (issue 46, ``bench/gpu_overlap.py``, <= 3 minutes; a full run rarely leaves it
+  that, so run ``--sections environment overlap``): does ``Muon(overlap=...)`` run on CUDA as the
+  code assumes? ``TORCH_CUDA_SANITIZER=1`` over 3 steps of each mode; the streams that jobs,
+  publications, forwards and ``step()`` run on (recorded by wrapping them in the bench); bitwise
+  overlap-vs-off parity (jobs delayed too) with the caching allocator on and off; peak memory
+  per mode; exposed NS on the CUDA rank view at N = 8 and 64 (``dmuon-no-ns`` baseline); a
+  labelled 2-step profiler trace (``overlap_trace.json.gz``). Each item is met, not met or
+  could not run, with the reason; on the CPU dry run the parity runs on gloo at one rank, the
+  rank view at tiny sizes, and the CUDA-only items say why they did not run.
 
-``DIR`` receives 9 files: ``suite.json`` (environment, tests, section status, targets),
+``DIR`` receives 11 files: ``suite.json`` (environment, tests, section status, targets),
 ``correctness.json``, ``tuning.json``, ``launch_configs.json``, ``ns_speed.json``, ``step.json``,
-``step_traces.tar``, ``rank_view.json`` and ``summary.md``, which is also printed; with
-``--sync-debug`` a tenth, ``step_trace.json`` (the CUDA timeline of one dmuon step, Chrome trace format). Every target of issue 17 is listed there as met or
+``step_traces.tar``, ``rank_view.json``, ``overlap.json``, ``overlap_trace.json.gz`` and
+``summary.md``, which is also printed; with
+``--sync-debug`` a twelfth, ``step_trace.json`` (the CUDA timeline of one dmuon step, Chrome trace format). Every target of issue 17 is listed there as met or
 missed, or "not measured" with the reason; CPU figures are marked as a dry run.
 """
 
