@@ -154,6 +154,7 @@ def test_dry_run_overlap_section(dry_run):
     import gzip
 
     import gpu_overlap
+    import overlap_worker
 
     out, stdout = dry_run
     ov = _section(out, "overlap")
@@ -171,7 +172,7 @@ def test_dry_run_overlap_section(dry_run):
         assert items[name]["verdict"].startswith("could not run: CPU dry run"), items[name]
     # the recorder ran: step()'s jobs on dmuon's worker thread, publications after them, and
     # group 0's publication issued after every later group's job had been submitted
-    blocks = gpu_overlap.SIZES["cpu"]["blocks"]
+    blocks = overlap_worker.SIZES["cpu"]["blocks"]
     fwd = items["streams"]["modes"]["forward"]
     assert fwd["counts"]["job"] == fwd["counts"]["submit"] == 3 * blocks and fwd["counts"]["step"] == 3
     assert fwd["job_threads"] == ["dmuon-overlap_0"]
