@@ -33,8 +33,9 @@ One GPU, <= 3 minutes (:data:`BUDGET_S`), six items, each recorded as "met", "no
    ``overlap_bench::unit<k> <phase> waits on ...`` with the jobs its publication is queued
    behind, and every job and publication is labelled too.
 
-Every item runs in a subprocess with its own time limit (:func:`_run_worker`), so one that
-hangs or crashes costs its own result only. On CPU (the dry run) the parity runs on gloo at one
+Every item runs in a subprocess (``bench/overlap_worker.py``; the wrappers are in
+``bench/stream_recorder.py``) with its own time limit (:func:`_run_worker`), so one that hangs
+or crashes costs its own result only. On CPU (the dry run) the parity runs on gloo at one
 rank, the stream recorder and the trace run on the worker thread's path, the rank view runs at
 tiny sizes, and the CUDA-only checks say why they could not run.
 

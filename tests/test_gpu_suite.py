@@ -1,8 +1,10 @@
 """CPU dry run of bench/gpu_suite.py (tiny shapes, Triton under the interpreter), so the one-command
 GPU suite cannot rot before a GPU comes; and its failure handling and target verdicts.
 
-The dry run costs ~13 s of CPU (the section processes fork from the suite; ``pytest -m gpu``
-is one more interpreter); the other tests well under a second.
+The dry run costs ~13 s of CPU without the overlap section (the section processes fork from
+the suite; ``pytest -m gpu`` is one more interpreter); the overlap section (issue 46) adds ~9-10 s
+of wall time on the shared 2-core VM (two worker interpreters: parity + recorder + trace, and the
+rank view at N = 8 and 64); the other tests well under a second.
 """
 
 from __future__ import annotations
