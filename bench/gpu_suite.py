@@ -3,9 +3,10 @@
     python bench/gpu_suite.py --out bench/results/gpu_h100           # the real run (CUDA)
     python bench/gpu_suite.py --out DIR --quick                      # ~2-minute subset
     python bench/gpu_suite.py --out DIR --device cpu --quick         # CPU dry run (CI runs it)
+    python bench/gpu_suite.py --out DIR --sections environment overlap   # issue 46's overlap run, ~3 min
 
 On a lent GPU machine (one command of at most 10 minutes; what is under ``$OUT`` comes back, at
-most 8 files, and the suite writes 9, so bundle them):
+most 8 files, and the suite writes 11, so bundle them):
 ``python bench/gpu_suite.py --out /tmp/gpu; tar -C /tmp/gpu -cf $OUT/gpu_suite.tar .``, then unpack
 and commit the files under ``bench/results/gpu_<device>/``
 and copy ``launch_configs.json`` over ``dmuon/kernels/configs/launch_configs.json``.
@@ -30,11 +31,21 @@ CUDA, so the forks start clean):
   CUDA-timeline trace.
 * ``rank_view``: this GPU plays the busiest owner rank of an 8- and a 64-GPU job on the same
   policy (``bench/rank_view.py``: torch's fake process group), FSDP2 + AdamW vs dmuon.
+* ``overlap`` (issue 46, ``bench/gpu_overlap.py``, <= 3 minutes; a full run rarely leaves it
+  that, so run ``--sections environment overlap``): does ``Muon(overlap=...)`` run on CUDA as the
+  code assumes? ``TORCH_CUDA_SANITIZER=1`` over 3 steps of each mode; the streams that jobs,
+  publications, forwards and ``step()`` run on (recorded by wrapping them in the bench); bitwise
+  overlap-vs-off parity (jobs delayed too) with the caching allocator on and off; peak memory
+  per mode; exposed NS on the CUDA rank view at N = 8 and 64 (``dmuon-no-ns`` baseline); a
+  labelled 2-step profiler trace (``overlap_trace.json.gz``). Each item is met, not met or
+  could not run, with the reason; on the CPU dry run the parity runs on gloo at one rank, the
+  rank view at tiny sizes, and the CUDA-only items say why they did not run.
 
-``DIR`` receives 9 files: ``suite.json`` (environment, tests, section status, targets),
+``DIR`` receives 11 files: ``suite.json`` (environment, tests, section status, targets),
 ``correctness.json``, ``tuning.json``, ``launch_configs.json``, ``ns_speed.json``, ``step.json``,
-``step_traces.tar``, ``rank_view.json`` and ``summary.md``, which is also printed; with
-``--sync-debug`` a tenth, ``step_trace.json`` (the CUDA timeline of one dmuon step, Chrome trace format). Every target of issue 17 is listed there as met or
+``step_traces.tar``, ``rank_view.json``, ``overlap.json``, ``overlap_trace.json.gz`` and
+``summary.md``, which is also printed; with
+``--sync-debug`` a twelfth, ``step_trace.json`` (the CUDA timeline of one dmuon step, Chrome trace format). Every target of issue 17 is listed there as met or
 missed, or "not measured" with the reason; CPU figures are marked as a dry run.
 """
 
@@ -60,15 +71,18 @@ ROOT = Path(__file__).resolve().parent.parent
 #: (2026-11-22) took 76, 8, 39 and 37 s for tests, correctness, tuning and NS speed; the step
 #: section overran 90 s, so it gets the rest of the 540 s budget (the suite's deadline caps it).
 SECTIONS = (("environment", 30, 20), ("gpu_tests", 150, 50), ("correctness", 60, 30),
-            ("tuning", 100, 30), ("ns_speed", 100, 50), ("step", 200, 60), ("rank_view", 150, 60))
-#: rank_view (issue 25) runs last, under its own limit, with what is left of the budget
-#: (the device allows 600 s a command).
+            ("tuning", 100, 30), ("ns_speed", 100, 50), ("step", 200, 60), ("rank_view", 150, 60),
+            ("overlap", 180, 120))
+#: rank_view (issue 25) runs under its own limit, with what is left of the budget (the device
+#: allows 600 s a command); overlap (issue 46) last: a full run rarely leaves it its 180 s, so it
+#: is meant to run on its own (``--sections environment overlap``, ~3 minutes). Its own budget
+#: (gpu_overlap.BUDGET_S) is 10 s under these limits, so it writes its record before the kill.
 TOTAL_BUDGET_S = {False: 570.0, True: 250.0}
 #: The CPU dry run's limits are this many times longer: its times mean nothing, and a shared
 #: CPU must not turn a slow section into a recorded timeout.
 CPU_LIMIT_SCALE = 3.0
 #: Sections whose result is written to DIR as ``<name>.json`` (the rest go into suite.json).
-OWN_FILE = ("correctness", "tuning", "ns_speed", "step", "rank_view")
+OWN_FILE = ("correctness", "tuning", "ns_speed", "step", "rank_view", "overlap")
 
 TARGETS = (
     ("ns_pi0", "Pi0 whole-inventory NS, dmuon Gram + Triton fp16 / torch.optim.Muon", "<= 0.45"),
@@ -149,10 +163,12 @@ def gpu_tests(opts) -> dict:
 
 
 def _sections() -> dict[str, Callable]:
+    import gpu_overlap
     import gpu_sections as gs
 
     return {"environment": gs.environment, "gpu_tests": gpu_tests, "correctness": gs.correctness,
-            "tuning": gs.tuning, "ns_speed": gs.ns_speed, "step": gs.step, "rank_view": gs.rank_view}
+            "tuning": gs.tuning, "ns_speed": gs.ns_speed, "step": gs.step, "rank_view": gs.rank_view,
+            "overlap": gpu_overlap.overlap}
 
 
 # ----------------------------------------------------------------------------- targets
@@ -341,6 +357,10 @@ def summary_markdown(suite: dict, records: dict[str, dict]) -> str:
                          f"block {w['block']}, block_k {w['block_k']}, warps {w['num_warps']}, stages {w['num_stages']}")
         if gpu:
             lines.append("- commit: copy `launch_configs.json` over `dmuon/kernels/configs/launch_configs.json`.")
+    if "overlap" in records:
+        import gpu_overlap
+
+        lines += gpu_overlap.summary_lines(records["overlap"])
     return "\n".join(lines) + "\n"
 
 
