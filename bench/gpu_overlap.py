@@ -13,10 +13,10 @@ One GPU, <= 3 minutes (:data:`BUDGET_S`), six items, each recorded as "met", "no
    :func:`dmuon.hooks.unit.issue_groups`, :meth:`Unit.wait`, the optimizer step and a forward
    pre-hook per unit: each job runs on the side stream; every submit (``step()``'s and the
    backward's early ones, on autograd's thread) is called from the compute stream; a
-   publication of a group with a job goes out on the side stream, one without on the compute
-   stream; forwards and ``step()`` run on the compute stream; and how many jobs of *later*
-   units each publication is queued behind on the side stream (a stream runs in order, so
-   the broadcast of unit k waits for every job submitted before it).
+   publication of a group with a job goes out on dmuon's publication stream (which waits for
+   that job's event only), never on the side stream, where it would queue behind every job
+   submitted before it; one without a job goes out on the compute stream; forwards and
+   ``step()`` run on the compute stream.
 3. ``parity``: final weights after 4 steps (fp32 NS) of ``forward`` and ``backward`` against
    ``off``, bit for bit, also with every job delayed (``torch.cuda._sleep`` on the side stream,
    a sleep on CPU) so that a missing wait or a buffer freed too early shows; with the caching

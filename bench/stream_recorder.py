@@ -105,9 +105,9 @@ class StreamRecorder:
             for g in dict.fromkeys(groups):
                 gi = group_index.get(id(g))
                 own = rec.job_of_group.pop(gi, None)
-                # one side stream runs its work in order: this broadcast, issued there after
-                # its own job, also waits for every job step() submitted after that one (the
-                # groups after this one in forward order)
+                # the jobs step() submitted after this group's (later groups in forward order):
+                # on CUDA a broadcast issued on the jobs' side stream would wait for them all;
+                # dmuon issues it on a publication stream that waits for its own job's event
                 ahead = [j for j in rec.step_jobs if own is not None and j > own]
                 rows.append((gi, own, ahead))
             for gi, own, ahead in rows:
@@ -168,13 +168,15 @@ class StreamRecorder:
             "jobs_on_side_stream": all(e["stream"] in side and e["stream"] != comp for e in by["job"]),
             "submits_from_compute_stream": all(e["stream"] == comp for e in by["submit"]),
             "early_submits_from_compute_stream": all(e["stream"] == comp for e in early) if early else None,
-            "publications_with_job_on_side_stream": all(e["stream"] in side for e in with_job) if with_job else None,
+            # their own stream, which waits for the group's job event alone (not the side stream)
+            "publications_with_job_on_publication_stream": all(
+                e["stream"] not in side and e["stream"] != comp for e in with_job) if with_job else None,
             "publications_without_job_on_compute_stream": all(
                 e["stream"] == comp for e in by["publish"] if not e["job"]),
             "forward_on_compute_stream": all(e["stream"] == comp for e in by["forward"]),
             "unit_waits_on_compute_stream": all(e["stream"] == comp for e in by["unit_wait"]),
             "step_on_compute_stream": all(e["stream"] == comp for e in by["step"]),
-            "publication_queued_behind_no_later_job": (out["max_later_jobs_before_a_publication"] or 0) == 0,
+            "publication_queued_behind_no_later_job": all(e["stream"] not in side for e in with_job),
         }
         out.update(checks=checks, compute_stream=comp, side_streams=sorted(side))
         return out
