@@ -25,7 +25,10 @@ waits for when owners run NS overlapped with it, in forward order (issue 39; the
 :mod:`dmuon.balance.deadline`). Each unit's forward time comes from
 :func:`dmuon.balance.profiler.unit_times` (``--tokens`` per GPU per micro-batch through each
 matrix: timed matmuls on a GPU, FLOPs on CPU). ``--objective exposed`` builds the plan that
-minimizes it (no XOR layout); the default ``makespan`` keeps the plan the serial step wants.
+minimizes it (no XOR layout); ``--objective overlap`` the plan ``dedicate_params`` solves
+without a plan file (the least exposed time within 2% of the makespan plan's makespan,
+:mod:`dmuon.balance.overlap_plan`; no XOR layout), here from the profiled costs; the default
+``makespan`` keeps the plan the serial step wants.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from dmuon.balance.inventories import INVENTORIES, inventory, layer_groups
 from dmuon.balance.profiler import DEFAULT_CACHE, profile_costs
 
 logger = logging.getLogger(__name__)
+
+#: ``--objective``'s choices (:func:`build_owner_plan`).
+OBJECTIVES = ("makespan", "exposed", "overlap")
 
 
 def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
@@ -166,7 +172,10 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
 
     ``objective="exposed"`` minimizes the NS time the next forward waits for under overlap
     (:mod:`dmuon.balance.deadline`; deadlines from :func:`dmuon.balance.profiler.unit_times` with
-    ``tokens`` per GPU per micro-batch), without the XOR layout. Either way, without expert
+    ``tokens`` per GPU per micro-batch), without the XOR layout. ``objective="overlap"`` is the
+    runtime's objective (:func:`dmuon.balance.overlap_plan.refine_for_overlap`: the least exposed
+    time among plans within :data:`~dmuon.balance.overlap_plan.MAKESPAN_SLACK` of the makespan
+    plan's makespan), without the XOR layout. Whatever the objective, without expert
     parallelism, ``extra`` records the plan's ``exposed`` time and its bound.
 
     Raises:
@@ -180,8 +189,10 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
 
     from dmuon.owners.stacks import param_layout
 
-    if objective not in ("makespan", "exposed"):
-        raise ValueError(f"dmuon: objective={objective!r} is not 'makespan' or 'exposed'")
+    from dmuon.balance.overlap_plan import MAKESPAN_SLACK
+
+    if objective not in OBJECTIVES:
+        raise ValueError(f"dmuon: objective={objective!r} is not one of {OBJECTIVES}")
 
     layouts = [param_layout(fqn, s) for fqn, s in named_shapes]  # a stack: its experts' matrices
     matrix_costs, overhead, unit = profile_costs([lay.matrix_shape for lay in layouts], measure=measure,
@@ -202,7 +213,8 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
                       groups=groups, group_cost=group_cost,
                       layout=None if ep > 1 else (nodes, gpus_per_node), memory_cap_bytes=memory_cap_bytes,
                       batch_overhead=overhead, solver_report=True,
-                      deadlines=deadlines if objective == "exposed" else None,
+                      deadlines=deadlines if objective != "makespan" else None,
+                      makespan_slack=MAKESPAN_SLACK if objective == "overlap" else None,
                       **({"expert_parallel": stacks, "ep_size": ep} if ep > 1 else {}))
     if ep == 1:  # the exposed time of whichever plan, in the deadline model's own terms
         unit_of = dict(zip((f for f, _ in named_shapes), groups))
@@ -241,10 +253,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=1,
                    help="expert parallelism: expert stacks Shard(0) over this many ranks (the plan "
                         "then runs on an (efsdp, ep) mesh; it must divide the ranks and the experts)")
-    p.add_argument("--objective", choices=("makespan", "exposed"), default="makespan",
+    p.add_argument("--objective", choices=OBJECTIVES, default="makespan",
                    help="makespan: balance NS for a step that runs it after backward (default); "
                         "exposed: minimize the NS the next forward waits for when NS overlaps it "
-                        "(no XOR layout). Both print the makespan and the exposed time")
+                        "(no XOR layout); overlap: what dedicate_params solves without a plan "
+                        "file, the least exposed NS within 2%% of the makespan plan's makespan "
+                        "(no XOR layout). Each prints the makespan and the exposed time")
     p.add_argument("--tokens", type=int, default=4096,
                    help="tokens per GPU per micro-batch through each matrix: the forward times "
                         "that set each unit's deadline (default 4096)")

@@ -236,11 +236,13 @@ def test_cli_prints_makespan_and_exposed_time_and_minimizes_the_exposed_one(tmp_
     """Issue 39: the summary gives the makespan and the exposed NS time under overlap; with
     ``--objective exposed`` the plan's exposed time, recomputed here by replaying the overlapped
     schedule from the plan file (forward = 2 x tokens x rows x cols per matrix), is no larger
-    than the makespan plan's."""
+    than the makespan plan's; ``--objective overlap`` (the runtime's objective, issue 46) exposes
+    no more than the makespan plan it started from, within 2% of its makespan."""
     from dmuon.balance.inventories import layer_groups
+    from dmuon.balance.overlap_plan import MAKESPAN_SLACK
 
     plans, text = {}, {}
-    for objective in ("makespan", "exposed"):
+    for objective in ("makespan", "exposed", "overlap"):
         out = tmp_path / f"{objective}.json"
         assert main(["--model", "pi0-tiny", "--gpus-per-node", "4", "--out", str(out),
                      "--time-limit-s", "1", "--measure", "no", "--no-plot", "--tokens", "64",
@@ -278,6 +280,10 @@ def test_cli_prints_makespan_and_exposed_time_and_minimizes_the_exposed_one(tmp_
     assert plans["exposed"].extra["exposed"] <= plans["makespan"].extra["exposed"] * (1 + 1e-9)
     assert plans["exposed"].extra["objective"] == "exposed"
     assert plans["exposed"].extra["layout"] == "none"
+    overlap = plans["overlap"].extra
+    assert overlap["objective"] == "overlap" and overlap["layout"] == "none", overlap
+    assert overlap["exposed"] <= overlap["makespan_plan_exposed"] * (1 + 1e-9), overlap
+    assert plans["overlap"].makespan <= (1 + MAKESPAN_SLACK) * overlap["makespan_plan_makespan"] * (1 + 1e-9)
 
 
 @pytest.mark.compat

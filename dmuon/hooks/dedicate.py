@@ -19,7 +19,7 @@ from dmuon.comm.mesh_roles import build_roles
 from dmuon.hooks.bind import Selected
 from dmuon.hooks.state import DedicateState
 from dmuon.hooks.state_dict import StateDictHooks
-from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, default_plan, publish_units
+from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, default_plan
 from dmuon.owners.plan import OwnerPlan, build_bucket_plan
 
 logger = logging.getLogger(__name__)
@@ -467,13 +467,6 @@ def _group_cost(group_cost: float | str, backend: str) -> float:
             f"owner) pair), got {group_cost!r}"
         )
     return float(group_cost)
-
-
-def publish_groups(model: nn.Module, selected: list[Selected]) -> list[int]:
-    """Publish group id per selected matrix (:func:`dmuon.hooks.fsdp_adapter.publish_block`),
-    numbered in the order the units' forward pre-hooks fire in registration order
-    (:func:`dmuon.hooks.default_plan.publish_units`)."""
-    return publish_units(model, selected)[0]
 
 
 def get_state(model: nn.Module) -> DedicateState:
