@@ -250,6 +250,43 @@ def test_overlap_verdicts_on_gpu_shaped_records(tmp_path):
     assert lines[-1] == "Could not run: section timeout: killed after its time limit of 180 s"
 
 
+def test_rank_view_stream_waits_put_each_publication_on_its_waiter(monkeypatch):
+    """``rank_view --stream-waits`` (the overlap section's exposed NS on CUDA), without a GPU:
+    each publish group's issue records an event on the stream current at the issue, its first
+    wait (and only that) makes the waiting stream wait on it, and PublishGroup is restored."""
+    import torch
+
+    import rank_view
+    from dmuon.hooks.unit import PublishGroup
+
+    log: list = []
+
+    class Event:
+        def record(self):
+            log.append(("record", id(self)))
+
+    class Stream:
+        def wait_event(self, ev):
+            log.append(("wait_event", id(ev)))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(PublishGroup, "issue", lambda self, pg: log.append(("issue", self.owner)) or "work")
+    monkeypatch.setattr(PublishGroup, "wait", lambda self: log.append(("wait", self.owner)))
+    issue, wait = PublishGroup.issue, PublishGroup.wait
+    a, b = (PublishGroup(owner=r, is_owner=r == 0, flat=torch.zeros(1)) for r in (0, 1))
+    with rank_view.publication_events(True):
+        assert a.issue(None) == "work"
+        b.issue(None)
+        a.wait(), a.wait(), b.wait()
+    ev_a, ev_b = log[1][1], log[3][1]
+    assert log == [("issue", 0), ("record", ev_a), ("issue", 1), ("record", ev_b), ("wait_event", ev_a),
+                   ("wait", 0), ("wait", 0), ("wait_event", ev_b), ("wait", 1)]
+    assert (PublishGroup.issue, PublishGroup.wait) == (issue, wait)
+    with rank_view.publication_events(False):  # the default: nothing wrapped
+        assert PublishGroup.issue is issue
+
+
 def _raises(opts):
     raise ValueError("broken on purpose")
 
