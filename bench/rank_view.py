@@ -21,7 +21,9 @@ seed and synthetic batches (this rank's rows of the global batch):
   stand-in (each update divided by its Frobenius norm; timing only, its weights are not
   Muon's), so that ``whole step - dmuon-no-ns whole step`` is the Newton-Schulz a variant
   leaves exposed (issue 46). After each block of steps the pending work of an overlapped variant is
-  waited for outside the timed steps, so it never runs beside another variant's.
+  waited for outside the timed steps, so it never runs beside another variant's. On CUDA the
+  overlapped variants' figures mean what they say only with ``--stream-waits``
+  (:class:`ViewConfig`).
 
 The owner plan is the one the real N-rank job would use: solved in this process by the same
 solver and inputs rank 0 would use (``group_cost`` of the real job's backend: NCCL on CUDA,
@@ -54,7 +56,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -64,7 +65,7 @@ import statistics
 import sys
 import time
 from collections import Counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 from inventory_model import InventoryModel, blocks_inventory  # noqa: E402
 from rank_view_profile import cpu_peak_bytes, analyze  # noqa: E402
+from stream_recorder import publication_events  # noqa: E402
 
 VARIANTS = ("adamw", "dmuon", "vanilla", "torch_muon", "dmuon-overlap-forward", "dmuon-overlap-backward",
             "dmuon-a2", "adamw-a2", "dmuon-no-ns")
@@ -377,41 +379,6 @@ def _step(model, opt, batch, device, profile: bool = False, memory: bool = False
     phase("step", step)
     rec["total_s"] = sum(rec[f"{p}_s"] for p in PHASES)
     return rec
-
-
-@contextlib.contextmanager
-def publication_events(enabled: bool) -> Iterator[None]:
-    """``ViewConfig.stream_waits`` on CUDA: every publish group's issue records an event on the
-    current stream (the publication stream when the group has an overlapped job, which has
-    waited for that job's event; else the compute stream), and its first wait puts that event
-    on the waiting stream, as a real NCCL broadcast's ``work.wait()`` does. Bench-side: dmuon's
-    :class:`dmuon.hooks.unit.PublishGroup` is wrapped for the run and restored."""
-    if not enabled:
-        yield
-        return
-    from dmuon.hooks.unit import PublishGroup
-
-    issue, wait = PublishGroup.issue, PublishGroup.wait
-    marks: dict[int, torch.cuda.Event] = {}
-
-    def issue_(self, group):
-        work = issue(self, group)
-        ev = torch.cuda.Event()
-        ev.record()
-        marks[id(self)] = ev
-        return work
-
-    def wait_(self) -> None:
-        ev = marks.pop(id(self), None)
-        if ev is not None:
-            torch.cuda.current_stream().wait_event(ev)
-        wait(self)
-
-    PublishGroup.issue, PublishGroup.wait = issue_, wait_
-    try:
-        yield
-    finally:
-        PublishGroup.issue, PublishGroup.wait = issue, wait
 
 
 def _resident_bytes(model: nn.Module, opt) -> float:
