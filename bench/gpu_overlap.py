@@ -23,6 +23,10 @@ One GPU, <= 3 minutes (:data:`BUDGET_S`), six items, each recorded as "met", "no
    unit's job (its stream waited on it, CUDA; the host blocked on it, CPU); and, timed (CUDA
    events on the streams, host clock on CPU), every unit's compute starts after its own job
    ends (else a wait is missing) and before the next unit's job ends.
+   ``clip_recompute`` (both; issue 46, finding 3): ``backward`` with a clip that binds at every
+   step (so every speculation is discarded), jobs not delayed: how long ``step()``'s first job
+   found the discarded speculative Newton-Schulz still occupying the side stream (CUDA) or the
+   worker thread (CPU); met if never over :data:`CLIP_WAIT_MS`.
 3. ``parity``: final weights after 4 steps (fp32 NS) of ``forward`` and ``backward`` against
    ``off``, bit for bit, also with every job delayed (``torch.cuda._sleep`` on the side stream,
    a sleep on CPU) so that a missing wait or a buffer freed too early shows; with the caching
@@ -176,6 +180,7 @@ def overlap(opts) -> dict:
                                   if cuda else {"verdict": _verdict(None, "CPU dry run: no CUDA caching allocator")})
     items["streams"] = _streams_item(par, res, cuda)
     items["unit_order"] = _order_item(par, res, cuda)
+    items["clip_recompute"] = _clip_item(par, res, cuda)
     items["peak_memory"] = _peak_item(par, res, cuda)
     items["trace"] = ({"verdict": "written", "file": TRACE_FILE, "bytes": par["trace"]["bytes"],
                        "unit_waits": par["trace"]["unit_waits"][:24]}
@@ -249,6 +254,28 @@ def _order_item(par: dict | None, proc: dict, cuda: bool) -> dict:
                        "timeline": v.get("timeline", [])[:24], "unit_waits": v.get("unit_waits", [])}
                    for r, v in per_run.items()}
     return out
+
+
+#: Most time (ms) a recompute may find the discarded speculation still running on the side
+#: stream (CUDA) or the worker thread (CPU) and count as not waiting for it
+CLIP_WAIT_MS = 0.5
+
+
+def _clip_item(par: dict | None, proc: dict, cuda: bool) -> dict:
+    """Issue 46, finding 3: with a clip that binds, ``step()`` recomputes every speculation and
+    its jobs do not first wait for the discarded speculative Newton-Schulz."""
+    run = (par or {}).get("clip")
+    if run is None:
+        return {"verdict": _verdict(None, f"parity process {proc['status']}")}
+    stats, waits = run["kept_speculations"], run["speculation_wait"]
+    out = {"setting": ("CUDA: side stream, CUDA-event times" if cuda else "CPU: worker thread, host clock"),
+           "clip_max_norm": run["clip"], "kept_speculations": stats, "speculation_wait": waits,
+           "threshold_ms": CLIP_WAIT_MS}
+    if stats.get("recomputed", 0) == 0 or stats.get("kept", 0) > 0:
+        return {"verdict": _verdict(None, f"the clip did not discard every speculation ({stats})"), **out}
+    if not waits:
+        return {"verdict": _verdict(None, "no speculation was started"), **out}
+    return {"verdict": _verdict(all(w["wait_ms"] <= CLIP_WAIT_MS for w in waits)), **out}
 
 
 def _peak_item(par: dict | None, proc: dict, cuda: bool) -> dict:
@@ -327,6 +354,10 @@ def _detail(name: str, item: dict) -> str:
     if name in ("streams", "unit_order") and "checks" in item:
         return (f"{item['setting']}: " if "setting" in item else "") + \
             f"not met: {item['not_met'] or 'none'}; not exercised: {item['not_exercised'] or 'none'}"
+    if name == "clip_recompute" and "speculation_wait" in item:
+        return f"{item['setting']}: recompute waited " + ", ".join(
+            f"{w['wait_ms']:.2f} ms" for w in item["speculation_wait"]) + f" for the discarded speculation " \
+            f"(<= {item['threshold_ms']} ms to pass; {item['kept_speculations']})"
     if name == "peak_memory" and "peak_bytes" in item:
         return ", ".join(f"{m} {b / 2**20:.1f} MiB" for m, b in item["peak_bytes"].items())
     if name == "exposed_ns":

@@ -37,6 +37,7 @@ CUDA, so the forks start clean):
   publications, forwards, ``step()`` and the backward's submits run on (recorded by wrapping
   them in the bench); whether a unit's compute waits for a later unit's Newton-Schulz (the
   order of the streams' waits, and CUDA-event times with every job delayed; prefetch 1 and 2);
+  whether a recompute after a binding clip waits for the discarded speculation;
   bitwise overlap-vs-off parity (jobs delayed too) with the caching allocator on and off; peak
   memory per mode; exposed NS on the CUDA rank view at N = 8 and 64 (``dmuon-no-ns`` baseline,
   ``--stream-waits``); a labelled 2-step profiler trace (``overlap_trace.json.gz``). Each item

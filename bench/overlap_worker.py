@@ -6,7 +6,8 @@
   weights of every mode against ``off`` (a second ``off`` is the A/A control), also with
   delayed jobs; peak memory per mode (CUDA); the stream recorder
   (:class:`stream_recorder.StreamRecorder`, jobs delayed) over ``forward`` and ``backward`` at
-  the default prefetch of 1 and ``forward`` at prefetch 2; a 2-step profiler trace.
+  the default prefetch of 1 and ``forward`` at prefetch 2, and over ``backward`` with a clip
+  that discards every speculation; a 2-step profiler trace.
 * ``rank_view``: :func:`rank_view.run` at N = 8 and 64 with the no-NS baseline (on CUDA with
   ``stream_waits``: see :class:`rank_view.ViewConfig`).
 * ``sanitizer``: FSDP2 + AdamW (control) and each mode, 3 steps each, under the sanitizer.
@@ -37,9 +38,15 @@ SIZES = {"cuda": dict(blocks=8, per_block=4, width=1024, batch=8, tokens=256),
          "sanitizer": dict(blocks=3, per_block=2, width=128, batch=2, tokens=16),
          "cpu": dict(blocks=3, per_block=2, width=32, batch=2, tokens=8)}
 STEPS = 4
-#: The recorder's runs: (name, mode, prefetch). At prefetch 2 the step's own issue publishes
-#: units 0 and 1 together, where a publication of unit 0 could be ordered behind unit 1's job.
-STREAM_RUNS = (("forward", "forward", 1), ("backward", "backward", 1), ("forward_prefetch2", "forward", 2))
+#: The recorder's runs: (name, mode, prefetch, max_norm of dmuon.clip_grad_norm_ or None),
+#: every job delayed. At prefetch 2 the step's own issue publishes units 0 and 1 together,
+#: where a publication of unit 0 could be ordered behind unit 1's job.
+STREAM_RUNS = (("forward", "forward", 1, None), ("backward", "backward", 1, None),
+               ("forward_prefetch2", "forward", 2, None))
+#: A clip that binds at every step (max_norm far under this model's gradient norm; the section
+#: checks that nothing was kept): every speculation is discarded and recomputed. Run without
+#: delays (a delay would occupy the worker thread for a discarded job too).
+CLIP_RUN = ("backward_clip", "backward", 1, 1e-3)
 #: The rank view: the suite's 194 M Pi0-style policy (224-pixel image, 16 text tokens, 50
 #: actions), 8 samples per rank as in issue 46's short-context example, bf16; tiny on CPU.
 RANK_VIEW = {"cuda": ["--model", "gpu", "--batch-per-rank", "8", "--rounds", "2", "--block-steps", "2", "--bf16",
@@ -98,12 +105,16 @@ def _batch(device: str, size: dict, step: int) -> dict:
     return {"x": torch.randn(size["batch"], size["tokens"], size["width"], generator=g).to(device)}
 
 
-def _train(model, opt, device: str, size: dict, steps: int) -> list[float]:
+def _train(model, opt, device: str, size: dict, steps: int, clip: float | None = None) -> list[float]:
     losses = []
     for step in range(steps):
         loss = model(_batch(device, size, step))
         loss.backward()
         losses.append(loss.item())
+        if clip is not None:
+            import dmuon
+
+            dmuon.clip_grad_norm_(model, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses
@@ -171,17 +182,22 @@ def task_parity(device: str, store: str, trace: str | None) -> dict:
             out["runs"][name]["losses_equal_off"] = out["runs"][name]["losses"] == out["runs"]["off"]["losses"]
     if out["caching_allocator"]:
         out["streams"] = {}
-        for name, mode, prefetch in STREAM_RUNS:  # jobs delayed: the timeline's checks need it
+        for name, mode, prefetch, clip in (*STREAM_RUNS, CLIP_RUN):
             model, opt = _build(mesh, device, size, mode, prefetch)
-            with delayed_jobs(device):
+            with delayed_jobs(device) if clip is None else contextlib.nullcontext():
                 rec = StreamRecorder(model, opt, device)
                 try:
-                    _train(model, opt, device, size, 3)
+                    _train(model, opt, device, size, 3, clip)
                 finally:
                     rec.remove()  # before the reader's wait below, which is no forward's
                 opt.wait_pending()
-            out["streams"][name] = {"mode": mode, "prefetch": prefetch, **rec.verdicts(),
-                                    "unit_waits": rec.unit_waits()[:2 * size["blocks"]]}
+            row = {"mode": mode, "prefetch": prefetch, "clip": clip, **rec.verdicts(),
+                   "unit_waits": rec.unit_waits()[:2 * size["blocks"]], "kept_speculations": opt.overlap_stats()}
+            if clip is not None:  # its timeline has no delays: its ordering checks mean nothing
+                row["checks"] = {k: v for k, v in row["checks"].items() if not k.startswith("unit_starts")}
+                out["clip"] = row
+            else:
+                out["streams"][name] = row
             del model, opt
         if trace:
             out["trace"] = _trace(mesh, device, size, trace)

@@ -133,7 +133,9 @@ class StreamRecorder:
             seq = rec.seq = rec.seq + 1
             group = rec._scheduling
             origin = "step" if rec._in_schedule else (rec._origin or "other")
-            rec._log("submit", seq=seq, group=group, origin=origin)
+            # when the submitting stream (CUDA) or the host (CPU) got there: a job can start no
+            # earlier; it starts later if the side stream / worker thread is still busy
+            rec._log("submit", seq=seq, group=group, origin=origin, mark=rec._mark())
 
             def job() -> None:
                 rec._log("job", seq=seq, group=group)
@@ -314,6 +316,30 @@ class StreamRecorder:
         return {"rows": rows, "checks": {"unit_starts_after_its_own_job": all(after) if after else None,
                                          "unit_starts_before_next_units_job_ends": all(before) if before else None}}
 
+    def speculation_wait(self) -> list[dict]:
+        """Per step: how long the speculative jobs submitted in the backward before it kept the
+        side stream (CUDA) or the worker thread (CPU) busy after ``step()`` submitted its first
+        job (``wait_ms``, >= 0; times as in :meth:`timeline`). With a clip that binds, every
+        speculation is discarded and issue 46 wants the recompute not to wait for them."""
+        ms = self.times_ms()
+        job_end = {e["seq"]: ms[e["mark"]] for e in self.events if e["kind"] == "job_end"}
+        rows: list[dict] = []
+        specs: list[int] = []  # speculative jobs submitted since the last step (its backward's)
+        cur: dict | None = None
+        for e in self.events + [{"kind": "step"}]:  # a last "step" closes the last one
+            if e["kind"] == "step":
+                if cur is not None and cur["first"] is not None and cur["specs"]:
+                    ends = [job_end[s] for s in cur["specs"] if s in job_end]
+                    rows.append({"step": cur["step"], "speculative_jobs": len(cur["specs"]),
+                                 "wait_ms": max(0.0, max(ends, default=0.0) - ms[cur["first"]["mark"]])})
+                cur = {"step": (cur or {"step": 0})["step"] + 1, "specs": specs, "first": None}
+                specs = []
+            elif e["kind"] == "submit" and e["origin"] in ("early", "end_of_backward"):
+                specs.append(e["seq"])
+            elif e["kind"] == "submit" and e["origin"] == "step" and cur is not None and cur["first"] is None:
+                cur["first"] = e
+        return rows
+
     def verdicts(self) -> dict:
         """The stream assertions (CUDA), what ran where, and the ordering checks (both)."""
         ev = self.events
@@ -354,7 +380,7 @@ class StreamRecorder:
             out.update(compute_stream=comp, side_streams=sorted(side), publication_streams=sorted(self.pub_streams))
         tl = self.timeline()
         checks.update(tl["checks"])
-        out.update(checks=checks, timeline=tl["rows"])
+        out.update(checks=checks, timeline=tl["rows"], speculation_wait=self.speculation_wait())
         return out
 
     def unit_waits(self) -> list[dict]:

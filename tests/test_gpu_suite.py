@@ -176,7 +176,7 @@ def test_dry_run_overlap_section(dry_run):
     # speculations submitted from autograd's thread (the caller's, on CPU)
     blocks = overlap_worker.SIZES["cpu"]["blocks"]
     runs = items["streams"]["runs"]
-    assert set(runs) == {name for name, _, _ in overlap_worker.STREAM_RUNS}
+    assert set(runs) == {name for name, _, _, _ in overlap_worker.STREAM_RUNS}
     for run in runs.values():
         assert run["counts"]["job"] == run["counts"]["submit"] and run["counts"]["step"] == 3
         assert run["submits_by_origin"]["step"] == 3 * blocks and run["job_threads"] == ["dmuon-overlap_0"]
@@ -194,6 +194,11 @@ def test_dry_run_overlap_section(dry_run):
         waits = [w for w in v["unit_waits"] if w["phase"] == "forward"]
         assert [w["unit"] for w in waits] == list(range(blocks))  # the first step's forward
         assert all(p["job"] is not None for w in waits for p in w["publications"])
+    # issue 46, finding 3: a binding clip discards every speculation; the wait of step()'s first
+    # job for them is measured (on CPU a discarded job not yet started is skipped)
+    clip = items["clip_recompute"]
+    assert clip["kept_speculations"]["kept"] == 0 and clip["kept_speculations"]["recomputed"] > 0
+    assert len(clip["speculation_wait"]) == 3 and clip["verdict"] in ("met", "not met")
     tr = items["trace"]
     assert tr["verdict"] == "written"
     trace = json.loads(gzip.decompress((out / gpu_overlap.TRACE_FILE).read_bytes()))
@@ -245,6 +250,13 @@ def test_overlap_verdicts_on_gpu_shaped_records(tmp_path):
     assert bad["not_met"] == [f"{run}: {check}" for run in ("forward", "forward_prefetch2")
                               for check in ("publication_behind_no_later_job", "unit_starts_before_next_units_job_ends")]
     assert go._order_item(None, {"status": "timeout"}, cuda=True)["verdict"] == "could not run: parity process timeout"
+    clip = {"clip": {"clip": 1e-3, "kept_speculations": {"kept": 0, "recomputed": 64},
+                     "speculation_wait": [{"step": 1, "speculative_jobs": 1, "wait_ms": 0.1}]}}
+    assert go._clip_item(clip, ok, cuda=True)["verdict"] == "met"
+    clip["clip"]["speculation_wait"].append({"step": 2, "speculative_jobs": 8, "wait_ms": 19.5})
+    assert go._clip_item(clip, ok, cuda=True)["verdict"] == "not met"
+    clip["clip"]["kept_speculations"]["kept"] = 3
+    assert go._clip_item(clip, ok, cuda=True)["verdict"].startswith("could not run: the clip did not discard")
     same = {"differ": 0, "tensors": 5, "max_abs_diff": 0.0}
     runs = {"off": {}, **{n: {"vs_off": dict(same), "losses_equal_off": True, "kept_speculations": {},
                               "started_early": 0} for n in ("off_again", "forward", "backward")}}
