@@ -8,15 +8,25 @@ One GPU, <= 3 minutes (:data:`BUDGET_S`), six items, each recorded as "met", "no
    steps of each mode (``off``, ``forward``, ``backward``) and of FSDP2 + AdamW alone (the
    control: what FSDP2 itself trips), world size 1 over NCCL; whether it flagged anything and
    its first lines.
-2. ``streams``: where the code runs, recorded by wrapping (here, never in the library)
-   :meth:`PendingSteps.submit`'s job, :meth:`PendingSteps.schedule`,
-   :func:`dmuon.hooks.unit.issue_groups`, :meth:`Unit.wait`, the optimizer step and a forward
-   pre-hook per unit: each job runs on the side stream; every submit (``step()``'s and the
-   backward's early ones, on autograd's thread) is called from the compute stream; a
-   publication of a group with a job goes out on dmuon's publication stream (which waits for
-   that job's event only), never on the side stream, where it would queue behind every job
-   submitted before it; one without a job goes out on the compute stream; forwards and
-   ``step()`` run on the compute stream.
+2. ``streams`` (CUDA) and ``unit_order`` (both): where and when the code runs, recorded by
+   wrapping (here, never in the library) :meth:`PendingSteps.submit`'s job,
+   :meth:`PendingSteps.schedule`, :meth:`Job.wait`, :func:`dmuon.hooks.unit.issue_groups`,
+   :meth:`Unit.wait`, the backward's speculation callbacks, the optimizer step and a forward
+   pre-hook per unit, over 3 steps with every job delayed, for ``forward`` and ``backward``
+   (prefetch 1, the default) and ``forward`` at prefetch 2. ``streams``: each job runs on the
+   side stream; ``step()``'s submits, the backward's early submits and its end-of-backward ones
+   (both on autograd's thread) come from the compute stream; a publication of a group with a
+   job goes out on dmuon's publication stream (which waits for that job's event only), never
+   on the side stream, where it would queue behind every job submitted before it; one without
+   a job on the compute stream; forwards, unit waits and ``step()`` on the compute stream.
+   ``unit_order`` (issue 46, review finding 1): no publication is ordered behind a later
+   unit's job (its stream waited on it, CUDA; the host blocked on it, CPU); and, timed (CUDA
+   events on the streams, host clock on CPU), every unit's compute starts after its own job
+   ends (else a wait is missing) and before the next unit's job ends.
+   ``clip_recompute`` (both; issue 46, finding 3): ``backward`` with a clip that binds at every
+   step (so every speculation is discarded), jobs not delayed: how long ``step()``'s first job
+   found the discarded speculative Newton-Schulz still occupying the side stream (CUDA) or the
+   worker thread (CPU); met if never over :data:`CLIP_WAIT_MS`.
 3. ``parity``: final weights after 4 steps (fp32 NS) of ``forward`` and ``backward`` against
    ``off``, bit for bit, also with every job delayed (``torch.cuda._sleep`` on the side stream,
    a sleep on CPU) so that a missing wait or a buffer freed too early shows; with the caching
@@ -28,16 +38,20 @@ One GPU, <= 3 minutes (:data:`BUDGET_S`), six items, each recorded as "met", "no
    and 64 with ``dmuon``, ``dmuon-overlap-forward``, ``dmuon-overlap-backward`` and
    ``dmuon-no-ns``; exposed NS = whole step - ``dmuon-no-ns`` whole step, against issue 46's
    targets (``forward`` <= 0.1x and ``backward`` <= 0.2x the exposed NS with overlap off).
+   It runs with ``stream_waits`` (:class:`rank_view.ViewConfig`): phases end on the compute
+   stream, and each fake publication puts an event on it, so a forward waits for its unit's
+   job as in a real job whose broadcasts take no time.
 6. ``trace``: a ``torch.profiler`` chrome trace of 2 steps of ``overlap="forward"``
    (``overlap_trace.json.gz`` in the suite's output), in which every unit's wait is labelled
-   ``overlap_bench::unit<k> <phase> waits on ...`` with the jobs its publication is queued
-   behind, and every job and publication is labelled too.
+   ``overlap_bench::unit<k> <phase> waits on publication of groups [...]`` with the job each
+   publication was issued after and any later job it is ordered behind, and every job and
+   publication is labelled too.
 
 Every item runs in a subprocess (``bench/overlap_worker.py``; the wrappers are in
 ``bench/stream_recorder.py``) with its own time limit (:func:`_run_worker`), so one that hangs
 or crashes costs its own result only. On CPU (the dry run) the parity runs on gloo at one
-rank, the stream recorder and the trace run on the worker thread's path, the rank view runs at
-tiny sizes, and the CUDA-only checks say why they could not run.
+rank, the recorder (``unit_order``) and the trace run on the worker thread's path, the rank
+view runs at tiny sizes, and the CUDA-only checks say why they could not run.
 
     python bench/gpu_suite.py --out /tmp/gpu --sections environment overlap   # one GPU, ~3 min
     python bench/overlap_worker.py --task parity --device cpu --out /tmp/p.json  # one worker
@@ -70,6 +84,11 @@ SHARES = {"sanitizer": 0.25, "parity": 0.25, "parity_no_caching": 0.15, "rank_vi
 #: issue 46's targets, as a fraction of the exposed NS with overlap off
 EXPOSED_TARGETS = {"dmuon-overlap-forward": 0.1, "dmuon-overlap-backward": 0.2}
 TRACE_FILE = "overlap_trace.json.gz"
+#: What the sanitizer can and cannot see (torch.cuda._sanitizer: an op's accesses are put on the
+#: stream current when it is dispatched)
+SANITIZER_SCOPE = ("orders the jobs (side stream), publications (publication stream) and compute by "
+                   "their event waits; a collective counts as running on the stream it was issued "
+                   "from, so a missing work.wait() on a stream that issued it is not seen")
 
 
 def _run_worker(task: str, device: str, out: Path, timeout_s: float, env: dict | None = None,
@@ -135,7 +154,7 @@ def overlap(opts) -> dict:
                 "verdict": _verdict(None, "the sanitizer was not enabled in the subprocess") if not san[
                     "sanitizer_enabled"] else _verdict(not dmuon_flagged),
                 "flagged_runs": sorted(flagged), "control_flagged": "fsdp2_adamw_control" in flagged,
-                "first_lines": {n: r["first_lines"][:12] for n, r in flagged.items()}}
+                "first_lines": {n: r["first_lines"][:12] for n, r in flagged.items()}, "scope": SANITIZER_SCOPE}
         else:
             items["sanitizer"] = {"verdict": _verdict(None, f"subprocess {res['status']}: {res.get('error')}"),
                                   "output_tail": res["output_tail"][-800:]}
@@ -160,6 +179,8 @@ def overlap(opts) -> dict:
     items["parity_no_caching"] = (_parity_item(par_nc, raw["parity_no_caching_process"], "caching allocator off")
                                   if cuda else {"verdict": _verdict(None, "CPU dry run: no CUDA caching allocator")})
     items["streams"] = _streams_item(par, res, cuda)
+    items["unit_order"] = _order_item(par, res, cuda)
+    items["clip_recompute"] = _clip_item(par, res, cuda)
     items["peak_memory"] = _peak_item(par, res, cuda)
     items["trace"] = ({"verdict": "written", "file": TRACE_FILE, "bytes": par["trace"]["bytes"],
                        "unit_waits": par["trace"]["unit_waits"][:24]}
@@ -191,22 +212,70 @@ def _parity_item(par: dict | None, proc: dict, what: str) -> dict:
     return {"verdict": _verdict(all(r["differ"] == 0 for r in rows.values())), "setting": what, "rows": rows}
 
 
+#: the recorder's checks that ``unit_order`` reads, on both devices (``streams`` reads the rest, CUDA)
+ORDER_CHECKS = ("publication_behind_no_later_job", "unit_starts_after_its_own_job",
+                "unit_starts_before_next_units_job_ends")
+
+
+def _checks(per_run: dict, names: tuple[str, ...] | None, exclude: tuple[str, ...] = ()) -> dict:
+    return {f"{run}: {k}": ok for run, v in per_run.items() for k, ok in v["checks"].items()
+            if (names is None or k in names) and k not in exclude}
+
+
+def _check_verdict(checks: dict) -> dict:
+    met = all(ok is not False for ok in checks.values()) if checks else None
+    return {"verdict": _verdict(met, "no check was exercised"), "checks": checks,
+            "not_met": [k for k, ok in checks.items() if ok is False],
+            "not_exercised": [k for k, ok in checks.items() if ok is None]}
+
+
 def _streams_item(par: dict | None, proc: dict, cuda: bool) -> dict:
     if par is None or "streams" not in par:
         return {"verdict": _verdict(None, f"parity process {proc['status']}")}
-    per_mode = par["streams"]
+    per_run = par["streams"]
+    keep = ("mode", "prefetch", "counts", "submits_by_origin", "backward_submit_threads", "job_threads",
+            "compute_stream", "side_streams", "publication_streams", "largest_publication_call")
+    runs = {r: {k: v[k] for k in keep if k in v} for r, v in per_run.items()}
     if not cuda:
         return {"verdict": _verdict(None, "CPU dry run: no CUDA streams (the recorder ran on the worker "
-                                          "thread's path)"), "modes": per_mode}
-    checks: dict[str, Any] = {}
-    for mode, v in per_mode.items():
-        for k, ok in v["checks"].items():
-            checks[f"{mode}: {k}"] = ok
-    met = all(ok is not False for ok in checks.values())
-    return {"verdict": _verdict(met), "checks": checks,
-            "not_met": [k for k, ok in checks.items() if ok is False],
-            "not_exercised": [k for k, ok in checks.items() if ok is None],
-            "modes": {m: {k: v[k] for k in v if k != "checks"} for m, v in per_mode.items()}}
+                                          "thread's path; see unit_order)"), "runs": runs}
+    return {**_check_verdict(_checks(per_run, None, exclude=ORDER_CHECKS)), "runs": runs}
+
+
+def _order_item(par: dict | None, proc: dict, cuda: bool) -> dict:
+    """Issue 46's finding 1 on this device: no unit's compute waits for a later unit's job."""
+    if par is None or "streams" not in par:
+        return {"verdict": _verdict(None, f"parity process {proc['status']}")}
+    per_run = par["streams"]
+    out = _check_verdict(_checks(per_run, ORDER_CHECKS))
+    out["setting"] = ("CUDA: waits on the publication stream, CUDA-event times" if cuda else
+                      "CPU: the worker thread and host waits, host clock")
+    out["runs"] = {r: {"max_later_jobs_before_a_publication": v.get("max_later_jobs_before_a_publication"),
+                       "timeline": v.get("timeline", [])[:24], "unit_waits": v.get("unit_waits", [])}
+                   for r, v in per_run.items()}
+    return out
+
+
+#: Most time (ms) a recompute may find the discarded speculation still running on the side
+#: stream (CUDA) or the worker thread (CPU) and count as not waiting for it
+CLIP_WAIT_MS = 0.5
+
+
+def _clip_item(par: dict | None, proc: dict, cuda: bool) -> dict:
+    """Issue 46, finding 3: with a clip that binds, ``step()`` recomputes every speculation and
+    its jobs do not first wait for the discarded speculative Newton-Schulz."""
+    run = (par or {}).get("clip")
+    if run is None:
+        return {"verdict": _verdict(None, f"parity process {proc['status']}")}
+    stats, waits = run["kept_speculations"], run["speculation_wait"]
+    out = {"setting": ("CUDA: side stream, CUDA-event times" if cuda else "CPU: worker thread, host clock"),
+           "clip_max_norm": run["clip"], "kept_speculations": stats, "speculation_wait": waits,
+           "threshold_ms": CLIP_WAIT_MS}
+    if stats.get("recomputed", 0) == 0 or stats.get("kept", 0) > 0:
+        return {"verdict": _verdict(None, f"the clip did not discard every speculation ({stats})"), **out}
+    if not waits:
+        return {"verdict": _verdict(None, "no speculation was started"), **out}
+    return {"verdict": _verdict(all(w["wait_ms"] <= CLIP_WAIT_MS for w in waits)), **out}
 
 
 def _peak_item(par: dict | None, proc: dict, cuda: bool) -> dict:
@@ -221,10 +290,10 @@ def _peak_item(par: dict | None, proc: dict, cuda: bool) -> dict:
 
 def _exposed_item(rv_dir: Path, proc: dict, cuda: bool) -> dict:
     out: dict[str, Any] = {"note": (
-        "fake process group: a fake broadcast puts nothing on any stream, so the compute stream "
-        "never waits for a publication and the rank view measures contention between the side "
-        "stream's NS and the compute, not the waits of a real job (phase times synchronize the "
-        "whole device, so NS still running at a phase end is counted)") if cuda else "CPU dry run, tiny model"}
+        "fake process group with stream_waits: every publication records an event on the stream "
+        "it is issued on (the publication stream, behind its own job), which the unit's wait puts "
+        "on the compute stream, as NCCL's work.wait() does, and each phase ends when the compute "
+        "stream is done; the broadcasts themselves take no time") if cuda else "CPU dry run, tiny model"}
     met_all: list[bool | None] = []
     for world in (8, 64):
         path = rv_dir / f"rank_view_n{world}.json"
@@ -282,8 +351,13 @@ def _detail(name: str, item: dict) -> str:
                 f"{item['control_flagged']}" + (f"; first line: `{first[0][:120]}`" if item["flagged_runs"] else ""))
     if name.startswith("parity") and "rows" in item:
         return f"{item['setting']}: " + ", ".join(f"{n} {r['differ']}/{r['of']} differ" for n, r in item["rows"].items())
-    if name == "streams" and "checks" in item:
-        return f"not met: {item['not_met'] or 'none'}; not exercised: {item['not_exercised'] or 'none'}"
+    if name in ("streams", "unit_order") and "checks" in item:
+        return (f"{item['setting']}: " if "setting" in item else "") + \
+            f"not met: {item['not_met'] or 'none'}; not exercised: {item['not_exercised'] or 'none'}"
+    if name == "clip_recompute" and "speculation_wait" in item:
+        return f"{item['setting']}: recompute waited " + ", ".join(
+            f"{w['wait_ms']:.2f} ms" for w in item["speculation_wait"]) + f" for the discarded speculation " \
+            f"(<= {item['threshold_ms']} ms to pass; {item['kept_speculations']})"
     if name == "peak_memory" and "peak_bytes" in item:
         return ", ".join(f"{m} {b / 2**20:.1f} MiB" for m, b in item["peak_bytes"].items())
     if name == "exposed_ns":

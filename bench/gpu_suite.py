@@ -34,12 +34,16 @@ CUDA, so the forks start clean):
 * ``overlap`` (issue 46, ``bench/gpu_overlap.py``, <= 3 minutes; a full run rarely leaves it
   that, so run ``--sections environment overlap``): does ``Muon(overlap=...)`` run on CUDA as the
   code assumes? ``TORCH_CUDA_SANITIZER=1`` over 3 steps of each mode; the streams that jobs,
-  publications, forwards and ``step()`` run on (recorded by wrapping them in the bench); bitwise
-  overlap-vs-off parity (jobs delayed too) with the caching allocator on and off; peak memory
-  per mode; exposed NS on the CUDA rank view at N = 8 and 64 (``dmuon-no-ns`` baseline); a
-  labelled 2-step profiler trace (``overlap_trace.json.gz``). Each item is met, not met or
-  could not run, with the reason; on the CPU dry run the parity runs on gloo at one rank, the
-  rank view at tiny sizes, and the CUDA-only items say why they did not run.
+  publications, forwards, ``step()`` and the backward's submits run on (recorded by wrapping
+  them in the bench); whether a unit's compute waits for a later unit's Newton-Schulz (the
+  order of the streams' waits, and CUDA-event times with every job delayed; prefetch 1 and 2);
+  whether a recompute after a binding clip waits for the discarded speculation;
+  bitwise overlap-vs-off parity (jobs delayed too) with the caching allocator on and off; peak
+  memory per mode; exposed NS on the CUDA rank view at N = 8 and 64 (``dmuon-no-ns`` baseline,
+  ``--stream-waits``); a labelled 2-step profiler trace (``overlap_trace.json.gz``). Each item
+  is met, not met or could not run, with the reason; on the CPU dry run the parity and the
+  ordering checks run on gloo at one rank (the worker thread's path), the rank view at tiny
+  sizes, and the CUDA-only items say why they did not run.
 
 ``DIR`` receives 11 files: ``suite.json`` (environment, tests, section status, targets),
 ``correctness.json``, ``tuning.json``, ``launch_configs.json``, ``ns_speed.json``, ``step.json``,

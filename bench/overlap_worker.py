@@ -5,10 +5,12 @@
 * ``parity``: world size 1 (NCCL on CUDA, gloo on CPU), FSDP2 per block + dmuon: the final
   weights of every mode against ``off`` (a second ``off`` is the A/A control), also with
   delayed jobs; peak memory per mode (CUDA); the stream recorder
-  (:class:`stream_recorder.StreamRecorder`) over ``forward`` and ``backward``; a 2-step
-  profiler trace.
+  (:class:`stream_recorder.StreamRecorder`, jobs delayed) over ``forward`` and ``backward`` at
+  the default prefetch of 1 and ``forward`` at prefetch 2, and over ``backward`` with a clip
+  that discards every speculation; a 2-step profiler trace.
+* ``rank_view``: :func:`rank_view.run` at N = 8 and 64 with the no-NS baseline (on CUDA with
+  ``stream_waits``: see :class:`rank_view.ViewConfig`).
 * ``sanitizer``: FSDP2 + AdamW (control) and each mode, 3 steps each, under the sanitizer.
-* ``rank_view``: :func:`rank_view.run` at N = 8 and 64 with the no-NS baseline.
 
     python bench/overlap_worker.py --task parity --device cpu --out /tmp/p.json
 """
@@ -36,9 +38,19 @@ SIZES = {"cuda": dict(blocks=8, per_block=4, width=1024, batch=8, tokens=256),
          "sanitizer": dict(blocks=3, per_block=2, width=128, batch=2, tokens=16),
          "cpu": dict(blocks=3, per_block=2, width=32, batch=2, tokens=8)}
 STEPS = 4
+#: The recorder's runs: (name, mode, prefetch, max_norm of dmuon.clip_grad_norm_ or None),
+#: every job delayed. At prefetch 2 the step's own issue publishes units 0 and 1 together,
+#: where a publication of unit 0 could be ordered behind unit 1's job.
+STREAM_RUNS = (("forward", "forward", 1, None), ("backward", "backward", 1, None),
+               ("forward_prefetch2", "forward", 2, None))
+#: A clip that binds at every step (max_norm far under this model's gradient norm; the section
+#: checks that nothing was kept): every speculation is discarded and recomputed. Run without
+#: delays (a delay would occupy the worker thread for a discarded job too).
+CLIP_RUN = ("backward_clip", "backward", 1, 1e-3)
 #: The rank view: the suite's 194 M Pi0-style policy (224-pixel image, 16 text tokens, 50
 #: actions), 8 samples per rank as in issue 46's short-context example, bf16; tiny on CPU.
-RANK_VIEW = {"cuda": ["--model", "gpu", "--batch-per-rank", "8", "--rounds", "2", "--block-steps", "2", "--bf16"],
+RANK_VIEW = {"cuda": ["--model", "gpu", "--batch-per-rank", "8", "--rounds", "2", "--block-steps", "2", "--bf16",
+                      "--stream-waits"],
              "cpu": ["--model", "blocks2", "--width", "32", "--blocks", "3", "--batch-per-rank", "1",
                      "--rounds", "1", "--block-steps", "1"]}
 RANK_VIEW_VARIANTS = ("dmuon", "dmuon-overlap-forward", "dmuon-overlap-backward", "dmuon-no-ns")
@@ -57,9 +69,15 @@ def _init(device: str, store_path: str):
     return init_device_mesh(device, (1,))
 
 
-def _build(mesh, device: str, size: dict, mode: str | None):
+def _build(mesh, device: str, size: dict, mode: str | None, prefetch: int = 1):
     """FSDP2 per block + dmuon with ``Muon(overlap=mode)`` (fp32 standard NS, Muon's
-    coefficients), or FSDP2 + AdamW alone with ``mode=None``; the same weights every time."""
+    coefficients), or FSDP2 + AdamW alone with ``mode=None``; the same weights every time.
+
+    Newton-Schulz runs one matrix per batch (``max_batch_bytes``) in every mode: ``off``
+    batches all same-shape matrices of the rank, an overlapped job those of one publish group,
+    and cuBLAS may pick another kernel (another rounding) for another batch count; bitwise
+    parity must test the schedule, not that choice (DESIGN.md promises no equality across
+    kernel schedules)."""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -74,9 +92,10 @@ def _build(mesh, device: str, size: dict, mode: str | None):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
     import dmuon
 
-    dmuon.dedicate_params(model, mesh, group_cost=0.0)
+    dmuon.dedicate_params(model, mesh, group_cost=0.0, prefetch=prefetch)
     return model, dmuon.Muon(model, lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard",
-                             ns_dtype=torch.float32, ns_coefficients="muon", overlap=mode)
+                             ns_dtype=torch.float32, ns_coefficients="muon", overlap=mode,
+                             max_batch_bytes=size["width"] ** 2 * 4)
 
 
 def _batch(device: str, size: dict, step: int) -> dict:
@@ -86,12 +105,16 @@ def _batch(device: str, size: dict, step: int) -> dict:
     return {"x": torch.randn(size["batch"], size["tokens"], size["width"], generator=g).to(device)}
 
 
-def _train(model, opt, device: str, size: dict, steps: int) -> list[float]:
+def _train(model, opt, device: str, size: dict, steps: int, clip: float | None = None) -> list[float]:
     losses = []
     for step in range(steps):
         loss = model(_batch(device, size, step))
         loss.backward()
         losses.append(loss.item())
+        if clip is not None:
+            import dmuon
+
+            dmuon.clip_grad_norm_(model, clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses
@@ -122,15 +145,16 @@ def _compare(a: dict, b: dict) -> dict:
 
 def task_parity(device: str, store: str, trace: str | None) -> dict:
     """World size 1: parity of every mode against ``off`` (and with delayed jobs), peak memory
-    per mode (CUDA), the stream recorder (forward and backward) and, with ``trace``, the
-    profiler trace of 2 ``forward`` steps."""
+    per mode (CUDA), the stream recorder (:data:`STREAM_RUNS`, jobs delayed) and, with
+    ``trace``, the profiler trace of 2 ``forward`` steps."""
     import torch
 
     mesh = _init(device, store)
     size = SIZES["cuda" if device == "cuda" else "cpu"]
     cuda = device == "cuda"
     out: dict[str, Any] = {"size": size, "steps": STEPS, "caching_allocator": os.environ.get(
-        "PYTORCH_NO_CUDA_MEMORY_CACHING") != "1", "runs": {}}
+        "PYTORCH_NO_CUDA_MEMORY_CACHING") != "1", "ns": "fp32, standard, Muon's coefficients, one matrix per batch",
+                           "runs": {}}
     weights = {}
     runs = [("off", "off", False), ("off_again", "off", False), ("forward", "forward", False),
             ("backward", "backward", False), ("forward_delayed", "forward", True),
@@ -158,15 +182,22 @@ def task_parity(device: str, store: str, trace: str | None) -> dict:
             out["runs"][name]["losses_equal_off"] = out["runs"][name]["losses"] == out["runs"]["off"]["losses"]
     if out["caching_allocator"]:
         out["streams"] = {}
-        for mode in ("forward", "backward"):
-            model, opt = _build(mesh, device, size, mode)
-            rec = StreamRecorder(model, opt, device)
-            try:
-                _train(model, opt, device, size, 3)
+        for name, mode, prefetch, clip in (*STREAM_RUNS, CLIP_RUN):
+            model, opt = _build(mesh, device, size, mode, prefetch)
+            with delayed_jobs(device) if clip is None else contextlib.nullcontext():
+                rec = StreamRecorder(model, opt, device)
+                try:
+                    _train(model, opt, device, size, 3, clip)
+                finally:
+                    rec.remove()  # before the reader's wait below, which is no forward's
                 opt.wait_pending()
-            finally:
-                rec.remove()
-            out["streams"][mode] = {**rec.verdicts(), "unit_waits": rec.unit_waits()[:2 * size["blocks"]]}
+            row = {"mode": mode, "prefetch": prefetch, "clip": clip, **rec.verdicts(),
+                   "unit_waits": rec.unit_waits()[:2 * size["blocks"]], "kept_speculations": opt.overlap_stats()}
+            if clip is not None:  # its timeline has no delays: its ordering checks mean nothing
+                row["checks"] = {k: v for k, v in row["checks"].items() if not k.startswith("unit_starts")}
+                out["clip"] = row
+            else:
+                out["streams"][name] = row
             del model, opt
         if trace:
             out["trace"] = _trace(mesh, device, size, trace)
@@ -266,7 +297,6 @@ def worker_main(argv: list[str] | None = None) -> None:
             res = task_rank_view(a.device, a.out)
     if a.task != "rank_view":
         Path(a.out).write_text(json.dumps(res, indent=1, default=str))
-
 
 
 if __name__ == "__main__":

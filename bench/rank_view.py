@@ -21,7 +21,9 @@ seed and synthetic batches (this rank's rows of the global batch):
   stand-in (each update divided by its Frobenius norm; timing only, its weights are not
   Muon's), so that ``whole step - dmuon-no-ns whole step`` is the Newton-Schulz a variant
   leaves exposed (issue 46). After each block of steps the pending work of an overlapped variant is
-  waited for outside the timed steps, so it never runs beside another variant's.
+  waited for outside the timed steps, so it never runs beside another variant's. On CUDA the
+  overlapped variants' figures mean what they say only with ``--stream-waits``
+  (:class:`ViewConfig`).
 
 The owner plan is the one the real N-rank job would use: solved in this process by the same
 solver and inputs rank 0 would use (``group_cost`` of the real job's backend: NCCL on CUDA,
@@ -76,6 +78,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 from inventory_model import InventoryModel, blocks_inventory  # noqa: E402
 from rank_view_profile import cpu_peak_bytes, analyze  # noqa: E402
+from stream_recorder import publication_events  # noqa: E402
 
 VARIANTS = ("adamw", "dmuon", "vanilla", "torch_muon", "dmuon-overlap-forward", "dmuon-overlap-backward",
             "dmuon-a2", "adamw-a2", "dmuon-no-ns")
@@ -122,6 +125,16 @@ class ViewConfig:
             (each implicit host synchronisation warns, counted in the JSON).
         trace: CUDA-timeline (or CPU) profile of one dmuon step written as a Chrome trace here.
         scale, width, blocks: inventory models' shrink factor; ``blocks<K>``'s width and units.
+        stream_waits: CUDA only (issue 46: the exposed Newton-Schulz of the overlapped
+            variants). Without it, a phase ends with ``torch.cuda.synchronize()``, which also
+            waits for the overlapped jobs on dmuon's side stream, so ``step`` holds all of their
+            Newton-Schulz; and a fake broadcast puts nothing on any stream, so no forward ever
+            waits for a job. With it, a phase ends when the compute stream is done
+            (``current_stream().synchronize()``), and each publication records an event on
+            the stream it is issued on, which the unit's wait puts on the compute stream, as
+            NCCL's ``work.wait()`` does: unit k's forward waits for unit k's Newton-Schulz as
+            in a real job, with a broadcast that takes no time. On CPU it changes nothing (the
+            host already blocks on the worker thread's job, as in a real job).
     """
 
     world: int = 8
@@ -141,6 +154,7 @@ class ViewConfig:
     width: int = 256
     blocks: int = 8
     seed: int = 0
+    stream_waits: bool = False
 
     def __post_init__(self) -> None:
         if self.world < 1 or (self.rank is not None and not 0 <= self.rank < self.world):
@@ -324,9 +338,12 @@ def flop_budget(cfg: ViewConfig, build: Callable[[], nn.Module], plan, rank: int
             "ns_over_fwd_bwd": None if fwd_bwd is None else ns / fwd_bwd, "matrices_owned": len(mine)}
 
 
-def _step(model, opt, batch, device, profile: bool = False, memory: bool = False) -> dict:
+def _step(model, opt, batch, device, profile: bool = False, memory: bool = False,
+          stream_waits: bool = False) -> dict:
     def now() -> float:
-        if device.type == "cuda":
+        if device.type == "cuda" and stream_waits:  # not the side stream's jobs (ViewConfig)
+            torch.cuda.current_stream(device).synchronize()
+        elif device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter()
 
@@ -432,23 +449,27 @@ def run(cfg: ViewConfig) -> dict:
     steps: dict[str, list[dict]] = {v: [] for v in variants}
     profiles: dict[str, list[dict]] = {v: [] for v in variants}
     t0 = time.perf_counter()
-    for rnd in range(cfg.rounds):
-        order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
-        for v in order:
-            # 1 discarded + block_steps measured (wall clock) + 1 profiled (hooks, ops, memory)
-            for k in range(2 + cfg.block_steps):
-                profiled_step = k == 1 + cfg.block_steps
-                rec = _step(models[v], opts[v], batches[k % len(batches)], device, profile=profiled_step,
-                            memory=profiled_step)
-                if profiled_step:
-                    profiles[v].append(rec)
-                elif k > 0:
-                    steps[v].append(rec)
-            pending = getattr(getattr(models[v], "_dmuon_state", None), "pending", None)
-            if pending is not None:  # an overlapped variant's last update: not beside the next
-                pending.wait_all()
-        print(f"[rank_view] round {rnd + 1}/{cfg.rounds}: {time.perf_counter() - t0:.1f} s",
-              file=sys.stderr, flush=True)
+    stream_waits = cfg.stream_waits and device.type == "cuda"
+    with publication_events(stream_waits):
+        for rnd in range(cfg.rounds):
+            order = variants[rnd % len(variants):] + variants[: rnd % len(variants)]
+            for v in order:
+                # 1 discarded + block_steps measured (wall clock) + 1 profiled (hooks, ops, memory)
+                for k in range(2 + cfg.block_steps):
+                    profiled_step = k == 1 + cfg.block_steps
+                    rec = _step(models[v], opts[v], batches[k % len(batches)], device, profile=profiled_step,
+                                memory=profiled_step, stream_waits=stream_waits)
+                    if profiled_step:
+                        profiles[v].append(rec)
+                    elif k > 0:
+                        steps[v].append(rec)
+                pending = getattr(getattr(models[v], "_dmuon_state", None), "pending", None)
+                if pending is not None:  # an overlapped variant's last update: not beside the next
+                    pending.wait_all()
+                    if stream_waits:  # wait_all only orders the compute stream on CUDA
+                        torch.cuda.synchronize(device)
+            print(f"[rank_view] round {rnd + 1}/{cfg.rounds}: {time.perf_counter() - t0:.1f} s",
+                  file=sys.stderr, flush=True)
     wall_s = time.perf_counter() - t0
 
     summary: dict[str, dict] = {}
@@ -633,6 +654,9 @@ def parse_args(argv: list[str] | None = None) -> ViewConfig:
     p.add_argument("--width", type=int, default=d.width)
     p.add_argument("--blocks", type=int, default=d.blocks)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--stream-waits", action="store_true",
+                   help="CUDA: phases end on the compute stream and fake publications make it wait "
+                        "(the overlapped variants' exposed Newton-Schulz; see ViewConfig.stream_waits)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.threads:
@@ -641,7 +665,7 @@ def parse_args(argv: list[str] | None = None) -> ViewConfig:
                      image_size=a.image_size, batch_per_rank=a.batch_per_rank, rounds=a.rounds,
                      block_steps=a.block_steps, variants=tuple(a.variants) if a.variants else None,
                      bf16=a.bf16, sync_debug=a.sync_debug, trace=a.trace, scale=a.scale, width=a.width,
-                     blocks=a.blocks)
+                     blocks=a.blocks, stream_waits=a.stream_waits)
     return cfg, a.out
 
 

@@ -172,21 +172,40 @@ def test_dry_run_overlap_section(dry_run):
     assert par["rows"]["forward"]["kept_speculations"] == {"kept": 0, "recomputed": 0}
     for name in ("sanitizer", "parity_no_caching", "streams", "peak_memory"):
         assert items[name]["verdict"].startswith("could not run: CPU dry run"), items[name]
-    # the recorder ran: step()'s jobs on dmuon's worker thread, publications after them, and
-    # group 0's publication issued after every later group's job had been submitted
+    # the recorder ran (jobs delayed): step()'s jobs on dmuon's worker thread, the backward's
+    # speculations submitted from autograd's thread (the caller's, on CPU)
     blocks = overlap_worker.SIZES["cpu"]["blocks"]
-    fwd = items["streams"]["modes"]["forward"]
-    assert fwd["counts"]["job"] == fwd["counts"]["submit"] == 3 * blocks and fwd["counts"]["step"] == 3
-    assert fwd["job_threads"] == ["dmuon-overlap_0"]
-    assert fwd["max_later_jobs_before_a_publication"] == blocks - 1
-    waits = [w for w in fwd["unit_waits"] if w["phase"] == "forward"]
-    assert [w["unit"] for w in waits] == list(range(blocks))
-    assert all(p["job"] is not None for w in waits for p in w["publications"])
+    runs = items["streams"]["runs"]
+    assert set(runs) == {name for name, _, _, _ in overlap_worker.STREAM_RUNS}
+    for run in runs.values():
+        assert run["counts"]["job"] == run["counts"]["submit"] and run["counts"]["step"] == 3
+        assert run["submits_by_origin"]["step"] == 3 * blocks and run["job_threads"] == ["dmuon-overlap_0"]
+    spec = runs["backward"]["submits_by_origin"]
+    assert spec["early"] + spec["end_of_backward"] > 0 and runs["backward"]["backward_submit_threads"] == ["MainThread"]
+    # issue 46, finding 1 on the worker-thread path: no publication behind a later unit's job,
+    # every unit started after its own job (timed); the other timed check is recorded
+    order = items["unit_order"]
+    for run, v in order["runs"].items():
+        assert order["checks"][f"{run}: publication_behind_no_later_job"] is True
+        assert order["checks"][f"{run}: unit_starts_after_its_own_job"] is True
+        assert isinstance(order["checks"][f"{run}: unit_starts_before_next_units_job_ends"], bool)
+        assert v["max_later_jobs_before_a_publication"] == 0
+        assert len(v["timeline"]) == 2 * blocks  # the forwards after steps 1 and 2
+        waits = [w for w in v["unit_waits"] if w["phase"] == "forward"]
+        assert [w["unit"] for w in waits] == list(range(blocks))  # the first step's forward
+        assert all(p["job"] is not None for w in waits for p in w["publications"])
+    # issue 46, finding 3: a binding clip discards every speculation; the wait of step()'s first
+    # job for them is measured (on CPU a discarded job not yet started is skipped)
+    clip = items["clip_recompute"]
+    assert clip["kept_speculations"]["kept"] == 0 and clip["kept_speculations"]["recomputed"] > 0
+    assert len(clip["speculation_wait"]) == 3 and clip["verdict"] in ("met", "not met")
     tr = items["trace"]
     assert tr["verdict"] == "written"
     trace = json.loads(gzip.decompress((out / gpu_overlap.TRACE_FILE).read_bytes()))
     names = {e.get("name", "") for e in trace["traceEvents"]}
-    assert {f"overlap_bench::unit{k} forward waits on publication of groups [{k}]" for k in range(blocks)} <= names
+    for k in range(blocks):  # each unit's wait names the job its publication was issued after
+        assert any(n.startswith(f"overlap_bench::unit{k} forward waits on publication of groups [{k}] "
+                                f"(group {k}: after job#") for n in names), k
     # (the jobs' own labels are recorded on CUDA, where jobs are issued from the main thread; the
     # CPU profiler does not see dmuon's worker thread)
     assert any(n.startswith("overlap_bench::publish group 0 after job#") for n in names)
@@ -198,26 +217,46 @@ def test_dry_run_overlap_section(dry_run):
 
 
 def _cuda_streams_record(later_jobs_before: int) -> dict:
-    checks = {"jobs_on_side_stream": True, "submits_from_compute_stream": True,
+    import gpu_overlap as go
+
+    checks = {"jobs_on_side_stream": True, "step_submits_from_compute_stream": True,
               "early_submits_from_compute_stream": None,
-              "publication_queued_behind_no_later_job": later_jobs_before == 0}
-    mode = {"checks": checks, "counts": {}, "max_later_jobs_before_a_publication": later_jobs_before}
-    return {"streams": {"forward": mode, "backward": mode}}
+              "publications_with_job_on_publication_stream": True,
+              "publication_behind_no_later_job": later_jobs_before == 0,
+              "unit_starts_after_its_own_job": True,
+              "unit_starts_before_next_units_job_ends": later_jobs_before == 0}
+    assert set(go.ORDER_CHECKS) <= set(checks)
+    run = {"checks": checks, "counts": {}, "max_later_jobs_before_a_publication": later_jobs_before,
+           "timeline": [], "unit_waits": []}
+    return {"streams": {"forward": run, "forward_prefetch2": run}}
 
 
 def test_overlap_verdicts_on_gpu_shaped_records(tmp_path):
-    """The section's reading of CUDA results, without a GPU: a publication queued behind later
-    jobs is "not met", an unexercised check is listed as such, a non-deterministic A/A pair makes
-    parity "could not run", and the exposed-NS targets are read per N."""
+    """The section's reading of CUDA results, without a GPU: a publication ordered behind a
+    later unit's job is "not met" in unit_order (not in streams), an unexercised check is
+    listed as such, a non-deterministic A/A pair makes parity "could not run", and the
+    exposed-NS targets are read per N."""
     import gpu_overlap as go
 
     ok = {"status": "ok"}
-    assert go._streams_item(_cuda_streams_record(0), ok, cuda=True)["verdict"] == "met"
-    bad = go._streams_item(_cuda_streams_record(7), ok, cuda=True)
+    good = go._streams_item(_cuda_streams_record(0), ok, cuda=True)
+    assert good["verdict"] == "met" and "forward: early_submits_from_compute_stream" in good["not_exercised"]
+    assert not any(k.endswith(go.ORDER_CHECKS) for k in good["checks"])
+    assert go._order_item(_cuda_streams_record(0), ok, cuda=True)["verdict"] == "met"
+    late = _cuda_streams_record(1)
+    assert go._streams_item(late, ok, cuda=True)["verdict"] == "met"
+    bad = go._order_item(late, ok, cuda=True)
     assert bad["verdict"] == "not met"
-    assert bad["not_met"] == ["forward: publication_queued_behind_no_later_job",
-                              "backward: publication_queued_behind_no_later_job"]
-    assert "forward: early_submits_from_compute_stream" in bad["not_exercised"]
+    assert bad["not_met"] == [f"{run}: {check}" for run in ("forward", "forward_prefetch2")
+                              for check in ("publication_behind_no_later_job", "unit_starts_before_next_units_job_ends")]
+    assert go._order_item(None, {"status": "timeout"}, cuda=True)["verdict"] == "could not run: parity process timeout"
+    clip = {"clip": {"clip": 1e-3, "kept_speculations": {"kept": 0, "recomputed": 64},
+                     "speculation_wait": [{"step": 1, "speculative_jobs": 1, "wait_ms": 0.1}]}}
+    assert go._clip_item(clip, ok, cuda=True)["verdict"] == "met"
+    clip["clip"]["speculation_wait"].append({"step": 2, "speculative_jobs": 8, "wait_ms": 19.5})
+    assert go._clip_item(clip, ok, cuda=True)["verdict"] == "not met"
+    clip["clip"]["kept_speculations"]["kept"] = 3
+    assert go._clip_item(clip, ok, cuda=True)["verdict"].startswith("could not run: the clip did not discard")
     same = {"differ": 0, "tensors": 5, "max_abs_diff": 0.0}
     runs = {"off": {}, **{n: {"vs_off": dict(same), "losses_equal_off": True, "kept_speculations": {},
                               "started_early": 0} for n in ("off_again", "forward", "backward")}}
@@ -248,6 +287,43 @@ def test_overlap_verdicts_on_gpu_shaped_records(tmp_path):
     assert ex["verdict"].startswith("could not run: n64: could not run")
     lines = go.summary_lines({"status": "timeout", "error": "killed after its time limit of 180 s"})
     assert lines[-1] == "Could not run: section timeout: killed after its time limit of 180 s"
+
+
+def test_rank_view_stream_waits_put_each_publication_on_its_waiter(monkeypatch):
+    """``rank_view --stream-waits`` (the overlap section's exposed NS on CUDA), without a GPU:
+    each publish group's issue records an event on the stream current at the issue, its first
+    wait (and only that) makes the waiting stream wait on it, and PublishGroup is restored."""
+    import torch
+
+    import stream_recorder
+    from dmuon.hooks.unit import PublishGroup
+
+    log: list = []
+
+    class Event:
+        def record(self):
+            log.append(("record", id(self)))
+
+    class Stream:
+        def wait_event(self, ev):
+            log.append(("wait_event", id(ev)))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: Stream())
+    monkeypatch.setattr(PublishGroup, "issue", lambda self, pg: log.append(("issue", self.owner)) or "work")
+    monkeypatch.setattr(PublishGroup, "wait", lambda self: log.append(("wait", self.owner)))
+    issue, wait = PublishGroup.issue, PublishGroup.wait
+    a, b = (PublishGroup(owner=r, is_owner=r == 0, flat=torch.zeros(1)) for r in (0, 1))
+    with stream_recorder.publication_events(True):
+        assert a.issue(None) == "work"
+        b.issue(None)
+        a.wait(), a.wait(), b.wait()
+    ev_a, ev_b = log[1][1], log[3][1]
+    assert log == [("issue", 0), ("record", ev_a), ("issue", 1), ("record", ev_b), ("wait_event", ev_a),
+                   ("wait", 0), ("wait", 0), ("wait_event", ev_b), ("wait", 1)]
+    assert (PublishGroup.issue, PublishGroup.wait) == (issue, wait)
+    with stream_recorder.publication_events(False):  # the default: nothing wrapped
+        assert PublishGroup.issue is issue
 
 
 def _raises(opts):
