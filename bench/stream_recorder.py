@@ -28,14 +28,14 @@ def delayed_jobs(device: str) -> Iterator[None]:
 
     submit = PendingSteps.submit
 
-    def slowed(self, fn, dev, what, keep=()):
+    def slowed(self, fn, dev, what, keep=(), **kw):
         def late() -> None:
             if dev.type == "cuda":
                 torch.cuda._sleep(DELAY_CYCLES)
             else:
                 time.sleep(DELAY_CPU_S)
             fn()
-        return submit(self, late, dev, what, keep)
+        return submit(self, late, dev, what, keep, **kw)
 
     PendingSteps.submit = slowed
     try:
@@ -129,7 +129,7 @@ class StreamRecorder:
         self._in_schedule = False
         self._origin: str | None = None  # "early" / "end_of_backward" while the backward submits
 
-        def w_submit(pending, fn, dev, what, keep=()):
+        def w_submit(pending, fn, dev, what, keep=(), **kw):
             seq = rec.seq = rec.seq + 1
             group = rec._scheduling
             origin = "step" if rec._in_schedule else (rec._origin or "other")
@@ -143,10 +143,11 @@ class StreamRecorder:
                                                                       else f"speculation ({origin})")):
                     fn()
                 rec._log("job_end", seq=seq, group=group, mark=rec._mark())
-            handle = submit(pending, job, dev, what, keep)
+            handle = submit(pending, job, dev, what, keep, **kw)
             handle.bench_seq = seq  # Job is a plain dataclass: read back by w_job_wait
-            if dev.type == "cuda":
-                rec.side.add(pending._streams[dev].stream_id)
+            if dev.type == "cuda":  # the jobs' side stream, or the speculations' own
+                streams = pending._spec_streams if kw.get("speculative") else pending._streams
+                rec.side.add(streams[dev].stream_id)
             return handle
 
         def w_schedule(pending, key, fn, dev, what, keep=()):

@@ -31,13 +31,13 @@ def slow_jobs(delay_s: float = 0.02, fail: bool = False) -> Iterator[None]:
     exit (the pool's workers are reused)."""
     submit = PendingSteps.submit
 
-    def slowed(self, fn, device, what, keep=()):
+    def slowed(self, fn, device, what, keep=(), **kw):
         def run() -> None:
             time.sleep(delay_s)
             if fail:
                 raise FloatingPointError("injected failure")
             fn()
-        return submit(self, run, device, what, keep)
+        return submit(self, run, device, what, keep, **kw)
 
     PendingSteps.submit = slowed
     try:
@@ -273,7 +273,7 @@ def unit_timeline(rank: int, world_size: int, *, slow_s: float = 0.4, steps: int
     marks: dict[str, float] = {}
     submit = PendingSteps.submit
 
-    def slowed(self, fn, device, what, keep=()):
+    def slowed(self, fn, device, what, keep=(), **kw):
         def run() -> None:
             if "blocks.1." in what:
                 time.sleep(slow_s)
@@ -281,7 +281,7 @@ def unit_timeline(rank: int, world_size: int, *, slow_s: float = 0.4, steps: int
                 marks["job1_end"] = time.monotonic()
             else:
                 fn()
-        return submit(self, run, device, what, keep)
+        return submit(self, run, device, what, keep, **kw)
 
     model.blocks[0].register_forward_hook(lambda *a: marks.__setitem__("block0_end", time.monotonic()))
     rows = []
@@ -338,12 +338,12 @@ def clip_then_step(rank: int, world_size: int, *, slow_s: float = 0.5, steps: in
     opt = dmuon.Muon(model, **OPT, overlap="backward")
     submit = PendingSteps.submit
 
-    def slowed(self, fn, device, what, keep=()):
+    def slowed(self, fn, device, what, keep=(), **kw):
         def run() -> None:
             if what.startswith("the speculative"):
                 time.sleep(slow_s)
             fn()
-        return submit(self, run, device, what, keep)
+        return submit(self, run, device, what, keep, **kw)
 
     took = []
     PendingSteps.submit = slowed

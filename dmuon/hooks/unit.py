@@ -207,9 +207,11 @@ class UnitContext:
         only if its update is done, and this rank stops at the first one that is not (it and
         the groups after it go out at a later issue, in the same order, so every rank issues
         the publications in one order and a forward never waits on a later unit's
-        Newton-Schulz). On CUDA an update is a side-stream job: the broadcasts are issued on
-        that stream, behind the jobs, and only the unit that runs makes the compute stream
-        wait, on its publication (:meth:`PublishGroup.wait`).
+        Newton-Schulz). On CUDA an update is a side-stream job with an event: the broadcasts
+        are issued in order on a publication stream (:meth:`PendingSteps.stream_for`), each
+        group with a job right after that stream waits for its job's event (and alone, not in
+        a group call with later ones, whose events it would then wait for too); only the unit
+        that runs makes the compute stream wait, on its publication (:meth:`PublishGroup.wait`).
 
         Args:
             units: the units to publish, in forward (or backward prefetch) order.
@@ -242,8 +244,16 @@ class UnitContext:
                 alloc_storage(g.flat)
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
-            pending.wait_for(ready)  # this stream waits on each job's event, not the compute stream
-            issue_groups(ready, self.group)
+            batch: list[PublishGroup] = []  # groups without a job: one group call
+            for g in ready:
+                if not pending.pending(g):
+                    batch.append(g)
+                    continue
+                issue_groups(batch, self.group)
+                batch = []
+                pending.wait_for([g])  # this stream waits for g's job event alone
+                issue_groups([g], self.group)
+            issue_groups(batch, self.group)
 
     def adopt_forward_order(self) -> None:
         """Once, at the first step: reorder :attr:`units` (and their ``index``) as the first

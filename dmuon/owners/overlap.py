@@ -143,6 +143,8 @@ class Speculation:
         ns: the Newton-Schulz settings it used (:attr:`MuonHyper.ns`).
         ortho: the orthogonalized update, shaped like ``update`` (filled by its job).
         discarded: set by ``step()`` when the proof fails; a job not yet started skips it.
+        job: the :class:`Job` computing ``ortho`` (on CUDA, the step's job that reads ``ortho``
+            waits for its event: speculations run on a stream of their own).
     """
 
     update: torch.Tensor
@@ -150,6 +152,7 @@ class Speculation:
     ns: tuple
     ortho: torch.Tensor | None = None
     discarded: bool = False
+    job: Any = None
 
 
 @dataclass(eq=False)
@@ -185,19 +188,23 @@ class PendingSteps:
     _executor: ThreadPoolExecutor | None = None
     _streams: dict = field(default_factory=dict)
     _publish_streams: dict = field(default_factory=dict)
+    _spec_streams: dict = field(default_factory=dict)
 
     def stats(self) -> dict[str, int]:
         """``{"kept": int, "recomputed": int}``, summed over steps."""
         return {"kept": self.kept, "recomputed": self.recomputed}
 
-    def submit(self, fn: Callable[[], None], device: torch.device, what: str, keep: tuple = ()) -> Job:
+    def submit(self, fn: Callable[[], None], device: torch.device, what: str, keep: tuple = (),
+               speculative: bool = False) -> Job:
         """Run ``fn`` (no autograd) behind the main thread: on CUDA on a side stream that first
-        waits for the current stream; elsewhere on dmuon's one worker thread (jobs run in
-        submission order)."""
+        waits for the current stream (a stream of its own for ``speculative`` work, so that a
+        step's jobs never queue behind a speculation the step discarded); elsewhere on dmuon's
+        one worker thread (jobs run in submission order)."""
         if device.type == "cuda":
-            stream = self._streams.get(device)
+            streams = self._spec_streams if speculative else self._streams
+            stream = streams.get(device)
             if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)
+                stream = streams[device] = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             for t in keep:  # made on the compute stream, read here: not reused before this stream
                 if isinstance(t, torch.Tensor) and t.is_cuda:  # is past them (caching allocator)
@@ -414,6 +421,8 @@ def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], la
         def job(pub=pub, mine=mine, todo=todo, specs=specs, work=work, dsts=dsts, srcs=srcs) -> None:
             ortho = dict(zip(todo, orthogonalize_updates(work["updates"], work["layouts"], ns)))
             for i, spec in specs.items():
+                if spec.job is not None and spec.job.event is not None:  # CUDA: its own stream
+                    torch.cuda.current_stream(spec.job.device).wait_event(spec.job.event)
                 if spec.ortho is None:  # its job failed (raised where it is waited) or never ran
                     raise RuntimeError(f"dmuon: the kept speculative Newton-Schulz of "
                                        f"{items[i][3].fqn!r} has no result")
@@ -473,7 +482,10 @@ def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts:
             spec.ortho = out
 
     what = f"the speculative Newton-Schulz of {[item[3].fqn for item, _ in chosen][:4]}"
-    pending.spec_jobs.append(pending.submit(job, updates[0].device, what, keep=tuple(updates)))
+    handle = pending.submit(job, updates[0].device, what, keep=tuple(updates), speculative=True)
+    for spec in specs:
+        spec.job = handle
+    pending.spec_jobs.append(handle)
 
 
 __all__ = ["OVERLAP_MODES", "PendingSteps", "Speculation", "check_overlap", "same_bits", "speculate",
