@@ -126,11 +126,28 @@ def _record(module: nn.Module, max_logits: torch.Tensor) -> None:
         torch.maximum(old, value.to(old.device), out=old)
 
 
+def in_checkpoint_recomputation() -> bool:
+    """Whether the caller runs inside non-reentrant activation checkpointing's recomputation
+    (``torch.utils.checkpoint(..., use_reentrant=False)``, torch's default and the one FSDP2's
+    and torchtitan's wrappers use): a forward inside backward that repeats, with the same
+    inputs, a forward that ran with gradients on, so a recorder saw it already. Known by the
+    saved-tensor hooks that checkpointing installs for the recomputation (the top of the
+    stack); ``False`` where that cannot be read (the caller then records twice, which the
+    running max absorbs)."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):  # not in this torch: record
+        return False
+    return top is not None and getattr(top[0], "__qualname__", "").startswith("_recomputation_hook.")
+
+
 def _records_now() -> bool:
-    """Gradients on (a training forward, or activation checkpointing's recomputation: with
-    reentrant checkpointing the first forward runs without gradients, so the recomputation is
-    the only one seen), not a pipelining stage's shape inference."""
-    return torch.is_grad_enabled() and not in_metadata_inference()
+    """Gradients on (a training forward, or reentrant activation checkpointing's recomputation:
+    its first forward runs without gradients, so the recomputation is the only one seen), not
+    non-reentrant checkpointing's recomputation (its first forward was recorded: recording the
+    same logits again doubled the recorder's cost on checkpointed blocks), not a pipelining
+    stage's shape inference."""
+    return torch.is_grad_enabled() and not in_checkpoint_recomputation() and not in_metadata_inference()
 
 
 class _SDPAMode(TorchFunctionMode):
@@ -160,9 +177,10 @@ class _SDPAMode(TorchFunctionMode):
 
 class LogitRecorder:
     """Forward hooks that record every recognized attention module's per-head max logits while
-    gradients are enabled (training forwards, and activation checkpointing's recomputation,
-    which records the same values again), except in a pipelining stage's shape inference
-    (:func:`in_metadata_inference`).
+    gradients are enabled (training forwards, and reentrant activation checkpointing's
+    recomputation), except in non-reentrant checkpointing's recomputation (the values its first
+    forward recorded: :func:`in_checkpoint_recomputation`) and a pipelining stage's shape
+    inference (:func:`in_metadata_inference`).
 
     * ``nn.MultiheadAttention``: a pre-hook recomputes ``q k^T / sqrt(d)`` from the module's
       inputs and its ``in_proj_weight`` / ``in_proj_bias`` (one extra ``[L, S]`` product per

@@ -5,7 +5,9 @@ time; what it records must be what one fp32 ``Q K^T`` over the whole call gave (
 before, e6e933c) and the float64 formula's, both written here. Checked on the chunk layouts
 (one chunk, one batch element per chunk with per-batch masks, row chunks), on the recorder over
 the main job's model (SDPA: vision heads, a multi-query backbone with an expanded key head, the
-expert's bool block mask), and on ``nn.MultiheadAttention``.
+expert's bool block mask), on ``nn.MultiheadAttention``, and under activation checkpointing:
+non-reentrant checkpointing's recomputation is not recorded a second time, reentrant
+checkpointing's (its first forward runs without gradients) is the one recorded.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint
 
 import dmuon.qk_clip as qk_clip
 from dmuon.owners import logit_max
@@ -192,3 +195,40 @@ def test_recorder_on_multihead_attention_records_the_one_product_max(monkeypatch
     formula = one_product_max(q, k, attn_mask=keep, dtype=torch.float64)
     torch.testing.assert_close(got, before, rtol=1e-6, atol=0)
     torch.testing.assert_close(got.double(), formula, rtol=1e-6, atol=0)
+
+
+class _Checkpointed(nn.Module):
+    """Runs ``inner`` under ``torch.utils.checkpoint`` (the module itself: its hooks run again
+    in the recomputation, as with FSDP2's / torchtitan's checkpoint wrappers)."""
+
+    def __init__(self, inner: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, *args):
+        return checkpoint(self.inner, *args, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recorder_under_activation_checkpointing(reentrant):
+    """Checkpointed blocks record the same maxima as plain ones (bitwise: the same products on
+    the same inputs), once per attention call: non-reentrant checkpointing's recomputation (a
+    repeat of a forward already recorded) is skipped; reentrant checkpointing's first forward
+    runs without gradients, so its recomputation is the one recorded."""
+    model, batch = _small_policy()
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return logit_max.max_logits(*args, **kwargs)
+
+    plain = _record(model, lambda: model(batch).backward(), counted)
+    assert len(calls) == 7
+    for blocks in (model.vision.blocks, model.backbone.blocks, model.expert.blocks):
+        for i, block in enumerate(blocks):
+            blocks[i] = _Checkpointed(block, reentrant)
+    calls.clear()
+    wrapped = _record(model, lambda: model(batch).backward(), counted)
+    assert len(calls) == 7, f"{len(calls)} recomputations for 7 attention calls"
+    for got, want in zip(wrapped, plain):
+        assert torch.equal(got, want)
