@@ -150,6 +150,10 @@ def _records_now() -> bool:
     return torch.is_grad_enabled() and not in_checkpoint_recomputation() and not in_metadata_inference()
 
 
+_SDPA = F.scaled_dot_product_attention
+_SOFTMAX = frozenset((F.softmax, torch.softmax, torch.Tensor.softmax))
+
+
 class _SDPAMode(TorchFunctionMode):
     """Inside one attention module's forward: record the per-head max logits of its
     ``F.scaled_dot_product_attention`` calls (recomputed, :func:`max_logits`) and of its eager
@@ -160,19 +164,23 @@ class _SDPAMode(TorchFunctionMode):
         self.module, self.heads = module, heads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        # every torch call of the module's forward passes here (164 per step of dmuon.train's
+        # policy): the common case is two identity tests and the call (the mode's dispatch
+        # costs ~1.1 us a call on a Zen 4 core; 1.4 us with the kwargs dict built every time)
+        if func is _SDPA:
+            kwargs = kwargs or {}
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
             bound = dict(zip(names, args), **kwargs)
             _record(self.module, max_logits(bound["query"], bound["key"], scale=bound.get("scale"),
                                             attn_mask=bound.get("attn_mask"),
                                             is_causal=bool(bound.get("is_causal", False))))
-        elif func in (F.softmax, torch.softmax, torch.Tensor.softmax):
+        elif func in _SOFTMAX:
+            kwargs = kwargs or {}
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) and x.shape[1] == self.heads:
                 _record(self.module, x.detach().amax(dim=(0, 2, 3)))
-        return func(*args, **kwargs)
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 class LogitRecorder:
