@@ -5,8 +5,8 @@ What is computed: for each query head ``h``, the max over (batch, row ``i``, key
 ``q_i . k_j * scale`` over the positions the mask keeps (``-inf`` for a head that attended
 nowhere), each logit an fp32 product as an fp32 GEMM gives it.
 
-Where the time goes (dmuon.train's policy, one Zen 4 core, inside a training step): the fp32
-``Q K^T`` itself, and moving the logits through memory. The logits are therefore computed a few
+Where the time goes (dmuon.train's policy, one AVX-512 EPYC core, inside a training step): the
+fp32 ``Q K^T`` itself, and moving the logits through memory. The logits are therefore computed a few
 batch elements at a time into one buffer that stays in the core's cache (see
 :data:`_CACHE_ELEMENTS`), and reduced there.
 """
@@ -20,9 +20,10 @@ import torch
 #: elements of one chunk of recomputed logits when one batch element alone is larger than this
 #: ([batch, heads, rows, keys] fp32): 16 Mi = 64 MiB
 _CHUNK_ELEMENTS = 1 << 24
-#: logits of one batch chunk: 128 Ki fp32 = 512 KiB, half a Zen 4 core's L2. Inside a training
-#: step (caches holding the model's activations), dmuon.train's seven attention calls took
-#: 8.9 ms per step chunked so, 11.2-13.3 ms as one [batch, heads, rows, keys] product.
+#: logits of one batch chunk: 128 Ki fp32 = 512 KiB, half an EPYC core's 1 MiB L2. Inside a
+#: training step (caches holding the model's activations), dmuon.train's seven attention calls
+#: took 9.4 ms per step chunked so, 11.4 ms as one [batch, heads, rows, keys] product per call
+#: (bench/results/qk_clip_cost_cpu.json); 2^16 and 2^18 measured the same, 2^20 11.5 ms.
 _CACHE_ELEMENTS = 1 << 17
 
 
