@@ -49,6 +49,7 @@ from torch.overrides import TorchFunctionMode
 
 from dmuon.comm.collectives import label
 from dmuon.owners.attention import AttentionLayout, find_attention
+from dmuon.owners.logit_max import max_logits  # public here too: dmuon.qk_clip.max_logits
 from dmuon.owners.qk_plan import ClipPlan, RowScale, group_etas, norm_gain, plan_rows
 from dmuon.owners.slices import chunk_sizes
 
@@ -57,8 +58,6 @@ logger = logging.getLogger(__name__)
 _ATTR = "_dmuon_max_logits"
 #: set on every attention module a :class:`QKClip` reads, while it does (:func:`watched`)
 _WATCH = "_dmuon_qk_clip_watch"
-#: elements of one chunk of recomputed logits ([batch, heads, rows, keys] fp32): 16 Mi = 64 MiB
-_CHUNK_ELEMENTS = 1 << 24
 
 
 #: ``torch.distributed.pipelining`` (torch >= 2.13) runs one forward (and backward) of each
@@ -127,78 +126,32 @@ def _record(module: nn.Module, max_logits: torch.Tensor) -> None:
         torch.maximum(old, value.to(old.device), out=old)
 
 
-def _masked_max_(scores: torch.Tensor, start: int, attn_mask: torch.Tensor | None, is_causal: bool,
-                 mask_true_keeps: bool) -> torch.Tensor:
-    """Per-head max of ``scores`` ``[batch, heads, rows, keys]`` (rows ``start:``), masked in
-    place (the caller's own tensor: no second copy of the logits)."""
-    rows, keys = scores.shape[-2], scores.shape[-1]
-    if is_causal:
-        drop = torch.ones(rows, keys, dtype=torch.bool, device=scores.device).triu_(diagonal=start + 1)
-        scores.masked_fill_(drop, float("-inf"))
-    if attn_mask is not None:
-        mask = attn_mask
-        if mask.dim() >= 2 and mask.shape[-2] != 1:
-            mask = mask[..., start: start + rows, :]
-        if mask.dtype == torch.bool:
-            scores.masked_fill_(~mask if mask_true_keeps else mask, float("-inf"))
-        else:
-            scores.add_(mask)
-    return scores.amax(dim=(0, 2, 3))
-
-
-@torch.no_grad()
-def max_logits(query: torch.Tensor, key: torch.Tensor, *, scale: float | None = None,
-               attn_mask: torch.Tensor | None = None, is_causal: bool = False,
-               mask_true_keeps: bool = True) -> torch.Tensor:
-    """Per-query-head max of ``query @ key^T * scale``, recomputed in fp32 in row chunks of at
-    most ``_CHUNK_ELEMENTS`` logits.
-
-    Args:
-        query: ``[batch, heads, rows, dim]`` (or without ``batch``).
-        key: ``[batch, kv_heads, keys, dim]``; ``heads % kv_heads == 0`` (query head ``h`` reads
-            key head ``h // (heads / kv_heads)``).
-        scale: ``None``: ``1 / sqrt(dim)`` (``F.scaled_dot_product_attention``'s default).
-        attn_mask: broadcastable to ``[batch, heads, rows, keys]``: bool (``mask_true_keeps``:
-            True marks a kept position, as SDPA; else a masked one, as ``nn.MultiheadAttention``)
-            or additive float.
-        is_causal: top-left causal mask (SDPA's).
-
-    Returns:
-        ``[heads]`` fp32 (``-inf`` for a head that attended nowhere).
-    """
-    if query.dim() == 3:
-        query, key = query.unsqueeze(0), key.unsqueeze(0)
-    batch, heads, rows, dim = query.shape
-    if key.shape[1] > 1 and key.stride(1) == 0:  # one key head expanded to every query head
-        key = key[:, :1]
-    kv = key.shape[1]
-    group = heads // kv
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    # A positive scale commutes with the max (rounding is monotonic: max(fl(c s)) = fl(c max s)),
-    # so the logits are scaled after the max, [heads] numbers instead of every logit; an
-    # additive float mask needs the scaled logits.
-    late = scale > 0 and (attn_mask is None or attn_mask.dtype == torch.bool)
-    keys = key.float().transpose(-1, -2)  # [batch, kv, dim, keys]
-    step = max(1, _CHUNK_ELEMENTS // max(1, batch * heads * key.shape[2]))
-    best = torch.full((heads,), float("-inf"), device=query.device)
-    for start in range(0, rows, step):
-        chunk = query[:, :, start: start + step].float()
-        count = chunk.shape[2]
-        # grouped-query attention: each key head's query heads in one product, no copy of the
-        # keys per query head (query head h reads key head h // group)
-        scores = torch.matmul(chunk.reshape(batch, kv, group * count, dim), keys)
-        scores = scores.view(batch, heads, count, -1)
-        if not late:
-            scores.mul_(scale)
-        best = torch.maximum(best, _masked_max_(scores, start, attn_mask, is_causal, mask_true_keeps))
-    return best * scale if late else best
+def in_checkpoint_recomputation() -> bool:
+    """Whether the caller runs inside non-reentrant activation checkpointing's recomputation
+    (``torch.utils.checkpoint(..., use_reentrant=False)``, torch's default and the one FSDP2's
+    and torchtitan's wrappers use): a forward inside backward that repeats, with the same
+    inputs, a forward that ran with gradients on, so a recorder saw it already. Known by the
+    saved-tensor hooks that checkpointing installs for the recomputation (the top of the
+    stack); ``False`` where that cannot be read (the caller then records twice, which the
+    running max absorbs)."""
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):  # not in this torch: record
+        return False
+    return top is not None and getattr(top[0], "__qualname__", "").startswith("_recomputation_hook.")
 
 
 def _records_now() -> bool:
-    """Gradients on (a training forward, or activation checkpointing's recomputation: with
-    reentrant checkpointing the first forward runs without gradients, so the recomputation is
-    the only one seen), not a pipelining stage's shape inference."""
-    return torch.is_grad_enabled() and not in_metadata_inference()
+    """Gradients on (a training forward, or reentrant activation checkpointing's recomputation:
+    its first forward runs without gradients, so the recomputation is the only one seen), not
+    non-reentrant checkpointing's recomputation (its first forward was recorded: recording the
+    same logits again doubled the recorder's cost on checkpointed blocks), not a pipelining
+    stage's shape inference."""
+    return torch.is_grad_enabled() and not in_checkpoint_recomputation() and not in_metadata_inference()
+
+
+_SDPA = F.scaled_dot_product_attention
+_SOFTMAX = frozenset((F.softmax, torch.softmax, torch.Tensor.softmax))
 
 
 class _SDPAMode(TorchFunctionMode):
@@ -211,26 +164,31 @@ class _SDPAMode(TorchFunctionMode):
         self.module, self.heads = module, heads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
+        # every torch call of the module's forward passes here (164 per step of dmuon.train's
+        # policy): the common case is two identity tests and the call (the mode's dispatch
+        # costs ~1.1 us a call on an AVX-512 EPYC core; 1.4 us with the kwargs dict built every time)
+        if func is _SDPA:
+            kwargs = kwargs or {}
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
             bound = dict(zip(names, args), **kwargs)
             _record(self.module, max_logits(bound["query"], bound["key"], scale=bound.get("scale"),
                                             attn_mask=bound.get("attn_mask"),
                                             is_causal=bool(bound.get("is_causal", False))))
-        elif func in (F.softmax, torch.softmax, torch.Tensor.softmax):
+        elif func in _SOFTMAX:
+            kwargs = kwargs or {}
             x = args[0]
             dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
             if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) and x.shape[1] == self.heads:
                 _record(self.module, x.detach().amax(dim=(0, 2, 3)))
-        return func(*args, **kwargs)
+        return func(*args, **kwargs) if kwargs else func(*args)
 
 
 class LogitRecorder:
     """Forward hooks that record every recognized attention module's per-head max logits while
-    gradients are enabled (training forwards, and activation checkpointing's recomputation,
-    which records the same values again), except in a pipelining stage's shape inference
-    (:func:`in_metadata_inference`).
+    gradients are enabled (training forwards, and reentrant activation checkpointing's
+    recomputation), except in non-reentrant checkpointing's recomputation (the values its first
+    forward recorded: :func:`in_checkpoint_recomputation`) and a pipelining stage's shape
+    inference (:func:`in_metadata_inference`).
 
     * ``nn.MultiheadAttention``: a pre-hook recomputes ``q k^T / sqrt(d)`` from the module's
       inputs and its ``in_proj_weight`` / ``in_proj_bias`` (one extra ``[L, S]`` product per
