@@ -232,7 +232,10 @@ def real_group_cost(device: str) -> float:
 
 def solve_plan(cfg: ViewConfig, build: Callable[[], nn.Module]):
     """The plan the real N-rank job's rank 0 would solve (same solver, shapes, FSDP2 blocks and
-    backend ``group_cost``), solved here on a meta-device copy of the model."""
+    backend ``group_cost``), solved here on a meta-device copy of the model. Its deadlines
+    (issue 46's runtime plan) count the tokens this rank's forward really sees: ``batch_per_rank
+    x tokens per sample`` for inventory models (``dedicate_params(forward_tokens=...)``; the
+    library's default, 4096, for policies)."""
     import dmuon
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -241,7 +244,11 @@ def solve_plan(cfg: ViewConfig, build: Callable[[], nn.Module]):
     with torch.device("meta"):
         model = build()
     _shard(model, mesh, cfg.bf16)
-    plan = dmuon.dedicate_params(model, mesh, group_cost=real_group_cost(cfg.device))
+    described = make_model(cfg)[2]
+    tokens = (cfg.batch_per_rank * described["tokens_per_sample"]
+              if described["kind"] == "InventoryModel" else None)
+    kw = {} if tokens is None else {"forward_tokens": tokens}
+    plan = dmuon.dedicate_params(model, mesh, group_cost=real_group_cost(cfg.device), **kw)
     return plan
 
 
