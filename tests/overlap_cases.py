@@ -26,17 +26,23 @@ OPT = dict(lr=0.02, adamw_lr=0.01, weight_decay=0.1, ns_method="standard", ns_dt
 
 
 @contextlib.contextmanager
-def slow_jobs(delay_s: float = 0.02, fail: bool = False) -> Iterator[None]:
-    """Every overlapped job sleeps ``delay_s`` first (or raises, with ``fail``); restored on
-    exit (the pool's workers are reused)."""
+def slow_jobs(delay_s: float = 0.02, fail: bool = False, only: str | None = None,
+              ended: dict | None = None) -> Iterator[None]:
+    """Every overlapped job (``only``: those whose description contains it) sleeps ``delay_s``
+    first (or raises, with ``fail``); with ``ended``, a slowed job's end time goes to
+    ``ended[only]``. Restored on exit (the pool's workers are reused)."""
     submit = PendingSteps.submit
 
     def slowed(self, fn, device, what, keep=(), **kw):
         def run() -> None:
+            if only is not None and only not in what:
+                return fn()
             time.sleep(delay_s)
             if fail:
                 raise FloatingPointError("injected failure")
             fn()
+            if ended is not None:
+                ended[only] = time.monotonic()
         return submit(self, run, device, what, keep, **kw)
 
     PendingSteps.submit = slowed
@@ -271,22 +277,9 @@ def unit_timeline(rank: int, world_size: int, *, slow_s: float = 0.4, steps: int
     model, _ = build(world_size, "fsdp")
     opt = dmuon.Muon(model, **OPT, overlap="forward")
     marks: dict[str, float] = {}
-    submit = PendingSteps.submit
-
-    def slowed(self, fn, device, what, keep=(), **kw):
-        def run() -> None:
-            if "blocks.1." in what:
-                time.sleep(slow_s)
-                fn()
-                marks["job1_end"] = time.monotonic()
-            else:
-                fn()
-        return submit(self, run, device, what, keep, **kw)
-
     model.blocks[0].register_forward_hook(lambda *a: marks.__setitem__("block0_end", time.monotonic()))
     rows = []
-    PendingSteps.submit = slowed
-    try:
+    with slow_jobs(slow_s, only="blocks.1.", ended=marks):
         for step in range(steps):
             idx, y = models.local_batch(step, rank, world_size)
             models.loss_fn(model, idx, y).backward()
@@ -299,9 +292,7 @@ def unit_timeline(rank: int, world_size: int, *, slow_s: float = 0.4, steps: int
             model._dmuon_state.pending.wait_all()
             if step > 0:
                 rows.append(dict(step_s=step_s, block0_end=marks["block0_end"] - start,
-                                 job1_end=marks["job1_end"] - start if "job1_end" in marks else None))
-    finally:
-        PendingSteps.submit = submit
+                                 job1_end=marks["blocks.1."] - start if "blocks.1." in marks else None))
     return dict(rows=rows)
 
 
@@ -336,18 +327,8 @@ def clip_then_step(rank: int, world_size: int, *, slow_s: float = 0.5, steps: in
     (neither may wait for the speculations the clip makes useless), and the final weights."""
     model, _ = build(world_size, "fsdp")
     opt = dmuon.Muon(model, **OPT, overlap="backward")
-    submit = PendingSteps.submit
-
-    def slowed(self, fn, device, what, keep=(), **kw):
-        def run() -> None:
-            if what.startswith("the speculative"):
-                time.sleep(slow_s)
-            fn()
-        return submit(self, run, device, what, keep, **kw)
-
     took = []
-    PendingSteps.submit = slowed
-    try:
+    with slow_jobs(slow_s, only="the speculative"):
         for step in range(steps):
             idx, y = models.local_batch(step, rank, world_size)
             models.loss_fn(model, idx, y).backward()
@@ -356,6 +337,4 @@ def clip_then_step(rank: int, world_size: int, *, slow_s: float = 0.5, steps: in
             opt.step()
             took.append(time.monotonic() - start)
             opt.zero_grad()
-    finally:
-        PendingSteps.submit = submit
     return dict(took=took, stats=opt.overlap_stats(), params=full_params(model, rank))
