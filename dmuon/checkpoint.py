@@ -48,7 +48,7 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
-from dmuon.hooks.state_dict import agree, canonical_fqn, entries
+from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
 from dmuon.owners.slices import local_tensor
 from dmuon.owners.update import first_step_state
@@ -172,14 +172,11 @@ def live_entries(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
     """``local`` (a state tensor shaped like ``param``'s local piece) as a DTensor aliasing it,
-    with ``param``'s mesh, placements, global shape and stride; other values unchanged."""
+    laid out like ``param``; other values (a DTensor already, a plain parameter's) unchanged."""
     if not hasattr(param, "device_mesh") or not isinstance(local, torch.Tensor) \
             or hasattr(local, "device_mesh") or tuple(local.shape) != tuple(param.to_local().shape):
-        return local  # a DTensor already: the distributed_config path keeps its state so
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+        return local
+    return layout_of(param).wrap(local)
 
 
 def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:

@@ -1,31 +1,19 @@
-"""One translation of dedicated matrices into state-dict entries, and the hooks that apply it.
+"""One translation of dedicated matrices into state-dict entries (:func:`entries`), and the
+hooks that make ``model.state_dict()`` / ``load_state_dict()`` show what FSDP2 alone shows.
 
-Inside dmuon a dedicated matrix is the owner's fp32 master ``[rows, cols]`` (this TP rank's
-slice under tensor parallelism; ``[k, rows, cols]`` for an expert range) and a ``[0]``
-placeholder elsewhere. Each record carries its layout from bind time (``rec.sd_layout``:
-FSDP2's sharded parameter, or the TP DTensor; ``rec.tp_shard_dim``; ``rec.key`` /
-``rec.experts``). :func:`entries` maps a record to its entries, for both views:
+A dedicated matrix is the owner's fp32 master ``[rows, cols]`` (this TP rank's slice under TP;
+``[k, rows, cols]`` for an expert range) and a ``[0]`` placeholder elsewhere. Its record
+carries its layout from bind time: ``rec.sd_layout`` (FSDP2's sharded parameter, or the TP
+DTensor, :class:`Layout`), ``rec.tp_shard_dim``, ``rec.key`` / ``rec.experts``.
 
-* **torch's view** (``model.state_dict()``, ``get_model_state_dict``, ``dcp.save``,
-  Accelerate, ``save_pretrained``, torchtitan): what FSDP2 alone shows. The owner broadcasts the
-  master over the shard group; every rank keeps FSDP2's rows of the TP slice (``torch.chunk``
-  along dim 0) as a DTensor with FSDP2's mesh, placements, global shape and stride; without
-  FSDP2 the TP slice as the TP DTensor, or the full tensor (DDP's view). Collective.
-* **dmuon's view** (:func:`dmuon.state_dict`): on the owner only, aliases of the master (no
-  copy), a TP slice as a DTensor on the TP mesh (DCP records its offset), an expert range as
-  one ``"fqn[e]"`` entry per expert.
-
-The hooks (installed by :func:`dmuon.dedicate_params`): a state_dict post-hook first on each
-module holding a dedicated matrix, so a parent's hook that rewrites its children's entries
-(torchtitan's fused-QKV split) already sees FSDP2's view; load pre-hooks on the root (every
-present entry staged as the owner's TP slice, checked on every rank, agreed on, before anything
-is written) and on each such module (the owner gets the staged tensor, other ranks the
-placeholder; an entry a load hook made, or ``submodule.load_state_dict``'s, is staged and
-checked as its module loads). A bad entry raises ``ValueError`` naming dmuon on every rank.
-Split and expert-parallel stacks have no torch view (``RuntimeError`` naming dmuon): the
-optimizer steps each range as a parameter ``model.named_parameters()`` does not list.
-
-Keys: :func:`canonical_fqn`, as torch's state-dict utilities name parameters.
+Hooks (installed by :func:`dmuon.dedicate_params`): a state_dict post-hook first on each module
+holding a dedicated matrix (so a parent's hook that rewrites entries, torchtitan's fused-QKV
+split, sees FSDP2's view); load pre-hooks on the root, which stages every present entry as the
+owner's TP slice and has the ranks agree before anything is written, and on each such module,
+which hands torch the staged tensor on the owner and the placeholder elsewhere (an entry a load
+hook made, or ``submodule.load_state_dict``'s, is staged as its module loads). A bad entry
+raises ``ValueError`` naming dmuon on every rank. Split and expert-parallel stacks have no
+torch view (``RuntimeError`` naming dmuon; :func:`dmuon.state_dict` saves them).
 """
 
 from __future__ import annotations
@@ -64,7 +52,14 @@ class Layout(NamedTuple):
     placements: tuple
     shape: tuple
     stride: tuple
-    fsdp: bool
+    fsdp: bool = False
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's piece) as a DTensor with this layout, aliasing it."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, list(self.placements), run_check=False,
+                                  shape=torch.Size(self.shape), stride=tuple(self.stride))
 
 
 def layout_of(tensor: Any, fsdp: bool = True) -> Layout | None:
@@ -82,23 +77,17 @@ def _chunks(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return chunks + [t.new_empty((0, *t.shape[1:]))] * (parts - len(chunks))
 
 
-def _dtensor(local: torch.Tensor, mesh: Any, placements: Any, shape: Any, stride: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, mesh, list(placements), run_check=False, shape=torch.Size(shape),
-                              stride=tuple(stride))
-
-
 def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) -> list[tuple[str, Any]]:
     """``(canonical key, tensor)`` entries of ``rec``'s master or momentum ``local`` (fp32
-    ``rec.shape`` on the owner; ignored elsewhere in torch's view).
+    ``rec.shape`` on the owner; unused elsewhere).
 
-    ``state`` ``None``, dmuon's view (call on the owner; aliases, no collective): one entry under
-    ``rec.key``, a DTensor of global shape ``rec.full_shape`` with ``Shard(tp_shard_dim)`` on the
-    TP mesh when TP splits the matrix; an expert range: ``"fqn[e]"`` -> expert ``e``'s
-    ``[rows, cols]`` view. ``state`` a :class:`dmuon.hooks.state.DedicateState`, torch's view
-    (every rank of the shard group, collective: one broadcast from the owner; new tensors): one
-    entry under ``rec.fqn`` laid out as FSDP2 shows the parameter (module docstring).
+    ``state`` ``None``: dmuon's view (on the owner only; aliases, no collective): under
+    ``rec.key``; a TP slice as a DTensor on the TP mesh (``Shard(tp_shard_dim)``, global
+    ``rec.full_shape``: DCP records its offset); an expert range as ``"fqn[e]"`` ->
+    ``[rows, cols]`` views. ``state`` the :class:`dmuon.hooks.state.DedicateState`: torch's
+    view (every shard rank; one broadcast from the owner; new tensors): under ``rec.fqn``,
+    FSDP2's rows (``torch.chunk`` along dim 0) of the TP slice as a DTensor laid out as
+    ``rec.sd_layout``; the TP DTensor without FSDP2; the full tensor on a plain replica.
     """
     if state is not None:
         if rec.is_owner:
@@ -110,7 +99,7 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
         lay = rec.sd_layout
         if lay is not None:
             piece = _chunks(full, state.world_size)[state.rank].clone() if lay.fsdp else full
-            full = _dtensor(piece, lay.mesh, lay.placements, lay.shape, lay.stride)
+            full = lay.wrap(piece)
         return [(canonical_fqn(rec.fqn), full)]
     if rec.experts is not None:
         experts, fqn = local.view(-1, *local.shape[-2:]), canonical_fqn(rec.fqn)
@@ -118,8 +107,8 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
     if rec.tp_shard_dim is not None:
         from torch.distributed.tensor import Shard
 
-        rows, cols = rec.full_shape
-        local = _dtensor(local, rec.compute.device_mesh, [Shard(rec.tp_shard_dim)], (rows, cols), (cols, 1))
+        tp = Layout(rec.compute.device_mesh, (Shard(rec.tp_shard_dim),), rec.full_shape, (rec.full_shape[1], 1))
+        local = tp.wrap(local)
     return [(canonical_fqn(rec.key), local)]
 
 

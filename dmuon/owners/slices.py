@@ -1,25 +1,19 @@
 """Which slice of a matrix each rank holds: the one place of index math for Shard,
-``_StridedShard`` and Replicate (used by the ``distributed_config`` exchanges, the TP
-Newton-Schulz gather/scatter and the gradient-norm clip).
+``_StridedShard`` and Replicate (the ``distributed_config`` exchanges, the TP Newton-Schulz,
+the gradient-norm clip and QK-clip's rows).
 
-A :class:`MatrixLayout` says, for every rank of the optimizer's process group, which rows and
-which columns of the full ``[rows, cols]`` matrix that rank holds locally (its local tensor is
-``full[rows][:, cols]``, in that order). Rows and columns are index sequences stored as *runs*,
-tuples of half-open ``(start, stop)`` intervals, so a contiguous FSDP shard is one run and a
-strided FSDP x TP shard a few.
+A :class:`MatrixLayout` says which rows and columns of the full ``[rows, cols]`` matrix each
+rank of a process group holds (its local tensor is ``full[rows][:, cols]``), as *runs*: tuples
+of half-open ``(start, stop)`` intervals (a contiguous FSDP shard is one run, a strided FSDP x
+TP shard a few). The math follows DTensor's splitting (``torch/distributed/tensor/
+placement_types.py``), placements applied in mesh-dimension order:
 
-The index math follows DTensor's own splitting (``torch/distributed/tensor/placement_types.py``):
-
-* ``Shard(d)`` over a mesh dimension of size ``n``: the current index sequence of dim ``d`` is cut
-  into ``n`` chunks of ``ceil(len / n)`` (``torch.chunk``), trailing chunks possibly empty; mesh
+* ``Shard(d)`` over a mesh dim of size ``n``: dim ``d``'s current index sequence is cut into
+  ``n`` chunks of ``ceil(len / n)`` (``torch.chunk``; trailing chunks possibly empty);
   coordinate ``c`` keeps chunk ``c``.
-* ``_StridedShard(d, split_factor=s)`` (FSDP2 over a TP-sharded dim): FSDP2 shards the *local*
-  TP shard, so the strided placement is applied after the other placements of dim ``d``, as a
-  plain ``Shard``. For even sizes this equals DTensor's ``_StridedShard._split_tensor``
-  (``n * s`` chunks, coordinate ``c`` keeping chunks ``c, c + n, ...``); for uneven sizes it is
-  what FSDP2 actually stores (checked against FSDP2's local shards in the tests), where
-  ``_split_tensor`` would differ.
-Other placements are applied in mesh-dimension order, as ``distribute_tensor`` applies them.
+* ``_StridedShard(d)`` (FSDP2 over a TP-sharded dim) is applied last, as a plain ``Shard``:
+  FSDP2 shards the TP-local shard. For even sizes this equals DTensor's
+  ``_StridedShard._split_tensor``; for uneven ones it is what FSDP2 stores (tested).
 """
 
 from __future__ import annotations
