@@ -48,7 +48,7 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
-from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of
+from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of, momentum_replica
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
 from dmuon.owners.slices import local_tensor
 from dmuon.owners.update import first_step_state
@@ -220,8 +220,7 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
             continue
         model_sd.update(entries(rec, rec.master.detach()))
         buf = opt.state.get(rec.master, {}).get("momentum_buffer")
-        # HSDP "broadcast": only replica 0 steps the matrix; the others hold stale zeros
-        if buf is not None and not (rec.replicate_mode == "broadcast" and ctx.replicate_rank != 0):
+        if buf is not None and momentum_replica(rec, ctx) in (None, ctx.replicate_rank):
             optim_state.update({key: {"momentum_buffer": t} for key, t in entries(rec, buf)})
     names = _fqns(model, opt, "adamw")
     for group in opt.param_groups:

@@ -6,7 +6,8 @@ trainers built on them expect from FSDP2 + ``torch.optim.AdamW``:
   parameter's state is a DTensor with its mesh, placements, global shape and stride; the step
   updates the local pieces in place), so DCP saves and reshards them like the parameter.
 * **State exists from construction** (zeros, AdamW ``step`` 0: what the first step creates), so
-  torch's ``_init_optim_state`` finds state and does not step.
+  torch's ``_init_optim_state`` finds state and does not step (on cleared state, its
+  ``lr = 0`` step with zero gradients changes no parameter).
 * **param_groups hold plain values** (:class:`dmuon.hooks.optim_state.OptimizerStateHooks`).
 """
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.hooks.state_dict import canonical_fqn
+from dmuon.hooks.state_dict import canonical_fqn, momentum_replica
 from dmuon.owners.update import dtype_name, parse_dtype
 
 
@@ -116,9 +116,10 @@ class OptimizerStateHooks:
                 buf = opt.state.get(rec.master, {}).get("momentum_buffer")
                 if buf is None:  # not stepped yet: torch.optim.Muon starts from zeros
                     buf = torch.zeros(rec.shape, dtype=torch.float32, device=rec.master.device)
-                if rec.replicate_mode == "broadcast" and ctx.roles.replicate is not None:
-                    buf = buf.clone()  # replica 0 steps it; the others hold stale zeros
-                    dist.broadcast(buf, src=dist.get_global_rank(ctx.roles.replicate, 0),
+                src = momentum_replica(rec, ctx)
+                if src is not None:
+                    buf = buf.clone()
+                    dist.broadcast(buf, src=dist.get_global_rank(ctx.roles.replicate, src),
                                    group=ctx.roles.replicate)
             pid = groups[gi]["params"][pos]
             state[pid] = {**state.get(pid, {}), "momentum_buffer": ctx.state_dict_hooks.entry(rec, buf)}

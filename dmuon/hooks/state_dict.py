@@ -112,6 +112,13 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
     return [(canonical_fqn(rec.key), local)]
 
 
+def momentum_replica(rec: DedicatedParam, state: Any) -> int | None:
+    """The HSDP replica whose momentum of ``rec`` is the one to show: ``0`` in ``"broadcast"``
+    mode (replica 0 alone steps the matrix; the others hold stale zeros), ``None`` when every
+    replica's copy is current (``"compute"`` mode, or no replicas)."""
+    return 0 if rec.replicate_mode == "broadcast" and state.roles.replicate is not None else None
+
+
 def staged_tp_local(value: Any, rec: DedicatedParam, where: str,
                     state: Any) -> tuple[torch.Tensor | None, str | None]:
     """A loaded entry as this rank's TP slice (``rec.shape``; the whole matrix without TP), or
