@@ -78,13 +78,20 @@ def _fqns(model: nn.Module, opt: torch.optim.Optimizer, kind: str | None = None)
     return names
 
 
-def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> DedicateState:
-    """The model's dmuon state, after checking that ``opt`` was built over it.
+def _checked(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[DedicateState | None, Any]:
+    """``(the model's dmuon state, the process group whose ranks agree on a load)``, after
+    checking that ``opt`` was built over ``model``; the state is ``None`` for a
+    ``dmuon.Muon(params, ...)`` (an optimizer that is not a dmuon.Muon takes the owner path,
+    whose check names the mistake).
 
     Raises:
-        ValueError: ``dedicate_params`` was not called on ``model``, or ``opt`` is another
-            model's optimizer.
+        ValueError: ``dedicate_params`` was not called on ``model``, ``opt`` is another model's
+            optimizer, or a parameter of ``opt`` is not in ``model``.
     """
+    strategy = getattr(opt, "strategy", None)
+    if strategy is not None and not isinstance(strategy, OwnerUpdate):
+        _fqns(model, opt)
+        return None, strategy.group
     ctx = get_state(model)
     if getattr(opt, "state_ctx", None) is not ctx:
         raise ValueError(
@@ -92,22 +99,7 @@ def _check_optimizer(model: nn.Module, opt: torch.optim.Optimizer) -> DedicateSt
             f"pass the dmuon.Muon(model, ...) of the same model"
         )
     ctx.settle_pending()  # Muon(overlap=...): no master or momentum with an update pending
-    return ctx
-
-
-def _on_owner_runtime(opt: torch.optim.Optimizer) -> bool:
-    """Whether ``opt`` steps a model on the owner runtime (or is not a dmuon.Muon at all:
-    the owner path's check then names the mistake)."""
-    strategy = getattr(opt, "strategy", None)
-    return strategy is None or isinstance(strategy, OwnerUpdate)
-
-
-def _agreement_group(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
-    """The process group whose ranks agree on a load (checks ``opt`` against ``model``)."""
-    if _on_owner_runtime(opt):
-        return _check_optimizer(model, opt).roles.world
-    _fqns(model, opt)
-    return opt.strategy.group
+    return ctx, ctx.roles.world
 
 
 def _configured_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -203,9 +195,9 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
             ``model`` or a Muon matrix is a plain shard.
     """
     opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
-    if not _on_owner_runtime(opt):
+    ctx, _ = _checked(model, opt)
+    if ctx is None:
         return _configured_state_dict(model, opt)
-    ctx = _check_optimizer(model, opt)
     ctx.ensure_bound()
     for group in opt.param_groups:  # zero state where none exists yet, for dcp.load to fill
         for p in group["params"]:
@@ -294,7 +286,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
             ranks and entries. Nothing is written.
     """
     opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
-    group = _agreement_group(model, opt)
+    ctx, group = _checked(model, opt)
     problems: list[str] = []
     if not isinstance(sd, dict) or MODEL_KEY not in sd or OPTIM_KEY not in sd:
         keys = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
@@ -309,7 +301,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
                                 f"({len(missing)} in all)")
     if not problems and not isinstance(sd[OPTIM_KEY].get("param_groups"), dict):
         problems.append("the checkpoint state dict's optimizer param_groups are not a dict by kind")
-    if not problems and not _on_owner_runtime(opt) and set(sd[OPTIM_KEY]["param_groups"]) != set(
+    if not problems and ctx is None and set(sd[OPTIM_KEY]["param_groups"]) != set(
             expected[OPTIM_KEY]["param_groups"]):
         problems.append(f"the checkpoint has param groups {sorted(sd[OPTIM_KEY]['param_groups'])}, "
                         f"the optimizer {sorted(expected[OPTIM_KEY]['param_groups'])}")
@@ -320,11 +312,10 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
         _copy_into(target, value)
     saved_groups = sd[OPTIM_KEY]["param_groups"]
     for index, group in enumerate(opt.param_groups):
-        key = group["kind"] if _on_owner_runtime(opt) else str(index)
+        key = group["kind"] if ctx is not None else str(index)
         for name, value in saved_groups.get(key, {}).items():
             group[name] = value
-    if _on_owner_runtime(opt):
-        ctx = get_state(model)
+    if ctx is not None:
         ctx.publish_after_step(issue=False)
         logger.debug("dmuon: rank %d loaded %d model entries", ctx.rank, len(expected[MODEL_KEY]))
 
@@ -398,7 +389,7 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
     import torch.distributed.checkpoint as dcp  # not at import: `import dmuon` changes nothing in torch
     from torch.distributed.checkpoint.api import CheckpointException
 
-    group = _agreement_group(model, opt)
+    _, group = _checked(model, opt)
     extra = {} if extra is None else extra
     clash = sorted({MODEL_KEY, OPTIM_KEY} & set(extra))
     if clash:
