@@ -107,7 +107,8 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
     if rec.tp_shard_dim is not None:
         from torch.distributed.tensor import Shard
 
-        tp = Layout(rec.compute.device_mesh, (Shard(rec.tp_shard_dim),), rec.full_shape, (rec.full_shape[1], 1))
+        rows, cols = rec.full_shape
+        tp = Layout(rec.compute.device_mesh, (Shard(rec.tp_shard_dim),), (rows, cols), (cols, 1))
         local = tp.wrap(local)
     return [(canonical_fqn(rec.key), local)]
 
