@@ -1,40 +1,26 @@
-"""Optimizer state of ``dmuon.Muon(params, ...)`` laid out like the parameters, and
-``param_groups`` that torch's state-dict utilities accept.
+"""Optimizer state of ``dmuon.Muon(params, ...)`` laid out like the parameters, as torch's
+state-dict utilities (``get_/set_optimizer_state_dict``), ``dcp.save`` / ``dcp.load`` and the
+trainers built on them expect from FSDP2 + ``torch.optim.AdamW``:
 
-What torch's ``torch.distributed.checkpoint.state_dict`` (``get_/set_optimizer_state_dict``,
-sharded, full or flattened), ``dcp.save`` / ``dcp.load`` and the trainers built on them read
-is ``opt.state_dict()``, as they read it from FSDP2 + ``torch.optim.AdamW``:
-
-* **State tensors are shaped like their parameter.** Muon's ``momentum_buffer`` and AdamW's
-  ``exp_avg`` / ``exp_avg_sq`` of a DTensor parameter are DTensors with its mesh, placements,
-  global shape and stride (``torch.zeros_like(param)``); the step updates their local pieces in
-  place (``to_local()`` aliases the storage). DCP then saves and reshards them like the
-  parameter. Plain parameters get plain state (replicas for DCP; plain *sharded* matrices, as
-  ``create_processgroup_config(fsdp_pg=...)`` makes them, cannot be described to DCP, exactly
-  as the parameters themselves cannot).
-* **State exists from construction** (zeros, AdamW ``step`` 0: what the first step would
-  create), so ``_init_optim_state`` -- which otherwise runs ``opt.step()`` with zero gradients
-  and ``lr = 0`` on an optimizer without state, moving AdamW's step count to 1 -- finds state and
-  does nothing. If the state was cleared, that step still changes no parameter (the Muon
-  update of a zero gradient is zero, the decay factor ``1 - 0 * wd`` is 1).
-* **param_groups hold plain values:** ``ns_dtype`` is written as a string (``"float32"``;
-  torch's full-state-dict gather refuses a ``torch.dtype``) and parsed back on load. Param
-  groups built from ``(name, parameter)`` pairs (``model.named_parameters()``) carry torch's
-  ``param_names``.
+* **State tensors are shaped like their parameter** (``torch.zeros_like(param)``: a DTensor
+  parameter's state is a DTensor with its mesh, placements, global shape and stride; the step
+  updates the local pieces in place), so DCP saves and reshards them like the parameter.
+* **State exists from construction** (zeros, AdamW ``step`` 0: what the first step creates), so
+  torch's ``_init_optim_state`` finds state and does not step (on cleared state, its
+  ``lr = 0`` step with zero gradients changes no parameter).
+* **param_groups hold plain values** (:class:`dmuon.hooks.optim_state.OptimizerStateHooks`).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from dmuon.hooks.optim_state import OptimizerStateHooks
 from dmuon.owners.slices import local_tensor
-from dmuon.owners.update import dtype_name, first_step_state, parse_dtype
-
-logger = logging.getLogger(__name__)
+from dmuon.owners.update import first_step_state
 
 
 def zero_state(opt: torch.optim.Optimizer, param: Tensor, use_muon: bool) -> dict[str, Any]:
@@ -76,22 +62,7 @@ def local_state(value: Tensor, shape: torch.Size, name: str, where: str) -> Tens
     return local
 
 
-def _plain_groups(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-    """``state_dict`` post-hook: ``ns_dtype`` as a string in the (copied) groups."""
-    for group in sd["param_groups"]:
-        if isinstance(group.get("ns_dtype"), torch.dtype):
-            group["ns_dtype"] = dtype_name(group["ns_dtype"])
-    return sd
-
-
-def _parse_groups(opt: torch.optim.Optimizer) -> None:
-    """``load_state_dict`` post-hook: ``ns_dtype`` of the live groups back to a ``torch.dtype``."""
-    for group in opt.param_groups:
-        if "ns_dtype" in group:
-            group["ns_dtype"] = parse_dtype(group["ns_dtype"])
-
-
 def install_state_dict_hooks(opt: torch.optim.Optimizer) -> list[Any]:
-    """Register :func:`_plain_groups` and :func:`_parse_groups` on ``opt``; returns the handles."""
-    return [opt.register_state_dict_post_hook(_plain_groups),
-            opt.register_load_state_dict_post_hook(_parse_groups)]
+    """Register ``opt``'s ``param_groups`` translation (``ns_dtype`` as a string); returns the
+    handles."""
+    return OptimizerStateHooks(opt).install()

@@ -1,32 +1,24 @@
 """What ``opt.state_dict()`` / ``opt.load_state_dict()`` show of a :class:`dmuon.Muon`.
 
-torch's state-dict utilities (``get_optimizer_state_dict`` / ``set_optimizer_state_dict``, full
-or sharded, with ``cpu_offload``), ``dcp.save`` and the trainers built on them (Accelerate,
-torchtitan, the transformers ``Trainer``) read ``opt.state_dict()`` and expect what FSDP2 + a
-torch optimizer would give: every parameter's state laid out like the parameter, and
-``param_groups`` of plain values. The hooks installed here (by :class:`dmuon.Muon`) give that:
+torch's state-dict utilities (``get_/set_optimizer_state_dict``, full or sharded), ``dcp.save``
+and the trainers built on them expect what FSDP2 + a torch optimizer gives. The hooks here give
+it, on every ``dmuon.Muon`` (the ``distributed_config`` and single-device paths install them
+without a model state: only ``param_groups`` are translated):
 
-* **param_groups:** ``ns_dtype`` is written as a string (``"float16"``; torch's utilities
-  refuse a ``torch.dtype``) and read back; every group carries ``param_names`` (canonical FQNs,
-  :func:`dmuon.hooks.state_dict.canonical_fqn`; set on the live groups at construction).
-* **Muon state** (owner runtime only): each dedicated matrix's ``momentum_buffer`` (the owner's
-  fp32 ``[rows, cols]``; nothing elsewhere) enters on every rank laid out like the parameter in
-  ``model.state_dict()`` (an FSDP2-like DTensor, or the full tensor on a plain replicated
-  module); an owner that has not stepped the matrix yet offers zeros (what ``torch.optim.Muon``
-  starts from), unless no owner on any rank holds a momentum buffer: a fresh optimizer shows no
-  Muon state, as a fresh torch optimizer shows none. **Collective**: one broadcast per matrix from its owner (HSDP ``"broadcast"``
-  mode: first one from replica 0's owner, the only one that steps it). On load, each entry is
-  staged in the owner's shape (:meth:`dmuon.hooks.state_dict.StateDictHooks.staged`,
-  collective), checked on every rank, the ranks
-  agree, and only then the owner's entry becomes its full buffer (the others' are dropped);
-  a bad entry raises ``ValueError`` naming dmuon on every rank before anything is written.
-* AdamW state of FSDP2 parameters is a DTensor already (created ``zeros_like`` the parameter);
-  it passes unchanged.
+* **param_groups:** ``ns_dtype`` as a string (``"float16"``; torch's utilities refuse a
+  ``torch.dtype``), parsed back on load (:func:`plain_groups`, :func:`parsed_groups`).
+* **Muon momentum** (owner runtime): each dedicated matrix's ``momentum_buffer`` enters on every
+  rank in torch's view of the parameter (:func:`dmuon.hooks.state_dict.entries`; collective,
+  one broadcast per matrix; HSDP ``"broadcast"`` mode: replica 0's buffer, the only one
+  stepped). An owner that has not stepped the matrix offers zeros (``torch.optim.Muon``'s
+  start), unless no owner holds a buffer: a fresh optimizer shows no Muon state, as a fresh
+  torch optimizer shows none. On load each entry is staged, checked and agreed on
+  (:meth:`dmuon.hooks.state_dict.StateDictHooks.stage_all`), then given to its owner only; a
+  bad entry raises ``ValueError`` naming dmuon on every rank before anything is written.
+* AdamW state of FSDP2 parameters is a DTensor already; it passes unchanged.
 
-``torch.distributed.checkpoint.state_dict`` calls ``opt.step()`` with zero gradients and
-``lr = 0`` when the optimizer has no state yet (``_init_optim_state``): dmuon's step then changes
-no parameter (Muon's update of a zero gradient is zero and the decay ``1 - lr * wd`` is 1), as
-with a torch optimizer.
+``get_optimizer_state_dict`` steps an optimizer without state with zero gradients and
+``lr = 0`` (``_init_optim_state``); dmuon's step then changes no parameter.
 """
 
 from __future__ import annotations
@@ -37,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmuon.hooks.state_dict import canonical_fqn
+from dmuon.hooks.state_dict import canonical_fqn, momentum_replica
 from dmuon.owners.update import dtype_name, parse_dtype
 
 
@@ -49,14 +41,32 @@ def param_names(model: torch.nn.Module, params: list[torch.Tensor], state: Any =
     return [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
 
 
+def plain_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``groups`` with a ``torch.dtype`` ``ns_dtype`` written as its name."""
+    groups = [dict(g) for g in groups]
+    for g in groups:
+        if isinstance(g.get("ns_dtype"), torch.dtype):
+            g["ns_dtype"] = dtype_name(g["ns_dtype"])
+    return groups
+
+
+def parsed_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``groups`` with ``ns_dtype`` parsed back (``None`` kept: torch's
+    ``load_state_dict`` takes the saved groups as they are, and a Muon group needs the key)."""
+    groups = [dict(g) for g in groups]
+    for g in groups:
+        if "ns_dtype" in g:
+            g["ns_dtype"] = parse_dtype(g["ns_dtype"])
+    return groups
+
+
 class OptimizerStateHooks:
     """The optimizer state-dict hooks of one :class:`dmuon.Muon`.
 
     Args:
         opt: the optimizer.
         state: the model's :class:`dmuon.hooks.state.DedicateState` (owner runtime), or ``None``
-            (``distributed_config`` and single-device paths: only ``param_groups`` are
-            translated).
+            (only ``param_groups`` are translated).
     """
 
     def __init__(self, opt: torch.optim.Optimizer, state: Any = None) -> None:
@@ -64,46 +74,35 @@ class OptimizerStateHooks:
 
     def install(self) -> list[Any]:
         """Register the hooks on the optimizer; returns their handles."""
-        return [self.opt.register_state_dict_post_hook(functools.partial(OptimizerStateHooks.on_state_dict, self)),
-                self.opt.register_load_state_dict_pre_hook(functools.partial(OptimizerStateHooks.on_load, self))]
+        cls = OptimizerStateHooks
+        return [self.opt.register_state_dict_post_hook(functools.partial(cls.on_state_dict, self)),
+                self.opt.register_load_state_dict_pre_hook(functools.partial(cls.on_load, self))]
 
     def _muon_records(self) -> list[tuple[int, int, Any]]:
-        """``(group index, position, record)`` of every trainable dedicated matrix, or ``[]``
-        when nothing is to be translated (no owner runtime, or not bound yet)."""
-        state = self.state
-        if state is None:
+        """``(group index, position, record)`` of every trainable dedicated matrix (``[]``
+        without a model state or before binding).
+
+        Raises:
+            RuntimeError: a matrix torch's view cannot show (see ``StateDictHooks.records``).
+        """
+        if self.state is None or not self.state.state_dict_hooks.records():
             return []
-        records = state.state_dict_hooks._records()  # raises for the kinds it cannot show
-        if not records:
-            return []
-        out = []
-        for gi, group in enumerate(self.opt.param_groups):
-            if group.get("kind") != "muon":
-                continue
-            for pos, master in enumerate(group["params"]):
-                if master.requires_grad:
-                    out.append((gi, pos, state.record_of_master[master]))
-        return out
+        return [(gi, pos, self.state.record_of_master[master])
+                for gi, group in enumerate(self.opt.param_groups) if group.get("kind") == "muon"
+                for pos, master in enumerate(group["params"]) if master.requires_grad]
 
     @torch.no_grad()
     def on_state_dict(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-        """Post-hook: plain ``param_groups``, momentum laid out like the parameters
-        (collective on the owner runtime)."""
-        groups = [dict(g) for g in sd["param_groups"]]
-        for g in groups:
-            if isinstance(g.get("ns_dtype"), torch.dtype):
-                g["ns_dtype"] = dtype_name(g["ns_dtype"])
+        """Post-hook: plain ``param_groups``, momentum in torch's view (collective on the owner
+        runtime)."""
+        groups = plain_groups(sd["param_groups"])
         out = {**sd, "param_groups": groups}
         records = self._muon_records()
         if not records:
             return out
-        state = dict(sd["state"])
-        ctx = self.state
-        # A fresh optimizer (no owner holds a momentum buffer yet) shows no Muon state, as a
-        # fresh torch optimizer shows none: torch's get_optimizer_state_dict then initialises
-        # the whole state with a zero step (_init_optim_state), and a state_dict/load_state_dict
-        # round trip (Accelerate's AcceleratedOptimizer does one) creates no zero buffers that
-        # would keep it from doing so. Collective, like the broadcasts below.
+        ctx, state = self.state, dict(sd["state"])
+        # whether any owner holds a momentum buffer (a fresh optimizer shows none, so torch's
+        # get_optimizer_state_dict initialises the whole state; collective)
         held = torch.tensor([float(any(rec.is_owner and "momentum_buffer" in opt.state.get(rec.master, {})
                                        for _, _, rec in records))],
                             device=records[0][2].master.device)  # NCCL reduces on the GPU
@@ -117,42 +116,32 @@ class OptimizerStateHooks:
                 buf = opt.state.get(rec.master, {}).get("momentum_buffer")
                 if buf is None:  # not stepped yet: torch.optim.Muon starts from zeros
                     buf = torch.zeros(rec.shape, dtype=torch.float32, device=rec.master.device)
-            if rec.replicate_mode == "broadcast" and ctx.roles.replicate is not None:
-                # only replica 0 steps this matrix; the other replicas' owners hold stale zeros
-                if rec.is_owner:
+                src = momentum_replica(rec, ctx)
+                if src is not None:
                     buf = buf.clone()
-                    dist.broadcast(buf, src=dist.get_global_rank(ctx.roles.replicate, 0),
+                    dist.broadcast(buf, src=dist.get_global_rank(ctx.roles.replicate, src),
                                    group=ctx.roles.replicate)
             pid = groups[gi]["params"][pos]
             state[pid] = {**state.get(pid, {}), "momentum_buffer": ctx.state_dict_hooks.entry(rec, buf)}
-        # every rank in parameter order: torch's full state dict gathers entry by entry in
-        # dict order (owners held their momentum entries before the others got theirs)
-        order = [pid for g in groups for pid in g["params"]]
-        out["state"] = {pid: state[pid] for pid in order if pid in state}
+        # parameter order: torch's full state dict gathers entry by entry in dict order
+        out["state"] = {pid: state[pid] for g in groups for pid in g["params"] if pid in state}
         return out
 
     @torch.no_grad()
     def on_load(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-        """Pre-hook: ``ns_dtype`` parsed back; each momentum staged as a full tensor, checked,
-        agreed on, then given to its owner only (collective on the owner runtime).
+        """Pre-hook: ``ns_dtype`` parsed back; each momentum staged, checked, agreed on, then
+        given to its owner only (collective on the owner runtime).
 
         Raises:
             ValueError: on every rank, if on any rank an entry has the wrong shape, or the
                 ranks' entries differ in kind; nothing is written.
         """
-        groups = [dict(g) for g in sd["param_groups"]]
-        for g in groups:
-            # keep a Muon group's ns_dtype=None (by device): torch's load_state_dict takes the
-            # saved groups as they are, so a dropped key fails the next step (KeyError)
-            if "ns_dtype" in g:
-                g["ns_dtype"] = parse_dtype(g["ns_dtype"])
+        groups = parsed_groups(sd["param_groups"])
         out = {**sd, "param_groups": groups}
         records = self._muon_records()
         if not records:
             return out
-        ctx = self.state
-        state = dict(sd["state"])
-        present = []
+        state, present = dict(sd["state"]), []
         for gi, pos, rec in records:
             saved = groups[gi]["params"] if gi < len(groups) else []
             if pos >= len(saved):
@@ -160,9 +149,10 @@ class OptimizerStateHooks:
             entry = state.get(saved[pos])
             if isinstance(entry, dict) and "momentum_buffer" in entry:
                 present.append((saved[pos], rec, entry))
-        staged = ctx.state_dict_hooks.stage_all(
+        staged = self.state.state_dict_hooks.stage_all(
             [(rec, f"optimizer state {canonical_fqn(rec.fqn)!r}/momentum_buffer", entry["momentum_buffer"])
-             for _, rec, entry in present], "Nothing was loaded: the optimizer state is unchanged on every rank.",
+             for _, rec, entry in present],
+            "Nothing was loaded: the optimizer state is unchanged on every rank.",
             source="the optimizer state dict", target="this optimizer")
         for (pid, rec, entry), full in zip(present, staged):
             if rec.is_owner:

@@ -1,61 +1,25 @@
-"""What ``model.state_dict()`` / ``load_state_dict()`` show of a dedicated model: FSDP2's view.
+"""One translation of dedicated matrices into state-dict entries (:func:`entries`), and the
+hooks that make ``model.state_dict()`` / ``load_state_dict()`` show what FSDP2 alone shows.
 
-Inside dmuon a dedicated matrix is the owner's fp32 master ``[rows, cols]`` and a zero-size
-placeholder ``[0]`` on every other rank. Code outside the training loop (``model.state_dict()``,
-``torch.distributed.checkpoint.state_dict.get_model_state_dict``, ``dcp.save``, Accelerate's
-``get_state_dict``, ``save_pretrained``, torchtitan's ``CheckpointManager``) must not see that:
-it gets what FSDP2 alone would give it. The hooks installed here (by
-:func:`dmuon.dedicate_params`, removed with the state's handles) translate:
+A dedicated matrix is the owner's fp32 master ``[rows, cols]`` (this TP rank's slice under TP;
+``[k, rows, cols]`` for an expert range) and a ``[0]`` placeholder elsewhere. Its record
+carries its layout from bind time: ``rec.sd_layout`` (FSDP2's sharded parameter, or the TP
+DTensor, :class:`Layout`), ``rec.tp_shard_dim``, ``rec.key`` / ``rec.experts``.
 
-* **state_dict post-hook, on each module that holds a dedicated matrix** (first among that
-  module's post-hooks): the matrix's entry becomes a DTensor laid out like FSDP2's sharded
-  parameter (the mesh, placements, global shape and stride FSDP2 gave it, recorded at binding
-  in ``DedicatedParam.sd_layout``), whose values are the owner's fp32 master; on a plain
-  replicated module (DDP-style), the full ``[rows, cols]`` tensor on every rank, as DDP shows
-  it. It runs where the parameter lives, before any hook of that module's ancestors and before
-  its own later hooks: a parent's hook that rewrites its children's entries (torchtitan's
-  fused-QKV ``_split_qkv_on_save`` splits ``wqkv`` into ``wq``/``wk``/``wv``) already sees
-  FSDP2's view, and ``submodule.state_dict()`` translates too. The values are new tensors
-  (never the live master): the owner broadcasts each master over its shard group and every rank
-  keeps its own rows, so the call is **collective** over the mesh, like FSDP2's full state
-  dict (every rank must call it on the same module). Memory: one full matrix at a time,
-  transient.
-* **load_state_dict pre-hooks**, in two places:
-
-  - on the root module, before anything is written: each dedicated entry present under its
-    canonical key is staged into the owner's shape (the shard ranks' rows gathered over the
-    shard group for a DTensor laid out as above, ``DTensor.full_tensor()`` for another one;
-    collective), checked on every rank (shape), and the ranks agree (one
-    ``all_gather_object``). A bad entry on any rank raises ``ValueError`` naming dmuon on
-    every rank before anything is written. The entries themselves stay as they are.
-  - on each module that holds a dedicated matrix, after that module's ancestors' load
-    pre-hooks and its own earlier ones: each of its entries is replaced by the full tensor on
-    the owner (torch copies it into the fp32 master; dmuon's load post-hook then refreshes the
-    published weights) and the placeholder elsewhere. An entry that is still the one the root
-    checked takes the staged tensor; another one (made by such a hook, torchtitan's
-    ``_merge_qkv_on_load`` merging ``wq``/``wk``/``wv`` into ``wqkv``, or any entry when
-    ``submodule.load_state_dict`` is called) is staged, checked and agreed on now, the same
-    way, for that module's matrices; a bad one raises ``ValueError`` on every rank before they
-    are written (modules loaded before it keep what they loaded).
-
-Tensor parallelism: the owner (of this TP rank's slice) broadcasts its slice over the shard
-group and each rank keeps the rows FSDP2 would (FSDP2 chunks the TP-local tensor along dim 0);
-without FSDP2 the TP slice itself, as the TP DTensor. Not translated (``RuntimeError`` naming
-dmuon, on every rank): expert stacks split into several owner ranges and expert-parallel
-stacks (the optimizer steps each range as a parameter of its own, which
-``model.named_parameters()`` does not list). Their checkpoints go through
-:func:`dmuon.state_dict` / :func:`dmuon.load`.
-
-Keys: ``nn.Module.state_dict`` names parameters as torch does (``checkpoint_wrapper`` strips
-``_checkpoint_wrapped_module.``; torch's ``get_model_state_dict`` also strips ``_orig_mod.``);
-:func:`canonical_fqn` is that canonical name, used by dmuon's own checkpoints too. The per-module
-hooks see the module's own prefix (``prefix + attr``), whatever wrappers sit above it.
+Hooks (installed by :func:`dmuon.dedicate_params`): a state_dict post-hook first on each module
+holding a dedicated matrix (so a parent's hook that rewrites entries, torchtitan's fused-QKV
+split, sees FSDP2's view); load pre-hooks on the root, which stages every present entry as the
+owner's TP slice and has the ranks agree before anything is written, and on each such module,
+which hands torch the staged tensor on the owner and the placeholder elsewhere (an entry a load
+hook made, or ``submodule.load_state_dict``'s, is staged as its module loads). A bad entry
+raises ``ValueError`` naming dmuon on every rank. Split and expert-parallel stacks have no
+torch view (``RuntimeError`` naming dmuon; :func:`dmuon.state_dict` saves them).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -63,6 +27,8 @@ import torch.distributed as dist
 from dmuon.owners.dedicated import DedicatedParam
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+NOTHING_LOADED = "Nothing was loaded: the dedicated matrices are unchanged on every rank."
+_UNSTAGED = object()  # no entry is this object: the root pre-hook did not stage the matrix
 
 
 def canonical_fqn(name: str) -> str:
@@ -79,22 +45,29 @@ def module_key(fqn: str) -> str:
     return fqn.replace(WRAPPER_PREFIXES[0], "")
 
 
-def unsupported(rec: DedicatedParam) -> str | None:
-    """Why ``rec`` has no FSDP2-like state-dict entry (``None``: it has one)."""
-    if rec.stack is not None:
-        return "is an expert stack split into several owner ranges"
-    if rec.group is not None:
-        return "is an expert-parallel stack"
-    return None
+class Layout(NamedTuple):
+    """A DTensor parameter's layout: FSDP2's sharded parameter (``fsdp``), else a TP one."""
+
+    mesh: Any
+    placements: tuple
+    shape: tuple
+    stride: tuple
+    fsdp: bool = False
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's piece) as a DTensor with this layout, aliasing it."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, list(self.placements), run_check=False,
+                                  shape=torch.Size(self.shape), stride=tuple(self.stride))
 
 
-def layout_of(tensor: Any, fsdp: bool = True) -> tuple | None:
-    """``(mesh, placements, shape, stride, fsdp)`` of a DTensor parameter (FSDP2's sharded
-    parameter with ``fsdp``; else a tensor-parallel one FSDP2 does not manage); ``None`` for a
-    plain tensor."""
+def layout_of(tensor: Any, fsdp: bool = True) -> Layout | None:
+    """The :class:`Layout` of a DTensor parameter; ``None`` for a plain tensor."""
     if tensor is None or not hasattr(tensor, "device_mesh"):
         return None
-    return (tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride()), fsdp)
+    return Layout(tensor.device_mesh, tuple(tensor.placements), tuple(tensor.shape),
+                  tuple(tensor.stride()), fsdp)
 
 
 def _chunks(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
@@ -104,45 +77,57 @@ def _chunks(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return chunks + [t.new_empty((0, *t.shape[1:]))] * (parts - len(chunks))
 
 
-def owner_full(rec: DedicatedParam, owned: torch.Tensor | None, group: Any) -> torch.Tensor:
-    """The owner's ``owned`` (master or momentum, fp32 ``rec.shape``) on every rank of ``group``.
+def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) -> list[tuple[str, Any]]:
+    """``(canonical key, tensor)`` entries of ``rec``'s master or momentum ``local`` (fp32
+    ``rec.shape`` on the owner; unused elsewhere).
 
-    Collective: one broadcast from the owner over ``group`` (dmuon's shard group, where
-    ``rec.owner`` is a rank). Returns a new fp32 tensor ``rec.shape`` (a copy on the owner).
+    ``state`` ``None``: dmuon's view (on the owner only; aliases, no collective): under
+    ``rec.key``; a TP slice as a DTensor on the TP mesh (``Shard(tp_shard_dim)``, global
+    ``rec.full_shape``: DCP records its offset); an expert range as ``"fqn[e]"`` ->
+    ``[rows, cols]`` views. ``state`` the :class:`dmuon.hooks.state.DedicateState`: torch's
+    view (every shard rank; one broadcast from the owner; new tensors): under ``rec.fqn``,
+    FSDP2's rows (``torch.chunk`` along dim 0) of the TP slice as a DTensor laid out as
+    ``rec.sd_layout``; the TP DTensor without FSDP2; the full tensor on a plain replica.
     """
-    if rec.is_owner:
-        full = owned.detach().to(torch.float32).clone()
-    else:
-        full = torch.empty(rec.shape, dtype=torch.float32, device=rec.master.device)
-    if dist.get_world_size(group) > 1:
-        dist.broadcast(full, src=dist.get_global_rank(group, rec.owner), group=group)
-    return full
+    if state is not None:
+        if rec.is_owner:
+            full = local.detach().to(torch.float32).clone()
+        else:
+            full = torch.empty(rec.shape, dtype=torch.float32, device=rec.master.device)
+        if dist.get_world_size(state.group) > 1:
+            dist.broadcast(full, src=dist.get_global_rank(state.group, rec.owner), group=state.group)
+        lay = rec.sd_layout
+        if lay is not None:
+            piece = _chunks(full, state.world_size)[state.rank].clone() if lay.fsdp else full
+            full = lay.wrap(piece)
+        return [(canonical_fqn(rec.fqn), full)]
+    if rec.experts is not None:
+        experts, fqn = local.view(-1, *local.shape[-2:]), canonical_fqn(rec.fqn)
+        return [(f"{fqn}[{rec.experts[0] + i}]", experts[i]) for i in range(experts.shape[0])]
+    if rec.tp_shard_dim is not None:
+        from torch.distributed.tensor import Shard
+
+        rows, cols = rec.full_shape
+        tp = Layout(rec.compute.device_mesh, (Shard(rec.tp_shard_dim),), (rows, cols), (cols, 1))
+        local = tp.wrap(local)
+    return [(canonical_fqn(rec.key), local)]
 
 
-def as_fsdp_entry(rec: DedicatedParam, tp_local: torch.Tensor, shard_rank: int, shard_size: int) -> torch.Tensor:
-    """``tp_local`` (this rank's TP slice ``rec.shape``, the whole matrix without TP; the same on
-    every rank of the shard group) as FSDP2 would show the parameter: its rows chunk for this
-    shard rank (FSDP2 chunks the TP-local tensor along dim 0, ``torch.chunk`` sizes) as a DTensor
-    with ``rec.sd_layout``'s mesh, placements, global shape and stride; without FSDP2 the TP
-    slice as that DTensor, or ``tp_local`` itself (no DTensor at all: DDP's view)."""
-    if rec.sd_layout is None:
-        return tp_local
-    from torch.distributed.tensor import DTensor
-
-    mesh, placements, shape, stride, fsdp = rec.sd_layout
-    local = _chunks(tp_local, shard_size)[shard_rank].clone() if fsdp else tp_local
-    return DTensor.from_local(local, mesh, list(placements), run_check=False, shape=torch.Size(shape),
-                              stride=stride)
+def momentum_replica(rec: DedicatedParam, state: Any) -> int | None:
+    """The HSDP replica whose momentum of ``rec`` is the one to show: ``0`` in ``"broadcast"``
+    mode (replica 0 alone steps the matrix; the others hold stale zeros), ``None`` when every
+    replica's copy is current (``"compute"`` mode, or no replicas)."""
+    return 0 if rec.replicate_mode == "broadcast" and state.roles.replicate is not None else None
 
 
-def staged_tp_local(value: Any, rec: DedicatedParam, where: str, group: Any, tp_rank: int,
-                    tp_size: int) -> tuple[torch.Tensor | None, str | None]:
+def staged_tp_local(value: Any, rec: DedicatedParam, where: str,
+                    state: Any) -> tuple[torch.Tensor | None, str | None]:
     """A loaded entry as this rank's TP slice (``rec.shape``; the whole matrix without TP), or
     why it cannot be one: ``(tensor, None)`` or ``(None, problem)``.
 
-    A DTensor laid out as :func:`as_fsdp_entry` makes it: the shard ranks' chunks, gathered over
-    ``group`` (collective); another DTensor: ``full_tensor()`` (collective over its mesh), then
-    this TP rank's slice; a plain tensor: the full matrix, sliced.
+    A DTensor laid out as :func:`entries`' torch view: the shard ranks' chunks, gathered over
+    the shard group (collective); another DTensor: ``full_tensor()`` (collective over its mesh),
+    then this TP rank's slice (``torch.chunk``); a plain tensor: the full matrix, sliced.
     """
     if not isinstance(value, torch.Tensor):
         return None, f"{where} should be a tensor, got {type(value).__name__}"
@@ -150,25 +135,20 @@ def staged_tp_local(value: Any, rec: DedicatedParam, where: str, group: Any, tp_
     if tuple(value.shape) != full_shape:
         return None, (f"{where} has shape {tuple(value.shape)} but the matrix is {full_shape} "
                       f"(a state dict of another model, or a dmuon placeholder)")
-    layout = rec.sd_layout
-    if (layout is not None and layout[4] and hasattr(value, "to_local")
-            and value.device_mesh == layout[0] and tuple(value.placements) == layout[1]):
-        size = dist.get_world_size(group)
-        rows = [c.shape[0] for c in _chunks(torch.empty(rec.shape[0], 0), size)]
+    lay = rec.sd_layout
+    if (lay is not None and lay.fsdp and hasattr(value, "to_local")
+            and value.device_mesh == lay.mesh and tuple(value.placements) == lay.placements):
+        rows = [c.shape[0] for c in _chunks(torch.empty(rec.shape[0], 0), state.world_size)]
         local = value.to_local().detach()
         padded = torch.zeros((max(rows), *rec.shape[1:]), dtype=local.dtype, device=local.device)
         padded[: local.shape[0]] = local
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded, group=group)
+        parts = [torch.empty_like(padded) for _ in range(state.world_size)]
+        dist.all_gather(parts, padded, group=state.group)
         return torch.cat([p[:r] for p, r in zip(parts, rows)]), None
     full = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()
     if rec.tp_shard_dim is None:
         return full, None
-    return torch.chunk(full, tp_size, dim=rec.tp_shard_dim)[tp_rank], None
-
-
-_UNSTAGED = object()  # no entry is this object: the root pre-hook did not stage the matrix
-NOTHING_LOADED = "Nothing was loaded: the dedicated matrices are unchanged on every rank."
+    return torch.chunk(full, state.roles.tp_size, dim=rec.tp_shard_dim)[state.tp_rank], None
 
 
 def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING_LOADED,
@@ -194,7 +174,8 @@ def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING
 
 
 class StateDictHooks:
-    """The state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`."""
+    """The state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`; the optimizer's
+    (:mod:`dmuon.hooks.optim_state`) use :meth:`records`, :meth:`entry` and :meth:`stage_all`."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
@@ -208,18 +189,17 @@ class StateDictHooks:
         """Register the hooks; returns their handles.
 
         On the root model: a load pre-hook and post-hook. On each module that holds a
-        dedicated matrix (``module._parameters[attr]``): a state_dict post-hook moved to the
-        front of the module's ``_state_dict_hooks`` (an ``OrderedDict`` keyed by handle id in
-        every torch >= 2.0; ``register_state_dict_post_hook`` has no ``prepend``), a load
-        pre-hook (last so far: hooks the module registered at construction, like torchtitan's
-        fused-QKV merge, run before it) and a load post-hook.
+        dedicated matrix: a state_dict post-hook moved to the front of ``_state_dict_hooks``
+        (``register_state_dict_post_hook`` has no ``prepend``), a load pre-hook (after the
+        module's own, like torchtitan's fused-QKV merge) and a load post-hook.
         """
         model = self.state.model
         # partials: torch marks a public hook with an attribute, which a bound method refuses
-        handles = [model.register_load_state_dict_pre_hook(functools.partial(StateDictHooks.on_load, self)),
-                   model.register_load_state_dict_post_hook(functools.partial(StateDictHooks.after_load, self))]
+        cls = StateDictHooks
         save, load, loaded = (functools.partial(f, self) for f in (
-            StateDictHooks.on_module_state_dict, StateDictHooks.on_module_load, StateDictHooks.after_module_load))
+            cls.on_module_state_dict, cls.on_module_load, cls.after_module_load))
+        handles = [model.register_load_state_dict_pre_hook(functools.partial(cls.on_load, self)),
+                   model.register_load_state_dict_post_hook(functools.partial(cls.after_load, self))]
         for module in dict.fromkeys(sel.module for sel in self.state.selected):
             handle = module.register_state_dict_post_hook(functools.partial(save))
             module._state_dict_hooks.move_to_end(handle.id, last=False)
@@ -227,22 +207,18 @@ class StateDictHooks:
                         module.register_load_state_dict_post_hook(functools.partial(loaded))]
         return handles
 
-    def entry(self, rec: DedicatedParam, owned: torch.Tensor | None) -> torch.Tensor:
-        """The owner's ``owned`` (master or momentum, ``rec.shape``) as FSDP2 would show the
-        parameter on this rank (:func:`owner_full`, :func:`as_fsdp_entry`; collective)."""
-        state = self.state
-        return as_fsdp_entry(rec, owner_full(rec, owned, state.group), state.rank, state.world_size)
+    def records(self) -> list[DedicatedParam]:
+        """The dedicated matrices torch's view translates (``[]`` before binding).
 
-    def staged(self, value: Any, rec: DedicatedParam, where: str) -> tuple[torch.Tensor | None, str | None]:
-        """A loaded entry as this rank's TP slice (:func:`staged_tp_local`; collective)."""
-        state = self.state
-        return staged_tp_local(value, rec, where, state.group, state.tp_rank, state.roles.tp_size)
-
-    def _records(self) -> list[DedicatedParam]:
+        Raises:
+            RuntimeError: a split or expert-parallel stack, which has no torch view.
+        """
         state = self.state
         if not state.bound:
             return []
-        refused = [(r.fqn, why) for r in state.records if (why := unsupported(r))]
+        refused = [(r.fqn, "is an expert stack split into several owner ranges" if r.stack is not None
+                    else "is an expert-parallel stack") for r in state.records
+                   if r.stack is not None or r.group is not None]
         if refused:
             fqn, why = refused[0]
             raise RuntimeError(
@@ -251,12 +227,13 @@ class StateDictHooks:
                 f"dmuon.state_dict(model, opt) + dcp.save and dmuon.load(model, opt, path).")
         return state.records
 
+    def entry(self, rec: DedicatedParam, owned: torch.Tensor | None) -> torch.Tensor:
+        """The owner's ``owned`` (master or momentum) in torch's view on this rank (collective)."""
+        return entries(rec, owned, self.state)[0][1]
+
     def _module_records(self, module: Any) -> list[DedicatedParam]:
-        """The dedicated matrices ``module`` holds itself, in model order (``[]`` outside
-        translation)."""
-        records = self._records()
-        if not records:
-            return []
+        """The dedicated matrices ``module`` holds itself, in model order."""
+        records = self.records()
         if self._by_module[0] is not records:
             by_module: dict[int, list[DedicatedParam]] = {}
             for rec in records:
@@ -264,25 +241,20 @@ class StateDictHooks:
             self._by_module = (records, by_module)
         return self._by_module[1].get(id(module), [])
 
-    # ------------------------------------------------------------------ save
     @torch.no_grad()
     def on_module_state_dict(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """Post-hook of a module holding dedicated matrices: their entries -> FSDP2-laid-out
-        DTensors (or full tensors) of the owners' current masters. Collective (one broadcast
-        per matrix, in model order)."""
+        """Post-hook of a module holding dedicated matrices: their entries in torch's view of the
+        owners' masters. Collective (one broadcast per matrix, in model order)."""
         for rec in self._module_records(module):
-            key = prefix + rec.attr
-            if key in sd:
-                sd[key] = self.entry(rec, rec.master)
+            if prefix + rec.attr in sd:
+                sd[prefix + rec.attr] = self.entry(rec, rec.master)
 
-    # ------------------------------------------------------------------ load
     def stage_all(self, entries: list[tuple[DedicatedParam, str, Any]], consequence: str,
                   source: str = "the state dict", target: str = "this model") -> list[torch.Tensor]:
-        """Stage every ``(rec, where, value)`` entry as this rank's TP slice (:meth:`staged`),
-        check, agree. Collective over the world (two ``all_gather_object`` and the staging);
-        every rank must pass the same entries (``where`` names one in the errors; ``source``
-        and ``target`` name what is loaded into what). Returns the staged tensors, in
-        ``entries``' order.
+        """Stage every ``(rec, where, value)`` as this rank's TP slice (:func:`staged_tp_local`),
+        check, agree; returns the staged tensors in order. Collective over the world: every rank
+        passes the same entries (``where`` names one in errors; ``source`` / ``target`` name what
+        is loaded into what).
 
         Raises:
             ValueError: on every rank, if the ranks' entries differ in kind or an entry does
@@ -298,24 +270,16 @@ class StateDictHooks:
                 f"dmuon: {source}'s dedicated entries (name, is a DTensor) differ across ranks: "
                 f"ranks {differ} against the first rank's {everyone[0][:3]}. Give every rank the "
                 f"same kind of state dict (all sharded or all full). {consequence}")
-        staged, problems = [], []
-        for rec, where, value in entries:
-            full, problem = self.staged(value, rec, where)
-            staged.append(full)
-            if problem:
-                problems.append(problem)
-        agree(problems, world, f"{source} does not fit {target}", consequence)
-        return staged
+        staged = [staged_tp_local(value, rec, where, self.state) for rec, where, value in entries]
+        agree([p for _, p in staged if p], world, f"{source} does not fit {target}", consequence)
+        return [full for full, _ in staged]
 
     @torch.no_grad()
-    def on_load(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        """Root pre-hook: every dedicated entry present under its canonical key is staged,
-        checked and agreed on before anything is written (:meth:`_stage_all`); the entries stay
-        as they are, and each module's pre-hook hands torch the staged tensor for an entry that
-        is still the one checked here. Collective."""
+    def on_load(self, module: Any, sd: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Root pre-hook: stage, check and agree on every dedicated entry present under its
+        canonical key before anything is written; the entries stay as they are. Collective."""
         self._staged.clear()
-        records = self._records()
+        records = self.records()
         if not records:
             return
         present = [(rec, prefix + module_key(rec.fqn)) for rec in records]
@@ -330,14 +294,10 @@ class StateDictHooks:
         self._in_root_load = False
 
     @torch.no_grad()
-    def on_module_load(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any, strict: bool,
-                       missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
-        """Pre-hook of a module holding dedicated matrices: torch gets the owner's full tensor
-        (the placeholder elsewhere) for each of its entries. An entry the root pre-hook staged
-        and no hook replaced since takes that staged tensor; another one (made by a load hook
-        of this module or its ancestors, or any entry of a submodule's own
-        ``load_state_dict``) is staged, checked and agreed on now: collective when there are
-        such entries."""
+    def on_module_load(self, module: Any, sd: dict[str, Any], prefix: str, *args: Any) -> None:
+        """Pre-hook of a module holding dedicated matrices: torch gets the staged tensor on the
+        owner, the placeholder elsewhere. An entry the root did not stage, or that a hook
+        replaced since, is staged, checked and agreed on now (collective)."""
         present, pending = [], []
         for rec in self._module_records(module):
             key = prefix + rec.attr
@@ -352,8 +312,7 @@ class StateDictHooks:
                     f"hook made are checked as their module loads: modules loaded before it keep what "
                     f"they loaded)."))
             except ValueError:
-                self._in_root_load = False
-                self._staged.clear()
+                self.after_load(module, None)
                 raise
             present += [(rec, key, full) for (rec, key, _), full in zip(pending, staged)]
             self._refresh = self._refresh or not self._in_root_load

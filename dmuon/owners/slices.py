@@ -1,37 +1,28 @@
 """Which slice of a matrix each rank holds: the one place of index math for Shard,
-``_StridedShard`` and Replicate (used by the ``distributed_config`` exchanges, the TP
-Newton-Schulz gather/scatter and the gradient-norm clip).
+``_StridedShard`` and Replicate (the ``distributed_config`` exchanges, the TP Newton-Schulz,
+the gradient-norm clip and QK-clip's rows).
 
-A :class:`MatrixLayout` says, for every rank of the optimizer's process group, which rows and
-which columns of the full ``[rows, cols]`` matrix that rank holds locally (its local tensor is
-``full[rows][:, cols]``, in that order). Rows and columns are index sequences stored as *runs*,
-tuples of half-open ``(start, stop)`` intervals, so a contiguous FSDP shard is one run and a
-strided FSDP x TP shard a few.
+A :class:`MatrixLayout` says which rows and columns of the full ``[rows, cols]`` matrix each
+rank of a process group holds (its local tensor is ``full[rows][:, cols]``), as *runs*: tuples
+of half-open ``(start, stop)`` intervals (a contiguous FSDP shard is one run, a strided FSDP x
+TP shard a few). The math follows DTensor's splitting (``torch/distributed/tensor/
+placement_types.py``), placements applied in mesh-dimension order:
 
-The index math follows DTensor's own splitting (``torch/distributed/tensor/placement_types.py``):
-
-* ``Shard(d)`` over a mesh dimension of size ``n``: the current index sequence of dim ``d`` is cut
-  into ``n`` chunks of ``ceil(len / n)`` (``torch.chunk``), trailing chunks possibly empty; mesh
+* ``Shard(d)`` over a mesh dim of size ``n``: dim ``d``'s current index sequence is cut into
+  ``n`` chunks of ``ceil(len / n)`` (``torch.chunk``; trailing chunks possibly empty);
   coordinate ``c`` keeps chunk ``c``.
-* ``_StridedShard(d, split_factor=s)`` (FSDP2 over a TP-sharded dim): FSDP2 shards the *local*
-  TP shard, so the strided placement is applied after the other placements of dim ``d``, as a
-  plain ``Shard``. For even sizes this equals DTensor's ``_StridedShard._split_tensor``
-  (``n * s`` chunks, coordinate ``c`` keeping chunks ``c, c + n, ...``); for uneven sizes it is
-  what FSDP2 actually stores (checked against FSDP2's local shards in the tests), where
-  ``_split_tensor`` would differ.
-Other placements are applied in mesh-dimension order, as ``distribute_tensor`` applies them.
+* ``_StridedShard(d)`` (FSDP2 over a TP-sharded dim) is applied last, as a plain ``Shard``:
+  FSDP2 shards the TP-local shard. For even sizes this equals DTensor's
+  ``_StridedShard._split_tensor``; for uneven ones it is what FSDP2 stores (tested).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import Tensor
-
-logger = logging.getLogger(__name__)
 
 Runs = tuple[tuple[int, int], ...]
 
@@ -76,25 +67,25 @@ def chunk_runs(runs: Runs, num_chunks: int, index: int) -> Runs:
     return sub_runs(runs, start, start + (sizes[index] if index < num_chunks else 0))
 
 
-def apply_placement(runs: Runs, placement: object, mesh_size: int, coord: int) -> tuple[int | None, Runs]:
-    """Apply one placement on one tensor dim; return ``(dim it shards or None, new runs)``.
-
-    Args:
-        runs: current index sequence of the dim the placement shards (ignored for Replicate).
-        placement: a DTensor placement (``Shard``, ``_StridedShard``, ``Replicate``).
-        mesh_size: size of the mesh dimension.
-        coord: this rank's coordinate along that mesh dimension.
+def placement_runs(shape: Sequence[int], placements: Sequence[object], mesh_shape: Sequence[int],
+                   coords: Sequence[int]) -> list[Runs]:
+    """The indices, per dim, of the piece of a DTensor of global ``shape`` held at mesh
+    coordinates ``coords`` (the module docstring's rules; ``_StridedShard`` applied last).
 
     Raises:
         ValueError: an unknown placement type.
     """
-    name = type(placement).__name__
-    if name in ("Shard", "_StridedShard"):
-        return int(placement.dim), chunk_runs(runs, mesh_size, coord)
-    if name in ("Replicate", "Partial"):
-        return None, runs
-    raise ValueError(f"dmuon: unsupported DTensor placement {placement!r}; expected Shard, "
-                     f"_StridedShard or Replicate")
+    dims = [((0, int(n)),) if n else () for n in shape]
+    for placement, size, coord in sorted(zip(placements, mesh_shape, coords),
+                                         key=lambda x: type(x[0]).__name__ == "_StridedShard"):
+        name = type(placement).__name__
+        if name in ("Shard", "_StridedShard"):
+            dim = int(placement.dim) % len(dims)
+            dims[dim] = chunk_runs(dims[dim], int(size), int(coord))
+        elif name not in ("Replicate", "Partial"):
+            raise ValueError(f"dmuon: unsupported DTensor placement {placement!r}; expected Shard, "
+                             f"_StridedShard or Replicate")
+    return dims
 
 
 def placement_slice(shape: Sequence[int], placements: Sequence[object], mesh_shape: Sequence[int],
@@ -110,20 +101,12 @@ def placement_slice(shape: Sequence[int], placements: Sequence[object], mesh_sha
     Raises:
         ValueError: a placement sharding a dim other than 0 or 1, or an unknown placement.
     """
-    dims = [((0, int(shape[0])),) if shape[0] else (), ((0, int(shape[1])),) if shape[1] else ()]
-    order = list(zip(placements, mesh_shape, coords))
-    # _StridedShard last: FSDP2 shards the TP-local shard (see the module docstring).
-    order.sort(key=lambda x: type(x[0]).__name__ == "_StridedShard")
-    for placement, size, coord in order:
+    for placement in placements:
         dim = getattr(placement, "dim", None)
         if dim is not None and dim not in (0, 1, -1, -2):
             raise ValueError(f"dmuon: placement {placement!r} shards dim {dim} of a 2-D matrix")
-        dim = None if dim is None else dim % 2
-        target = dims[dim] if dim is not None else ()
-        got, new = apply_placement(target, placement, int(size), int(coord))
-        if got is not None:
-            dims[got % 2] = new
-    return tuple(dims[0]), tuple(dims[1])
+    rows, cols = placement_runs(shape, placements, mesh_shape, coords)
+    return rows, cols
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -217,24 +200,15 @@ def local_rows(t: Tensor) -> Tensor:
     holds, in local order (int64 CPU ``[local rows]``).
 
     ``t``: a DTensor of any rank >= 1 (FSDP2's ``Shard(0)``, a TP slice, ``_StridedShard`` under
-    FSDP x TP, a replica; only placements of dim 0 cut rows, applied in the order
-    :func:`placement_slice` applies them), or a plain tensor (every row).
+    FSDP x TP, a replica; :func:`placement_runs`), or a plain tensor (every row).
     """
-    rows = int(t.shape[0])
     mesh = getattr(t, "device_mesh", None)
     if mesh is None:
-        return torch.arange(rows)
+        return torch.arange(int(t.shape[0]))
     coords = mesh.get_coordinate()
     if coords is None:  # not on this tensor's mesh: holds nothing
         return torch.zeros(0, dtype=torch.long)
-    runs: Runs = ((0, rows),) if rows else ()
-    order = sorted(zip(t.placements, mesh.mesh.shape, coords), key=lambda x: type(x[0]).__name__ == "_StridedShard")
-    for placement, size, coord in order:
-        dim = getattr(placement, "dim", None)
-        if dim is None or dim % t.dim() == 0:
-            got, new = apply_placement(runs, placement, int(size), int(coord))
-            runs = new if got is not None else runs
-    return index_of(runs)
+    return index_of(placement_runs(t.shape, t.placements, mesh.mesh.shape, coords)[0])
 
 
 def dtensor_layout(t: Tensor, group_ranks: Sequence[int]) -> MatrixLayout:
