@@ -24,6 +24,7 @@ from dmuon.distconfig import (
     create_dtensor_config,
     create_processgroup_config,
 )
+from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
 from tests import models
 
 EXACT = dict(ns_method="standard", ns_dtype=torch.float32, ns_coefficients="muon")
@@ -115,7 +116,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_redistribute(rank: int, world_size: int, strategy: str) -> dict:
-    """Per-matrix gather_fn/redistribute_fn to every dst, then the batched round functions."""
+    """Per-matrix gather_fn/redistribute_fn to every dst, then the round exchange dmuon.Muon uses
+    with the helpers' functions (all matrices in one all_to_all each way)."""
     mats, _, refs, cfg = build(strategy, world_size)
     errors, nones = [], []
     full_refs = [_full(t.detach(), ref) for t, ref in zip(mats, refs)]  # collective: all ranks
@@ -133,16 +135,17 @@ def gather_redistribute(rank: int, world_size: int, strategy: str) -> dict:
             nones.append(tuple(piece.shape) == tuple(_local(t).shape))
     owners = cfg.assign_fn(mats, cfg.state)
     idx = list(range(len(mats)))
-    fulls = cfg.batch_gather_fn([_local(t.detach()) for t in mats], idx, [owners[i] for i in idx],
-                                cfg.state, dtype=torch.float32).wait()
+    layouts, group = cfg.state["layouts"], dict(group=cfg.state["group"], rank=rank, world_size=world_size)
+    fulls = gather_to_owners([_local(t.detach()) for t in mats], layouts, [owners[i] for i in idx],
+                             dtype=torch.float32, **group).wait()
     for i, full in enumerate(full_refs):
         if owners[i] == rank:
             errors.append(float((fulls[i] - full).abs().max()))
         else:
             nones.append(fulls[i] is None)
     ups = [(full - 3) if owners[i] == rank else None for i, full in enumerate(full_refs)]
-    pieces = cfg.batch_redistribute_fn(ups, idx, [owners[i] for i in idx], cfg.state,
-                                       dtype=torch.float32, device=torch.device("cpu")).wait()
+    pieces = scatter_from_owners(ups, layouts, [owners[i] for i in idx], dtype=torch.float32,
+                                 device=torch.device("cpu"), **group).wait()
     for t, piece in zip(mats, pieces):
         expect = _local(t.detach() - 3)
         errors.append(float((piece - expect).abs().max()) if expect.numel() else 0.0)
@@ -157,8 +160,10 @@ def equivalence(rank: int, world_size: int, strategy: str, async_gpu_parallelism
     mats, vecs, fulls, cfg = build(strategy, world_size)
     cfg = dataclasses.replace(cfg, async_gpu_parallelism=async_gpu_parallelism,
                               prefetch_count=prefetch_count)
-    if not batched:
-        cfg = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None)
+    if not batched:  # functions of one's own (the helpers', wrapped): called per matrix
+        gather, redistribute = cfg.gather_fn, cfg.redistribute_fn
+        cfg = dataclasses.replace(cfg, gather_fn=lambda *a, **k: gather(*a, **k),
+                                  redistribute_fn=lambda *a, **k: redistribute(*a, **k))
     init_mats, init_vecs = initial_fulls(strategy)
     ref_mats = [nn.Parameter(t.clone()) for t in init_mats]
     ref_vecs = [nn.Parameter(t.clone()) for t in init_vecs]
@@ -220,10 +225,10 @@ def shape_mismatch(rank: int, world_size: int, where: str) -> str:
     """gather_fn (or redistribute_fn) returning a wrong shape: RuntimeError naming it."""
     mats, _, _, cfg = build("ddp", world_size)
     if where == "gather":
-        bad = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None,
-                                  gather_fn=lambda t, dst_rank, state: t[:-1] if dist.get_rank() == dst_rank else None)
+        bad = dataclasses.replace(
+            cfg, gather_fn=lambda t, dst_rank, state: t[:-1] if dist.get_rank() == dst_rank else None)
     else:
-        bad = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None,
+        bad = dataclasses.replace(cfg,
                                   gather_fn=lambda t, dst_rank, state: t if dist.get_rank() == dst_rank else None,
                                   redistribute_fn=lambda u, src_rank, state: u.T)
     opt = dmuon.Muon(mats, distributed_config=bad, **EXACT)
@@ -252,8 +257,7 @@ def comm_failure(rank: int, world_size: int) -> dict:
             raise ValueError("injected failure in gather_fn on rank 1")
         return helper(t, dst_rank, state)
 
-    bad = dataclasses.replace(cfg, gather_fn=failing_gather, batch_gather_fn=None,
-                              batch_redistribute_fn=None, prefetch_count=0)
+    bad = dataclasses.replace(cfg, gather_fn=failing_gather, prefetch_count=0)
     opt = dmuon.Muon(mats, distributed_config=bad, **EXACT)
     for p in mats:
         p.grad = torch.ones_like(p)
