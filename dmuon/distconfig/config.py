@@ -1,14 +1,6 @@
-"""``DistributedConfig``: the three functions that make Muon's step owner-centric.
-
-After the PyTorch design "Muon Distributed Training" (``distributed_config`` for
-``torch.optim.Muon``): every matrix gets one rank that orthogonalizes it (``assign_fn``, run
-once at construction), ``gather_fn`` assembles its full momentum on that rank and
-``redistribute_fn`` sends each rank its shard (or replica) of the update. Each matrix goes
-through Newton-Schulz exactly once per step, on one rank.
-
-Build one by hand for a bespoke parallelism, or with :func:`dmuon.create_processgroup_config`,
-:func:`dmuon.create_devicemesh_config` or :func:`dmuon.create_dtensor_config`.
-"""
+"""``DistributedConfig``: the three functions that make Muon's step owner-centric, after the
+PyTorch design "Muon Distributed Training" (``distributed_config`` for ``torch.optim.Muon``):
+each matrix goes through Newton-Schulz exactly once per step, on the rank assigned to it."""
 
 from __future__ import annotations
 
@@ -20,7 +12,9 @@ from torch import Tensor
 
 @dataclass(frozen=True, slots=True)
 class DistributedConfig:
-    """How Muon's matrices are assigned, gathered and redistributed.
+    """How Muon's matrices are assigned, gathered and redistributed; build one by hand, or
+    with :func:`dmuon.create_processgroup_config`, :func:`dmuon.create_devicemesh_config` or
+    :func:`dmuon.create_dtensor_config`.
 
     Attributes:
         assign_fn: ``assign_fn(params, state) -> {param_index: rank}``, called once when the
@@ -80,10 +74,8 @@ class DistributedConfig:
 def validate_assignments(assignments: Any, num_params: int, world_size: int) -> tuple[int, ...]:
     """Check ``assign_fn``'s result and return the owner of each parameter, in index order.
 
-    Args:
-        assignments: ``{param_index: rank}`` (a mapping; a sequence of ranks is accepted too).
-        num_params: number of Muon matrices.
-        world_size: number of ranks in the optimizer's group.
+    ``assignments``: ``{param_index: rank}`` (or a sequence of ranks) for ``num_params``
+    matrices over a group of ``world_size`` ranks.
 
     Raises:
         ValueError: not a mapping, missing indices, unknown indices, non-integer ranks, or

@@ -3,28 +3,22 @@ single-device Muon, and owner-centric Muon through a
 :class:`~dmuon.distconfig.config.DistributedConfig`.
 
 The distributed step follows the PyTorch design "Muon Distributed Training": momentum is
-updated on each rank's local shard, ``gather_fn`` assembles the Newton-Schulz input on the
-matrix's assigned rank, that rank alone orthogonalizes it, ``redistribute_fn`` sends every rank
-its piece of the update, and each rank applies it to its shard. The math is
-``torch.optim.Muon``'s (:mod:`dmuon.owners.update`): with ``distributed_config=None`` this is
-:func:`~dmuon.owners.update.muon_update_` verbatim; the distributed path runs the same three
-element-wise lines around the communication.
+updated on each rank's local piece, ``gather_fn`` assembles the Newton-Schulz input on the
+matrix's owner, the owner alone orthogonalizes it, ``redistribute_fn`` sends every rank its
+piece of the update, and each rank applies it. The math is ``torch.optim.Muon``'s
+(:mod:`dmuon.owners.update`); the single-device path is :func:`~dmuon.owners.update.muon_update_`.
 
-Schedule: the matrices are processed in *rounds*. With ``async_gpu_parallelism`` a round holds
-the next matrix of every owner, so all ranks orthogonalize at once and the scatters are awaited
-only at the end of the step; without it a round is one matrix, finished before the next. The
-helpers' functions move a round in one asynchronous ``all_to_all`` each way
-(:mod:`dmuon.distconfig.exchange`), ``prefetch_count`` rounds of gathers ahead of the round
-being orthogonalized: ``G(0..p)``, then per round ``k``: ``R(k)``, ``G(k+p+1)``, in the same
-order on every rank. Other functions are called per matrix, round by round.
-
-This module does not import :mod:`dmuon.optim`: ``dmuon.Muon`` builds a strategy from here and
-holds it as ``opt.strategy``; the strategy reads and writes the optimizer's ``param_groups``
-and ``state``.
+Schedule: the matrices go in *rounds*, one matrix of every owner (``async_gpu_parallelism``:
+all owners orthogonalize at once, scatters awaited at the end of the step) or one matrix each
+(finished before the next). The helpers' functions move a round in one asynchronous
+``all_to_all`` each way (:mod:`dmuon.distconfig.exchange`), ``prefetch_count`` rounds of gathers
+ahead: ``G(0..p)``, then per round ``k``: ``R(k)``, ``G(k+p+1)``, in the same order on every
+rank. Other functions are called per matrix, round by round.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 from typing import Any, Iterable
@@ -59,8 +53,9 @@ from dmuon.owners.update import (
 
 logger = logging.getLogger(__name__)
 
-MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-             "adjust_lr_fn", "ns_method", "ns_dtype")
+#: the Muon hyper-parameters a param group's own keys are checked for
+MUON_KEYS = ("lr", "weight_decay", "momentum", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
+             "ns_method", "ns_dtype")
 
 
 def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
@@ -107,8 +102,7 @@ def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_default
             groups.append(base)
     for gi, group in enumerate(groups):  # a group's own keys override the checked defaults
         if group["use_muon"]:
-            validate_hyperparameters(**{k: group[k] for k in MUON_KEYS if k != "nesterov"},
-                                     where=f"param group {gi}: ")
+            validate_hyperparameters(**{k: group[k] for k in MUON_KEYS}, where=f"param group {gi}: ")
         else:
             validate_hyperparameters(adamw_lr=group["lr"], adamw_betas=group["betas"],
                                      adamw_eps=group["eps"], adamw_weight_decay=group["weight_decay"],
@@ -144,33 +138,24 @@ class SingleDeviceUpdate:
 
     def step_adamw(self) -> None:
         """AdamW on every ``use_muon=False`` group, element-wise on local shards."""
-        opt = self.opt
-        for group in opt.param_groups:
-            if not group["use_muon"]:
-                ps = [p for p in group["params"] if p.grad is not None]
-                states = [zero_state(opt, p, use_muon=False) for p in ps]
-                for p, st in zip(ps, states):
-                    shape = local_tensor(p.grad).shape
-                    for name in ("exp_avg", "exp_avg_sq"):
-                        local_state(st[name], shape, name, f"AdamW parameter of shape {tuple(p.shape)}")
-                # the parameters themselves (DTensors stay DTensors): adamw_update_ steps their
-                # local pieces in place
-                adamw_update_(ps, [p.grad for p in ps], states, lr=group["lr"], betas=group["betas"],
-                              eps=group["eps"], weight_decay=group["weight_decay"])
+        for group in (g for g in self.opt.param_groups if not g["use_muon"]):
+            ps = [p for p in group["params"] if p.grad is not None]
+            states = [zero_state(self.opt, p, use_muon=False) for p in ps]
+            for p, st in zip(ps, states):
+                for name in ("exp_avg", "exp_avg_sq"):
+                    local_state(st[name], local_tensor(p.grad).shape, name,
+                                f"AdamW parameter of shape {tuple(p.shape)}")
+            # DTensor parameters stay DTensors: adamw_update_ steps their local pieces in place
+            adamw_update_(ps, [p.grad for p in ps], states, lr=group["lr"], betas=group["betas"],
+                          eps=group["eps"], weight_decay=group["weight_decay"])
 
     def hyper(self, group: dict) -> MuonHyper:
         """The frozen hyper-parameters of a Muon param group for this step."""
         return MuonHyper.of(group, backend=self.opt.ns_backend, max_batch_bytes=self.opt.max_batch_bytes)
 
     def _step_single(self, group: dict) -> None:
-        opt = self.opt
         ps = [p for p in group["params"] if p.grad is not None]
-        bufs = []
-        for p in ps:
-            st = opt.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            bufs.append(st["momentum_buffer"])
+        bufs = [zero_state(self.opt, p, use_muon=True)["momentum_buffer"] for p in ps]
         muon_update_(ps, [p.grad for p in ps], bufs, self.hyper(group))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
@@ -201,31 +186,28 @@ class ConfiguredUpdate(SingleDeviceUpdate):
         params = [p for p, _ in self.muon_params()]
         state = config.state
         self.group = state.get("group")
-        world = dist.get_world_size(self.group)
-        rank = dist.get_rank(self.group)
-        owners = validate_assignments(config.assign_fn(params, state), len(params), world)
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.owners = owners = validate_assignments(config.assign_fn(params, state), len(params),
+                                                    self.world)
         check_same_on_all_ranks(hashlib.sha256(repr(owners).encode()).hexdigest(),
                                 "Muon matrix assignment of assign_fn", self.group,
                                 fix="assign_fn must be deterministic (the same result on every rank).")
-        state["assignments"] = dict(enumerate(owners))
-        state["rank"] = rank
-        self.owners, self.rank, self.world = owners, rank, world
-        shapes = state.get("full_shapes")
-        self.full_shapes = [tuple(int(s) for s in (shapes[i] if shapes is not None else p.shape))
-                            for i, p in enumerate(params)]
+        state["assignments"], state["rank"] = dict(enumerate(owners)), self.rank
+        shapes = state.get("full_shapes") or [p.shape for p in params]
+        self.full_shapes = [tuple(int(s) for s in shape) for shape in shapes]
         # the helpers' own pair: each round moves in one all_to_all, prefetched
         helpers = (config.gather_fn is strategies.gather_fn
                    and config.redistribute_fn is strategies.redistribute_fn)
         self.layouts = state.get("layouts") if helpers else None
         self.prefetch = config.prefetch_count if self.layouts is not None else 0
-        if config.async_gpu_parallelism:  # round k: the k-th matrix of every owner
-            per_owner: list[list[int]] = [[] for _ in range(world)]
-            for i, o in enumerate(owners):
-                per_owner[o].append(i)
-            depth = max((len(x) for x in per_owner), default=0)
-            self.rounds = [sorted(x[k] for x in per_owner if k < len(x)) for k in range(depth)]
-        else:
-            self.rounds = [[i] for i in range(len(params))]
+        self.rounds: list[list[int]] = []  # async: round k holds the k-th matrix of every owner
+        taken: collections.Counter = collections.Counter()
+        for i, owner in enumerate(owners):
+            k = taken[owner] if config.async_gpu_parallelism else i
+            taken[owner] += 1
+            if k == len(self.rounds):
+                self.rounds.append([])
+            self.rounds[k].append(i)
         init_state(opt)  # laid out like the parameters, before any state-dict read (state.py)
 
     def muon_params(self) -> list[tuple[Tensor, dict]]:

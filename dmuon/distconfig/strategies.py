@@ -11,16 +11,9 @@ how *plain* tensors are understood:
   as :func:`dmuon.dedicate_params` names them (:mod:`dmuon.comm.mesh_roles`).
 * :func:`create_dtensor_config`: plain tensors are replicas (DDP).
 
-``ep_pg`` / ``pp_pg`` (mesh dims ``"ep"`` / ``"pp"``) mark *independent* dimensions: ranks that
-differ there hold different parameters, so each combination of their coordinates forms its own
-optimizer group (created here with ``new_subgroups_by_enumeration``, a collective over all
-ranks).
-
-The default ``assign_fn`` balances Newton-Schulz FLOPs (:func:`dmuon.kernels.ns_flops`) over
-the ranks with :func:`dmuon.owners.plan.build_plan` (``method="greedy"``: LPT, deterministic, so
-every rank computes the same owners without communicating). ``dmuon.Muon`` moves a round of the
-helpers' matrices in one ``all_to_all`` each way (:mod:`dmuon.distconfig.exchange`);
-:func:`gather_fn` and :func:`redistribute_fn` are the same exchange for one matrix.
+``dmuon.Muon`` moves a round of the helpers' matrices in one ``all_to_all`` each way
+(:mod:`dmuon.distconfig.exchange`); :func:`gather_fn` and :func:`redistribute_fn` are that
+exchange for one matrix.
 """
 
 from __future__ import annotations
@@ -36,7 +29,7 @@ from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
 from dmuon.owners.slices import MatrixLayout, dtensor_layout, local_tensor
 
-#: mesh dim names of each role in create_devicemesh_config; a lone "dp" is read below
+#: create_devicemesh_config's names of the dim-0 shard and replica roles ("dp": see there)
 SHARD_NAMES = ("fsdp", "shard", "dp_shard")
 REPLICATE_NAMES = ("replicate", "dp_replicate", "ddp", "cp")
 
@@ -151,12 +144,9 @@ def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
 def gather_fn(momentum_buffer: Tensor, dst_rank: int, state: dict) -> Optional[Tensor]:
     """Full ``[rows, cols]`` matrix on ``dst_rank``, ``None`` elsewhere (one all-to-all).
 
-    Args:
-        momentum_buffer: this rank's shard or replica (DTensor or plain local tensor); not
-            mutated. A plain tensor costs one ``all_gather_object`` of shapes.
-        dst_rank: owner, a rank of ``state["group"]``.
-        state: the config's state; the matrix is remembered under ``state["gathered"]
-            [dst_rank]`` for the :func:`redistribute_fn` from that rank.
+    ``momentum_buffer``: this rank's shard or replica (DTensor or plain tensor; a plain one
+    costs an ``all_gather_object`` of shapes); not mutated. Remembers the matrix in
+    ``state["gathered"][dst_rank]`` for the :func:`redistribute_fn` from that rank.
     """
     if hasattr(momentum_buffer, "placements"):
         layout = dtensor_layout(momentum_buffer, state["group_ranks"])
@@ -230,13 +220,12 @@ def create_devicemesh_config(
 
     Args:
         device_mesh: the DeviceMesh the model was parallelized over.
-        mesh_dim_names: one role per mesh dim, named as :func:`dmuon.dedicate_params` names
-            them: ``"fsdp"`` / ``"shard"`` / ``"dp_shard"`` (dim-0 sharding), ``"tp"`` /
-            ``"tensor"`` / ``"model"``, ``"replicate"`` / ``"dp_replicate"`` / ``"ddp"`` /
-            ``"cp"`` (replicas), ``"ep"`` / ``"pp"`` (independent). ``"dp"`` beside a shard
-            dim is the replicate dim (HSDP's ``("dp", "fsdp")``); a lone ``"dp"`` still means
-            replicas of plain tensors, with a ``DeprecationWarning`` (it is the shard dim in
-            ``dedicate_params``).
+        mesh_dim_names: one role per mesh dim, as :func:`dmuon.dedicate_params` names them:
+            :data:`SHARD_NAMES` (dim-0 sharding), ``"tp"`` (:data:`~dmuon.comm.mesh_roles.
+            TP_NAMES`), :data:`REPLICATE_NAMES` (replicas), ``"ep"`` / ``"pp"``
+            (independent). ``"dp"`` beside a shard dim is the replicate dim (HSDP's ``("dp",
+            "fsdp")``); a lone ``"dp"`` is the shard dim in ``dedicate_params`` but still
+            replicas of plain tensors here, with a ``DeprecationWarning``, for one release.
         async_gpu_parallelism, prefetch_count, tp_shard_dim: as
             :func:`create_processgroup_config`.
 
