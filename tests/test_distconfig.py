@@ -40,6 +40,7 @@ def test_gather_redistribute(dist_pool, strategy):
     ("tp0", False, 1, True), ("tp1", True, 0, True), ("ddp", True, 1, True),
     ("fsdp_tp", True, 1, True), ("fsdp_tp", False, 2, False), ("hsdp", True, 2, True),
     ("plain_fsdp", True, 1, True), ("plain_fsdp_tp", False, 1, False),
+    ("fsdp_tp_dp", True, 1, True), ("hsdp_dp", False, 1, True), ("ddp_dp", True, 1, False),
 ])
 def test_equivalence_with_single_process(dist_pool, strategy, async_, prefetch, batched):
     """3 steps of dmuon.Muon(params, distributed_config=...) equal
@@ -48,6 +49,17 @@ def test_equivalence_with_single_process(dist_pool, strategy, async_, prefetch, 
         strategy=strategy, async_gpu_parallelism=async_, prefetch_count=prefetch, batched=batched),
         timeout_s=60)
     assert max(r["max_diff"] for r in out) <= 1e-5, out
+
+
+def test_dp_mesh_dim_names(dist_pool):
+    """create_devicemesh_config names dims as dedicate_params does: ("dp", "tp") (the seed's
+    FSDP x TP example) and ("dp", "fsdp") (HSDP) need no warning; a lone "dp" still reads plain
+    tensors as replicas, with a DeprecationWarning naming the replacements."""
+    out = dist_pool.run(4, f"{CASES}:dp_warnings", {}, timeout_s=60)
+    for r in out:
+        assert r["fsdp_tp_dp"] == [] and r["hsdp_dp"] == [], r
+        assert len(r["ddp_dp"]) == 1, r
+        assert all(s in r["ddp_dp"][0] for s in ("'replicate'", "'fsdp'", "dedicate_params")), r
 
 
 def test_fsdp_training_matches_reference(dist_pool):
