@@ -295,23 +295,19 @@ class ConfiguredUpdate(SingleDeviceUpdate):
         """Newton-Schulz of the round's matrices this rank owns (``None`` for the others).
 
         Raises:
-            RuntimeError: a gathered tensor that is not the full matrix on its owner, or a
-                tensor on another rank.
+            RuntimeError: a gathered tensor other than the full matrix on its owner and
+                ``None`` elsewhere.
         """
         for i, full in zip(rnd, fulls):
-            expected = self.full_shapes[i]
-            if self.owners[i] == self.rank and (full is None or tuple(full.shape) != expected):
-                got = None if full is None else tuple(full.shape)
+            want = self.full_shapes[i] if self.owners[i] == self.rank else None
+            got = None if full is None else tuple(full.shape)
+            if got != want:
+                expect = f"the full matrix of shape {want}" if want else "None (not its assigned rank)"
                 raise RuntimeError(
-                    f"dmuon: gather_fn returned {got} for Muon matrix {i} on its assigned rank "
-                    f"{self.rank}; expected the full matrix of shape {expected}. gather_fn must "
-                    f"return the whole [rows, cols] tensor on dst_rank (state['full_shapes'] "
-                    f"gives the full shapes of plain shards).")
-            if self.owners[i] != self.rank and full is not None:
-                raise RuntimeError(
-                    f"dmuon: gather_fn returned a tensor of shape {tuple(full.shape)} for Muon "
-                    f"matrix {i} on rank {self.rank}, which is not its assigned rank "
-                    f"{self.owners[i]}; it must return None there.")
+                    f"dmuon: gather_fn returned {got} for Muon matrix {i} on rank {self.rank} "
+                    f"(assigned rank {self.owners[i]}); expected {expect}. gather_fn must return "
+                    f"the whole [rows, cols] tensor on dst_rank and None elsewhere "
+                    f"(state['full_shapes'] gives the full shapes of plain shards).")
         updates: list[Tensor | None] = [None] * len(rnd)
         mine = [j for j, full in enumerate(fulls) if full is not None]
         with label("dmuon::newton_schulz"):
@@ -352,7 +348,7 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                 todo.append((i, local_tensor(buf)))
         if not todo:
             return
-        sq = torch.stack([b.float().pow(2).sum() if is_counted(self, entries[i][0], i)
+        sq = torch.stack([b.float().pow(2).sum() if self._counted(entries[i][0], i)
                           else b.new_zeros((), dtype=torch.float32) for i, b in todo])
         dist.all_reduce(sq, group=self.group)
         for (i, b), norm in zip(todo, sq.sqrt()):
@@ -369,33 +365,32 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                     continue
                 local = local_tensor(p.grad)
                 clipped.append(local)
-                if is_counted(self, p, index.get(id(p))):
+                if self._counted(p, index.get(id(p))):
                     counted.append(local)
         return clip_by_total_norm_(counted, clipped, max_norm=max_norm, norm_type=norm_type,
                                    error_if_nonfinite=error_if_nonfinite, group=self.group)
 
+    def _counted(self, param: Tensor, muon_index: int | None) -> bool:
+        """Whether this rank's local piece of ``param`` (or of its gradient) is the one copy a
+        sum over the group counts: the first copy of a DTensor piece
+        (:func:`~dmuon.owners.clip.is_first_copy`), the source of a plain Muon matrix's piece
+        in ``state["layouts"]`` (set by the helper configs), and group rank 0's copy of any
+        other plain tensor (a replica, as DDP holds it).
 
-def is_counted(update: ConfiguredUpdate, param: Tensor, muon_index: int | None) -> bool:
-    """Whether this rank's local piece of ``param`` (a parameter of ``update``'s optimizer),
-    or of its gradient, is the one copy a sum over the group counts: the first copy of a
-    DTensor piece (:func:`~dmuon.owners.clip.is_first_copy`), the source of a plain Muon
-    matrix's piece in its layout (``state["layouts"]``, set by the helper configs), and group
-    rank 0's copy of any other plain tensor (a replica, as DDP holds it).
-
-    Raises:
-        ValueError: a plain Muon matrix without a layout (a hand-made config whose
-            ``assign_fn`` stored no ``state["layouts"]``), naming the matrix.
-    """
-    if hasattr(param, "device_mesh"):
-        return is_first_copy(param, dist.get_process_group_ranks(
-            update.group if update.group is not None else dist.group.WORLD))
-    if muon_index is None:
-        return update.rank == 0
-    layouts = update.config.state.get("layouts")
-    if layouts is None:
-        raise ValueError(
-            f"dmuon: Muon matrix {muon_index} (local shape {tuple(param.shape)}) is a plain "
-            f"tensor and the distributed_config's state has no 'layouts', so dmuon cannot "
-            f"tell which ranks hold copies of it. Use a helper config (create_*_config) or "
-            f"store state['layouts'] (dmuon.owners.slices.MatrixLayout per matrix) in assign_fn.")
-    return layouts[muon_index].sources[update.rank] == update.rank
+        Raises:
+            ValueError: a plain Muon matrix without a layout (a hand-made config whose
+                ``assign_fn`` stored no ``state["layouts"]``), naming the matrix.
+        """
+        if hasattr(param, "device_mesh"):
+            return is_first_copy(param, dist.get_process_group_ranks(
+                self.group if self.group is not None else dist.group.WORLD))
+        if muon_index is None:
+            return self.rank == 0
+        layouts = self.config.state.get("layouts")
+        if layouts is None:
+            raise ValueError(
+                f"dmuon: Muon matrix {muon_index} (local shape {tuple(param.shape)}) is a plain "
+                f"tensor and the distributed_config's state has no 'layouts', so dmuon cannot "
+                f"tell which ranks hold copies of it. Use a helper config (create_*_config) or "
+                f"store state['layouts'] (dmuon.owners.slices.MatrixLayout per matrix) in assign_fn.")
+        return layouts[muon_index].sources[self.rank] == self.rank
