@@ -64,10 +64,9 @@ def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_default
     Args:
         params: tensors or ``(name, tensor)`` pairs (``model.named_parameters()``: the groups
             then carry torch's ``param_names``), or param groups (dicts with ``"params"`` of
-            either kind). A group may set
-            ``"use_muon": False`` (AdamW) or ``True`` (Muon; every tensor must be 2-D); without
-            it, 2-D tensors go to Muon and the rest to AdamW. A group's own keys override the
-            defaults and are checked like them.
+            either kind). A group may set ``"use_muon": False`` (AdamW) or ``True`` (Muon; every
+            tensor must be 2-D); without it, 2-D tensors go to Muon and the rest to AdamW. A
+            group's own keys override the defaults and are checked like them.
         muon_defaults, adamw_defaults: the constructor's hyper-parameters per kind.
 
     Raises:
@@ -94,12 +93,9 @@ def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_default
                  [(True, [t for t in entries if _tensor(t).ndim == 2]),
                   (False, [t for t in entries if _tensor(t).ndim != 2])])
         for is_muon, ts in split:
-            if not ts and use is None:
-                continue
-            base = dict(muon_defaults if is_muon else adamw_defaults)
-            base.update(options)
-            base.update(params=ts, use_muon=is_muon)
-            groups.append(base)
+            if ts or use is not None:
+                defaults = muon_defaults if is_muon else adamw_defaults
+                groups.append({**defaults, **options, "params": ts, "use_muon": is_muon})
     for gi, group in enumerate(groups):  # a group's own keys override the checked defaults
         if group["use_muon"]:
             validate_hyperparameters(**{k: group[k] for k in MUON_KEYS}, where=f"param group {gi}: ")

@@ -110,7 +110,7 @@ def _plain_layouts(tensors: Sequence[Tensor], state: dict) -> list[MatrixLayout]
 
 
 def compute_layouts(params: Sequence[Tensor], state: dict) -> list[MatrixLayout]:
-    """Every matrix's :class:`MatrixLayout` (collective when some are plain tensors)."""
+    """Every matrix's :class:`MatrixLayout` (collective: one ``all_gather_object``)."""
     plain = [i for i, p in enumerate(params) if not hasattr(p, "placements")]
     layouts = {i: dtensor_layout(p, state["group_ranks"])
                for i, p in enumerate(params) if hasattr(p, "placements")}
