@@ -205,6 +205,8 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                 self.rounds.append([])
             self.rounds[k].append(i)
         init_state(opt)  # laid out like the parameters, before any state-dict read (state.py)
+        logger.debug("dmuon: %d matrices in %d rounds on rank %d", len(params), len(self.rounds),
+                     self.rank)
 
     def muon_params(self) -> list[tuple[Tensor, dict]]:
         """``(matrix, its group)`` in param-group order (the indices ``assign_fn`` saw)."""
