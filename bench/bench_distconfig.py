@@ -52,8 +52,10 @@ def rank_fn(job: tuple[int, str]) -> None:
         ps = [torch.nn.Parameter(distribute_tensor(f.clone(), mesh, [Shard(0)])) for f in fulls]
         cfg = dataclasses.replace(create_dtensor_config(), prefetch_count=prefetch,
                                   async_gpu_parallelism=async_)
-        if not batched:
-            cfg = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None)
+        if not batched:  # the helpers' functions wrapped: dmuon.Muon calls them per matrix
+            gather, redistribute = cfg.gather_fn, cfg.redistribute_fn
+            cfg = dataclasses.replace(cfg, gather_fn=lambda *a, **k: gather(*a, **k),
+                                      redistribute_fn=lambda *a, **k: redistribute(*a, **k))
         opts.append(dmuon.Muon(ps, distributed_config=cfg, lr=0.02, ns_method="gram",
                                ns_dtype=torch.float32))
         params.append(ps)

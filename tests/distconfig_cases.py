@@ -8,6 +8,7 @@ single-process ``torch.optim.Muon`` + ``AdamW`` on the full tensors.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import torch
@@ -24,9 +25,12 @@ from dmuon.distconfig import (
     create_dtensor_config,
     create_processgroup_config,
 )
+from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
 from tests import models
 
 EXACT = dict(ns_method="standard", ns_dtype=torch.float32, ns_coefficients="muon")
+#: strategies whose parameters are an nn.Module's, parallelized by torch's tools
+MODULE_STRATEGIES = ("fsdp", "hsdp", "hsdp_dp", "fsdp_tp", "fsdp_tp_dp")
 
 
 def _net(init: Any = None) -> nn.Module:
@@ -42,7 +46,7 @@ def _net(init: Any = None) -> nn.Module:
 
 def initial_fulls(strategy: str) -> tuple[list, list]:
     """The full initial (matrices, vectors) of ``strategy`` (seeded, identical on every rank)."""
-    if strategy in ("fsdp", "hsdp", "fsdp_tp"):
+    if strategy in MODULE_STRATEGIES:
         net = _net()
         return [m.weight.detach().clone() for m in net], [m.bias.detach().clone() for m in net]
     g = torch.Generator().manual_seed(7)
@@ -54,22 +58,22 @@ def build(strategy: str, world_size: int, init: Any = None) -> tuple[list, list,
     """``(matrices, vectors, full matrices, config)``; ``init``: full (matrices, vectors) to
     shard instead of the seeded ones (to shard a reference result the same way)."""
     init = initial_fulls(strategy) if init is None else init
-    if strategy in ("fsdp", "hsdp", "fsdp_tp"):
+    if strategy in MODULE_STRATEGIES:
         net = _net(init)
         if strategy == "fsdp":
             mesh = init_device_mesh("cpu", (world_size,))
             fully_shard(net, mesh=mesh)
             cfg = create_dtensor_config()
-        elif strategy == "hsdp":
+        elif strategy in ("hsdp", "hsdp_dp"):  # "dp" beside a shard dim: the replicate dim
             mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("rep", "shard"))
             fully_shard(net, mesh=mesh)
-            cfg = create_devicemesh_config(mesh, ["replicate", "fsdp"])
-        else:
+            cfg = create_devicemesh_config(mesh, ["replicate" if strategy == "hsdp" else "dp", "fsdp"])
+        else:  # fsdp_tp_dp: the seed's test plan's names, ("dp", "tp")
             mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("dp", "tp"))
             parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel(),
                                                  "2": ColwiseParallel()})
             fully_shard(net, mesh=mesh["dp"])
-            cfg = create_devicemesh_config(mesh, ["fsdp", "tp"])
+            cfg = create_devicemesh_config(mesh, ["fsdp" if strategy == "fsdp_tp" else "dp", "tp"])
         mats = [m.weight for m in net]
         vecs = [m.bias for m in net]
         # Reference: the unsharded weights (FSDP2's local shards are the truth; DTensor's
@@ -82,9 +86,13 @@ def build(strategy: str, world_size: int, init: Any = None) -> tuple[list, list,
         dim = int(strategy[-1])
         mats = [nn.Parameter(distribute_tensor(f, mesh, [Shard(dim)])) for f in fulls]
         return mats, [nn.Parameter(v) for v in vecs], [None] * 3, create_devicemesh_config(mesh, ["tp"])
-    if strategy == "ddp":
-        return ([nn.Parameter(f.clone()) for f in fulls], [nn.Parameter(v) for v in vecs], fulls,
-                create_processgroup_config(dp_pg=dist.group.WORLD))
+    if strategy in ("ddp", "ddp_dp"):  # ddp_dp: a lone "dp" mesh dim (deprecated: replicas)
+        if strategy == "ddp":
+            cfg = create_processgroup_config(dp_pg=dist.group.WORLD)
+        else:
+            mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+            cfg = create_devicemesh_config(mesh, ["dp"])
+        return [nn.Parameter(f.clone()) for f in fulls], [nn.Parameter(v) for v in vecs], fulls, cfg
     if strategy == "plain_fsdp":  # dim-0 chunks over all ranks, uneven and empty included
         mats = [nn.Parameter(_chunk(f, 0, world_size, rank)) for f in fulls]
         return mats, [nn.Parameter(v) for v in vecs], fulls, create_processgroup_config(fsdp_pg=dist.group.WORLD)
@@ -115,7 +123,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_redistribute(rank: int, world_size: int, strategy: str) -> dict:
-    """Per-matrix gather_fn/redistribute_fn to every dst, then the batched round functions."""
+    """Per-matrix gather_fn/redistribute_fn to every dst, then the round exchange dmuon.Muon uses
+    with the helpers' functions (all matrices in one all_to_all each way)."""
     mats, _, refs, cfg = build(strategy, world_size)
     errors, nones = [], []
     full_refs = [_full(t.detach(), ref) for t, ref in zip(mats, refs)]  # collective: all ranks
@@ -133,16 +142,17 @@ def gather_redistribute(rank: int, world_size: int, strategy: str) -> dict:
             nones.append(tuple(piece.shape) == tuple(_local(t).shape))
     owners = cfg.assign_fn(mats, cfg.state)
     idx = list(range(len(mats)))
-    fulls = cfg.batch_gather_fn([_local(t.detach()) for t in mats], idx, [owners[i] for i in idx],
-                                cfg.state, dtype=torch.float32).wait()
+    layouts, group = cfg.state["layouts"], dict(group=cfg.state["group"], rank=rank, world_size=world_size)
+    fulls = gather_to_owners([_local(t.detach()) for t in mats], layouts, [owners[i] for i in idx],
+                             dtype=torch.float32, **group).wait()
     for i, full in enumerate(full_refs):
         if owners[i] == rank:
             errors.append(float((fulls[i] - full).abs().max()))
         else:
             nones.append(fulls[i] is None)
     ups = [(full - 3) if owners[i] == rank else None for i, full in enumerate(full_refs)]
-    pieces = cfg.batch_redistribute_fn(ups, idx, [owners[i] for i in idx], cfg.state,
-                                       dtype=torch.float32, device=torch.device("cpu")).wait()
+    pieces = scatter_from_owners(ups, layouts, [owners[i] for i in idx], dtype=torch.float32,
+                                 device=torch.device("cpu"), **group).wait()
     for t, piece in zip(mats, pieces):
         expect = _local(t.detach() - 3)
         errors.append(float((piece - expect).abs().max()) if expect.numel() else 0.0)
@@ -157,8 +167,10 @@ def equivalence(rank: int, world_size: int, strategy: str, async_gpu_parallelism
     mats, vecs, fulls, cfg = build(strategy, world_size)
     cfg = dataclasses.replace(cfg, async_gpu_parallelism=async_gpu_parallelism,
                               prefetch_count=prefetch_count)
-    if not batched:
-        cfg = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None)
+    if not batched:  # functions of one's own (the helpers', wrapped): called per matrix
+        gather, redistribute = cfg.gather_fn, cfg.redistribute_fn
+        cfg = dataclasses.replace(cfg, gather_fn=lambda *a, **k: gather(*a, **k),
+                                  redistribute_fn=lambda *a, **k: redistribute(*a, **k))
     init_mats, init_vecs = initial_fulls(strategy)
     ref_mats = [nn.Parameter(t.clone()) for t in init_mats]
     ref_vecs = [nn.Parameter(t.clone()) for t in init_vecs]
@@ -179,6 +191,18 @@ def equivalence(rank: int, world_size: int, strategy: str, async_gpu_parallelism
     diffs = [float((_local(t.detach()) - _local(w.detach())).abs().max()) if _local(t).numel() else 0.0
              for t, w in zip(mats + vecs, want_mats + want_vecs)]
     return dict(max_diff=max(diffs), rounds=len(opt.strategy.rounds))
+
+
+def dp_warnings(rank: int, world_size: int) -> dict:
+    """The DeprecationWarnings of building dmuon.Muon over each mesh naming that uses "dp"."""
+    out = {}
+    for strategy in ("fsdp_tp_dp", "hsdp_dp", "ddp_dp"):
+        mats, _, _, cfg = build(strategy, world_size)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dmuon.Muon(mats, distributed_config=cfg, **EXACT)
+        out[strategy] = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    return out
 
 
 def fsdp_training(rank: int, world_size: int, steps: int = 3) -> dict:
@@ -220,10 +244,10 @@ def shape_mismatch(rank: int, world_size: int, where: str) -> str:
     """gather_fn (or redistribute_fn) returning a wrong shape: RuntimeError naming it."""
     mats, _, _, cfg = build("ddp", world_size)
     if where == "gather":
-        bad = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None,
-                                  gather_fn=lambda t, dst_rank, state: t[:-1] if dist.get_rank() == dst_rank else None)
+        bad = dataclasses.replace(
+            cfg, gather_fn=lambda t, dst_rank, state: t[:-1] if dist.get_rank() == dst_rank else None)
     else:
-        bad = dataclasses.replace(cfg, batch_gather_fn=None, batch_redistribute_fn=None,
+        bad = dataclasses.replace(cfg,
                                   gather_fn=lambda t, dst_rank, state: t if dist.get_rank() == dst_rank else None,
                                   redistribute_fn=lambda u, src_rank, state: u.T)
     opt = dmuon.Muon(mats, distributed_config=bad, **EXACT)
@@ -252,8 +276,7 @@ def comm_failure(rank: int, world_size: int) -> dict:
             raise ValueError("injected failure in gather_fn on rank 1")
         return helper(t, dst_rank, state)
 
-    bad = dataclasses.replace(cfg, gather_fn=failing_gather, batch_gather_fn=None,
-                              batch_redistribute_fn=None, prefetch_count=0)
+    bad = dataclasses.replace(cfg, gather_fn=failing_gather, prefetch_count=0)
     opt = dmuon.Muon(mats, distributed_config=bad, **EXACT)
     for p in mats:
         p.grad = torch.ones_like(p)

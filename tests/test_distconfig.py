@@ -24,7 +24,7 @@ STRATEGIES = ["fsdp", "tp0", "tp1", "ddp", "fsdp_tp", "hsdp", "plain_fsdp", "pla
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_gather_redistribute(dist_pool, strategy):
     """gather_fn: the full tensor on dst, None elsewhere; redistribute_fn: every rank's piece;
-    the batched all-to-all round functions the same, for every owner."""
+    the round exchange dmuon.Muon runs with them (one all_to_all each way) the same."""
     out = dist_pool.run(4, f"{CASES}:gather_redistribute", {"strategy": strategy}, timeout_s=60)
     assert all(r["all_ok"] for r in out)
     assert max(r["max_err"] for r in out) == 0.0
@@ -40,6 +40,7 @@ def test_gather_redistribute(dist_pool, strategy):
     ("tp0", False, 1, True), ("tp1", True, 0, True), ("ddp", True, 1, True),
     ("fsdp_tp", True, 1, True), ("fsdp_tp", False, 2, False), ("hsdp", True, 2, True),
     ("plain_fsdp", True, 1, True), ("plain_fsdp_tp", False, 1, False),
+    ("fsdp_tp_dp", True, 1, True), ("hsdp_dp", False, 1, True), ("ddp_dp", True, 1, False),
 ])
 def test_equivalence_with_single_process(dist_pool, strategy, async_, prefetch, batched):
     """3 steps of dmuon.Muon(params, distributed_config=...) equal
@@ -48,6 +49,17 @@ def test_equivalence_with_single_process(dist_pool, strategy, async_, prefetch, 
         strategy=strategy, async_gpu_parallelism=async_, prefetch_count=prefetch, batched=batched),
         timeout_s=60)
     assert max(r["max_diff"] for r in out) <= 1e-5, out
+
+
+def test_dp_mesh_dim_names(dist_pool):
+    """create_devicemesh_config names dims as dedicate_params does: ("dp", "tp") (the seed's
+    FSDP x TP example) and ("dp", "fsdp") (HSDP) need no warning; a lone "dp" still reads plain
+    tensors as replicas, with a DeprecationWarning naming the replacements."""
+    out = dist_pool.run(4, f"{CASES}:dp_warnings", {}, timeout_s=60)
+    for r in out:
+        assert r["fsdp_tp_dp"] == [] and r["hsdp_dp"] == [], r
+        assert len(r["ddp_dp"]) == 1, r
+        assert all(s in r["ddp_dp"][0] for s in ("'replicate'", "'fsdp'", "dedicate_params")), r
 
 
 def test_fsdp_training_matches_reference(dist_pool):
@@ -81,6 +93,24 @@ def test_communication_failure_propagates():
     assert isinstance(out[1], RankExit) and "injected failure" in (out[1].traceback or "")
     for r in (0, 2):
         assert isinstance(out[r], dict) and out[r]["raised"] is not None, out
+
+
+def test_config_fields_as_the_seed_gives_them():
+    """DistributedConfig(assign_fn, gather_fn, redistribute_fn, state) positionally, the seed's
+    defaults (async on, prefetch 1), and the checks of each field."""
+    import dmuon
+
+    def fn(*args):
+        return None
+
+    cfg = dmuon.DistributedConfig(fn, fn, fn, {"pg": None})
+    assert (cfg.state, cfg.async_gpu_parallelism, cfg.prefetch_count) == ({"pg": None}, True, 1)
+    for bad, needle in [(dict(gather_fn=3), "gather_fn must be callable"),
+                        (dict(state=[]), "state must be a dict"),
+                        (dict(prefetch_count=-1), "prefetch_count must be an int >= 0"),
+                        (dict(async_gpu_parallelism=1), "async_gpu_parallelism must be a bool")]:
+        with pytest.raises(ValueError, match=needle):
+            dmuon.DistributedConfig(**{**dict(assign_fn=fn, gather_fn=fn, redistribute_fn=fn), **bad})
 
 
 def test_single_device_matches_torch_muon():

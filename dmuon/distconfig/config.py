@@ -1,33 +1,20 @@
-"""``DistributedConfig``: the three functions that make Muon's step owner-centric.
-
-After the PyTorch design "Muon Distributed Training" (``distributed_config`` for
-``torch.optim.Muon``): every matrix gets one rank that orthogonalizes it (``assign_fn``, run
-once at construction), ``gather_fn`` assembles its full momentum on that rank and
-``redistribute_fn`` sends each rank its shard (or replica) of the update. Zero redundancy: each
-matrix goes through Newton-Schulz exactly once per step, on one rank.
-
-Build one by hand for a bespoke parallelism, or with :func:`dmuon.create_processgroup_config`,
-:func:`dmuon.create_devicemesh_config` or :func:`dmuon.create_dtensor_config`.
-"""
+"""``DistributedConfig``: the three functions that make Muon's step owner-centric, after the
+PyTorch design "Muon Distributed Training" (``distributed_config`` for ``torch.optim.Muon``):
+each matrix goes through Newton-Schulz exactly once per step, on the rank assigned to it."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 from torch import Tensor
 
-logger = logging.getLogger(__name__)
 
-AssignFn = Callable[[list[Tensor], dict[str, Any]], Mapping[int, int]]
-GatherFn = Callable[..., Optional[Tensor]]
-RedistributeFn = Callable[..., Tensor]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class DistributedConfig:
-    """How Muon's matrices are assigned, gathered and redistributed.
+    """How Muon's matrices are assigned, gathered and redistributed; build one by hand, or
+    with :func:`dmuon.create_processgroup_config`, :func:`dmuon.create_devicemesh_config` or
+    :func:`dmuon.create_dtensor_config`.
 
     Attributes:
         assign_fn: ``assign_fn(params, state) -> {param_index: rank}``, called once when the
@@ -43,70 +30,52 @@ class DistributedConfig:
         redistribute_fn: ``redistribute_fn(update, src_rank, state) -> Tensor``: ``update`` is
             the full orthogonalized ``[rows, cols]`` matrix on ``src_rank`` and ``None``
             elsewhere; returns this rank's local shard or replica (the local shape of the
-            parameter). Collective.
+            parameter). Collective. Called after the gathers of the matrices of a round (one
+            matrix per owner) and before the next round's gathers.
         state: metadata for the three functions (process groups, meshes, layouts, ...). The
             optimizer adds ``"assignments"`` and ``"rank"``.
         async_gpu_parallelism: ranks orthogonalize their own matrices at the same time (rounds
             of one matrix per owner, update scatters awaited at the end of the step). False:
             one matrix at a time, in parameter order, each finished before the next (debugging).
-        prefetch_count: rounds (matrices when ``async_gpu_parallelism=False``) whose gathers
-            are issued ahead of the one being orthogonalized; 0 disables prefetching. Costs
-            about ``prefetch_count`` extra full matrices of memory per owner.
-        batch_gather_fn: optional batched form used by the optimizer instead of ``gather_fn``:
-            ``batch_gather_fn(tensors, indices, dst_ranks, state, dtype, async_op)`` with local
-            tensors and parameter indices, returning an object whose ``wait()`` gives the list
-            ``gather_fn`` would (one collective for the whole round). The helpers set it.
-        batch_redistribute_fn: the batched form of ``redistribute_fn``:
-            ``batch_redistribute_fn(updates, indices, src_ranks, state, dtype, device, async_op)``.
+        prefetch_count: rounds whose gathers are issued ahead of the one being orthogonalized
+            (0: none). Applies to the helpers' functions, which move each round in one
+            asynchronous ``all_to_all``; costs about ``prefetch_count`` extra full matrices of
+            memory per owner. Functions of your own are called synchronously, round by round.
 
     Raises:
-        ValueError: a function that is not callable, a ``state`` that is not a dict, or a bad
-            ``prefetch_count``.
+        ValueError: a function that is not callable, a ``state`` that is not a dict, a bad
+            ``prefetch_count`` or a non-bool ``async_gpu_parallelism``.
     """
 
-    assign_fn: AssignFn
-    gather_fn: GatherFn
-    redistribute_fn: RedistributeFn
+    assign_fn: Callable[[list[Tensor], dict[str, Any]], Mapping[int, int]]
+    gather_fn: Callable[..., Optional[Tensor]]
+    redistribute_fn: Callable[..., Tensor]
     state: dict[str, Any] = field(default_factory=dict)
     async_gpu_parallelism: bool = True
     prefetch_count: int = 1
-    batch_gather_fn: Optional[Callable[..., Any]] = None
-    batch_redistribute_fn: Optional[Callable[..., Any]] = None
 
     def __post_init__(self) -> None:
         for name in ("assign_fn", "gather_fn", "redistribute_fn"):
             if not callable(getattr(self, name)):
                 raise ValueError(f"dmuon: DistributedConfig.{name} must be callable; got "
                                  f"{type(getattr(self, name)).__name__}")
-        for name in ("batch_gather_fn", "batch_redistribute_fn"):
-            value = getattr(self, name)
-            if value is not None and not callable(value):
-                raise ValueError(f"dmuon: DistributedConfig.{name} must be callable or None")
-        if (self.batch_gather_fn is None) != (self.batch_redistribute_fn is None):
-            raise ValueError("dmuon: DistributedConfig needs both batch_gather_fn and "
-                             "batch_redistribute_fn, or neither")
         if not isinstance(self.state, dict):
             raise ValueError(f"dmuon: DistributedConfig.state must be a dict; got "
                              f"{type(self.state).__name__}")
-        if isinstance(self.prefetch_count, bool) or not isinstance(self.prefetch_count, int) \
-                or self.prefetch_count < 0:
+        count = self.prefetch_count
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"dmuon: DistributedConfig.prefetch_count must be an int >= 0; got "
-                             f"{self.prefetch_count!r} (0 disables prefetching, 1-2 recommended)")
+                             f"{count!r} (0 disables prefetching, 1-2 recommended)")
         if not isinstance(self.async_gpu_parallelism, bool):
-            raise ValueError(f"dmuon: DistributedConfig.async_gpu_parallelism must be a bool; got "
-                             f"{self.async_gpu_parallelism!r}")
+            raise ValueError(f"dmuon: DistributedConfig.async_gpu_parallelism must be a bool; "
+                             f"got {self.async_gpu_parallelism!r}")
 
 
 def validate_assignments(assignments: Any, num_params: int, world_size: int) -> tuple[int, ...]:
     """Check ``assign_fn``'s result and return the owner of each parameter, in index order.
 
-    Args:
-        assignments: ``{param_index: rank}`` (a mapping; a sequence of ranks is accepted too).
-        num_params: number of Muon matrices.
-        world_size: number of ranks in the optimizer's group.
-
-    Returns:
-        ``owners[i]``, the rank that orthogonalizes matrix ``i``.
+    ``assignments``: ``{param_index: rank}`` (or a sequence of ranks) for ``num_params``
+    matrices over a group of ``world_size`` ranks.
 
     Raises:
         ValueError: not a mapping, missing indices, unknown indices, non-integer ranks, or

@@ -3,27 +3,22 @@ single-device Muon, and owner-centric Muon through a
 :class:`~dmuon.distconfig.config.DistributedConfig`.
 
 The distributed step follows the PyTorch design "Muon Distributed Training": momentum is
-updated on each rank's local shard, ``gather_fn`` assembles the Newton-Schulz input on the
-matrix's assigned rank, that rank alone orthogonalizes it, ``redistribute_fn`` sends every rank
-its piece of the update, and each rank applies it to its shard. The math is
-``torch.optim.Muon``'s (:mod:`dmuon.owners.update`): with ``distributed_config=None`` this is
-:func:`~dmuon.owners.update.muon_update_` verbatim; the distributed path runs the same three
-element-wise lines around the communication.
+updated on each rank's local piece, ``gather_fn`` assembles the Newton-Schulz input on the
+matrix's owner, the owner alone orthogonalizes it, ``redistribute_fn`` sends every rank its
+piece of the update, and each rank applies it. The math is ``torch.optim.Muon``'s
+(:mod:`dmuon.owners.update`); the single-device path is :func:`~dmuon.owners.update.muon_update_`.
 
-Schedule: the matrices are processed in *rounds*. With ``async_gpu_parallelism`` a round holds
-the next matrix of every owner, so all ranks orthogonalize at once and the scatters are awaited
-only at the end of the step; without it a round is one matrix, finished before the next.
-``prefetch_count`` rounds of gathers are in flight ahead of the round being orthogonalized.
-Collectives are issued in the same order on every rank: ``G(0..p)``, then per round ``k``:
-``R(k)``, ``G(k+p+1)``.
-
-This module does not import :mod:`dmuon.optim`: ``dmuon.Muon`` builds a strategy from here and
-holds it as ``opt.strategy``; the strategy reads and writes the optimizer's ``param_groups``
-and ``state``.
+Schedule: the matrices go in *rounds*, one matrix of every owner (``async_gpu_parallelism``:
+all owners orthogonalize at once, scatters awaited at the end of the step) or one matrix each
+(finished before the next). The helpers' functions move a round in one asynchronous
+``all_to_all`` each way (:mod:`dmuon.distconfig.exchange`), ``prefetch_count`` rounds of gathers
+ahead: ``G(0..p)``, then per round ``k``: ``R(k)``, ``G(k+p+1)``, in the same order on every
+rank. Other functions are called per matrix, round by round.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 from typing import Any, Iterable
@@ -32,18 +27,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dmuon.comm.collectives import Pending, check_same_on_all_ranks, label
+from dmuon.distconfig import strategies
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
+from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
 from dmuon.distconfig.state import (
     init_state,
     install_state_dict_hooks,
     local_state,
     zero_state,
 )
-from dmuon.distconfig.strategies import supports_async
-from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.kernels import default_ns_dtype
-from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
 from dmuon.owners import torch_muon
+from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
 from dmuon.owners.slices import local_tensor
 from dmuon.owners.update import (
     MuonHyper,
@@ -57,20 +53,9 @@ from dmuon.owners.update import (
 
 logger = logging.getLogger(__name__)
 
-MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps",
-             "adjust_lr_fn", "ns_method", "ns_dtype")
-
-
-class _Done:
-    """A finished result dressed as a handle (for synchronous user functions)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def wait(self) -> Any:
-        return self.value
+#: the Muon hyper-parameters a param group's own keys are checked for
+MUON_KEYS = ("lr", "weight_decay", "momentum", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn",
+             "ns_method", "ns_dtype")
 
 
 def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
@@ -79,10 +64,9 @@ def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_default
     Args:
         params: tensors or ``(name, tensor)`` pairs (``model.named_parameters()``: the groups
             then carry torch's ``param_names``), or param groups (dicts with ``"params"`` of
-            either kind). A group may set
-            ``"use_muon": False`` (AdamW) or ``True`` (Muon; every tensor must be 2-D); without
-            it, 2-D tensors go to Muon and the rest to AdamW. A group's own keys override the
-            defaults and are checked like them.
+            either kind). A group may set ``"use_muon": False`` (AdamW) or ``True`` (Muon; every
+            tensor must be 2-D); without it, 2-D tensors go to Muon and the rest to AdamW. A
+            group's own keys override the defaults and are checked like them.
         muon_defaults, adamw_defaults: the constructor's hyper-parameters per kind.
 
     Raises:
@@ -109,16 +93,12 @@ def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_default
                  [(True, [t for t in entries if _tensor(t).ndim == 2]),
                   (False, [t for t in entries if _tensor(t).ndim != 2])])
         for is_muon, ts in split:
-            if not ts and use is None:
-                continue
-            base = dict(muon_defaults if is_muon else adamw_defaults)
-            base.update(options)
-            base.update(params=ts, use_muon=is_muon)
-            groups.append(base)
+            if ts or use is not None:
+                defaults = muon_defaults if is_muon else adamw_defaults
+                groups.append({**defaults, **options, "params": ts, "use_muon": is_muon})
     for gi, group in enumerate(groups):  # a group's own keys override the checked defaults
         if group["use_muon"]:
-            validate_hyperparameters(**{k: group[k] for k in MUON_KEYS if k != "nesterov"},
-                                     where=f"param group {gi}: ")
+            validate_hyperparameters(**{k: group[k] for k in MUON_KEYS}, where=f"param group {gi}: ")
         else:
             validate_hyperparameters(adamw_lr=group["lr"], adamw_betas=group["betas"],
                                      adamw_eps=group["eps"], adamw_weight_decay=group["weight_decay"],
@@ -154,37 +134,25 @@ class SingleDeviceUpdate:
 
     def step_adamw(self) -> None:
         """AdamW on every ``use_muon=False`` group, element-wise on local shards."""
-        opt = self.opt
-        for group in opt.param_groups:
-            if not group["use_muon"]:
-                ps = [p for p in group["params"] if p.grad is not None]
-                states = [zero_state(opt, p, use_muon=False) for p in ps]
-                for p, st in zip(ps, states):
-                    shape = local_tensor(p.grad).shape
-                    for name in ("exp_avg", "exp_avg_sq"):
-                        local_state(st[name], shape, name, f"AdamW parameter of shape {tuple(p.shape)}")
-                # the parameters themselves (DTensors stay DTensors): adamw_update_ steps their
-                # local pieces in place
-                adamw_update_(ps, [p.grad for p in ps], states, lr=group["lr"], betas=group["betas"],
-                              eps=group["eps"], weight_decay=group["weight_decay"])
+        for group in (g for g in self.opt.param_groups if not g["use_muon"]):
+            ps = [p for p in group["params"] if p.grad is not None]
+            states = [zero_state(self.opt, p, use_muon=False) for p in ps]
+            for p, st in zip(ps, states):
+                for name in ("exp_avg", "exp_avg_sq"):
+                    local_state(st[name], local_tensor(p.grad).shape, name,
+                                f"AdamW parameter of shape {tuple(p.shape)}")
+            # DTensor parameters stay DTensors: adamw_update_ steps their local pieces in place
+            adamw_update_(ps, [p.grad for p in ps], states, lr=group["lr"], betas=group["betas"],
+                          eps=group["eps"], weight_decay=group["weight_decay"])
 
-    def ns_kwargs(self, group: dict) -> dict:
-        """Newton-Schulz keyword arguments of ``group``."""
-        return dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                    method=group["ns_method"], dtype=parse_dtype(group["ns_dtype"]), eps=group["eps"],
-                    backend=self.opt.ns_backend)
+    def hyper(self, group: dict) -> MuonHyper:
+        """The frozen hyper-parameters of a Muon param group for this step."""
+        return MuonHyper.of(group, backend=self.opt.ns_backend, max_batch_bytes=self.opt.max_batch_bytes)
 
     def _step_single(self, group: dict) -> None:
-        opt = self.opt
         ps = [p for p in group["params"] if p.grad is not None]
-        bufs = []
-        for p in ps:
-            st = opt.state[p]
-            if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            bufs.append(st["momentum_buffer"])
-        hp = MuonHyper.of(group, backend=opt.ns_backend, max_batch_bytes=opt.max_batch_bytes)
-        muon_update_(ps, [p.grad for p in ps], bufs, hp)
+        bufs = [zero_state(self.opt, p, use_muon=True)["momentum_buffer"] for p in ps]
+        muon_update_(ps, [p.grad for p in ps], bufs, self.hyper(group))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every parameter of the optimizer."""
@@ -214,29 +182,31 @@ class ConfiguredUpdate(SingleDeviceUpdate):
         params = [p for p, _ in self.muon_params()]
         state = config.state
         self.group = state.get("group")
-        world = dist.get_world_size(self.group)
-        rank = dist.get_rank(self.group)
-        owners = validate_assignments(config.assign_fn(params, state), len(params), world)
+        self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.owners = owners = validate_assignments(config.assign_fn(params, state), len(params),
+                                                    self.world)
         check_same_on_all_ranks(hashlib.sha256(repr(owners).encode()).hexdigest(),
                                 "Muon matrix assignment of assign_fn", self.group,
                                 fix="assign_fn must be deterministic (the same result on every rank).")
-        state["assignments"] = dict(enumerate(owners))
-        state["rank"] = rank
-        self.owners, self.rank, self.world = owners, rank, world
-        shapes = state.get("full_shapes")
-        self.full_shapes = [tuple(int(s) for s in (shapes[i] if shapes is not None else p.shape))
-                            for i, p in enumerate(params)]
-        if config.async_gpu_parallelism:  # round k: the k-th matrix of every owner
-            per_owner: list[list[int]] = [[] for _ in range(world)]
-            for i, o in enumerate(owners):
-                per_owner[o].append(i)
-            depth = max((len(x) for x in per_owner), default=0)
-            self.rounds = [sorted(x[k] for x in per_owner if k < len(x)) for k in range(depth)]
-        else:
-            self.rounds = [[i] for i in range(len(params))]
-        self._async_fns = supports_async(config.gather_fn) and supports_async(config.redistribute_fn)
+        state["assignments"], state["rank"] = dict(enumerate(owners)), self.rank
+        shapes = state.get("full_shapes") or [p.shape for p in params]
+        self.full_shapes = [tuple(int(s) for s in shape) for shape in shapes]
+        # the helpers' own pair: each round moves in one all_to_all, prefetched
+        helpers = (config.gather_fn is strategies.gather_fn
+                   and config.redistribute_fn is strategies.redistribute_fn)
+        self.layouts = state.get("layouts") if helpers else None
+        self.prefetch = config.prefetch_count if self.layouts is not None else 0
+        self.rounds: list[list[int]] = []  # async: round k holds the k-th matrix of every owner
+        taken: collections.Counter = collections.Counter()
+        for i, owner in enumerate(owners):
+            k = taken[owner] if config.async_gpu_parallelism else i
+            taken[owner] += 1
+            if k == len(self.rounds):
+                self.rounds.append([])
+            self.rounds[k].append(i)
         init_state(opt)  # laid out like the parameters, before any state-dict read (state.py)
-        logger.debug("dmuon: %d matrices in %d rounds on rank %d", len(params), len(self.rounds), rank)
+        logger.debug("dmuon: %d matrices in %d rounds on rank %d", len(params), len(self.rounds),
+                     self.rank)
 
     def muon_params(self) -> list[tuple[Tensor, dict]]:
         """``(matrix, its group)`` in param-group order (the indices ``assign_fn`` saw)."""
@@ -246,12 +216,32 @@ class ConfiguredUpdate(SingleDeviceUpdate):
         """AdamW on the ``use_muon=False`` groups, then distributed Muon on the rest.
 
         Raises:
-            RuntimeError: a gathered or redistributed tensor of the wrong shape (names the
-                parameter index, rank and shapes). Collective failures propagate unchanged.
+            RuntimeError: a matrix without a gradient, or a gathered or redistributed tensor of
+                the wrong shape (names the parameter index, rank and shapes). Collective
+                failures propagate (dmuon's own exchanges name the collective).
         """
         self.step_adamw()
-        with torch.profiler.record_function("dmuon::configured_muon"):
-            self._step_distributed()
+        entries = self.muon_params()
+        if not entries:
+            return
+        with label("dmuon::configured_muon"):
+            inputs = self._ns_inputs(entries)
+            device = inputs[0].device
+            gathers: dict[int, Pending] = {}
+            scatters: list[tuple[list[int], Pending]] = []
+            for k, rnd in enumerate(self.rounds):
+                for j in range(len(gathers) + k, min(k + self.prefetch + 1, len(self.rounds))):
+                    with label("dmuon::gather"):
+                        gathers[j] = self._gather(self.rounds[j], entries, inputs)
+                updates = self._orthogonalize(rnd, gathers.pop(k).wait(), entries)
+                dtype = parse_dtype(entries[rnd[0]][1]["ns_dtype"]) or default_ns_dtype(device)
+                with label("dmuon::redistribute"):
+                    scatters.append((rnd, self._redistribute(rnd, updates, dtype, device)))
+                if not self.config.async_gpu_parallelism:
+                    self._apply(*scatters.pop(), entries)
+            for rnd, pending in scatters:
+                self._apply(rnd, pending, entries)
+            self._normalize_like_torch(entries)
 
     def _ns_inputs(self, entries: list[tuple[Tensor, dict]]) -> list[Tensor]:
         """Momentum update on local shards; the Newton-Schulz inputs (local), as muon_update_."""
@@ -267,120 +257,87 @@ class ConfiguredUpdate(SingleDeviceUpdate):
             inputs.append(momentum_update_(grad, buf, momentum=g["momentum"], nesterov=g["nesterov"]))
         return inputs
 
-    def _issue_gather(self, k: int, entries, inputs) -> Any:
-        cfg, rnd = self.config, self.rounds[k]
-        owners = [self.owners[i] for i in rnd]
-        if cfg.batch_gather_fn is not None:
-            return cfg.batch_gather_fn([inputs[i] for i in rnd], rnd, owners, cfg.state,
-                                       dtype=inputs[rnd[0]].dtype, async_op=True)
-        handles = []
-        for i, o in zip(rnd, owners):
-            p = entries[i][0]
-            x = inputs[i]
+    def _gather(self, rnd: list[int], entries: list[tuple[Tensor, dict]],
+                inputs: list[Tensor]) -> Pending:
+        """Round ``rnd``'s full inputs on their owners (``None`` elsewhere), one per matrix."""
+        owners, state = [self.owners[i] for i in rnd], self.config.state
+        if self.layouts is not None:
+            return gather_to_owners([inputs[i] for i in rnd], [self.layouts[i] for i in rnd], owners,
+                                    group=self.group, rank=self.rank, world_size=self.world,
+                                    dtype=inputs[rnd[0]].dtype)
+        fulls = []
+        for i, owner in zip(rnd, owners):
+            p, x = entries[i][0], inputs[i]
             if hasattr(p, "device_mesh"):  # hand user functions a DTensor, as the parameter is
                 from torch.distributed.tensor import DTensor
+
                 x = DTensor.from_local(x, p.device_mesh, p.placements, run_check=False,
                                        shape=p.shape, stride=p.stride())
-            if self._async_fns:
-                handles.append(cfg.gather_fn(x, dst_rank=o, state=cfg.state, async_op=True))
-            else:
-                handles.append(_Done(cfg.gather_fn(x, dst_rank=o, state=cfg.state)))
-        return _Done(handles)
+            fulls.append(self.config.gather_fn(x, dst_rank=owner, state=state))
+        return Pending(None, (), finish=lambda: fulls)
 
-    def _issue_redistribute(self, k: int, updates: list[Any], device: torch.device, dtype) -> Any:
-        cfg, rnd = self.config, self.rounds[k]
-        owners = [self.owners[i] for i in rnd]
-        if cfg.batch_redistribute_fn is not None:
-            return cfg.batch_redistribute_fn(updates, rnd, owners, cfg.state, dtype=dtype,
-                                             device=device, async_op=True)
-        if self._async_fns:
-            return _Done([cfg.redistribute_fn(u, src_rank=o, state=cfg.state, async_op=True)
-                          for u, o in zip(updates, owners)])
-        return _Done([_Done(cfg.redistribute_fn(u, src_rank=o, state=cfg.state))
-                      for u, o in zip(updates, owners)])
+    def _redistribute(self, rnd: list[int], updates: list[Tensor | None], dtype: torch.dtype,
+                      device: torch.device) -> Pending:
+        """This rank's piece of each update of round ``rnd`` (the owners pass the full ones)."""
+        owners, state = [self.owners[i] for i in rnd], self.config.state
+        if self.layouts is not None:
+            return scatter_from_owners(updates, [self.layouts[i] for i in rnd], owners,
+                                       group=self.group, rank=self.rank, world_size=self.world,
+                                       dtype=dtype, device=device)
+        pieces = [self.config.redistribute_fn(u, src_rank=o, state=state)
+                  for u, o in zip(updates, owners)]
+        return Pending(None, (), finish=lambda: pieces)
 
-    def _wait(self, handle: Any) -> list[Any]:
-        """A round's results: one batched handle, or a handle over per-matrix handles."""
-        if self.config.batch_gather_fn is not None:  # set together with batch_redistribute_fn
-            return handle.wait()
-        return [h.wait() for h in handle.wait()]
+    def _orthogonalize(self, rnd: list[int], fulls: list[Tensor | None],
+                       entries: list[tuple[Tensor, dict]]) -> list[Tensor | None]:
+        """Newton-Schulz of the round's matrices this rank owns (``None`` for the others).
 
-    def _check_full(self, i: int, full: Any) -> None:
-        expected = self.full_shapes[i]
-        if self.owners[i] == self.rank:
-            if full is None or tuple(full.shape) != expected:
-                got = None if full is None else tuple(full.shape)
+        Raises:
+            RuntimeError: a gathered tensor other than the full matrix on its owner and
+                ``None`` elsewhere.
+        """
+        for i, full in zip(rnd, fulls):
+            want = self.full_shapes[i] if self.owners[i] == self.rank else None
+            got = None if full is None else tuple(full.shape)
+            if got != want:
+                expect = f"the full matrix of shape {want}" if want else "None (not its assigned rank)"
                 raise RuntimeError(
-                    f"dmuon: gather_fn returned {got} for Muon matrix {i} on its assigned rank "
-                    f"{self.rank}; expected the full matrix of shape {expected}. gather_fn must "
-                    f"return the whole [rows, cols] tensor on dst_rank (state['full_shapes'] "
-                    f"gives the full shapes of plain shards).")
-        elif full is not None:
-            raise RuntimeError(
-                f"dmuon: gather_fn returned a tensor of shape {tuple(full.shape)} for Muon matrix "
-                f"{i} on rank {self.rank}, which is not its assigned rank {self.owners[i]}; it "
-                f"must return None there.")
+                    f"dmuon: gather_fn returned {got} for Muon matrix {i} on rank {self.rank} "
+                    f"(assigned rank {self.owners[i]}); expected {expect}. gather_fn must return "
+                    f"the whole [rows, cols] tensor on dst_rank and None elsewhere "
+                    f"(state['full_shapes'] gives the full shapes of plain shards).")
+        updates: list[Tensor | None] = [None] * len(rnd)
+        mine = [j for j, full in enumerate(fulls) if full is not None]
+        with label("dmuon::newton_schulz"):
+            for group in {id(entries[rnd[j]][1]): entries[rnd[j]][1] for j in mine}.values():
+                js = [j for j in mine if entries[rnd[j]][1] is group]
+                for j, out in zip(js, self.hyper(group).orthogonalizer()([fulls[j] for j in js])):
+                    updates[j] = out
+        return updates
 
-    def _apply(self, i: int, entry: tuple[Tensor, dict], update: Tensor) -> None:
-        p, g = entry
-        local = local_tensor(p)
-        if update is None or tuple(update.shape) != tuple(local.shape):
-            got = None if update is None else tuple(update.shape)
-            raise RuntimeError(
-                f"dmuon: redistribute_fn returned {got} for Muon matrix {i} on rank {self.rank}; "
-                f"expected this rank's local piece of shape {tuple(local.shape)} (full "
-                f"{self.full_shapes[i]}).")
-        apply_update_(local, update, lr=g["lr"], weight_decay=g["weight_decay"],
-                      adjust_lr_fn=g["adjust_lr_fn"], shape=self.full_shapes[i])
+    def _apply(self, rnd: list[int], pending: Pending, entries: list[tuple[Tensor, dict]]) -> None:
+        """Apply round ``rnd``'s redistributed update pieces to this rank's local pieces.
 
-    def _step_distributed(self) -> None:
-        from dmuon.kernels import orthogonalize_by_shape
-
-        cfg = self.config
-        entries = self.muon_params()
-        if not entries:
-            return
-        inputs = self._ns_inputs(entries)
-        rounds, prefetch = self.rounds, cfg.prefetch_count
-        gathers: dict[int, Any] = {}
-        scatters: list[tuple[int, Any]] = []
-        issued = 0
-        for k, rnd in enumerate(rounds):
-            while issued < len(rounds) and issued <= k + prefetch:
-                with torch.profiler.record_function("dmuon::gather"):
-                    gathers[issued] = self._issue_gather(issued, entries, inputs)
-                issued += 1
-            fulls = self._wait(gathers.pop(k))
-            mine = []
-            for i, full in zip(rnd, fulls):
-                self._check_full(i, full)
-                if full is not None:
-                    mine.append(i)
-            updates: list[Any] = [None] * len(rnd)
-            with torch.profiler.record_function("dmuon::newton_schulz"):
-                for group in {id(entries[i][1]): entries[i][1] for i in mine}.values():
-                    ids = [i for i in mine if entries[i][1] is group]
-                    outs = orthogonalize_by_shape([fulls[rnd.index(i)] for i in ids],
-                                                  max_batch_bytes=self.opt.max_batch_bytes,
-                                                  **self.ns_kwargs(group))
-                    for i, out in zip(ids, outs):
-                        updates[rnd.index(i)] = out
-            ns_dtype = parse_dtype(entries[rnd[0]][1]["ns_dtype"]) or default_ns_dtype(inputs[rnd[0]].device)
-            with torch.profiler.record_function("dmuon::redistribute"):
-                handle = self._issue_redistribute(k, updates, inputs[rnd[0]].device, ns_dtype)
-            if cfg.async_gpu_parallelism:
-                scatters.append((k, handle))
-            else:
-                self._finish_round(k, handle, entries)
-        for k, handle in scatters:
-            self._finish_round(k, handle, entries)
-        self._normalize_like_torch(entries)
+        Raises:
+            RuntimeError: a piece that is not the shape of this rank's local piece.
+        """
+        for i, update in zip(rnd, pending.wait()):
+            p, g = entries[i]
+            local = local_tensor(p)
+            if update is None or tuple(update.shape) != tuple(local.shape):
+                got = None if update is None else tuple(update.shape)
+                raise RuntimeError(
+                    f"dmuon: redistribute_fn returned {got} for Muon matrix {i} on rank "
+                    f"{self.rank}; expected this rank's local piece of shape "
+                    f"{tuple(local.shape)} (full {self.full_shapes[i]}).")
+            apply_update_(local, update, lr=g["lr"], weight_decay=g["weight_decay"],
+                          adjust_lr_fn=g["adjust_lr_fn"], shape=self.full_shapes[i])
 
     def _normalize_like_torch(self, entries: list[tuple[Tensor, dict]]) -> None:
-        """What torch <= 2.14 leaves in a bf16 momentum buffer with ``nesterov=False``: the buffer
-        divided by its norm (:mod:`dmuon.owners.torch_muon`). The full norm from the local pieces
-        (one all-reduce over the group, each piece counted once), after every gather read them.
-        Nothing on other torches, dtypes or with Nesterov."""
+        """What torch <= 2.14 leaves in a bf16 momentum buffer with ``nesterov=False``: the
+        buffer divided by its norm (:mod:`dmuon.owners.torch_muon`). The full norm from the
+        local pieces (one all-reduce over the group, each piece counted once), after every
+        gather read them. Nothing on other torches, dtypes or with Nesterov."""
         semantics = torch_muon.installed()
         todo = []
         for i, (p, g) in enumerate(entries):
@@ -389,15 +346,11 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                 todo.append((i, local_tensor(buf)))
         if not todo:
             return
-        sq = torch.stack([b.float().pow(2).sum() if is_counted(self, entries[i][0], i)
+        sq = torch.stack([b.float().pow(2).sum() if self._counted(entries[i][0], i)
                           else b.new_zeros((), dtype=torch.float32) for i, b in todo])
         dist.all_reduce(sq, group=self.group)
         for (i, b), norm in zip(todo, sq.sqrt()):
             torch_muon.normalize_momentum_(b, entries[i][1]["eps"], norm=norm)
-
-    def _finish_round(self, k: int, handle: Any, entries) -> None:
-        for i, update in zip(self.rounds[k], self._wait(handle)):
-            self._apply(i, entries[i], update)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
         """Clip every gradient of the optimizer by the norm of the full gradients (collective
@@ -410,33 +363,32 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                     continue
                 local = local_tensor(p.grad)
                 clipped.append(local)
-                if is_counted(self, p, index.get(id(p))):
+                if self._counted(p, index.get(id(p))):
                     counted.append(local)
         return clip_by_total_norm_(counted, clipped, max_norm=max_norm, norm_type=norm_type,
                                    error_if_nonfinite=error_if_nonfinite, group=self.group)
 
+    def _counted(self, param: Tensor, muon_index: int | None) -> bool:
+        """Whether this rank's local piece of ``param`` (or of its gradient) is the one copy a
+        sum over the group counts: the first copy of a DTensor piece
+        (:func:`~dmuon.owners.clip.is_first_copy`), the source of a plain Muon matrix's piece
+        in ``state["layouts"]`` (set by the helper configs), and group rank 0's copy of any
+        other plain tensor (a replica, as DDP holds it).
 
-def is_counted(update: ConfiguredUpdate, param: Tensor, muon_index: int | None) -> bool:
-    """Whether this rank's local piece of ``param`` (a parameter of ``update``'s optimizer),
-    or of its gradient, is the one copy a sum over the group counts: the first copy of a DTensor piece
-    (:func:`~dmuon.owners.clip.is_first_copy`), the source of a plain Muon matrix's piece
-    in its layout (``state["layouts"]``, set by the helper configs), and group rank 0's copy
-    of any other plain tensor (a replica, as DDP holds it).
-
-    Raises:
-        ValueError: a plain Muon matrix without a layout (a hand-made config whose
-            ``assign_fn`` stored no ``state["layouts"]``), naming the matrix.
-    """
-    if hasattr(param, "device_mesh"):
-        return is_first_copy(param, dist.get_process_group_ranks(
-            update.group if update.group is not None else dist.group.WORLD))
-    if muon_index is None:
-        return update.rank == 0
-    layouts = update.config.state.get("layouts")
-    if layouts is None:
-        raise ValueError(
-            f"dmuon: Muon matrix {muon_index} (local shape {tuple(param.shape)}) is a plain "
-            f"tensor and the distributed_config's state has no 'layouts', so dmuon cannot "
-            f"tell which ranks hold copies of it. Use a helper config (create_*_config) or "
-            f"store state['layouts'] (dmuon.owners.slices.MatrixLayout per matrix) in assign_fn.")
-    return layouts[muon_index].sources[update.rank] == update.rank
+        Raises:
+            ValueError: a plain Muon matrix without a layout (a hand-made config whose
+                ``assign_fn`` stored no ``state["layouts"]``), naming the matrix.
+        """
+        if hasattr(param, "device_mesh"):
+            return is_first_copy(param, dist.get_process_group_ranks(
+                self.group if self.group is not None else dist.group.WORLD))
+        if muon_index is None:
+            return self.rank == 0
+        layouts = self.config.state.get("layouts")
+        if layouts is None:
+            raise ValueError(
+                f"dmuon: Muon matrix {muon_index} (local shape {tuple(param.shape)}) is a plain "
+                f"tensor and the distributed_config's state has no 'layouts', so dmuon cannot "
+                f"tell which ranks hold copies of it. Use a helper config (create_*_config) or "
+                f"store state['layouts'] (dmuon.owners.slices.MatrixLayout per matrix) in assign_fn.")
+        return layouts[muon_index].sources[self.rank] == self.rank

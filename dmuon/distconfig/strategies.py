@@ -7,43 +7,31 @@ how *plain* tensors are understood:
 * :func:`create_processgroup_config`: a plain tensor is sharded along ``tp_shard_dim`` over
   ``tp_pg`` (its TP shard), that shard along dim 0 over ``fsdp_pg`` (contiguous, uneven
   allowed, as FSDP shards), and replicated over every other rank (``dp_pg``, ``cp_pg``).
-* :func:`create_devicemesh_config`: the same, with the groups taken from named mesh dims.
+* :func:`create_devicemesh_config`: the same, with the groups taken from the mesh dims, named
+  as :func:`dmuon.dedicate_params` names them (:mod:`dmuon.comm.mesh_roles`).
 * :func:`create_dtensor_config`: plain tensors are replicas (DDP).
 
-``ep_pg`` / ``pp_pg`` (and mesh dims named ``"ep"``/``"pp"``) mark *independent* dimensions:
-ranks that differ there hold different parameters, so each combination of their coordinates
-forms its own optimizer group (created here with ``new_subgroups_by_enumeration``, a
-collective over all ranks).
-
-The default ``assign_fn`` balances Newton-Schulz FLOPs (:func:`dmuon.kernels.ns_flops`) over
-the ranks with :func:`dmuon.owners.plan.build_plan` (``method="greedy"``: LPT, deterministic, so
-every rank computes the same owners without communicating).
+``dmuon.Muon`` moves a round of the helpers' matrices in one ``all_to_all`` each way
+(:mod:`dmuon.distconfig.exchange`); :func:`gather_fn` and :func:`redistribute_fn` are that
+exchange for one matrix.
 """
 
 from __future__ import annotations
 
-import collections
-import inspect
-import logging
+import warnings
 from typing import Any, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
+from dmuon.comm.mesh_roles import EP_NAMES, PP_NAMES, TP_NAMES
 from dmuon.distconfig.config import DistributedConfig
+from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
 from dmuon.owners.slices import MatrixLayout, dtensor_layout, local_tensor
 
-logger = logging.getLogger(__name__)
-
-_SHARD_NAMES = ("fsdp", "shard", "dp_shard")
-_REPLICATE_NAMES = ("dp", "ddp", "replicate", "dp_replicate", "cp")
-_INDEPENDENT_NAMES = ("ep", "pp")
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "placements")
+#: create_devicemesh_config's names of the dim-0 shard and replica roles ("dp": see there)
+SHARD_NAMES = ("fsdp", "shard", "dp_shard")
+REPLICATE_NAMES = ("replicate", "dp_replicate", "ddp", "cp")
 
 
 def _group_ranks(group: Any) -> list[int]:
@@ -75,13 +63,18 @@ def _plain_layouts(tensors: Sequence[Tensor], state: dict) -> list[MatrixLayout]
         RuntimeError: ranks disagree on the number of tensors, or the pieces do not add up to
             one full shape.
     """
+    if tensors and state.get("dp_replicas"):
+        warnings.warn(
+            "dmuon: create_devicemesh_config read the mesh dim 'dp' as replicas of plain "
+            "tensors, but dmuon.dedicate_params reads a lone 'dp' as the data-parallel shard "
+            "dimension. Name it 'replicate' (replicas) or 'fsdp' (dim-0 shards); the next "
+            "release reads a lone 'dp' as 'fsdp'. DTensors are read from their placements.",
+            DeprecationWarning, stacklevel=3)
     group, ranks = state["group"], state["group_ranks"]
     fsdp_pg, tp_pg, tp_dim = state.get("fsdp_pg"), state.get("tp_pg"), state.get("tp_shard_dim", 0)
-    me = (
-        [tuple(t.shape) for t in tensors],
-        _group_ranks(fsdp_pg) if fsdp_pg is not None else [dist.get_rank()],
-        _group_ranks(tp_pg) if tp_pg is not None else [dist.get_rank()],
-    )
+    me = ([tuple(t.shape) for t in tensors],
+          _group_ranks(fsdp_pg) if fsdp_pg is not None else [dist.get_rank()],
+          _group_ranks(tp_pg) if tp_pg is not None else [dist.get_rank()])
     info: list[Any] = [None] * len(ranks)
     dist.all_gather_object(info, me, group=group)
     by_global = dict(zip(ranks, info))
@@ -90,52 +83,39 @@ def _plain_layouts(tensors: Sequence[Tensor], state: dict) -> list[MatrixLayout]
         raise RuntimeError(f"dmuon: ranks hold different numbers of plain matrices: {counts}")
     layouts = []
     for i in range(len(tensors)):
-        def rows(g: int) -> int:
-            return by_global[g][0][i][0]
-
-        def cols(g: int) -> int:
-            return by_global[g][0][i][1]
-
-        def block_rows(g: int) -> int:  # rows of g's TP shard, summed over its fsdp group
-            return sum(rows(s) for s in by_global[g][1])
-
+        shape = {g: by_global[g][0][i] for g in ranks}  # (rows, cols) of g's local piece
+        # rows of g's TP shard: its piece's rows summed over its fsdp group
+        block_rows = {g: sum(shape[s][0] for s in by_global[g][1]) for g in ranks}
         slices, fulls = [], set()
         for g in ranks:
             fsdp_group, tp_group = by_global[g][1], by_global[g][2]
-            r0 = sum(rows(s) for s in fsdp_group[:fsdp_group.index(g)])
+            rows, cols = shape[g]
+            r0 = sum(shape[s][0] for s in fsdp_group[:fsdp_group.index(g)])
             before = tp_group[:tp_group.index(g)]
             if tp_dim == 0:
-                r0 += sum(block_rows(t) for t in before)
-                full = (sum(block_rows(t) for t in tp_group), cols(g))
-                c0 = 0
+                r0 += sum(block_rows[t] for t in before)
+                c0, full = 0, (sum(block_rows[t] for t in tp_group), cols)
             else:
-                c0 = sum(cols(t) for t in before)
-                full = (block_rows(g), sum(cols(t) for t in tp_group))
+                c0 = sum(shape[t][1] for t in before)
+                full = (block_rows[g], sum(shape[t][1] for t in tp_group))
             fulls.add(full)
-            r_runs = ((r0, r0 + rows(g)),) if rows(g) else ()
-            c_runs = ((c0, c0 + cols(g)),) if cols(g) else ()
-            slices.append((r_runs, c_runs))
+            slices.append((((r0, r0 + rows),) if rows else (), ((c0, c0 + cols),) if cols else ()))
         if len(fulls) != 1:
             raise RuntimeError(
-                f"dmuon: plain matrix {i}: the ranks' local shapes "
-                f"{[by_global[g][0][i] for g in ranks]} imply different full shapes {sorted(fulls)} "
-                f"under fsdp_pg/tp_pg (tp_shard_dim={tp_dim}); check the groups and tp_shard_dim")
+                f"dmuon: plain matrix {i}: the ranks' local shapes {list(shape.values())} imply "
+                f"different full shapes {sorted(fulls)} under fsdp_pg/tp_pg (tp_shard_dim="
+                f"{tp_dim}); check the groups and tp_shard_dim")
         layouts.append(MatrixLayout.build(fulls.pop(), slices))
     return layouts
 
 
 def compute_layouts(params: Sequence[Tensor], state: dict) -> list[MatrixLayout]:
-    """Every matrix's :class:`MatrixLayout` (collective when some are plain tensors)."""
-    layouts: list[Optional[MatrixLayout]] = [None] * len(params)
-    plain = []
-    for i, p in enumerate(params):
-        if _is_dtensor(p):
-            layouts[i] = dtensor_layout(p, state["group_ranks"])
-        else:
-            plain.append(i)
-    for i, layout in zip(plain, _plain_layouts([params[i] for i in plain], state)):
-        layouts[i] = layout
-    return layouts  # type: ignore[return-value]
+    """Every matrix's :class:`MatrixLayout` (collective: one ``all_gather_object``)."""
+    plain = [i for i, p in enumerate(params) if not hasattr(p, "placements")]
+    layouts = {i: dtensor_layout(p, state["group_ranks"])
+               for i, p in enumerate(params) if hasattr(p, "placements")}
+    layouts.update(zip(plain, _plain_layouts([params[i] for i in plain], state)))
+    return [layouts[i] for i in range(len(params))]
 
 
 def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
@@ -143,9 +123,8 @@ def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
 
     Stores ``state["layouts"]`` and ``state["full_shapes"]`` for the other functions. Cost of a
     ``[rows, cols]`` matrix: :func:`dmuon.kernels.ns_flops` with ``state["ns_method"]``
-    (default ``"gram"``) and 5 steps; owners from the one plan author,
-    :func:`dmuon.owners.plan.build_plan` (``method="greedy"``: deterministic, identical on every
-    rank without communicating). Matrices are named by their index in ``params``.
+    (default ``"gram"``) and 5 steps; owners from :func:`dmuon.owners.plan.build_plan`
+    (``method="greedy"``). Matrices are named by their index in ``params``.
     """
     from dmuon.kernels import ns_flops
     from dmuon.owners.plan import build_plan
@@ -162,110 +141,39 @@ def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
     return {i: m.owner for i, m in enumerate(plan.matrices)}
 
 
-def _layout_of(t: Tensor, state: dict) -> MatrixLayout:
-    if _is_dtensor(t):
-        key = (tuple(t.shape), tuple(t.placements), id(t.device_mesh))
-        cache = state.setdefault("layout_cache", {})
-        if key not in cache:
-            cache[key] = dtensor_layout(t, state["group_ranks"])
-        return cache[key]
-    return _plain_layouts([t], state)[0]  # collective: plain shards carry no global shape
-
-
-def gather_fn(momentum_buffer: Tensor, dst_rank: int, state: dict, async_op: bool = False) -> Any:
+def gather_fn(momentum_buffer: Tensor, dst_rank: int, state: dict) -> Optional[Tensor]:
     """Full ``[rows, cols]`` matrix on ``dst_rank``, ``None`` elsewhere (one all-to-all).
 
-    Args:
-        momentum_buffer: this rank's shard or replica (DTensor or plain local tensor); not
-            mutated. Plain tensors cost one extra ``all_gather_object`` of shapes per call
-            (the optimizer's batched path does not).
-        dst_rank: owner, a rank of ``state["group"]``.
-        state: the config's state.
-        async_op: return a handle whose ``wait()`` gives the result.
-
-    Remembers the matrix's layout so that the next :func:`redistribute_fn` call (on every rank,
-    in the same order as the gathers) knows the pieces.
+    ``momentum_buffer``: this rank's shard or replica (DTensor or plain tensor; a plain one
+    costs an ``all_gather_object`` of shapes); not mutated. Remembers the matrix in
+    ``state["gathered"][dst_rank]`` for the :func:`redistribute_fn` from that rank.
     """
-    layout = _layout_of(momentum_buffer, state)
+    if hasattr(momentum_buffer, "placements"):
+        layout = dtensor_layout(momentum_buffer, state["group_ranks"])
+    else:
+        layout = _plain_layouts([momentum_buffer], state)[0]
     local = local_tensor(momentum_buffer)
-    state.setdefault("inflight", collections.deque()).append((layout, local.dtype, local.device))
-    pending = gather_to_owners([local], [layout], [dst_rank], group=state["group"],
-                               rank=state["rank"], world_size=state["world_size"],
-                               dtype=local.dtype, async_op=async_op)
-    return _first(pending) if async_op else pending.wait()[0]
+    state.setdefault("gathered", {})[dst_rank] = (layout, local.dtype, local.device)
+    return gather_to_owners([local], [layout], [dst_rank], group=state["group"],
+                            rank=state["rank"], world_size=state["world_size"],
+                            dtype=local.dtype).wait()[0]
 
 
-def redistribute_fn(update: Optional[Tensor], src_rank: int, state: dict, async_op: bool = False) -> Any:
-    """This rank's piece of the full ``update`` held by ``src_rank`` (``None`` elsewhere).
-
-    Serves matrices in the order :func:`gather_fn` saw them.
+def redistribute_fn(update: Optional[Tensor], src_rank: int, state: dict) -> Tensor:
+    """This rank's piece of the full ``update`` held by ``src_rank`` (``None`` elsewhere): the
+    matrix last gathered to ``src_rank`` by :func:`gather_fn`.
 
     Raises:
-        RuntimeError: no gather preceded this call, or ``update`` has the wrong shape.
+        RuntimeError: no matrix was gathered to ``src_rank``, or ``update`` has the wrong shape.
     """
-    inflight = state.get("inflight")
-    if not inflight:
-        raise RuntimeError("dmuon: redistribute_fn called without a preceding gather_fn; the "
-                           "helper configs pair each redistribute with the oldest gather")
-    layout, dtype, device = inflight.popleft()
-    pending = scatter_from_owners([update], [layout], [src_rank], group=state["group"],
-                                  rank=state["rank"], world_size=state["world_size"],
-                                  dtype=dtype, device=device, async_op=async_op)
-    return _first(pending) if async_op else pending.wait()[0]
-
-
-class _first:
-    """Handle over a one-matrix :class:`~dmuon.comm.collectives.Pending`: ``wait()`` -> item 0."""
-
-    __slots__ = ("pending",)
-
-    def __init__(self, pending: Any) -> None:
-        self.pending = pending
-
-    def wait(self) -> Any:
-        return self.pending.wait()[0]
-
-
-def batch_gather_fn(tensors: list[Tensor], indices: list[int], dst_ranks: list[int], state: dict,
-                    dtype: torch.dtype, async_op: bool = True) -> Any:
-    """One all-to-all for a round: local pieces of matrices ``indices`` to their owners."""
-    layouts = [state["layouts"][i] for i in indices]
-    return gather_to_owners(tensors, layouts, dst_ranks, group=state["group"], rank=state["rank"],
-                            world_size=state["world_size"], dtype=dtype, async_op=async_op)
-
-
-def batch_redistribute_fn(updates: list[Optional[Tensor]], indices: list[int], src_ranks: list[int],
-                          state: dict, dtype: torch.dtype, device: torch.device,
-                          async_op: bool = True) -> Any:
-    """One all-to-all for a round: each owner's full updates back to every rank's piece."""
-    layouts = [state["layouts"][i] for i in indices]
-    return scatter_from_owners(updates, layouts, src_ranks, group=state["group"], rank=state["rank"],
-                               world_size=state["world_size"], dtype=dtype, device=device,
-                               async_op=async_op)
-
-
-def supports_async(fn: Any) -> bool:
-    """Whether ``fn`` takes an ``async_op`` keyword (then it returns a handle with ``wait()``)."""
-    try:
-        return "async_op" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def _make_config(group: Any, *, fsdp_pg: Any = None, tp_pg: Any = None, tp_shard_dim: int = 0,
-                 async_gpu_parallelism: bool, prefetch_count: int) -> DistributedConfig:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("dmuon: the config helpers need torch.distributed initialized "
-                           "(init_process_group) first")
-    if tp_shard_dim not in (0, 1):
-        raise ValueError(f"dmuon: tp_shard_dim must be 0 (colwise) or 1 (rowwise); got {tp_shard_dim!r}")
-    state = dict(group=group, group_ranks=_group_ranks(group), rank=dist.get_rank(group),
-                 world_size=dist.get_world_size(group), fsdp_pg=fsdp_pg, tp_pg=tp_pg,
-                 tp_shard_dim=tp_shard_dim)
-    return DistributedConfig(
-        assign_fn=balanced_assign_fn, gather_fn=gather_fn, redistribute_fn=redistribute_fn,
-        state=state, async_gpu_parallelism=async_gpu_parallelism, prefetch_count=prefetch_count,
-        batch_gather_fn=batch_gather_fn, batch_redistribute_fn=batch_redistribute_fn)
+    gathered = state.get("gathered", {})
+    if src_rank not in gathered:
+        raise RuntimeError(f"dmuon: redistribute_fn from rank {src_rank} without a preceding "
+                           f"gather_fn to it; the helpers' pair sends back the matrix gathered last")
+    layout, dtype, device = gathered.pop(src_rank)
+    return scatter_from_owners([update], [layout], [src_rank], group=state["group"],
+                               rank=state["rank"], world_size=state["world_size"],
+                               dtype=dtype, device=device).wait()[0]
 
 
 def create_processgroup_config(
@@ -284,13 +192,24 @@ def create_processgroup_config(
         async_gpu_parallelism, prefetch_count: see :class:`DistributedConfig`.
         tp_shard_dim: 0 (colwise, ``Shard(0)``) or 1 (rowwise, ``Shard(1)``) for plain tensors.
 
-    DTensors are always read from their placements. Raises ``RuntimeError`` before
-    ``init_process_group`` and ``ValueError`` on a bad ``tp_shard_dim``.
+    Raises:
+        RuntimeError: before ``init_process_group``.
+        ValueError: a bad ``tp_shard_dim``.
     """
     del dp_pg, cp_pg  # replicas need no gathering: the owner's own copy is used
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("dmuon: the config helpers need torch.distributed initialized "
+                           "(init_process_group) first")
+    if tp_shard_dim not in (0, 1):
+        raise ValueError(f"dmuon: tp_shard_dim must be 0 (colwise) or 1 (rowwise); got "
+                         f"{tp_shard_dim!r}")
     group = _independent_group(ep_pg, pp_pg) if (ep_pg is not None or pp_pg is not None) else None
-    return _make_config(group, fsdp_pg=fsdp_pg, tp_pg=tp_pg, tp_shard_dim=tp_shard_dim,
-                        async_gpu_parallelism=async_gpu_parallelism, prefetch_count=prefetch_count)
+    state = dict(group=group, group_ranks=_group_ranks(group), rank=dist.get_rank(group),
+                 world_size=dist.get_world_size(group), fsdp_pg=fsdp_pg, tp_pg=tp_pg,
+                 tp_shard_dim=tp_shard_dim)
+    return DistributedConfig(balanced_assign_fn, gather_fn, redistribute_fn, state,
+                             async_gpu_parallelism=async_gpu_parallelism,
+                             prefetch_count=prefetch_count)
 
 
 def create_devicemesh_config(
@@ -301,9 +220,12 @@ def create_devicemesh_config(
 
     Args:
         device_mesh: the DeviceMesh the model was parallelized over.
-        mesh_dim_names: one role per mesh dim: ``"fsdp"``/``"shard"``/``"dp_shard"`` (dim-0
-            sharding), ``"tp"``, ``"dp"``/``"ddp"``/``"replicate"``/``"dp_replicate"``/``"cp"``
-            (replicas), ``"ep"``/``"pp"`` (independent).
+        mesh_dim_names: one role per mesh dim, as :func:`dmuon.dedicate_params` names them:
+            :data:`SHARD_NAMES` (dim-0 sharding), ``"tp"`` (:data:`~dmuon.comm.mesh_roles.
+            TP_NAMES`), :data:`REPLICATE_NAMES` (replicas), ``"ep"`` / ``"pp"``
+            (independent). ``"dp"`` beside a shard dim is the replicate dim (HSDP's ``("dp",
+            "fsdp")``); a lone ``"dp"`` is the shard dim in ``dedicate_params`` but still
+            replicas of plain tensors here, with a ``DeprecationWarning``, for one release.
         async_gpu_parallelism, prefetch_count, tp_shard_dim: as
             :func:`create_processgroup_config`.
 
@@ -312,30 +234,31 @@ def create_devicemesh_config(
     """
     names = list(mesh_dim_names)
     if len(names) != device_mesh.ndim:
-        raise ValueError(f"dmuon: mesh_dim_names has {len(names)} names for a {device_mesh.ndim}-D "
-                         f"mesh; give one per mesh dim")
+        raise ValueError(f"dmuon: mesh_dim_names has {len(names)} names for a "
+                         f"{device_mesh.ndim}-D mesh; give one per mesh dim")
+    known = SHARD_NAMES + TP_NAMES + REPLICATE_NAMES + ("dp",) + EP_NAMES + PP_NAMES
     groups = dict(fsdp_pg=None, tp_pg=None, ep_pg=None, pp_pg=None)
     for dim, name in enumerate(names):
-        pg = device_mesh.get_group(dim)
-        if name in _SHARD_NAMES:
-            groups["fsdp_pg"] = pg
-        elif name == "tp":
-            groups["tp_pg"] = pg
-        elif name in _INDEPENDENT_NAMES:
-            groups[f"{name}_pg"] = pg
-        elif name not in _REPLICATE_NAMES:
-            raise ValueError(f"dmuon: unknown mesh dim role {name!r}; known: "
-                             f"{_SHARD_NAMES + ('tp',) + _REPLICATE_NAMES + _INDEPENDENT_NAMES}")
-    return create_processgroup_config(**groups, async_gpu_parallelism=async_gpu_parallelism,
-                                      prefetch_count=prefetch_count, tp_shard_dim=tp_shard_dim)
+        if name not in known:
+            raise ValueError(f"dmuon: unknown mesh dim role {name!r}; known: {known}")
+        role = ("fsdp" if name in SHARD_NAMES else "tp" if name in TP_NAMES else
+                "ep" if name in EP_NAMES else "pp" if name in PP_NAMES else None)
+        if role is not None:
+            groups[f"{role}_pg"] = device_mesh.get_group(dim)
+    config = create_processgroup_config(**groups, async_gpu_parallelism=async_gpu_parallelism,
+                                        prefetch_count=prefetch_count, tp_shard_dim=tp_shard_dim)
+    if "dp" in names and groups["fsdp_pg"] is None:
+        config.state["dp_replicas"] = True  # deprecated reading of a lone "dp" (_plain_layouts)
+    return config
 
 
-def create_dtensor_config(async_gpu_parallelism: bool = True, prefetch_count: int = 1) -> DistributedConfig:
+def create_dtensor_config(async_gpu_parallelism: bool = True,
+                          prefetch_count: int = 1) -> DistributedConfig:
     """``DistributedConfig`` for DTensor parameters: strategy read from each placement.
 
     ``Shard`` (FSDP2, TP), ``_StridedShard`` (FSDP x TP) and ``Replicate`` (HSDP's replicate dim)
     are supported; plain tensors are treated as replicas. Every DTensor's mesh must span the
     default group.
     """
-    return _make_config(None, async_gpu_parallelism=async_gpu_parallelism,
-                        prefetch_count=prefetch_count)
+    return create_processgroup_config(async_gpu_parallelism=async_gpu_parallelism,
+                                      prefetch_count=prefetch_count)
