@@ -123,7 +123,6 @@ class VanillaMuon(torch.optim.Optimizer):
             self._adamw.param_groups[0]["kind"] = "adamw"
             self.param_groups.append(self._adamw.param_groups[0])
             self._adamw.state = self.state
-        self.ns_calls = 0  # matrices orthogonalized on this rank (for the redundancy count)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -164,7 +163,6 @@ class VanillaMuon(torch.optim.Optimizer):
                     update, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
                     method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
                 )
-            self.ns_calls += 1
             if torch_muon.installed().normalizes_momentum(state["momentum_buffer"], group["nesterov"]):
                 # torch <= 2.14 leaves a bf16 buffer normalized (nesterov=False is when
                 # ``update`` is the buffer, gathered whole)

@@ -510,16 +510,3 @@ class QKClip:
         return ClipPlan(tau=float(tau), alpha=alpha, masters=MappingProxyType(masters),
                         records=tuple(records), others=tuple(others),
                         clipped_heads=self.clipped_heads, max_logit=self.max_logit)
-
-    @torch.no_grad()
-    def apply(self, group: dict) -> None:
-        """:meth:`prepare`, then scale everything at once (the owned masters and the other
-        tensors): QK-clip after an optimizer step that has already run."""
-        plan = self.prepare(group)
-        if plan is not None:
-            plan.scale_all()
-
-    def remove(self) -> None:
-        self.recorder.remove()
-        for layout in self.layouts:
-            setattr(layout.module, _WATCH, False)

@@ -368,13 +368,7 @@ def _groups_along(mesh_ranks, dim: int | None, backend: str,
         full = list(idx)
         full.insert(dim, slice(None))
         rank_lists.append([int(r) for r in mesh_ranks[tuple(full)].tolist()])
-    me = dist.get_rank()
-    mine = None
-    for ranks in rank_lists:  # every rank creates every group, in the same order
-        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
-        if me in ranks:
-            mine = group
-    return mine
+    return _groups_of(rank_lists, backend, timeout)
 
 
 def is_fake_backend(backend: str) -> bool:

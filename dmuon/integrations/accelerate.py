@@ -10,21 +10,9 @@ One call replaces ``accelerator.prepare(model, optimizer)``::
     model, optimizer = dmuon.integrations.accelerate.prepare(accelerator, model, lr=0.02)
     loader, scheduler = accelerator.prepare(loader, scheduler)    # as usual
 
-and the stock loop runs unchanged: ``with accelerator.accumulate(model)``,
-``accelerator.backward(loss)``, ``accelerator.clip_grad_norm_(model.parameters(), max_norm)``
-(the global norm), ``optimizer.step()`` / ``zero_grad()``, ``accelerator.get_state_dict(model)``
-(full weights), ``accelerator.save_state(dir)`` / ``load_state(dir)`` (exact resume).
-
-:func:`prepare` does Accelerate's FSDP2 preparation of the model (its auto-wrap policy,
-activation checkpointing, mixed precision), :func:`dmuon.dedicate_params` on the mesh FSDP2
-sharded over, builds :class:`dmuon.Muon` and hands it to ``accelerator.prepare_optimizer``.
-
-**No overrides.** Everything after :func:`prepare` is stock Accelerate 1.15: its FSDP2 clip
-sees dedicated gradients as ``OwnedGrad`` (the global norm, :mod:`dmuon.comm.owned_grad`), its
-``get_state_dict`` and ``save_state``/``load_state`` go through torch's state-dict API, which
-shows dedicated matrices and their momentum as FSDP2 would (:mod:`dmuon.hooks.state_dict`,
-:mod:`dmuon.hooks.optim_state`). Each was measured exact with its former override deleted
-(``tests/test_integrations.py``).
+and the stock Accelerate 1.15 loop runs unchanged (``accumulate``, ``backward``,
+``clip_grad_norm_``: the global norm, ``get_state_dict``: full weights, ``save_state`` /
+``load_state``: exact resume); nothing of the accelerator is overridden.
 """
 
 from __future__ import annotations
@@ -40,9 +28,8 @@ import dmuon
 def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
             dedicate_kwargs: dict[str, Any] | None = None,
             **muon_kwargs: Any) -> tuple[nn.Module, Any]:
-    """Accelerate's FSDP2 preparation of ``model``, then dmuon's owners and optimizer.
-
-    Collective: every rank calls it with the same arguments.
+    """Accelerate's FSDP2 preparation of ``model`` (auto-wrap, activation checkpointing, mixed
+    precision), then :func:`dmuon.dedicate_params` and :class:`dmuon.Muon`. Collective.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` whose state is FSDP2
@@ -56,10 +43,8 @@ def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
             ``adamw_lr``, ...).
 
     Returns:
-        ``(model, optimizer)``: the FSDP2 model (the same object, sharded in place) and the
-        ``AcceleratedOptimizer`` wrapping its :class:`dmuon.Muon`. The accelerator itself is
-        not changed: its ``clip_grad_norm_``, ``get_state_dict``, ``save_state`` and
-        ``load_state`` are the stock ones.
+        ``(model, optimizer)``: the FSDP2 model (sharded in place) and the
+        ``AcceleratedOptimizer`` wrapping its :class:`dmuon.Muon`.
 
     Raises:
         ValueError: the accelerator is not FSDP2, it already prepared a model, or ``model``

@@ -174,6 +174,6 @@ def lookup_launch_config(device: torch.device, m: int, k: int, table: Optional[L
     raise RuntimeError("dmuon: launch table has no unbounded last bucket")  # excluded by parsing
 
 
-def min_rows_for_triton(device: torch.device, table: Optional[LaunchTable] = None) -> int:
+def min_rows_for_triton(device: torch.device) -> int:
     """Smallest ``m`` (rows after orienting ``m <= n``) for which ``backend="auto"`` picks Triton."""
-    return (table or load_launch_table()).entry(device).min_rows_for_triton
+    return load_launch_table().entry(device).min_rows_for_triton

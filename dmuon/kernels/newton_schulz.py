@@ -90,8 +90,8 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
         return TORCH_OPS
     if backend == "triton":
         triton_ops.check_supported(X)
-        return triton_ops.triton_ops_for(X)
-    return triton_ops.triton_ops_for(X) if triton_ops.auto_prefers_triton(X) else TORCH_OPS
+        return triton_ops.TRITON_OPS
+    return triton_ops.TRITON_OPS if triton_ops.auto_prefers_triton(X) else TORCH_OPS
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:

@@ -23,7 +23,7 @@ from dmuon.kernels.triton_syrk import triton_sym_mm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRITON_OPS", "auto_prefers_triton", "check_supported", "triton_ops_for"]
+__all__ = ["TRITON_OPS", "auto_prefers_triton", "check_supported"]
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -58,11 +58,6 @@ def check_supported(X: Tensor) -> None:
         f"dmuon: the Triton Newton-Schulz backend needs a CUDA tensor (got device {X.device}); "
         "on CPU it runs only under TRITON_INTERPRET=1 (tests). Pass backend='torch' or 'auto'."
     )
-
-
-def triton_ops_for(X: Tensor) -> NSOps:
-    """The op set to use for ``X`` with the Triton backend (the same for every shape today)."""
-    return TRITON_OPS
 
 
 def auto_prefers_triton(X: Tensor) -> bool:

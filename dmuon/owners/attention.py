@@ -31,7 +31,7 @@ children applied after the projections: Qwen3, Gemma 3, OLMo 2) is recorded on t
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 from torch import nn
 
@@ -283,9 +283,3 @@ def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]
             found.append(layout)
             inside.update(id(m) for m in module.modules())
     return found
-
-
-def iter_weights(layouts: list[AttentionLayout]) -> Iterator[WeightRef]:
-    """Every projection weight of ``layouts`` once (fused weights merged)."""
-    for layout in layouts:
-        yield from layout.weights()
