@@ -1,11 +1,5 @@
-"""Baselines that dmuon is measured against.
-
-:class:`VanillaMuon` is the gather-then-compute distributed Muon: for every matrix, every rank
-all-gathers the full momentum-combined update, runs Newton-Schulz on the whole matrix, and keeps
-only its own FSDP2 shard of the result. Every rank therefore orthogonalizes every matrix (D-fold
-redundant NS work and an all-gather per matrix per step): the cost that owner-centric dmuon
-removes. The math is ``torch.optim.Muon``'s; only the layout of the work differs.
-"""
+"""The baseline dmuon is measured against: gather-then-compute distributed Muon (every rank
+all-gathers and orthogonalizes every matrix, D-fold redundant NS work)."""
 
 from __future__ import annotations
 
@@ -40,17 +34,11 @@ def _default_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
 class VanillaMuon(torch.optim.Optimizer):
     """Gather-then-compute Muon for FSDP2 (or single-process) models; AdamW for the rest.
 
-    For each 2-D non-embedding parameter ``W`` (an FSDP2 ``DTensor`` shard or a plain tensor),
-    following ``torch.optim.Muon`` (Jordan et al., 2024, https://kellerjordan.github.io/posts/muon/):
-    ``B <- mu B + (1 - mu) g`` (``lerp``, on the local shard), ``U = lerp(g, B, mu)`` with Nesterov
-    else ``B``; all-gather ``U`` (``DTensor.full_tensor``); ``O = NS(U)`` on every rank;
-    ``W <- W (1 - lr * wd) - lr * adjust(shape) * O``, applied to the local shard only.
-    Momentum lives on the shard (elementwise, so identical to a full buffer), which makes this
-    the memory-lean variant of the naive baseline; its communication and NS work are the naive
-    ones. Every other parameter is stepped by ``torch.optim.AdamW`` on its shard.
-
-    ``param_groups[0]`` holds the matrices (Muon hyper-parameters), ``param_groups[1]`` the rest
-    (AdamW's group dict), so LR schedulers and ``state_dict()`` work as usual.
+    For each 2-D non-embedding parameter ``W`` (an FSDP2 shard or a plain tensor), as
+    ``torch.optim.Muon`` (https://kellerjordan.github.io/posts/muon/): momentum ``B`` on the
+    local shard, ``U`` = Nesterov combination (or ``B``) all-gathered, ``O = NS(U)`` on every
+    rank, ``W <- W (1 - lr * wd) - lr * adjust(shape) * O`` on the shard. The rest is AdamW;
+    ``param_groups`` = ``[matrices, rest]``.
 
     Args:
         model: The model (after ``fully_shard``, or plain on one process).
@@ -126,7 +114,6 @@ class VanillaMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Performs one optimization step; returns ``closure()`` when given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

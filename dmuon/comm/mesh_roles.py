@@ -129,21 +129,17 @@ def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
     """Every pipeline stage's data-parallel ranks, for the whole mesh or a stage's sub-mesh.
 
     Args:
-        mesh: the ``DeviceMesh`` given to ``dedicate_params``: a mesh with a ``"pp"`` dimension
-            (``("pp", "dp")``...), a sub-mesh sliced from one (``mesh["dp"]``, which holds only
-            its own stage's ranks), or any mesh without pipeline parallelism.
+        mesh: a mesh with a ``"pp"`` dimension, a stage's sub-mesh sliced from one
+            (``mesh["dp"]``), or any mesh without pipeline parallelism.
 
     Returns:
-        ``(stages, names, index)``: ``stages`` ``[n_stages, *stage shape]`` int64, the global
-        ranks of every stage in stage order (``n_stages`` is 1 without ``"pp"``); ``names``
-        the stage's dimension names (the mesh's without ``"pp"``; ``None`` for an unnamed
-        mesh); ``index`` this rank's stage.
+        ``(stages, names, index)``: ``stages`` ``[n_stages, *stage shape]`` int64 global ranks
+        (``n_stages`` 1 without ``"pp"``), the stage's dimension names (``None``: unnamed), and
+        this rank's stage.
 
     Raises:
-        ValueError: a sub-mesh whose parent mesh has dimensions other than ``"pp"`` that the
-            sub-mesh drops (``mesh["shard"]`` of an HSDP mesh would lose the replicas: pass
-            the whole ``("replicate", "shard")`` mesh), or a mesh whose stages cannot be told
-            apart (a 0-D mesh).
+        ValueError: a sub-mesh that drops a parent dimension other than ``"pp"``, or more than
+            one ``"pp"`` dimension.
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     root = _root_mesh(mesh)
@@ -214,15 +210,12 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
 
 
 def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
-    """``(ep_dim, expert_shard_dim, replicate_dim)`` of a mesh with an expert-parallel
-    dimension (``None`` without one): ``("ep",)`` (no expert shard dim: every rank holds its
-    own experts alone), ``(shard, "ep")`` with any non-TP, non-replicate name for the shard dim
-    (torchtitan's ``("efsdp", "ep")`` / ``("dp_shard_mod_ep", "ep")``), or HSDP in front,
-    ``("replicate", shard, "ep")`` (torchtitan's ``("dp_replicate", "efsdp", "ep")``).
+    """``(ep_dim, expert_shard_dim, replicate_dim)`` of a mesh with an ``"ep"`` dimension
+    (``None`` without one): ``("ep",)``, ``(shard, "ep")`` (torchtitan's ``("efsdp", "ep")``) or
+    ``("replicate", shard, "ep")``.
 
     Raises:
-        ValueError: any other mesh with an ``"ep"`` dimension (TP with expert parallelism, or
-            ``"ep"`` not last), naming the mesh and what is supported.
+        ValueError: any other mesh with an ``"ep"`` dimension (with TP, or ``"ep"`` not last).
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     ep = [i for i, n in enumerate(names) if n in EP_NAMES]
@@ -246,8 +239,7 @@ def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
 
 
 def _groups_of(rank_lists: list[list[int]], backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
-    """Create one group per rank list (every rank creates every group, in the same order:
-    collective) and return the one holding this rank."""
+    """Create one group per rank list, in order, on every rank; return the one holding this rank."""
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
         group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)

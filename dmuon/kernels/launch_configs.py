@@ -100,7 +100,6 @@ class LaunchTable:
     gpus: tuple[tuple[str, _DeviceEntry], ...]
 
     def entry(self, device: torch.device) -> _DeviceEntry:
-        """Entry for ``device``: by GPU name on CUDA, ``interpreter`` otherwise."""
         if device.type != "cuda":
             return self.interpreter
         name = torch.cuda.get_device_name(device)

@@ -1,9 +1,7 @@
 """Attention modules dmuon recognizes, and where their heads live in the projection weights.
 
-Per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`) both need to know,
-for each attention module, which weight holds the query / key / value projections and which
-rows of it belong to which head. This module is the one place that reads that off the layouts
-users have:
+The one place per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`)
+read which weight rows belong to which head. Layouts recognized:
 
 * Hugging Face ``transformers`` (Llama, Qwen, Gemma, SigLIP, ... ``*Attention`` with
   ``q_proj`` / ``k_proj`` / ``v_proj``): head counts from the module (``num_heads``,
@@ -21,11 +19,8 @@ users have:
 Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (grouped-query attention as
 ``transformers``' ``repeat_kv`` and ``F.scaled_dot_product_attention(enable_gqa=True)``).
 
-What sits between a projection and the logits matters to QK-clip (:mod:`dmuon.qk_clip`): a
-projection's bias (``q = W x + b``: Qwen2, SigLIP, ``nn.MultiheadAttention``'s ``in_proj_bias``)
-has the same rows as its weight (:attr:`WeightRef.bias`), and a QK-norm (``q_norm`` / ``k_norm``
-children applied after the projections: Qwen3, Gemma 3, OLMo 2) is recorded on the layout
-(:attr:`AttentionLayout.q_norm`); ``nn.Identity`` (timm's default) counts as none.
+A projection's bias has its weight's rows (:attr:`WeightRef.bias`); ``q_norm`` / ``k_norm``
+children (Qwen3, Gemma 3, OLMo 2) are recorded on the layout (``nn.Identity`` counts as none).
 """
 
 from __future__ import annotations
