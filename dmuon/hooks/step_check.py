@@ -71,7 +71,7 @@ class StepCheck:
 
     def watch(self, pending: Any) -> None:
         """Carry ``pending``'s (:class:`dmuon.owners.overlap.PendingSteps`) failure flag in every
-        check, so every rank raises at the same point."""
+        check, so every rank raises at the same point; with peers, ``pending`` defers failures."""
         self.pending = pending
         pending.defer_failures = self.group is not None and self.world_size > 1
 

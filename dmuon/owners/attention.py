@@ -87,22 +87,6 @@ class AttentionLayout:
         """Query heads per key head."""
         return self.num_heads // self.num_kv_heads
 
-    def weights(self) -> list[WeightRef]:
-        """The distinct projection weights, each once with all its heads' rows (a fused weight
-        is one entry holding the q, k and v heads)."""
-        merged: dict[tuple[int, str], WeightRef] = {}
-        for ref in (self.q, self.k, self.v):
-            if ref is None:
-                continue
-            key = (id(ref.module), ref.attr)
-            if key in merged:
-                old = merged[key]
-                rows = tuple(sorted(set(old.head_rows) | set(ref.head_rows)))
-                merged[key] = WeightRef(ref.module, ref.attr, rows, ref.head_dim, ref.bias)
-            else:
-                merged[key] = ref
-        return list(merged.values())
-
 
 def _bias(module: nn.Module, attr: str = "bias") -> str | None:
     """``attr`` when ``module`` has a bias parameter there, else ``None``."""
@@ -166,10 +150,6 @@ def _separate(name: str, module: nn.Module, q: nn.Module, k: nn.Module, v: nn.Mo
         q=WeightRef(q, "weight", tuple(h * head_dim for h in range(heads)), head_dim, _bias(q)),
         k=WeightRef(k, "weight", tuple(h * head_dim for h in range(kv)), head_dim, _bias(k)),
         v=WeightRef(v, "weight", tuple(h * v_dim for h in range(kv)), v_dim, _bias(v)))
-
-
-def _recognize(name: str, module: nn.Module, full_rows: Any = None) -> AttentionLayout | None:
-    return _with_norms(_projections(name, module, full_rows))
 
 
 def _projections(name: str, module: nn.Module, full_rows: Any = None) -> AttentionLayout | None:
@@ -273,7 +253,7 @@ def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]
     for name, module in model.named_modules():
         if id(module) in inside:
             continue
-        layout = _recognize(name, module, full_rows)
+        layout = _with_norms(_projections(name, module, full_rows))
         if layout is not None:
             found.append(layout)
             inside.update(id(m) for m in module.modules())
