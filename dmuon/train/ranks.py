@@ -80,10 +80,10 @@ def init_rank(rank: int, world_size: int, *, port: int | None = None,
             ``store`` is given.
     """
     if not 0 <= rank < world_size:
-        raise ValueError(f"dmuon.launch: rank {rank} is outside 0..{world_size - 1} "
+        raise ValueError(f"dmuon.train.ranks: rank {rank} is outside 0..{world_size - 1} "
                          f"(world_size={world_size}); pass 0 <= rank < world_size")
     if port is None and store is None:
-        raise ValueError(f"dmuon.launch: rank {rank} needs a rendezvous: pass port= (rank 0 hosts "
+        raise ValueError(f"dmuon.train.ranks: rank {rank} needs a rendezvous: pass port= (rank 0 hosts "
                          f"the store) or store=")
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
@@ -124,7 +124,7 @@ def start_ranks(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (), *,
             if a rank raised or exited with a non-zero code.
     """
     if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"dmuon.launch: nproc must be an int >= 1, got {nproc!r}")
+        raise ValueError(f"dmuon.train.ranks: nproc must be an int >= 1, got {nproc!r}")
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn' (fork is unsafe after "
                          f"torch starts threads), got {start_method!r}")
@@ -236,7 +236,7 @@ def failure_report(records: dict[int, dict], seen_at: dict[int, float], exitcode
             **{r: rec["time"] for r, rec in records.items()}}
     failed = sorted((r for r in when if r not in stopped), key=lambda r: (when[r], r))
     if not failed:
-        raise ValueError(f"dmuon.launch: failure_report needs a failed rank; got records for "
+        raise ValueError(f"dmuon.train.ranks: failure_report needs a failed rank; got records for "
                          f"{sorted(records)}, exits seen for {sorted(seen_at)}")
     world = len(exitcodes)
 
@@ -306,7 +306,7 @@ def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None = None, *,
         return
     nproc = default_nproc() if nproc is None else nproc
     if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"dmuon.launch: nproc must be an int >= 1, got {nproc!r}")
+        raise ValueError(f"dmuon.train.ranks: nproc must be an int >= 1, got {nproc!r}")
     if nproc == 1 and not spawn_one:
         fn(arg)
         return
