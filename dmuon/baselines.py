@@ -42,25 +42,11 @@ class VanillaMuon(torch.optim.Optimizer):
 
     Args:
         model: The model (after ``fully_shard``, or plain on one process).
-        lr: Matrix learning rate.
-        weight_decay: Decoupled matrix weight decay (multiplied by the unadjusted ``lr``).
-        momentum: Momentum factor ``mu``.
-        nesterov: Use the Nesterov combination.
-        ns_coefficients: Preset name (``"polar_express"``, ``"muon"``), one ``(a, b, c)`` or a
-            per-step list; see :func:`dmuon.kernels.newton_schulz`.
-        ns_steps: Newton-Schulz iterations.
-        eps: Norm floor of the NS normalization.
-        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, A/B))``), ``"match_rms_adamw"``
-            (``0.2 sqrt(max(A, B))``) or (torch>=2.14) ``"spectral_unclamped"``
-            (``sqrt(A/B)``), as in ``torch.optim.Muon``.
-        ns_method: ``"gram"`` or ``"standard"``.
-        ns_dtype: NS iteration dtype; ``None`` (default): by device, as :class:`dmuon.Muon`
-            (:func:`dmuon.kernels.default_ns_dtype`); ``"standard"`` + ``torch.bfloat16`` +
-            ``"muon"`` coefficients is ``torch.optim.Muon``'s iteration bit for bit.
-        adamw_lr: AdamW learning rate; ``None`` means ``lr``.
-        adamw_betas: AdamW betas.
-        adamw_eps: AdamW epsilon.
-        adamw_weight_decay: AdamW weight decay; ``None`` means ``weight_decay``.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn,
+            ns_method, ns_dtype, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: as
+            :class:`dmuon.Muon` (same defaults); ``ns_method="standard"``,
+            ``ns_dtype=torch.bfloat16`` and ``ns_coefficients="muon"`` is ``torch.optim.Muon``'s
+            iteration bit for bit.
 
     Raises:
         ValueError: If a hyper-parameter is out of range or the model has no parameters.

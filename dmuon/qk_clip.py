@@ -112,7 +112,15 @@ def _records_now() -> bool:
 
 
 _SDPA = F.scaled_dot_product_attention
-_SOFTMAX = frozenset((F.softmax, torch.softmax, torch.Tensor.softmax))
+SOFTMAX = frozenset((F.softmax, torch.softmax, torch.Tensor.softmax))
+
+
+def attention_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The input of a :data:`SOFTMAX` call over the last dim of a ``[batch, heads, rows, keys]``
+    tensor (an eager attention's scaled, masked logits), else ``None``."""
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return x if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) else None
 
 
 class _SDPAMode(TorchFunctionMode):
@@ -134,11 +142,10 @@ class _SDPAMode(TorchFunctionMode):
             _record(self.module, max_logits(bound["query"], bound["key"], scale=bound.get("scale"),
                                             attn_mask=bound.get("attn_mask"),
                                             is_causal=bool(bound.get("is_causal", False))))
-        elif func in _SOFTMAX:
+        elif func in SOFTMAX:
             kwargs = kwargs or {}
-            x = args[0]
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) and x.shape[1] == self.heads:
+            x = attention_logits(args, kwargs)
+            if x is not None and x.shape[1] == self.heads:
                 _record(self.module, x.detach().amax(dim=(0, 2, 3)))
         return func(*args, **kwargs) if kwargs else func(*args)
 

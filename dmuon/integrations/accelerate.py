@@ -61,17 +61,26 @@ def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
         raise ValueError(
             f"dmuon: this accelerator already prepared {len(accelerator._models)} model(s); "
             f"Accelerate's FSDP2 takes one model per accelerator: call prepare() on a fresh one")
-    # Accelerate's FSDP2 path refuses a model without an optimizer (it swaps the optimizer's
-    # parameters for the sharded ones); dmuon.Muon can only be built after dedicate_params,
-    # which needs the sharded model. A throwaway SGD fills the slot and is dropped at once.
-    stand_in = torch.optim.SGD([p for p in model.parameters() if p.requires_grad] or
-                               [nn.Parameter(torch.zeros(1))], lr=0.0)
-    model, prepared_stand_in = accelerator.prepare(model, stand_in)
+    model, prepared_stand_in = accelerator.prepare(model, stand_in_optimizer(model))
     accelerator._optimizers.remove(prepared_stand_in)  # save_state pairs _optimizers[i] with _models[i]
     dmuon.dedicate_params(model, mesh if mesh is not None else fsdp_mesh(model),
                           **(dedicate_kwargs or {}))
     optimizer = accelerator.prepare_optimizer(dmuon.Muon(model, **muon_kwargs))
     return model, optimizer
+
+
+def stand_in_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """A throwaway ``SGD(lr=0)`` over ``model``'s trainable parameters: Accelerate's FSDP2
+    ``prepare`` needs an optimizer beside the model, and :class:`dmuon.Muon` the sharded model."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params or [nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
+def dedicate(model: nn.Module, dedicate_kwargs: dict[str, Any]) -> None:
+    """:func:`dmuon.dedicate_params` with ``dedicate_kwargs``, whose ``mesh`` defaults to
+    :func:`fsdp_mesh` (collective)."""
+    kwargs = dict(dedicate_kwargs)
+    dmuon.dedicate_params(model, kwargs.pop("mesh", None) or fsdp_mesh(model), **kwargs)
 
 
 def fsdp_mesh(model: nn.Module) -> Any:

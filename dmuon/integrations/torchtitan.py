@@ -27,7 +27,7 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
 
 import dmuon
-from dmuon.integrations.accelerate import fsdp_mesh
+from dmuon.integrations.accelerate import dedicate
 
 PATHS = ("hooks", "distributed_config")
 
@@ -115,9 +115,7 @@ class DmuonOptimizersContainer(OptimizersContainer):
 
 def _hooks_optimizer(model: nn.Module, config: DmuonOptimizersContainer.Config) -> dmuon.Muon:
     """``dedicate_params`` on ``model`` (collective), then ``dmuon.Muon(model)``."""
-    kwargs = dict(config.dedicate_kwargs)
-    mesh = kwargs.pop("mesh", None) or fsdp_mesh(model)
-    dmuon.dedicate_params(model, mesh, **kwargs)
+    dedicate(model, config.dedicate_kwargs)
     return dmuon.Muon(model, **config.muon_kwargs)
 
 

@@ -30,6 +30,7 @@ import transformers
 
 import dmuon
 from dmuon.hooks.dedicate import STATE_ATTR
+from dmuon.integrations.accelerate import dedicate, stand_in_optimizer
 
 
 class DmuonTrainer(transformers.Trainer):
@@ -72,9 +73,7 @@ class DmuonTrainer(transformers.Trainer):
         """A stand-in until :meth:`create_scheduler`: Accelerate's FSDP2 ``prepare`` needs an
         optimizer beside the model, and ``dmuon.Muon`` needs the sharded model."""
         if self.optimizer is None:
-            opt_model = self.model if model is None else model
-            params = [p for p in opt_model.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+            self.optimizer = stand_in_optimizer(self.model if model is None else model)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int,
@@ -96,12 +95,8 @@ class DmuonTrainer(transformers.Trainer):
                 "dmuon: DmuonTrainer needs FSDP2: TrainingArguments(fsdp='full_shard', "
                 "fsdp_config={'fsdp_version': 2, ...}) and a distributed launch (torchrun / "
                 "accelerate launch)")
-        from dmuon.integrations.accelerate import fsdp_mesh
-
         model = self.model  # fully_shard converted it in place
-        kwargs = dict(self.dedicate_kwargs)
-        mesh = kwargs.pop("mesh", None) or fsdp_mesh(model)
-        dmuon.dedicate_params(model, mesh, **kwargs)
+        dedicate(model, self.dedicate_kwargs)
         stand_in = self.optimizer
         if stand_in in self.accelerator._optimizers:
             self.accelerator._optimizers.remove(stand_in)  # save_state pairs _optimizers[i] with _models[i]

@@ -24,11 +24,10 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dmuon.qk_clip import observe, watched
+from dmuon.qk_clip import SOFTMAX, attention_logits, observe, watched
 
 __all__ = ["AttentionRecording", "record_attention"]
 
@@ -45,11 +44,9 @@ class _SoftmaxMax(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (F.softmax, torch.softmax, torch.Tensor.softmax):
-            x = args[0]
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3):
-                self.maxima.append(x.detach().amax(dim=(0, 3)).float())  # [heads, rows]
+        x = attention_logits(args, kwargs) if func in SOFTMAX else None
+        if x is not None:
+            self.maxima.append(x.detach().amax(dim=(0, 3)).float())  # [heads, rows]
         return func(*args, **kwargs)
 
 
