@@ -1,6 +1,6 @@
 """Optimizer-step time of ``dmuon.Muon(params, distributed_config=...)`` by schedule.
 
-4 gloo ranks (started by :func:`dmuon.launch.launch`, one thread each), FSDP-style ``Shard(0)`` DTensor
+4 gloo ranks (started by :func:`dmuon.train.ranks.launch`, one thread each), FSDP-style ``Shard(0)`` DTensor
 matrices from ``create_dtensor_config()``; variants ``prefetch_count`` 0/1/2 x
 ``async_gpu_parallelism`` on/off, plus the per-matrix (unbatched) gather path, interleaved step
 by step in one run; medians and spread over the timed steps; ratios against
@@ -82,7 +82,7 @@ def main() -> None:
     import torch
 
     from dmuon.kernels import ns_flops
-    from dmuon.launch import launch
+    from dmuon.train.ranks import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         times_path = f"{tmp}/times.json"

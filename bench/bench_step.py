@@ -91,7 +91,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from dmuon.launch import launch  # noqa: E402
+from dmuon.train.ranks import launch  # noqa: E402
 from dmuon.train.data import DataConfig, PushTDemos, ensure_run_data  # noqa: E402
 from dmuon.train.loop import TrainConfig, build_optimizer  # noqa: E402
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
@@ -293,7 +293,7 @@ def _calibrate_ns(shapes: list[tuple[int, int]], ns_dtype: torch.dtype) -> list[
 
 
 def _rank_main(cfg: BenchConfig) -> None:
-    """One rank of :func:`run`, started by :func:`dmuon.launch.launch` (process group initialized)."""
+    """One rank of :func:`run`, started by :func:`dmuon.train.ranks.launch` (process group initialized)."""
     import warnings
 
     # FSDP2's view-output warning and gloo's all_gather_into_tensor deprecation, once per rank
@@ -549,7 +549,7 @@ def run(cfg: BenchConfig, threads: int | None = None) -> dict:
     """Spawns ``cfg.nproc`` ranks (gloo, or NCCL with ``device="cuda"``), runs the benchmark, returns (and writes) the result.
 
     ``threads``: intra-op threads per rank (default ``cpus // nproc``, at least 1). One rank
-    runs in this process (:func:`dmuon.launch.launch`).
+    runs in this process (:func:`dmuon.train.ranks.launch`).
 
     Raises:
         torch.multiprocessing.ProcessRaisedException: If a spawned rank raised (its traceback

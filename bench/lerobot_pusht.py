@@ -14,7 +14,7 @@ to ``bench/results/lerobot_pusht_<policy>.json``::
 (:func:`dmuon.integrations.lerobot.tiny.tiny`: 2-layer Gemmas 32 wide, a 1-layer SigLIP; a
 2-layer SmolVLM) and a word-level tokenizer written to a local directory, since LeRobot's
 processors would otherwise download PaliGemma's / SmolVLM2's tokenizer. The ranks are started
-by :func:`dmuon.launch.launch`; rank 0 writes the per-step records (``--dmuon.metrics``).
+by :func:`dmuon.train.ranks.launch`; rank 0 writes the per-step records (``--dmuon.metrics``).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def lerobot_args(policy: str, dataset_root: pathlib.Path, output_dir: pathlib.Pa
 
 
 def train_rank(arg: tuple[list[str], str, str]) -> None:
-    """One rank (process group initialized by :func:`dmuon.launch.launch`):
+    """One rank (process group initialized by :func:`dmuon.train.ranks.launch`):
     :func:`dmuon.integrations.lerobot.tiny.train_tiny` on ``arg = (argv, policy, tokenizer)``."""
     from dmuon.integrations.lerobot.tiny import train_tiny
 
@@ -156,7 +156,7 @@ def main() -> None:
              f"--dmuon.param_dtype={a.param_dtype}", f"--dmuon.overlap={a.overlap}"]
     if a.clip is not None:
         argv.append(f"--policy.optimizer_grad_clip_norm={a.clip}")
-    from dmuon.launch import exit_on_rank_failure, launch
+    from dmuon.train.ranks import exit_on_rank_failure, launch
 
     metrics.unlink(missing_ok=True)  # rank 0 writes it anew
     t = time.perf_counter()

@@ -42,7 +42,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # run f
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dmuon.launch import launch  # noqa: E402
+from dmuon.train.ranks import launch  # noqa: E402
 
 VARIANTS = ("dmuon", "adamw")
 OBJECT_EVERY = 50  # steps between two counts of live Python objects (~20 ms each)
@@ -64,7 +64,7 @@ def live_objects() -> tuple[int, int]:
 
 
 def _rank_main(job: tuple[str, int, int, str, bool]) -> None:
-    """One rank, started by :func:`dmuon.launch.launch` (gloo group initialized, 1 thread)."""
+    """One rank, started by :func:`dmuon.train.ranks.launch` (gloo group initialized, 1 thread)."""
     variant, steps, batch_size, result_dir, trim = job
     rank, world = dist.get_rank(), dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,11 +1,5 @@
-"""Baselines that dmuon is measured against.
-
-:class:`VanillaMuon` is the gather-then-compute distributed Muon: for every matrix, every rank
-all-gathers the full momentum-combined update, runs Newton-Schulz on the whole matrix, and keeps
-only its own FSDP2 shard of the result. Every rank therefore orthogonalizes every matrix (D-fold
-redundant NS work and an all-gather per matrix per step): the cost that owner-centric dmuon
-removes. The math is ``torch.optim.Muon``'s; only the layout of the work differs.
-"""
+"""The baseline dmuon is measured against: gather-then-compute distributed Muon (every rank
+all-gathers and orthogonalizes every matrix, D-fold redundant NS work)."""
 
 from __future__ import annotations
 
@@ -40,39 +34,19 @@ def _default_matrices(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Par
 class VanillaMuon(torch.optim.Optimizer):
     """Gather-then-compute Muon for FSDP2 (or single-process) models; AdamW for the rest.
 
-    For each 2-D non-embedding parameter ``W`` (an FSDP2 ``DTensor`` shard or a plain tensor),
-    following ``torch.optim.Muon`` (Jordan et al., 2024, https://kellerjordan.github.io/posts/muon/):
-    ``B <- mu B + (1 - mu) g`` (``lerp``, on the local shard), ``U = lerp(g, B, mu)`` with Nesterov
-    else ``B``; all-gather ``U`` (``DTensor.full_tensor``); ``O = NS(U)`` on every rank;
-    ``W <- W (1 - lr * wd) - lr * adjust(shape) * O``, applied to the local shard only.
-    Momentum lives on the shard (elementwise, so identical to a full buffer), which makes this
-    the memory-lean variant of the naive baseline; its communication and NS work are the naive
-    ones. Every other parameter is stepped by ``torch.optim.AdamW`` on its shard.
-
-    ``param_groups[0]`` holds the matrices (Muon hyper-parameters), ``param_groups[1]`` the rest
-    (AdamW's group dict), so LR schedulers and ``state_dict()`` work as usual.
+    For each 2-D non-embedding parameter ``W`` (an FSDP2 shard or a plain tensor), as
+    ``torch.optim.Muon`` (https://kellerjordan.github.io/posts/muon/): momentum ``B`` on the
+    local shard, ``U`` = Nesterov combination (or ``B``) all-gathered, ``O = NS(U)`` on every
+    rank, ``W <- W (1 - lr * wd) - lr * adjust(shape) * O`` on the shard. The rest is AdamW;
+    ``param_groups`` = ``[matrices, rest]``.
 
     Args:
         model: The model (after ``fully_shard``, or plain on one process).
-        lr: Matrix learning rate.
-        weight_decay: Decoupled matrix weight decay (multiplied by the unadjusted ``lr``).
-        momentum: Momentum factor ``mu``.
-        nesterov: Use the Nesterov combination.
-        ns_coefficients: Preset name (``"polar_express"``, ``"muon"``), one ``(a, b, c)`` or a
-            per-step list; see :func:`dmuon.kernels.newton_schulz`.
-        ns_steps: Newton-Schulz iterations.
-        eps: Norm floor of the NS normalization.
-        adjust_lr_fn: ``None``/``"original"`` (``sqrt(max(1, A/B))``), ``"match_rms_adamw"``
-            (``0.2 sqrt(max(A, B))``) or (torch>=2.14) ``"spectral_unclamped"``
-            (``sqrt(A/B)``), as in ``torch.optim.Muon``.
-        ns_method: ``"gram"`` or ``"standard"``.
-        ns_dtype: NS iteration dtype; ``None`` (default): by device, as :class:`dmuon.Muon`
-            (:func:`dmuon.kernels.default_ns_dtype`); ``"standard"`` + ``torch.bfloat16`` +
-            ``"muon"`` coefficients is ``torch.optim.Muon``'s iteration bit for bit.
-        adamw_lr: AdamW learning rate; ``None`` means ``lr``.
-        adamw_betas: AdamW betas.
-        adamw_eps: AdamW epsilon.
-        adamw_weight_decay: AdamW weight decay; ``None`` means ``weight_decay``.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, eps, adjust_lr_fn,
+            ns_method, ns_dtype, adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: as
+            :class:`dmuon.Muon` (same defaults); ``ns_method="standard"``,
+            ``ns_dtype=torch.bfloat16`` and ``ns_coefficients="muon"`` is ``torch.optim.Muon``'s
+            iteration bit for bit.
 
     Raises:
         ValueError: If a hyper-parameter is out of range or the model has no parameters.
@@ -123,11 +97,9 @@ class VanillaMuon(torch.optim.Optimizer):
             self._adamw.param_groups[0]["kind"] = "adamw"
             self.param_groups.append(self._adamw.param_groups[0])
             self._adamw.state = self.state
-        self.ns_calls = 0  # matrices orthogonalized on this rank (for the redundancy count)
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Performs one optimization step; returns ``closure()`` when given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -164,7 +136,6 @@ class VanillaMuon(torch.optim.Optimizer):
                     update, steps=group["ns_steps"], coefficients=group["ns_coefficients"],
                     method=group["ns_method"], dtype=group["ns_dtype"], eps=group["eps"],
                 )
-            self.ns_calls += 1
             if torch_muon.installed().normalizes_momentum(state["momentum_buffer"], group["nesterov"]):
                 # torch <= 2.14 leaves a bf16 buffer normalized (nesterov=False is when
                 # ``update`` is the buffer, gathered whole)

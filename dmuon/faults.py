@@ -1,42 +1,21 @@
 """Lost-rank detection: heartbeats through the c10d store, errors that name the lost rank.
 
-When a rank dies (``SIGKILL``, OOM killer, ``os._exit``), gloo and NCCL report it on the
-survivors as a transport error ("Connection closed by peer", "NCCL communicator was aborted")
-that does not say *which* rank died, and a survivor whose collective only waits on live peers
-is not told at all until the process-group timeout (30 min by default). A
-:class:`Heartbeat` fixes both, with one daemon thread per rank and three store operations per
-interval (O(1) per rank, whatever the world size):
+A dead rank shows on the survivors as a transport error that does not name it, or not at all
+until the process-group timeout. A :class:`Heartbeat` (one daemon thread per rank, three store
+operations per interval) fixes both: each rank bumps ``beat/<rank>`` in the c10d store every
+``interval_s`` and watches the next rank of the group (a ring); a counter still for
+``timeout_s`` is published under ``lost``. :meth:`Heartbeat.guard` then raises
+``RuntimeError("dmuon: rank K ... lost ...")`` on entry, or turns a broken collective's error
+into it (naming the ranks whose counters stay still for ``probe_s``). A survivor blocked in a
+collective that never errors exits after ``exit_grace_s`` with :data:`EXIT_CODE_LOST`, as NCCL's
+watchdog does, so ``torchrun`` can restart.
 
-* every ``interval_s`` each rank increments its counter ``beat/<rank>`` in the c10d store;
-* each rank watches one neighbour (the next rank in the group, a ring); a counter that has not
-  moved for ``timeout_s`` makes the watcher publish that rank under ``lost``;
-* every rank reads ``lost`` each interval. When a rank is lost, :meth:`Heartbeat.guard` raises
-  ``RuntimeError("dmuon: rank K ... lost ...")`` at once on entry, and turns any exception
-  raised inside it (the transport error of a broken collective) into that error. Which rank to
-  name is decided by probing: counters that do not move for ``probe_s`` (default 3 intervals)
-  belong to lost ranks.
-* a survivor blocked in a collective that never errors (it only waits on live peers, which
-  gloo's ``ProcessGroup.abort()`` does not interrupt in torch 2.13) cannot be reached from
-  Python; after ``exit_grace_s`` the watchdog writes the error to stderr and ends the process
-  with exit code :data:`EXIT_CODE_LOST` (as NCCL's watchdog tears down a process on a
-  collective timeout), so launchers such as ``torchrun`` see the failure and can restart.
-
-Guaranteed bounds after a rank's process dies (``h = interval_s``, ``T = timeout_s``,
-``P = probe_s``, ``G = exit_grace_s``; defaults 0.5, 5, 1.5, 5 s):
-
-* a survivor whose collective errors (gloo closes the dead rank's sockets at once): a
-  ``RuntimeError`` naming the lost rank within ``P`` plus one store round trip;
-* every other survivor: the rank is published within ``T + h``, seen within ``h`` more; it
-  raises at its next :meth:`guard` entry or, if blocked in C++, exits within ``G`` more:
-  ``T + 2h + G`` (11 s with the defaults).
-
-A live rank is never named unless its heartbeat thread stalls for ``P`` (a process frozen by
-``SIGSTOP`` or swapping counts as lost). A rank that is alive but deadlocked in user code
-keeps beating and is not detected here; the process-group timeout covers that case.
-
-The store is the job's default c10d store. With ``env://`` rendezvous it lives in rank 0's
-process, so rank 0's death makes the store unreachable; the error then says so. Under
-``torchrun`` the store lives in the launcher and survives any rank.
+Bounds after a rank dies (``h = interval_s``, ``T = timeout_s``, ``P = probe_s``,
+``G = exit_grace_s``; defaults 0.5, 5, 1.5, 5 s): a survivor whose collective errors raises
+within ``P`` plus one store round trip; every other one within ``T + 2h + G`` (11 s). A live
+rank is named only if its heartbeat thread stalls for ``P``; a rank deadlocked in user code
+keeps beating (the process-group timeout covers it). Under ``env://`` the store lives in rank
+0, whose death makes it unreachable (the error says so); under ``torchrun`` it survives any rank.
 """
 
 from __future__ import annotations
@@ -60,16 +39,14 @@ EXIT_CODE_LOST = 75  # EX_TEMPFAIL: a peer was lost; restarting from a checkpoin
 class Heartbeat:
     """Per-rank heartbeat and lost-rank watchdog over the default c10d store.
 
-    Constructing it is collective over ``group`` (one broadcast of a fresh key prefix, so
-    heartbeats of different jobs or runs sharing a store never mix); use it as a context manager
-    or call :meth:`start` / :meth:`stop`.
+    Constructing it is collective over ``group`` (one broadcast of a fresh key prefix); use it
+    as a context manager or call :meth:`start` / :meth:`stop`.
 
     Args:
         group: process group whose ranks watch each other (default: the world).
         interval_s: seconds between two beats (and two checks) of the watchdog thread.
         timeout_s: seconds without a beat after which the watching neighbour declares a rank
-            lost; must exceed ``interval_s`` (``>= 4 * interval_s`` keeps scheduling jitter
-            from naming a live rank).
+            lost; must exceed ``interval_s`` (``>= 4 * interval_s`` is safe from jitter).
         probe_s: seconds a counter must stay still, after a collective error, for its rank to
             be named; default ``3 * interval_s``.
         exit_grace_s: seconds a rank that knows of a lost peer waits for the main thread to
@@ -239,10 +216,8 @@ class Heartbeat:
 
         Raises:
             RuntimeError: ``"dmuon: rank K is lost ..."`` chained to the transport error, when
-                a rank is lost before or during the block (a ``RuntimeError``, ``DistError`` or
-                ``ConnectionError`` raised inside is checked against the heartbeats, which takes
-                up to ``probe_s``). Other exceptions, and errors while every rank beats, pass
-                unchanged.
+                a rank is lost before or during the block (checking a ``RuntimeError``,
+                ``DistError`` or ``ConnectionError`` takes up to ``probe_s``). Other errors pass.
         """
         self.raise_if_lost(where)
         try:

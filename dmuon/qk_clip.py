@@ -1,36 +1,13 @@
 """QK-clip (MuonClip): after each Muon step, scale the query and key heads whose attention logits
-exceeded a threshold.
+exceeded a threshold ``tau``.
 
-Kimi Team, "Kimi K2: Open Agentic Intelligence" (2025), MuonClip: for each head ``h`` with max
-logit ``S_h`` (the largest ``q_i . k_j * scale`` the head computed over the step's batch) above
-the threshold ``tau``, ``eta_h = tau / S_h``; the head's queries are scaled by ``eta_h ** alpha``
-and its keys by ``eta_h ** (1 - alpha)`` (Kimi: ``alpha = 0.5``), so the head's logits shrink by
-``eta_h``. Heads at ``S_h <= tau`` are left alone (``S_h <= 0`` included: ``tau / S_h`` would be
-negative); heads whose max is ``-inf`` (masked everywhere) or NaN are skipped with a warning.
-
-Grouped-query attention (one key head serves ``G`` query heads): Megatron-LM's rule
-(``SelfAttention.clip_qk``, ``megatron/core/transformer/attention.py``): per key/value group
-``g``, ``S_g = max`` over its query heads, ``eta_g = tau / S_g`` where ``S_g > tau``; all of the
-group's query heads take ``eta_g ** alpha`` and its key head ``eta_g ** (1 - alpha)``. Without
-GQA this is Kimi's per-head rule. What "scale the queries" touches (weight rows and bias
-entries; a QK-norm's gain instead) is :mod:`dmuon.owners.qk_plan`'s.
-
-Where it runs (dmuon's owner runtime): every forward records each attention module's per-head
-max logit (:func:`observe`, or automatically, :class:`LogitRecorder`), as a running max over
-the micro-batches of the step. At the start of ``opt.step()``, before any parameter moves,
-:meth:`QKClip.prepare` MAX-reduces the maxima over the mesh (the stage's ranks), checks them
-(an attention module that recorded nothing in the first step is an error on every rank) and
-returns a frozen :class:`dmuon.owners.qk_plan.ClipPlan`; after the Muon and AdamW updates the
-owner of each query / key weight scales the head rows of its fp32 master (before the
-publication) and every rank scales its local piece of the biases and gains.
-
-Tensor parallelism (q / k projections sharded colwise, ``Shard(0)``, on head boundaries): a TP
-rank's attention computes only the query heads whose rows lie in its slice of the query weight,
-in head order (Megatron's and torchtitan's layout). Their maxima are placed at their global head
-indices (the slice's row offset, from ``torch.chunk``'s sizes, against the layout's head rows),
-the other heads left at ``-inf``; the MAX-reduce over the whole mesh (data-parallel and TP ranks)
-fills every head. Each TP slice's owner then scales the rows of the heads in its slice, and each
-rank the entries of its slice of a bias.
+The rule (Kimi K2's MuonClip, with Megatron-LM's grouped-query form) and what it scales are
+:mod:`dmuon.owners.qk_plan`'s. This module records each attention module's per-head max logit
+over the step's micro-batches (:class:`LogitRecorder`, or :func:`observe`), and at the start of
+``opt.step()`` :meth:`QKClip.prepare` MAX-reduces the maxima over the mesh and returns the step's
+frozen :class:`dmuon.owners.qk_plan.ClipPlan`. Under tensor parallelism (q / k sharded
+``Shard(0)`` on head boundaries) a rank records only its slice's heads, placed at their global
+indices (``-inf`` elsewhere) before the reduce.
 """
 
 from __future__ import annotations
@@ -60,17 +37,14 @@ _ATTR = "_dmuon_max_logits"
 _WATCH = "_dmuon_qk_clip_watch"
 
 
-#: ``torch.distributed.pipelining`` (torch >= 2.13) runs one forward (and backward) of each
-#: stage with gradients on to infer its shapes, a non-first stage on *uninitialized* inputs
-#: (``torch.empty``); logits of those calls are not the model's (torch 2.11 infers under
-#: ``no_grad``, which the recorder skips anyway)
+#: pipelining's shape inference (torch >= 2.13) runs a stage with gradients on, on
+#: uninitialized inputs: its logits are not the model's
 _METADATA_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata_inference"})
 
 
 def in_metadata_inference(depth: int = 64) -> bool:
-    """Whether the caller runs inside a pipelining stage's metadata inference (the frames of
-    its :data:`_METADATA_INFERENCE` methods, looked for up to ``depth`` frames up the stack:
-    a few microseconds, paid once per attention call while QK-clip records)."""
+    """Whether the caller runs inside a pipelining stage's metadata inference (one of
+    :data:`_METADATA_INFERENCE` within ``depth`` frames up the stack)."""
     frame = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
@@ -84,11 +58,9 @@ def in_metadata_inference(depth: int = 64) -> bool:
 def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
     """Record ``module``'s per-head max attention logits for the next QK-clip.
 
-    Any attention implementation can call it (a fused kernel that returns its row maxima, say;
-    code that computes a module's attention outside its forward, as LeRobot's pi0 / pi05 /
-    SmolVLA do); calls accumulate a running max until ``opt.step()`` consumes them. With a
-    threshold set, an attention module that no rank recorded in the first step is an error
-    (:meth:`QKClip.prepare`).
+    For attention computed outside the module's forward (a fused kernel, LeRobot's pi0);
+    calls accumulate a running max until ``opt.step()`` consumes them. Calls during a
+    pipelining stage's shape inference are ignored.
 
     Args:
         module: the attention module (as :func:`dmuon.owners.attention.find_attention` finds it).
@@ -99,17 +71,13 @@ def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
 
     Raises:
         ValueError: a head count different from this step's earlier calls for ``module``.
-
-    Calls made while a pipelining stage infers its shapes (:func:`in_metadata_inference`)
-    are ignored: that forward runs on uninitialized inputs.
     """
     if not in_metadata_inference():
         _record(module, max_logits)
 
 
 def watched(module: nn.Module) -> bool:
-    """Whether a :class:`QKClip` reads ``module``'s maxima: a recorder that computes them outside
-    the module (:mod:`dmuon.integrations.lerobot.attention`) skips the work otherwise."""
+    """Whether a :class:`QKClip` reads ``module``'s maxima (recorders outside it skip otherwise)."""
     return bool(getattr(module, _WATCH, False))
 
 
@@ -128,12 +96,8 @@ def _record(module: nn.Module, max_logits: torch.Tensor) -> None:
 
 def in_checkpoint_recomputation() -> bool:
     """Whether the caller runs inside non-reentrant activation checkpointing's recomputation
-    (``torch.utils.checkpoint(..., use_reentrant=False)``, torch's default and the one FSDP2's
-    and torchtitan's wrappers use): a forward inside backward that repeats, with the same
-    inputs, a forward that ran with gradients on, so a recorder saw it already. Known by the
-    saved-tensor hooks that checkpointing installs for the recomputation (the top of the
-    stack); ``False`` where that cannot be read (the caller then records twice, which the
-    running max absorbs)."""
+    (a repeat of a recorded forward), known by checkpointing's saved-tensor hooks on top of the
+    stack; ``False`` where unreadable (recording twice is harmless to a running max)."""
     try:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     except (AttributeError, TypeError, RuntimeError):  # not in this torch: record
@@ -142,16 +106,21 @@ def in_checkpoint_recomputation() -> bool:
 
 
 def _records_now() -> bool:
-    """Gradients on (a training forward, or reentrant activation checkpointing's recomputation:
-    its first forward runs without gradients, so the recomputation is the only one seen), not
-    non-reentrant checkpointing's recomputation (its first forward was recorded: recording the
-    same logits again doubled the recorder's cost on checkpointed blocks), not a pipelining
-    stage's shape inference."""
+    """Gradients on, not non-reentrant checkpointing's recomputation, not pipelining's shape
+    inference."""
     return torch.is_grad_enabled() and not in_checkpoint_recomputation() and not in_metadata_inference()
 
 
 _SDPA = F.scaled_dot_product_attention
-_SOFTMAX = frozenset((F.softmax, torch.softmax, torch.Tensor.softmax))
+SOFTMAX = frozenset((F.softmax, torch.softmax, torch.Tensor.softmax))
+
+
+def attention_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The input of a :data:`SOFTMAX` call over the last dim of a ``[batch, heads, rows, keys]``
+    tensor (an eager attention's scaled, masked logits), else ``None``."""
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    return x if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) else None
 
 
 class _SDPAMode(TorchFunctionMode):
@@ -164,9 +133,8 @@ class _SDPAMode(TorchFunctionMode):
         self.module, self.heads = module, heads
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # every torch call of the module's forward passes here (164 per step of dmuon.train's
-        # policy): the common case is two identity tests and the call (the mode's dispatch
-        # costs ~1.1 us a call on an AVX-512 EPYC core; 1.4 us with the kwargs dict built every time)
+        # every torch call of the module's forward passes here: keep the common case to two
+        # identity tests (docs/history.md, "QK-clip recording cost")
         if func is _SDPA:
             kwargs = kwargs or {}
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -174,29 +142,19 @@ class _SDPAMode(TorchFunctionMode):
             _record(self.module, max_logits(bound["query"], bound["key"], scale=bound.get("scale"),
                                             attn_mask=bound.get("attn_mask"),
                                             is_causal=bool(bound.get("is_causal", False))))
-        elif func in _SOFTMAX:
+        elif func in SOFTMAX:
             kwargs = kwargs or {}
-            x = args[0]
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) and x.shape[1] == self.heads:
+            x = attention_logits(args, kwargs)
+            if x is not None and x.shape[1] == self.heads:
                 _record(self.module, x.detach().amax(dim=(0, 2, 3)))
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
 class LogitRecorder:
-    """Forward hooks that record every recognized attention module's per-head max logits while
-    gradients are enabled (training forwards, and reentrant activation checkpointing's
-    recomputation), except in non-reentrant checkpointing's recomputation (the values its first
-    forward recorded: :func:`in_checkpoint_recomputation`) and a pipelining stage's shape
-    inference (:func:`in_metadata_inference`).
-
-    * ``nn.MultiheadAttention``: a pre-hook recomputes ``q k^T / sqrt(d)`` from the module's
-      inputs and its ``in_proj_weight`` / ``in_proj_bias`` (one extra ``[L, S]`` product per
-      head, in row chunks);
-    * any other recognized module: a ``TorchFunctionMode`` around its forward sees its
-      ``F.scaled_dot_product_attention`` (recomputed the same way) and eager softmax calls.
-
-    Attention that reaches neither (a fused kernel called directly) calls :func:`observe`.
+    """Forward hooks that record every recognized attention module's per-head max logits when
+    :func:`_records_now`: for ``nn.MultiheadAttention`` a pre-hook recomputes ``q k^T / sqrt(d)``
+    from its inputs and ``in_proj_*``; for other modules a ``TorchFunctionMode`` around the
+    forward sees ``F.scaled_dot_product_attention`` (recomputed) and eager softmax calls.
 
     Args:
         layouts: the model's attention modules.
@@ -290,9 +248,6 @@ class QKClip:
         model: the model passed to ``dedicate_params``.
         ctx: its :class:`dmuon.hooks.state.DedicateState` (records, groups).
 
-    ``prepare(group)`` at the start of a step gives the step's frozen plan
-    (:class:`dmuon.owners.qk_plan.ClipPlan`); ``apply(group)`` is prepare then scale everything.
-
     Attributes:
         clipped_heads: query heads in the groups the last step clipped.
         max_logit: the largest finite reduced max logit of the last step.
@@ -339,9 +294,8 @@ class QKClip:
         return sum(sizes[:rank]), sizes[rank]
 
     def _local_heads(self, layout: AttentionLayout) -> tuple[int, ...]:
-        """Global indices of the query heads this rank's forward of ``layout`` computes, in the
-        order it computes them: every head, or under TP the heads whose rows lie in this rank's
-        slice of the query weight."""
+        """Global indices of the query heads this rank's forward of ``layout`` computes, in order
+        (under TP: the heads whose rows lie in this rank's slice of the query weight)."""
         every = tuple(range(layout.num_heads))
         if self.ctx.roles.tp is None:
             return every
@@ -378,10 +332,9 @@ class QKClip:
         """This step's recorded maxima, MAX-reduced over the mesh in one all-reduce, and reset.
 
         Returns:
-            ``maxima`` ``[total heads]`` fp32 CPU (``-inf``: no rank saw the head; NaN maxima
-            travel as ``-inf`` plus a flag), ``nan`` ``[total heads]`` bool, and ``recorded``
-            ``[layouts]`` fp32: 0 (no rank recorded the module), 1 (some did), 2 (some rank
-            recorded a head count that is not its share: an error every rank sees).
+            ``maxima`` ``[total heads]`` fp32 CPU (``-inf``: unseen; NaN travels as ``-inf``
+            plus a flag), ``nan`` ``[total heads]`` bool, and ``recorded`` ``[layouts]`` fp32:
+            0 (nobody recorded the module), 1 (recorded), 2 (a rank recorded a wrong head count).
         """
         device = self.ctx.records[0].compute.device if self.ctx.records else torch.device("cpu")
         maxima, nans, flags = [], [], []
@@ -406,8 +359,8 @@ class QKClip:
         return flat[:heads], flat[heads: 2 * heads] > 0, flat[2 * heads:]
 
     def _check_recorded(self, recorded: torch.Tensor) -> None:
-        """Raise (on every rank: ``recorded`` is reduced) when a module recorded no logits in
-        the first step or a wrong head count; later, a module that did not run is skipped."""
+        """Raise (on every rank) when a module recorded a wrong head count, or none in the first
+        step; later, a module that did not run is skipped."""
         wrong = {lay.name: f"{len(local)} of {lay.num_heads} heads on rank {getattr(self.ctx, 'rank', '?')}"
                  for lay, local, r in zip(self.layouts, self.local, recorded.tolist()) if r == 2}
         if wrong:
@@ -510,16 +463,3 @@ class QKClip:
         return ClipPlan(tau=float(tau), alpha=alpha, masters=MappingProxyType(masters),
                         records=tuple(records), others=tuple(others),
                         clipped_heads=self.clipped_heads, max_logit=self.max_logit)
-
-    @torch.no_grad()
-    def apply(self, group: dict) -> None:
-        """:meth:`prepare`, then scale everything at once (the owned masters and the other
-        tensors): QK-clip after an optimizer step that has already run."""
-        plan = self.prepare(group)
-        if plan is not None:
-            plan.scale_all()
-
-    def remove(self) -> None:
-        self.recorder.remove()
-        for layout in self.layouts:
-            setattr(layout.module, _WATCH, False)

@@ -2,9 +2,9 @@
 
 Spawning a world of processes costs ~2.5 s per test on a 2-core machine (mostly ``import torch``
 in every child). :class:`DistPool` pays that once per world size: it keeps one set of workers
-per world size, started by :func:`dmuon.launch.start_ranks` from a forkserver that has torch
+per world size, started by :func:`dmuon.train.ranks.start_ranks` from a forkserver that has torch
 imported (a restart costs ~0.1-0.3 s), each joined to a gloo default group by
-:func:`dmuon.launch.init_rank`, and runs many ``"module:function"`` calls on them.
+:func:`dmuon.train.ranks.init_rank`, and runs many ``"module:function"`` calls on them.
 :func:`spawn_world` runs one call on fresh processes, for tests that kill a rank on purpose.
 
 Every call has a timeout. A rank that raises, dies or hangs makes the call raise an error that
@@ -31,7 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dmuon.launch import init_rank, start_ranks
+from dmuon.train.ranks import init_rank, start_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _cleanup_after_call() -> None:
 
 def _worker_main(rank: int, world_size: int, port: int, conns: tuple, stack_files: list[str],
                  pg_timeout_s: float, once: tuple | None) -> None:
-    """A rank started by :func:`dmuon.launch.start_ranks`. Pool worker (``once is None``):
+    """A rank started by :func:`dmuon.train.ranks.start_ranks`. Pool worker (``once is None``):
     report ``ready``, then answer pickled ``(fn, kwargs, seed)`` requests until ``None`` or EOF.
     With ``once`` (such a triple): run it, report, exit with 0 (returned) or 1 (raised)."""
     import faulthandler
@@ -188,7 +188,7 @@ class _World:
                 # pytest too when running under it: test modules the workers import import it.
                 extra = ["pytest"] if "pytest" in sys.modules else []
                 multiprocessing.get_context("forkserver").set_forkserver_preload(
-                    ["torch", "torch.distributed", "numpy", "dmuon.launch", *extra])
+                    ["torch", "torch.distributed", "numpy", "dmuon.train.ranks", *extra])
             context = start_ranks(
                 _worker_main, world_size, start_method=start_method, join=False, daemon=True,
                 args=(world_size, self._store.port, tuple(c for _, c in pipes), self.stack_files,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from datetime import timedelta
+from typing import Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -59,19 +62,37 @@ def desync(rank: int, world_size: int, *, fault: str, victim: int, mode: str = "
     return dict(error=error, type=kind, after_s=after, step=failed_in)
 
 
+@contextlib.contextmanager
+def count_step_checks() -> Iterator[list[int]]:
+    """Count the step check's all-reduces (each runs under the ``dmuon::step_check`` label)
+    while the block runs: ``[count]``."""
+    from dmuon.hooks import step_check
+
+    count = [0]
+    original = step_check.label
+
+    def label(name: str):
+        count[0] += name == "dmuon::step_check"
+        return original(name)
+
+    with mock.patch.object(step_check, "label", label):
+        yield count
+
+
 def no_desync_counts(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 3,
                      step_check: bool = True) -> dict:
     """A clean run: the step check issues one collective per forward and one per backward
     (none with ``dedicate_params(step_check=False)``)."""
     model, _ = build(world_size, mode, step_check=step_check)
     opt = dmuon.Muon(model, **_EXACT)
-    for step in range(steps):
-        idx, y = models.local_batch(step, rank, world_size)
-        models.loss_fn(model, idx, y).backward()
-        opt.step()
-        opt.zero_grad()
+    with count_step_checks() as checks:
+        for step in range(steps):
+            idx, y = models.local_batch(step, rank, world_size)
+            models.loss_fn(model, idx, y).backward()
+            opt.step()
+            opt.zero_grad()
     check = model._dmuon_state.step_check
-    return dict(checks=check.checks, steps=check.steps, backwards=check.backwards,
+    return dict(checks=checks[0], steps=check.steps, backwards=check.backwards,
                 gloo_group=model._dmuon_state.roles.steps is not None)
 
 

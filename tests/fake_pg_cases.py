@@ -23,6 +23,7 @@ def rank0_of_8() -> dict:
     import dmuon
     from dmuon.hooks.dedicate import get_state, select_matrices, default_predicate
     from dmuon.owners.plan import build_plan
+    from tests.failure_cases import count_step_checks
     from tests.models import Net, loss_fn, local_batch
 
     torch.set_flush_denormal(True)  # buffers the fake collectives never fill
@@ -41,28 +42,29 @@ def rank0_of_8() -> dict:
     state = get_state(model)
     idx, y = local_batch(0, 0, 8)
     losses, calls = [], {}
-    for step in range(3):
-        if step == 2:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with count_step_checks() as step_checks:
+        for step in range(3):
+            if step == 2:
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    loss = loss_fn(model, idx, y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                for evt in prof.events():
+                    if evt.name.startswith("dmuon::"):
+                        calls[evt.name] = calls.get(evt.name, 0) + 1
+            else:
                 loss = loss_fn(model, idx, y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-            for evt in prof.events():
-                if evt.name.startswith("dmuon::"):
-                    calls[evt.name] = calls.get(evt.name, 0) + 1
-        else:
-            loss = loss_fn(model, idx, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-        losses.append(float(loss))
+            losses.append(float(loss))
     from torch.distributed.distributed_c10d import _world
 
     out = {
         "backends": sorted({str(dist.get_backend(pg)) for pg in _world.pg_map}),
         "steps_group": state.roles.steps is not None,
-        "step_checks": state.step_check.checks,
+        "step_checks": step_checks[0],
         "offline": list(state.offline),
         "owned": sorted(r.fqn for r in state.records if r.is_owner),
         "expected_owned": sorted(f for f, o in expected.owner_by_fqn.items() if o == 0),

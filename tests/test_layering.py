@@ -30,7 +30,7 @@ LAYERS = {
     "comm": 2,
     "owners": 1,
     "balance": 0.5,
-    "kernels": 0, "launch": 0, "faults": 0,
+    "kernels": 0, "faults": 0,
 }
 #: Parts that must not import ``torch.distributed`` (docs/design.md).
 NO_DISTRIBUTED = ("kernels", "balance")

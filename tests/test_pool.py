@@ -1,8 +1,8 @@
 """Tests of the multi-rank test pool (tests/_pool.py) and of the launcher it stands on
-(dmuon/launch.py): right answers, loud failures, recovery.
+(dmuon/train/ranks.py): right answers, loud failures, recovery.
 
 The ``_case_*`` functions run inside the gloo workers (``fn="tests.test_pool:_case_..."``),
-``_launched_*`` in ranks started by :func:`dmuon.launch.launch`. Failure tests shorten the
+``_launched_*`` in ranks started by :func:`dmuon.train.ranks.launch`. Failure tests shorten the
 pool's grace period so that the whole file stays within ~35 s.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dmuon.launch import init_rank, launch, start_ranks
+from dmuon.train.ranks import init_rank, launch, start_ranks
 from tests._pool import DistPool, DistPoolError, RankExit, RankTimeoutError, spawn_world
 
 _HERE = "tests.test_pool"
@@ -82,7 +82,7 @@ def _case_subgroup(rank: int, world_size: int) -> float:
 
 
 def _launched_rank(out_dir: str) -> None:
-    """A rank of :func:`dmuon.launch.launch`: all-reduce ``rank + 1`` and write what it saw."""
+    """A rank of :func:`dmuon.train.ranks.launch`: all-reduce ``rank + 1`` and write what it saw."""
     import json
 
     total = torch.tensor([float(dist.get_rank() + 1)], dtype=torch.float64)
@@ -264,7 +264,7 @@ def test_close_reaps_every_worker():
     assert [pid for pid in pids if Path(f"/proc/{pid}").exists()] == []
 
 
-# ----- dmuon.launch: the one launcher of local ranks ------------------------------------------
+# ----- dmuon.train.ranks: the one launcher of local ranks ------------------------------------------
 
 def test_launch_runs_every_rank_in_one_gloo_group(tmp_path):
     launch(_launched_rank, str(tmp_path), 2, backend="gloo", threads=1, torchrun=False)
@@ -305,7 +305,7 @@ def test_launch_reports_the_first_failing_rank_first_whole(tmp_path):
 def test_failure_report_orders_by_time_and_names_deaths_without_exceptions():
     """The report alone: recorded times order the ranks (not rank numbers, not exit order); a
     rank killed by a signal counts from when it was seen; ranks the launcher stopped come last."""
-    from dmuon.launch import failure_report
+    from dmuon.train.ranks import failure_report
 
     records = {2: dict(time=10.0, error="RuntimeError: boom", traceback="Traceback ...\nRuntimeError: boom\n"),
                0: dict(time=10.5, error="RuntimeError: Connection closed by peer", traceback="...")}
@@ -323,7 +323,7 @@ def test_failure_report_orders_by_time_and_names_deaths_without_exceptions():
 
 
 def test_launch_under_torchrun_runs_in_this_process(tmp_path, monkeypatch):
-    from dmuon.launch import free_port
+    from dmuon.train.ranks import free_port
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

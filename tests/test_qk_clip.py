@@ -123,7 +123,7 @@ def test_qk_norm_without_a_gain_is_refused_by_name():
         QKClip(model, ctx)
     model.model.layers[0].self_attn.q_norm = nn.RMSNorm(8)
     clip = QKClip(model, ctx)  # nn.RMSNorm with a weight is fine
-    clip.remove()
+    clip.recorder.remove()
 
 
 def test_local_rows_are_the_rows_fsdp2_and_tp_pieces_hold(dist_pool):

@@ -6,29 +6,18 @@ others, a single one is the data-parallel *shard* dimension (FSDP, or plain repl
 builds them). A 1-D mesh without names is data-parallel. dmuon creates its own process groups
 along each role so its broadcasts and reduces never interleave with FSDP2's collectives.
 
-Expert parallelism (a dimension named ``"ep"``, as torchtitan names it): the mesh is the one
-the experts live on, ``("ep",)`` or ``(expert shard, "ep")`` (torchtitan's ``("efsdp", "ep")``
-or ``("dp_shard_mod_ep", "ep")``), optionally with HSDP's ``"replicate"`` in front: experts
-``Shard(0)`` over ``"ep"``, FSDP2 over the other dim. Every rank of a replica is a
-data-parallel rank for the dense matrices, so their owners are drawn from all of them
-(``shard`` is the group over the replica, in its row-major order); an expert stack's owners are
-drawn from the ranks of the replica that hold the same experts, those sharing this rank's
-``"ep"`` coordinate (``expert``).
+Expert parallelism (a dimension named ``"ep"``, torchtitan's name; :func:`expert_parallel_dims`):
+the dense matrices' owners are drawn from every rank of a replica (``shard``), an expert stack's
+from the replica's ranks sharing this rank's ``"ep"`` coordinate (``expert``).
 
-Pipeline parallelism (a dimension named ``"pp"``, as torchtitan names it): pp ranks are
-*stages*, not replicas. ``dedicate_params(stage_module, mesh)`` takes the whole mesh
-(``("pp", "dp")``, ``("pp", "replicate", "shard")``...) or the stage's sub-mesh (``mesh["dp"]``,
-``mesh["replicate", "shard"]``, sliced from such a mesh); the ``"pp"`` dimension is dropped and
-the roles are read from the rest, so every group, the plan and its digest check, and the step
-check live within the stage's data-parallel ranks (:func:`stage_layout`). Every rank still
-creates every stage's groups in the same order (``dist.new_group`` names a group by a counter that
-must agree on its members), which needs no communication: the stages may call
-``dedicate_params`` at different times, as long as each rank calls it equally often (once per
-stage module it holds, as every pipelining schedule gives every rank the same number).
+Pipeline parallelism (a dimension named ``"pp"``): pp ranks are *stages*, not replicas; the
+``"pp"`` dimension is dropped and every group lives within the stage's data-parallel ranks
+(:func:`stage_layout`). Every rank creates every stage's groups in the same order
+(``dist.new_group`` numbers groups by a counter), so each rank must call ``dedicate_params``
+equally often.
 
-Every group dmuon creates inherits the user's collective timeout (:func:`inherited_timeout`):
-``dist.new_group`` without ``timeout=`` would wait torch's default 30 minutes (gloo) whatever
-``init_process_group(timeout=...)`` said, so a desynchronised rank would hang the job.
+Every group inherits the user's collective timeout (:func:`inherited_timeout`), not torch's
+30-minute default.
 """
 
 from __future__ import annotations
@@ -62,23 +51,15 @@ class MeshRoles:
         tp: group over the tensor-parallel dimension, or ``None``.
         shard_dim, replicate_dim, tp_dim: the mesh dimensions of each role (``None`` if absent).
         tp_name: the mesh dimension name of the TP role.
-        steps: group over the whole mesh (the stage's ranks) for the step-agreement check only
-            (:mod:`dmuon.hooks.step_check`), so its all-reduce can never pair with another
-            collective of a rank that is out of step.
-        timeout: the collective timeout every dmuon group was created with (``None``: torch's
-            default, when no group's timeout could be read).
-        fake: the mesh runs on torch's fake process group (backend ``"fake"``,
-            ``torch.testing._internal.distributed.fake_pg``): one process plays one rank, its
-            collectives return at once with nothing received, so nothing that needs a live peer
-            (the step check, a plan broadcast, a digest exchange) is created or issued.
-        expert: expert parallelism only: the group of the ranks sharing this rank's ``"ep"``
-            coordinate (they hold the same experts): an expert stack's owners, publication and
-            reduce-to-owner live here. ``None`` without an ``"ep"`` dimension.
-        ep_size: size of the ``"ep"`` dimension (1 without one).
-        ep_name: the mesh dimension name of expert parallelism, or ``None``.
-        pp_size: number of pipeline stages (the size of the ``"pp"`` dimension; 1 without one).
-            Every other attribute is the stage's: ``world`` and ``steps`` span the stage's
-            data-parallel ranks only.
+        shape: the (stage's) mesh shape.
+        steps: gloo group over ``world``'s ranks for the step check only
+            (:mod:`dmuon.hooks.step_check`), or ``None``.
+        timeout: the collective timeout of every dmuon group (``None``: torch's default).
+        fake: the mesh runs on torch's fake process group (one process plays one rank; nothing
+            that needs a live peer is created or issued).
+        expert: expert parallelism only: the ranks sharing this rank's ``"ep"`` coordinate.
+        ep_size, ep_name: size and name of the ``"ep"`` dimension (1 / ``None`` without one).
+        pp_size: number of pipeline stages (1 without ``"pp"``).
     """
 
     shard: dist.ProcessGroup
@@ -117,8 +98,7 @@ def _describe(mesh) -> str:
 
 @dataclass(frozen=True)
 class _MeshView:
-    """The part of a ``DeviceMesh`` role assignment reads: its rank tensor and dimension names
-    (one pipeline stage's, :func:`stage_layout`)."""
+    """A ``DeviceMesh``'s rank tensor and dimension names (one pipeline stage's)."""
 
     mesh: torch.Tensor
     mesh_dim_names: tuple[str, ...] | None
@@ -133,8 +113,7 @@ class _MeshView:
 
 
 def _root_mesh(mesh):
-    """The mesh ``mesh`` was sliced from (itself if not a slice); torch 2.11+ ``_get_root_mesh``,
-    older ``_mesh_resources.get_root_mesh``."""
+    """The mesh ``mesh`` was sliced from (itself if not a slice)."""
     getter = getattr(mesh, "_get_root_mesh", None)
     if getter is not None:
         return getter()
@@ -150,21 +129,17 @@ def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
     """Every pipeline stage's data-parallel ranks, for the whole mesh or a stage's sub-mesh.
 
     Args:
-        mesh: the ``DeviceMesh`` given to ``dedicate_params``: a mesh with a ``"pp"`` dimension
-            (``("pp", "dp")``...), a sub-mesh sliced from one (``mesh["dp"]``, which holds only
-            its own stage's ranks), or any mesh without pipeline parallelism.
+        mesh: a mesh with a ``"pp"`` dimension, a stage's sub-mesh sliced from one
+            (``mesh["dp"]``), or any mesh without pipeline parallelism.
 
     Returns:
-        ``(stages, names, index)``: ``stages`` ``[n_stages, *stage shape]`` int64, the global
-        ranks of every stage in stage order (``n_stages`` is 1 without ``"pp"``); ``names``
-        the stage's dimension names (the mesh's without ``"pp"``; ``None`` for an unnamed
-        mesh); ``index`` this rank's stage.
+        ``(stages, names, index)``: ``stages`` ``[n_stages, *stage shape]`` int64 global ranks
+        (``n_stages`` 1 without ``"pp"``), the stage's dimension names (``None``: unnamed), and
+        this rank's stage.
 
     Raises:
-        ValueError: a sub-mesh whose parent mesh has dimensions other than ``"pp"`` that the
-            sub-mesh drops (``mesh["shard"]`` of an HSDP mesh would lose the replicas: pass
-            the whole ``("replicate", "shard")`` mesh), or a mesh whose stages cannot be told
-            apart (a 0-D mesh).
+        ValueError: a sub-mesh that drops a parent dimension other than ``"pp"``, or more than
+            one ``"pp"`` dimension.
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     root = _root_mesh(mesh)
@@ -235,15 +210,12 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
 
 
 def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
-    """``(ep_dim, expert_shard_dim, replicate_dim)`` of a mesh with an expert-parallel
-    dimension (``None`` without one): ``("ep",)`` (no expert shard dim: every rank holds its
-    own experts alone), ``(shard, "ep")`` with any non-TP, non-replicate name for the shard dim
-    (torchtitan's ``("efsdp", "ep")`` / ``("dp_shard_mod_ep", "ep")``), or HSDP in front,
-    ``("replicate", shard, "ep")`` (torchtitan's ``("dp_replicate", "efsdp", "ep")``).
+    """``(ep_dim, expert_shard_dim, replicate_dim)`` of a mesh with an ``"ep"`` dimension
+    (``None`` without one): ``("ep",)``, ``(shard, "ep")`` (torchtitan's ``("efsdp", "ep")``) or
+    ``("replicate", shard, "ep")``.
 
     Raises:
-        ValueError: any other mesh with an ``"ep"`` dimension (TP with expert parallelism, or
-            ``"ep"`` not last), naming the mesh and what is supported.
+        ValueError: any other mesh with an ``"ep"`` dimension (with TP, or ``"ep"`` not last).
     """
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     ep = [i for i, n in enumerate(names) if n in EP_NAMES]
@@ -267,8 +239,7 @@ def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
 
 
 def _groups_of(rank_lists: list[list[int]], backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
-    """Create one group per rank list (every rank creates every group, in the same order:
-    collective) and return the one holding this rank."""
+    """Create one group per rank list, in order, on every rank; return the one holding this rank."""
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
         group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
@@ -278,19 +249,9 @@ def _groups_of(rank_lists: list[list[int]], backend: str, timeout: timedelta | N
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
-    """The collective timeout a process group was created with, or ``None`` if unreadable.
-
-    torch has no public getter; torch 2.13 keeps it in each backend's options
-    (``ProcessGroupGloo.options._timeout``, ``ProcessGroupNCCL.options._timeout``), which is
-    what this reads (tested on 2.13 only; on a torch without them it returns ``None`` and dmuon
-    falls back to torch's default timeout, with a warning).
-
-    Args:
-        group: a process group; ``None``: the default group.
-
-    Returns:
-        The shortest timeout of the group's backends (seconds resolution as given by the user).
-    """
+    """The shortest collective timeout of ``group``'s backends (default: the default group),
+    read from the private ``ProcessGroup*.options._timeout`` (torch has no public getter), or
+    ``None`` where unreadable."""
     if group is None:
         group = dist.group.WORLD
     found = []
@@ -306,13 +267,8 @@ def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
 
 
 def inherited_timeout(mesh) -> timedelta | None:
-    """The timeout dmuon's groups for ``mesh`` get: the shortest of the default group's and the
-    mesh's own groups' timeouts (a 2-D ``init_device_mesh`` creates its sub-groups with torch's
-    default timeout, so the default group's carries the user's ``init_process_group`` setting).
-
-    Returns:
-        That timeout, or ``None`` (torch's default) when no group's timeout can be read.
-    """
+    """The shortest of the default group's and ``mesh``'s groups' timeouts (``None``: none
+    readable, torch's default)."""
     groups = [dist.group.WORLD] + [mesh.get_group(d) for d in range(mesh.ndim)]
     found = [t for t in (group_timeout(g) for g in groups) if t is not None]
     if not found:
@@ -323,15 +279,12 @@ def inherited_timeout(mesh) -> timedelta | None:
 
 
 def check_mesh(mesh) -> None:
-    """Refuse what is not a ``DeviceMesh`` over every rank of the job (a pipeline stage's
-    sub-mesh: its parent mesh), on every rank.
-
-    Local and identical on every rank (no collective), so no rank is left waiting.
+    """Refuse, on every rank and without a collective, what is not a ``DeviceMesh`` over every
+    rank of the job (for a pipeline stage's sub-mesh: its parent's).
 
     Raises:
-        TypeError: ``mesh`` is a ``ProcessGroup`` or anything else that is not a ``DeviceMesh``.
-        ValueError: the mesh does not hold every rank of the default group (a rank outside it
-            would otherwise fail alone, the others waiting in dmuon's group creation).
+        TypeError: ``mesh`` is not a ``DeviceMesh``.
+        ValueError: the mesh does not hold every rank of the default group.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -368,32 +321,20 @@ def _groups_along(mesh_ranks, dim: int | None, backend: str,
         full = list(idx)
         full.insert(dim, slice(None))
         rank_lists.append([int(r) for r in mesh_ranks[tuple(full)].tolist()])
-    me = dist.get_rank()
-    mine = None
-    for ranks in rank_lists:  # every rank creates every group, in the same order
-        group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
-        if me in ranks:
-            mine = group
-    return mine
+    return _groups_of(rank_lists, backend, timeout)
 
 
 def is_fake_backend(backend: str) -> bool:
-    """Whether ``backend`` (``dist.get_backend(group)``) is torch's fake process group, whose
-    collectives return at once without any peer (one process playing one rank of a large job)."""
+    """Whether ``backend`` (``dist.get_backend(group)``) is torch's fake process group."""
     return "fake" in str(backend)
 
 
 def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
-    """Create dmuon's groups for ``mesh`` (collective: every rank of the world calls it).
-
-    Every group gets :func:`inherited_timeout`, so every dmuon collective fails within the
-    user's timeout instead of torch's 30-minute default.
+    """Create dmuon's groups for ``mesh``, with :func:`inherited_timeout` (collective).
 
     Args:
         mesh: the ``DeviceMesh``.
-        step_check: create the step check's gloo group (:mod:`dmuon.hooks.step_check`). It is
-            not created without the check, nor on the fake backend (a gloo group cannot be made
-            over a fake store, and a check against peers that do not exist cannot agree).
+        step_check: create the step check's gloo group (never on the fake backend).
 
     Raises:
         TypeError, ValueError: see :func:`check_mesh` and :func:`assign_roles`.
@@ -428,10 +369,9 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
 
 def _expert_parallel_roles(mesh, ep_dims: tuple[int, int | None, int | None], backend: str,
                            timeout: timedelta | None, fake: bool, step_check: bool) -> MeshRoles:
-    """:func:`build_roles` on an expert-parallel mesh (collective). Seen as ``[replicas, expert
-    shard, ep]``: the dense matrices' shard group is a replica's ranks (row-major over expert
-    shard x ep), the experts' group a replica's ranks of one ep coordinate, the replicate group
-    (HSDP) the ranks of one (expert shard, ep) position."""
+    """:func:`build_roles` on a mesh seen as ``[replicas, expert shard, ep]``: ``shard`` is a
+    replica's ranks, ``expert`` a replica's ranks of one ep coordinate, ``replicate`` the ranks
+    of one (expert shard, ep) position."""
     ep_dim, expert_dim, replicate_dim = ep_dims
     ranks = mesh.mesh
     if expert_dim is None:

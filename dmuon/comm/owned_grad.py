@@ -1,40 +1,23 @@
 """What third-party code sees as a dedicated matrix's gradient: an :class:`OwnedGrad`.
 
-After a synchronized backward the full averaged gradient of a dedicated matrix lives on its
-owner only (non-owners hold a zero-size placeholder parameter), so a gradient-norm clip that
-walks ``model.parameters()`` on each rank sees a rank-dependent set of gradients: Accelerate's
-``clip_grad_norm_`` and the transformers ``Trainer`` take plain-tensor gradients for replicas
-and return a different norm on every rank (1.35 and 0.75 on 2 ranks where the norm is 1.50);
-torch's ``clip_grad_norm_`` and torchtitan's raise ``aten._foreach_norm.Scalar got mixed
-torch.Tensor and DTensor`` under FSDP2, and on the replicated path see the owner's gradients
-only (issue 31).
-
-The parameters keep their representation (docs/design.md, "What the code around the loop
-sees"); the *gradient* a dedicated parameter shows outside backward is an :class:`OwnedGrad`:
-the same plain local tensor (the owner's ``[rows, cols]`` fp32 average, a ``[0]`` tensor on a
-non-owner's placeholder), viewed as a tensor subclass whose ``__torch_function__``
+After a synchronized backward a dedicated matrix's averaged gradient lives on its owner only, so
+a clip that walks ``model.parameters()`` would see a different set of gradients on every rank.
+Outside backward, every rank therefore shows an :class:`OwnedGrad` for every dedicated parameter
+that had a gradient this step: the plain local tensor (the owner's ``[rows, cols]`` fp32 average,
+``[0]`` on a placeholder, zeros marked ``absent`` where no rank had one) as a tensor subclass whose
+``__torch_function__``
 
 * answers a whole-tensor norm (``torch.linalg.vector_norm``, ``torch.norm``, ``Tensor.norm``,
-  ``torch.linalg.norm``, ``torch._foreach_norm``) with the norm of the *full* gradient, the
-  same plain 0-d tensor on every rank (one all-reduce over the mesh per call: a replicated
-  value, as DDP's gradients are, so every consumer that sums per-tensor norms, DTensor-aware
-  or not, adds it once), and
+  ``torch.linalg.norm``, ``torch._foreach_norm``) with the norm of the *full* gradient, the same
+  0-d tensor on every rank (one all-reduce over the mesh per call, counted once as DDP's are);
 * unscales a grad scaler's gradients (``torch._amp_foreach_non_finite_check_and_unscale_``) on
-  the pieces this rank holds, with the non-finite flag reduced over the mesh, and
-* runs every other op on the local tensor (a clip's ``mul_`` scales what this rank holds; a
-  0-d DTensor factor, FSDP2's clip coefficient, is taken as its full value).
+  the pieces this rank holds, with the non-finite flag MAX-reduced over the mesh;
+* runs every other op on the local tensor (a clip's ``mul_``; a 0-d DTensor factor, FSDP2's clip
+  coefficient, is taken as its full value).
 
-So ``torch.nn.utils.clip_grad_norm_(model.parameters())``, ``Accelerator.clip_grad_norm_``,
-the ``Trainer``'s clip and torchtitan's ``clip_grad_norm_`` compute the single-process norm and
-clip by it, on the FSDP2 path and the replicated path. Every rank must make the same calls, as
-every rank does with a DTensor: hence every rank holds an ``OwnedGrad`` for every dedicated
-parameter that had a gradient this step, the owner's (zeros marked ``absent`` when no rank
-produced one: dmuon's step then skips the matrix, as ``torch.optim.Muon`` skips ``None``) and
-the placeholders' alike. A module slot that shows one range of a split expert stack carries
-the ranges this rank holds behind it (``pieces``): its norm and ``mul_`` cover them all.
-
-Cost: a third-party clip issues one small all-reduce per dedicated parameter (torch's
-per-tensor norm path); :func:`dmuon.clip_grad_norm_` issues one in all.
+So torch's, Accelerate's, the transformers ``Trainer``'s and torchtitan's ``clip_grad_norm_``
+compute the single-process norm (docs/history.md, "Owner-held gradients"). A slot showing one
+range of a split expert stack carries every range this rank holds (``dmuon_pieces``).
 """
 
 from __future__ import annotations
@@ -52,7 +35,7 @@ _WHOLE_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.l
 
 
 class OwnedGrad(torch.Tensor):
-    """A dedicated parameter's gradient as third-party code sees it (see the module docstring).
+    """A dedicated parameter's gradient as third-party code sees it (module docstring).
 
     Attributes (set by :func:`present`):
         dmuon_pieces: the plain local gradients this rank holds behind the parameter (the
@@ -211,12 +194,9 @@ def _foreach_mul_(tensors: Sequence[torch.Tensor], other: Any) -> None:
 
 
 def _amp_unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """A grad scaler's unscale (``torch.amp.GradScaler``, FSDP2's ``ShardedGradScaler``) of a
-    list holding OwnedGrads: the other gradients (FSDP2's DTensors, replicas) as torch does,
-    the pieces this rank holds behind the OwnedGrads multiplied by ``inv_scale``; whether any
-    of those is not finite is MAX-reduced over the mesh (the owners hold them), so
-    ``found_inf`` (``[1]`` fp32, set to 1.0 on a non-finite value) agrees on every rank and
-    every rank skips, or takes, the same step."""
+    """A grad scaler's unscale of a list holding OwnedGrads: the other gradients as torch does,
+    the pieces behind the OwnedGrads times ``inv_scale``, with their non-finite flag MAX-reduced
+    over the mesh so ``found_inf`` (``[1]`` fp32) agrees on every rank."""
     rest = [g for g in grads if not isinstance(g, OwnedGrad)]
     if rest:
         torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
@@ -250,9 +230,7 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
         group: the group a norm is all-reduced over (every rank of the mesh).
         replicate_rank, tp_rank: this rank's HSDP replica and TP index (who counts equal copies).
         made_up: ``id(parameter) -> OwnedGrad`` shown where this rank holds no gradient (a
-            placeholder's ``[0]``, an owner's absent zeros), built once and shown again every
-            step: those never change, and the hot path then dispatches no op for them (only
-            the owner's real gradients cost one ``aten::alias`` each).
+            placeholder's ``[0]``, an owner's absent zeros), built once and reused every step.
     """
     by_param: dict[int, list[DedicatedParam]] = {}
     for rec in records:

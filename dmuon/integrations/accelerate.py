@@ -10,21 +10,9 @@ One call replaces ``accelerator.prepare(model, optimizer)``::
     model, optimizer = dmuon.integrations.accelerate.prepare(accelerator, model, lr=0.02)
     loader, scheduler = accelerator.prepare(loader, scheduler)    # as usual
 
-and the stock loop runs unchanged: ``with accelerator.accumulate(model)``,
-``accelerator.backward(loss)``, ``accelerator.clip_grad_norm_(model.parameters(), max_norm)``
-(the global norm), ``optimizer.step()`` / ``zero_grad()``, ``accelerator.get_state_dict(model)``
-(full weights), ``accelerator.save_state(dir)`` / ``load_state(dir)`` (exact resume).
-
-:func:`prepare` does Accelerate's FSDP2 preparation of the model (its auto-wrap policy,
-activation checkpointing, mixed precision), :func:`dmuon.dedicate_params` on the mesh FSDP2
-sharded over, builds :class:`dmuon.Muon` and hands it to ``accelerator.prepare_optimizer``.
-
-**No overrides.** Everything after :func:`prepare` is stock Accelerate 1.15: its FSDP2 clip
-sees dedicated gradients as ``OwnedGrad`` (the global norm, :mod:`dmuon.comm.owned_grad`), its
-``get_state_dict`` and ``save_state``/``load_state`` go through torch's state-dict API, which
-shows dedicated matrices and their momentum as FSDP2 would (:mod:`dmuon.hooks.state_dict`,
-:mod:`dmuon.hooks.optim_state`). Each was measured exact with its former override deleted
-(``tests/test_integrations.py``).
+and the stock Accelerate 1.15 loop runs unchanged (``accumulate``, ``backward``,
+``clip_grad_norm_``: the global norm, ``get_state_dict``: full weights, ``save_state`` /
+``load_state``: exact resume); nothing of the accelerator is overridden.
 """
 
 from __future__ import annotations
@@ -40,9 +28,8 @@ import dmuon
 def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
             dedicate_kwargs: dict[str, Any] | None = None,
             **muon_kwargs: Any) -> tuple[nn.Module, Any]:
-    """Accelerate's FSDP2 preparation of ``model``, then dmuon's owners and optimizer.
-
-    Collective: every rank calls it with the same arguments.
+    """Accelerate's FSDP2 preparation of ``model`` (auto-wrap, activation checkpointing, mixed
+    precision), then :func:`dmuon.dedicate_params` and :class:`dmuon.Muon`. Collective.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` whose state is FSDP2
@@ -56,10 +43,8 @@ def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
             ``adamw_lr``, ...).
 
     Returns:
-        ``(model, optimizer)``: the FSDP2 model (the same object, sharded in place) and the
-        ``AcceleratedOptimizer`` wrapping its :class:`dmuon.Muon`. The accelerator itself is
-        not changed: its ``clip_grad_norm_``, ``get_state_dict``, ``save_state`` and
-        ``load_state`` are the stock ones.
+        ``(model, optimizer)``: the FSDP2 model (sharded in place) and the
+        ``AcceleratedOptimizer`` wrapping its :class:`dmuon.Muon`.
 
     Raises:
         ValueError: the accelerator is not FSDP2, it already prepared a model, or ``model``
@@ -76,17 +61,26 @@ def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
         raise ValueError(
             f"dmuon: this accelerator already prepared {len(accelerator._models)} model(s); "
             f"Accelerate's FSDP2 takes one model per accelerator: call prepare() on a fresh one")
-    # Accelerate's FSDP2 path refuses a model without an optimizer (it swaps the optimizer's
-    # parameters for the sharded ones); dmuon.Muon can only be built after dedicate_params,
-    # which needs the sharded model. A throwaway SGD fills the slot and is dropped at once.
-    stand_in = torch.optim.SGD([p for p in model.parameters() if p.requires_grad] or
-                               [nn.Parameter(torch.zeros(1))], lr=0.0)
-    model, prepared_stand_in = accelerator.prepare(model, stand_in)
+    model, prepared_stand_in = accelerator.prepare(model, stand_in_optimizer(model))
     accelerator._optimizers.remove(prepared_stand_in)  # save_state pairs _optimizers[i] with _models[i]
     dmuon.dedicate_params(model, mesh if mesh is not None else fsdp_mesh(model),
                           **(dedicate_kwargs or {}))
     optimizer = accelerator.prepare_optimizer(dmuon.Muon(model, **muon_kwargs))
     return model, optimizer
+
+
+def stand_in_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """A throwaway ``SGD(lr=0)`` over ``model``'s trainable parameters: Accelerate's FSDP2
+    ``prepare`` needs an optimizer beside the model, and :class:`dmuon.Muon` the sharded model."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.SGD(params or [nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
+def dedicate(model: nn.Module, dedicate_kwargs: dict[str, Any]) -> None:
+    """:func:`dmuon.dedicate_params` with ``dedicate_kwargs``, whose ``mesh`` defaults to
+    :func:`fsdp_mesh` (collective)."""
+    kwargs = dict(dedicate_kwargs)
+    dmuon.dedicate_params(model, kwargs.pop("mesh", None) or fsdp_mesh(model), **kwargs)
 
 
 def fsdp_mesh(model: nn.Module) -> Any:

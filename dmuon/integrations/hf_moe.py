@@ -1,18 +1,11 @@
 """Expert parallelism for Hugging Face Mixture-of-Experts models.
 
-transformers 5 stores a MoE layer's experts as one module with two stacks, ``gate_up_proj``
-``[E, 2 * I, H]`` and ``down_proj`` ``[E, H, I]`` (Qwen3-MoE, Mixtral, DeepSeek-V3, ...), whose
-``forward(hidden_states, top_k_index, top_k_weights)`` loops over the experts that got tokens.
-Its forward assumes every expert is local. Under expert parallelism, as torchtitan lays it out,
-each stack is a DTensor ``Shard(0)`` over an ``"ep"`` mesh dimension and the tokens go to the
-rank holding their expert and come back (torchtitan's ``ExpertParallel``: all-to-all dispatch,
-local experts, all-to-all combine). :func:`shard_experts` sets one experts module up that way;
-:func:`experts_forward` is the forward it installs; :func:`ep_dispatch` is the dispatch and
-combine, usable by any MoE whose rows are sorted by expert.
-
-The maths is the Hugging Face forward's: ``down[e] (act(gate[e] x) * up[e] x)`` weighted by the
-router, summed over a token's ``top_k`` experts. dmuon's optimizer needs nothing from this module:
-:func:`dmuon.dedicate_params` finds the ``Shard(0)`` stacks on the ``("efsdp", "ep")`` mesh.
+transformers 5 stores a MoE layer's experts (Qwen3-MoE, Mixtral, DeepSeek-V3, ...) as two
+stacks, ``gate_up_proj`` ``[E, 2 * I, H]`` and ``down_proj`` ``[E, H, I]``, with a forward that
+assumes every expert is local. :func:`shard_experts` lays them out as torchtitan's
+``ExpertParallel`` does (``Shard(0)`` over ``"ep"``, all-to-all dispatch and combine,
+:func:`ep_dispatch`) and installs :func:`experts_forward`. :func:`dmuon.dedicate_params` then
+finds the stacks on the ``("efsdp", "ep")`` mesh.
 
 Example (after building the model, before ``fully_shard``)::
 
@@ -44,8 +37,7 @@ def ep_dispatch(routed: torch.Tensor, counts: torch.Tensor, group: dist.ProcessG
     """Send each row to the rank holding its expert, run ``compute`` there, bring the rows back.
 
     torchtitan's ``ExpertParallel`` dispatch and combine, with torch's autograd all-to-all
-    (``torch.distributed._functional_collectives.all_to_all_single_autograd``), so gradients
-    flow back along the same route.
+    (``all_to_all_single_autograd``), so gradients flow back along the same route.
 
     Args:
         routed: ``[rows, hidden]``, any float dtype, rows sorted by global expert index (not
@@ -90,12 +82,9 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """A Hugging Face experts module's forward with expert parallelism.
 
-    Same signature and maths as transformers 5's experts forward (``Qwen3MoeExperts.forward``):
-    ``sum_k w_k * down[e_k] (act(gate[e_k] x) * up[e_k] x)``, where ``gate_up_proj[e]`` holds
-    ``gate`` above ``up``. Each (token, expert) pair goes by :func:`ep_dispatch` over
-    ``experts.ep_group`` to the rank holding the expert (the stacks are DTensors ``Shard(0)``
-    over ``"ep"``; the local experts are their ``to_local()``). Installed by
-    :func:`shard_experts`; with ``experts.ep_group`` ``None`` every expert is local.
+    transformers 5's ``Qwen3MoeExperts.forward``: ``sum_k w_k * down[e_k] (act(gate[e_k] x) *
+    up[e_k] x)`` (``gate_up_proj[e]`` holds ``gate`` above ``up``), each (token, expert) pair sent
+    by :func:`ep_dispatch` over ``experts.ep_group`` (``None``: every expert local).
 
     Args:
         experts: the experts module (``gate_up_proj`` ``[E, 2 * I, H]``, ``down_proj``
@@ -130,10 +119,8 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
 def shard_experts(experts: nn.Module, ep_mesh: Any) -> nn.Module:
     """Lay a Hugging Face experts module out for expert parallelism, in place.
 
-    Each stack (``gate_up_proj``, ``down_proj``) becomes a DTensor ``Shard(0)`` over
-    ``ep_mesh`` (rank ``r`` holds experts ``r * E / ep`` onwards), ``experts.ep_group`` is set,
-    and ``experts.forward`` is replaced by :func:`experts_forward`. Call it before
-    ``fully_shard`` (on ``experts`` over the expert-FSDP mesh, then on the layer) and before
+    Each stack becomes a DTensor ``Shard(0)`` over ``ep_mesh``, ``experts.ep_group`` is set and
+    ``experts.forward`` is :func:`experts_forward`. Call it before ``fully_shard`` and
     :func:`dmuon.dedicate_params`.
 
     Args:

@@ -1,11 +1,8 @@
 """dmuon as torchtitan's optimizer (torchtitan 0.3.0), on either of dmuon's paths.
 
-torchtitan builds its optimizer with ``config.optimizer.build(model_parts=...)`` after
-``parallelize``, ``to_empty`` and ``init_weights``: the moment :func:`dmuon.dedicate_params`
-needs (the model sharded by FSDP2, its weights final). :class:`DmuonOptimizersContainer` is an
-``OptimizersContainer`` whose optimizer, per model part, is :class:`dmuon.Muon` (Muon on the
-matrices :func:`dmuon.default_predicate` picks, AdamW on the rest), built there. In a
-torchtitan config::
+torchtitan builds its optimizer after ``parallelize`` and ``init_weights``, the moment
+:func:`dmuon.dedicate_params` needs. :class:`DmuonOptimizersContainer` holds one
+:class:`dmuon.Muon` per model part. In a torchtitan config::
 
     from dmuon.integrations.torchtitan import DmuonOptimizersContainer
 
@@ -13,21 +10,10 @@ torchtitan config::
         muon_kwargs=dict(lr=0.02, adamw_lr=3e-4, weight_decay=0.1),
         path="hooks")               # or "distributed_config"
 
-``path="hooks"`` (default) dedicates each matrix to one owner rank (``dedicate_params``: the
-owner keeps the full matrix and its momentum, other ranks a zero-size placeholder);
-``path="distributed_config"`` leaves FSDP2's sharding as it is and gives ``dmuon.Muon`` the
-parameters with a :class:`dmuon.DistributedConfig` (default :func:`dmuon.create_dtensor_config`):
-each matrix's owner gathers its gradient momentum, orthogonalizes it and sends the shards back.
-Both equal single-process ``torch.optim.Muon`` + ``AdamW``.
-
-Or, with no config change, one command-line flag (torchtitan's own override mechanism, see
-:func:`muon`): ``--override.imports dmuon.integrations.torchtitan.muon``.
-
-Everything else is torchtitan's: its FSDP2 ``parallelize`` (dmuon follows the
-``set_gradient_divide_factor(1.0)`` it sets), activation checkpointing, ``LRSchedulersContainer``
-(one ``LambdaLR`` per ``dmuon.Muon``) and the container's ``step`` / ``zero_grad``.
-
-``torchtitan`` is imported when this module is (``import dmuon`` does not import it).
+``path="hooks"`` (default) dedicates each matrix to one owner rank; ``path="distributed_config"``
+keeps FSDP2's sharding and gives ``dmuon.Muon`` a :class:`dmuon.DistributedConfig`. Or, with no
+config change: ``--override.imports dmuon.integrations.torchtitan.muon`` (:func:`muon`).
+Everything else (schedulers, ``step`` / ``zero_grad``, checkpointing) is torchtitan's.
 """
 
 from __future__ import annotations
@@ -41,16 +27,14 @@ from torchtitan.components.optimizer import OptimizersContainer
 from torchtitan.config.override import derive, override
 
 import dmuon
-from dmuon.integrations.accelerate import fsdp_mesh
+from dmuon.integrations.accelerate import dedicate
 
 PATHS = ("hooks", "distributed_config")
 
 
 class DmuonOptimizersContainer(OptimizersContainer):
-    """torchtitan's ``OptimizersContainer`` holding one :class:`dmuon.Muon` per model part.
-
-    Collective: every rank builds it, with the same config, after the model parts are
-    parallelized and initialised (as torchtitan's trainer does).
+    """torchtitan's ``OptimizersContainer`` holding one :class:`dmuon.Muon` per model part
+    (Muon on the matrices :func:`dmuon.default_predicate` picks, AdamW on the rest). Collective.
 
     Args:
         config: :class:`DmuonOptimizersContainer.Config`; ``param_groups`` and
@@ -105,16 +89,10 @@ class DmuonOptimizersContainer(OptimizersContainer):
         self._post_init(all_params)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torchtitan's flat, FQN-keyed optimizer state dict (``state.{fqn}.{name}``,
-        ``param_groups.{fqn}.{key}``), as ``OptimizersContainer.load_state_dict`` does, with
-        every Muon matrix's ``momentum_buffer`` handed to :class:`dmuon.Muon` on every rank.
-
-        torchtitan's ``_unflatten_optim_state_dict`` keeps, per parameter, the state names this
-        rank's optimizer holds: a Muon matrix's momentum is held by its owner only, so the other
-        ranks would leave it out, while :class:`dmuon.Muon`'s load needs every rank's piece of
-        the FSDP2-laid-out entry (it gathers them to the owner; collective). torchtitan's
-        ``CheckpointManager`` calls this on load; every other method (``state_dict`` included)
-        is ``OptimizersContainer``'s.
+        """Load torchtitan's flat, FQN-keyed optimizer state dict as
+        ``OptimizersContainer.load_state_dict`` does, handing every Muon matrix's
+        ``momentum_buffer`` to :class:`dmuon.Muon` on every rank (torchtitan's unflattening
+        keeps only the state this rank's optimizer holds: the owner's). Collective.
 
         Raises:
             ValueError: what :class:`dmuon.Muon`'s ``load_state_dict`` raises (an entry that
@@ -137,9 +115,7 @@ class DmuonOptimizersContainer(OptimizersContainer):
 
 def _hooks_optimizer(model: nn.Module, config: DmuonOptimizersContainer.Config) -> dmuon.Muon:
     """``dedicate_params`` on ``model`` (collective), then ``dmuon.Muon(model)``."""
-    kwargs = dict(config.dedicate_kwargs)
-    mesh = kwargs.pop("mesh", None) or fsdp_mesh(model)
-    dmuon.dedicate_params(model, mesh, **kwargs)
+    dedicate(model, config.dedicate_kwargs)
     return dmuon.Muon(model, **config.muon_kwargs)
 
 
@@ -184,23 +160,15 @@ def _distributed_config_optimizer(model: nn.Module,
 @override(target=OptimizersContainer.Config,
           description="dmuon.Muon: Muon on the matrices, AdamW on the rest")
 def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersContainer.Config:
-    """torchtitan override: the trainer's optimizer becomes :class:`DmuonOptimizersContainer`.
-
-    One command-line flag, with torchtitan's own override mechanism (``torchtitan.config.
-    override``)::
+    """torchtitan override: the trainer's optimizer becomes :class:`DmuonOptimizersContainer`::
 
         --override.imports dmuon.integrations.torchtitan.muon
         --override.imports 'dmuon.integrations.torchtitan.muon={"lr": 0.02, "adamw_lr": 8e-4}'
 
-    Without ``lr``, Muon takes the replaced AdamW's learning rate and weight decay with
-    ``adjust_lr_fn="match_rms_adamw"`` (the update's RMS matched to AdamW's, so AdamW's
-    hyper-parameters carry over); the other parameters' AdamW keeps the replaced one's ``lr``,
-    ``betas``, ``eps`` and ``weight_decay``. That AdamW is the config's first ``AdamW``/``Adam``
-    param group (torchtitan's ``default_adamw`` has one, matching every parameter); without
-    one, dmuon.Muon's defaults apply.
-
-    ``adjust_lr_fn`` takes what the installed ``torch.optim.Muon`` takes, as torchtitan's own
-    Muon does (``"spectral_unclamped"`` from torch 2.14; refused by name before).
+    Without ``lr``, Muon takes the replaced AdamW's ``lr`` and ``weight_decay`` with
+    ``adjust_lr_fn="match_rms_adamw"``; the other parameters' AdamW keeps the replaced one's
+    ``lr``, ``betas``, ``eps`` and ``weight_decay`` (the config's first ``AdamW`` / ``Adam``
+    param group; without one, dmuon.Muon's defaults).
 
     Args:
         config: the ``OptimizersContainer.Config`` being replaced (torchtitan passes it).

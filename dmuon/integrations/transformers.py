@@ -14,21 +14,11 @@
     trainer.train()                       # or train(resume_from_checkpoint=True)
     trainer.save_model()                  # full weights, save_pretrained / push_to_hub ready
 
-**Why a subclass.** ``optimizers=(opt, sched)`` is refused under FSDP, and
-``optimizer_cls_and_kwargs=(dmuon.Muon, kw)`` hands ``dmuon.Muon`` the Trainer's param groups
-of DTensors without :func:`dmuon.dedicate_params` (plain Muon on shards, embeddings on Muon:
-silently wrong). Under FSDP2 the Trainer builds its optimizer *before* ``accelerator.prepare``
-shards the model and its scheduler right *after*: ``create_scheduler`` is the first hook that
-sees the FSDP2 model, so it calls ``dedicate_params`` there, builds ``dmuon.Muon`` and hands it
-to the accelerator in place of the stand-in optimizer, then builds the stock scheduler on it.
-
-**No other overrides.** Clipping (``max_grad_norm``, the logged ``grad_norm``),
-``save_model`` and the ``save_steps`` checkpoints / ``resume_from_checkpoint`` are the stock
-Trainer's: dedicated gradients are presented as ``OwnedGrad`` to Accelerate's FSDP2 clip (the
-global norm), and torch's state-dict API shows dedicated matrices and their momentum as FSDP2
-would. Each was measured exact with its former override deleted (``tests/test_integrations.py``).
-
-``transformers`` is imported when this module is (``import dmuon`` does not import it).
+A subclass, because ``optimizers=`` is refused under FSDP and ``optimizer_cls_and_kwargs``
+would hand ``dmuon.Muon`` DTensor shards without :func:`dmuon.dedicate_params`. The Trainer
+shards the model between ``create_optimizer`` and ``create_scheduler``, so the latter
+dedicates, builds ``dmuon.Muon`` in place of a stand-in, then the stock scheduler. Clipping,
+``save_model`` and checkpoints / resume are the stock Trainer's.
 """
 
 from __future__ import annotations
@@ -40,6 +30,7 @@ import transformers
 
 import dmuon
 from dmuon.hooks.dedicate import STATE_ATTR
+from dmuon.integrations.accelerate import dedicate, stand_in_optimizer
 
 
 class DmuonTrainer(transformers.Trainer):
@@ -82,9 +73,7 @@ class DmuonTrainer(transformers.Trainer):
         """A stand-in until :meth:`create_scheduler`: Accelerate's FSDP2 ``prepare`` needs an
         optimizer beside the model, and ``dmuon.Muon`` needs the sharded model."""
         if self.optimizer is None:
-            opt_model = self.model if model is None else model
-            params = [p for p in opt_model.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.SGD(params or [torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+            self.optimizer = stand_in_optimizer(self.model if model is None else model)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int,
@@ -106,12 +95,8 @@ class DmuonTrainer(transformers.Trainer):
                 "dmuon: DmuonTrainer needs FSDP2: TrainingArguments(fsdp='full_shard', "
                 "fsdp_config={'fsdp_version': 2, ...}) and a distributed launch (torchrun / "
                 "accelerate launch)")
-        from dmuon.integrations.accelerate import fsdp_mesh
-
         model = self.model  # fully_shard converted it in place
-        kwargs = dict(self.dedicate_kwargs)
-        mesh = kwargs.pop("mesh", None) or fsdp_mesh(model)
-        dmuon.dedicate_params(model, mesh, **kwargs)
+        dedicate(model, self.dedicate_kwargs)
         stand_in = self.optimizer
         if stand_in in self.accelerator._optimizers:
             self.accelerator._optimizers.remove(stand_in)  # save_state pairs _optimizers[i] with _models[i]

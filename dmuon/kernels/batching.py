@@ -15,9 +15,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_BATCH_BYTES", "orthogonalize_by_shape"]
 
-#: Default cap on the bytes of one stacked batch (the ``[batch, m, n]`` input in the iteration
-#: dtype). The iteration holds a few more buffers of that size or of ``[batch, p, p]``, so the
-#: peak is a small multiple of this; 1 GiB keeps it well under an H100's 80 GB.
+#: Default cap on the bytes of one stacked ``[batch, m, n]`` input in the iteration dtype (the
+#: peak is a small multiple of it).
 DEFAULT_MAX_BATCH_BYTES = 1 << 30
 
 

@@ -68,11 +68,7 @@ _PRESETS = ("polar_express", "muon")
 
 
 def _check_triple(triple: object, where: str) -> tuple[float, float, float]:
-    """Validate one ``(a, b, c)`` and return it as floats.
-
-    Raises:
-        ValueError: if ``triple`` is not three finite real numbers.
-    """
+    """``triple`` as three floats; ``ValueError`` unless three finite real numbers."""
     if isinstance(triple, (str, bytes)) or not isinstance(triple, Sequence) or len(triple) != 3:
         raise ValueError(
             f"dmuon: Newton-Schulz coefficients {where} must be three numbers (a, b, c); "
@@ -141,16 +137,10 @@ def _max_q_magnitude(
     singular_values: np.ndarray,
     gram_perturbation: float,
 ) -> float:
-    """Largest ``|Q_t(x)|`` of the scalar Gram iteration over all steps and singular values.
-
-    The Gram iteration keeps ``X_t = Q_t X_0`` with ``Q_t`` a polynomial in ``R_0 = X_0 X_0^T``.
-    On one singular value ``x`` the scalar recurrence is ``z = a + b r + c r^2``, ``q <- q z``,
-    ``r <- r z^2``, with ``r_0 = x^2 + delta`` where ``delta < 0`` models the rounding error of
-    the Gram matrix (a tiny negative eigenvalue). ``q`` grows like ``p(x)/x``; a large ``|q|``
-    amplifies the rounding of ``R`` in ``Q X``. A restart recomputes ``X <- Q X``, ``R <- X X^T``
-    and resets ``q = 1``. Same model as Dao-AILab ``restart_autotune.run_gram_newton_schulz``
-    (float64 here instead of mpmath; the values stay far below the float64 range).
-    """
+    """Largest ``|Q_t(x)|`` of the scalar Gram iteration over all steps and singular values:
+    ``z = a + b r + c r^2``, ``q <- q z``, ``r <- r z^2`` from ``r_0 = x^2 + delta`` (``delta < 0``
+    models the Gram matrix's rounding), reset at each restart. Dao-AILab
+    ``restart_autotune.run_gram_newton_schulz``'s model, in float64 instead of mpmath."""
     x = singular_values.astype(np.float64)
     q = np.ones_like(x)
     r = x * x + gram_perturbation

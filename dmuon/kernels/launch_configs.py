@@ -100,7 +100,6 @@ class LaunchTable:
     gpus: tuple[tuple[str, _DeviceEntry], ...]
 
     def entry(self, device: torch.device) -> _DeviceEntry:
-        """Entry for ``device``: by GPU name on CUDA, ``interpreter`` otherwise."""
         if device.type != "cuda":
             return self.interpreter
         name = torch.cuda.get_device_name(device)
@@ -174,6 +173,6 @@ def lookup_launch_config(device: torch.device, m: int, k: int, table: Optional[L
     raise RuntimeError("dmuon: launch table has no unbounded last bucket")  # excluded by parsing
 
 
-def min_rows_for_triton(device: torch.device, table: Optional[LaunchTable] = None) -> int:
+def min_rows_for_triton(device: torch.device) -> int:
     """Smallest ``m`` (rows after orienting ``m <= n``) for which ``backend="auto"`` picks Triton."""
-    return (table or load_launch_table()).entry(device).min_rows_for_triton
+    return load_launch_table().entry(device).min_rows_for_triton

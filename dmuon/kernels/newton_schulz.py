@@ -90,27 +90,15 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
         return TORCH_OPS
     if backend == "triton":
         triton_ops.check_supported(X)
-        return triton_ops.triton_ops_for(X)
-    return triton_ops.triton_ops_for(X) if triton_ops.auto_prefers_triton(X) else TORCH_OPS
+        return triton_ops.TRITON_OPS
+    return triton_ops.TRITON_OPS if triton_ops.auto_prefers_triton(X) else TORCH_OPS
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
-    """The Newton-Schulz iteration dtype dmuon uses on ``device`` when none is given.
-
-    float16 on accelerators: tensor cores read fp16 at the bf16 rate with 3 more mantissa bits,
-    and accumulate in fp32. float32 on CPU: CPUs without AVX512-FP16 (and torch's
-    ``ATEN_CPU_CAPABILITY=default`` kernels on any CPU) convert half-precision operands to fp32
-    around every product, so fp16 and bf16 are slower there than fp32, which is also exact-math
-    mode. Measured on a 2-core AMD EPYC (AVX512-BF16, no AVX512-FP16), one thread, Pi0-like
-    shapes (``bench/bench_ns_dtype_cpu.py``, ``bench/results/ns_dtype_cpu.json``): see
-    docs/usage.md for the ratios.
-
-    Args:
-        device: where the iteration runs (the owner's device).
-
-    Returns:
-        ``torch.float32`` for ``"cpu"``, else ``torch.float16``.
-    """
+    """The Newton-Schulz iteration dtype on ``device`` when none is given: ``torch.float32`` on
+    CPU (half precision converts to fp32 around every product there, so it is slower:
+    ``bench/results/ns_dtype_cpu.json``), else ``torch.float16`` (the bf16 tensor-core rate with
+    3 more mantissa bits)."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.float16
 
 
@@ -127,14 +115,10 @@ def newton_schulz(
 ) -> Tensor:
     """Approximate the orthogonal polar factor ``U V^T`` of ``G`` by Newton-Schulz.
 
-    Normalization: ``X = G / max(||G||_F, eps)`` per matrix. With ``dtype=torch.bfloat16`` it is
-    done op for op as ``torch.optim.Muon._zeropower_via_newtonschulz`` does it (cast to bf16,
-    transpose, divide by the bf16 norm), so ``method="standard", coefficients="muon",
-    dtype=torch.bfloat16, backend="torch"`` on a 2-D ``G`` is bitwise identical to
-    ``torch.optim.Muon``. For other dtypes the norm and division run in float32 (float64 for a
-    float64 ``dtype``) before the cast, because fp16 overflows above 65504. With
-    ``dtype=torch.float32`` everything runs in float32 (on CUDA, whether matmuls use TF32 follows
-    ``torch.backends.cuda.matmul.allow_tf32``, which dmuon leaves to the user).
+    Normalization: ``X = G / max(||G||_F, eps)`` per matrix, in bf16 op for op as
+    ``torch.optim.Muon`` does for ``dtype=torch.bfloat16`` (``method="standard",
+    coefficients="muon", backend="torch"`` on a 2-D ``G`` is then bitwise ``torch.optim.Muon``),
+    else in float32 (float64 for float64) before the cast, since fp16 overflows above 65504.
 
     Args:
         G: ``[m, n]`` or ``[batch, m, n]``, any floating dtype, any device; not mutated.
@@ -142,9 +126,8 @@ def newton_schulz(
         coefficients: ``"polar_express"`` (default), ``"muon"``, one ``(a, b, c)`` or a per-step
             list; see :func:`~dmuon.kernels.coefficients.resolve_coefficients`.
         method: ``"gram"`` (default; square matrices use ``"standard"``) or ``"standard"``.
-        dtype: iteration dtype: float16 (3 more mantissa bits than bf16 at the same
-            tensor-core rate), bfloat16, float32 or float64; ``None`` (default):
-            :func:`default_ns_dtype` of ``G``'s device (float16 on CUDA, float32 on CPU).
+        dtype: iteration dtype (float16, bfloat16, float32 or float64); ``None``:
+            :func:`default_ns_dtype` of ``G``'s device.
         eps: floor of the Frobenius norm (same units as ``G``); a zero ``G`` maps to zero.
         backend: ``"torch"`` (the reference), ``"triton"`` (CUDA, fp16/bf16), or ``"auto"``
             (Triton on CUDA when importable and the shape is large enough, else torch).
@@ -152,9 +135,7 @@ def newton_schulz(
             :func:`~dmuon.kernels.coefficients.choose_gram_restarts`. Ignored for ``"standard"``.
 
     Returns:
-        Tensor of ``G``'s shape in ``dtype`` (the iteration dtype: the result carries only that
-        precision, and the optimizer's ``param.add_(update, alpha=-lr)`` promotes it; casting
-        back here would cost a copy for nothing).
+        Tensor of ``G``'s shape in the iteration ``dtype``.
 
     Raises:
         ValueError: bad ``G`` rank, ``method``, ``backend``, ``dtype``, ``eps``, ``steps``,

@@ -50,22 +50,10 @@ class NSOps:
 def torch_mm(
     A: Tensor, B: Tensor, C: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 0.0
 ) -> Tensor:
-    """``alpha * A @ B + beta * C`` with torch (``addmm`` for 2-D, ``baddbmm`` for 3-D).
-
-    The 2-D path issues exactly the calls ``torch.optim.Muon`` issues (``X @ X.T`` and
-    ``torch.addmm(C, A, B, beta=..., alpha=...)``), which makes the bf16 standard iteration
-    bitwise identical to it.
-
-    Args:
-        A: ``[m, k]`` or ``[batch, m, k]``.
-        B: ``[k, n]`` or ``[batch, k, n]``, same dtype as ``A``.
-        C: ``None`` or ``[m, n]`` / ``[batch, m, n]``; ignored when ``None``.
-        alpha: scale of ``A @ B`` (dimensionless).
-        beta: scale of ``C`` (dimensionless).
-
-    Returns:
-        ``[m, n]`` or ``[batch, m, n]`` in the operands' dtype.
-    """
+    """``alpha * A @ B + beta * C`` (``A`` ``[m, k]`` or ``[batch, m, k]``, ``B`` ``[.., k, n]``,
+    ``C`` ``None`` or ``[.., m, n]``, one dtype) with the calls ``torch.optim.Muon`` issues
+    (``A @ B``, ``torch.addmm``; ``baddbmm`` for 3-D), so the bf16 standard iteration is bitwise
+    identical to it."""
     if C is None:
         if alpha == 1.0:
             return A @ B
@@ -78,10 +66,7 @@ def torch_mm(
 def torch_sym_mm(
     A: Tensor, B: Tensor, C: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 0.0
 ) -> Tensor:
-    """Symmetric-result ``alpha * A @ B + beta * C``; torch computes the full product.
-
-    Same arguments and return as :func:`torch_mm`; the symmetry promise is not used.
-    """
+    """:func:`torch_mm` for a result the caller promises symmetric (torch computes all of it)."""
     return torch_mm(A, B, C, alpha=alpha, beta=beta)
 
 

@@ -1,12 +1,8 @@
 """The Triton op set for the Newton-Schulz algorithms, and when ``backend="auto"`` uses it.
 
-``sym_mm`` runs :func:`dmuon.kernels.triton_syrk.triton_sym_mm` (one triangle of tiles, fp32
-accumulation); ``mm`` (``Q X`` and ``B X``, unstructured) and ``add_diag`` stay on torch, since
-cuBLAS already runs a general GEMM at peak and a Triton GEMM would only match it.
-
-Importing this module imports triton; :mod:`dmuon.kernels.newton_schulz` imports it lazily.
-Whether Triton may run on CPU (its interpreter) is triton's own ``TRITON_INTERPRET`` switch,
-read here and nowhere else in dmuon.
+``sym_mm`` is :func:`dmuon.kernels.triton_syrk.triton_sym_mm` (one triangle of tiles); ``mm``
+and ``add_diag`` stay on torch (cuBLAS runs a general GEMM at peak). Importing this module
+imports triton. triton's ``TRITON_INTERPRET`` switch is read here and nowhere else in dmuon.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from dmuon.kernels.triton_syrk import triton_sym_mm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRITON_OPS", "auto_prefers_triton", "check_supported", "triton_ops_for"]
+__all__ = ["TRITON_OPS", "auto_prefers_triton", "check_supported"]
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -36,15 +32,9 @@ def _interpreter_on() -> bool:
 
 
 def check_supported(X: Tensor) -> None:
-    """Raise if the Triton kernels cannot run on ``X``.
-
-    Args:
-        X: the oriented iterate ``[m, n]`` or ``[batch, m, n]``.
-
-    Raises:
-        RuntimeError: ``X`` is on CPU without ``TRITON_INTERPRET=1``, on a device other than
-            CUDA/CPU, or in a dtype other than fp16/bf16/fp32.
-    """
+    """Raise ``RuntimeError`` if the Triton kernels cannot run on ``X`` (``[m, n]`` or
+    ``[batch, m, n]``): a dtype other than fp16/bf16/fp32, or not CUDA (CPU only under
+    ``TRITON_INTERPRET=1``)."""
     if X.dtype not in _TRITON_DTYPES:
         raise RuntimeError(
             f"dmuon: the Triton Newton-Schulz backend runs {_TRITON_DTYPES}; got {X.dtype}. "
@@ -60,18 +50,9 @@ def check_supported(X: Tensor) -> None:
     )
 
 
-def triton_ops_for(X: Tensor) -> NSOps:
-    """The op set to use for ``X`` with the Triton backend (the same for every shape today)."""
-    return TRITON_OPS
-
-
 def auto_prefers_triton(X: Tensor) -> bool:
-    """``backend="auto"``: Triton on CUDA in fp16/bf16 when ``m`` reaches the table's threshold.
-
-    Below the threshold (256 rows in the default table, the tile size under which the Gram
-    Newton-Schulz reference also keeps torch) the one-triangle saving is eaten by tile waste
-    and launch overhead. CPU always uses torch, interpreter or not.
-    """
+    """``backend="auto"``: Triton on CUDA in fp16/bf16 when ``m`` reaches the table's
+    ``min_rows_for_triton`` (256 by default: below, tile waste and launches eat the saving)."""
     if X.device.type != "cuda" or X.dtype not in (torch.float16, torch.bfloat16):
         return False
     return X.size(-2) >= min_rows_for_triton(X.device)

@@ -7,15 +7,11 @@ diagonal (``T (T + 1) / 2`` of ``T^2`` tiles for ``T`` tile rows) and writes eac
 tile also to its mirror position, roughly halving the FLOPs. On a diagonal tile it keeps the lower
 triangle of the tile and mirrors it, so the output is exactly symmetric.
 
-Inputs are fp16/bf16 (fp32 works too), the accumulator is fp32, the output has the input dtype.
-Launch configs come from :mod:`dmuon.kernels.launch_configs` (no autotuning, so every rank picks
-the same config and the kernels run under ``TRITON_INTERPRET=1``).
+Inputs are fp16/bf16/fp32, the accumulator fp32, the output the input dtype. Launch configs come
+from :mod:`dmuon.kernels.launch_configs` (no autotuning: every rank picks the same config).
 
-The torch reference of each entry point is :func:`dmuon.kernels.ops.torch_sym_mm`
-(``syrk(X) == torch_sym_mm(X, X.mT)``); tests compare the two.
-
-This module imports triton at import time; import it lazily (``dmuon.kernels.triton_ops``
-does).
+The torch reference is :func:`dmuon.kernels.ops.torch_sym_mm`. This module imports triton at
+import time; :mod:`dmuon.kernels.triton_ops` imports it lazily.
 """
 
 from __future__ import annotations
@@ -56,9 +52,8 @@ def _sym_mm_kernel(
 
     Program ``(t, batch)``: ``t`` enumerates lower tiles row by row, ``t = i (i + 1) / 2 + j``
     with ``j <= i``. ``A`` is ``[M, K]``, ``B`` is ``[K, M]`` (``A^T`` for a SYRK, via strides),
-    ``C`` and the output ``[M, M]``. ``UPCAST`` converts the operand tiles to fp32 before
-    ``tl.dot``; it is set only under the CPU interpreter for bf16 (see ``_launch``). A bf16 x bf16
-    product is exact in fp32, so this models the GPU's bf16 dot with fp32 accumulation.
+    ``C`` and the output ``[M, M]``. ``UPCAST`` (bf16 under the CPU interpreter) converts the
+    operand tiles to fp32 before ``tl.dot``: exact for bf16 products, as the GPU's dot.
     """
     t = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -108,10 +103,31 @@ def _as_batched(x: Tensor) -> Tensor:
     return x if x.dim() == 3 else x.unsqueeze(0)
 
 
-def _launch(
-    A: Tensor, B: Tensor, C: Optional[Tensor], alpha: float, beta: float,
-    config: Optional[LaunchConfig],
+def triton_sym_mm(
+    A: Tensor,
+    B: Tensor,
+    C: Optional[Tensor] = None,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    *,
+    config: Optional[LaunchConfig] = None,
 ) -> Tensor:
+    """``alpha * A @ B + beta * C`` for a result the caller knows is symmetric: only the lower
+    tiles are computed (fp32 accumulation) and mirrored.
+
+    Args:
+        A: ``[m, k]`` or ``[batch, m, k]``, fp16/bf16/fp32, any strides.
+        B: ``[k, m]`` or ``[batch, k, m]``, same dtype.
+        C: ``None`` or a symmetric ``[m, m]`` / ``[batch, m, m]``, same dtype.
+        alpha, beta: scales of ``A @ B`` and ``C`` (dimensionless).
+        config: launch config; ``None`` looks it up for the device and ``(m, k)``.
+
+    Returns:
+        New ``[m, m]`` or ``[batch, m, m]`` tensor in the input dtype, exactly symmetric.
+
+    Raises:
+        ValueError: mismatched shapes or dtypes, or a batch above 65535.
+    """
     squeeze = A.dim() == 2
     A3, B3 = _as_batched(A), _as_batched(B)
     batch, m, k = A3.shape
@@ -163,35 +179,6 @@ def _launch(
     return out[0] if squeeze else out
 
 
-def triton_sym_mm(
-    A: Tensor,
-    B: Tensor,
-    C: Optional[Tensor] = None,
-    alpha: float = 1.0,
-    beta: float = 0.0,
-    *,
-    config: Optional[LaunchConfig] = None,
-) -> Tensor:
-    """``alpha * A @ B + beta * C`` for a result the caller knows is symmetric.
-
-    Only the lower tiles are computed (fp32 accumulation) and mirrored; if ``A @ B`` is not
-    symmetric the upper triangle is simply the transpose of the lower one.
-
-    Args:
-        A: ``[m, k]`` or ``[batch, m, k]``, fp16/bf16/fp32, any strides.
-        B: ``[k, m]`` or ``[batch, k, m]``, same dtype.
-        C: ``None`` or ``[m, m]`` / ``[batch, m, m]``, same dtype, symmetric.
-        alpha: scale of ``A @ B``.
-        beta: scale of ``C`` (ignored when ``C`` is ``None``).
-        config: launch config; ``None`` looks it up for the device and ``(m, k)``.
-
-    Returns:
-        New ``[m, m]`` or ``[batch, m, m]`` tensor in the input dtype, exactly symmetric.
-
-    Raises:
-        ValueError: mismatched shapes or dtypes, or a batch above 65535.
-    """
-    return _launch(A, B, C, alpha, beta, config)
 
 
 def triton_syrk(
@@ -202,18 +189,5 @@ def triton_syrk(
     *,
     config: Optional[LaunchConfig] = None,
 ) -> Tensor:
-    """Batched SYRK ``alpha * X @ X^T + beta * C`` computing one triangle of tiles.
-
-    Args:
-        X: ``[m, k]`` or ``[batch, m, k]``, fp16/bf16/fp32, any strides.
-        C: ``None`` or a symmetric ``[m, m]`` / ``[batch, m, m]`` of the same dtype.
-        alpha, beta: scales (dimensionless).
-        config: launch config; ``None`` looks it up.
-
-    Returns:
-        New ``[m, m]`` or ``[batch, m, m]`` tensor in ``X``'s dtype.
-
-    Raises:
-        ValueError: as :func:`triton_sym_mm`.
-    """
-    return _launch(X, X.mT, C, alpha, beta, config)
+    """Batched SYRK ``alpha * X @ X^T + beta * C``: :func:`triton_sym_mm` of ``(X, X.mT)``."""
+    return triton_sym_mm(X, X.mT, C, alpha, beta, config=config)

@@ -1,9 +1,7 @@
 """Attention modules dmuon recognizes, and where their heads live in the projection weights.
 
-Per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`) both need to know,
-for each attention module, which weight holds the query / key / value projections and which
-rows of it belong to which head. This module is the one place that reads that off the layouts
-users have:
+The one place per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`)
+read which weight rows belong to which head. Layouts recognized:
 
 * Hugging Face ``transformers`` (Llama, Qwen, Gemma, SigLIP, ... ``*Attention`` with
   ``q_proj`` / ``k_proj`` / ``v_proj``): head counts from the module (``num_heads``,
@@ -21,17 +19,14 @@ users have:
 Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (grouped-query attention as
 ``transformers``' ``repeat_kv`` and ``F.scaled_dot_product_attention(enable_gqa=True)``).
 
-What sits between a projection and the logits matters to QK-clip (:mod:`dmuon.qk_clip`): a
-projection's bias (``q = W x + b``: Qwen2, SigLIP, ``nn.MultiheadAttention``'s ``in_proj_bias``)
-has the same rows as its weight (:attr:`WeightRef.bias`), and a QK-norm (``q_norm`` / ``k_norm``
-children applied after the projections: Qwen3, Gemma 3, OLMo 2) is recorded on the layout
-(:attr:`AttentionLayout.q_norm`); ``nn.Identity`` (timm's default) counts as none.
+A projection's bias has its weight's rows (:attr:`WeightRef.bias`); ``q_norm`` / ``k_norm``
+children (Qwen3, Gemma 3, OLMo 2) are recorded on the layout (``nn.Identity`` counts as none).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 from torch import nn
 
@@ -91,22 +86,6 @@ class AttentionLayout:
     def group(self) -> int:
         """Query heads per key head."""
         return self.num_heads // self.num_kv_heads
-
-    def weights(self) -> list[WeightRef]:
-        """The distinct projection weights, each once with all its heads' rows (a fused weight
-        is one entry holding the q, k and v heads)."""
-        merged: dict[tuple[int, str], WeightRef] = {}
-        for ref in (self.q, self.k, self.v):
-            if ref is None:
-                continue
-            key = (id(ref.module), ref.attr)
-            if key in merged:
-                old = merged[key]
-                rows = tuple(sorted(set(old.head_rows) | set(ref.head_rows)))
-                merged[key] = WeightRef(ref.module, ref.attr, rows, ref.head_dim, ref.bias)
-            else:
-                merged[key] = ref
-        return list(merged.values())
 
 
 def _bias(module: nn.Module, attr: str = "bias") -> str | None:
@@ -171,10 +150,6 @@ def _separate(name: str, module: nn.Module, q: nn.Module, k: nn.Module, v: nn.Mo
         q=WeightRef(q, "weight", tuple(h * head_dim for h in range(heads)), head_dim, _bias(q)),
         k=WeightRef(k, "weight", tuple(h * head_dim for h in range(kv)), head_dim, _bias(k)),
         v=WeightRef(v, "weight", tuple(h * v_dim for h in range(kv)), v_dim, _bias(v)))
-
-
-def _recognize(name: str, module: nn.Module, full_rows: Any = None) -> AttentionLayout | None:
-    return _with_norms(_projections(name, module, full_rows))
 
 
 def _projections(name: str, module: nn.Module, full_rows: Any = None) -> AttentionLayout | None:
@@ -278,14 +253,8 @@ def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]
     for name, module in model.named_modules():
         if id(module) in inside:
             continue
-        layout = _recognize(name, module, full_rows)
+        layout = _with_norms(_projections(name, module, full_rows))
         if layout is not None:
             found.append(layout)
             inside.update(id(m) for m in module.modules())
     return found
-
-
-def iter_weights(layouts: list[AttentionLayout]) -> Iterator[WeightRef]:
-    """Every projection weight of ``layouts`` once (fused weights merged)."""
-    for layout in layouts:
-        yield from layout.weights()

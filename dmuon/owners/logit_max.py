@@ -1,14 +1,9 @@
 """The per-head max attention logit that QK-clip (:mod:`dmuon.qk_clip`) records, recomputed
 from an attention call's queries and keys.
 
-What is computed: for each query head ``h``, the max over (batch, row ``i``, key ``j``) of
-``q_i . k_j * scale`` over the positions the mask keeps (``-inf`` for a head that attended
-nowhere), each logit an fp32 product as an fp32 GEMM gives it.
-
-Where the time goes (dmuon.train's policy, one AVX-512 EPYC core, inside a training step): the
-fp32 ``Q K^T`` itself, and moving the logits through memory. The logits are therefore computed a few
-batch elements at a time into one buffer that stays in the core's cache (see
-:data:`_CACHE_ELEMENTS`), and reduced there.
+For each query head ``h``: the max over (batch, row ``i``, key ``j``) of ``q_i . k_j * scale``
+over the kept positions, each logit an fp32 GEMM product, computed a few batch elements at a
+time into one cache-sized buffer (docs/history.md, "QK-clip recording cost").
 """
 
 from __future__ import annotations
@@ -20,10 +15,7 @@ import torch
 #: elements of one chunk of recomputed logits when one batch element alone is larger than this
 #: ([batch, heads, rows, keys] fp32): 16 Mi = 64 MiB
 _CHUNK_ELEMENTS = 1 << 24
-#: logits of one batch chunk: 128 Ki fp32 = 512 KiB, half an EPYC core's 1 MiB L2. Inside a
-#: training step (caches holding the model's activations), dmuon.train's seven attention calls
-#: took 9.4 ms per step chunked so, 11.4 ms as one [batch, heads, rows, keys] product per call
-#: (bench/results/qk_clip_cost_cpu.json); 2^16 and 2^18 measured the same, 2^20 11.5 ms.
+#: logits of one batch chunk: 128 Ki fp32 = 512 KiB, half an EPYC core's 1 MiB L2
 _CACHE_ELEMENTS = 1 << 17
 
 
@@ -60,10 +52,6 @@ def max_logits(query: torch.Tensor, key: torch.Tensor, *, scale: float | None = 
                mask_true_keeps: bool = True) -> torch.Tensor:
     """Per-query-head max of ``query @ key^T * scale`` over the kept positions, recomputed in
     fp32.
-
-    Chunks: whole batch elements, about ``_CACHE_ELEMENTS`` logits at a time, into one buffer
-    reused across chunks; a batch element above ``_CHUNK_ELEMENTS`` logits is cut into row
-    chunks of at most that many (over the whole batch).
 
     Args:
         query: ``[batch, heads, rows, dim]`` (or without ``batch``), any float dtype. Not mutated.

@@ -22,11 +22,9 @@ What "scale the queries" touches depends on what sits between the projection and
   A gain of the form ``1 + weight`` (Gemma's RMSNorm) is scaled as a gain:
   ``weight <- c * (1 + weight) - 1``.
 
-The plan (:class:`ClipPlan`) is frozen and taken at the start of ``opt.step()``, before any
-parameter moves. Dedicated matrices are scaled by their owner on its fp32 master
-(:meth:`ClipPlan.scale_master`: plain tensor math on its arguments and the plan, safe on a worker
-thread); every other tensor (biases, gains, a projection left to AdamW) by every rank on its own
-local piece, at the piece's global row offsets (:meth:`ClipPlan.scale_others`, main thread).
+The frozen :class:`ClipPlan` is taken at the start of ``opt.step()``. Owners scale their fp32
+masters (:meth:`ClipPlan.scale_master`, safe on a worker thread); every rank scales its local
+piece of every other tensor at its global rows (:meth:`ClipPlan.scale_others`).
 """
 
 from __future__ import annotations
@@ -73,16 +71,12 @@ def norm_gain(which: str, layout: AttentionLayout, norm: nn.Module, heads: int) 
     """The gain of ``layout``'s ``which`` norm (``"q_norm"`` / ``"k_norm"``) over ``heads`` heads
     of ``layout.head_dim``.
 
-    Which norms multiply by ``weight`` and which by ``1 + weight`` is read from ``torch.nn``'s
-    types (``RMSNorm``, ``LayerNorm``) or from the norm class's ``forward`` source
-    (``transformers``: ``Gemma*RMSNorm``, ``Qwen3NextRMSNorm``, ``Qwen3_5RMSNorm``... compute
-    ``x * (1.0 + self.weight)``; Llama-style ones ``self.weight * x``).
+    Whether the gain is ``weight`` or ``1 + weight`` (``Gemma*RMSNorm``) is read from
+    ``torch.nn``'s types or from the norm class's ``forward`` source.
 
     Raises:
-        ValueError: naming ``which`` and the module: a norm with no weight (nothing to scale
-            after it), a weight that is not 1-D or matches neither ``head_dim`` nor
-            ``heads * head_dim``, a norm shared by ``q`` and ``k``, or one whose gain cannot be
-            read (other parameters, no source).
+        ValueError: naming ``which`` and the module: no weight, a weight not ``[head_dim]`` or
+            ``[heads * head_dim]``, a norm shared by ``q`` and ``k``, or an unreadable gain.
     """
     fqn = f"{layout.name}.{which}" if layout.name else which
     weight = norm._parameters.get("weight")
@@ -141,15 +135,9 @@ class RowScale:
 
 @torch.no_grad()
 def scale_rows_(param: Tensor, factors: Tensor, offset: float = 0.0) -> None:
-    """Scale ``param``'s local piece in place by ``factors`` at its global rows.
-
-    Args:
-        param: a DTensor (FSDP2 shard, TP slice or replica: its local piece is scaled at the
-            rows :func:`dmuon.owners.slices.local_rows` gives) or a plain tensor (every row);
-            any float dtype (the math runs in fp32); mutated.
-        factors: ``[full rows]`` fp32, any device.
-        offset: see :class:`RowScale`.
-    """
+    """Scale ``param``'s local piece in place by ``factors`` (``[full rows]`` fp32) at its
+    global rows (:func:`dmuon.owners.slices.local_rows`; a plain tensor: every row); ``offset``
+    as :class:`RowScale`'s."""
     local = local_tensor(param)
     if local.numel() == 0:
         return
@@ -184,9 +172,8 @@ class ClipPlan:
 
     @torch.no_grad()
     def scale_master(self, rec: Any, master: Tensor) -> bool:
-        """Scale ``master`` (``rec``'s fp32 master ``[rows, cols]``, or this TP rank's slice of its
-        rows; a plain tensor, mutated) by the plan's row factors; ``False`` (untouched) when the
-        plan has none for ``rec``. Reads nothing but its arguments and the plan."""
+        """Scale ``master`` (``rec``'s fp32 ``[rows, cols]``, or this TP rank's rows; mutated) by
+        the plan's row factors; ``False`` when the plan has none for ``rec``."""
         rows = self.masters.get(id(rec))
         if rows is None or master.numel() == 0:
             return False
@@ -194,8 +181,7 @@ class ClipPlan:
         return True
 
     def scale_others(self) -> None:
-        """Scale the biases, gains and non-dedicated projections (main thread, after AdamW
-        stepped them): each rank its own local piece, at its global rows."""
+        """Scale the biases, gains and non-dedicated projections, each rank its local piece."""
         for item in self.others:
             param = item.module._parameters.get(item.attr)
             if param is not None:

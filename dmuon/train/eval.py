@@ -421,7 +421,7 @@ def eval_rank(args: tuple[argparse.Namespace, EvalConfig]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m dmuon.train.eval``."""
-    from dmuon.launch import exit_on_rank_failure, launch
+    from dmuon.train.ranks import exit_on_rank_failure, launch
 
     a, cfg = parse_args(argv)
     with exit_on_rank_failure("python -m dmuon.train.eval"):

@@ -3,7 +3,7 @@
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) this process is one rank. Otherwise it
 spawns ``--nproc`` local ranks (gloo on CPU, NCCL on CUDA) with a free rendezvous port, giving
 each ``OMP_NUM_THREADS = cpus // nproc`` (at least 1) unless the user set it: see
-:func:`dmuon.launch.launch`, re-exported here.
+:func:`dmuon.train.ranks.launch`, re-exported here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from dmuon.launch import default_nproc, exit_on_rank_failure, launch, under_torchrun
+from dmuon.train.ranks import default_nproc, exit_on_rank_failure, launch, under_torchrun
 from dmuon.train.data import ACTION_MODES, OBS_KINDS, DataConfig
 from dmuon.train.eval import add_eval_args, eval_config_from
 from dmuon.train.loop import OPTIMIZERS, TrainConfig, train_rank

@@ -12,30 +12,13 @@ then train with ``loss, _ = policy(batch)`` (not ``policy.forward(batch)``, whic
 FSDP2's root hooks). :mod:`dmuon.integrations.lerobot.train` runs LeRobot's own training
 script this way.
 
-**Units.** FSDP2 gathers a unit's parameters in the unit's forward pre-hook, so a unit must be
-a module LeRobot's code *calls*. pi0, pi05 and SmolVLA run their joint attention by calling a
-decoder layer's parts directly (``layer.input_layernorm(...)``, ``layer.self_attn.q_proj(...)``,
-``layer.mlp(...)``; ``modeling_pi0.compute_layer_complete``,
-``SmolVLMWithExpertModel.forward_attn_layer``), never the layer: a unit on the decoder layer
-(``GemmaDecoderLayer``, as size- or class-based auto-wrapping picks) never gathers, and its
-parameters reach the norms as DTensors (``aten.mul.Tensor got mixed torch.Tensor and
-DTensor``), or, where a parameter is shared with the joint attention, are freed to size 0
-(awslabs/awsome-distributed-ai #1174). The units here are what is called: per decoder layer
-of the VLM and of the action expert, ``self_attn.q_proj``, ``k_proj``, ``v_proj``, ``o_proj``
-and ``mlp``; per vision-encoder layer, the layer. Norms, embeddings and the action/state
-projections stay in the root unit. ACT: LeRobot's own declaration (``ACTPolicy.
-_fsdp_wrap_modules = ["ACTEncoderLayer", "ACTDecoderLayer"]``, huggingface/lerobot #4010) plus
-the ResNet blocks of its backbone; diffusion: its ``DiffusionConditionalResidualBlock1d`` and
-ResNet blocks.
-
-**Parameters LeRobot never uses in training.** pi0 / pi05 keep PaliGemma's and the action
-expert's ``lm_head`` (vocabulary x width, the largest matrices of a small pi0) although no loss
-reads them. As Muon matrices, each would get an owner that holds it whole (on 2 ranks one rank
-held 0.99 of a tiny pi0's parameters). :func:`predicate` leaves every ``lm_head`` to FSDP2
-(sharded, on AdamW, which skips it while its gradient is ``None``), so each rank holds about
-``1/N`` of the parameters. :func:`fully_shard_policy` declares it on the policy
-(:func:`dmuon.hooks.dedicate.declare_predicate`), so ``dmuon.dedicate_params(policy, mesh)``
-without ``predicate=`` uses it; a predicate passed there explicitly replaces it.
+**Units** are the modules LeRobot's code *calls* (FSDP2 gathers in a unit's forward pre-hook):
+pi0, pi05 and SmolVLA call a decoder layer's parts directly (``modeling_pi0.
+compute_layer_complete``, ``SmolVLMWithExpertModel.forward_attn_layer``), so their units are each
+decoder layer's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``mlp``, and each vision-encoder
+layer; ACT's are its encoder / decoder layers and ResNet blocks, diffusion's its residual and
+ResNet blocks. :func:`predicate` leaves every ``lm_head`` (never read in training) to FSDP2.
+docs/history.md ("LeRobot units") has the failures that led here.
 """
 
 from __future__ import annotations
@@ -122,15 +105,9 @@ def fsdp_units(policy: nn.Module) -> list[nn.Module]:
 def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, Any] | None = None,
                        **fully_shard_kwargs: Any) -> nn.Module:
     """FSDP2 ``fully_shard`` on the units LeRobot's code calls (:func:`fsdp_units`), then on
-    the policy (the root unit holding the rest). Each rank then holds ``1/N`` of every
-    parameter (``Shard(0)`` over ``mesh``); call :func:`dmuon.dedicate_params` after it.
-    Declares :func:`predicate` as the policy's default for :func:`dmuon.dedicate_params`
-    (:func:`dmuon.hooks.dedicate.declare_predicate`): its ``lm_head`` matrices stay FSDP2's.
-    pi0 / pi05 / SmolVLA: records their decoder attention's logits for QK-clip where LeRobot
-    computes them (:func:`record_attention`).
-
-    Train with ``policy(batch)``: ``policy.forward(batch)`` (what LeRobot 0.6.1's
-    ``lerobot_train.py`` calls) skips the root's FSDP2 hooks.
+    the policy (the root unit). Declares :func:`predicate` as the policy's default for
+    :func:`dmuon.dedicate_params` and records the decoder attention's logits for QK-clip
+    (:func:`record_attention`). Train with ``policy(batch)``, not ``policy.forward(batch)``.
 
     Args:
         policy: a LeRobot policy of a type in :data:`POLICY_TYPES`, all parameters of one
@@ -140,12 +117,9 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, A
             tower and norms in fp32).
         mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D ``("replicate", "shard")`` one (HSDP).
         root_kwargs: the root's ``fully_shard`` keyword arguments; default
-            ``fully_shard_kwargs``. bf16: pi0's forward makes fp32 tensors (the flow-matching
-            noise) that meet the root's own layers (``action_in_proj``), so a root
-            ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` fails on a dtype mismatch;
-            give the units ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-            reduce_dtype=torch.float32, output_dtype=torch.float32)`` and the root
-            ``root_kwargs={}`` (what ``dmuon.integrations.lerobot.train`` does).
+            ``fully_shard_kwargs``. For bf16 give the units ``MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)``
+            and the root ``{}``: pi0's fp32 flow-matching noise meets the root's own layers.
         fully_shard_kwargs: passed to every unit's ``fully_shard`` call (``mp_policy``,
             ``reshard_after_forward``, ``offload_policy``...).
 

@@ -1,42 +1,20 @@
 """QK-clip's logits for LeRobot's pi0 / pi05 / SmolVLA: recorded where LeRobot computes them.
 
-These policies run their decoder attention in functions of their own, not in the attention
-modules' ``forward`` that :class:`dmuon.qk_clip.LogitRecorder` hooks:
+These policies run their decoder attention outside the attention modules' ``forward``: pi0 /
+pi05 in ``modeling_pi0.compute_layer_complete`` (one *joint* ``eager_attention_forward`` over
+the VLM's and the action expert's tokens), SmolVLA in ``SmolVLMWithExpertModel.
+forward_attn_layer`` (joint) and ``forward_cross_attn_layer`` (the expert's keys are its
+``k_proj`` of the VLM's keys). :func:`record_attention` reads each such call's softmax input
+(the scaled, masked logits after RoPE) with one ``amax`` and passes the per-head maxima to
+:func:`dmuon.qk_clip.observe`:
 
-* pi0 / pi05: ``modeling_pi0.compute_layer_complete`` (``modeling_pi05``'s is the same) projects
-  the VLM's (PaliGemma's) and the action expert's tokens with each model's own ``q_proj`` /
-  ``k_proj``, concatenates them, applies RoPE and calls transformers'
-  ``modeling_gemma.eager_attention_forward`` once, with the VLM layer's attention module: one
-  *joint* attention over both token sets.
-* SmolVLA: ``SmolVLMWithExpertModel.forward_attn_layer`` (joint, the same way) and
-  ``forward_cross_attn_layer`` (the VLM attends over its prefix, then the expert attends over
-  keys its ``k_proj`` computes *from the VLM's keys*) call ``self.eager_attention_forward``.
-
-:func:`record_attention` records, for every such call made with gradients enabled (training
-forwards, and activation checkpointing's recomputation), each query head's largest logit as
-LeRobot's softmax sees it (the scaled, masked ``q . k`` after RoPE: the softmax's input, read
-with one ``amax`` while the call runs), and passes it to :func:`dmuon.qk_clip.observe` for the
-attention modules whose weights produced it (the modules whose ``q_proj`` ran since the last
-call, with their token counts: the query rows are concatenated in that order):
-
-* a joint attention of trained models: the whole call's maxima for the VLM's and the expert's
-  module of the layer. Query rows of both and key rows of both take the same per-group ``eta``,
-  so every block of the joint logits (VLM-VLM, expert-VLM, expert-expert) shrinks by exactly
-  ``eta``.
-* a joint attention next to a frozen model (SmolVLA trains only its expert by default, and
-  freezes the VLM's last layer otherwise): each module the maxima of its own query rows; a
-  frozen module's logits cannot be clipped and must not clip the other. The expert's queries
-  also meet the frozen keys, which the clip does not scale: those logits shrink by
-  ``eta ** qk_clip_alpha``, so only ``qk_clip_alpha=1`` (all of ``eta`` on the queries)
-  bounds them by ``tau`` in one step (with Kimi's 0.5 they reach it over a few steps).
-* SmolVLA's cross-attention layer: the expert's maxima for the expert's module; for the VLM's
-  module, its prefix attention's largest head for *every* head. The expert's keys are its
-  ``k_proj`` of all the VLM's key heads, so per-head factors on the VLM's key rows would change
-  the expert's logits by amounts no per-head rule bounds; one factor ``c <= 1`` for all of them
-  scales the expert's keys by ``c`` (its own clip then bounds them), at the cost of clipping
-  the VLM's smaller heads of that layer with its largest.
-
-The vision encoders' attention runs in their modules' ``forward``; LogitRecorder records it.
+* joint attention of trained models: the whole call's maxima for both modules, so every block
+  of the joint logits shrinks by the same ``eta``;
+* joint attention next to a frozen model: each module the maxima of its own query rows (the
+  frozen keys are not scaled: only ``qk_clip_alpha=1`` bounds those logits in one step);
+* SmolVLA's cross-attention: the expert's maxima for the expert; for the VLM's module, its
+  largest head for every head (one factor on all the VLM's key rows scales the expert's keys
+  uniformly, so the expert's own clip bounds them).
 """
 
 from __future__ import annotations
@@ -46,11 +24,10 @@ import weakref
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from dmuon.qk_clip import observe, watched
+from dmuon.qk_clip import SOFTMAX, attention_logits, observe, watched
 
 __all__ = ["AttentionRecording", "record_attention"]
 
@@ -67,23 +44,18 @@ class _SoftmaxMax(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (F.softmax, torch.softmax, torch.Tensor.softmax):
-            x = args[0]
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-            if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3):
-                self.maxima.append(x.detach().amax(dim=(0, 3)).float())  # [heads, rows]
+        x = attention_logits(args, kwargs) if func in SOFTMAX else None
+        if x is not None:
+            self.maxima.append(x.detach().amax(dim=(0, 3)).float())  # [heads, rows]
         return func(*args, **kwargs)
 
 
 def _run_and_record(fn: Callable[..., Any], members: list[tuple[nn.Module, int]], uniform: bool,
                     args: tuple, kwargs: dict) -> Any:
     """``fn(*args, **kwargs)``, an eager attention call over the query rows of ``members``
-    (``(attention module, rows)`` in the order LeRobot concatenates them), and its softmax's
-    per-head maxima observed for each module (module doc): the whole call's for every module
-    when all of them train, else each module's own query rows (a frozen module's rows cannot be
-    clipped, so they must not clip the others); all heads at the largest with ``uniform``. A
-    call whose softmax dmuon cannot read (another LeRobot version) records nothing, and QK-clip
-    then reports the layer as unrecorded."""
+    (``(attention module, rows)`` in LeRobot's order), with its softmax's per-head maxima
+    observed for each module (module doc; all heads at the largest with ``uniform``). A call
+    whose softmax cannot be read records nothing (QK-clip then reports the layer)."""
     mode = _SoftmaxMax()
     with mode:
         out = fn(*args, **kwargs)
@@ -124,9 +96,8 @@ _pi_original: list[Callable[..., Any]] = []  # transformers' function while ours
 
 
 def _pi_eager(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Stands in for ``transformers.models.gemma.modeling_gemma.eager_attention_forward``:
-    the original, recording only LeRobot's joint calls (its ``compute_layer_complete``, with a
-    registered VLM layer's attention module, gradients enabled); every other call passes through."""
+    """Stands in for ``transformers.models.gemma.modeling_gemma.eager_attention_forward``,
+    recording only LeRobot's joint calls (from ``compute_layer_complete``, gradients on)."""
     original = _pi_original[0]
     pending = _PI_PENDING.get(module)
     if pending is None or not torch.is_grad_enabled() or sys._getframe(1).f_code.co_name != _PI_CALLER:
@@ -228,10 +199,8 @@ def record_attention(policy: nn.Module) -> AttentionRecording | None:
     """Record the decoder attention logits of a LeRobot pi0 / pi05 / SmolVLA policy for QK-clip
     (``dmuon.Muon(..., qk_clip_threshold=tau)``), where LeRobot computes them (module doc).
 
-    :func:`dmuon.integrations.lerobot.fully_shard_policy` calls it; call it yourself on a policy
-    you shard by hand. Idempotent. With QK-clip on (a :class:`dmuon.qk_clip.QKClip` reads the
-    layer), costs one ``amax`` over each decoder layer's logits per training forward; without,
-    a q_proj pre-hook per layer and one check per attention call.
+    :func:`dmuon.integrations.lerobot.fully_shard_policy` calls it. Idempotent. Costs one
+    ``amax`` over each decoder layer's logits per training forward while QK-clip reads it.
 
     Args:
         policy: a LeRobot policy (``policy.name`` ``"pi0"``, ``"pi05"`` or ``"smolvla"``;

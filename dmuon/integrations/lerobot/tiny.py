@@ -1,13 +1,7 @@
-"""Tiny LeRobot policies without the hub: LeRobot's own classes with their pretrained
-backbones shrunk, for benchmarks, smoke tests and dmuon's LeRobot tests.
-
-LeRobot's pi0 / pi05 hard-code PaliGemma (Gemma 2B, the 300M action expert, SigLIP) and SmolVLA
-SmolVLM2's config and processor from the hub. While :func:`tiny` is active, their constructors
-(``make_policy``, ``get_policy_class(name)(config)``, ``from_pretrained``) build 2-layer Gemmas
-32 wide with a 1-layer SigLIP (pi0 / pi05) or a 2-layer SmolVLM (text 64 wide, vision 16 wide)
-with random weights; layer structure, forward code, loss and processors stay LeRobot's.
-:func:`local_tokenizer` points LeRobot's tokenizer step at a local directory. Both patch
-LeRobot 0.6.1's module attributes for the duration of the ``with`` block only.
+"""Tiny LeRobot policies without the hub, for benchmarks and tests: while :func:`tiny` is
+active, LeRobot 0.6.1's constructors build pi0 / pi05 with 2-layer Gemmas 32 wide and a 1-layer
+SigLIP, SmolVLA with a 2-layer SmolVLM (random weights; LeRobot's layers, forward and loss).
+:func:`local_tokenizer` points LeRobot's tokenizer step at a local directory.
 """
 
 from __future__ import annotations
@@ -24,9 +18,8 @@ IMAGE = 32
 
 
 def _frozen_fields(config: Any, keep: dict[str, Any]) -> Any:
-    """``config`` (a transformers config) with the ``keep`` fields set and deaf to later
-    assignments (LeRobot's pi0 sets SigLIP's ``intermediate_size`` / ``projection_dim`` to the
-    2B model's sizes after building the config)."""
+    """``config`` with the ``keep`` fields set and deaf to later assignments (LeRobot's pi0
+    resets SigLIP's sizes after building the config)."""
     for k, v in keep.items():
         setattr(config, k, v)
     base = type(config)
@@ -76,8 +69,7 @@ def smolvlm_config() -> Any:
         scale_factor=2, vocab_size=128)
 
 
-# SmolVLA's model reads two token ids off the processor (used only with
-# add_image_special_tokens=True); the tokenizer itself runs in the preprocessor, not the model.
+# SmolVLA's model reads two token ids off the processor (the tokenizer runs in the preprocessor)
 _PROCESSOR = SimpleNamespace(tokenizer=SimpleNamespace(fake_image_token_id=126,
                                                        global_image_token_id=127))
 

@@ -7,31 +7,13 @@
         --steps=30000 --batch_size=8 --output_dir=outputs/pi0_dmuon \\
         --dmuon.lr=0.02 --dmuon.param_dtype=bfloat16
 
-LeRobot's own pieces do the work they do in ``lerobot_train.py``: its config parser
-(``TrainPipelineConfig``, ``--config_path``, ``--resume``), dataset factory, policy factory,
-pre/post-processors, LR scheduler (``cfg.scheduler.build``, the policy's preset), clip norm
-(``cfg.optimizer.grad_clip_norm``), ``MetricsTracker`` logging and checkpoint layout
-(``checkpoints/<step>/pretrained_model`` that ``<Policy>.from_pretrained`` loads,
-``training_state/`` with LeRobot's step, scheduler and RNG files, ``checkpoints/last``).
-What differs: the policy is sharded with :func:`dmuon.integrations.lerobot.fully_shard_policy`
-and dedicated (:func:`dmuon.dedicate_params`), the optimizer is :class:`dmuon.Muon` (matrices
-at ``--dmuon.lr``; everything else AdamW at LeRobot's ``optimizer.lr``, ``betas``, ``eps``,
-``weight_decay``), the loss is ``policy(batch)`` (``lerobot_train.py``'s ``policy.forward``
-would skip FSDP2's root hooks), the optimizer state is a DCP checkpoint
-(``training_state/dmuon``, :func:`dmuon.state_dict` / :func:`dmuon.load`, every rank's RNG
-beside it), and the batches come from a deterministic distributed sampler (global batch ``k``
-is a function of the seed and ``k``), so a resumed run continues exactly.
-
-``--dmuon.*`` options (see :class:`DmuonArgs`): ``lr``, ``momentum``, ``param_dtype``
-(``float32`` / ``bfloat16``: FSDP2 ``MixedPrecisionPolicy`` on the units, bf16 compute with
-fp32 outputs and gradient reduction; the root unit, holding norms, embeddings and the
-action/state projections, stays fp32),
-``solver`` (``auto`` / ``greedy``), ``plan`` (an owner-plan JSON), ``metrics`` (a JSON file
-rank 0 writes the per-step loss, grad norm and lr to), ``ns_method`` / ``ns_coefficients`` /
-``ns_dtype`` (:class:`dmuon.Muon`'s Newton-Schulz options; ``standard`` / ``muon`` /
-``float32`` is ``torch.optim.Muon``'s iteration in fp32), ``overlap`` (``off`` / ``forward`` /
-``backward``: :class:`dmuon.Muon`'s; the metrics count this rank's speculative results kept and
-recomputed).
+LeRobot's own pieces do what they do in ``lerobot_train.py`` (config parser, dataset and
+policy factories, processors, LR scheduler, clip norm, checkpoint layout). What differs: the
+policy is sharded with :func:`dmuon.integrations.lerobot.fully_shard_policy` and dedicated, the
+optimizer is :class:`dmuon.Muon` (matrices at ``--dmuon.lr``, the rest AdamW at LeRobot's
+``optimizer.*``), the loss is ``policy(batch)``, the optimizer state is a DCP checkpoint
+(``training_state/dmuon``) with every rank's RNG beside it, and global batch ``k`` is a function
+of the seed and ``k``, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -55,7 +37,16 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class DmuonArgs:
-    """The ``--dmuon.*`` command-line options."""
+    """The ``--dmuon.*`` command-line options.
+
+    Attributes:
+        lr, momentum: :class:`dmuon.Muon`'s, for the matrices.
+        param_dtype: ``"float32"`` or ``"bfloat16"`` (FSDP2 ``MixedPrecisionPolicy`` on the
+            units: bf16 compute, fp32 outputs and reduction; the root stays fp32).
+        solver: ``"auto"``, ``"greedy"`` or ``"milp"``; plan: an owner-plan JSON.
+        metrics: a JSON file rank 0 writes the per-step records to.
+        ns_method, ns_coefficients, ns_dtype, overlap: :class:`dmuon.Muon`'s.
+    """
 
     lr: float = 0.02
     momentum: float = 0.95

@@ -1,21 +1,12 @@
 """Local rank processes: the one place dmuon starts them and joins them to a process group.
 
-Used by ``python -m dmuon.train`` / ``dmuon.train.eval`` (:func:`launch`), the benchmarks in
-``bench/`` (:func:`launch`) and the test suite's gloo worker pool (:func:`start_ranks` +
-:func:`init_rank`). Process creation and error propagation are torch's
-(:func:`torch.multiprocessing.start_processes`); this module adds the rank environment
-(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``), the thread
-count per rank, the CUDA device per rank and the process group's backend and timeout.
-
-When ranks fail, :func:`launch` reports the rank that failed *first* (by the time each rank
-recorded its exception, before its process group went down), with its whole traceback, and the
-others after it as its likely consequences, as ``torchrun``'s error summary does. torch's own
-join reports whichever failed process it happens to reap first; a rank that raises usually
-takes its peers' collectives down with it ("Connection closed by peer"), and those peers often
-exit before it does.
-
-Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) :func:`launch` runs in this process as
-that one rank instead of spawning.
+Used by ``python -m dmuon.train``, ``bench/`` (:func:`launch`) and the test suite's worker pool
+(:func:`start_ranks`, :func:`init_rank`). Processes are torch's
+(:func:`torch.multiprocessing.start_processes`); this module adds the rank environment, threads
+and CUDA device per rank, and the process group's backend and timeout. When ranks fail,
+:func:`launch` reports the rank that failed *first* (by the time it recorded its exception) with
+its whole traceback, then the others as its likely consequences, as ``torchrun`` does (torch's
+join reports whichever process it reaps first, often a peer whose connection closed).
 """
 
 from __future__ import annotations
@@ -37,13 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: Default process-group timeout of :func:`launch`: rank 0 may build a dataset while the
-#: others wait in their first collective.
+#: Default process-group timeout of :func:`launch` (rank 0 may build a dataset meanwhile).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
-#: Seconds :func:`launch` lets the other ranks take to fail (or finish) by themselves after the
-#: first failure before it terminates them: a peer of a failed rank usually fails within
-#: milliseconds (its connection closes); one busy outside collectives is stopped.
+#: Seconds :func:`launch` lets the other ranks fail or finish after the first failure before
+#: it terminates them.
 FAILURE_GRACE_S = 5.0
 
 
@@ -74,9 +63,8 @@ def init_rank(rank: int, world_size: int, *, port: int | None = None,
               threads: int | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     """Makes this process rank ``rank`` of a local job and initializes the default process group.
 
-    Sets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE``
-    (so code that reads them, e.g. ``torchrun``-style scripts, sees a consistent job), the
-    intra-op thread count, and on NCCL the CUDA device ``rank % device_count``.
+    Sets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    the intra-op thread count, and on NCCL the CUDA device ``rank % device_count``.
 
     Args:
         rank: This process's rank, ``0 <= rank < world_size`` (also its local rank).
@@ -92,10 +80,10 @@ def init_rank(rank: int, world_size: int, *, port: int | None = None,
             ``store`` is given.
     """
     if not 0 <= rank < world_size:
-        raise ValueError(f"dmuon.launch: rank {rank} is outside 0..{world_size - 1} "
+        raise ValueError(f"dmuon.train.ranks: rank {rank} is outside 0..{world_size - 1} "
                          f"(world_size={world_size}); pass 0 <= rank < world_size")
     if port is None and store is None:
-        raise ValueError(f"dmuon.launch: rank {rank} needs a rendezvous: pass port= (rank 0 hosts "
+        raise ValueError(f"dmuon.train.ranks: rank {rank} needs a rendezvous: pass port= (rank 0 hosts "
                          f"the store) or store=")
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
@@ -116,13 +104,8 @@ def init_rank(rank: int, world_size: int, *, port: int | None = None,
 def start_ranks(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (), *,
                 start_method: str = "spawn", join: bool = True,
                 daemon: bool = False) -> torch.multiprocessing.ProcessContext | None:
-    """Starts ``nproc`` local processes running ``fn(rank, *args)``.
-
-    A thin, validated front to :func:`torch.multiprocessing.start_processes`: with ``join``,
-    it waits for all of them and re-raises a rank's exception in this process
-    (:class:`torch.multiprocessing.ProcessRaisedException`, with the rank's traceback), killing
-    the others; without, it returns the :class:`~torch.multiprocessing.ProcessContext` whose
-    ``processes`` the caller manages.
+    """Starts ``nproc`` local processes running ``fn(rank, *args)``
+    (:func:`torch.multiprocessing.start_processes`, validated).
 
     Args:
         fn: A module-level function (picklable); it initializes its own process group
@@ -131,7 +114,8 @@ def start_ranks(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (), *,
         args: Positional arguments after the rank, pickled to every process.
         start_method: ``"spawn"`` or ``"forkserver"`` (never ``"fork"``: unsafe once torch
             has started threads).
-        join: Wait for the processes (and raise on a failure) before returning.
+        join: Wait for the processes (and raise on a failure); else return the
+            ``ProcessContext``.
         daemon: Start daemonic processes (they die with this process).
 
     Raises:
@@ -140,7 +124,7 @@ def start_ranks(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (), *,
             if a rank raised or exited with a non-zero code.
     """
     if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"dmuon.launch: nproc must be an int >= 1, got {nproc!r}")
+        raise ValueError(f"dmuon.train.ranks: nproc must be an int >= 1, got {nproc!r}")
     if start_method not in ("spawn", "forkserver"):
         raise ValueError(f"start_method must be 'forkserver' or 'spawn' (fork is unsafe after "
                          f"torch starts threads), got {start_method!r}")
@@ -151,12 +135,9 @@ def start_ranks(fn: Callable[..., Any], nproc: int, args: Sequence[Any] = (), *,
 def _run_rank(rank: int, fn: Callable[[Any], Any], arg: Any, world_size: int, port: int,
               backend: str | None, threads: int, timeout: timedelta,
               error_dir: str | None = None) -> None:
-    """Body of a rank spawned by :func:`launch`.
-
-    On an exception it writes ``error_dir/rank<R>.json`` (time, type, message, traceback)
-    *before* destroying its process group: peers fail only once the group goes down, so the
-    times order the root cause before its consequences.
-    """
+    """Body of a rank spawned by :func:`launch`. On an exception it writes
+    ``error_dir/rank<R>.json`` *before* destroying its process group (peers fail only once the
+    group goes down, so the times order the root cause first)."""
     try:
         init_rank(rank, world_size, port=port, backend=backend, threads=threads, timeout=timeout)
         fn(arg)
@@ -170,7 +151,7 @@ def _run_rank(rank: int, fn: Callable[[Any], Any], arg: Any, world_size: int, po
 
 
 def _write_failure(error_dir: str, rank: int, exc: BaseException) -> None:
-    """Records ``exc`` (raised on ``rank``) atomically: the parent never reads half a file."""
+    """Records ``exc`` (raised on ``rank``) atomically."""
     record = dict(rank=rank, time=time.monotonic(), pid=os.getpid(),
                   error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
     path = os.path.join(error_dir, f"rank{rank}.json")
@@ -181,15 +162,8 @@ def _write_failure(error_dir: str, rank: int, exc: BaseException) -> None:
 
 def _join_ranks(ctx: torch.multiprocessing.ProcessContext, error_dir: str,
                 grace_s: float = FAILURE_GRACE_S) -> None:
-    """Waits for every rank of ``ctx``; on a failure, stops the rest and raises a report that
-    puts the first failure (by recorded time) first.
-
-    Raises:
-        torch.multiprocessing.ProcessRaisedException: If a rank raised; the message is
-            :func:`failure_report`'s, and ``error_index`` is the first failing rank.
-        torch.multiprocessing.ProcessExitedException: If the first failing rank recorded no
-            exception (it exited with a non-zero code or was killed by a signal).
-    """
+    """Waits for every rank of ``ctx``; on a failure, stops the rest and raises as
+    :func:`launch` says."""
     procs = ctx.processes
     pending = {p.sentinel: rank for rank, p in enumerate(procs)}
     seen_at: dict[int, float] = {}  # rank -> time this process saw it exit non-zero
@@ -240,14 +214,10 @@ def _signal_name(signum: int) -> str:
 
 def failure_report(records: dict[int, dict], seen_at: dict[int, float], exitcodes: Sequence[int | None],
                    stopped: Sequence[int] = ()) -> tuple[str, int]:
-    """The text :func:`launch` raises when ranks fail, and the rank it names as the root cause.
-
-    The first failure is the earliest recorded exception (``records[r]["time"]``, taken on the
-    rank before its process group went down); a rank that died without one (a signal, a
-    non-zero exit) counts from when the launcher saw it exit (``seen_at``), which is later than
-    the moment it failed. That rank's whole traceback comes first; every other failure follows
-    in time order as one line (its exception type and message), then the ranks the launcher
-    stopped itself.
+    """The text :func:`launch` raises when ranks fail, and the rank it names as the root cause:
+    the earliest recorded exception (a rank that died without one counts from ``seen_at``), with
+    its whole traceback, then the other failures in time order, one line each, then the ranks
+    the launcher stopped.
 
     Args:
         records: Rank -> record written by the failing rank (keys ``time`` in
@@ -266,7 +236,7 @@ def failure_report(records: dict[int, dict], seen_at: dict[int, float], exitcode
             **{r: rec["time"] for r, rec in records.items()}}
     failed = sorted((r for r in when if r not in stopped), key=lambda r: (when[r], r))
     if not failed:
-        raise ValueError(f"dmuon.launch: failure_report needs a failed rank; got records for "
+        raise ValueError(f"dmuon.train.ranks: failure_report needs a failed rank; got records for "
                          f"{sorted(records)}, exits seen for {sorted(seen_at)}")
     world = len(exitcodes)
 
@@ -302,17 +272,16 @@ def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None = None, *,
            spawn_one: bool = True) -> None:
     """Runs ``fn(arg)`` on every rank of a job, with the default process group initialized.
 
-    Under ``torchrun`` (and ``torchrun=True``) this process is the one rank. Otherwise it
-    spawns ``nproc`` local ranks on a free rendezvous port, each with ``threads`` intra-op
-    threads (default: ``OMP_NUM_THREADS`` if set, else ``cpus // nproc``, at least 1; the
-    value is also exported as ``OMP_NUM_THREADS`` to the ranks).
+    Under ``torchrun`` (and ``torchrun=True``) this process is the one rank; otherwise it spawns
+    ``nproc`` local ranks on a free rendezvous port.
 
     Args:
         fn: A module-level function (picklable for ``spawn``); called once per rank.
         arg: Its argument (picklable).
         nproc: Local ranks; ``None``: :func:`default_nproc`.
         backend: Process-group backend; ``None``: NCCL with CUDA, else gloo.
-        threads: Intra-op threads per rank (see above).
+        threads: Intra-op threads per rank; ``None``: ``OMP_NUM_THREADS`` if set, else
+            ``cpus // nproc`` (at least 1, exported as ``OMP_NUM_THREADS``).
         timeout: Collective timeout of the default group.
         torchrun: Honour a ``torchrun`` environment (else always spawn ``nproc`` ranks).
         spawn_one: With ``nproc == 1``, still initialize a 1-rank process group in this
@@ -320,10 +289,9 @@ def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None = None, *,
 
     Raises:
         ValueError: If ``nproc`` < 1.
-        torch.multiprocessing.ProcessRaisedException: If a spawned rank raised: the message
-            is :func:`failure_report`'s (the first failing rank's whole traceback, then the
-            others' errors in time order) and ``error_index`` is that first rank.
-        torch.multiprocessing.ProcessExitedException: If the first rank to fail died without a
+        torch.multiprocessing.ProcessRaisedException: A spawned rank raised: the message is
+            :func:`failure_report`'s, ``error_index`` the first failing rank.
+        torch.multiprocessing.ProcessExitedException: The first rank to fail died without a
             Python exception (a signal or a non-zero exit code).
     """
     if torchrun and under_torchrun():
@@ -338,7 +306,7 @@ def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None = None, *,
         return
     nproc = default_nproc() if nproc is None else nproc
     if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"dmuon.launch: nproc must be an int >= 1, got {nproc!r}")
+        raise ValueError(f"dmuon.train.ranks: nproc must be an int >= 1, got {nproc!r}")
     if nproc == 1 and not spawn_one:
         fn(arg)
         return
@@ -373,8 +341,7 @@ def launch(fn: Callable[[Any], Any], arg: Any, nproc: int | None = None, *,
 @contextlib.contextmanager
 def exit_on_rank_failure(prog: str) -> Iterator[None]:
     """For a command line's ``main`` around :func:`launch`: a spawned rank's failure ends the
-    program with exit code 1 and :func:`failure_report`'s text on stderr (the first failing
-    rank's traceback first), without the launcher's own traceback above it.
+    program with exit code 1 and :func:`failure_report`'s text on stderr.
 
     Args:
         prog: The command's name, prefixed to the report (e.g. ``"python -m dmuon.train"``).
