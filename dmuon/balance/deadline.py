@@ -2,7 +2,7 @@
 
 With NS overlapped with the next forward (``Muon(overlap="forward"|"backward")``), what the
 step pays is not the NS makespan but the part of it the forward cannot hide. What the code
-enforces (issue 46; :mod:`dmuon.owners.overlap`, :meth:`dmuon.hooks.unit.UnitContext.issue`):
+enforces (:mod:`dmuon.owners.overlap`, :meth:`dmuon.hooks.unit.UnitContext.issue`):
 
 * ``opt.step()`` schedules one job per publish group (a unit's matrices on one owner) and
   returns without waiting for any. Each owner runs its jobs one after the other, in the

@@ -148,14 +148,11 @@ def build_plan(
 
     expert_parallel = set(expert_parallel)
     if deadlines is not None:
-        given = {"tp_size": tp_size != 1, "group_cost": group_cost != 0 and makespan_slack is None,
-                 "memory_cap_bytes": memory_cap_bytes is not None,
-                 "expert_parallel": bool(expert_parallel) or ep_size != 1,
-                 "bucket_bytes": bucket_bytes is not None}
-        if any(given.values()):
-            raise ValueError(f"dmuon: build_plan(deadlines=...) (the exposed-time objective) takes "
-                             f"no {[k for k, v in given.items() if v]}; leave them out or drop "
-                             f"deadlines to minimize the makespan")
+        _refuse("deadlines", "the exposed-time objective", tp_size=tp_size != 1,
+                group_cost=group_cost != 0 and makespan_slack is None,
+                memory_cap_bytes=memory_cap_bytes is not None,
+                expert_parallel=bool(expert_parallel) or ep_size != 1,
+                bucket_bytes=bucket_bytes is not None)
     if expert_parallel or ep_size != 1:
         return expert_parallel_plan(
             build_plan, list(named_shapes), world_size, expert_parallel, ep_size, costs=costs, cost_unit=cost_unit,
@@ -182,12 +179,10 @@ def build_plan(
     # one class per (matrix shape, matrices per item): interchangeable in the MILP
     classes = [it.matrix_shape if it.matrices == 1 else (it.matrix_shape, it.matrices) for it in items]
     if bucket_bytes is not None:
-        given = {"tp_size": tp_size != 1, "groups": groups is not None, "group_cost": group_cost != 0,
-                 "layout": layout is not None, "memory_cap_bytes": memory_cap_bytes is not None,
-                 "batch_overhead": bool(batch_overhead), "replicate_mode": replicate_mode is not None}
-        if any(given.values()):
-            raise ValueError(f"dmuon: build_plan(bucket_bytes=...) is the plain replicated module's "
-                             f"path and takes no {[k for k, v in given.items() if v]}; leave them out")
+        _refuse("bucket_bytes", "the plain replicated module's path", tp_size=tp_size != 1,
+                groups=groups is not None, group_cost=group_cost != 0, layout=layout is not None,
+                memory_cap_bytes=memory_cap_bytes is not None, batch_overhead=bool(batch_overhead),
+                replicate_mode=replicate_mode is not None)
         return _bucket_plan(items, layouts, world_size, costs, cost_unit, bucket_bytes, element_size)
     if layout is not None and layout[0] * layout[1] != world_size * tp_size:
         raise ValueError(
@@ -256,6 +251,14 @@ def build_plan(
     return plan.with_replicate_modes(replicate_mode, replica_cost)
 
 
+def _refuse(option: str, path: str, **given: bool) -> None:
+    """Raise ValueError naming the options ``path`` does not take that were given."""
+    names = [k for k, v in given.items() if v]
+    if names:
+        raise ValueError(f"dmuon: build_plan({option}=...) ({path}) takes no {names}; leave them "
+                         f"out")
+
+
 def build_bucket_plan(
     named_shapes: Iterable[tuple[str, Sequence[int]]],
     world_size: int,
@@ -267,7 +270,7 @@ def build_bucket_plan(
     blocks: Mapping[str, int] | None = None,
 ) -> OwnerPlan:
     """The plan of the DDP-style path (``replicas="keep"``): :func:`build_plan` with
-    ``bucket_bytes`` (kept for its callers; see there)."""
+    ``bucket_bytes`` (see there)."""
     return build_plan(named_shapes, world_size, bucket_bytes=bucket_bytes, element_size=element_size,
                       costs=costs, cost_unit=cost_unit, blocks=blocks)
 
