@@ -440,17 +440,14 @@ def _solve_makespan(costs, num_ranks, start, *, memory, memory_cap, groups, clas
     if layout is not None and groups is not None:
         owners = apply_layout(owners, classes, groups, *layout)
     loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
-    mem = [0.0] * num_ranks
-    if memory is not None:
-        for i, r in enumerate(owners):
-            mem[r] += memory[i]
     makespan = max(loads)
     if group_cost > 0:  # optimal only if both terms are at their minimum (or CBC proved it)
         optimal = optimal or (makespan <= bound * (1 + 1e-12) and pairs == len(set(groups)))
     else:
         optimal = optimal or makespan <= bound * (1 + 1e-12)
     result = Assignment(
-        owners=tuple(int(r) for r in owners), loads=tuple(loads), memory=tuple(mem),
+        owners=tuple(int(r) for r in owners), loads=tuple(loads),
+        memory=_per_rank(owners, memory, num_ranks),
         makespan=makespan, lower_bound=lower,
         proven_bound=makespan if optimal else bound, method=used, optimal=optimal,
         detail=heuristic, group_cost=float(group_cost), publish_pairs=pairs,
@@ -505,11 +502,7 @@ def check_memory_cap(
         ValueError: naming the smallest feasible cap (exact when CBC proves it, else the best
             found and the proven lower bound).
     """
-    owners = greedy(memory, num_ranks)
-    per_rank = [0.0] * num_ranks
-    for i, r in enumerate(owners):
-        per_rank[r] += float(memory[i])
-    if memory_cap >= max(per_rank):
+    if memory_cap >= max(_per_rank(greedy(memory, num_ranks), memory, num_ranks)):
         return
     best = solve(memory, num_ranks, method="milp", time_limit_s=time_limit_s)
     if memory_cap >= best.makespan:
