@@ -219,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--memory-cap-gb", type=float, default=None, help="GiB per rank")
     p.add_argument("--out", default="plan.json")
-    p.add_argument("--method", choices=("auto", "milp", "greedy"), default="auto")
+    p.add_argument("--method", choices=("auto", "milp", "heuristic", "greedy"), default="auto")
     p.add_argument("--time-limit-s", type=float, default=10.0)
     p.add_argument("--measure", choices=("auto", "yes", "no"), default="auto",
                    help="time NS on the device (auto: only on CUDA) instead of the FLOP model")
