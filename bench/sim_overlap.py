@@ -2,7 +2,7 @@
 
 After the step, every owner runs the NS of its matrices in forward (unit) order on a side
 stream, and the publication of unit ``k`` waits only for the NS of unit ``k``. The owner plan is
-the deadline-aware one (:func:`dmuon.balance.deadline.solve_exposed`): unit ``k``'s deadline is
+the deadline-aware one (:func:`dmuon.balance.solve` with ``deadlines``): unit ``k``'s deadline is
 the start of its forward. What the step pays for NS is then
 
 * the **exposed** time ``E = max_k (P_k - d_k)^+`` (``P_k``: when the last owner of unit ``k``
@@ -28,7 +28,8 @@ forward FLOPs hold beyond the units (Qwen's head) runs after the last unit and s
 
 from __future__ import annotations
 
-from dmuon.balance.deadline import deadlines_from_forward, solve_exposed
+from dmuon.balance import solve
+from dmuon.balance.deadline import deadlines_from_forward
 
 #: NS speed on the side stream relative to alone (assumed): a lone large GEMM reaches ~70% of
 #: the tensor-core peak, the forward uses 40% (``mfu_fb``), NS alone 50% (``mfu_ns``), so NS
@@ -104,8 +105,8 @@ def overlap_ns(ns_s, shapes, units_of, forward_s, p, *, ns_call_s, method, rate=
     costs = [c / rate for c in ns_s]
     deadlines = deadlines_from_forward(forward_s)
     over = {s: ns_call_s for s in set(shapes)}
-    res = solve_exposed(costs, p, units=units_of, deadlines=deadlines, classes=shapes,
-                        batch_overhead=over, method=method, time_limit_s=5.0)
+    res = solve(costs, p, units=units_of, deadlines=deadlines, classes=shapes,
+                batch_overhead=over, method=method, time_limit_s=5.0)
     replay = dict(ns_call_s=ns_call_s, rate=rate)
     out = {"rate": rate, "plan_exposed_s": res.exposed, "plan_exposed_bound_s": res.exposed_bound,
            "plan_makespan_s": res.makespan, "method": res.method, "detail": res.detail,

@@ -22,7 +22,7 @@ GPUs (8 per node, weak scaling: fixed work per GPU):
   per batched shape class), XOR layout over the node x GPU grid, plus owner-side elementwise
   work at HBM speed;
 * dmuon_overlap (issue 39): dmuon with the owners' NS overlapped with the next forward in
-  forward order under the deadline-aware plan (:func:`dmuon.balance.deadline.solve_exposed`);
+  forward order under the deadline-aware plan (:func:`dmuon.balance.solve` with ``deadlines``);
   the optimizer phase keeps the owners' elementwise work and the forward stalls for what NS the
   forward cannot hide, with the contention assumed in :mod:`sim_overlap`;
 * dmuon_per_matrix: the first build, one collective per matrix (ring latency per matrix),

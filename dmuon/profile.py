@@ -5,30 +5,21 @@ Example::
     python -m dmuon.profile --model qwen2.5-7b --nodes 4 --gpus-per-node 8 \\
         --memory-cap-gb 20 --out plan.json
 
-``--model`` is a named inventory (``pi0``, ``pi0-tiny``, ``qwen2.5-7b``, and the MoE models
-``qwen3-30b-a3b``, ``moonlight-16b-a3b``, ``kimi-k2``, see :mod:`dmuon.balance.inventories`) or
-``MODULE:FACTORY``, a zero-argument callable returning an ``nn.Module``; it is built on the meta
-device (no memory, no init) and its dedicated matrices are what dmuon's default predicate
-selects: 2-D parameters that are not ``nn.Embedding`` weights, and MoE expert stacks. A stack
-is priced and placed expert by expert; the plan holds one expert range per (stack, owner) and
-the table counts each rank's expert matrices.
-On a GPU the NS times are measured (cached, see :mod:`dmuon.balance.profiler`); on CPU the FLOP
-model stands in. The plan JSON (:class:`dmuon.owners.plan.OwnerPlan`, versioned schema) is
-what ``dedicate_params(model, mesh, plan="plan.json")`` loads; owners are global ranks
-``node * gpus_per_node + gpu`` arranged by the XOR layout (:mod:`dmuon.balance.layout`).
-A per-rank table goes to stdout and a bar chart of per-rank load to ``<out>.png`` when
-matplotlib is installed (``pip install 'dmuon[plot]'``); without it, or with ``--no-plot``, the
-plan is still written and the command exits 0.
+``--model`` is a named inventory (:mod:`dmuon.balance.inventories`) or ``MODULE:FACTORY``, a
+zero-argument callable returning an ``nn.Module``, built on the meta device; its dedicated
+matrices are what dmuon's default predicate selects (2-D non-embedding parameters and MoE
+expert stacks, priced and placed expert by expert). On a GPU the NS times are measured
+(cached, :mod:`dmuon.balance.profiler`); on CPU the FLOP model stands in. The plan JSON
+(:class:`dmuon.owners.plan.OwnerPlan`) is what ``dedicate_params(model, mesh, plan=...)``
+loads; owners are global ranks ``node * gpus_per_node + gpu`` in the XOR layout
+(:mod:`dmuon.balance.layout`). A per-rank table goes to stdout and a bar chart to
+``<out>.png`` when matplotlib is installed (``dmuon[plot]``).
 
-The summary also gives the plan's *exposed time*: the Newton-Schulz time the next forward
-waits for when owners run NS overlapped with it, in forward order (issue 39; the model is in
-:mod:`dmuon.balance.deadline`). Each unit's forward time comes from
-:func:`dmuon.balance.profiler.unit_times` (``--tokens`` per GPU per micro-batch through each
-matrix: timed matmuls on a GPU, FLOPs on CPU). ``--objective exposed`` builds the plan that
-minimizes it (no XOR layout); ``--objective overlap`` the plan ``dedicate_params`` solves
-without a plan file (the least exposed time within 2% of the makespan plan's makespan,
-:mod:`dmuon.balance.overlap_plan`; no XOR layout), here from the profiled costs; the default
-``makespan`` keeps the plan the serial step wants.
+The summary also gives the plan's *exposed time* (:mod:`dmuon.balance.deadline`), with each
+unit's forward time from :func:`dmuon.balance.profiler.unit_times` (``--tokens`` per GPU per
+micro-batch). ``--objective exposed`` minimizes it, ``--objective overlap`` builds the plan
+``dedicate_params`` solves without a plan file (both without the XOR layout); the default
+``makespan`` is the plan the serial step wants.
 """
 
 from __future__ import annotations
@@ -160,36 +151,24 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     """Profile Newton-Schulz costs, then :func:`dmuon.owners.plan.build_plan` inside the XOR
     layout; returns ``(OwnerPlan, per-rank memory bytes)``.
 
-    With ``group_cost > 0`` (in the profile's unit, per (layer, owner) publication; see
-    :mod:`dmuon.balance.grouping`) the solver keeps layers on few owners instead, and the XOR
-    layout, which spreads each layer, is not applied. Layers are :func:`layer_groups`: one per
-    numbered layer, and one root block for every matrix outside them.
-
-    With ``ep > 1`` (expert parallelism, ranks in ``(expert shard, ep)`` row-major order) every
-    expert stack is split ``Shard(0)`` over ``ep`` ranks: its local experts are balanced over
-    the ``world / ep`` ranks holding them (:func:`dmuon.owners.plan.build_plan`'s
-    ``expert_parallel``), without the XOR layout.
-
-    ``objective="exposed"`` minimizes the NS time the next forward waits for under overlap
-    (:mod:`dmuon.balance.deadline`; deadlines from :func:`dmuon.balance.profiler.unit_times` with
-    ``tokens`` per GPU per micro-batch), without the XOR layout. ``objective="overlap"`` is the
-    runtime's objective (:func:`dmuon.balance.overlap_plan.refine_for_overlap`: the least exposed
-    time among plans within :data:`~dmuon.balance.overlap_plan.MAKESPAN_SLACK` of the makespan
-    plan's makespan), without the XOR layout. Whatever the objective, without expert
-    parallelism, ``extra`` records the plan's ``exposed`` time and its bound.
+    Without the XOR layout: with ``group_cost > 0`` (profile's unit per (layer, owner)
+    publication, :mod:`dmuon.balance.grouping`; layers are :func:`layer_groups`), with ``ep >
+    1`` (expert stacks ``Shard(0)`` over ``ep`` ranks, balanced over the ``world / ep`` ranks
+    holding them), and with ``objective`` ``"exposed"`` or ``"overlap"`` (:func:`dmuon.balance.
+    solve` with ``deadlines``, from :func:`dmuon.balance.profiler.unit_times` at ``tokens`` per
+    GPU per micro-batch). Without expert parallelism ``extra`` records the plan's ``exposed``
+    time and its bound whatever the objective.
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (e.g. an infeasible memory cap).
     """
     import dataclasses
 
-    from dmuon.balance.deadline import deadlines_from_forward, exposed_lower_bound, exposed_time
+    from dmuon.balance.deadline import (MAKESPAN_SLACK, deadlines_from_forward,
+                                        exposed_lower_bound, exposed_time)
     from dmuon.balance.profiler import unit_times
     from dmuon.owners.plan import build_plan
-
     from dmuon.owners.stacks import param_layout
-
-    from dmuon.balance.overlap_plan import MAKESPAN_SLACK
 
     if objective not in OBJECTIVES:
         raise ValueError(f"dmuon: objective={objective!r} is not one of {OBJECTIVES}")
@@ -240,7 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--memory-cap-gb", type=float, default=None, help="GiB per rank")
     p.add_argument("--out", default="plan.json")
-    p.add_argument("--method", choices=("auto", "milp", "greedy"), default="auto")
+    p.add_argument("--method", choices=("auto", "milp", "heuristic", "greedy"), default="auto")
     p.add_argument("--time-limit-s", type=float, default=10.0)
     p.add_argument("--measure", choices=("auto", "yes", "no"), default="auto",
                    help="time NS on the device (auto: only on CUDA) instead of the FLOP model")

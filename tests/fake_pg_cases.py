@@ -22,7 +22,7 @@ def rank0_of_8() -> dict:
 
     import dmuon
     from dmuon.hooks.dedicate import get_state, select_matrices, default_predicate
-    from dmuon.owners.plan import build_plan
+    from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, default_plan
     from tests.failure_cases import count_step_checks
     from tests.models import Net, loss_fn, local_batch
 
@@ -33,10 +33,13 @@ def rank0_of_8() -> dict:
     model = Net()
     # more matrices than ranks, so that rank 0 owns some and not all
     model.blocks.extend(type(model.blocks[0])(12, 7 + k) for k in range(6))
-    expected = build_plan([(s.fqn, s.shape) for s in select_matrices(model, default_predicate(model))], 8)
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    # the plan dedicate_params solves in process (its defaults; group cost 0 off gloo)
+    expected = default_plan(model, select_matrices(model, default_predicate(model)), 8, tp_size=1,
+                            blocks={}, expert_parallel=[], ep_size=1, group_cost=0.0,
+                            forward_tokens=DEFAULT_FORWARD_TOKENS)
     plan = dmuon.dedicate_params(model, mesh)  # step_check=True: switched off, not failing
     opt = dmuon.Muon(model, lr=0.02)
     state = get_state(model)

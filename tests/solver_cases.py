@@ -152,7 +152,7 @@ def tower_shapes() -> list[tuple[str, tuple[int, int]]]:
 
 
 def dedicate_under_stub(rank: int, world_size: int, *, kind: str) -> dict:
-    """``dedicate_params`` without a plan while every rank's CBC is the ``kind`` stub; returns
+    """``dedicate_params(solver="milp")`` without a plan while every rank's CBC is the ``kind`` stub; returns
     the plan's digest, method and ``milp_status``, this rank's stub calls and its warnings."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -169,7 +169,7 @@ def dedicate_under_stub(rank: int, world_size: int, *, kind: str) -> dict:
     log.addHandler(records)
     try:
         with stub_cbc(kind) as stub:
-            plan = dmuon.dedicate_params(model, mesh, group_cost=0.0)
+            plan = dmuon.dedicate_params(model, mesh, group_cost=0.0, solver="milp")
     finally:
         log.removeHandler(records)
     return dict(digest=plan.digest(), method=plan.method,
@@ -206,7 +206,7 @@ def dedicate_when_rank0_plan_raises(rank: int, world_size: int) -> str:
 
 
 def dedicate_with_real_cbc(rank: int, world_size: int) -> dict:
-    """``dedicate_params`` without a plan, with the installed PuLP's real CBC (counted: a
+    """``dedicate_params(solver="milp")`` without a plan, with the installed PuLP's real CBC (counted: a
     subclass that records each construction's warm start); the plan's digest, method,
     makespan and per-matrix costs, this rank's CBC runs and its warnings."""
     import pulp
@@ -236,7 +236,7 @@ def dedicate_with_real_cbc(rank: int, world_size: int) -> dict:
         log.addHandler(records)
     setattr(pulp, name, Counted)
     try:
-        plan = dmuon.dedicate_params(model, mesh, group_cost=0.0)
+        plan = dmuon.dedicate_params(model, mesh, group_cost=0.0, solver="milp")
     finally:
         setattr(pulp, name, real)
         for log in loggers:

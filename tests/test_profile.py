@@ -239,7 +239,7 @@ def test_cli_prints_makespan_and_exposed_time_and_minimizes_the_exposed_one(tmp_
     than the makespan plan's; ``--objective overlap`` (the runtime's objective, issue 46) exposes
     no more than the makespan plan it started from, within 2% of its makespan."""
     from dmuon.balance.inventories import layer_groups
-    from dmuon.balance.overlap_plan import MAKESPAN_SLACK
+    from dmuon.balance.deadline import MAKESPAN_SLACK
 
     plans, text = {}, {}
     for objective in ("makespan", "exposed", "overlap"):

@@ -190,11 +190,13 @@ def _issue28_model():
 def _run_issue28(monkeypatch, *, rins_on: bool):
     import pulp
 
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp, pulp_api
     from dmuon.balance.milp import solve_milp
 
     costs, shapes = _issue28_model()
     warm = heuristic_only(monkeypatch, solve, costs, 32, classes=shapes, time_limit_s=1).owners
+    # one MILP class per shape, as before the classes were merged by (cost, memory)
+    monkeypatch.setattr(milp, "milp_class", lambda shape, cost, memory, overhead: ("shape", shape))
     name = pulp_api.cbc_class_name(pulp)
     real = getattr(pulp, name)
 
@@ -204,7 +206,7 @@ def _run_issue28(monkeypatch, *, rins_on: bool):
 
     monkeypatch.setattr(pulp, name, node_limited)
     return costs, warm, lambda: solve_milp(costs, 32, classes=shapes, warm_start=warm,
-                                           time_limit_s=10, merge_classes=False)
+                                           time_limit_s=10)
 
 
 def _bundled_cbc_version() -> str:

@@ -15,10 +15,8 @@ the largest bucket load, each bucket also closed at the cap (the linear-partitio
 solved exactly by a bisection on the largest load with a greedy check; Skiena, "The Algorithm
 Design Manual", 8.5). Buckets then go to owners by longest-processing-time first (Graham
 1969). With at least ``world_size`` buckets every rank owns one: a single 25 MB bucket would
-have one rank of a small model run all of Newton-Schulz. Cutting by bytes alone is not enough,
-because the Newton-Schulz cost per byte grows with a matrix's smaller side: on
-``dmuon.train``'s default policy over 4 ranks it left one owner with 40% of the NS FLOPs (12.2
-against 4.3 ms measured on one CPU thread), where balanced cuts leave about 9.5 against 7 ms.
+have one rank of a small model run all of Newton-Schulz. Bytes alone do not balance, as the
+Newton-Schulz cost per byte grows with a matrix's smaller side.
 """
 
 from __future__ import annotations

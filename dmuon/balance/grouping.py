@@ -24,12 +24,11 @@ Two heuristics feed the exact MILP (:func:`dmuon.balance.milp.solve_milp` with `
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from typing import Hashable, Mapping, Sequence
 
-from dmuon.balance.assignment import evaluate
+from dmuon.balance.assignment import evaluate, greedy
 
 logger = logging.getLogger(__name__)
 
@@ -78,30 +77,16 @@ def group_lpt(
     members: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
-    total = {g: sum(float(costs[i]) for i in idx) for g, idx in members.items()}
-    size = {g: sum(float(memory[i]) for i in idx) if memory is not None else 0.0
-            for g, idx in members.items()}
-    order = sorted(members, key=lambda g: (-total[g], min(members[g])))
+    idx = list(members.values())  # groups in first-appearance order: LPT's tie-break
+    size = None if memory is None else [sum(float(memory[i]) for i in m) for m in idx]
+    placed = greedy([sum(float(costs[i]) for i in m) for m in idx], num_ranks, memory=size,
+                    memory_cap=memory_cap)
+    if placed is None:
+        return None
     owners = [0] * len(costs)
-    if memory_cap is None:
-        heap = [(0.0, r) for r in range(num_ranks)]
-        for g in order:
-            load, r = heapq.heappop(heap)
-            for i in members[g]:
-                owners[i] = r
-            heapq.heappush(heap, (load + total[g], r))
-        return tuple(owners)
-    loads = [0.0] * num_ranks
-    used = [0.0] * num_ranks
-    for g in order:
-        fits = [r for r in range(num_ranks) if used[r] + size[g] <= memory_cap]
-        if not fits:
-            return None
-        r = min(fits, key=lambda q: (loads[q], q))
-        for i in members[g]:
+    for m, r in zip(idx, placed):
+        for i in m:
             owners[i] = r
-        loads[r] += total[g]
-        used[r] += size[g]
     return tuple(owners)
 
 

@@ -1,39 +1,39 @@
-"""Exact makespan minimization as a MILP over matrix classes, solved by CBC through PuLP.
+"""The owner MILP: exposed Newton-Schulz time, with the makespan as its one-unit case, by CBC.
 
-Matrices of one *class* are interchangeable, so instead of one binary per (matrix, rank) the
-model counts them: ``x[s, r]`` is the number of class-``s`` matrices rank ``r`` owns. A class
-here is one (cost, memory) pair, so a shape and its transpose (``[16384, 2048]`` and ``[2048,
-16384]``: equal FLOPs, equal bytes) share one; only a shape with a batch overhead ``f_s > 0``
-stays a class of its own, as it pays ``f_s`` once per rank. For Qwen2.5-7B (196 matrices, 4
-shapes, 3 classes) at 256 ranks that is 768 integers instead of 50,176 binaries. Splitting
-interchangeable matrices into several classes (one per shape, as ``build_plan`` passes them)
-only adds symmetric solutions: measured on the 2-core dev machine, Qwen2.5-7B on 32 ranks is
-proven optimal in 0.2 s with 3 classes and not within 5 s with 4 (issue 28).
+Matrices of one unit and one *class* are interchangeable, so instead of one binary per
+(matrix, rank) the model counts them: ``x[q, r]`` is the number of matrices of key ``q =
+(unit, group, class)`` rank ``r`` owns. A class is one (cost, memory) pair, so a shape and its
+transpose share one; only a shape with a batch overhead ``f_s > 0`` stays a class of its own,
+as it pays ``f_s`` once per (rank, unit). For Qwen2.5-7B (196 matrices, 4 shapes, 3 classes)
+at 256 ranks that is 768 integers instead of 50,176 binaries (one class per shape only adds
+symmetric solutions: Qwen2.5-7B on 32 ranks is proven optimal in 0.2 s with 3 classes and not
+within 5 s with 4).
 
-    minimize    T
-    subject to  sum_r x[s, r] = n_s                                   for every class s
-                L_r = sum_s c_s x[s, r] + f_s z[s, r] <= T              for every rank r
-                x[s, r] <= n_s z[s, r]        (z binary, only where f_s > 0: batch overhead)
-                sum_s m_s x[s, r] <= cap                                (memory cap, optional)
-                L_0 >= L_1 >= ... >= L_{D-1}                            (breaks rank symmetry)
-                T >= proven lower bound                                 (lets CBC stop early)
+    minimize    E + w M + group_cost * sum y
+    subject to  sum_r x[q, r] = n_q                                        for every key q
+                U[k, r] = sum_(q in unit k) c_q x[q, r] + f_s z[(k, s), r]   (per-unit NS load)
+                x[q, r] <= n_q z[(k, s), r],  z <= sum of those x     (z binary, where f_s > 0)
+                C[k, r] = C[k-1, r] + U[k, r],  C[-1, r] = 0                      (completion)
+                C[k, r] - d_k <= E                              for every unit k and rank r
+                C[K-1, r] <= M,   C[K-1, 0] >= C[K-1, 1] >= ...    (makespan; rank symmetry)
+                sum_q m_q x[q, r] <= cap                                (memory cap, optional)
+                x[q, r] <= n_q y[g, r],  y[g, r] <= sum_(q in g) x[q, r],  sum y >= #groups
+                E >= a proven lower bound                                (lets CBC stop early)
 
-With publish groups (``groups`` and ``group_cost > 0``, see :mod:`dmuon.balance.grouping`) a
-class is a (group, shape) pair, a binary ``y[g, r]`` marks that rank ``r`` owns part of group
-``g`` (``x[(g, s), r] <= n_(g, s) y[g, r]``), and the objective becomes
-``T + group_cost * sum y``: the makespan plus the step time of one publication per pair.
-
-``c_s`` is the marginal NS cost of one class-``s`` matrix, ``f_s`` the fixed cost of running a
-batch of them (see :func:`dmuon.balance.cost.fit_batch_costs`), ``m_s`` its bytes. Solved by
-CBC (bundled with PuLP) with one thread, so an untimed-out solve is reproducible.
+``E`` is the exposed time of :mod:`dmuon.balance.deadline`; with one unit and ``d_0 = 0`` it
+is the makespan (``P || C_max``, the classic identical-machines problem). The publish-group
+binaries ``y`` (:mod:`dmuon.balance.grouping`) enter only with ``group_cost > 0``. ``c`` is
+the marginal NS cost of one matrix, ``f`` the fixed cost of a batch
+(:func:`dmuon.balance.cost.fit_batch_costs`), ``m`` its bytes. CBC (bundled with PuLP 3,
+``pulp[cbc]`` with PuLP 4: :mod:`dmuon.balance.pulp_api`) runs with one thread, so an
+untimed-out solve is reproducible.
 
 Every way the solver path can fail (PuLP cannot be imported or finds no CBC binary, building
 the model raises, CBC crashes, PuLP raises, the solution file is missing or holds values that
 are not a plan, no plan by the time limit, an infeasible status, no return at all) raises
-:class:`MilpFailure` with the reason; :func:`dmuon.balance.solve` then retries once without the
+:class:`MilpFailure` with the reason; :func:`milp_fallback` then retries once without the
 warm start (not when PuLP or CBC is missing: :class:`PulpUnusable`) and falls back to the
-heuristic plan with a warning. PuLP 3.x and 4.x differ in how a variable is made, which class
-runs CBC and how a solve reports its status: :mod:`dmuon.balance.pulp_api` hides that.
+heuristic plan with a warning.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
 from dmuon.balance import pulp_api
@@ -64,25 +63,10 @@ class PulpUnusable(MilpFailure):
     """PuLP cannot be imported or finds no CBC to run: a retry cannot help."""
 
 
-def _class_table(costs, classes, memory):
-    """Unique classes in first-appearance order with count, cost and memory; validated."""
-    order: list[Hashable] = []
-    table: dict[Hashable, list] = {}
-    for i, s in enumerate(classes):
-        m = 0.0 if memory is None else float(memory[i])
-        if s not in table:
-            order.append(s)
-            table[s] = [0, float(costs[i]), m, []]
-        row = table[s]
-        if row[1] != float(costs[i]) or row[2] != m:
-            raise ValueError(
-                f"dmuon: matrices {row[3][0]} and {i} share class {s!r} but have costs "
-                f"{row[1]} vs {costs[i]} and memory {row[2]} vs {m}; one class must be one "
-                f"cost and one memory size (give classes=None to group by (cost, memory))"
-            )
-        row[0] += 1
-        row[3].append(i)
-    return order, table
+def milp_class(shape: Hashable, cost: float, memory: float, overhead: float) -> tuple:
+    """The MILP class of a matrix: its (cost, memory), or its shape where it pays a batch
+    overhead (matrices of one class are interchangeable)."""
+    return ("shape", shape) if overhead > 0 else ("cost", cost, memory)
 
 
 def solve_milp(
@@ -90,6 +74,8 @@ def solve_milp(
     num_ranks: int,
     *,
     classes: Sequence[Hashable],
+    units: Sequence[int] | None = None,
+    deadlines: Sequence[float] = (0.0,),
     memory: Sequence[float] | None = None,
     memory_cap: float | None = None,
     batch_overhead: Mapping[Hashable, float] | None = None,
@@ -97,23 +83,26 @@ def solve_milp(
     time_limit_s: float = 10.0,
     groups: Sequence[int] | None = None,
     group_cost: float = 0.0,
-    merge_classes: bool = True,
+    makespan_weight: float = 0.0,
+    bound: float = 0.0,
 ) -> tuple[tuple[int, ...], bool]:
-    """Solve the class-count MILP above with CBC.
+    """Solve the MILP above with CBC.
 
     Args:
         costs: per-matrix marginal cost, ``>= 0``; equal within a class.
         num_ranks: number of ranks ``D``.
-        classes: per-matrix class key (interchangeable matrices share one).
+        classes: per-matrix class key (the shape).
+        units: per-matrix unit id ``0..K-1`` in forward order (default: all in unit 0).
+        deadlines: ``d_k`` per unit, unit of ``costs`` (default ``[0]``: the makespan).
         memory: per-matrix bytes on the owner, equal within a class, or None.
         memory_cap: bytes per rank, or None.
-        batch_overhead: per-class fixed cost of owning any matrix of that class.
-        warm_start: an initial plan (owners per matrix) for CBC, e.g. greedy's.
+        batch_overhead: per-class fixed cost of owning any matrix of that class in a unit.
+        warm_start: an initial plan (owners per matrix) for CBC, e.g. the heuristic's.
         time_limit_s: CBC wall-clock limit, seconds.
         groups: per-matrix publish-group id; used only with ``group_cost > 0``.
         group_cost: step time of one (group, owner) pair, in the unit of ``costs``.
-        merge_classes: one MILP class per (cost, memory) pair (default); False keeps one per
-            given class, the model that exposed CBC's RINS abort (issue 28's regression test).
+        makespan_weight: ``w``, the makespan's weight beside ``E``.
+        bound: a proven lower bound on ``E``, unit of ``costs``.
 
     Returns:
         ``(owners, optimal)``: owners per matrix in input order, ``optimal`` True when CBC
@@ -121,57 +110,48 @@ def solve_milp(
 
     Raises:
         ValueError: when matrices of one class differ in cost or memory.
-        MilpFailure: when CBC gives no usable plan: PuLP or CBC is missing
-            (:class:`PulpUnusable`), PuLP raises while the model is built, CBC exits with an
-            error (e.g. its ``CoinError`` abort), writes no solution or hangs, the status is
-            infeasible or "not solved" (no plan by the time limit), or the values it returns
-            are not a plan (not integral, negative, or not summing to each class's count) or
-            cannot be read.
+        MilpFailure: when CBC gives no usable plan (see the module docstring).
     """
+    n = len(costs)
+    units = [0] * n if units is None else [int(u) for u in units]
+    overhead = {s: float((batch_overhead or {}).get(s, 0.0)) for s in classes}
+    # Several units: costs in units of the largest (on raw FLOPs, deadlines ~1e13, CBC returned
+    # counts that were all 0). One unit (the makespan): raw costs, which CBC proves optimal
+    # faster (Pi0 on 8 ranks: 0.1 s raw, not within 5 s scaled).
+    scale = max([float(c) for c in costs] + list(overhead.values()) + [0.0]) or 1.0
+    scale = scale if len(deadlines) > 1 else 1.0
+    mem = [0.0] * n if memory is None else [float(m) for m in memory]
+    keys = [(units[i], groups[i] if group_cost > 0 else None,
+             milp_class(s, float(costs[i]), mem[i], overhead[s])) for i, s in enumerate(classes)]
+    table: dict = {}  # key -> [count, cost, memory, batched shape or None, members]
+    for i, q in enumerate(keys):
+        row = table.setdefault(q, [0, float(costs[i]) / scale, mem[i],
+                                   classes[i] if overhead[classes[i]] > 0 else None, []])
+        if row[1] != float(costs[i]) / scale or row[2] != mem[i]:
+            raise ValueError(
+                f"dmuon: matrices {row[4][0]} and {i} share class {classes[i]!r} but have costs "
+                f"{row[1] * scale} vs {costs[i]} and memory {row[2]} vs {mem[i]}; one class must "
+                f"be one cost and one memory size (give classes=None to group by (cost, memory))")
+        row[0] += 1
+        row[4].append(i)
+    if len(deadlines) == 1:  # the makespan: its pigeonhole bound lets CBC stop early
+        eff = effective_costs(costs, classes, overhead)
+        bound = max(float(bound), makespan_lower_bound(eff, num_ranks) - float(deadlines[0]))
+    model = dict(table=table, keys=keys, num_ranks=num_ranks, memory_cap=memory_cap,
+                 deadlines=[float(d) / scale for d in deadlines], w=float(makespan_weight),
+                 group_cost=float(group_cost) / scale, bound=float(bound) / scale,
+                 overhead={s: f / scale for s, f in overhead.items()})
     with warnings.catch_warnings():
         # PuLP 3.x announces API changes for 4.0 (PULP_CBC_CMD's removal); pulp_api handles both.
         warnings.simplefilter("ignore", DeprecationWarning)
-        return _solve_milp(costs, num_ranks, classes=classes, memory=memory,
-                           memory_cap=memory_cap, batch_overhead=batch_overhead,
-                           warm_start=warm_start, time_limit_s=time_limit_s,
-                           groups=groups if group_cost > 0 else None,
-                           group_cost=float(group_cost), merge_classes=merge_classes)
-
-
-def _solve_milp(costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
-                time_limit_s, groups, group_cost, merge_classes):
-    _class_table(costs, classes, memory)  # one class must be one cost and one memory size
-
-    def build(pulp):
-        model = _build(pulp, costs, num_ranks, classes=classes, memory=memory,
-                       memory_cap=memory_cap, batch_overhead=batch_overhead,
-                       warm_start=warm_start, groups=groups, group_cost=group_cost,
-                       merge_classes=merge_classes)
-        return model.prob, model
-
-    owners, optimal, model, seconds = solve_with_cbc(
-        build, lambda m: _read_plan(m.x, m.order, m.table, num_ranks, len(costs)),
-        time_limit_s=time_limit_s, warm_start=warm_start is not None)
-    logger.debug("dmuon: CBC %s in %.2fs (%d classes x %d ranks, %d groups)",
-                 "optimal" if optimal else "incumbent", seconds, len(model.order), num_ranks,
-                 model.groups)
+        owners, optimal, seconds = _solve_with_cbc(model, warm_start, time_limit_s)
+    logger.debug("dmuon: CBC %s in %.2fs (%d keys x %d ranks)",
+                 "optimal" if optimal else "incumbent", seconds, len(table), num_ranks)
     return tuple(owners), optimal
 
 
-def solve_with_cbc(build, read, *, time_limit_s: float, warm_start: bool):
-    """The CBC solve the owner MILPs share (this module's makespan model and
-    :mod:`dmuon.balance.deadline_milp`'s exposed-time model).
-
-    Args:
-        build: ``pulp -> (problem, handle)``: the PuLP problem, warm start set, and whatever
-            ``read`` needs.
-        read: ``handle -> owners`` (``owners[i]``: the rank of matrix ``i``) from the solved
-            variables.
-        time_limit_s: CBC's time limit (seconds); the solve is abandoned after twice that.
-        warm_start: whether ``build`` set initial values for CBC to start from.
-
-    Returns:
-        ``(owners, proven optimal, handle, seconds)``.
+def _solve_with_cbc(model, warm_start, time_limit_s: float):
+    """Build, solve and read the model; ``(owners, proven optimal, seconds)``.
 
     Raises:
         PulpUnusable: PuLP cannot be imported or finds no CBC (a retry fails the same way).
@@ -186,30 +166,22 @@ def solve_with_cbc(build, read, *, time_limit_s: float, warm_start: bool):
                            f"whose CBC PuLP 4 needs)") from e
     start = time.perf_counter()
     try:
-        prob, handle = build(pulp)
-        # No ``threads`` option: CBC then runs serially. With ``threads=1`` it starts one
-        # worker thread that, about once in 200 solves here, never starts: CBC's log then shows
-        # "Thread 0 used 0 times, waiting to start 10.0" and the solve stops at the time limit
-        # with gap 0, unproven.
+        prob, x = _build(pulp, warm_start=warm_start, **model)
+        # No ``threads`` option: with ``threads=1`` CBC starts one worker thread that, about
+        # once in 200 solves, never starts and the solve stops at the time limit unproven.
         # ``rins off``: CBC 2.10.3 (PuLP 3.3's bundled binary) aborts with an uncaught
-        # CoinError inside its RINS heuristic: CbcHeuristicRINS::solution ->
-        # smallBranchAndBound -> ClpSimplex::borrowModel -> ClpPrimalColumnSteepest's copy ->
-        # CoinIndexedVector::gutsOfSetVector (gdb backtrace, issue 28: Pi0 with one class per
-        # shape on 32 ranks, warm-started). RINS only runs once there is an incumbent, which is
-        # why the same model solved without the warm start. Our warm start is already a
-        # local-search optimum, the neighbourhood RINS searches; off, no measured plan got
-        # worse (Pi0, Qwen2.5-7B, 8-64 ranks).
+        # CoinError inside its RINS heuristic on warm-started models (CHANGELOG, issue 28); our
+        # warm start is already a local-search optimum, the neighbourhood RINS searches.
         solver = pulp_api.cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
-                              warm_start=warm_start, options=["rins off"])
+                              warm_start=warm_start is not None, options=["rins off"])
     except Exception as e:  # a PuLP whose modelling API this code does not know
         raise MilpFailure(f"PuLP {pulp_api.version(pulp)} could not build the model: "
                           f"{type(e).__name__}: {_first_line(e)}") from e
     missing = pulp_api.cbc_available(pulp, solver)
     if missing is not None:
         raise PulpUnusable(missing)
-    # PuLP writes the model, warm start and solution next to each other in $TMPDIR and deletes
-    # them only after a solve that returned: a CBC that aborted left ~160 KB per failed solve
-    # behind. A directory of our own is removed whatever happened.
+    # PuLP deletes its model, warm-start and solution files only after a solve that returned:
+    # a directory of our own is removed whatever happened.
     with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
         solver.tmpDir = tmp
         outcome = _solve_with_deadline(pulp, prob, solver, time_limit_s)
@@ -218,93 +190,133 @@ def solve_with_cbc(build, read, *, time_limit_s: float, warm_start: bool):
             f"CBC returned no plan: {outcome.status} after "
             f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
     try:
-        owners = read(handle)
+        owners = _read(x, model["table"], model["num_ranks"], len(model["keys"]))
     except MilpFailure:
         raise
     except Exception as e:  # a value PuLP hands back in a form this code does not know
         raise MilpFailure(f"CBC's solution could not be read through PuLP "
                           f"{pulp_api.version(pulp)}: {type(e).__name__}: {_first_line(e)}") from e
-    return owners, outcome.optimal, handle, time.perf_counter() - start
+    return owners, outcome.optimal, time.perf_counter() - start
 
 
-@dataclass(frozen=True, slots=True)
-class _Model:
-    """The PuLP problem and what reading its solution needs."""
-
-    prob: object
-    x: dict  # (class index, rank) -> integer variable: matrices of the class on the rank
-    order: list  # class keys in first-appearance order
-    table: dict  # class key -> [count, cost, memory, member indices]
-    groups: int  # publish groups in the model (0 without)
-
-
-def _build(pulp, costs, num_ranks, *, classes, memory, memory_cap, batch_overhead, warm_start,
-           groups, group_cost, merge_classes) -> _Model:
-    """The MILP of the module docstring as a PuLP problem, warm start set."""
-    # Integer variables count matrices per key: the shape, or (group, shape) with groups, as
-    # same-shape matrices of different groups are then no longer interchangeable. The batch
-    # overhead stays per shape: z[s, r] marks that rank r runs a batch of shape s at all.
-    overhead_of = {s: float((batch_overhead or {}).get(s, 0.0)) for s in classes}
-    # Interchangeable matrices share one MILP class: (cost, memory), or the shape itself where
-    # it pays a batch overhead (see the module docstring).
-    merged = [("shape", s) if overhead_of[s] > 0 or not merge_classes else
-              ("cost", float(costs[i]), 0.0 if memory is None else float(memory[i]))
-              for i, s in enumerate(classes)]
-    keys = merged if groups is None else list(zip(groups, merged))
-    kind_of = (lambda key: key) if groups is None else (lambda key: key[1])
-
-    def shape_of(key):  # the batched shape a key pays overhead for, or None
-        kind = kind_of(key)
-        return kind[1] if kind[0] == "shape" else None
-
-    order, table = _class_table(costs, keys, memory)
-    shapes = [s for s in dict.fromkeys(shape_of(key) for key in order) if s is not None]
-    shape_index = {s: j for j, s in enumerate(shapes)}
-    shape_index[None] = -1
-    overhead = {s: overhead_of[s] for s in shapes}
-    ranks = range(num_ranks)
-    prob = pulp.LpProblem("dmuon_owner_makespan", pulp.LpMinimize)
+def _build(pulp, *, table, keys, num_ranks, memory_cap, deadlines, w, group_cost, bound, overhead,
+           warm_start):
+    """The MILP of the module docstring as a PuLP problem, warm start set; ``(problem, x)``."""
     var = pulp_api.variable
-    x = {(k, r): var(prob, f"x_{k}_{r}", 0, table[key][0], "Integer")
-         for k, key in enumerate(order) for r in ranks}
-    z = {(j, r): var(prob, f"z_{j}_{r}", cat="Binary")
-         for j, s in enumerate(shapes) if overhead[s] > 0 for r in ranks}
-    gids = [] if groups is None else list(dict.fromkeys(groups))
-    y = {(g, r): var(prob, f"y_{n}_{r}", cat="Binary")
-         for n, g in enumerate(gids) for r in ranks}
-    t = var(prob, "makespan", 0)
-    prob += t + group_cost * pulp.lpSum(y.values())
-    prob += t >= makespan_lower_bound(effective_costs(costs, classes, overhead), num_ranks)
+    order = list(table)
+    K, ranks = len(deadlines), range(num_ranks)
+    prob = pulp.LpProblem("dmuon_owner_plan", pulp.LpMinimize)
+    x = {(n, r): var(prob, f"x_{n}_{r}", 0, table[q][0], "Integer")
+         for n, q in enumerate(order) for r in ranks}
+    batches = list(dict.fromkeys((q[0], table[q][3]) for q in order if table[q][3] is not None))
+    z = {(j, r): var(prob, f"z_{j}_{r}", 0, 1, "Binary") for j in range(len(batches)) for r in ranks}
+    batch_of = {q: batches.index((q[0], table[q][3])) for q in order if table[q][3] is not None}
+    gids = list(dict.fromkeys(q[1] for q in order if q[1] is not None))
+    y = {(g, r): var(prob, f"y_{m}_{r}", 0, 1, "Binary") for m, g in enumerate(gids) for r in ranks}
+    # C[k, r] as variables where there are several units; one unit's is its load expression
+    comp = {(k, r): var(prob, f"C_{k}_{r}", 0, None, "Continuous")
+            for k in range(K) for r in ranks} if K > 1 else {}
+    e = var(prob, "exposed", 0, None, "Continuous")
+    m = var(prob, "makespan", 0, None, "Continuous") if w else None
+    prob += e + (w * m if w else 0) + group_cost * pulp.lpSum(y.values())
+    prob += e >= max(0.0, bound)
     if gids:
         prob += pulp.lpSum(y.values()) >= len(gids)  # every group has at least one owner
-    for k, key in enumerate(order):
-        prob += pulp.lpSum(x[k, r] for r in ranks) == table[key][0]
-        j = shape_index[shape_of(key)]
+    for n, q in enumerate(order):
+        prob += pulp.lpSum(x[n, r] for r in ranks) == table[q][0]
         for r in ranks:
-            if (j, r) in z:
-                prob += x[k, r] <= table[key][0] * z[j, r]
-            if groups is not None:
-                prob += x[k, r] <= table[key][0] * y[key[0], r]
+            if q in batch_of:
+                prob += x[n, r] <= table[q][0] * z[batch_of[q], r]
+            if q[1] is not None:
+                prob += x[n, r] <= table[q][0] * y[q[1], r]
     for (g, r), v in y.items():  # a pair exists only where the rank owns part of the group
-        prob += v <= pulp.lpSum(x[k, r] for k, key in enumerate(order) if key[0] == g)
+        prob += v <= pulp.lpSum(x[n, r] for n, q in enumerate(order) if q[1] == g)
     for (j, r), v in z.items():  # a batch is paid only where a matrix of its shape is owned
-        prob += v <= pulp.lpSum(x[k, r] for k, key in enumerate(order)
-                                if shape_index[shape_of(key)] == j)
-    load = []
+        prob += v <= pulp.lpSum(x[n, r] for n, q in enumerate(order) if batch_of.get(q) == j)
     for r in ranks:
-        expr = pulp.lpSum(table[key][1] * x[k, r] for k, key in enumerate(order))
-        expr += pulp.lpSum(overhead[s] * z[j, r] for j, s in enumerate(shapes) if (j, r) in z)
-        load.append(expr)
-        prob += expr <= t
+        for k in range(K):
+            unit = pulp.lpSum(table[q][1] * x[n, r] for n, q in enumerate(order) if q[0] == k)
+            unit += pulp.lpSum(overhead[s] * z[j, r] for j, (u, s) in enumerate(batches) if u == k)
+            if K == 1:
+                comp[k, r] = unit
+            else:
+                prob += comp[k, r] == (comp[k - 1, r] if k else 0) + unit
+            prob += comp[k, r] - deadlines[k] <= e
+    for r in ranks:
+        if w:
+            prob += comp[K - 1, r] <= m
+        if r + 1 < num_ranks:
+            prob += comp[K - 1, r] >= comp[K - 1, r + 1]
         if memory_cap is not None:
-            prob += pulp.lpSum(table[key][2] * x[k, r] for k, key in enumerate(order)) <= memory_cap
-    for r in range(num_ranks - 1):
-        prob += load[r] >= load[r + 1]
-
+            prob += pulp.lpSum(table[q][2] * x[n, r] for n, q in enumerate(order)) <= memory_cap
     if warm_start is not None:
-        _set_warm_start(warm_start, order, keys, shapes, shape_of, costs, overhead, num_ranks,
-                        x, z, y, t)
-    return _Model(prob=prob, x=x, order=order, table=table, groups=len(gids))
+        _warm(warm_start, keys, order, table, batches, deadlines, overhead, num_ranks,
+              x, z, y, comp, e, m)
+    return prob, x
+
+
+def _warm(owners, keys, order, table, batches, deadlines, overhead, num_ranks, x, z, y, comp, e, m):
+    """Feed a plan to CBC, ranks relabelled by decreasing load (the symmetry constraint)."""
+    index = {q: n for n, q in enumerate(order)}
+    K = len(deadlines)
+    counts = [[0] * len(order) for _ in range(num_ranks)]
+    for i, r in enumerate(owners):
+        counts[r][index[keys[i]]] += 1
+    held = [{(q[0], table[q][3]) for n, q in enumerate(order) if counts[r][n]} for r in range(num_ranks)]
+    cum = []
+    for r in range(num_ranks):
+        per = [0.0] * K
+        for n, q in enumerate(order):
+            per[q[0]] += table[q][1] * counts[r][n]
+        for u, s in held[r]:
+            if s is not None:
+                per[u] += overhead[s]
+        cum.append([sum(per[:k + 1]) for k in range(K)])
+    relabel = sorted(range(num_ranks), key=lambda r: (-cum[r][-1], r))
+    for new, old in enumerate(relabel):
+        for n in range(len(order)):
+            x[n, new].setInitialValue(counts[old][n])
+        for j, batch in enumerate(batches):
+            z[j, new].setInitialValue(1 if batch in held[old] else 0)
+        for (g, r), v in y.items():
+            if r == new:
+                v.setInitialValue(1 if any(counts[old][n] for n, q in enumerate(order) if q[1] == g)
+                                  else 0)
+        for k in range(K if K > 1 else 0):
+            comp[k, new].setInitialValue(cum[old][k])
+    e.setInitialValue(max(0.0, max(c - d for row in cum for c, d in zip(row, deadlines))))
+    if m is not None:
+        m.setInitialValue(max(row[-1] for row in cum))
+
+
+def _read(x, table, num_ranks, n):
+    """Owners per matrix from CBC's counts ``x[k, r]``, checked: every value a non-negative
+    integer (within 1e-6) and every key's counts summing to its size.
+
+    Raises:
+        MilpFailure: naming the first variable or key whose values are not a plan.
+    """
+    owners = [0] * n
+    for k, key in enumerate(table):
+        counts = []
+        for r in range(num_ranks):
+            value = pulp_api.value(x[k, r])
+            ok = isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
+            if not ok or abs(value - round(value)) > 1e-6 or round(value) < 0:
+                raise MilpFailure(
+                    f"CBC returned an unusable solution: {x[k, r].name} = {value!r} is not a "
+                    f"count of matrices (a non-negative integer)")
+            counts.append(int(round(value)))
+        members = table[key][4]
+        if sum(counts) != len(members):
+            raise MilpFailure(
+                f"CBC returned an unusable solution: class {key!r} has {len(members)} matrices "
+                f"but its counts sum to {sum(counts)}")
+        it = iter(members)
+        for r, count in enumerate(counts):
+            for _ in range(count):
+                owners[next(it)] = r
+    return owners
 
 
 #: Seconds past twice CBC's own time limit after which a CBC that has not returned counts as
@@ -379,86 +391,28 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else "(no message)"
 
 
-def _read_plan(x, order, table, num_ranks, n):
-    """Owners per matrix from CBC's counts ``x[k, r]``, checked: every value a non-negative
-    integer (within 1e-6) and every class's counts summing to its size.
-
-    Raises:
-        MilpFailure: naming the first variable or class whose values are not a plan.
-    """
-    owners = [0] * n
-    for k, key in enumerate(order):
-        counts = []
-        for r in range(num_ranks):
-            value = pulp_api.value(x[k, r])
-            ok = isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
-            if not ok or abs(value - round(value)) > 1e-6 or round(value) < 0:
-                raise MilpFailure(
-                    f"CBC returned an unusable solution: {x[k, r].name} = {value!r} is not a "
-                    f"count of matrices (a non-negative integer)")
-            counts.append(int(round(value)))
-        members = table[key][3]
-        if sum(counts) != len(members):
-            raise MilpFailure(
-                f"CBC returned an unusable solution: class {key!r} has {len(members)} matrices "
-                f"but its counts sum to {sum(counts)}")
-        it = iter(members)
-        for r, count in enumerate(counts):
-            for _ in range(count):
-                owners[next(it)] = r
-    return owners
-
-
-def _set_warm_start(owners, order, keys, shapes, shape_of, costs, overhead, num_ranks, x, z, y, t):
-    """Feed a plan to CBC, relabelling ranks by decreasing load to satisfy symmetry breaking."""
-    index = {key: k for k, key in enumerate(order)}
-    counts = [[0] * len(order) for _ in range(num_ranks)]
-    loads = [0.0] * num_ranks
-    for i, r in enumerate(owners):
-        counts[r][index[keys[i]]] += 1
-        loads[r] += float(costs[i])
-    held = [{shape_of(order[k]) for k in range(len(order)) if counts[r][k]} - {None}
-            for r in range(num_ranks)]
-    for r in range(num_ranks):
-        loads[r] += sum(overhead[s] for s in held[r])
-    relabel = sorted(range(num_ranks), key=lambda r: (-loads[r], r))
-    for new, old in enumerate(relabel):
-        for k in range(len(order)):
-            x[k, new].setInitialValue(counts[old][k])
-        for j, s in enumerate(shapes):
-            if (j, new) in z:
-                z[j, new].setInitialValue(1 if s in held[old] else 0)
-        for (g, r), var in y.items():
-            if r == new:
-                var.setInitialValue(1 if any(counts[old][k] for k, key in enumerate(order)
-                                             if key[0] == g) else 0)
-    t.setInitialValue(max(loads))
-
-
-def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, solve_fn=None, **milp_args):
-    """:func:`dmuon.balance.milp.solve_milp` (or ``solve_fn``, the same contract:
-    :func:`dmuon.balance.deadline_milp.solve_deadline_milp`) that never raises for a solver
-    failure.
+def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, what="owner", **milp_args):
+    """:func:`solve_milp` that never raises for a solver failure.
 
     CBC is tried with the warm start, then once more without it (a warm start is what
-    brought CBC's RINS abort to light, issue 28; not when PuLP cannot be imported or finds no
-    CBC). When both fail, one warning line says why and names the plan kept instead.
+    brought CBC's RINS abort to light; not when PuLP cannot be imported or finds no CBC).
+    When both fail, one warning line says why and names the plan kept instead.
 
     Args:
-        costs, num_ranks, milp_args: passed to ``solve_milp`` (``solve_fn``).
+        costs, num_ranks, milp_args: passed to :func:`solve_milp`.
         warm_start: the heuristic plan (owners per matrix), or None.
         fallback: the heuristic's name (e.g. ``"multifit+local_search"``) for the warning,
             or None when there is no plan to fall back to (the caller then raises).
-        score: ``owners -> makespan (or objective) / bound`` of a plan, for the warning.
+        score: ``owners -> str``: how good a plan is against its bound, for the warning.
+        what: the objective's name in the warning (``"owner"``, ``"deadline"``).
 
     Returns:
         ``(result, status)``: ``solve_milp``'s ``(owners, optimal)`` or None after two
-        failures; ``status`` is :attr:`Assignment.milp_status`.
+        failures; ``status`` is :attr:`dmuon.balance.solver.Assignment.milp_status`.
 
     Raises:
         ValueError: from ``solve_milp`` on inconsistent classes (a caller's bug, not CBC's).
     """
-    solve = solve_milp if solve_fn is None else solve_fn
 
     def ok(res, note=""):
         return res, ("optimal" if res[1] else "time limit") + note
@@ -467,17 +421,17 @@ def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, solve_fn=Non
     status = None
     if warm_start is not None:
         try:
-            return ok(solve(costs, num_ranks, warm_start=warm_start, **milp_args))
+            return ok(solve_milp(costs, num_ranks, warm_start=warm_start, **milp_args))
         except PulpUnusable as e:  # no PuLP or no CBC: a retry would fail the same way
             status = f"failed: {e}"
         except MilpFailure as e:
             first = str(e)
     if status is None:
         try:
-            res = solve(costs, num_ranks, warm_start=None, **milp_args)
+            res = solve_milp(costs, num_ranks, warm_start=None, **milp_args)
             if first is not None:  # the plan is CBC's after all: worth a note, not a warning
-                logger.info("dmuon: owner MILP with warm start failed (%s); without it, it "
-                            "worked", first)
+                logger.info("dmuon: %s MILP with warm start failed (%s); without it, it "
+                            "worked", what, first)
             return ok(res, "" if first is None else
                       f" (retried without the warm start after: {first})")
         except MilpFailure as e:
@@ -486,6 +440,6 @@ def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, solve_fn=Non
                       if str(e) == first else
                       f"failed: {first}; retry without warm start failed: {e}")
     if fallback is not None:
-        logger.warning("dmuon: owner MILP %s. Using the %s plan instead (%.4fx the bound)",
-                       status, fallback, score(warm_start))
+        logger.warning("dmuon: %s MILP %s. Using the %s plan instead (%s)", what, status,
+                       fallback, score(warm_start))
     return None, status

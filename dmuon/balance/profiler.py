@@ -45,6 +45,47 @@ def _key(dev: str, shape: tuple[int, int], batch: int, steps: int) -> str:
     return f"{dev}|torch {torch.__version__}|{shape[0]}x{shape[1]}|b{batch}|s{steps}"
 
 
+def _median_ms(run, device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``run()`` over ``repeats`` timed calls after ``warmup`` untimed
+    ones (CUDA events on GPU, a wall clock otherwise)."""
+    import torch
+
+    cuda = torch.device(device).type == "cuda"
+    times = []
+    for it in range(warmup + repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            run()
+            ms = (time.perf_counter() - t0) * 1e3
+        if it >= warmup:
+            times.append(ms)
+    return float(statistics.median(times))
+
+
+def _read_cache(cache_path) -> dict[str, float]:
+    if cache_path is not None and os.path.exists(cache_path):
+        with open(cache_path) as f:
+            return json.load(f)
+    return {}
+
+
+def _write_cache(cache_path, cache: dict[str, float]) -> None:
+    if cache_path is None:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+    tmp = f"{cache_path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cache, f, indent=1, sort_keys=True)
+    os.replace(tmp, cache_path)  # atomic: concurrent ranks never read half a file
+
+
 def time_ns(shape: tuple[int, int], batch: int, *, device, steps: int = 5, warmup: int = 2,
             repeats: int = 5, seed: int = 0) -> float:
     """Median milliseconds of one batched NS of ``batch`` matrices ``[rows, cols]`` (fp32 in)."""
@@ -54,23 +95,7 @@ def time_ns(shape: tuple[int, int], batch: int, *, device, steps: int = 5, warmu
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(batch, *shape, generator=gen).to(device)
-    cuda = torch.device(device).type == "cuda"
-    times = []
-    for it in range(warmup + repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            newton_schulz(x, steps=steps)
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            newton_schulz(x, steps=steps)
-            ms = (time.perf_counter() - t0) * 1e3
-        if it >= warmup:
-            times.append(ms)
-    return float(statistics.median(times))
+    return _median_ms(lambda: newton_schulz(x, steps=steps), device, warmup, repeats)
 
 
 def profile_shapes(
@@ -96,10 +121,7 @@ def profile_shapes(
         ``{shape: {batch: ms}}``.
     """
     dev = device_name(device)
-    cache: dict[str, float] = {}
-    if cache_path is not None and os.path.exists(cache_path):
-        with open(cache_path) as f:
-            cache = json.load(f)
+    cache = _read_cache(cache_path)
     distinct = sorted({(int(r), int(c)) for r, c in shapes})
     todo = [(s, b) for s in distinct for b in batch_sizes if _key(dev, s, b, steps) not in cache]
     if todo:
@@ -107,12 +129,7 @@ def profile_shapes(
 
         for shape, batch in tqdm(todo, desc=f"dmuon: profiling NS on {dev}", disable=not progress):
             cache[_key(dev, shape, batch, steps)] = time_ns(shape, batch, device=device, steps=steps)
-        if cache_path is not None:
-            os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-            tmp = f"{cache_path}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(cache, f, indent=1, sort_keys=True)
-            os.replace(tmp, cache_path)  # atomic: concurrent ranks never read half a file
+        _write_cache(cache_path, cache)
     return {s: {b: cache[_key(dev, s, b, steps)] for b in batch_sizes} for s in distinct}
 
 
@@ -153,22 +170,7 @@ def time_matmul(shape: tuple[int, int], tokens: int, *, device, warmup: int = 2,
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(tokens, shape[1], generator=gen).to(device, dtype)
     w = torch.randn(shape[0], shape[1], generator=gen).to(device, dtype)
-    times = []
-    for it in range(warmup + repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            x @ w.T
-            end.record()
-            torch.cuda.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            x @ w.T
-            ms = (time.perf_counter() - t0) * 1e3
-        if it >= warmup:
-            times.append(ms)
-    return float(statistics.median(times))
+    return _median_ms(lambda: x @ w.T, device, warmup, repeats)
 
 
 def unit_times(
@@ -212,10 +214,7 @@ def unit_times(
         fwd = [float(sum(2.0 * tokens * r * c for r, c in shapes)) for shapes in unit_shapes]
         return fwd, [2.0 * f for f in fwd], "flops"
     dev = device_name(device)
-    cache: dict[str, float] = {}
-    if cache_path is not None and os.path.exists(cache_path):
-        with open(cache_path) as f:
-            cache = json.load(f)
+    cache = _read_cache(cache_path)
     import torch
 
     def key(s):
@@ -226,11 +225,7 @@ def unit_times(
         if key(s) not in cache:
             cache[key(s)] = time_matmul(s, tokens, device=device)
             new = True
-    if new and cache_path is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-        tmp = f"{cache_path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(cache, f, indent=1, sort_keys=True)
-        os.replace(tmp, cache_path)
+    if new:
+        _write_cache(cache_path, cache)
     fwd = [float(sum(cache[key((int(r), int(c)))] for r, c in shapes)) for shapes in unit_shapes]
     return fwd, [2.0 * f for f in fwd], "ms"

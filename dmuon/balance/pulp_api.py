@@ -1,4 +1,4 @@
-"""The parts of PuLP the owner MILP uses, for PuLP 3.x and 4.x alike (issue 38).
+"""The parts of PuLP the owner MILP uses, for PuLP 3.x and 4.x alike.
 
 PuLP 4 (Python >= 3.12) rebuilt its modelling layer on a Rust core: ``LpVariable(name, low,
 up, cat=...)`` raises ``TypeError`` there (a variable is made by its problem,
@@ -75,10 +75,8 @@ def cbc_class_name(pulp: ModuleType) -> str:
 
 def cbc(pulp: ModuleType, *, time_limit_s: int, warm_start: bool, options: list[str]):
     """A silent CBC command solver with a time limit (seconds), warm start and extra options.
-
-    The class is looked up on ``pulp`` at each call (tests replace it). PuLP 3.x announces
-    ``PULP_CBC_CMD``'s removal with a DeprecationWarning, which the caller silences.
-    """
+    PuLP 3.x announces ``PULP_CBC_CMD``'s removal with a DeprecationWarning, which the caller
+    silences."""
     cls = getattr(pulp, cbc_class_name(pulp))
     return cls(msg=False, timeLimit=time_limit_s, warmStart=warm_start, options=options)
 

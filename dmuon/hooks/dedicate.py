@@ -209,6 +209,7 @@ def dedicate_params(
     replicas: str | None = None,
     replica_cost: ReplicaCost | None = None,
     forward_tokens: int = DEFAULT_FORWARD_TOKENS,
+    solver: str = "heuristic",
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
@@ -245,9 +246,8 @@ def dedicate_params(
             default: solved now on rank 0 from the Newton-Schulz FLOP model and broadcast: the
             least Newton-Schulz exposed to the next forward under ``Muon(overlap=...)`` among
             plans within 2% of the makespan plan's makespan (:mod:`dmuon.hooks.default_plan`:
-            heuristics, and CBC for the makespan plan of small models; under a second); under
-            tensor or expert parallelism the makespan plan (:func:`dmuon.build_plan`, MILP with
-            a 5 s limit).
+            heuristics, under a second, or CBC with ``solver="milp"``); under tensor or expert
+            parallelism the makespan plan (:func:`dmuon.build_plan`).
         prefetch: number of units (modules holding dedicated matrices) whose publication is
             issued ahead of the one running (>= 1).
         reshard_after_forward: free non-owners' full weights between forward and backward
@@ -302,6 +302,9 @@ def dedicate_params(
             dedicated matrix (>= 1), from which each unit's forward time, hence the deadline of
             the next unit's Newton-Schulz, is estimated (:mod:`dmuon.hooks.default_plan`). A
             wrong figure never costs ``overlap="off"`` more than the 2% makespan slack.
+        solver: for the default plan only: ``"heuristic"`` (greedy and local search, under a
+            second) or ``"milp"`` (CBC warm-started from it, 5 s limit; never worse):
+            :mod:`dmuon.hooks.default_plan`.
 
     Returns:
         The owner plan in use (identical on every rank).
@@ -372,7 +375,7 @@ def dedicate_params(
         def solve() -> OwnerPlan:
             return default_plan(model, selected, world_size, tp_size=tp_size, blocks=blocks,
                                 expert_parallel=expert_parallel, ep_size=roles.ep_size,
-                                group_cost=cost, forward_tokens=forward_tokens)
+                                group_cost=cost, forward_tokens=forward_tokens, solver=solver)
 
         if roles.fake:  # the plan rank 0 of the real job would solve and broadcast, solved here
             plan = solve()

@@ -3,8 +3,8 @@
 With ``Muon(overlap="forward"|"backward")`` the step pays the Newton-Schulz (NS) that finishes
 after its unit's forward starts (the exposed time, :mod:`dmuon.balance.deadline`); with
 ``overlap="off"`` it pays the makespan. The plan is solved before ``Muon`` exists, so it serves
-both (:func:`dmuon.balance.overlap_plan.solve_overlap`): the least exposed time among plans
-within :data:`dmuon.balance.overlap_plan.MAKESPAN_SLACK` of the makespan plan's makespan.
+both (:func:`dmuon.balance.deadline.refine_for_overlap`): the least exposed time among plans
+within :data:`dmuon.balance.deadline.MAKESPAN_SLACK` of the makespan plan's makespan.
 
 Per-unit forward times are estimated from shapes, not measured: each unit's dedicated matrices
 as linear layers over ``forward_tokens`` tokens per rank, ``2 * tokens * rows * cols`` FLOPs
@@ -47,24 +47,18 @@ from dmuon.owners.plan import OwnerPlan, build_plan
 #: that set each unit's deadline (``python -m dmuon.profile --tokens``' default too).
 DEFAULT_FORWARD_TOKENS = 4096
 
-#: Wall-clock limit of the runtime solve's searches, seconds (the makespan plan's local search
-#: and CBC, then the exposed-time searches, each within it): Pi0's 420 matrices on 8 ranks
-#: solve in ~0.55 s on the shared 2-core dev VM, on 64 ranks in ~0.2-0.4 s.
+#: Wall-clock limit of the runtime solve's searches, seconds (the makespan plan's local search,
+#: then the exposed-time searches, each within it): Pi0's 420 matrices on 8 ranks solve in
+#: ~0.55 s on the shared 2-core dev VM, on 64 ranks in ~0.2-0.4 s.
 RUNTIME_TIME_LIMIT_S = 0.5
 
-#: The runtime's makespan plan runs CBC (warm-started, so never worse than the heuristics)
-#: only up to this many (distinct shapes) x (ranks) integer variables, where it proves the
-#: optimum in well under a second (Pi0 on 8 ranks: 11 x 8; Qwen2.5-7B on 64: 3 x 64); above,
-#: the heuristics alone (:func:`dmuon.balance.solve`'s ``"heuristic"``: at 16 to 64 ranks CBC's
-#: time-limited plan for Pi0 was its warm start, docs/performance.md).
-RUNTIME_MAX_MILP_VARS = 256
+#: CBC's time limit with ``solver="milp"``, seconds.
+RUNTIME_MILP_TIME_LIMIT_S = 5.0
 
-
-def runtime_method(num_shapes: int, world_size: int) -> str:
-    """The makespan plan's :func:`dmuon.balance.solve` method at runtime: ``"auto"`` (CBC,
-    warm-started) up to :data:`RUNTIME_MAX_MILP_VARS` (distinct shapes) x (ranks), else
-    ``"heuristic"``."""
-    return "auto" if num_shapes * world_size <= RUNTIME_MAX_MILP_VARS else "heuristic"
+#: ``dedicate_params(solver=...)``: ``"heuristic"`` (the default: on Pi0, Qwen2.5-7B and the
+#: main job's policy at 8-256 ranks its makespan and exposed time are within 1% of the MILP's,
+#: docs/performance.md) or ``"milp"`` (CBC warm-started from it, never worse).
+SOLVERS = ("heuristic", "milp")
 
 
 def publish_units(model: nn.Module, selected: list[Selected]) -> tuple[list[int], list[nn.Module]]:
@@ -111,25 +105,29 @@ def unit_forward_flops(model: nn.Module, selected: list[Selected], units: Sequen
 
 def default_plan(model: nn.Module, selected: list[Selected], world_size: int, *, tp_size: int,
                  blocks: Mapping[str, int], expert_parallel: Sequence[str], ep_size: int,
-                 group_cost: float, forward_tokens: int) -> OwnerPlan:
+                 group_cost: float, forward_tokens: int, solver: str = "heuristic") -> OwnerPlan:
     """The plan of the module docstring, or, where the exposed-time objective does not apply
-    (tensor or expert parallelism, :func:`dmuon.owners.plan.build_plan`), the makespan plan as
-    before (MILP with a 5 s limit)."""
-    from dmuon.balance.deadline import deadlines_from_forward
-    from dmuon.balance.overlap_plan import MAKESPAN_SLACK
+    (tensor or expert parallelism, :func:`dmuon.owners.plan.build_plan`), the makespan plan.
 
+    Raises:
+        ValueError: ``solver`` not in :data:`SOLVERS`.
+    """
+    from dmuon.balance.deadline import MAKESPAN_SLACK, deadlines_from_forward
+
+    if solver not in SOLVERS:
+        raise ValueError(f"dmuon: solver must be one of {SOLVERS}, got {solver!r}")
+    limit = RUNTIME_MILP_TIME_LIMIT_S if solver == "milp" else RUNTIME_TIME_LIMIT_S
     named = [(s.fqn, s.shape) for s in selected]
     units, modules = publish_units(model, selected)
     if tp_size > 1 or expert_parallel or ep_size != 1:
         return build_plan(named, world_size, tp_size=tp_size,
                           groups=units if group_cost > 0 else None, group_cost=group_cost,
-                          blocks=blocks, expert_parallel=expert_parallel, ep_size=ep_size)
+                          blocks=blocks, expert_parallel=expert_parallel, ep_size=ep_size,
+                          method=solver, time_limit_s=limit)
     forward = unit_forward_flops(model, selected, units, modules, forward_tokens)
-    shapes = {(int(s.shape[-2]) // s.blocks, int(s.shape[-1])) for s in selected}
     plan = build_plan(named, world_size, groups=units, group_cost=group_cost, blocks=blocks,
                       deadlines=deadlines_from_forward(forward), makespan_slack=MAKESPAN_SLACK,
-                      method=runtime_method(len(shapes), world_size),
-                      time_limit_s=RUNTIME_TIME_LIMIT_S)
+                      method=solver, time_limit_s=limit)
     extra = dict(plan.extra, forward_tokens=int(forward_tokens),
                  forward_source=f"FLOP model 2 x {int(forward_tokens)} tokens x rows x cols")
     return OwnerPlan(world_size=plan.world_size, matrices=plan.matrices, tp_size=plan.tp_size,

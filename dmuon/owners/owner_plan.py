@@ -225,11 +225,6 @@ class OwnerPlan(PlanChecks):
                 loads[m.owner * self.tp_size + m.tp_owner] += m.cost
         return loads
 
-    def owned_by(self, rank: int) -> list[MatrixSpec]:
-        """The entries whose owner index is ``rank``: a rank of the shard group, or for an
-        ``ep`` entry a rank of the expert group (:attr:`MatrixSpec.ep`)."""
-        return [m for m in self.matrices if m.owner == rank]
-
     # ------------------------------------------------------------ identity / IO
     def to_dict(self) -> dict[str, Any]:
         return {

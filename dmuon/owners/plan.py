@@ -115,13 +115,13 @@ def build_plan(
         ep_size: size of the ``"ep"`` dimension (divides ``world_size``).
         deadlines: forward start of each publish group (``groups``, default ``layer_groups``;
             ids in forward order), in ``cost_unit``: the owners then minimize the Newton-Schulz
-            time the next forward waits for under overlap (:func:`dmuon.balance.deadline.
-            solve_exposed`) instead of the makespan, without the XOR layout; ``extra`` records
+            time the next forward waits for under overlap (:func:`dmuon.balance.solve` with
+            ``deadlines``) instead of the makespan, without the XOR layout; ``extra`` records
             ``objective="exposed"``, ``exposed`` and ``exposed_bound``. Takes none of
             ``tp_size > 1``, ``group_cost``, ``memory_cap_bytes``, expert parallelism,
             ``bucket_bytes``.
         makespan_slack: with ``deadlines``: the runtime's objective instead
-            (:func:`dmuon.balance.overlap_plan.solve_overlap`, what ``dedicate_params`` solves
+            (:func:`dmuon.balance.deadline.refine_for_overlap`, what ``dedicate_params`` solves
             without a plan file): the least exposed time among plans whose makespan is at most
             ``1 + makespan_slack`` times the makespan plan's (and whose publish pairs are no
             more than its, with ``group_cost``); ``group_cost`` is then allowed. ``extra``
@@ -148,14 +148,11 @@ def build_plan(
 
     expert_parallel = set(expert_parallel)
     if deadlines is not None:
-        given = {"tp_size": tp_size != 1, "group_cost": group_cost != 0 and makespan_slack is None,
-                 "memory_cap_bytes": memory_cap_bytes is not None,
-                 "expert_parallel": bool(expert_parallel) or ep_size != 1,
-                 "bucket_bytes": bucket_bytes is not None}
-        if any(given.values()):
-            raise ValueError(f"dmuon: build_plan(deadlines=...) (the exposed-time objective) takes "
-                             f"no {[k for k, v in given.items() if v]}; leave them out or drop "
-                             f"deadlines to minimize the makespan")
+        _refuse("deadlines", "the exposed-time objective", tp_size=tp_size != 1,
+                group_cost=group_cost != 0 and makespan_slack is None,
+                memory_cap_bytes=memory_cap_bytes is not None,
+                expert_parallel=bool(expert_parallel) or ep_size != 1,
+                bucket_bytes=bucket_bytes is not None)
     if expert_parallel or ep_size != 1:
         return expert_parallel_plan(
             build_plan, list(named_shapes), world_size, expert_parallel, ep_size, costs=costs, cost_unit=cost_unit,
@@ -182,12 +179,10 @@ def build_plan(
     # one class per (matrix shape, matrices per item): interchangeable in the MILP
     classes = [it.matrix_shape if it.matrices == 1 else (it.matrix_shape, it.matrices) for it in items]
     if bucket_bytes is not None:
-        given = {"tp_size": tp_size != 1, "groups": groups is not None, "group_cost": group_cost != 0,
-                 "layout": layout is not None, "memory_cap_bytes": memory_cap_bytes is not None,
-                 "batch_overhead": bool(batch_overhead), "replicate_mode": replicate_mode is not None}
-        if any(given.values()):
-            raise ValueError(f"dmuon: build_plan(bucket_bytes=...) is the plain replicated module's "
-                             f"path and takes no {[k for k, v in given.items() if v]}; leave them out")
+        _refuse("bucket_bytes", "the plain replicated module's path", tp_size=tp_size != 1,
+                groups=groups is not None, group_cost=group_cost != 0, layout=layout is not None,
+                memory_cap_bytes=memory_cap_bytes is not None, batch_overhead=bool(batch_overhead),
+                replicate_mode=replicate_mode is not None)
         return _bucket_plan(items, layouts, world_size, costs, cost_unit, bucket_bytes, element_size)
     if layout is not None and layout[0] * layout[1] != world_size * tp_size:
         raise ValueError(
@@ -208,28 +203,16 @@ def build_plan(
     # bytes per matrix only where asked for (a cap, or the per-rank report)
     memory = ([it.matrices * m for it, m in zip(items, owner_memory(shapes))]
               if memory_cap_bytes is not None or solver_report else None)
-    exposure = overlap = None
-    if deadlines is not None and makespan_slack is not None:
+    if deadlines is not None:
         groups = layer_groups([it.fqn for it in items]) if groups is None else groups
         xor = False  # the layout would move matrices between units' owners: deadlines decide
-    if deadlines is not None and makespan_slack is None:
-        from dmuon.balance.deadline import solve_exposed
-
-        groups = layer_groups([it.fqn for it in items]) if groups is None else groups
-        xor = False  # the layout would move matrices between units' owners: deadlines decide
-        exposure = solve_exposed(list(costs), world_size, units=list(groups), deadlines=deadlines,
-                                 classes=classes, batch_overhead=batch_overhead or None,
-                                 method=method, time_limit_s=time_limit_s)
-        result = _as_assignment(exposure, costs, memory)
-    else:
-        result = solve(list(costs), world_size * tp_size, classes=classes, method=method,
-                       time_limit_s=time_limit_s, memory=memory, memory_cap=memory_cap_bytes,
-                       batch_overhead=batch_overhead or None,
-                       groups=None if groups is None or (tp_size > 1 and not xor) else list(groups),
-                       group_cost=group_cost, layout=tuple(layout) if xor else None)
-    if deadlines is not None and makespan_slack is not None:
-        result, overlap = _refine_for_overlap(result, costs, groups, deadlines, classes,
-                                              batch_overhead, memory, makespan_slack, time_limit_s)
+    result = solve(list(costs), world_size * tp_size, classes=classes, method=method,
+                   time_limit_s=time_limit_s, memory=memory, memory_cap=memory_cap_bytes,
+                   batch_overhead=batch_overhead or None,
+                   groups=None if groups is None or (tp_size > 1 and not xor) else list(groups),
+                   group_cost=group_cost, layout=tuple(layout) if xor else None,
+                   units=None if deadlines is None else list(groups), deadlines=deadlines,
+                   makespan_slack=makespan_slack)
     overhead = batch_overhead or {}
     block_of = dict(blocks)
     matrices = tuple(
@@ -242,15 +225,13 @@ def build_plan(
                              if result.group_cost > 0 else {})
     if result.fell_back:  # why the plan is the heuristic's: every rank's copy says so
         extra["milp_status"] = result.milp_status
-    if exposure is not None:
-        extra.update(objective="exposed", exposed=exposure.exposed,
-                     exposed_bound=exposure.exposed_bound)
-    if overlap is not None:
-        extra.update(objective="overlap", exposed=overlap.exposed,
-                     exposed_bound=overlap.exposed_bound,
-                     makespan_plan_exposed=overlap.makespan_plan_exposed,
-                     makespan_plan_makespan=overlap.makespan_plan_makespan,
-                     candidate=overlap.candidate, makespan_slack=float(makespan_slack))
+    if result.problem != "makespan":
+        extra.update(objective=result.problem, exposed=result.exposed,
+                     exposed_bound=result.exposed_bound)
+    if result.problem == "overlap":
+        extra.update(makespan_plan_exposed=result.makespan_plan_exposed,
+                     makespan_plan_makespan=result.makespan_plan_makespan,
+                     candidate=result.candidate, makespan_slack=float(makespan_slack))
     if solver_report:
         extra.update(
             proven_bound=result.proven_bound, optimal=result.optimal, detail=result.detail,
@@ -270,48 +251,12 @@ def build_plan(
     return plan.with_replicate_modes(replicate_mode, replica_cost)
 
 
-def _refine_for_overlap(result, costs, groups, deadlines, classes, batch_overhead, memory, slack,
-                        time_limit_s):
-    """:func:`dmuon.balance.overlap_plan.refine_for_overlap` of the makespan plan ``result``
-    (an ``Assignment``): ``(the chosen plan as an Assignment, whose detail names the candidate,
-    the OverlapChoice)``."""
-    from dataclasses import replace
-
-    from dmuon.balance.overlap_plan import refine_for_overlap
-
-    choice = refine_for_overlap(result.owners, costs, len(result.loads), units=list(groups),
-                                deadlines=deadlines, classes=classes,
-                                batch_overhead=batch_overhead or None,
-                                keep_pairs=result.group_cost > 0, makespan_slack=slack,
-                                time_limit_s=time_limit_s)
-    moved = choice.candidate != "makespan"
-    mem = [0.0] * len(choice.loads)
-    for i, r in enumerate(choice.owners):
-        mem[r] += 0.0 if memory is None else float(memory[i])
-    return replace(
-        result, owners=choice.owners, loads=choice.loads, makespan=choice.makespan,
-        memory=tuple(mem), optimal=result.optimal and not moved,
-        proven_bound=min(result.proven_bound, choice.makespan),
-        publish_pairs=choice.pairs if result.group_cost > 0 else result.publish_pairs,
-        detail=f"{result.detail}; {choice.candidate}" if moved else result.detail,
-        solve_s=result.solve_s + choice.solve_s), choice
-
-
-def _as_assignment(exposure, costs, memory):
-    """A :class:`dmuon.balance.deadline.DeadlineAssignment` as the makespan ``Assignment``
-    build_plan records: makespan bounds, ``optimal`` False (the makespan was not minimized)."""
-    from dmuon.balance.bounds import makespan_lower_bound, trivial_lower_bound
-    from dmuon.balance.solver import Assignment
-
-    world = len(exposure.loads)
-    mem = [0.0] * world
-    for i, r in enumerate(exposure.owners):
-        mem[r] += 0.0 if memory is None else float(memory[i])
-    return Assignment(owners=exposure.owners, loads=exposure.loads, memory=tuple(mem),
-                      makespan=exposure.makespan, lower_bound=trivial_lower_bound(costs, world),
-                      proven_bound=min(makespan_lower_bound(costs, world), exposure.makespan),
-                      method=exposure.method, optimal=False, solve_s=exposure.solve_s,
-                      detail=exposure.detail, milp_status=exposure.milp_status)
+def _refuse(option: str, path: str, **given: bool) -> None:
+    """Raise ValueError naming the options ``path`` does not take that were given."""
+    names = [k for k, v in given.items() if v]
+    if names:
+        raise ValueError(f"dmuon: build_plan({option}=...) ({path}) takes no {names}; leave them "
+                         f"out")
 
 
 def build_bucket_plan(
@@ -325,7 +270,7 @@ def build_bucket_plan(
     blocks: Mapping[str, int] | None = None,
 ) -> OwnerPlan:
     """The plan of the DDP-style path (``replicas="keep"``): :func:`build_plan` with
-    ``bucket_bytes`` (kept for its callers; see there)."""
+    ``bucket_bytes`` (see there)."""
     return build_plan(named_shapes, world_size, bucket_bytes=bucket_bytes, element_size=element_size,
                       costs=costs, cost_unit=cost_unit, blocks=blocks)
 
