@@ -9,13 +9,15 @@ from module hooks that run in the same order on every rank.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+from torch.distributed.distributed_c10d import _CoalescingManager
 
 
 def label(name: str) -> contextlib.AbstractContextManager:
@@ -31,9 +33,8 @@ def label(name: str) -> contextlib.AbstractContextManager:
 class Pending:
     """An in-flight collective, the buffers it reads or writes, and how to unpack its result.
 
-    The one handle of every dmuon collective: the runtime's publish / reduce-to-owner /
-    all-reduce and the ``distributed_config`` path's all-to-all exchanges
-    (:mod:`dmuon.distconfig.exchange`).
+    The one handle of every dmuon collective: the runtime's publish, the flat buckets
+    (:class:`FlatBucket`) and the owner exchanges (:mod:`dmuon.comm.exchange`).
 
     Attributes:
         work: the ``dist.Work`` (or NCCL group call) to wait on; ``None`` once waited (or when
@@ -102,7 +103,8 @@ def is_complete(work: Any) -> bool:
 
 
 @contextlib.contextmanager
-def issued_together(group: dist.ProcessGroup, device: torch.device, pendings: list[Pending]) -> Iterator[None]:
+def issued_together(group: dist.ProcessGroup, device: torch.device,
+                    pendings: list[Pending]) -> Iterator[None]:
     """Issue the collectives started inside as one NCCL group call where the backend can.
 
     On NCCL (CUDA tensors) the block runs under ``torch.distributed._coalescing_manager``: the
@@ -143,30 +145,183 @@ def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup,
     return Pending(work, (tensor,), lambda: f"the publication of {_names(names)} by owner rank {src}", group)
 
 
-def reduce_to_owner(grad: torch.Tensor, owner: int, group: dist.ProcessGroup,
-                    names: Callable[[], list[str]] | None = None) -> Pending:
-    """Sum a full local gradient onto its owner (phase 2: reduce-to-owner).
+_OPS = ("all_reduce", "reduce", "broadcast")
 
-    Args:
-        grad: this rank's local gradient ``[rows, cols]``; after ``wait()`` it holds the sum
-            over the group on the owner and is undefined elsewhere. The caller divides.
-        owner: owner's rank within ``group``.
-        names: returns the FQNs of the matrices in ``grad`` (called only for an error).
+
+@dataclass(eq=False)
+class FlatBucket:
+    """Tensors of one dtype and device packed into one flat buffer that crosses a process group
+    as one collective: a gradient bucket (:mod:`dmuon.comm.grad_buckets`), the replicated
+    parameters' all-reduce (:mod:`dmuon.comm.ddp_allreduce`), the HSDP replica combine and
+    broadcast (:mod:`dmuon.comm.hsdp_replicas`).
+
+    ``flat`` holds the segments in order; a segment is its tensors, flattened, then, if it is
+    flagged, one flag per tensor (by default 1.0 where the tensor was given and 0.0 where zeros
+    took its place: summed over the ranks, how many ranks had it). A ``reduce`` may send each
+    segment to its own root (a gradient bucket's owners).
+
+    Attributes:
+        shapes: each tensor's shape, in buffer order.
+        dtype: the buffer's dtype (tensors are cast as they are packed).
+        device: the buffer's device.
+        segments: ``(number of tensors, flagged)`` per segment; ``None``: one unflagged segment.
+        flat: ``[numel]`` in ``dtype``; allocated by the first :meth:`pack`.
+        slots: ``(start, numel)`` of each tensor in ``flat``.
+        flag_at: each tensor's flag position in ``flat`` (``None`` in an unflagged segment).
+        spans: ``(start, numel)`` of each segment, its flags included.
+        flag_runs: ``(start, count)`` of each flagged segment's flags.
+        numel: of ``flat``.
     """
-    dst = dist.get_global_rank(group, owner)
-    with label("dmuon::reduce_to_owner"):
-        work = dist.reduce(grad, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Pending(work, (grad,), lambda: f"the reduce-to-owner of {_names(names)} to owner rank {dst}",
-                   group)
 
+    shapes: list[torch.Size]
+    dtype: torch.dtype
+    device: torch.device
+    segments: list[tuple[int, bool]] | None = None
+    flat: torch.Tensor | None = None
+    slots: list[tuple[int, int]] = field(default_factory=list, init=False)
+    flag_at: list[int | None] = field(default_factory=list, init=False)
+    spans: list[tuple[int, int]] = field(default_factory=list, init=False)
+    flag_runs: list[tuple[int, int]] = field(default_factory=list, init=False)
+    numel: int = field(default=0, init=False)
+    _ones: torch.Tensor | None = field(default=None, init=False, repr=False)
 
-def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup,
-                   what: str | Callable[[], str] = "the gradient all-reduce") -> Pending:
-    """Sum a flat buffer over the group: the gradients of replicated (non-dedicated) parameters,
-    or a gradient bucket under ``reduce_mode="all_reduce"``."""
-    with label("dmuon::all_reduce"):
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Pending(work, (flat,), what, group)
+    def __post_init__(self) -> None:
+        if self.segments is None:
+            self.segments = [(len(self.shapes), False)]
+        start = first = 0
+        for count, flagged in self.segments:
+            seg_start = start
+            for shape in self.shapes[first: first + count]:
+                self.slots.append((start, math.prod(shape)))
+                start += math.prod(shape)
+            self.flag_at += list(range(start, start + count)) if flagged else [None] * count
+            if flagged:
+                self.flag_runs.append((start, count))
+                start += count
+            self.spans.append((seg_start, start - seg_start))
+            first += count
+        self.numel = start
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], flags: Sequence[float] | None = None, *,
+           pack: bool = True) -> FlatBucket:
+        """One segment of ``tensors`` (flagged with ``flags`` when given), packed now, or with
+        ``pack=False`` an uninitialized receive buffer.
+
+        Raises:
+            ValueError: ``tensors`` is empty, or mixes dtypes or devices (says which).
+        """
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("dmuon: FlatBucket needs at least one tensor; skip empty batches")
+        dtypes, devices = {t.dtype for t in tensors}, {t.device for t in tensors}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(
+                f"dmuon: FlatBucket.of takes one dtype and one device, got dtypes "
+                f"{sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}; group the "
+                f"tensors with batches_by_dtype")
+        bucket = cls([t.shape for t in tensors], tensors[0].dtype, tensors[0].device,
+                     [(len(tensors), flags is not None)])
+        if pack:
+            bucket.pack(tensors, flags)
+        else:
+            bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        return bucket
+
+    def pack(self, tensors: Sequence[torch.Tensor | None], flags: Sequence[float] | None = None) -> None:
+        """Write ``tensors`` and the flagged segments' flags into ``flat`` with one
+        ``torch._chunk_cat`` (FSDP2's packing op), cast to ``dtype``.
+
+        Args:
+            tensors: one per shape, in order, any dtype (not mutated); ``None``: zeros.
+            flags: one per tensor (read in flagged segments); default: 1.0 where a tensor is
+                given, 0.0 where it is ``None``.
+        """
+        if self.flat is None:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        if flags is None:
+            flags = [float(t is not None) for t in tensors]
+        values = [f for f, at in zip(flags, self.flag_at) if at is not None]
+        if values and all(f == 1.0 for f in values):
+            # no host-to-device copy, which would synchronize the host with the GPU stream
+            if self._ones is None:
+                self._ones = torch.ones(len(values), dtype=self.dtype, device=self.device)
+            values = self._ones
+        elif values:
+            values = torch.tensor(values, dtype=self.dtype, device=self.device)
+        flag_parts = iter(values.split([n for n, flagged in self.segments if flagged]) if len(values) else ())
+        parts, first = [], 0
+        for count, flagged in self.segments:
+            for t, shape in zip(tensors[first: first + count], self.shapes[first: first + count]):
+                t = torch.zeros(shape, dtype=self.dtype, device=self.device) if t is None else t.detach()
+                parts.append(t if t.dim() else t.reshape(1))
+            if flagged:
+                parts.append(next(flag_parts))
+            first += count
+        if len({p.dtype for p in parts}) > 1:  # _chunk_cat takes one input dtype
+            parts = [p.to(self.dtype) for p in parts]
+        torch._chunk_cat(parts, dim=0, num_chunks=1, out=self.flat.view(1, self.numel))
+
+    def issue(self, op: str, group: dist.ProcessGroup, root: int | Sequence[int] = 0,
+              what: str | Callable[[], str] = "a flat collective") -> Pending:
+        """Start ``op`` on ``flat`` over ``group``, asynchronously (a sum for the reductions).
+
+        Args:
+            op: ``"all_reduce"`` (the sum on every rank), ``"reduce"`` (the sum on ``root``) or
+                ``"broadcast"`` (``root``'s ``flat`` to every rank).
+            group: the process group.
+            root: the root's rank within ``group``; for ``"reduce"`` also one root per
+                segment, each segment reduced to its own, as one NCCL group call where the
+                backend can (:func:`issued_together`).
+            what: what the collective does, for a failure's message.
+
+        Returns:
+            The :class:`Pending`; it holds ``flat`` until waited.
+
+        Raises:
+            ValueError: an unknown ``op``.
+        """
+        if op not in _OPS:
+            raise ValueError(f"dmuon: FlatBucket op must be one of {_OPS}, got {op!r}")
+        with label(f"dmuon::{op}"):
+            if op == "all_reduce":
+                work = dist.all_reduce(self.flat, group=group, async_op=True)
+            elif op == "broadcast":
+                work = dist.broadcast(self.flat, src=dist.get_global_rank(group, root), group=group,
+                                      async_op=True)
+            elif isinstance(root, int):
+                work = dist.reduce(self.flat, dst=dist.get_global_rank(group, root), group=group,
+                                   async_op=True)
+            else:
+                parts: list[Pending] = []
+                with issued_together(group, self.device, parts):
+                    for (start, numel), dst in zip(self.spans, root):
+                        parts.append(Pending(dist.reduce(
+                            self.flat[start: start + numel], dst=dist.get_global_rank(group, dst),
+                            group=group, async_op=True), ()))
+                work = parts[0].work
+                if any(p.work is not work for p in parts):  # one handle for the segments' works
+                    work = _CoalescingManager()
+                    for p in parts:
+                        work.append(p.work)
+        return Pending(work, (self.flat,), what, group)
+
+    def view(self, i: int) -> torch.Tensor:
+        """Tensor ``i``'s slot of ``flat``, in its shape."""
+        start, numel = self.slots[i]
+        return self.flat[start: start + numel].view(self.shapes[i])
+
+    def views(self) -> list[torch.Tensor]:
+        """Every tensor's slot of ``flat``, in its shape, in order."""
+        return [self.view(i) for i in range(len(self.shapes))]
+
+    def flag_values(self) -> list[float | None]:
+        """Each tensor's flag as read from ``flat`` (``None`` in an unflagged segment); one
+        device-to-host copy."""
+        if not self.flag_runs:
+            return [None] * len(self.shapes)
+        values = iter(torch.cat([self.flat[at: at + n] for at, n in self.flag_runs]).tolist())
+        return [None if at is None else next(values) for at in self.flag_at]
 
 
 def _names(names: Callable[[], list[str]] | None) -> str:
