@@ -1,14 +1,14 @@
-"""dmuon's collectives, as plain functions over the dmuon process group.
+"""dmuon's collectives: each only *issues* asynchronous work and returns a :class:`Pending`
+holding the tensors that must stay alive until ``wait()``, which names dmuon on a failure.
 
-Every function only *issues* asynchronous work and returns it with the tensors that must stay
-alive until ``wait()`` (freeing a buffer under an in-flight collective corrupts memory).
-All ranks of the group must call them in the same order, which holds because they are issued
+All ranks of a group must issue them in the same order, which holds because they are issued
 from module hooks that run in the same order on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -89,10 +89,8 @@ def wait_failure(what: str | Callable[[], str], group: dist.ProcessGroup | None,
 
 def is_complete(work: Any) -> bool:
     """Whether ``work`` is known complete, by non-blocking queries (gloo reads a flag; NCCL
-    queries the work's CUDA event, no host synchronisation): ``None`` (nothing in flight) is;
-    a coalesced NCCL group call (``torch.distributed._coalescing_manager``, what
-    :func:`issued_together` rebinds its :class:`Pending` objects to) is when each of its works
-    is; a work that cannot be queried never is."""
+    queries the work's CUDA event): ``None`` is; a coalesced group call (a ``_CoalescingManager``)
+    is when each of its works is; a work that cannot be queried never is."""
     if work is None:
         return True
     works = getattr(work, "works", None)
@@ -105,20 +103,10 @@ def is_complete(work: Any) -> bool:
 @contextlib.contextmanager
 def issued_together(group: dist.ProcessGroup, device: torch.device,
                     pendings: list[Pending]) -> Iterator[None]:
-    """Issue the collectives started inside as one NCCL group call where the backend can.
-
-    On NCCL (CUDA tensors) the block runs under ``torch.distributed._coalescing_manager``: the
-    broadcasts or reduces it issues, to or from different owners, launch as one
-    ``ncclGroupStart``/``ncclGroupEnd`` and pay the launch latency once. Afterwards every
-    :class:`Pending` in ``pendings`` waits on the whole group. Other backends (gloo cannot
-    coalesce) issue them one by one, unchanged.
-
-    Args:
-        group: the process group every collective inside uses.
-        device: the device of their tensors.
-        pendings: the caller's list; the :class:`Pending` objects appended inside are rebound
-            to the group's work.
-    """
+    """Issue the collectives started inside as one NCCL group call where the backend can
+    (``torch.distributed._coalescing_manager``: one ``ncclGroupStart``/``ncclGroupEnd``, one
+    launch latency); the :class:`Pending` objects appended to ``pendings`` inside then wait on
+    the whole group. Gloo cannot coalesce: it issues them one by one."""
     if device.type != "cuda" or dist.get_backend(group) != "nccl":
         yield
         return
@@ -151,26 +139,22 @@ _OPS = ("all_reduce", "reduce", "broadcast")
 @dataclass(eq=False)
 class FlatBucket:
     """Tensors of one dtype and device packed into one flat buffer that crosses a process group
-    as one collective: a gradient bucket (:mod:`dmuon.comm.grad_buckets`), the replicated
+    as one collective: the gradient buckets (:mod:`dmuon.comm.grad_buckets`), the replicated
     parameters' all-reduce (:mod:`dmuon.comm.ddp_allreduce`), the HSDP replica combine and
     broadcast (:mod:`dmuon.comm.hsdp_replicas`).
 
-    ``flat`` holds the segments in order; a segment is its tensors, flattened, then, if it is
-    flagged, one flag per tensor (by default 1.0 where the tensor was given and 0.0 where zeros
-    took its place: summed over the ranks, how many ranks had it). A ``reduce`` may send each
-    segment to its own root (a gradient bucket's owners).
+    ``flat`` holds the segments in order: a segment's tensors, flattened, then, if flagged, one
+    flag per tensor (by default 1.0 where the tensor was given, 0.0 where zeros took its place:
+    summed over the ranks, how many had it). A ``reduce`` sends each segment to its own root.
 
     Attributes:
         shapes: each tensor's shape, in buffer order.
-        dtype: the buffer's dtype (tensors are cast as they are packed).
-        device: the buffer's device.
+        dtype, device: the buffer's (tensors are cast as they are packed).
         segments: ``(number of tensors, flagged)`` per segment; ``None``: one unflagged segment.
         flat: ``[numel]`` in ``dtype``; allocated by the first :meth:`pack`.
         slots: ``(start, numel)`` of each tensor in ``flat``.
         flag_at: each tensor's flag position in ``flat`` (``None`` in an unflagged segment).
         spans: ``(start, numel)`` of each segment, its flags included.
-        flag_runs: ``(start, count)`` of each flagged segment's flags.
-        numel: of ``flat``.
     """
 
     shapes: list[torch.Size]
@@ -181,26 +165,23 @@ class FlatBucket:
     slots: list[tuple[int, int]] = field(default_factory=list, init=False)
     flag_at: list[int | None] = field(default_factory=list, init=False)
     spans: list[tuple[int, int]] = field(default_factory=list, init=False)
-    flag_runs: list[tuple[int, int]] = field(default_factory=list, init=False)
-    numel: int = field(default=0, init=False)
     _ones: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.segments is None:
-            self.segments = [(len(self.shapes), False)]
-        start = first = 0
+        self.segments = self.segments or [(len(self.shapes), False)]
+        start, sizes = 0, iter(math.prod(shape) for shape in self.shapes)
         for count, flagged in self.segments:
             seg_start = start
-            for shape in self.shapes[first: first + count]:
-                self.slots.append((start, math.prod(shape)))
-                start += math.prod(shape)
+            for numel in itertools.islice(sizes, count):
+                self.slots.append((start, numel))
+                start += numel
             self.flag_at += list(range(start, start + count)) if flagged else [None] * count
-            if flagged:
-                self.flag_runs.append((start, count))
-                start += count
+            start += count if flagged else 0
             self.spans.append((seg_start, start - seg_start))
-            first += count
-        self.numel = start
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.spans)
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], flags: Sequence[float] | None = None, *,
@@ -229,14 +210,9 @@ class FlatBucket:
         return bucket
 
     def pack(self, tensors: Sequence[torch.Tensor | None], flags: Sequence[float] | None = None) -> None:
-        """Write ``tensors`` and the flagged segments' flags into ``flat`` with one
-        ``torch._chunk_cat`` (FSDP2's packing op), cast to ``dtype``.
-
-        Args:
-            tensors: one per shape, in order, any dtype (not mutated); ``None``: zeros.
-            flags: one per tensor (read in flagged segments); default: 1.0 where a tensor is
-                given, 0.0 where it is ``None``.
-        """
+        """Write ``tensors`` (any dtype, not mutated; ``None``: zeros) and the flagged segments'
+        ``flags`` (one per tensor; default: whether it is given) into ``flat`` with one
+        ``torch._chunk_cat`` (FSDP2's packing op)."""
         if self.flat is None:
             self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         if flags is None:
@@ -249,7 +225,8 @@ class FlatBucket:
             values = self._ones
         elif values:
             values = torch.tensor(values, dtype=self.dtype, device=self.device)
-        flag_parts = iter(values.split([n for n, flagged in self.segments if flagged]) if len(values) else ())
+        counts = [n for n, flagged in self.segments if flagged]
+        flag_parts = iter(values.split(counts) if counts else ())
         parts, first = [], 0
         for count, flagged in self.segments:
             for t, shape in zip(tensors[first: first + count], self.shapes[first: first + count]):
@@ -264,15 +241,13 @@ class FlatBucket:
 
     def issue(self, op: str, group: dist.ProcessGroup, root: int | Sequence[int] = 0,
               what: str | Callable[[], str] = "a flat collective") -> Pending:
-        """Start ``op`` on ``flat`` over ``group``, asynchronously (a sum for the reductions).
+        """Start ``op`` on ``flat`` over ``group``, asynchronously.
 
         Args:
-            op: ``"all_reduce"`` (the sum on every rank), ``"reduce"`` (the sum on ``root``) or
-                ``"broadcast"`` (``root``'s ``flat`` to every rank).
-            group: the process group.
-            root: the root's rank within ``group``; for ``"reduce"`` also one root per
-                segment, each segment reduced to its own, as one NCCL group call where the
-                backend can (:func:`issued_together`).
+            op: ``"all_reduce"`` (the sum on every rank), ``"reduce"`` (each segment's sum on
+                its root; as one NCCL group call, :func:`issued_together`) or ``"broadcast"``
+                (``root``'s ``flat`` to every rank).
+            root: the root's rank within ``group``, or for ``"reduce"`` one per segment.
             what: what the collective does, for a failure's message.
 
         Returns:
@@ -287,18 +262,16 @@ class FlatBucket:
             if op == "all_reduce":
                 work = dist.all_reduce(self.flat, group=group, async_op=True)
             elif op == "broadcast":
-                work = dist.broadcast(self.flat, src=dist.get_global_rank(group, root), group=group,
-                                      async_op=True)
-            elif isinstance(root, int):
-                work = dist.reduce(self.flat, dst=dist.get_global_rank(group, root), group=group,
-                                   async_op=True)
+                src = dist.get_global_rank(group, root)
+                work = dist.broadcast(self.flat, src=src, group=group, async_op=True)
             else:
+                roots = [root] * len(self.spans) if isinstance(root, int) else root
                 parts: list[Pending] = []
                 with issued_together(group, self.device, parts):
-                    for (start, numel), dst in zip(self.spans, root):
-                        parts.append(Pending(dist.reduce(
-                            self.flat[start: start + numel], dst=dist.get_global_rank(group, dst),
-                            group=group, async_op=True), ()))
+                    for (start, numel), dst in zip(self.spans, roots):
+                        dst = dist.get_global_rank(group, dst)
+                        parts.append(Pending(dist.reduce(self.flat[start: start + numel], dst=dst,
+                                                         group=group, async_op=True), ()))
                 work = parts[0].work
                 if any(p.work is not work for p in parts):  # one handle for the segments' works
                     work = _CoalescingManager()
@@ -318,9 +291,11 @@ class FlatBucket:
     def flag_values(self) -> list[float | None]:
         """Each tensor's flag as read from ``flat`` (``None`` in an unflagged segment); one
         device-to-host copy."""
-        if not self.flag_runs:
+        runs = [(start + numel - count, count)  # a segment's flags are its last elements
+                for (start, numel), (count, flagged) in zip(self.spans, self.segments) if flagged]
+        if not runs:
             return [None] * len(self.shapes)
-        values = iter(torch.cat([self.flat[at: at + n] for at, n in self.flag_runs]).tolist())
+        values = iter(torch.cat([self.flat[at: at + n] for at, n in runs]).tolist())
         return [None if at is None else next(values) for at in self.flag_at]
 
 
@@ -350,7 +325,10 @@ def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup | No
             (the exchange is one all-gather, so no rank is left waiting).
     """
     values: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
+    try:
+        dist.all_gather_object(values, value, group=group)
+    except RuntimeError as err:
+        raise RuntimeError(wait_failure(f"the exchange of the {what}", group, err)) from err
     bad = [r for r, v in enumerate(values) if v != values[0]]
     if bad:
         raise RuntimeError(

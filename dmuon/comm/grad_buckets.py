@@ -1,15 +1,11 @@
 """Reduce-to-owner in buckets: the gradients of one FSDP2 block's dedicated matrices travel together.
 
 A :class:`GradBucket` holds the local gradients of one block's dedicated matrices (one dtype,
-one device) in a :class:`dmuon.comm.collectives.FlatBucket` laid out *owner-major*, one segment
-per owner. When the block's last gradient is in, the bucket is reduced with one of two
-collective patterns, both exact (a sum over the data-parallel group, divided by its size on the
-owner):
-
-* ``"reduce"`` (default): each owner's segment is reduced to that owner, bandwidth-optimal; on
-  NCCL the segments go out as one group call.
-* ``"all_reduce"``: one ``all_reduce`` of the whole bucket (twice the bytes, one collective);
-  each owner keeps its segment.
+one device) in a :class:`dmuon.comm.collectives.FlatBucket`, one segment per owner. When the
+block's last gradient is in, the bucket goes out, exact either way (a sum over the
+data-parallel group, divided by its size on the owner): ``reduce_mode="reduce"`` (default)
+reduces each segment to its owner (bandwidth-optimal; one NCCL group call);
+``"all_reduce"`` all-reduces the whole bucket (twice the bytes, one collective).
 
 On the DDP-style path (``replicas="keep"``) one bucket also carries the *shared* parameters,
 the non-dedicated ones every rank steps with AdamW (:meth:`GradBucket.attach_shared`): at the
@@ -52,22 +48,20 @@ class GradBucket:
     Attributes:
         records: the block's matrices, owner-major (stable within an owner).
         index: record -> its position in ``records``.
-        owners: the owner of each segment of ``buf``, in order.
-        buf: the flat buffer, one segment per owner (then one for ``shared``); allocated at
-            the first :meth:`issue`, dropped after :meth:`take` unless ``persistent``.
+        owners: the owner of each segment of ``buf``.
+        buf: one segment per owner (then one for ``shared``); its buffer is dropped after
+            :meth:`take` unless ``persistent`` (keep mode: a fresh multi-MB buffer per backward
+            page-faults on every first touch).
         expected: the records that take a gradient (``compute.requires_grad``).
-        persistent: keep the buffer from one backward to the next (``replicas="keep"``: a fresh
-            multi-MB buffer per backward page-faults on every first touch).
-        active: the bucket holds gradients of this backward.
-        ready: the records whose gradient is in this backward.
-        grads: this backward's local gradients by position (``None``: not yet in); kept, not
+        active: the bucket holds gradients of this backward; ``ready``: whose.
+        grads: this backward's local gradients by position (``None``: not in), kept, not
             copied, until :meth:`issue` packs them with one op.
         pending: this backward's collective, once issued.
         shared: the non-dedicated parameters carried in keep mode.
         my_owner: this rank's owner index if it owns a member.
-        group: the process group the members' owners are ranks of, when not the one
-            :class:`IssueOrder` is given (expert parallelism: the ranks holding the same
-            experts; the average still divides by the whole data-parallel size).
+        owner_avg: fp32 copy of this rank's segment, its views ``owner_views`` (:meth:`_average_mine`).
+        group: the process group of the members' owners when not :class:`IssueOrder`'s (expert
+            parallelism; the average still divides by the whole data-parallel size).
         block: the FSDP2 module whose unit the bucket reduces (``None`` without FSDP2).
         divide_factor: that module's ``set_gradient_divide_factor``; ``None``: the mean.
     """
@@ -84,7 +78,7 @@ class GradBucket:
     pending: Pending | None = None
     shared: list[torch.nn.Parameter] = field(default_factory=list)
     my_owner: int | None = None
-    owner_avg: torch.Tensor | None = None  # fp32 [numel of this rank's segment], see _average_mine
+    owner_avg: torch.Tensor | None = None
     owner_views: dict[DedicatedParam, torch.Tensor] | None = None
     group: dist.ProcessGroup | None = None
     block: object = None
@@ -208,8 +202,7 @@ class GradBucket:
 
 
 def reduced(bucket: GradBucket) -> bool:
-    """Whether ``bucket``'s collective of this backward is out and complete (non-blocking:
-    :func:`dmuon.comm.collectives.is_complete`)."""
+    """Whether ``bucket``'s collective of this backward is out and complete (non-blocking)."""
     return bucket.pending is not None and is_complete(bucket.pending.work)
 
 

@@ -19,20 +19,16 @@ reduce-to-owner already has): the owned records and their order come from the pl
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from dmuon.balance.cost import REPLICATE_MODES
-from dmuon.comm.collectives import FlatBucket, Pending, label
+from dmuon.comm.collectives import FlatBucket, label
 from dmuon.comm.grad_buckets import IssueOrder, finish_buckets
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.owners.dedicated import DedicatedParam
-
-logger = logging.getLogger(__name__)
 
 
 def batches_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
@@ -49,73 +45,51 @@ def batches_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], l
     return [(idx, [tensors[i] for i in idx]) for _, idx in sorted(keyed.items())]
 
 
-@dataclass(eq=False)
-class ReplicaCombine:
-    """One step's cross-replica combination of the owners' gradient averages.
+def combine_replicas(pairs: list[tuple[DedicatedParam, torch.Tensor, float]], group: dist.ProcessGroup,
+                     replicate_rank: int) -> list[tuple[DedicatedParam, torch.Tensor, float | None]]:
+    """Sum the owners' gradient averages over the replicas: one ``all_reduce`` per (dtype,
+    device) of the ``"compute"`` records, then one ``reduce`` to replica 0 of the
+    ``"broadcast"`` ones, in a rank-independent order. A batch holding a routed expert carries
+    each record's presence count as a flag, so every replica agrees whether any rank of any
+    replica had a gradient.
 
-    Build it from the ``(record, average, ranks)`` this rank owns, :meth:`issue` (one
-    ``all_reduce`` per dtype for ``"compute"`` records, one ``reduce`` to replica 0 per dtype
-    for ``"broadcast"`` records), then :meth:`wait` for the sums.
-
-    Attributes:
+    Args:
+        pairs: ``(record, average, ranks)``: each owned record that had a gradient, its
+            replica's fp32 average ``[rows, cols]`` and how many of the replica's ranks had a
+            gradient, in bucket order (the same on every replica).
         group: the replicate process group (one rank per replica, same shard position).
-        replicate_rank: this rank's index in ``group`` (replica index).
-        pairs: ``(record, average, ranks)``: each owned record that had a gradient this
-            backward, its replica's average (``[rows, cols]`` fp32, from
-            :meth:`dmuon.comm.grad_buckets.GradBucket.take`) and how many of the replica's
-            ranks had a gradient, in bucket order (the same on every replica).
+        replicate_rank: this rank's index in ``group``.
+
+    Returns:
+        ``(record, sum over replicas, ranks)`` valid on this rank: "compute" records on every
+        replica, "broadcast" ones on replica 0 only. Each sum is a view of its batch's buffer;
+        ``ranks`` is the summed presence count (``None`` in a batch without routed experts).
+
+    Raises:
+        ValueError: a record whose ``replicate_mode`` is not "compute" or "broadcast".
     """
-
-    group: dist.ProcessGroup
-    replicate_rank: int
-    pairs: list[tuple[DedicatedParam, torch.Tensor, float]] = field(default_factory=list)
-    _batches: list[tuple[list[DedicatedParam], FlatBucket, Pending]] = field(default_factory=list)
-
-    def add(self, rec: DedicatedParam, avg: torch.Tensor, ranks: float = 1.0) -> None:
-        """Queue an owned record's replica average (not copied until :meth:`issue`).
-
-        Raises:
-            ValueError: ``rec`` has a ``replicate_mode`` other than "compute"/"broadcast".
-        """
+    for rec, _, _ in pairs:
         if rec.replicate_mode not in REPLICATE_MODES:
             raise ValueError(f"dmuon: matrix {rec.fqn!r} has replicate_mode {rec.replicate_mode!r}; "
                              f"expected one of {REPLICATE_MODES} (OwnerPlan.with_replicate_modes "
                              f"resolves 'auto' into MatrixSpec.replicate_mode)")
-        self.pairs.append((rec, avg, ranks))
-
-    def issue(self) -> None:
-        """Pack the queued averages and start one collective per (mode, dtype, device),
-        "compute" first, in a rank-independent order. A batch holding a routed expert carries
-        each record's presence count as a flag, so every replica agrees whether any rank of any
-        replica had a gradient."""
-        with label("dmuon::combine_replicas"):
-            for mode in REPLICATE_MODES:
-                chosen = [pair for pair in self.pairs if pair[0].replicate_mode == mode]
-                for idx, tensors in batches_by_dtype([avg for _, avg, _ in chosen]):
-                    recs = [chosen[i][0] for i in idx]
-                    flags = [chosen[i][2] for i in idx] if any(r.optional for r in recs) else None
-                    batch = FlatBucket.of(tensors, flags)
-                    op = "all_reduce" if mode == "compute" else "reduce"
-                    what = f"the replica {op} of {len(recs)} matrices ({[r.fqn for r in recs][:4]})"
-                    self._batches.append((recs, batch, batch.issue(op, self.group, 0, what)))
-        self.pairs = []
-
-    def wait(self) -> list[tuple[DedicatedParam, torch.Tensor, float | None]]:
-        """Wait for every batch; return ``(record, sum over replicas, ranks)`` valid on this rank.
-
-        Returns:
-            For "compute" records, on every replica; for "broadcast" records, on replica 0
-            only. Each sum is a ``[rows, cols]`` fp32 view of its batch's buffer, the sum (not
-            the average) over the replicas, in issue order; ``ranks``: the summed presence count
-            (``None`` in a batch without routed experts).
-        """
-        out = []
-        for records, batch, pend in self._batches:
-            pend.wait()
-            if records[0].replicate_mode == "compute" or self.replicate_rank == 0:
-                out.extend(zip(records, batch.views(), batch.flag_values()))
-        self._batches = []
-        return out
+    batches = []
+    with label("dmuon::combine_replicas"):
+        for mode in REPLICATE_MODES:
+            chosen = [pair for pair in pairs if pair[0].replicate_mode == mode]
+            for idx, tensors in batches_by_dtype([avg for _, avg, _ in chosen]):
+                recs = [chosen[i][0] for i in idx]
+                flags = [chosen[i][2] for i in idx] if any(r.optional for r in recs) else None
+                batch = FlatBucket.of(tensors, flags)
+                op = "all_reduce" if mode == "compute" else "reduce"
+                what = f"the replica {op} of {len(recs)} matrices ({[r.fqn for r in recs][:4]})"
+                batches.append((recs, batch, batch.issue(op, group, 0, what)))
+    out = []
+    for recs, batch, pend in batches:
+        pend.wait()
+        if recs[0].replicate_mode == "compute" or replicate_rank == 0:
+            out.extend(zip(recs, batch.views(), batch.flag_values()))
+    return out
 
 
 def broadcast_masters(masters: Sequence[torch.Tensor], group: dist.ProcessGroup, replicate_rank: int) -> int:
@@ -150,7 +124,7 @@ def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, worl
     """End of backward: wait for every bucket's reduce; owners add the average to ``master.grad``.
 
     Under HSDP (``roles.replicate_size > 1``) the owners then combine across replicas
-    (:class:`ReplicaCombine`); the replica sum is divided by the replica count (by nothing
+    (:func:`combine_replicas`); the replica sum is divided by the replica count (by nothing
     where the record's FSDP2 module set a gradient divide factor: the shard-level reduce
     divided the sum by it). Records come back in issue order, the same on every rank.
 
@@ -162,21 +136,19 @@ def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, worl
         replicate_rank: this rank's index in the replicate group.
     """
     replicas = roles.replicate_size
-    combine = ReplicaCombine(group=roles.replicate, replicate_rank=replicate_rank) if replicas > 1 else None
-    factored: set[DedicatedParam] = set()  # records whose average is already sum / factor
+    pairs, factored = [], set()  # factored: records whose average is already sum / factor
     for rec, avg, ranks, factor in finish_buckets(order, roles.shard, reduce_mode, world_size):
-        if factor is not None and combine is not None:
+        if factor is not None:
             factored.add(rec)
         # every record of a reduced bucket, on every replica alike ("broadcast" masters go out
         # for all of them: one not stepped is the same on every replica)
         rec.had_grad = True
-        if avg is not None and combine is not None:  # avg: on the owner only
-            combine.add(rec, avg, ranks)
+        if avg is not None and replicas > 1:  # avg: on the owner only
+            pairs.append((rec, avg, ranks))
         elif avg is not None and ranks > 0:  # no rank had a gradient: Muon skips the matrix
             _accumulate(rec, avg)
-    if combine is not None:
-        combine.issue()
-        for rec, summed, ranks in combine.wait():
+    if replicas > 1:
+        for rec, summed, ranks in combine_replicas(pairs, roles.replicate, replicate_rank):
             if not rec.optional or ranks > 0:
                 _accumulate(rec, summed.div_(1 if rec in factored else replicas))
 
