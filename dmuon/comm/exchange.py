@@ -16,7 +16,6 @@ Only one copy of a replicated piece travels to the owner, and none when the owne
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,8 +24,6 @@ from torch import Tensor
 
 from dmuon.comm.collectives import Pending
 from dmuon.owners.slices import MatrixLayout, chunk_sizes, put, take
-
-logger = logging.getLogger(__name__)
 
 
 def _all_to_all(send: Tensor, send_splits: list[int], recv_splits: list[int], group: Any,

@@ -93,18 +93,9 @@ def combine_replicas(pairs: list[tuple[DedicatedParam, torch.Tensor, float]], gr
 
 
 def broadcast_masters(masters: Sequence[torch.Tensor], group: dist.ProcessGroup, replicate_rank: int) -> int:
-    """Copy replica 0's masters to every replica: one ``broadcast`` per (dtype, device).
-
-    Args:
-        masters: the owned "broadcast" records' fp32 masters, ``[rows, cols]`` each, full on
-            this owner; the same list (shapes, order) on every replica of ``group``. Mutated on
-            replicas other than 0.
-        group: the replicate process group.
-        replicate_rank: this rank's index in ``group``; 0 is the source.
-
-    Returns:
-        The number of collectives issued (0 when ``masters`` is empty).
-    """
+    """Copy replica 0's ``masters`` (the owned "broadcast" records' fp32 masters, the same list
+    on every replica of ``group``; mutated on the others) to every replica: one ``broadcast``
+    per (dtype, device). Returns the number of collectives issued."""
     batches = []
     with label("dmuon::broadcast_replicas"):
         for _, tensors in batches_by_dtype(list(masters)):
@@ -129,8 +120,7 @@ def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, worl
     divided the sum by it). Records come back in issue order, the same on every rank.
 
     Args:
-        order: the model's gradient buckets in their one issue order
-            (:class:`dmuon.comm.grad_buckets.IssueOrder`).
+        order: the model's gradient buckets in their one issue order.
         roles: the mesh roles (shard group for the reduces, replicate group for the combine).
         reduce_mode, world_size: :func:`finish_buckets`' arguments.
         replicate_rank: this rank's index in the replicate group.
