@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dmuon.comm.collectives import label
+from dmuon.comm.exchange import orthogonalize_tp
 from dmuon.comm.owned_grad import plain
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
@@ -422,7 +423,7 @@ class OwnerUpdate:
         orthogonalize = None
         if ctx.roles.tp is not None:  # through the TP owners (collective over the TP group)
             orthogonalize = tp_orthogonalizer(recs, [lay.split for lay in layouts], ctx.roles.tp,
-                                              hp.orthogonalizer())
+                                              hp.orthogonalizer(), orthogonalize_tp)
         with label("dmuon::newton_schulz"):
             muon_update_(params, grads, bufs, hp, layouts, orthogonalize)
             if scale is not None:

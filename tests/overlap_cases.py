@@ -54,15 +54,15 @@ def slow_jobs(delay_s: float = 0.02, fail: bool = False, only: str | None = None
 
 @contextlib.contextmanager
 def coalesced_on_gloo() -> Iterator[None]:
-    """Gloo cannot coalesce (``startCoalescing`` is NCCL's); this makes the gradient buckets'
+    """Gloo cannot coalesce (``startCoalescing`` is NCCL's); this makes the flat buckets'
     ``issued_together`` hand every :class:`Pending` of a bucket one
     ``torch.distributed._coalescing_manager``'s manager holding the bucket's works, the object
     NCCL's coalesced group call leaves there, so a CPU run goes through the code that polls it."""
     from torch.distributed.distributed_c10d import _CoalescingManager
 
-    from dmuon.comm import grad_buckets
+    from dmuon.comm import collectives
 
-    original = grad_buckets.issued_together
+    original = collectives.issued_together
 
     @contextlib.contextmanager
     def together(group, device, pendings):
@@ -74,11 +74,11 @@ def coalesced_on_gloo() -> Iterator[None]:
         for pend in pendings[first:]:
             pend.work = manager
 
-    grad_buckets.issued_together = together
+    collectives.issued_together = together
     try:
         yield
     finally:
-        grad_buckets.issued_together = original
+        collectives.issued_together = original
 
 
 def train(rank: int, world_size: int, *, overlap: str, mode: str = "fsdp", steps: int = 4,

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from dmuon.comm.hsdp_replicas import FlatBatch, batches_by_dtype
+from dmuon.comm.collectives import FlatBucket
+from dmuon.comm.hsdp_replicas import batches_by_dtype
 from tests import models
 from tests.test_core import compare
 
@@ -65,21 +66,25 @@ def test_flat_batch_round_trips_shapes_and_groups_dtypes():
     groups = batches_by_dtype(tensors)
     assert [idx for idx, _ in groups] == [[0, 2], [1, 3]]  # float32 before float64, by name
     for idx, members in groups:
-        batch = FlatBatch.of(members)
+        batch = FlatBucket.of(members)
         assert batch.flat.numel() == sum(t.numel() for t in members)
-        for t, view in zip(members, batch.wait()):
+        for t, view in zip(members, batch.views()):
             np.testing.assert_array_equal(view.numpy(), t.numpy())
             assert view.shape == t.shape and view.dtype == t.dtype
         targets = [torch.zeros_like(t) for t in members]
-        FlatBatch(tensors=targets, flat=batch.flat).copy_back()
+        torch._foreach_copy_(targets, batch.views())  # as broadcast_masters' receivers
         for t, target in zip(members, targets):
             np.testing.assert_array_equal(target.numpy(), t.numpy())
+        flagged = FlatBucket.of(members, [2.0] * len(members))  # presence counts after the tensors
+        assert flagged.flag_values() == [2.0] * len(members)
+        for t, view in zip(members, flagged.views()):
+            np.testing.assert_array_equal(view.numpy(), t.numpy())
 
 
 def test_flat_batch_refuses_mixed_dtypes_and_empty():
     with pytest.raises(ValueError, match="one dtype"):
-        FlatBatch.of([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
+        FlatBucket.of([torch.zeros(2), torch.zeros(2, dtype=torch.float64)])
     with pytest.raises(ValueError, match="at least one tensor"):
-        FlatBatch.of([])
+        FlatBucket.of([])
     with pytest.raises(ValueError, match="op must be"):
-        FlatBatch.of([torch.zeros(2)]).issue("gather", group=None)
+        FlatBucket.of([torch.zeros(2)]).issue("gather", group=None)

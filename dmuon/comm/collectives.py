@@ -1,49 +1,44 @@
-"""dmuon's collectives, as plain functions over the dmuon process group.
+"""dmuon's collectives: each only *issues* asynchronous work and returns a :class:`Pending`
+holding the tensors that must stay alive until ``wait()``, which names dmuon on a failure.
 
-Every function only *issues* asynchronous work and returns it with the tensors that must stay
-alive until ``wait()`` (freeing a buffer under an in-flight collective corrupts memory).
-All ranks of the group must call them in the same order, which holds because they are issued
+All ranks of a group must issue them in the same order, which holds because they are issued
 from module hooks that run in the same order on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import itertools
+import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+from torch.distributed.distributed_c10d import _CoalescingManager
 
 
 def label(name: str) -> contextlib.AbstractContextManager:
-    """``torch.profiler.record_function(name)`` while a profiler is running, else a no-op.
-
-    dmuon's hooks run about a hundred times a step; an unconditional ``record_function``
-    costs about 8 us each on CPU (a dispatcher call in and out), the check 0.1 us.
-    """
+    """``torch.profiler.record_function(name)`` while a profiler is running, else a no-op (an
+    unconditional one costs about 8 us on CPU, the check 0.1 us; the hooks run ~100 times a step)."""
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 @dataclass(eq=False)
 class Pending:
-    """An in-flight collective, the buffers it reads or writes, and how to unpack its result.
-
-    The one handle of every dmuon collective: the runtime's publish / reduce-to-owner /
-    all-reduce and the ``distributed_config`` path's all-to-all exchanges
-    (:mod:`dmuon.distconfig.exchange`).
+    """An in-flight collective, the buffers it reads or writes, and how to unpack its result:
+    the one handle of every dmuon collective (publish, :class:`FlatBucket`, the owner exchanges
+    of :mod:`dmuon.comm.exchange`).
 
     Attributes:
-        work: the ``dist.Work`` (or NCCL group call) to wait on; ``None`` once waited (or when
-            nothing was issued).
+        work: the ``dist.Work`` (or group call) to wait on; ``None`` once waited or when nothing
+            was issued.
         tensors: buffers that must stay alive until the wait.
-        what: what the collective does, for the error text (a string, or a callable that
-            builds it only on failure, e.g. naming the matrices).
+        what: what the collective does, for the error text (or a callable building it on failure).
         group: the process group it runs on (its ranks are named on failure).
-        finish: called once after the wait; its value is what :meth:`wait` returns (e.g. the
-            received pieces unpacked into full matrices). ``None``: :meth:`wait` returns ``None``.
+        finish: called once after the wait; its value is what :meth:`wait` returns.
     """
 
     work: Any
@@ -54,11 +49,8 @@ class Pending:
     result: Any = field(default=None, init=False, repr=False)
 
     def wait(self) -> Any:
-        """Wait; the group's timeout (the user's, :func:`dmuon.comm.mesh_roles.inherited_timeout`)
-        bounds it. Waiting again returns the same result without waiting.
-
-        Returns:
-            ``finish()``'s value (computed on the first wait), or ``None`` without ``finish``.
+        """Wait, bounded by the group's timeout (the user's, :func:`dmuon.comm.mesh_roles.inherited_timeout`);
+        return ``finish()``'s value (computed once), or ``None`` without ``finish``.
 
         Raises:
             RuntimeError: the collective failed or timed out, naming this rank, what dmuon was
@@ -88,10 +80,8 @@ def wait_failure(what: str | Callable[[], str], group: dist.ProcessGroup | None,
 
 def is_complete(work: Any) -> bool:
     """Whether ``work`` is known complete, by non-blocking queries (gloo reads a flag; NCCL
-    queries the work's CUDA event, no host synchronisation): ``None`` (nothing in flight) is;
-    a coalesced NCCL group call (``torch.distributed._coalescing_manager``, what
-    :func:`issued_together` rebinds its :class:`Pending` objects to) is when each of its works
-    is; a work that cannot be queried never is."""
+    queries the work's CUDA event): ``None`` is; a coalesced group call (a ``_CoalescingManager``)
+    is when each of its works is; a work that cannot be queried never is."""
     if work is None:
         return True
     works = getattr(work, "works", None)
@@ -102,21 +92,12 @@ def is_complete(work: Any) -> bool:
 
 
 @contextlib.contextmanager
-def issued_together(group: dist.ProcessGroup, device: torch.device, pendings: list[Pending]) -> Iterator[None]:
-    """Issue the collectives started inside as one NCCL group call where the backend can.
-
-    On NCCL (CUDA tensors) the block runs under ``torch.distributed._coalescing_manager``: the
-    broadcasts or reduces it issues, to or from different owners, launch as one
-    ``ncclGroupStart``/``ncclGroupEnd`` and pay the launch latency once. Afterwards every
-    :class:`Pending` in ``pendings`` waits on the whole group. Other backends (gloo cannot
-    coalesce) issue them one by one, unchanged.
-
-    Args:
-        group: the process group every collective inside uses.
-        device: the device of their tensors.
-        pendings: the caller's list; the :class:`Pending` objects appended inside are rebound
-            to the group's work.
-    """
+def issued_together(group: dist.ProcessGroup, device: torch.device,
+                    pendings: list[Pending]) -> Iterator[None]:
+    """Issue the collectives started inside as one NCCL group call where the backend can
+    (``torch.distributed._coalescing_manager``: one ``ncclGroupStart``/``ncclGroupEnd``, one
+    launch latency); the :class:`Pending` objects appended to ``pendings`` inside then wait on
+    the whole group. Gloo cannot coalesce: it issues them one by one."""
     if device.type != "cuda" or dist.get_backend(group) != "nccl":
         yield
         return
@@ -143,30 +124,170 @@ def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup,
     return Pending(work, (tensor,), lambda: f"the publication of {_names(names)} by owner rank {src}", group)
 
 
-def reduce_to_owner(grad: torch.Tensor, owner: int, group: dist.ProcessGroup,
-                    names: Callable[[], list[str]] | None = None) -> Pending:
-    """Sum a full local gradient onto its owner (phase 2: reduce-to-owner).
+_OPS = ("all_reduce", "reduce", "broadcast")
 
-    Args:
-        grad: this rank's local gradient ``[rows, cols]``; after ``wait()`` it holds the sum
-            over the group on the owner and is undefined elsewhere. The caller divides.
-        owner: owner's rank within ``group``.
-        names: returns the FQNs of the matrices in ``grad`` (called only for an error).
+
+@dataclass(eq=False)
+class FlatBucket:
+    """Tensors of one dtype and device packed into one flat buffer that crosses a process group
+    as one collective: the gradient buckets (:mod:`dmuon.comm.grad_buckets`), the replicated
+    parameters' all-reduce (:mod:`dmuon.comm.ddp_allreduce`), the HSDP replica combine and
+    broadcast (:mod:`dmuon.comm.hsdp_replicas`).
+
+    ``flat`` holds the segments in order: a segment's tensors, flattened, then, if flagged, one
+    flag per tensor (by default 1.0 where the tensor was given, 0.0 where zeros took its place:
+    summed over the ranks, how many had it). A ``reduce`` sends each segment to its own root.
+
+    Attributes:
+        shapes: each tensor's shape, in buffer order.
+        dtype, device: the buffer's (tensors are cast as they are packed).
+        segments: ``(number of tensors, flagged)`` per segment; ``None``: one unflagged segment.
+        flat: ``[numel]`` in ``dtype``; allocated by the first :meth:`pack`.
+        slots: ``(start, numel)`` of each tensor in ``flat``.
+        flag_at: each tensor's flag position in ``flat`` (``None`` in an unflagged segment).
+        spans: ``(start, numel)`` of each segment, its flags included.
     """
-    dst = dist.get_global_rank(group, owner)
-    with label("dmuon::reduce_to_owner"):
-        work = dist.reduce(grad, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Pending(work, (grad,), lambda: f"the reduce-to-owner of {_names(names)} to owner rank {dst}",
-                   group)
 
+    shapes: list[torch.Size]
+    dtype: torch.dtype
+    device: torch.device
+    segments: list[tuple[int, bool]] | None = None
+    flat: torch.Tensor | None = None
+    slots: list[tuple[int, int]] = field(default_factory=list, init=False)
+    flag_at: list[int | None] = field(default_factory=list, init=False)
+    spans: list[tuple[int, int]] = field(default_factory=list, init=False)
+    _ones: torch.Tensor | None = field(default=None, init=False, repr=False)
 
-def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup,
-                   what: str | Callable[[], str] = "the gradient all-reduce") -> Pending:
-    """Sum a flat buffer over the group: the gradients of replicated (non-dedicated) parameters,
-    or a gradient bucket under ``reduce_mode="all_reduce"``."""
-    with label("dmuon::all_reduce"):
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return Pending(work, (flat,), what, group)
+    def __post_init__(self) -> None:
+        self.segments = self.segments or [(len(self.shapes), False)]
+        start, sizes = 0, iter(math.prod(shape) for shape in self.shapes)
+        for count, flagged in self.segments:
+            seg_start = start
+            for numel in itertools.islice(sizes, count):
+                self.slots.append((start, numel))
+                start += numel
+            self.flag_at += list(range(start, start + count)) if flagged else [None] * count
+            start += count if flagged else 0
+            self.spans.append((seg_start, start - seg_start))
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.spans)
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], flags: Sequence[float] | None = None, *,
+           pack: bool = True) -> FlatBucket:
+        """One segment of ``tensors`` (flagged with ``flags`` when given), packed now, or with
+        ``pack=False`` an uninitialized receive buffer.
+
+        Raises:
+            ValueError: ``tensors`` is empty, or mixes dtypes or devices (says which).
+        """
+        tensors = list(tensors)
+        if not tensors:
+            raise ValueError("dmuon: FlatBucket needs at least one tensor; skip empty batches")
+        dtypes, devices = {t.dtype for t in tensors}, {t.device for t in tensors}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(
+                f"dmuon: FlatBucket.of takes one dtype and one device, got dtypes "
+                f"{sorted(map(str, dtypes))} and devices {sorted(map(str, devices))}; group the "
+                f"tensors with batches_by_dtype")
+        bucket = cls([t.shape for t in tensors], tensors[0].dtype, tensors[0].device,
+                     [(len(tensors), flags is not None)])
+        if pack:
+            bucket.pack(tensors, flags)
+        else:
+            bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        return bucket
+
+    def pack(self, tensors: Sequence[torch.Tensor | None], flags: Sequence[float] | None = None) -> None:
+        """Write ``tensors`` (any dtype, not mutated; ``None``: zeros) and the flagged segments'
+        ``flags`` (one per tensor; default: whether it is given) into ``flat`` with one
+        ``torch._chunk_cat`` (FSDP2's packing op)."""
+        if self.flat is None:
+            self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        if flags is None:
+            flags = [float(t is not None) for t in tensors]
+        values = [f for f, at in zip(flags, self.flag_at) if at is not None]
+        if values and all(f == 1.0 for f in values):
+            # no host-to-device copy, which would synchronize the host with the GPU stream
+            if self._ones is None:
+                self._ones = torch.ones(len(values), dtype=self.dtype, device=self.device)
+            values = self._ones
+        elif values:
+            values = torch.tensor(values, dtype=self.dtype, device=self.device)
+        counts = [n for n, flagged in self.segments if flagged]
+        flag_parts = iter(values.split(counts) if counts else ())
+        parts, first = [], 0
+        for count, flagged in self.segments:
+            for t, shape in zip(tensors[first: first + count], self.shapes[first: first + count]):
+                t = torch.zeros(shape, dtype=self.dtype, device=self.device) if t is None else t.detach()
+                parts.append(t if t.dim() else t.reshape(1))
+            if flagged:
+                parts.append(next(flag_parts))
+            first += count
+        if len({p.dtype for p in parts}) > 1:  # _chunk_cat takes one input dtype
+            parts = [p.to(self.dtype) for p in parts]
+        torch._chunk_cat(parts, dim=0, num_chunks=1, out=self.flat.view(1, self.numel))
+
+    def issue(self, op: str, group: dist.ProcessGroup, root: int | Sequence[int] = 0,
+              what: str | Callable[[], str] = "a flat collective") -> Pending:
+        """Start ``op`` on ``flat`` over ``group``, asynchronously.
+
+        Args:
+            op: ``"all_reduce"`` (the sum on every rank), ``"reduce"`` (each segment's sum on
+                its root; as one NCCL group call, :func:`issued_together`) or ``"broadcast"``
+                (``root``'s ``flat`` to every rank).
+            root: the root's rank within ``group``, or for ``"reduce"`` one per segment.
+            what: what the collective does, for a failure's message.
+
+        Returns:
+            The :class:`Pending`; it holds ``flat`` until waited.
+
+        Raises:
+            ValueError: an unknown ``op``.
+        """
+        if op not in _OPS:
+            raise ValueError(f"dmuon: FlatBucket op must be one of {_OPS}, got {op!r}")
+        with label(f"dmuon::{op}"):
+            if op == "all_reduce":
+                work = dist.all_reduce(self.flat, group=group, async_op=True)
+            elif op == "broadcast":
+                src = dist.get_global_rank(group, root)
+                work = dist.broadcast(self.flat, src=src, group=group, async_op=True)
+            else:
+                roots = [root] * len(self.spans) if isinstance(root, int) else root
+                parts: list[Pending] = []
+                with issued_together(group, self.device, parts):
+                    for (start, numel), dst in zip(self.spans, roots):
+                        dst = dist.get_global_rank(group, dst)
+                        parts.append(Pending(dist.reduce(self.flat[start: start + numel], dst=dst,
+                                                         group=group, async_op=True), ()))
+                work = parts[0].work
+                if any(p.work is not work for p in parts):  # one handle for the segments' works
+                    work = _CoalescingManager()
+                    for p in parts:
+                        work.append(p.work)
+        return Pending(work, (self.flat,), what, group)
+
+    def view(self, i: int) -> torch.Tensor:
+        """Tensor ``i``'s slot of ``flat``, in its shape."""
+        start, numel = self.slots[i]
+        return self.flat[start: start + numel].view(self.shapes[i])
+
+    def views(self) -> list[torch.Tensor]:
+        """Every tensor's slot of ``flat``, in its shape, in order."""
+        return [self.view(i) for i in range(len(self.shapes))]
+
+    def flag_values(self) -> list[float | None]:
+        """Each tensor's flag as read from ``flat`` (``None`` in an unflagged segment); one
+        device-to-host copy."""
+        runs = [(start + numel - count, count)  # a segment's flags are its last elements
+                for (start, numel), (count, flagged) in zip(self.spans, self.segments) if flagged]
+        if not runs:
+            return [None] * len(self.shapes)
+        values = iter(torch.cat([self.flat[at: at + n] for at, n in runs]).tolist())
+        return [None if at is None else next(values) for at in self.flag_at]
 
 
 def _names(names: Callable[[], list[str]] | None) -> str:
@@ -195,7 +316,10 @@ def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup | No
             (the exchange is one all-gather, so no rank is left waiting).
     """
     values: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
+    try:
+        dist.all_gather_object(values, value, group=group)
+    except RuntimeError as err:
+        raise RuntimeError(wait_failure(f"the exchange of the {what}", group, err)) from err
     bad = [r for r, v in enumerate(values) if v != values[0]]
     if bad:
         raise RuntimeError(

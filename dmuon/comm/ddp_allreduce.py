@@ -2,7 +2,8 @@
 
 On a plain module replicated on every rank with ``replicas="placeholder"`` (with
 ``replicas="keep"`` they ride in a gradient bucket instead, :mod:`dmuon.hooks.keep`, unless
-their dtype or device differs from it), dmuon itself averages the gradients of the parameters AdamW steps, bucketed and overlapped with backward like DDP's
+their dtype or device differs from it), dmuon averages the gradients of the parameters AdamW
+steps, in :class:`dmuon.comm.collectives.FlatBucket` all-reduces overlapped with backward like DDP's
 reducer (Li et al., "PyTorch Distributed", VLDB 2020): buckets are filled in reverse
 registration order and launched strictly in bucket order, so every rank issues the same
 all-reduces in the same order even if a parameter is unused on some ranks.
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dmuon.comm.collectives import Pending, all_reduce_sum
+from dmuon.comm.collectives import FlatBucket, Pending
 
 
 class ReplicatedGrads:
@@ -52,7 +53,7 @@ class ReplicatedGrads:
         # keyed by the parameter itself (tensors hash by identity)
         self.incoming: dict[nn.Parameter, torch.Tensor] = {}
         self.unsynced: dict[nn.Parameter, torch.Tensor] = {}  # local sums of no_sync micro-batches
-        self.pending: list[tuple[int, Pending]] = []
+        self.pending: list[tuple[list[nn.Parameter], FlatBucket, Pending]] = []
         self.next_bucket = 0
 
     def reset(self) -> None:
@@ -81,33 +82,24 @@ class ReplicatedGrads:
             bucket = self.buckets[self.next_bucket]
             if not final and any(p not in self.incoming for p in bucket):
                 return
-            pieces = []
-            for p in bucket:
-                g = self.incoming.get(p)
-                pieces.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device) if g is None
-                              else g.detach().reshape(-1).to(torch.float32))
-            # One extra element per parameter counts the ranks that produced a gradient, so a
-            # parameter unused everywhere keeps grad=None, as in single-process training.
-            flags = torch.tensor([float(p in self.incoming) for p in bucket], device=bucket[0].device)
-            flat = torch.cat(pieces + [flags])
+            # one flag per parameter counts the ranks that produced a gradient, so a parameter
+            # unused everywhere keeps grad=None, as in single-process training
+            flat = FlatBucket([p.shape for p in bucket], torch.float32, bucket[0].device,
+                              [(len(bucket), True)])
+            flat.pack([self.incoming.get(p) for p in bucket])
             self.before_issue()
-            self.pending.append((self.next_bucket, all_reduce_sum(flat, self.group)))
+            pend = flat.issue("all_reduce", self.group, what="the gradient all-reduce")
+            self.pending.append((bucket, flat, pend))
             self.next_bucket += 1
 
     def finish(self) -> None:
         """At the end of backward: launch what is left, wait, and add the averages to ``.grad``."""
         self._launch_ready(final=True)
         with torch.no_grad():
-            for index, pend in self.pending:
+            for bucket, flat, pend in self.pending:
                 pend.wait()
-                flat = pend.tensors[0]
-                bucket = self.buckets[index]
-                flags = flat[-len(bucket):]
-                offset = 0
-                for i, p in enumerate(bucket):
-                    n = p.numel()
-                    if flags[i] > 0:
-                        avg = flat[offset:offset + n].view_as(p).div_(self.world_size).to(p.dtype)
+                for p, avg, count in zip(bucket, flat.views(), flat.flag_values()):
+                    if count > 0:
+                        avg = avg.div_(self.world_size).to(p.dtype)
                         p.grad = avg if p.grad is None else p.grad.add_(avg)
-                    offset += n
         self.reset()

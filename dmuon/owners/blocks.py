@@ -15,8 +15,8 @@ the ``[num_heads, head_dim, dim]`` compute view (torchtitan ``distributed/flex_s
 
 Under tensor parallelism a matrix whose TP slices hold whole blocks (q / k / v sharded colwise on
 head boundaries) is orthogonalized block by block on each TP rank, with no exchange; otherwise
-the TP owner gathers the slices as for any matrix (:mod:`dmuon.owners.tp_owner`) and cuts the
-full update into blocks there. Each TP rank applies the learning rates of the blocks its slice
+the TP owner gathers the slices as for any matrix (:func:`dmuon.comm.exchange.orthogonalize_tp`)
+and cuts the full update into blocks there. Each TP rank applies the learning rates of the blocks its slice
 intersects.
 """
 
@@ -210,7 +210,8 @@ def _local_split(rec: Any, split: Split | None, rank: int, size: int) -> Split |
 
 
 def tp_orthogonalizer(recs: Sequence[Any], splits: Sequence[Split | None], group: dist.ProcessGroup,
-                      ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                      ns: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+                      exchange: Callable[..., list[torch.Tensor]]
                       ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
     """Newton-Schulz of tensor-parallel slices, for :func:`dmuon.owners.update.muon_update_`.
 
@@ -218,20 +219,19 @@ def tp_orthogonalizer(recs: Sequence[Any], splits: Sequence[Split | None], group
     boundaries, :func:`_local_split`) is orthogonalized block by block on its own TP rank, with
     no exchange; every other matrix goes to its TP owner, which gathers the slices, cuts the
     full update into its blocks (if split) and scatters the results back
-    (:func:`dmuon.owners.tp_owner.orthogonalize_tp`).
+    (``exchange``: :func:`dmuon.comm.exchange.orthogonalize_tp`).
 
     Args:
         recs: the owned records, in plan order (the same sequence on every rank of ``group``).
         splits: each one's :class:`Split` or ``None``.
         group: the TP process group.
         ns: batched Newton-Schulz over full matrices.
+        exchange: the TP owners' exchange, ``exchange(updates, recs, group, orthogonalize)``.
 
     Returns:
         A function from the slices' updates to their orthogonalized slices, same order and
         shapes; collective over ``group``.
     """
-    from dmuon.owners.tp_owner import TPItem, orthogonalize_tp
-
     rank, size = tp_rank_size(group)
     local = [_local_split(r, s, rank, size) for r, s in zip(recs, splits)]
 
@@ -243,8 +243,9 @@ def tp_orthogonalizer(recs: Sequence[Any], splits: Sequence[Split | None], group
             ortho[i] = out
         rest = [i for i, s in enumerate(local) if s is None]
         mine = [splits[i] for i in rest if recs[i].tp_owner == rank]
-        items = [TPItem(updates[i], recs[i].tp_shard_dim, recs[i].full_shape, recs[i].tp_owner) for i in rest]
-        for i, out in zip(rest, orthogonalize_tp(items, group, split_orthogonalize(mine, None, ns))):
+        orthogonalize = split_orthogonalize(mine, None, ns)
+        outs = exchange([updates[i] for i in rest], [recs[i] for i in rest], group, orthogonalize)
+        for i, out in zip(rest, outs):
             ortho[i] = out
         return ortho
 

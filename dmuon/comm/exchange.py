@@ -1,0 +1,222 @@
+"""Batched owner exchanges: many matrices' pieces to their owners, and updates back, in one
+``all_to_all_single`` each (the ``distributed_config`` path's rounds and the TP Newton-Schulz,
+:func:`orthogonalize_tp`).
+
+This is the layer sharding of "Layer Sharding for Large-Scale Training with Muon" (2025): a
+round of matrices, each owned by one rank, is re-sharded from the training layout (pieces of
+every matrix on every rank) to whole matrices on their owners with one all-to-all, and back
+with a second one, instead of one gather and one scatter per matrix. With split sizes
+(``all_to_all_single``'s alltoallv form) uneven and strided pieces need no padding. gloo
+implements ``all_to_all_single`` with splits and ``async_op=True`` on CPU; NCCL on GPU.
+
+Only one copy of a replicated piece travels to the owner, and none when the owner holds it
+(:meth:`MatrixLayout.source_for`); every rank receives its own piece of the update, replicas included.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dmuon.comm.collectives import Pending
+from dmuon.owners.slices import MatrixLayout, chunk_sizes, put, take
+
+
+def _all_to_all(send: Tensor, send_splits: list[int], recv_splits: list[int], group: Any,
+                async_op: bool, traffic: bool) -> tuple[Tensor, Any]:
+    """``traffic``: whether any rank sends anything (the same on every rank, from the layouts);
+    without it the collective is skipped everywhere (e.g. DDP gathers: the owner has it all)."""
+    recv = send.new_empty(sum(recv_splits))
+    if not traffic:
+        return recv, None
+    work = dist.all_to_all_single(recv, send, output_split_sizes=recv_splits,
+                                  input_split_sizes=send_splits, group=group, async_op=async_op)
+    return recv, work
+
+
+def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLayout],
+                     owners: Sequence[int], *, group: Any, rank: int, world_size: int,
+                     dtype: torch.dtype, async_op: bool = True) -> Pending:
+    """Assemble every matrix of a round, whole, on its owner, with one all-to-all.
+
+    Args:
+        local_pieces: this rank's local piece of each matrix ``[local rows, local cols]``
+            (any dtype; not mutated), in round order.
+        layouts: each matrix's :class:`MatrixLayout` (identical on every rank).
+        owners: each matrix's owner, a rank of ``group``.
+        group: the process group (``None``: the default group).
+        rank, world_size: this rank and the size of ``group``.
+        dtype: transport and result dtype.
+        async_op: issue the collective asynchronously.
+
+    Returns:
+        A :class:`Pending` whose ``wait()`` gives, per matrix, the full ``[rows, cols]`` tensor
+        on its owner and ``None`` elsewhere.
+
+    Raises:
+        RuntimeError: a local piece whose shape is not the layout's (names the matrix, rank and
+            both shapes). Collective errors (a dead peer, a timeout) propagate from ``wait()``.
+    """
+    send_parts: list[list[Tensor]] = [[] for _ in range(world_size)]
+    recv_splits = [0] * world_size
+    for j, (piece, layout, owner) in enumerate(zip(local_pieces, layouts, owners)):
+        if tuple(piece.shape) != layout.local_shape(rank):
+            raise RuntimeError(
+                f"dmuon: matrix {j} of the round: rank {rank} holds a piece of shape "
+                f"{tuple(piece.shape)}, but its layout says {layout.local_shape(rank)} of the full "
+                f"{layout.full_shape}. The tensor does not match the layout computed at "
+                f"construction; were parameters re-sharded after the optimizer was built?")
+        if owner != rank and layout.source_for(rank, owner) == rank and piece.numel():
+            send_parts[owner].append(piece.reshape(-1).to(dtype))
+        if owner == rank:
+            for rep in layout.representatives():
+                src = layout.source_for(rep, owner)
+                if src != rank:
+                    recv_splits[src] += layout.numel(rep)
+    send_splits = [sum(p.numel() for p in parts) for parts in send_parts]
+    flat = [p for parts in send_parts for p in parts]
+    device = local_pieces[0].device if local_pieces else torch.device("cpu")
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    traffic = any(layout.source_for(rep, owner) != owner and layout.numel(rep)
+                  for layout, owner in zip(layouts, owners) for rep in layout.representatives())
+    recv, work = _all_to_all(send, send_splits, recv_splits, group, async_op, traffic)
+    # Own pieces are copied now: the caller may reuse its tensors once this returns.
+    own = [piece.to(dtype, copy=True) if owner == rank else None
+           for piece, owner in zip(local_pieces, owners)]
+
+    def finish() -> list[Tensor | None]:
+        offsets = [sum(recv_splits[:s]) for s in range(world_size)]
+        out: list[Tensor | None] = []
+        for j, (layout, owner) in enumerate(zip(layouts, owners)):
+            if owner != rank:
+                out.append(None)
+                continue
+            full = torch.empty(layout.full_shape, dtype=dtype, device=device)
+            for rep in layout.representatives():  # one copy of each distinct piece
+                src = layout.source_for(rep, owner)
+                if src == rank:
+                    put(full, layout.slices[rep], own[j])
+                else:
+                    n = layout.numel(rep)
+                    piece = recv[offsets[src]:offsets[src] + n].view(layout.local_shape(rep))
+                    offsets[src] += n
+                    put(full, layout.slices[rep], piece)
+            out.append(full)
+        return out
+
+    return Pending(work, (send, recv), f"the gather of {len(layouts)} matrices to their owners",
+                   group, finish)
+
+
+def scatter_from_owners(fulls: Sequence[Tensor | None], layouts: Sequence[MatrixLayout],
+                        owners: Sequence[int], *, group: Any, rank: int, world_size: int,
+                        dtype: torch.dtype, device: torch.device, async_op: bool = True) -> Pending:
+    """Send every rank its piece of each owner's full matrix, with one all-to-all.
+
+    Args:
+        fulls: per matrix, the full ``[rows, cols]`` update on its owner, ``None`` elsewhere.
+        layouts, owners, group, rank, world_size: as :func:`gather_to_owners`.
+        dtype: transport and result dtype.
+        device: device of the results.
+        async_op: issue the collective asynchronously.
+
+    Returns:
+        A :class:`Pending` whose ``wait()`` gives this rank's piece ``[local rows, local cols]``
+        of every matrix (replicas included).
+
+    Raises:
+        RuntimeError: an owner without its full matrix, a non-owner given one, or a full
+            matrix of the wrong shape (names the matrix, rank, expected and actual shapes).
+    """
+    send_parts: list[list[Tensor]] = [[] for _ in range(world_size)]
+    recv_splits = [0] * world_size
+    for j, (full, layout, owner) in enumerate(zip(fulls, layouts, owners)):
+        if owner == rank:
+            if full is None or tuple(full.shape) != layout.full_shape:
+                got = None if full is None else tuple(full.shape)
+                raise RuntimeError(
+                    f"dmuon: rank {rank} owns matrix {j} of the round and must pass its full "
+                    f"update of shape {layout.full_shape}; got {got}.")
+            for dst in range(world_size):
+                if dst != rank and layout.numel(dst):
+                    send_parts[dst].append(take(full, layout.slices[dst]).reshape(-1).to(dtype))
+        else:
+            if full is not None:
+                raise RuntimeError(
+                    f"dmuon: rank {rank} is not the owner (rank {owner}) of matrix {j} of the "
+                    f"round but passed a tensor of shape {tuple(full.shape)}; pass None.")
+            recv_splits[owner] += layout.numel(rank)
+    send_splits = [sum(p.numel() for p in parts) for parts in send_parts]
+    flat = [p for parts in send_parts for p in parts]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+    traffic = any(dst != owner and layout.numel(dst)
+                  for layout, owner in zip(layouts, owners) for dst in range(world_size))
+    recv, work = _all_to_all(send, send_splits, recv_splits, group, async_op, traffic)
+    own = [take(full, layout.slices[rank]).to(dtype, copy=True) if owner == rank else None
+           for full, layout, owner in zip(fulls, layouts, owners)]
+
+    def finish() -> list[Tensor]:
+        offsets = [sum(recv_splits[:s]) for s in range(world_size)]
+        out = []
+        for j, (layout, owner) in enumerate(zip(layouts, owners)):
+            if owner == rank:
+                out.append(own[j])
+                continue
+            n = layout.numel(rank)
+            out.append(recv[offsets[owner]:offsets[owner] + n].view(layout.local_shape(rank)))
+            offsets[owner] += n
+        return out
+
+    return Pending(work, (send, recv), f"the scatter of {len(layouts)} updates from their owners",
+                   group, finish)
+
+
+@functools.lru_cache(maxsize=None)
+def tp_layout(full_shape: tuple[int, int], shard_dim: int | None, size: int) -> MatrixLayout:
+    """The layout of a matrix cut by ``torch.chunk`` along ``shard_dim`` over ``size`` TP ranks
+    (DTensor's ``Shard``), or held whole by each (``shard_dim=None``)."""
+    whole = tuple(((0, n),) if n else () for n in full_shape)
+    if shard_dim is None:
+        return MatrixLayout.build(full_shape, [whole] * size)
+    slices, start = [], 0
+    for n in chunk_sizes(full_shape[shard_dim], size):
+        piece = list(whole)
+        piece[shard_dim] = ((start, start + n),) if n else ()
+        slices.append(tuple(piece))
+        start += n
+    return MatrixLayout.build(full_shape, slices)
+
+
+def orthogonalize_tp(updates: Sequence[Tensor], recs: Sequence[Any], group: dist.ProcessGroup,
+                     orthogonalize: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
+    """Second-level ownership: each TP owner gathers its matrices' slices over the TP group,
+    runs Newton-Schulz on the full matrices (batched by shape) and scatters the orthogonalized
+    slices back, one all-to-all each way (Megatron's "duplicated" mode without the
+    duplication). A matrix every TP rank holds whole is computed by its TP owner and sent back
+    whole.
+
+    Args:
+        updates: this rank's slice of each matrix's Nesterov update (``[rows_t, cols]`` or
+            ``[rows, cols_t]``), or the whole update when ``rec.tp_shard_dim`` is None.
+        recs: the matrices' records (``full_shape``, ``tp_shard_dim`` 0, 1 or None, and
+            ``tp_owner``, a rank of ``group``), in plan order, identical on every rank.
+        group: the TP process group.
+        orthogonalize: Newton-Schulz over a list of full matrices.
+
+    Returns:
+        This rank's slice (or whole matrix) of each orthogonalized update, fp32.
+    """
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    layouts = [tp_layout(tuple(rec.full_shape), rec.tp_shard_dim, size) for rec in recs]
+    owners = [rec.tp_owner for rec in recs]
+    device = updates[0].device if updates else torch.device("cpu")
+    kw = dict(group=group, rank=rank, world_size=size, dtype=torch.float32)
+    fulls = gather_to_owners(updates, layouts, owners, **kw).wait()
+    mine = [j for j, owner in enumerate(owners) if owner == rank]
+    for j, out in zip(mine, orthogonalize([fulls[j] for j in mine]) if mine else []):
+        fulls[j] = out
+    return scatter_from_owners(fulls, layouts, owners, device=device, **kw).wait()
