@@ -25,7 +25,7 @@ from dmuon.distconfig import (
     create_dtensor_config,
     create_processgroup_config,
 )
-from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
+from dmuon.comm.exchange import gather_to_owners, scatter_from_owners
 from tests import models
 
 EXACT = dict(ns_method="standard", ns_dtype=torch.float32, ns_coefficients="muon")

@@ -11,7 +11,7 @@ piece of the update, and each rank applies it. The math is ``torch.optim.Muon``'
 Schedule: the matrices go in *rounds*, one matrix of every owner (``async_gpu_parallelism``:
 all owners orthogonalize at once, scatters awaited at the end of the step) or one matrix each
 (finished before the next). The helpers' functions move a round in one asynchronous
-``all_to_all`` each way (:mod:`dmuon.distconfig.exchange`), ``prefetch_count`` rounds of gathers
+``all_to_all`` each way (:mod:`dmuon.comm.exchange`), ``prefetch_count`` rounds of gathers
 ahead: ``G(0..p)``, then per round ``k``: ``R(k)``, ``G(k+p+1)``, in the same order on every
 rank. Other functions are called per matrix, round by round.
 """
@@ -30,7 +30,7 @@ from torch import Tensor
 from dmuon.comm.collectives import Pending, check_same_on_all_ranks, label
 from dmuon.distconfig import strategies
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
-from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
+from dmuon.comm.exchange import gather_to_owners, scatter_from_owners
 from dmuon.distconfig.state import (
     init_state,
     install_state_dict_hooks,

@@ -12,7 +12,7 @@ how *plain* tensors are understood:
 * :func:`create_dtensor_config`: plain tensors are replicas (DDP).
 
 ``dmuon.Muon`` moves a round of the helpers' matrices in one ``all_to_all`` each way
-(:mod:`dmuon.distconfig.exchange`); :func:`gather_fn` and :func:`redistribute_fn` are that
+(:mod:`dmuon.comm.exchange`); :func:`gather_fn` and :func:`redistribute_fn` are that
 exchange for one matrix.
 """
 
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from dmuon.comm.mesh_roles import EP_NAMES, PP_NAMES, TP_NAMES
 from dmuon.distconfig.config import DistributedConfig
-from dmuon.distconfig.exchange import gather_to_owners, scatter_from_owners
+from dmuon.comm.exchange import gather_to_owners, scatter_from_owners
 from dmuon.owners.slices import MatrixLayout, dtensor_layout, local_tensor
 
 #: create_devicemesh_config's names of the dim-0 shard and replica roles ("dp": see there)
