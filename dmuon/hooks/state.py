@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.hooks import fsdp_adapter as fsdp
-from dmuon.hooks.bind import BindRequest, Selected, Wiring, bind, check_materialized
+from dmuon.hooks.bind import Selected, bind, check_materialized
 from dmuon.hooks.backward import ReduceToOwners
 from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.step_check import StepCheck
@@ -54,7 +54,7 @@ from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
-from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
+from dmuon.hooks.unit import Publisher, PublishGroup, Unit
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.overlap import PendingSteps
 from dmuon.owners.plan import OwnerPlan
@@ -109,7 +109,7 @@ class DedicateState:
         self.bucket_bytes = bucket_bytes
         self.reduce_mode = reduce_mode
         self.replicas = replicas
-        # Set at binding (dmuon.hooks.bind):
+        # filled in by binding (dmuon.hooks.bind.bind)
         self.bound = False
         self.records: list[DedicatedParam] = []
         self.units: list[Unit] = []
@@ -119,24 +119,18 @@ class DedicateState:
         self.replicated: ReplicatedGrads | None = None
         self.shared_bucket: GradBucket | None = None  # keep mode: carries the other parameters
         self.keep = False  # replicas="keep": every rank keeps the full weights
-        self.fsdp_wrapped = False
-        self._sharding_checked = False  # check_not_sharded_since_binding ran
-        self._fsdp_states: list[Any] = []
+        self.fsdp_states: list[Any] = []
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
-        self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}  # master -> record
-        self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
-        # phase 2 (dmuon.hooks.backward): what one backward needs, and its entry points
-        self.backward = ReduceToOwners(self)
-        # phase 3 behind compute (Muon(overlap=...)): the owners' scheduled updates
+        self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}
+        self.ns_matrices = 0  # matrices this rank orthogonalized
+        self._sharding_checked = False  # check_not_sharded_since_binding ran
+        # the owners' updates an overlapped step scheduled (Muon(overlap=...))
         self.pending = PendingSteps()
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
         self.step_check.watch(self.pending)  # a failed overlapped update fails every rank at once
-        # what the units share (they never see this object: FSDP2's FSDPCommContext pattern)
-        self.ctx = UnitContext(group=self.group, prefetch=prefetch, reduce_mode=reduce_mode,
-                               step_check=self.step_check, ensure_bound=self.ensure_bound,
-                               queue_final_callback=self.backward.queue_final_callback,
-                               pending=self.pending)
+        self.publisher = Publisher(self)  # phases 1 and 4
+        self.backward = ReduceToOwners(self)  # phase 2
         # what this rank switched off for want of live peers (the fake backend; set by
         # dedicate_params): the rank view reports it
         self.offline: tuple[str, ...] = ()
@@ -144,8 +138,13 @@ class DedicateState:
         self._bind_handle: Any = None
         self._register_hooks()
 
+    @property
+    def fsdp_wrapped(self) -> bool:
+        """The model was FSDP2-wrapped when bound."""
+        return bool(self.fsdp_states)
+
     # ------------------------------------------------------------------ hooks
-    def _register_hooks(self, wiring: list[Wiring] | None = None) -> None:
+    def _register_hooks(self, wiring: list[tuple] | None = None) -> None:
         """Every hook dmuon installs. Without ``wiring`` (construction): the step check and the
         binding pre-hook, both in front of FSDP2's root hook. Units are FSDP2 blocks, known once
         ``fully_shard`` has run: binding passes ``wiring`` for the units' and gradients' hooks."""
@@ -154,9 +153,9 @@ class DedicateState:
                 dynamo_disable(self._bind_at_first_forward), prepend=True)
             self._handles += self.step_check.install(self.model)  # prepended: in front of binding too
             return
-        for w in wiring:  # where each gradient goes
-            self._handles.append(w.rec.compute.register_post_accumulate_grad_hook(
-                functools.partial(w.unit.on_grad, w.rec, w.group, w.bucket)))
+        for rec, *where in wiring:  # where each gradient goes
+            self._handles.append(rec.compute.register_post_accumulate_grad_hook(
+                functools.partial(self.backward.on_grad, rec, *where)))
         if self.replicated is not None:
             for p in self.replicated.params:
                 self._handles.append(p.register_hook(functools.partial(self.backward.on_replicated_grad, p)))
@@ -193,29 +192,15 @@ class DedicateState:
             return
         check_materialized(self.selected)
         self._bind_handle.remove()
-        request = BindRequest(model=self.model, roles=self.roles, plan=self.plan, selected=self.selected,
-                              replicas=self.replicas, reshard_after_forward=self.reshard_after_forward,
-                              bucket_bytes=self.bucket_bytes, rank=self.rank, world_size=self.world_size)
-        binding = bind(request, self.ctx)
-        self.records, self.units, self.groups, self.buckets = (
-            binding.records, binding.units, binding.groups, binding.buckets)
-        self.ctx.issue_order = self.issue_order = IssueOrder(self.buckets)  # the units issue in it
-        self.keep, self._fsdp_states = binding.keep, binding.fsdp_states
-        self.ctx.units, self.ctx.groups, self.ctx.keep = self.units, self.groups, self.keep
-        self.fsdp_wrapped = bool(binding.fsdp_states)
+        wiring = bind(self)
         # without FSDP2 dmuon issues every collective of the step: the check can wait until
         # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
         self.step_check.deferred = not self.fsdp_wrapped
         # FSDP2: the forward check goes out at the end of opt.step() and is settled, usually
         # already complete, at the next forward (StepCheck.issue_at_step)
         self.step_check.issue_at_step = self.fsdp_wrapped
-        self.record_of_master = {rec.master: rec for rec in self.records}
-        self.shared_bucket = binding.shared_bucket
-        if binding.replicated and binding.shared_bucket is None:
-            self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes,
-                                              before_issue=self.step_check.settle)
         self.bound = True
-        self._register_hooks(binding.wiring)
+        self._register_hooks(wiring)
         if not self.fsdp_wrapped:  # a later fully_shard (accelerator.prepare) is refused by name
             self._refuse_later_fully_shard()
         if self.fsdp_wrapped and self.step_check.group is not None:
@@ -223,13 +208,11 @@ class DedicateState:
             # before fully_shard, and a rank the others left fails by name in FSDP2's
             # all-gather (StepCheck.guard_fsdp_pre_forward)
             self._handles += self.step_check.to_front(self.model)
-            self._handles += fsdp.wrap_pre_forward(self._fsdp_states, self.step_check.guard_fsdp_pre_forward)
+            self._handles += fsdp.wrap_pre_forward(self.fsdp_states, self.step_check.guard_fsdp_pre_forward)
         if self.fsdp_wrapped:
             # FSDP2 reduces outside any backward too (pipelining schedules call its final callback
-            # themselves): follow it there; and each bucket follows its block's divide factor
-            self._handles += fsdp.wrap_final_callback(self._fsdp_states, self.backward.reduce_outside_backward)
-            for w in binding.wiring:
-                w.bucket.block = w.unit.module
+            # themselves): follow it there
+            self._handles += fsdp.wrap_final_callback(self.fsdp_states, self.backward.reduce_outside_backward)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
 
@@ -282,9 +265,9 @@ class DedicateState:
     # -------------------------------------------------------------- publication
     def settle_pending(self) -> None:
         """Every overlapped update done and what this rank held back published
-        (:meth:`UnitContext.flush`): before a reader, or another collective on that group."""
+        (:meth:`Publisher.flush`): before a reader, or another collective on that group."""
         self.pending.wait_all()
-        self.ctx.flush()
+        self.publisher.flush()
 
     # --------------------------------------------------------------- after step
     def publish_after_step(self, issue: bool = True) -> None:
@@ -311,4 +294,4 @@ class DedicateState:
             for group in self.groups:  # a group with a job pending refreshes itself there
                 group.refresh(copy=not self.pending.pending(group))
             if issue:  # keep mode: every bucket, overlapping the next forward
-                self.ctx.issue(self.units if self.keep else self.units[: self.prefetch])
+                self.publisher.issue(self.units if self.keep else self.units[: self.prefetch])
