@@ -24,17 +24,10 @@ from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.optim_state import OptimizerStateHooks, param_names
-from dmuon.owners.blocks import Split, resolve_splits, tp_orthogonalizer, tp_rank_size  # noqa: F401
+from dmuon.owners.blocks import resolve_splits, tp_orthogonalizer, tp_rank_size
 from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.overlap import check_overlap, speculate, step_overlapped
-from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its old import path
-    NS_METHODS,
-    MatrixLayout,
-    MuonHyper,
-    adamw_update_,
-    muon_update_,
-    validate_hyperparameters,
-)
+from dmuon.owners.update import MatrixLayout, MuonHyper, adamw_update_, muon_update_, validate_hyperparameters
 from dmuon.qk_clip import QKClip, validate_qk_clip
 
 
@@ -133,7 +126,6 @@ class Muon(torch.optim.Optimizer):
         qk_clip_alpha: float = 0.5,
         overlap: str = "off",
     ) -> None:
-        # issue 40: per-head / split Muon and QK-clip (dmuon.owners.blocks, dmuon.qk_clip)
         validate_qk_clip(qk_clip_threshold, qk_clip_alpha)
         validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
@@ -154,7 +146,7 @@ class Muon(torch.optim.Optimizer):
                     f"Pass the model alone, or its parameters with the distributed_config.")
             muon_defaults.update(qk_clip_threshold=qk_clip_threshold, qk_clip_alpha=qk_clip_alpha)
             groups = OwnerUpdate.param_groups(params, muon_defaults, adamw_defaults)
-        elif per_head or split is not None or qk_clip_threshold is not None:  # issue 40
+        elif per_head or split is not None or qk_clip_threshold is not None:
             raise ValueError(
                 "dmuon: per_head, split and qk_clip_threshold need the model passed to "
                 "dedicate_params (dmuon.Muon(model, ...)): they find the attention modules and the "
@@ -180,7 +172,7 @@ class Muon(torch.optim.Optimizer):
         if isinstance(params, nn.Module):
             self.strategy: Any = OwnerUpdate(self, params)
             self.state_ctx = self.strategy.state
-            self.strategy.configure_blocks(per_head=per_head, split=split,  # issue 40
+            self.strategy.configure_blocks(per_head=per_head, split=split,
                                            qk_clip=qk_clip_threshold is not None)
         elif distributed_config is None:
             self.strategy = SingleDeviceUpdate(self)
@@ -255,7 +247,7 @@ class OwnerUpdate:
     def __init__(self, opt: torch.optim.Optimizer, model: nn.Module) -> None:
         self.opt, self.model = opt, model
         self.state = state = get_state(model)
-        self.splits: dict[int, Any] = {}  # issue 40: id(record) -> Split
+        self.splits: dict[int, Any] = {}  # id(record) -> Split
         self.qk_clip: Any = None
         self.overlap = getattr(opt, "overlap", "off")
         pending = state.pending
@@ -280,7 +272,7 @@ class OwnerUpdate:
             state.backward.speculator = self
 
     def configure_blocks(self, *, per_head: bool, split: Any, qk_clip: bool) -> None:
-        """Issue 40: resolve the per-head / explicit splits of the dedicated matrices
+        """Resolve the per-head / explicit splits of the dedicated matrices
         (:func:`dmuon.owners.blocks.resolve_splits`) and install QK-clip's logit recording
         (:class:`dmuon.qk_clip.QKClip`) when ``qk_clip``."""
         if per_head or split is not None:

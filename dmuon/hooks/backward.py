@@ -100,7 +100,8 @@ class ReduceToOwners:
             # the divisor finish_backward will use (set_divide_factors, read now)
             factor = (fsdp.gradient_divide_factor(bucket.block) if s.fsdp_wrapped and bucket.block is not None
                       else bucket.divide_factor)
-            self.speculator.speculate_early(owned_averages(bucket, s.world_size if factor is None else factor))
+            averages = owned_averages(bucket, s.world_size if factor is None else factor)
+            self.speculator.speculate_early(averages)
 
     def on_replicated_grad(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         self.queue_final_callback()

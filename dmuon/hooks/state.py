@@ -1,37 +1,26 @@
-"""The per-model runtime: hooks for the four phases of a dmuon step, in FSDP2's shape.
+"""The per-model runtime state: hooks for the four phases of a dmuon step, in FSDP2's shape.
 
-As FSDP2 splits ``FSDPState`` (dispatches hooks), ``FSDPParamGroup`` (one unit) and
-``FSDPParam``, dmuon has :class:`DedicateState` (one per model: registers every hook, holds what
-the units share, finishes a backward, publishes after a step), :class:`dmuon.hooks.unit.Unit`
-(one per unit: its forward and backward hooks) with its :class:`dmuon.hooks.unit.PublishGroup`
-buffers (publish, wait, release) and :class:`dmuon.owners.dedicated.DedicatedParam` (one
-matrix). :mod:`dmuon.hooks.bind` builds them. Hooks only enqueue work (issue a broadcast, issue
-a reduce, mark a record); the math lives in :mod:`dmuon.owners`.
+As FSDP2 has one ``FSDPState`` per module, dmuon has one :class:`DedicateState` per model: it
+registers every hook and holds what the phases share; :func:`dmuon.hooks.bind.bind` fills it in
+place. The phases are objects of their own: publish (:class:`dmuon.hooks.unit.Publisher`),
+reduce (:class:`dmuon.hooks.backward.ReduceToOwners`), update (:class:`dmuon.optim.OwnerUpdate`)
+and overlap (:class:`dmuon.owners.overlap.PendingSteps`). A :class:`dmuon.hooks.unit.Unit`
+(FSDP2's ``FSDPParamGroup``) runs one unit's forward and backward hooks; a
+:class:`dmuon.owners.dedicated.DedicatedParam` is one matrix. Hooks only enqueue work; the math
+lives in :mod:`dmuon.owners`.
 
-Phase 1, forward materialization: a forward pre-hook on each *unit* waits for the unit's
-publication, issued earlier, and prefetches the next ``prefetch`` units; a post-hook puts the
-placeholders back and, with ``reshard_after_forward``, frees the full weights until a
-pre-backward hook re-publishes them. A unit is what FSDP2 gathers: the module ``fully_shard``
-was called on, never the leaf holding the parameter, so a parent that reads a child's weight
-without calling the child (``nn.MultiheadAttention.out_proj``), a module called twice and a
-block reused across depth all see full weights. On a plain replicated module it is the module
-holding the matrix or its enclosing torch attention/transformer layer
-(:func:`dmuon.hooks.fsdp_adapter.publish_block`).
-
-Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
-pre-backward until its post-backward (its last gradient is in), and its forward hooks do
-nothing while autograd runs: activation checkpointing re-runs forwards inside backward,
-and cuts them short (early stop) so their post-forward never runs.
-Phase 2, reduce-to-owner: a post-accumulate-grad hook on each full weight puts its gradient in
-its unit's :class:`dmuon.comm.grad_buckets.GradBucket`, which issues an async reduce to the
-owners once full; a callback at the end of backward waits and averages
-(:class:`dmuon.hooks.backward.ReduceToOwners`, the state's ``backward``).
+Phase 1, forward: a forward pre-hook on each unit (the module ``fully_shard`` was called on,
+or without FSDP2 :func:`dmuon.hooks.fsdp_adapter.publish_block`) waits for its publication and
+prefetches the next ``prefetch`` units; a post-hook puts the placeholders back and, with
+``reshard_after_forward``, frees the full weights until its pre-backward publishes them again.
+Phase 2, reduce-to-owner: each full weight's post-accumulate-grad hook puts its gradient in its
+bucket (:class:`dmuon.comm.grad_buckets.GradBucket`), reduced to the owners once full; the end
+of backward waits and averages. Phase 3, the owners' update (:mod:`dmuon.owners.update`).
 Phase 4, publication: :meth:`DedicateState.publish_after_step` refreshes the owners' compute
-copies and issues the first units' broadcasts so they overlap the next forward.
+copies and issues the first units' broadcasts, overlapping the next forward.
 
-Which ranks hold what is a function of one rank-independent flag per publish group, ``live``
-("the current weights are published or being published"), so every rank issues the same
-collectives in the same order without talking about it.
+What each rank holds follows from one rank-independent flag per publish group, ``live``, so
+every rank issues the same collectives in the same order without talking about it.
 """
 
 from __future__ import annotations
@@ -134,7 +123,7 @@ class DedicateState:
         # what this rank switched off for want of live peers (the fake backend; set by
         # dedicate_params): the rank view reports it
         self.offline: tuple[str, ...] = ()
-        self._handles: list[Any] = []
+        self.handles: list[Any] = []  # every hook dmuon installed (remove() takes them out)
         self._bind_handle: Any = None
         self._register_hooks()
 
@@ -151,35 +140,35 @@ class DedicateState:
         if wiring is None:
             self._bind_handle = self.model.register_forward_pre_hook(
                 dynamo_disable(self._bind_at_first_forward), prepend=True)
-            self._handles += self.step_check.install(self.model)  # prepended: in front of binding too
+            self.handles += self.step_check.install(self.model)  # prepended: in front of binding too
             return
         for rec, *where in wiring:  # where each gradient goes
-            self._handles.append(rec.compute.register_post_accumulate_grad_hook(
+            self.handles.append(rec.compute.register_post_accumulate_grad_hook(
                 functools.partial(self.backward.on_grad, rec, *where)))
         if self.replicated is not None:
             for p in self.replicated.params:
-                self._handles.append(p.register_hook(functools.partial(self.backward.on_replicated_grad, p)))
+                self.handles.append(p.register_hook(functools.partial(self.backward.on_replicated_grad, p)))
         if self.shared_bucket is not None:
             for p in self.shared_bucket.shared:
-                self._handles.append(p.register_post_accumulate_grad_hook(self.backward.on_shared_grad))
+                self.handles.append(p.register_post_accumulate_grad_hook(self.backward.on_shared_grad))
         # Nothing reads or writes a master with an overlapped update pending (dmuon.owners.overlap)
-        self._handles.append(self.model.register_state_dict_pre_hook(
+        self.handles.append(self.model.register_state_dict_pre_hook(
             lambda *args, **kwargs: self.settle_pending()))
-        self._handles.append(self.model.register_load_state_dict_pre_hook(
+        self.handles.append(self.model.register_load_state_dict_pre_hook(
             lambda *args, **kwargs: self.settle_pending()))
         # Loading a state dict writes the masters; the compute copies must follow.
-        self._handles.append(self.model.register_load_state_dict_post_hook(
+        self.handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
         for unit in self.units:
             unit.pre_backward_hook = dynamo_disable(unit.pre_backward)
-            self._handles.append(unit.module.register_forward_pre_hook(dynamo_disable(unit.pre_forward)))
-            self._handles.append(unit.module.register_forward_hook(dynamo_disable(unit.post_forward)))
+            self.handles.append(unit.module.register_forward_pre_hook(dynamo_disable(unit.pre_forward)))
+            self.handles.append(unit.module.register_forward_hook(dynamo_disable(unit.post_forward)))
 
     def remove(self) -> None:
         """Remove every hook dmuon installed (the model keeps its current parameters)."""
-        for handle in self._handles:
+        for handle in self.handles:
             handle.remove()
-        self._handles.clear()
+        self.handles.clear()
 
     # ------------------------------------------------------------------ binding
     def ensure_bound(self) -> None:
@@ -207,12 +196,12 @@ class DedicateState:
             # the check settles before FSDP2's root all-gather even when dedicate_params ran
             # before fully_shard, and a rank the others left fails by name in FSDP2's
             # all-gather (StepCheck.guard_fsdp_pre_forward)
-            self._handles += self.step_check.to_front(self.model)
-            self._handles += fsdp.wrap_pre_forward(self.fsdp_states, self.step_check.guard_fsdp_pre_forward)
+            self.handles += self.step_check.to_front(self.model)
+            self.handles += fsdp.wrap_pre_forward(self.fsdp_states, self.step_check.guard_fsdp_pre_forward)
         if self.fsdp_wrapped:
             # FSDP2 reduces outside any backward too (pipelining schedules call its final callback
             # themselves): follow it there
-            self._handles += fsdp.wrap_final_callback(self.fsdp_states, self.backward.reduce_outside_backward)
+            self.handles += fsdp.wrap_final_callback(self.fsdp_states, self.backward.reduce_outside_backward)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
 
@@ -233,7 +222,7 @@ class DedicateState:
                 self.check_not_sharded_since_binding("the model's first forward")
 
         handle = register_module_forward_pre_hook(dynamo_disable(first_forward))
-        self._handles.append(handle)
+        self.handles.append(handle)
 
     def check_not_sharded_since_binding(self, where: str) -> None:
         """Raise if the model, bound without FSDP2, is FSDP2-wrapped now (checked once).

@@ -173,16 +173,13 @@ class Publisher:
         possible.
 
         With overlapped owner updates pending (:class:`dmuon.owners.overlap.PendingSteps`), a
-        group's broadcast goes out only after its own update: the groups up to and including
-        ``need``'s (the unit about to run) wait for theirs; a later, prefetched group goes out
-        only if its update is done, and this rank stops at the first one that is not (it and
-        the groups after it go out at a later issue, in the same order, so every rank issues
-        the publications in one order and a forward never waits on a later unit's
-        Newton-Schulz). On CUDA an update is a side-stream job with an event: the broadcasts
-        are issued in order on a publication stream (:meth:`PendingSteps.stream_for`), each
-        group with a job right after that stream waits for its job's event (and alone, not in
-        a group call with later ones, whose events it would then wait for too); only the unit
-        that runs makes the compute stream wait, on its publication (:meth:`PublishGroup.wait`).
+        group goes out only after its own update: the groups up to ``need``'s wait for theirs;
+        a later, prefetched group goes out only if its update is done, and this rank holds it
+        and the groups after it back (:attr:`deferred`) until a later issue, in the same order,
+        so every rank issues in one order and a forward never waits on a later unit's
+        Newton-Schulz. On CUDA the broadcasts go out on a publication stream
+        (:meth:`PendingSteps.stream_for`) that waits for each group's job event alone; only the
+        unit that runs makes the compute stream wait (:meth:`PublishGroup.wait`).
 
         Args:
             units: the units to publish, in forward (or backward prefetch) order.
@@ -227,15 +224,13 @@ class Publisher:
             issue_groups(batch, pg)
 
     def adopt_forward_order(self) -> None:
-        """Once, at the first step: reorder :attr:`units` (and their ``index``) as the first
-        forward ran them (units it did not run keep their place after those), so prefetch,
-        backward prefetch and the overlapped jobs follow execution order, as FSDP2's own
-        prefetch does. pi0 and SmolVLA run their VLM and action-expert layers interleaved; in
-        registration order expert layer 0 would wait for every VLM layer's Newton-Schulz.
+        """Once, at the first step: reorder the units (and their ``index``) as the first
+        forward ran them (units it did not run keep their place after those), so prefetch and
+        the overlapped jobs follow execution order, as FSDP2's prefetch does (pi0 runs its VLM
+        and action-expert layers interleaved).
 
         Collective over the publications' group: the ranks adopt the order only if they all
-        saw the same one (a forward whose modules depend on the data, e.g. experts that
-        receive no tokens, keeps registration order), so they keep issuing in one order.
+        saw the same one (else registration order stays), so they keep issuing in one order.
         """
         if self.seen is None:
             return
@@ -387,8 +382,8 @@ class Unit:
             with label("dmuon::pre_backward"):
                 state.step_check.settle()
                 previous = state.units[max(0, self.index - state.prefetch): self.index][::-1]
-                state.publisher.issue(
-                    [self] + [prev for prev in previous if prev.takes_grad and not prev.backward_finished], need=self)
+                previous = [prev for prev in previous if prev.takes_grad and not prev.backward_finished]
+                state.publisher.issue([self] + previous, need=self)
                 self.wait()
         # Like FSDP2's pre-backward unshard: a recomputed forward reads the module's weights.
         self.in_backward = True

@@ -1,28 +1,19 @@
 """The shape seam: how a dedicated parameter is one matrix or a stack of them.
 
-Muon orthogonalizes 2-D matrices. A dedicated parameter is either one matrix ``[rows, cols]``
-or a stack ``[E, rows, cols]`` (more leading dims allowed, flattened in C order): the experts of
-a Mixture-of-Experts layer as Hugging Face ``transformers`` 5.x and torchtitan store them, each
-orthogonalized on its own. Optionally every stored matrix is cut along its rows into ``blocks``
-equal parts, each orthogonalized separately (a fused ``gate_up_proj`` ``[2I, H]`` as two
-``[I, H]`` matrices); the Newton-Schulz input is then ``[E * blocks, rows / blocks, cols]``, a
-reshape of the stack (the row blocks of one matrix are contiguous).
+A dedicated parameter is one matrix ``[rows, cols]`` or a stack ``[E, rows, cols]`` (more
+leading dims flattened in C order): the experts of a Mixture-of-Experts layer as Hugging Face
+``transformers`` 5.x and torchtitan store them, each orthogonalized on its own. Each stored
+matrix may be cut along its rows into ``blocks`` equal parts, each orthogonalized separately (a
+fused ``gate_up_proj`` ``[2I, H]`` as two ``[I, H]``); the Newton-Schulz input is then
+``[E * blocks, rows / blocks, cols]``, a reshape of the stack.
 
-This module is the one place that knows it. Everything else asks it:
-
-* the plan (:func:`dmuon.owners.plan.build_plan`) expands each parameter into *owner items*
-  (one per stored matrix of a stack: the balancer sees every expert) and collapses the solved
-  items back into contiguous *expert ranges* per owner (:func:`collapse_ranges`);
-* binding cuts the full parameter into those ranges (:meth:`ParamLayout.flat_view`) and shows
-  the module the whole stack again (:class:`StackSlot`);
-* the owner's update reshapes a range into its Newton-Schulz matrices (:func:`as_matrices`);
-* selection (:func:`dmuon.hooks.dedicate.select_matrices`) validates a selected parameter
-  (:func:`param_layout`, :func:`check_expert_stack`, :func:`expert_parallel_size`);
-* under expert parallelism a rank holds ``E / ep`` experts of each stack whole
-  (:meth:`ParamLayout.local`): the plan, binding and update see that local stack, the same
-  shape on every ``"ep"`` coordinate.
-
-A new layout (say, a stack whose experts are not the leading dim) is a change here.
+This module is the one place that knows it: the plan expands parameters into owner items and
+collapses them back into expert ranges (:func:`owner_items`, :func:`collapse_ranges`); binding
+cuts ranges (:meth:`ParamLayout.flat_view`) and shows the module the whole stack
+(:class:`StackSlot`); the update reshapes a range into its matrices (:func:`as_matrices`);
+selection validates (:func:`param_layout`, :func:`check_expert_stack`,
+:func:`expert_parallel_size`); under expert parallelism a rank holds ``E / ep`` experts whole
+(:meth:`ParamLayout.local`).
 """
 
 from __future__ import annotations
@@ -73,14 +64,6 @@ class ParamLayout:
     def matrix_shape(self) -> tuple[int, int]:
         """``(rows / blocks, cols)`` of one Newton-Schulz matrix."""
         return self.shape[-2] // self.blocks, self.shape[-1]
-
-    def range_shape(self, start: int, stop: int) -> tuple[int, ...]:
-        """Shape of the record holding stored matrices ``[start, stop)``: the parameter's own
-        shape when the range is the whole parameter (the module then computes with the record
-        itself), else ``(stop - start, rows, cols)``."""
-        if (start, stop) == (0, self.count):
-            return self.shape
-        return (stop - start, self.shape[-2], self.shape[-1])
 
     def flat_view(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (the full parameter) as ``[count, rows, cols]`` (a view when contiguous)."""
