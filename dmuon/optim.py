@@ -406,7 +406,6 @@ class OwnerUpdate:
             pubs = list(dict.fromkeys(g for unit in state.units for g in unit.groups if g.is_owner))
             with label("dmuon::schedule_newton_schulz"):
                 step_overlapped(state.pending, hp, items, layouts, pubs, scale)
-            state.ns_matrices += len(items)
             return
         params, grads, bufs, recs = (list(x) for x in zip(*items)) if items else ([], [], [], [])
         orthogonalize = None
@@ -418,7 +417,6 @@ class OwnerUpdate:
             if scale is not None:
                 for rec, param in zip(recs, params):
                     scale(rec, param)
-        state.ns_matrices += sum(1 for r in recs if state.roles.tp is None or r.tp_owner == state.tp_rank)
 
     def step_adamw(self, group: dict) -> None:
         """AdamW on ``group`` (FSDP2 shards or replicas), element-wise."""

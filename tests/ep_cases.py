@@ -23,6 +23,7 @@ from torch import nn
 from dmuon.integrations.hf_moe import shard_experts
 from tests import moe_cases as cases
 from tests.moe_cases import full_params
+from tests.dist_cases import count_ns
 from tests.overlap_cases import counted_jobs, slow_jobs
 
 def _experts_of(block: nn.Module) -> nn.Module | None:
@@ -130,6 +131,7 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
         dedicate(mesh)
     plan = dedicated[0]
     opt = dmuon.Muon(model, **cases.OPT_KWARGS, overlap=overlap)
+    ns = count_ns(opt)
     # overlapped: every job starts 20 ms late, so a reader that did not wait would see old weights
     counts: dict = {}
     with slow_jobs() if overlap != "off" else contextlib.nullcontext(), counted_jobs(counts):
@@ -137,7 +139,7 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
     return dict(params=full_params(model, rank), losses=losses, shard_rows=shard_rows, grad_norm0=norm0,
                 owned_experts=owned_experts(model),
                 entries=[(m.key, m.owner, m.ep) for m in plan.matrices], digest=plan.digest(),
-                ns_matrices=model._dmuon_state.ns_matrices, scheduled=counts["scheduled"])
+                ns_matrices=ns["n"], scheduled=counts["scheduled"])
 
 
 def _train_steps(model: nn.Module, opt: Any, case: str, steps: int, rank: int, world_size: int,

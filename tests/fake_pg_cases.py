@@ -23,6 +23,7 @@ def rank0_of_8() -> dict:
     import dmuon
     from dmuon.hooks.dedicate import get_state, select_matrices, default_predicate
     from dmuon.owners.plan import build_plan
+    from tests.dist_cases import count_ns
     from tests.models import Net, loss_fn, local_batch
 
     torch.set_flush_denormal(True)  # buffers the fake collectives never fill
@@ -38,6 +39,7 @@ def rank0_of_8() -> dict:
     fully_shard(model, mesh=mesh)
     plan = dmuon.dedicate_params(model, mesh)  # step_check=True: switched off, not failing
     opt = dmuon.Muon(model, lr=0.02)
+    ns = count_ns(opt)
     state = get_state(model)
     idx, y = local_batch(0, 0, 8)
     losses, calls = [], {}
@@ -69,7 +71,7 @@ def rank0_of_8() -> dict:
         "plan_equal": plan.owner_by_fqn == expected.owner_by_fqn,
         "matrices": len(state.records),
         "units": len(state.units),
-        "ns_matrices": state.ns_matrices,
+        "ns_matrices": ns["n"],
         "calls": calls,
         "steps_done": state.step_check.steps,
     }

@@ -118,16 +118,12 @@ class ReduceToOwners:
         owners every gradient accumulated locally since the last reduce, as FSDP2 reduce-scatters
         its own.
 
-        ``torch.distributed.pipelining`` turns FSDP2's gradient sync off for every micro-batch
-        backward (``backward_maybe_with_nosync``) and then, after the last one, turns it on and
-        calls every ``FSDPParamGroup.post_backward()`` and the root's
-        ``_root_post_backward_final_callback`` itself (``PipelineStage.perform_reduce_grad``), then
-        divides the gradients by the number of micro-batches (``scale_grads``): this runs in that
-        callback, so the owners' ``master.grad`` is in before the division. Inside a backward
-        (the callback FSDP2 queues itself) it does nothing: :meth:`finish_backward`, queued in
-        the same backward, reduces. Collective over the shard group (and the replicate group
-        under HSDP); every rank of a stage's data-parallel group runs the same schedule, so every
-        one of them gets here alike.
+        ``torch.distributed.pipelining`` runs every micro-batch backward with FSDP2's gradient
+        sync off, then turns it on and calls FSDP2's post-backward and final callback itself
+        (``PipelineStage.perform_reduce_grad``) before dividing the gradients
+        (``scale_grads``): this runs in that callback, so the owners' ``master.grad`` is in
+        before the division. Inside a backward it does nothing (:meth:`finish_backward`
+        reduces). Collective over the shard group (and the replicate group under HSDP).
         """
         if not self.state.bound or self._final_callback_queued or not self.sync_enabled:
             return

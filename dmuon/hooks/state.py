@@ -52,22 +52,16 @@ logger = logging.getLogger(__name__)
 
 
 class DedicateState:
-    """Everything dmuon keeps for one model on one rank; dispatches the hooks to its units.
+    """Everything dmuon keeps for one model on one rank; registers every hook.
 
     Args:
         model: the user's model (FSDP2-wrapped or plain).
-        roles: dmuon's process groups along the mesh's shard / replicate / TP dimensions.
+        roles: dmuon's process groups along the mesh's dimensions.
         plan: the owner plan, already checked identical on every rank.
         selected: the dedicated matrices, in model order.
-        prefetch: how many units ahead a publication is issued (>= 1).
-        reshard_after_forward: free non-owners' full weights after forward and publish again
-            before backward; ``None`` follows FSDP2 (:func:`dmuon.hooks.fsdp_adapter.reshards_after_forward`).
-        bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
-        reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
-            ``"all_reduce"`` (:mod:`dmuon.comm.grad_buckets`).
-        replicas: plain replicated module only: ``"keep"`` (default there) or
-            ``"placeholder"`` (:mod:`dmuon.hooks.keep`).
-        step_check: compare step and backward counts across ranks (:mod:`dmuon.hooks.step_check`).
+        prefetch, reshard_after_forward, reduce_mode, replicas, step_check: as
+            :func:`dmuon.dedicate_params` takes them.
+        bucket_bytes: ``bucket_cap_mb`` in bytes.
     """
 
     def __init__(
@@ -111,7 +105,6 @@ class DedicateState:
         self.fsdp_states: list[Any] = []
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
         self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}
-        self.ns_matrices = 0  # matrices this rank orthogonalized
         self._sharding_checked = False  # check_not_sharded_since_binding ran
         # the owners' updates an overlapped step scheduled (Muon(overlap=...))
         self.pending = PendingSteps()

@@ -164,25 +164,22 @@ EP_NAMES = ("ep",)
 
 
 def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_size: int) -> int:
-    """How many expert-parallel ranks split a selected parameter's experts: 1 for a parameter
-    on no ``"ep"`` mesh dimension, ``ep_size`` for an expert stack ``Shard(0)`` over it (as
-    torchtitan's ``ExpertParallel`` distributes ``[E, rows, cols]``; under FSDP2 the parameter
-    lives on the 2-D ``(efsdp, ep)`` mesh). Each rank then holds ``E / ep_size`` experts whole
-    along ``"ep"`` (:meth:`ParamLayout.local`). Placements are read from the DTensor; every rank
-    sees the same ones and the same global shape, so every rank raises alike, before any
-    collective.
+    """How many expert-parallel ranks split a selected parameter's experts: 1 off the ``"ep"``
+    mesh dimension, ``ep_size`` for an expert stack ``Shard(0)`` over it (torchtitan's
+    ``ExpertParallel``); each rank then holds ``E / ep_size`` experts whole
+    (:meth:`ParamLayout.local`). Every rank sees the same placements and shape, so every rank
+    raises alike, before any collective.
 
     Args:
         fqn: the parameter's name (for errors).
         param: the parameter as the module holds it (a DTensor, or a plain tensor).
-        ep_name: the ``"ep"`` dimension of the mesh given to ``dedicate_params``, or ``None``.
-        ep_size: that dimension's size.
+        ep_name, ep_size: the ``"ep"`` dimension of ``dedicate_params``' mesh and its size
+            (``None``, 1 without one).
 
     Raises:
-        ValueError: a parameter on an ``"ep"`` mesh when ``dedicate_params`` got a mesh without
-            one, an ``"ep"`` size that differs from the mesh's, a placement on ``"ep"`` other
-            than ``Shard(0)`` or a tensor that is not a stack, and an ``"ep"`` size that does not
-            divide the number of experts; naming the parameter, the values and the fix.
+        ValueError: a parameter on an ``"ep"`` mesh when the given mesh has none, another
+            ``"ep"`` size, a placement other than ``Shard(0)`` or a tensor that is not a stack
+            on ``"ep"``, or an ``"ep"`` size that does not divide the experts.
     """
     mesh = getattr(param, "device_mesh", None)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
