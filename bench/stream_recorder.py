@@ -201,9 +201,9 @@ class StreamRecorder:
 
         PendingSteps.submit, PendingSteps.schedule, Job.wait = w_submit, w_schedule, w_job_wait
         unit_mod.issue_groups, unit_mod.Unit.wait = w_issue_groups, w_unit_wait
-        bw = state.backward  # overlap="backward": who submits during / at the end of backward
-        for attr, origin in (("on_reduced", "early"), ("after_reduce", "end_of_backward")):
-            fn = getattr(bw, attr, None)
+        bw = state.backward.speculator  # overlap="backward": who submits during / after backward
+        for attr, origin in (("speculate_early", "early"), ("speculate", "end_of_backward")):
+            fn = getattr(bw, attr, None) if bw is not None else None
             if fn is not None:
                 self._restore.append((bw, attr, fn))
                 setattr(bw, attr, self._tagged(fn, origin))

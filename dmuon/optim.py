@@ -25,17 +25,10 @@ from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.optim_state import OptimizerStateHooks, param_names
-from dmuon.owners.blocks import Split, resolve_splits, tp_orthogonalizer, tp_rank_size  # noqa: F401
+from dmuon.owners.blocks import resolve_splits, tp_orthogonalizer, tp_rank_size
 from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.overlap import check_overlap, speculate, step_overlapped
-from dmuon.owners.update import (  # noqa: F401 - validate_hyperparameters: its old import path
-    NS_METHODS,
-    MatrixLayout,
-    MuonHyper,
-    adamw_update_,
-    muon_update_,
-    validate_hyperparameters,
-)
+from dmuon.owners.update import MatrixLayout, MuonHyper, adamw_update_, muon_update_, validate_hyperparameters
 from dmuon.qk_clip import QKClip, validate_qk_clip
 
 
@@ -134,7 +127,6 @@ class Muon(torch.optim.Optimizer):
         qk_clip_alpha: float = 0.5,
         overlap: str = "off",
     ) -> None:
-        # issue 40: per-head / split Muon and QK-clip (dmuon.owners.blocks, dmuon.qk_clip)
         validate_qk_clip(qk_clip_threshold, qk_clip_alpha)
         validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
                                  adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
@@ -155,7 +147,7 @@ class Muon(torch.optim.Optimizer):
                     f"Pass the model alone, or its parameters with the distributed_config.")
             muon_defaults.update(qk_clip_threshold=qk_clip_threshold, qk_clip_alpha=qk_clip_alpha)
             groups = OwnerUpdate.param_groups(params, muon_defaults, adamw_defaults)
-        elif per_head or split is not None or qk_clip_threshold is not None:  # issue 40
+        elif per_head or split is not None or qk_clip_threshold is not None:
             raise ValueError(
                 "dmuon: per_head, split and qk_clip_threshold need the model passed to "
                 "dedicate_params (dmuon.Muon(model, ...)): they find the attention modules and the "
@@ -180,8 +172,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults={})
         if isinstance(params, nn.Module):
             self.strategy: Any = OwnerUpdate(self, params)
-            self.state_ctx = self.strategy.ctx
-            self.strategy.configure_blocks(per_head=per_head, split=split,  # issue 40
+            self.state_ctx = self.strategy.state
+            self.strategy.configure_blocks(per_head=per_head, split=split,
                                            qk_clip=qk_clip_threshold is not None)
         elif distributed_config is None:
             self.strategy = SingleDeviceUpdate(self)
@@ -221,7 +213,7 @@ class Muon(torch.optim.Optimizer):
         ``overlap="backward"`` that ``step()`` used or recomputed, summed over steps (zeros for
         other modes and strategies)."""
         if isinstance(self.strategy, OwnerUpdate):
-            return self.strategy.ctx.pending.stats()
+            return self.strategy.state.pending.stats()
         return {"kept": 0, "recomputed": 0}
 
     def wait_pending(self) -> None:
@@ -237,7 +229,7 @@ class Muon(torch.optim.Optimizer):
             RuntimeError: an update failed on dmuon's worker thread (naming the matrices).
         """
         if isinstance(self.strategy, OwnerUpdate):
-            self.strategy.ctx.settle_pending()
+            self.strategy.state.settle_pending()
 
 
 class OwnerUpdate:
@@ -255,11 +247,11 @@ class OwnerUpdate:
 
     def __init__(self, opt: torch.optim.Optimizer, model: nn.Module) -> None:
         self.opt, self.model = opt, model
-        self.ctx = get_state(model)
-        self.splits: dict[int, Any] = {}  # issue 40: id(record) -> Split
+        self.state = state = get_state(model)
+        self.splits: dict[int, Any] = {}  # id(record) -> Split
         self.qk_clip: Any = None
         self.overlap = getattr(opt, "overlap", "off")
-        pending, state = self.ctx.pending, self.ctx
+        pending = state.pending
 
         def wait(*args: Any, **kwargs: Any) -> None:
             state.settle_pending()
@@ -271,25 +263,23 @@ class OwnerUpdate:
         # no optimizer state is read or written while an overlapped update is pending
         opt.register_state_dict_pre_hook(wait)
         opt.register_load_state_dict_pre_hook(wait_and_forget)
-        if self.overlap != "off" and self.ctx.roles.tp is not None:
+        if self.overlap != "off" and state.roles.tp is not None:
             warnings.warn(
                 f"dmuon: Muon(overlap={self.overlap!r}) has no effect on this tensor-parallel model: "
                 f"its Newton-Schulz runs through collectives over the TP group, which cannot run "
                 f"on a second thread beside the main thread's; each step runs as with overlap='off'.",
                 stacklevel=3)
         if self.overlap == "backward":
-            self.ctx.backward.after_reduce = self.speculate
-            self.ctx.backward.on_reduced = self.speculate_early
-            self.ctx.ctx.poll_reduced = self.ctx.backward.poll_reduced
+            state.backward.speculator = self
 
     def configure_blocks(self, *, per_head: bool, split: Any, qk_clip: bool) -> None:
-        """Issue 40: resolve the per-head / explicit splits of the dedicated matrices
+        """Resolve the per-head / explicit splits of the dedicated matrices
         (:func:`dmuon.owners.blocks.resolve_splits`) and install QK-clip's logit recording
         (:class:`dmuon.qk_clip.QKClip`) when ``qk_clip``."""
         if per_head or split is not None:
-            self.splits = resolve_splits(self.model, self.ctx.records, per_head=per_head, split=split)
+            self.splits = resolve_splits(self.model, self.state.records, per_head=per_head, split=split)
         if qk_clip:
-            self.qk_clip = QKClip(self.model, self.ctx)
+            self.qk_clip = QKClip(self.model, self.state)
 
     @staticmethod
     def param_groups(model: nn.Module, muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
@@ -299,11 +289,11 @@ class OwnerUpdate:
         Raises:
             ValueError: ``dedicate_params`` was not called on ``model``.
         """
-        ctx = get_state(model)
-        ctx.ensure_bound()
-        dedicated = [rec.master for rec in ctx.records]
-        others = [p for p in model.parameters() if p not in ctx.record_of_master and p.requires_grad]
-        return [dict(params=dedicated, kind="muon", param_names=param_names(model, dedicated, ctx),
+        state = get_state(model)
+        state.ensure_bound()
+        dedicated = [rec.master for rec in state.records]
+        others = [p for p in model.parameters() if p not in state.record_of_master and p.requires_grad]
+        return [dict(params=dedicated, kind="muon", param_names=param_names(model, dedicated, state),
                      **muon_defaults),
                 dict(params=others, kind="adamw", param_names=param_names(model, others), **adamw_defaults)]
 
@@ -319,12 +309,12 @@ class OwnerUpdate:
                 logits of an attention layer in the first step (:mod:`dmuon.qk_clip`); each
                 before any parameter changes.
         """
-        pending = self.ctx.pending
-        pending.wait_for(list(pending.jobs))  # the previous step's
-        pending.retire_speculation()  # the last backward's that finished (overlap="backward")
-        self.ctx.check_not_sharded_since_binding("the first opt.step()")
-        self.ctx.backward.check_reduced()
-        self.ctx.ctx.adopt_forward_order()  # first step: jobs and prefetch in execution order
+        state = self.state
+        state.pending.wait_for(list(state.pending.jobs))  # the previous step's
+        state.pending.retire_speculation()  # the last backward's that finished (overlap="backward")
+        state.check_not_sharded_since_binding("the first opt.step()")
+        state.backward.check_reduced()
+        state.publisher.adopt_forward_order()  # first step: jobs and prefetch in execution order
         # QK-clip's reduce and checks before anything moves (an error loses nothing)
         clip = self.qk_clip.prepare(self.opt.param_groups[0]) if self.qk_clip is not None else None
         with label("dmuon::optimizer_step"):
@@ -336,10 +326,10 @@ class OwnerUpdate:
             if clip is not None:  # biases and QK-norm gains (FSDP2 shards), after AdamW
                 with label("dmuon::qk_clip"):
                     clip.scale_others()
-        self.ctx.publish_after_step()
+        state.publish_after_step()
         # after the publications: under FSDP2 this issues the next forward's step check, which
         # publish_after_step's settle() would otherwise wait for at once
-        self.ctx.step_check.after_step()
+        state.step_check.after_step()
 
     @property
     def overlaps(self) -> bool:
@@ -347,7 +337,7 @@ class OwnerUpdate:
         ``"off"`` and the model has no tensor parallelism (its Newton-Schulz is collective;
         warned once at construction). Per-head / split Muon and QK-clip overlap like the rest:
         the clip's frozen plan scales the new rows in the job, before the compute copy."""
-        return self.overlap != "off" and self.ctx.roles.tp is None
+        return self.overlap != "off" and self.state.roles.tp is None
 
     def _owned(self, group: dict) -> list[tuple]:
         """``(master, grad, momentum buffer, record)`` of every master of ``group`` this rank
@@ -360,14 +350,14 @@ class OwnerUpdate:
             state = self.opt.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            items.append((p, plain(p.grad), state["momentum_buffer"], self.ctx.record_of_master[p]))
+            items.append((p, plain(p.grad), state["momentum_buffer"], self.state.record_of_master[p]))
         return items
 
     def layout(self, rec: Any) -> MatrixLayout:
         """How ``rec``'s update is orthogonalized and lr-adjusted: its Newton-Schulz matrix
         shape, its split (per-head / ``split=``), and its tensor-parallel slice."""
         split = self.splits.get(id(rec))
-        tp = self.ctx.roles.tp
+        tp = self.state.roles.tp
         if tp is None:
             return MatrixLayout(full_shape=tuple(rec.full_shape), matrix_shape=tuple(rec.matrix_shape),
                                 split=split)
@@ -388,7 +378,7 @@ class OwnerUpdate:
         for group in self.opt.param_groups:
             if group["kind"] == "muon":
                 items = self._owned(group)
-                speculate(self.ctx.pending, self.hyper(group), items, [self.layout(i[3]) for i in items])
+                speculate(self.state.pending, self.hyper(group), items, [self.layout(i[3]) for i in items])
 
     @torch.no_grad()
     def speculate_early(self, averages: dict) -> None:
@@ -402,34 +392,32 @@ class OwnerUpdate:
         bufs = {rec: self.opt.state.get(rec.master, {}).get("momentum_buffer") for rec in averages}
         items = [(rec.master, avg, bufs[rec], rec) for rec, avg in averages.items() if bufs[rec] is not None]
         if items:
-            speculate(self.ctx.pending, self.hyper(group), items, [self.layout(i[3]) for i in items],
+            speculate(self.state.pending, self.hyper(group), items, [self.layout(i[3]) for i in items],
                       early=True)
 
     def step_muon(self, group: dict, clip: Any = None) -> None:
         """Muon on the masters of ``group`` this rank owns (placeholders are skipped), then
         QK-clip's scaling of their rows (``clip``: the step's frozen plan, or ``None``)."""
-        ctx = self.ctx
+        state = self.state
         hp = self.hyper(group)
         items = self._owned(group)
         layouts = [self.layout(item[3]) for item in items]
         scale = clip.scale_master if clip is not None else None
         if self.overlaps:
-            pubs = list(dict.fromkeys(g for unit in ctx.units for g in unit.groups if g.is_owner))
+            pubs = list(dict.fromkeys(g for unit in state.units for g in unit.groups if g.is_owner))
             with label("dmuon::schedule_newton_schulz"):
-                step_overlapped(ctx.pending, hp, items, layouts, pubs, scale)
-            ctx.ns_matrices += len(items)
+                step_overlapped(state.pending, hp, items, layouts, pubs, scale)
             return
         params, grads, bufs, recs = (list(x) for x in zip(*items)) if items else ([], [], [], [])
         orthogonalize = None
-        if ctx.roles.tp is not None:  # through the TP owners (collective over the TP group)
-            orthogonalize = tp_orthogonalizer(recs, [lay.split for lay in layouts], ctx.roles.tp,
+        if state.roles.tp is not None:  # through the TP owners (collective over the TP group)
+            orthogonalize = tp_orthogonalizer(recs, [lay.split for lay in layouts], state.roles.tp,
                                               hp.orthogonalizer(), orthogonalize_tp)
         with label("dmuon::newton_schulz"):
             muon_update_(params, grads, bufs, hp, layouts, orthogonalize)
             if scale is not None:
                 for rec, param in zip(recs, params):
                     scale(rec, param)
-        ctx.ns_matrices += sum(1 for r in recs if ctx.roles.tp is None or r.tp_owner == ctx.tp_rank)
 
     def step_adamw(self, group: dict) -> None:
         """AdamW on ``group`` (FSDP2 shards or replicas), element-wise."""
@@ -493,43 +481,43 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
         raise TypeError(f"dmuon: clip_grad_norm_ takes the model passed to dedicate_params or a "
                         f"dmuon.Muon; got {type(model_or_optimizer).__name__}")
     model = model_or_optimizer
-    ctx = get_state(model)
-    ctx.ensure_bound()
+    state = get_state(model)
+    state.ensure_bound()
     # no wait for overlapped work: it writes masters, buffers and its own copies, never a gradient
-    if ctx.roles.pp_size > 1:
+    if state.roles.pp_size > 1:
         # the norm of one stage is not the model's: refuse rather than clip by it
         raise ValueError(
             f"dmuon: clip_grad_norm_ covers one model's gradients, and this model is one pipeline "
-            f"stage of {ctx.roles.pp_size} ('pp' mesh dimension): its norm is not the whole "
+            f"stage of {state.roles.pp_size} ('pp' mesh dimension): its norm is not the whole "
             f"model's. Compute each stage's norm (torch.linalg.vector_norm over its gradients, "
             f"all-reduced within the stage's data-parallel group) and combine them over the 'pp' "
             f"group, as torchtitan's dist_utils.clip_grad_norm_ does.")
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
-    for rec in ctx.records:
+    for rec in state.records:
         grad = plain(rec.master.grad)  # the local tensor: a shown grad's pieces are records too
         if grad is None or getattr(rec.master.grad, "dmuon_absent", False):  # absent: None
             continue
         clipped.append(grad)
         # HSDP replicas and TP ranks holding a whole matrix have equal copies: count one.
-        if ctx.replicate_rank == 0 and (rec.tp_shard_dim is not None or ctx.tp_rank == 0):
+        if state.replicate_rank == 0 and (rec.tp_shard_dim is not None or state.tp_rank == 0):
             counted.append(grad)
     for p in model.parameters():
-        if p in ctx.record_of_master or p.grad is None:
+        if p in state.record_of_master or p.grad is None:
             continue
         g = p.grad
         if hasattr(g, "to_local"):
             clipped.append(g.to_local())
-            if _first_replica(g, ctx):
+            if _first_replica(g, state):
                 counted.append(g.to_local())
         else:
             replicated.append(g)
             clipped.append(g)
     return clip_by_total_norm_(counted, clipped, max_norm=max_norm, norm_type=norm_type,
-                               error_if_nonfinite=error_if_nonfinite, group=ctx.roles.world,
-                               replicated=replicated, count_replicated=ctx.rank == 0)
+                               error_if_nonfinite=error_if_nonfinite, group=state.roles.world,
+                               replicated=replicated, count_replicated=state.rank == 0)
 
 
-def _first_replica(dtensor_grad: torch.Tensor, ctx) -> bool:
+def _first_replica(dtensor_grad: torch.Tensor, state) -> bool:
     """Whether this rank's local piece of a DTensor is the one to count: coordinate 0 along
     every mesh dimension on which the tensor is replicated, and along the TP / replicate
     dimensions its mesh does not have (an FSDP2 shard on the DP sub-mesh of an FSDP x TP
@@ -539,6 +527,6 @@ def _first_replica(dtensor_grad: torch.Tensor, ctx) -> bool:
     if not all(c == 0 for c, p in zip(coord, dtensor_grad.placements) if p.is_replicate()):
         return False
     names = set(mesh.mesh_dim_names or ())
-    if ctx.roles.tp is not None and ctx.roles.tp_name not in names and ctx.tp_rank != 0:
+    if state.roles.tp is not None and state.roles.tp_name not in names and state.tp_rank != 0:
         return False
-    return not (ctx.roles.replicate is not None and mesh.ndim == 1 and ctx.replicate_rank != 0)
+    return not (state.roles.replicate is not None and mesh.ndim == 1 and state.replicate_rank != 0)

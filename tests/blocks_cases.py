@@ -15,6 +15,7 @@ import dmuon
 from tests import attention_models as am
 from tests.dist_cases import full_params
 from tests.mesh_cases import dp_coordinate
+from tests.overlap_cases import counted_jobs
 
 LAYOUTS = {
     "fsdp": (None, None),
@@ -57,33 +58,35 @@ def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, p
     model, (index, count) = build(layout, world_size, gain)
     opt = dmuon.Muon(model, per_head=per_head, qk_clip_threshold=tau, overlap=overlap, **KWARGS)
     clipped = []
-    for step in range(steps):
-        if resume_at is not None and step == resume_at:
-            if dcp_path is not None:
-                dcp.save(dmuon.state_dict(model, opt), checkpoint_id=dcp_path)
-            else:
-                saved_model = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                               for k, v in model.state_dict().items()}
-                saved_opt = copy.deepcopy(opt.state_dict())
-            model, _ = build(layout, world_size, gain)
-            opt = dmuon.Muon(model, per_head=per_head, qk_clip_threshold=None if tau is None else 1e9,
-                             **KWARGS)
-            if dcp_path is not None:
-                sd = dmuon.state_dict(model, opt)
-                dcp.load(sd, checkpoint_id=dcp_path)
-                dmuon.load_state_dict(model, opt, sd)
-            else:
-                model.load_state_dict(saved_model)
-                opt.load_state_dict(saved_opt)
-        idx, y = am.local_batch(step, index, count)
-        for i, (ci, cy) in enumerate(zip(idx.chunk(micro_batches), y.chunk(micro_batches))):
-            last = i == micro_batches - 1
-            with contextlib.nullcontext() if last else dmuon.no_sync(model):
-                (((model(ci) - cy) ** 2).mean() / micro_batches).backward()
-        opt.step()
-        opt.zero_grad()
-        strategy = opt.strategy
-        clipped.append(strategy.qk_clip.clipped_heads if strategy.qk_clip is not None else 0)
+    counts: dict = {}
+    with counted_jobs(counts):
+        for step in range(steps):
+            if resume_at is not None and step == resume_at:
+                if dcp_path is not None:
+                    dcp.save(dmuon.state_dict(model, opt), checkpoint_id=dcp_path)
+                else:
+                    saved_model = {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                                   for k, v in model.state_dict().items()}
+                    saved_opt = copy.deepcopy(opt.state_dict())
+                model, _ = build(layout, world_size, gain)
+                opt = dmuon.Muon(model, per_head=per_head, qk_clip_threshold=None if tau is None else 1e9,
+                                 **KWARGS)
+                if dcp_path is not None:
+                    sd = dmuon.state_dict(model, opt)
+                    dcp.load(sd, checkpoint_id=dcp_path)
+                    dmuon.load_state_dict(model, opt, sd)
+                else:
+                    model.load_state_dict(saved_model)
+                    opt.load_state_dict(saved_opt)
+            idx, y = am.local_batch(step, index, count)
+            for i, (ci, cy) in enumerate(zip(idx.chunk(micro_batches), y.chunk(micro_batches))):
+                last = i == micro_batches - 1
+                with contextlib.nullcontext() if last else dmuon.no_sync(model):
+                    (((model(ci) - cy) ** 2).mean() / micro_batches).backward()
+            opt.step()
+            opt.zero_grad()
+            strategy = opt.strategy
+            clipped.append(strategy.qk_clip.clipped_heads if strategy.qk_clip is not None else 0)
     local_tp = []
     if layout == "fsdp-tp":
         from dmuon.owners.blocks import _local_split, tp_rank_size
@@ -94,7 +97,7 @@ def train(rank: int, world_size: int, *, layout: str = "fsdp", steps: int = 3, p
                           if _local_split(r, opt.strategy.splits.get(id(r)), *rank_size) is not None)  # here, not in a call of its own: one 2-D mesh per pool session
     state = model._dmuon_state
     return dict(params=full_params(model, rank), clipped=clipped, local_tp=local_tp,
-                scheduled=state.pending.scheduled, owns=any(r.is_owner for r in state.records),
+                scheduled=counts["scheduled"], owns=any(r.is_owner for r in state.records),
                 group_keys=sorted(k for k in opt.param_groups[0] if k.startswith("qk_clip")),
                 tau=opt.param_groups[0].get("qk_clip_threshold"))
 

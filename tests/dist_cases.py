@@ -37,6 +37,24 @@ def build(world_size: int, mode: str, *, plan=None, predicate=None, variant: str
     return model, mesh
 
 
+def count_ns(opt: Any) -> dict:
+    """Counts, in the returned ``{"n": int}``, the matrices whose Newton-Schulz ``opt.step()``
+    runs on this rank (under tensor parallelism: those it is the TP owner of), by wrapping
+    this optimizer's ``step_muon``."""
+    strategy = opt.strategy
+    step_muon = strategy.step_muon
+    counter = {"n": 0}
+
+    def counted(group: dict, clip: Any = None) -> None:
+        state = strategy.state
+        counter["n"] += sum(1 for *_, rec in strategy._owned(group)
+                            if state.roles.tp is None or rec.tp_owner == state.tp_rank)
+        step_muon(group, clip)
+
+    strategy.step_muon = counted
+    return counter
+
+
 def full_params(model: torch.nn.Module, rank: int) -> dict[str, np.ndarray]:
     """Every parameter's full value on rank 0 (``{}`` elsewhere), assembled from the owners'
     masters (TP slices concatenated, HSDP replica 0) and full FSDP2/TP tensors (collective).
@@ -80,6 +98,7 @@ def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
                   ns_dtype=torch.float32, ns_coefficients="muon")
     kwargs.update(opt_kwargs or {})
     opt = dmuon.Muon(model, **kwargs)
+    ns = count_ns(opt)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=lr_gamma) if lr_gamma else None
     losses, norms, counts = [], [], []
     state = model._dmuon_state
@@ -106,9 +125,9 @@ def train(rank: int, world_size: int, *, mode: str = "fsdp", steps: int = 5,
             losses.append(loss.item())
             if clip is not None:
                 norms.append(float(dmuon.clip_grad_norm_(model, clip)))
-            before = state.ns_matrices
+            before = ns["n"]
             opt.step()
-            counts.append(state.ns_matrices - before)
+            counts.append(ns["n"] - before)
             opt.zero_grad()
             if sched is not None:
                 sched.step()

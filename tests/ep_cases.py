@@ -23,7 +23,8 @@ from torch import nn
 from dmuon.integrations.hf_moe import shard_experts
 from tests import moe_cases as cases
 from tests.moe_cases import full_params
-from tests.overlap_cases import slow_jobs
+from tests.dist_cases import count_ns
+from tests.overlap_cases import counted_jobs, slow_jobs
 
 def _experts_of(block: nn.Module) -> nn.Module | None:
     """The module holding a block's expert stacks: ``block.experts`` (:class:`EPMoE`),
@@ -130,13 +131,15 @@ def train(rank: int, world_size: int, *, ep: int, case: str = "ep-moe", steps: i
         dedicate(mesh)
     plan = dedicated[0]
     opt = dmuon.Muon(model, **cases.OPT_KWARGS, overlap=overlap)
+    ns = count_ns(opt)
     # overlapped: every job starts 20 ms late, so a reader that did not wait would see old weights
-    with slow_jobs() if overlap != "off" else contextlib.nullcontext():
+    counts: dict = {}
+    with slow_jobs() if overlap != "off" else contextlib.nullcontext(), counted_jobs(counts):
         losses, norm0 = _train_steps(model, opt, case, steps, rank, world_size, micro_batches)
     return dict(params=full_params(model, rank), losses=losses, shard_rows=shard_rows, grad_norm0=norm0,
                 owned_experts=owned_experts(model),
                 entries=[(m.key, m.owner, m.ep) for m in plan.matrices], digest=plan.digest(),
-                ns_matrices=model._dmuon_state.ns_matrices, scheduled=model._dmuon_state.pending.scheduled)
+                ns_matrices=ns["n"], scheduled=counts["scheduled"])
 
 
 def _train_steps(model: nn.Module, opt: Any, case: str, steps: int, rank: int, world_size: int,

@@ -23,6 +23,7 @@ def rank0_of_8() -> dict:
     import dmuon
     from dmuon.hooks.dedicate import get_state, select_matrices, default_predicate
     from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, default_plan
+    from tests.dist_cases import count_ns
     from tests.failure_cases import count_step_checks
     from tests.models import Net, loss_fn, local_batch
 
@@ -42,6 +43,7 @@ def rank0_of_8() -> dict:
                             forward_tokens=DEFAULT_FORWARD_TOKENS)
     plan = dmuon.dedicate_params(model, mesh)  # step_check=True: switched off, not failing
     opt = dmuon.Muon(model, lr=0.02)
+    ns = count_ns(opt)
     state = get_state(model)
     idx, y = local_batch(0, 0, 8)
     losses, calls = [], {}
@@ -74,7 +76,7 @@ def rank0_of_8() -> dict:
         "plan_equal": plan.owner_by_fqn == expected.owner_by_fqn,
         "matrices": len(state.records),
         "units": len(state.units),
-        "ns_matrices": state.ns_matrices,
+        "ns_matrices": ns["n"],
         "calls": calls,
         "steps_done": state.step_check.steps,
     }

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import dmuon
 from dmuon.balance.cost import ReplicaCost
 from tests import models
-from tests.dist_cases import full_params
+from tests.dist_cases import count_ns, full_params
 
 # NS throughput (FLOP/s) at which replicate_mode="auto" (dmuon.balance.cost.ReplicaCost) splits
 # the test model: the break-even ns_flops * REPLICA_BYTES_PER_S / (4 * rows * cols) is 0.06e12
@@ -81,15 +81,16 @@ def train(rank: int, world_size: int, *, layout: str, steps: int = 5, clip: floa
                          ns_dtype=torch.float32, ns_coefficients="muon", overlap=overlap)
     dp_index, dp_count = dp_coordinate(mesh, dp_names)
     state = model._dmuon_state
+    ns = count_ns(opt)
     norms, ns_counts = [], []
     for step in range(steps):
         idx, y = models.local_batch(step, dp_index, dp_count)
         models.loss_fn(model, idx, y).backward()
         if clip is not None:
             norms.append(float(dmuon.clip_grad_norm_(model, clip)))
-        before = state.ns_matrices
+        before = ns["n"]
         opt.step()
-        ns_counts.append(state.ns_matrices - before)
+        ns_counts.append(ns["n"] - before)
         opt.zero_grad()
     return dict(params=full_params(model, rank), dp_count=dp_count, norms=norms,
                 ns_counts=ns_counts, replicate_rank=state.replicate_rank,

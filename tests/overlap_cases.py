@@ -53,6 +53,24 @@ def slow_jobs(delay_s: float = 0.02, fail: bool = False, only: str | None = None
 
 
 @contextlib.contextmanager
+def counted_jobs(counts: dict) -> Iterator[None]:
+    """Counts the jobs overlapped steps schedule in ``counts["scheduled"]`` (0: nothing
+    overlapped). Restored on exit (the pool's workers are reused)."""
+    schedule = PendingSteps.schedule
+    counts["scheduled"] = 0
+
+    def counted(self, *args, **kwargs):
+        counts["scheduled"] += 1
+        return schedule(self, *args, **kwargs)
+
+    PendingSteps.schedule = counted
+    try:
+        yield
+    finally:
+        PendingSteps.schedule = schedule
+
+
+@contextlib.contextmanager
 def coalesced_on_gloo() -> Iterator[None]:
     """Gloo cannot coalesce (``startCoalescing`` is NCCL's); this makes the flat buckets'
     ``issued_together`` hand every :class:`Pending` of a bucket one

@@ -117,10 +117,9 @@ def test_kernels_and_balance_do_not_import_torch_distributed(part):
 
 
 def test_hook_runtime_has_no_cycle_even_in_annotations():
-    """Units and binding get small context objects (:class:`dmuon.hooks.unit.UnitContext`,
-    :class:`dmuon.hooks.bind.BindRequest`), as FSDP2's ``FSDPParamGroup`` gets an
-    ``FSDPCommContext``: nothing in ``dmuon.hooks`` names the hook state back, not even under
-    ``if TYPE_CHECKING:`` (the old ``unit -> state -> bind`` circle)."""
+    """Units and binding take the runtime state as an object and never import its module:
+    nothing in ``dmuon.hooks`` names the hook state back, not even under ``if TYPE_CHECKING:``
+    (the old ``unit -> state -> bind`` circle)."""
     graph = import_graph(type_checking=True)
     hooks = graph.subgraph([m for m in graph if m.startswith("dmuon.hooks")])
     cycles = sorted(nx.simple_cycles(hooks), key=len)

@@ -3,7 +3,8 @@
 
 :class:`ReduceToOwners` holds what one backward needs (whether gradient sync is on, whether the
 end-of-backward callback is queued, the gradients made up for matrices no rank here used) and
-the runtime's backward entry points: the first gradient hook of a backward
+the runtime's backward entry points: each dedicated gradient's hook
+(:meth:`ReduceToOwners.on_grad`), the first gradient hook of a backward
 (:meth:`ReduceToOwners.queue_final_callback`), the end of backward
 (:meth:`ReduceToOwners.finish_backward`), FSDP2's final callback outside a backward
 (:meth:`ReduceToOwners.reduce_outside_backward`, pipelining schedules) and the check before a
@@ -36,39 +37,60 @@ class ReduceToOwners:
 
     Attributes:
         sync_enabled: ``False`` inside :func:`dmuon.no_sync`.
+        sync_this_backward: this backward reduces to the owners (decided at its first hook).
         made_up_grads: :func:`dmuon.comm.owned_grad.present`'s gradients for "none here".
+        speculator: ``Muon(overlap="backward")``'s update (:class:`dmuon.optim.OwnerUpdate`),
+            told when reduced gradients are in: ``speculate_early({record: average})`` per
+            bucket during backward, ``speculate()`` at its end; ``None`` otherwise.
     """
 
     def __init__(self, state: Any) -> None:
         self.state = state
-        self.sync_enabled = True  # False inside dmuon.no_sync
+        self.sync_enabled = True
+        self.sync_this_backward = True
         self._final_callback_queued = False
         self.made_up_grads: dict = {}
-        # Muon(overlap="backward"): starts the owners' speculative Newton-Schulz once the
-        # reduced gradients are in (dmuon.owners.overlap.speculate): per bucket during backward
-        # (on_reduced, given {record: average}), and the rest at its end (after_reduce)
-        self.after_reduce: Any = None
-        self.on_reduced: Any = None
-        self._handed: set = set()  # buckets handed to on_reduced in this backward
+        self.speculator: Any = None
+        self._handed: set = set()  # buckets handed to the speculator in this backward
 
     def queue_final_callback(self) -> None:
         """First gradient hook of a backward: decide sync once, and wait at the end."""
         if not self._final_callback_queued:
             self.state.step_check.before_backward()
-            self.state.ctx.flush()  # publications held back go out before any reduce-to-owner
+            self.state.publisher.flush()  # publications held back go out before any reduce-to-owner
             self._final_callback_queued = True
-            self.state.ctx.sync_this_backward = self.sync_enabled and (
-                not self.state.fsdp_wrapped or fsdp.gradient_sync_enabled(self.state._fsdp_states))
+            self.sync_this_backward = self.sync_enabled and fsdp.gradient_sync_enabled(self.state.fsdp_states)
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def on_grad(self, rec: Any, unit: Any, group: Any, bucket: Any, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of ``rec.compute``: its gradient goes into its bucket (the
+        bucket's reduce-to-owner starts once full); then its publish group's and unit's
+        bookkeeping."""
+        s = self.state
+        self.queue_final_callback()
+        with label("dmuon::grad_hook"):
+            if self.sync_this_backward:
+                grad = param.grad
+                param.grad = None
+                if hasattr(grad, "to_local"):  # the TP slice's gradient
+                    grad = grad.to_local()
+                if bucket.add(rec, grad):
+                    s.step_check.settle()  # the ranks agree before the first reduce goes out
+                    s.issue_order.full(s.group, s.reduce_mode)  # in the one order of all ranks
+                    self.poll_reduced()
+            # else gradient accumulation: keep the local sum in compute.grad (full size on every
+            # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
+            group.grad_in(rec)
+            unit.grad_in(rec)
 
     def poll_reduced(self) -> None:
         """A gradient hook of a synced backward (``Muon(overlap="backward")``): hand each bucket
         whose reduce-to-owner has completed (:func:`dmuon.comm.grad_buckets.reduced`, a non-blocking query)
-        to :attr:`on_reduced` with this rank's averages, once per backward, so its owner's
+        to :attr:`speculator` with this rank's averages, once per backward, so its owner's
         Newton-Schulz starts while the backward goes on. Not under HSDP (the replica combine
         comes at the end of backward: the average is not yet the final gradient)."""
         s = self.state
-        if self.on_reduced is None or s.roles.replicate_size > 1:
+        if self.speculator is None or s.roles.replicate_size > 1:
             return
         order = s.issue_order
         for bucket in order.buckets[: order.next]:
@@ -78,11 +100,12 @@ class ReduceToOwners:
             # the divisor finish_backward will use (set_divide_factors, read now)
             factor = (fsdp.gradient_divide_factor(bucket.block) if s.fsdp_wrapped and bucket.block is not None
                       else bucket.divide_factor)
-            self.on_reduced(owned_averages(bucket, s.world_size if factor is None else factor))
+            averages = owned_averages(bucket, s.world_size if factor is None else factor)
+            self.speculator.speculate_early(averages)
 
     def on_replicated_grad(self, param: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
         self.queue_final_callback()
-        return self.state.replicated.on_grad(param, grad, sync=self.state.ctx.sync_this_backward)
+        return self.state.replicated.on_grad(param, grad, sync=self.sync_this_backward)
 
     def on_shared_grad(self, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook of a non-dedicated parameter in keep mode: only makes sure
@@ -95,20 +118,16 @@ class ReduceToOwners:
         owners every gradient accumulated locally since the last reduce, as FSDP2 reduce-scatters
         its own.
 
-        ``torch.distributed.pipelining`` turns FSDP2's gradient sync off for every micro-batch
-        backward (``backward_maybe_with_nosync``) and then, after the last one, turns it on and
-        calls every ``FSDPParamGroup.post_backward()`` and the root's
-        ``_root_post_backward_final_callback`` itself (``PipelineStage.perform_reduce_grad``), then
-        divides the gradients by the number of micro-batches (``scale_grads``): this runs in that
-        callback, so the owners' ``master.grad`` is in before the division. Inside a backward
-        (the callback FSDP2 queues itself) it does nothing: :meth:`finish_backward`, queued in
-        the same backward, reduces. Collective over the shard group (and the replicate group
-        under HSDP); every rank of a stage's data-parallel group runs the same schedule, so every
-        one of them gets here alike.
+        ``torch.distributed.pipelining`` runs every micro-batch backward with FSDP2's gradient
+        sync off, then turns it on and calls FSDP2's post-backward and final callback itself
+        (``PipelineStage.perform_reduce_grad``) before dividing the gradients
+        (``scale_grads``): this runs in that callback, so the owners' ``master.grad`` is in
+        before the division. Inside a backward it does nothing (:meth:`finish_backward`
+        reduces). Collective over the shard group (and the replicate group under HSDP).
         """
         if not self.state.bound or self._final_callback_queued or not self.sync_enabled:
             return
-        if not fsdp.gradient_sync_enabled(self.state._fsdp_states):
+        if not fsdp.gradient_sync_enabled(self.state.fsdp_states):
             return
         held = False
         for bucket in self.state.buckets:
@@ -117,7 +136,7 @@ class ReduceToOwners:
         if not held:
             return
         with label("dmuon::reduce_outside_backward"), torch.no_grad():
-            self.state.ctx.sync_this_backward = True
+            self.sync_this_backward = True
             self.state.issue_order.next = 0
             self.state.step_check.settle()
             self.set_divide_factors()
@@ -163,23 +182,23 @@ class ReduceToOwners:
             unit.post_backward()
             unit.backward_finished = False
         with label("dmuon::finish_backward"), torch.no_grad():
-            if self.state.shared_bucket is not None and self.state.ctx.sync_this_backward:
+            if self.state.shared_bucket is not None and self.sync_this_backward:
                 self.state.shared_bucket.issue(self.state.group, self.state.reduce_mode)  # the other parameters' .grad
             if self.state.fsdp_wrapped:
                 self.set_divide_factors()
             unpresent(self.state.records)  # plain gradients for the owners to add to
             self._reduce_and_present()
-            if self.state.replicated is not None and self.state.ctx.sync_this_backward:
+            if self.state.replicated is not None and self.sync_this_backward:
                 self.state.replicated.finish()
 
     def _reduce_and_present(self) -> None:
         """Reduce every bucket to its owners (and combine HSDP replicas), then show the
         gradients as clipping by third-party code sees them (:mod:`dmuon.comm.owned_grad`),
-        every rank alike; then :attr:`after_reduce`, if set."""
+        every rank alike; then the :attr:`speculator`, if any."""
         s = self.state
         reduce_to_owners(s.issue_order, s.roles, s.reduce_mode, s.world_size, s.replicate_rank)
         present(s.records, group=s.roles.world, replicate_rank=s.replicate_rank, tp_rank=s.tp_rank,
                 made_up=self.made_up_grads)
-        if self.after_reduce is not None and s.ctx.sync_this_backward:
-            self.after_reduce()
+        if self.speculator is not None and self.sync_this_backward:
+            self.speculator.speculate()
         self._handed.clear()

@@ -3,10 +3,9 @@
 Runs once per model, at ``dmuon.Muon`` construction or at the first forward (whichever comes
 first), once the user's ``fully_shard`` calls have made the FSDP2 blocks known. Collective: the
 matrices are taken from FSDP2 (a redistribute each) and, on a plain replicated module, the other
-parameters are broadcast from rank 0, in the same order on every rank. Registers no hook: the
-runtime (:class:`dmuon.hooks.state.DedicateState`) registers them all from the
-:class:`Binding` this module returns. Binding reads a :class:`BindRequest` and hands the units a
-:class:`dmuon.hooks.unit.UnitContext`; it never sees the runtime state itself.
+parameters are broadcast from rank 0, in the same order on every rank. :func:`bind` fills the
+runtime state (:class:`dmuon.hooks.state.DedicateState`) in place and registers no hook: the
+state registers them all.
 """
 
 from __future__ import annotations
@@ -20,14 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.hooks import fsdp_adapter as fsdp
-from dmuon.comm.grad_buckets import GradBucket, make_buckets
+from dmuon.comm.ddp_allreduce import ReplicatedGrads
+from dmuon.comm.grad_buckets import GradBucket, IssueOrder, make_buckets
 from dmuon.hooks.keep import bucket_keys, resolve_replicas
 from dmuon.hooks.state_dict import layout_of
 from dmuon.hooks.tp_placements import as_compute_param, local_slice
-from dmuon.comm.mesh_roles import MeshRoles
-from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
+from dmuon.hooks.unit import PublishGroup, Unit
 from dmuon.owners.dedicated import DedicatedParam, free_storage, make_dedicated
-from dmuon.owners.plan import OwnerPlan
 from dmuon.owners.stacks import ParamLayout, StackSlot
 
 
@@ -54,77 +52,6 @@ class Selected:
     def param(self) -> nn.Parameter:
         """The parameter the module holds now (the user's, until binding replaces it)."""
         return self.module._parameters[self.attr]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
-class BindRequest:
-    """What binding reads: the model, its groups, its plan and selection, and the options of
-    ``dedicate_params`` that shape the units (not the runtime state that will hold the result).
-
-    Attributes:
-        model: the user's model (FSDP2-wrapped or plain).
-        roles: dmuon's process groups; ``group`` is ``roles.shard``.
-        plan: the owner plan (each matrix's owner, TP owner and HSDP mode).
-        selected: the dedicated matrices, in model order.
-        replicas: ``"keep"``, ``"placeholder"`` or ``None`` (:mod:`dmuon.hooks.keep`).
-        reshard_after_forward: ``None`` follows FSDP2, else applies to every unit.
-        bucket_bytes: keep mode's bucket size in bytes.
-        rank, world_size: this rank's index in ``group`` and the group's size.
-    """
-
-    model: nn.Module
-    roles: MeshRoles
-    plan: OwnerPlan
-    selected: list[Selected]
-    replicas: str | None
-    reshard_after_forward: bool | None
-    bucket_bytes: int
-    rank: int
-    world_size: int
-
-    @property
-    def group(self) -> dist.ProcessGroup:
-        return self.roles.shard
-
-
-@dataclass(eq=False)
-class Wiring:
-    """Where one dedicated matrix's gradient goes: its unit, publish group and gradient bucket."""
-
-    rec: DedicatedParam
-    unit: Unit
-    group: PublishGroup
-    bucket: GradBucket
-
-
-@dataclass(eq=False)
-class Binding:
-    """What binding made (the runtime keeps it and registers the hooks).
-
-    Attributes:
-        records: every dedicated matrix, in model order.
-        units: in the order their forward pre-hooks fire.
-        groups: every publish group.
-        buckets: every gradient bucket.
-        wiring: for each record whose compute weight takes a gradient, where the gradient goes.
-        replicated: plain replicated module on more than one rank: the other trainable
-            parameters, whose gradients dmuon averages (DDP-style); empty otherwise.
-        shared_bucket: keep mode: the gradient bucket that carries ``replicated``
-            (:meth:`dmuon.comm.grad_buckets.GradBucket.attach_shared`); ``None`` when they
-            keep their own all-reduces (:class:`dmuon.comm.ddp_allreduce.ReplicatedGrads`).
-        fsdp_states: the model's FSDP2 states (empty without FSDP2).
-        keep: ``replicas="keep"``: every rank keeps every matrix whole.
-    """
-
-    records: list[DedicatedParam]
-    units: list[Unit]
-    groups: list[PublishGroup]
-    buckets: list[GradBucket]
-    wiring: list[Wiring]
-    replicated: list[nn.Parameter]
-    fsdp_states: list[Any]
-    keep: bool
-    shared_bucket: GradBucket | None = None
 
 
 def check_materialized(selected: list[Selected]) -> None:
@@ -168,31 +95,34 @@ def check_param_dtypes(selected: list[Selected],
             )
 
 
-def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
-    """Take the selected matrices from the model (FSDP2 or plain) and build the runtime's parts.
+def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucket]]:
+    """Take the selected matrices from the model (FSDP2 or plain) and fill ``state`` in place.
 
-    Args:
-        ctx: what to bind (model, roles, plan, selection and options); each matrix's HSDP
-            mode comes from its ``MatrixSpec.replicate_mode``.
-        unit_ctx: what the units will share (each :class:`Unit` keeps it).
+    Reads ``state``'s model, roles, plan (each matrix's HSDP mode is its
+    ``MatrixSpec.replicate_mode``), selection and options; sets its ``records``, ``units``,
+    ``groups``, ``buckets``, ``issue_order``, ``keep``, ``fsdp_states``, ``record_of_master``,
+    ``replicated`` and ``shared_bucket``. The caller runs :func:`check_materialized` first.
 
-    The caller runs :func:`check_materialized` first.
+    Returns:
+        For each record whose compute weight takes a gradient: ``(record, unit, publish group,
+        gradient bucket)``, where its gradient hook sends it.
 
     Raises:
         ValueError: an FSDP2 ``param_dtype`` dmuon cannot publish, an unknown ``replicas``
             or one given where it does not apply, an HSDP or TP mesh without FSDP2.
     """
-    selected, model, roles = ctx.selected, ctx.model, ctx.roles
-    fsdp_states = fsdp.fsdp_states(model)
+    selected, model, roles = state.selected, state.model, state.roles
+    fsdp_states = state.fsdp_states = fsdp.fsdp_states(model)
     plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
-    keep = resolve_replicas(ctx.replicas, fsdp_wrapped=bool(fsdp_states), plain_1d=plain_1d) == "keep"
-    specs_of = ctx.plan.specs_by_fqn()
+    keep = state.keep = resolve_replicas(state.replicas, fsdp_wrapped=bool(fsdp_states),
+                                         plain_1d=plain_1d) == "keep"
+    specs_of = state.plan.specs_by_fqn()
     parents = fsdp.parent_map(model)
     unit_modules = [fsdp.publish_block(sel.module, parents) for sel in selected]
     policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))
                 for sel in selected]
     check_param_dtypes(selected, policies)  # before anything is taken from FSDP2
-    units = make_units(ctx, unit_ctx, unit_modules, parents)
+    units = make_units(state, unit_modules, parents)
     # one entry per plan entry: a matrix, or an expert range of a stack (the shape seam)
     layouts: dict[int, Any] = {}  # selected index -> FSDP2's sharded layout (or None)
     entries = []  # (selected index, spec, slice holding the entry's piece, requires_grad, dtypes)
@@ -216,11 +146,11 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
             entries.append((i, spec, dataclasses.replace(sl, local=piece), param.requires_grad) + dtypes)
     unit_of = [next(u for u in units if u.module is unit_modules[e[0]]) for e in entries]
     # keep mode: publish groups and gradient buckets per plan bucket; else per unit
-    keys = (bucket_keys(ctx.plan, [e[1] for e in entries], ctx.bucket_bytes) if keep
+    keys = (bucket_keys(state.plan, [e[1] for e in entries], state.bucket_bytes) if keep
             else [u.index for u in unit_of])
     # expert parallelism: an expert stack's owner is a rank of the group holding its experts
     pgs = [roles.expert if e[1].ep else None for e in entries]
-    ranks = [dist.get_rank(pg) if pg is not None else ctx.rank for pg in pgs]
+    ranks = [dist.get_rank(pg) if pg is not None else state.rank for pg in pgs]
     views = make_groups([(e[2], e[3], e[4], e[5]) for e in entries], [e[1].owner for e in entries],
                         keys, ranks, keep, pgs)
     records = []
@@ -266,38 +196,42 @@ def bind(ctx: BindRequest, unit_ctx: UnitContext) -> Binding:
         if not group.is_owner and not keep:  # keep mode: full weights stay
             free_storage(group.flat)
     buckets = make_buckets(records, keys, persistent=keep)
-    bucket_of = {rec: bucket for bucket in buckets for rec in bucket.records}  # local to binding
-    wiring = [Wiring(rec, unit_of[i], views[i][0], bucket_of[rec])
+    bucket_of = {rec: bucket for bucket in buckets for rec in bucket.records}
+    wiring = [(rec, unit_of[i], views[i][0], bucket_of[rec])
               for i, rec in enumerate(records) if rec.compute.requires_grad]
-    replicated = []
-    if not fsdp_states and ctx.world_size > 1:
-        replicated = replicate_others(ctx, records)
-    shared_bucket = None
+    if fsdp_states:  # each bucket follows its FSDP2 block's gradient divide factor
+        for rec, unit, _, bucket in wiring:
+            bucket.block = unit.module
+    state.records, state.units, state.groups, state.buckets = records, units, groups, buckets
+    state.issue_order = IssueOrder(buckets)  # every rank issues the buckets in this order
+    state.record_of_master = {rec.master: rec for rec in records}
+    replicated = replicate_others(state, records) if not fsdp_states and state.world_size > 1 else []
     if keep and replicated and records:
         # the bucket of the model's first matrix goes out last, at the end of backward, when
         # the first layers' parameters (embeddings, the patch projection's bias) are in too
         first = next(bucket for bucket in buckets if records[0] in bucket.index)
         if all(p.dtype == first.dtype and p.device == first.device for p in replicated):
             first.attach_shared(replicated)
-            shared_bucket = first
-    return Binding(records=records, units=units, groups=groups, buckets=buckets, wiring=wiring,
-                   replicated=replicated, fsdp_states=fsdp_states, keep=keep,
-                   shared_bucket=shared_bucket)
+            state.shared_bucket = first
+    if replicated and state.shared_bucket is None:
+        state.replicated = ReplicatedGrads(replicated, state.group, state.bucket_bytes,
+                                           before_issue=state.step_check.settle)
+    return wiring
 
 
-def make_units(ctx: BindRequest, unit_ctx: UnitContext, unit_modules: list[nn.Module],
-               parents: dict[int, nn.Module]) -> list[Unit]:
+def make_units(state: Any, unit_modules: list[nn.Module], parents: dict[int, nn.Module]) -> list[Unit]:
     """One :class:`Unit` per distinct unit module, in the order their forward pre-hooks
     fire when modules run in registration order (an enclosing unit, such as the FSDP2
     root, before the units inside it)."""
     wanted = {id(m) for m in unit_modules}  # modules compared by identity, as FSDP2 does
     units: list[Unit] = []
-    for module in ctx.model.modules():  # modules() yields each module once
+    for module in state.model.modules():  # modules() yields each module once
         if id(module) in wanted:
             # FSDP2's setting, read before its groups lose our matrices
-            reshard = (ctx.reshard_after_forward if ctx.reshard_after_forward is not None
-                       else fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(module, parents), parents))
-            units.append(Unit(ctx=unit_ctx, index=len(units), module=module, reshard=reshard))
+            reshard = state.reshard_after_forward
+            if reshard is None:
+                reshard = fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(module, parents), parents)
+            units.append(Unit(state=state, index=len(units), module=module, reshard=reshard))
     return units
 
 
@@ -324,22 +258,23 @@ def make_groups(slices: list, owners: list[int], keys: list, ranks: list[int],
     return views
 
 
-def replicate_others(ctx: BindRequest, records: list[DedicatedParam]) -> list[nn.Parameter]:
+def replicate_others(state: Any, records: list[DedicatedParam]) -> list[nn.Parameter]:
     """Plain replicated module: start every other parameter from rank 0's values, as DDP does
     (collective), and return the trainable ones (their gradients are averaged DDP-style).
 
     Raises:
         ValueError: on an HSDP or tensor-parallel mesh (those need FSDP2).
     """
-    if ctx.roles.tp is not None or ctx.roles.replicate is not None or ctx.roles.expert is not None:
+    roles = state.roles
+    if roles.tp is not None or roles.replicate is not None or roles.expert is not None:
         raise ValueError(
             "dmuon: HSDP, tensor-parallel and expert-parallel meshes need FSDP2 (fully_shard) on "
             "the data-parallel dimensions; a plain replicated module is supported on a 1-D mesh"
         )
     masters = {rec.master for rec in records}  # parameters, hashed by identity
-    params = [p for p in ctx.model.parameters() if p not in masters and not hasattr(p, "placements")]
-    src = dist.get_global_rank(ctx.group, 0)
+    params = [p for p in state.model.parameters() if p not in masters and not hasattr(p, "placements")]
+    src = dist.get_global_rank(state.group, 0)
     with torch.no_grad():
         for p in params:
-            dist.broadcast(p.data, src=src, group=ctx.group)
+            dist.broadcast(p.data, src=src, group=state.group)
     return [p for p in params if p.requires_grad]

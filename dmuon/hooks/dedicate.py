@@ -153,23 +153,23 @@ def select_matrices(model: nn.Module, predicate: Predicate, *, ep_name: str | No
                                      param_layout)
 
     experts = expert_module_names(model)
-    seen: dict[int, str] = {}
+    names_by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(p), []).append(name)
     selected: list[Selected] = []
     for module_name, module in model.named_modules():
         for attr, param in list(module._parameters.items()):
             if param is None:
                 continue
             fqn = f"{module_name}.{attr}" if module_name else attr
-            first = seen.get(id(param))
-            if first is None:
-                seen[id(param)] = fqn
             picked = predicate(fqn, param)
             if not picked:
                 continue
-            if first is not None:
+            names = names_by_id.get(id(param), [])
+            if len(names) > 1:
                 raise ValueError(
-                    f"dmuon: parameter {fqn!r} is the same tensor as {first!r} (tied weights); a "
-                    f"dedicated matrix must belong to one module. Pass predicate=... to leave it "
+                    f"dmuon: parameter {fqn!r} is shared under the names {names} (tied weights); "
+                    f"a dedicated matrix must belong to one module. Pass predicate=... to leave it "
                     f"on AdamW."
                 )
             blocks = 1 if picked is True else picked
@@ -178,18 +178,6 @@ def select_matrices(model: nn.Module, predicate: Predicate, *, ep_name: str | No
             ep = expert_parallel_size(fqn, param, ep_name, ep_size)
             selected.append(Selected(fqn=fqn, module=module, attr=attr, shape=layout.shape,
                                      blocks=layout.blocks, optional=in_expert(module_name, experts), ep=ep))
-    # A tied parameter seen first as non-dedicated and later selected under its second name.
-    names_by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names_by_id.setdefault(id(p), []).append(name)
-    for sel in selected:
-        names = names_by_id.get(id(sel.param), [])
-        if len(names) > 1:
-            raise ValueError(
-                f"dmuon: parameter {sel.fqn!r} is shared under the names {names} (tied weights); "
-                f"a dedicated matrix must belong to one module. Pass predicate=... to leave it "
-                f"on AdamW."
-            )
     return selected
 
 
@@ -220,104 +208,68 @@ def dedicate_params(
         model: an ``nn.Module`` wrapped by FSDP2 ``fully_shard`` (per block and root; HSDP
             and FSDP x TP included), a tensor-parallel module (``parallelize_module``), or a
             plain module replicated on every rank of a 1-D mesh (dmuon then also averages the
-            gradients of the other parameters, DDP-style; pass the module itself, not a
-            ``DistributedDataParallel`` wrapper).
-        mesh: the ``DeviceMesh``: 1-D data parallel; ``("replicate", "shard")`` HSDP;
-            ``("dp", "tp")`` FSDP x TP; ``("replicate", "shard", "tp")``; 1-D ``("tp",)``; or,
-            with expert parallelism, the mesh the experts live on, ``(expert shard, "ep")``
-            (torchtitan's ``("efsdp", "ep")``), ``("ep",)`` or ``("replicate", expert shard,
-            "ep")`` (HSDP in front): expert stacks ``Shard(0)`` over
-            ``"ep"`` get owners among the ranks holding the same experts, every other matrix
-            among all the mesh's ranks (roles by dimension name, :mod:`dmuon.comm.mesh_roles`)
-            With pipeline parallelism, ``model`` is one stage module and ``mesh`` the whole
-            mesh with a ``"pp"`` dimension (``("pp", "dp")``, ``("pp", "replicate",
-            "shard")``...) or the stage's sub-mesh sliced from it (``mesh["dp"]``): ``"pp"``
-            ranks are stages, so owners, the plan and its digest check, and the step check
-            live within the stage's data-parallel ranks. Call it once per stage module
-            (several per rank under interleaved schedules); each rank must call it equally
-            often (:func:`dmuon.comm.mesh_roles.stage_layout`).
+            other parameters' gradients, DDP-style; pass the module, not a DDP wrapper).
+        mesh: the ``DeviceMesh``, roles by dimension name (:mod:`dmuon.comm.mesh_roles`): 1-D
+            data parallel; ``("replicate", "shard")`` HSDP; ``("dp", "tp")`` FSDP x TP;
+            ``("replicate", "shard", "tp")``; ``("tp",)``; with expert parallelism the mesh the
+            experts live on (``("efsdp", "ep")``, ``("ep",)``, HSDP in front): expert stacks
+            ``Shard(0)`` over ``"ep"`` get owners among the ranks holding the same experts.
+            With pipeline parallelism, ``model`` is one stage and ``mesh`` has a ``"pp"``
+            dimension (or is the stage's sub-mesh): owners, the plan and the step check live
+            within the stage's data-parallel ranks; call it once per stage module, equally
+            often on every rank (:func:`dmuon.comm.mesh_roles.stage_layout`).
         predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
-            ``k``: cut each stored matrix into ``k`` row blocks); default: the one declared
-            on the model (:func:`declare_predicate`; ``fully_shard_policy`` of dmuon's LeRobot
-            integration declares one without the unused ``lm_head`` matrices), else
-            :func:`default_predicate`: 2-D trainable parameters that are not
-            ``nn.Embedding`` weights, and MoE expert stacks ``[E, rows, cols]``.
+            ``k``: cut each stored matrix into ``k`` row blocks); default: the one declared on
+            the model (:func:`declare_predicate`), else :func:`default_predicate`.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
-            default: solved now on rank 0 from the Newton-Schulz FLOP model and broadcast: the
-            least Newton-Schulz exposed to the next forward under ``Muon(overlap=...)`` among
-            plans within 2% of the makespan plan's makespan (:mod:`dmuon.hooks.default_plan`:
-            heuristics, under a second, or CBC with ``solver="milp"``); under tensor or expert
-            parallelism the makespan plan (:func:`dmuon.build_plan`).
-        prefetch: number of units (modules holding dedicated matrices) whose publication is
-            issued ahead of the one running (>= 1).
+            default: solved on rank 0 and broadcast (:mod:`dmuon.hooks.default_plan`: heuristics,
+            or CBC with ``solver="milp"``; under tensor or expert parallelism the makespan plan
+            of :func:`dmuon.build_plan`).
+        prefetch: units (modules holding dedicated matrices) whose publication is issued ahead
+            of the one running (>= 1).
         reshard_after_forward: free non-owners' full weights between forward and backward
-            (they are published again before backward: less memory, one more broadcast).
-            ``None`` (default) does what FSDP2 does with the enclosing block's own parameters:
-            each block follows its ``fully_shard(reshard_after_forward=...)``, and the root
-            block keeps them (:func:`dmuon.hooks.fsdp_adapter.reshards_after_forward`); ``True`` /
-            ``False`` apply to every block. Without FSDP2, ``None`` frees them.
+            (published again before backward). ``None`` (default): as FSDP2 does with each
+            block (:func:`dmuon.hooks.fsdp_adapter.reshards_after_forward`; without FSDP2,
+            free); ``True`` / ``False`` apply to every block.
         bucket_cap_mb: plain replicated module only: cap (MiB, > 0) of one gradient bucket, as
-            DDP's ``bucket_cap_mb``: the matrices' reduce-to-owner and broadcast buckets
-            (``replicas="keep"``) and the other parameters' all-reduce buckets.
+            DDP's ``bucket_cap_mb``.
         replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz on the
-            all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts)
-            or ``"auto"`` (per matrix, the cheaper by ``replica_cost``); all exact. The modes are
-            part of the plan (:meth:`OwnerPlan.with_replicate_modes`): ``"auto"`` keeps the
-            modes a given plan already holds.
-        reduce_mode: how one FSDP2 block's gradients reach their owners (one bucket per
-            block): ``"reduce"`` (one reduce per owner of the block; on NCCL one group call) or
-            ``"all_reduce"`` (one all-reduce of the bucket: a single collective, twice the
+            all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts) or
+            ``"auto"`` (per matrix, the cheaper by ``replica_cost``; keeps a given plan's
+            modes); all exact (:meth:`OwnerPlan.with_replicate_modes`).
+        reduce_mode: how one FSDP2 block's gradients reach their owners: ``"reduce"`` (one
+            reduce per owner of the block) or ``"all_reduce"`` (one all-reduce, twice the
             bytes); both exact (:mod:`dmuon.comm.grad_buckets`).
-        group_cost: for the default plan only: the step time (in FLOP-model units) one more
-            owner in an FSDP2 block costs, as its publications and reduce are one collective
-            per (block, owner); the solver minimizes ``makespan + group_cost * pairs``.
-            ``"auto"``: by backend (:func:`dmuon.balance.cost.default_group_cost`: 0 on NCCL,
-            which keeps the pure makespan plan; about a millisecond per pair on gloo).
-            Blocks are known only when ``fully_shard`` ran first; otherwise each module is
-            its own group.
-        step_check: compare every rank's ``opt.step()`` and backward counts at each forward and
-            backward, so a rank that skips one fails every rank at once, by name
-            (:mod:`dmuon.hooks.step_check`: two small gloo all-reduces per step; without FSDP2
-            each is waited on only before dmuon's next collective, so it overlaps compute;
-            under FSDP2 the forward one is issued at the end of ``opt.step()``);
-            ``False`` leaves such a desync to the process-group timeout and creates no gloo
-            group for it. On torch's fake process group (one process playing one rank) the
-            check is off, the default plan is solved in process and the plan digest is not
-            exchanged: nothing waits for a peer (``state.offline`` lists them).
-        replicas: plain replicated module on a 1-D mesh only (``None`` elsewhere):
-            ``"keep"`` (the default there): every rank keeps every matrix whole (one compute
-            copy per matrix per rank); gradients go to their owners in ``bucket_cap_mb``
-            buckets during backward and the updated matrices come back in the same buckets
-            after ``step()``: one reduce and one broadcast per bucket per step, the bytes of
-            DDP's all-reduce (the other parameters ride in the last bucket to go out, which is
-            then one all-reduce). ``"placeholder"``: non-owners hold zero-size placeholders (saves
-            that copy: ``(D - 1) / D`` of the matrices' memory) at the cost of one broadcast per
-            module before forward and again before backward (:mod:`dmuon.hooks.keep`). The
-            default plan then gives each bucket one owner
-            (:func:`dmuon.owners.plan.build_bucket_plan`).
+        group_cost: default plan only: the cost (FLOP-model units) of one more owner in an
+            FSDP2 block; ``"auto"``: by backend (:func:`dmuon.balance.cost.default_group_cost`).
+        step_check: compare every rank's ``opt.step()`` and backward counts at each forward
+            and backward (:mod:`dmuon.hooks.step_check`), so a rank that skips one fails every
+            rank at once, by name; ``False`` leaves a desync to the process-group timeout. Off
+            on torch's fake process group, where nothing waits for a peer (``state.offline``
+            lists what is off).
+        replicas: plain replicated module on a 1-D mesh only: ``"keep"`` (default there):
+            every rank keeps every matrix whole, gradients go to owners and updated matrices
+            come back in ``bucket_cap_mb`` buckets; ``"placeholder"``: non-owners hold
+            zero-size placeholders, at one broadcast per module before forward and backward
+            (:mod:`dmuon.hooks.keep`).
         replica_cost: HSDP, ``replicate_mode="auto"`` only: the cost model that picks each
-            matrix's mode (default :class:`dmuon.balance.cost.ReplicaCost`: H100 NS throughput
-            and 200 Gb/s InfiniBand).
-        forward_tokens: for the default plan only: tokens per rank per micro-batch through each
+            matrix's mode (default :class:`dmuon.balance.cost.ReplicaCost`).
+        forward_tokens: default plan only: tokens per rank per micro-batch through each
             dedicated matrix (>= 1), from which each unit's forward time, hence the deadline of
-            the next unit's Newton-Schulz, is estimated (:mod:`dmuon.hooks.default_plan`). A
-            wrong figure never costs ``overlap="off"`` more than the 2% makespan slack.
-        solver: for the default plan only: ``"heuristic"`` (greedy and local search, under a
-            second) or ``"milp"`` (CBC warm-started from it, 5 s limit; never worse):
-            :mod:`dmuon.hooks.default_plan`.
+            the next unit's Newton-Schulz, is estimated (:mod:`dmuon.hooks.default_plan`).
+        solver: default plan only: ``"heuristic"`` (greedy and local search, under a second) or
+            ``"milp"`` (CBC warm-started from it, 5 s limit; never worse).
 
     Returns:
         The owner plan in use (identical on every rank).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` not a ``DeviceMesh`` (a
-            ``ProcessGroup``, say).
-        ValueError: a mesh that does not hold every rank of the job (on every rank; a stage's
-            sub-mesh: its parent mesh), a sub-mesh dropping a dimension other than ``"pp"``, a mesh whose roles cannot be told apart, a predicate selecting a non-2-D or tied tensor, a
-            plan for another model or world size, ``prefetch < 1``, ``forward_tokens < 1``, an unknown ``replicate_mode`` or
-            ``reduce_mode``, a negative or unknown ``group_cost``, ``bucket_cap_mb <= 0``,
-            ``replicas`` not ``"keep"``/``"placeholder"`` or given for an FSDP2 model or a 2-D
-            mesh, a model wrapped in ``DistributedDataParallel``.
+        TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` not a ``DeviceMesh``.
+        ValueError: a mesh that does not hold every rank of the job or whose roles cannot be
+            told apart, a predicate selecting a non-2-D or tied tensor, a plan for another model
+            or world size, a bad option value (``prefetch``, ``forward_tokens``,
+            ``replicate_mode``, ``reduce_mode``, ``group_cost``, ``bucket_cap_mb``,
+            ``replicas``), or a model wrapped in ``DistributedDataParallel``.
         RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
             on the plan (raised on every rank, naming the ranks).
     """
@@ -420,7 +372,7 @@ def dedicate_params(
     state.offline = tuple(offline)
     # model.state_dict() / load_state_dict() show FSDP2's (DDP's) view (dmuon.hooks.state_dict)
     state.state_dict_hooks = StateDictHooks(state)
-    state._handles += state.state_dict_hooks.install()
+    state.handles += state.state_dict_hooks.install()
     object.__setattr__(model, STATE_ATTR, state)
     if dist.get_rank(roles.world) == 0:
         loads = plan.loads()

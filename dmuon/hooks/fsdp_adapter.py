@@ -261,12 +261,10 @@ def wrap_final_callback(states: list[Any], after: Any) -> list[_RestoreAttr]:
     made it finish.
 
     torch 2.11 and 2.13: FSDP2 queues ``_root_post_backward_final_callback`` at the end of each
-    backward (its root pre-backward looks it up on the state, so an instance attribute takes the
-    method's place), and ``torch.distributed.pipelining`` calls it itself after the last
-    micro-batch, outside any backward (``PipelineStage.perform_reduce_grad``). torch 2.15: every
-    finalization (that callback, ``FSDPModule.finalize_backward``, which pipelining now calls,
-    and its asynchronous handle's ``wait()``) goes through ``FSDPState.wait_for_gradient_reduction``,
-    which is wrapped instead. A state with neither (another torch) is left alone, with a debug log.
+    backward (looked up on the state, so an instance attribute takes the method's place), and
+    ``torch.distributed.pipelining`` calls it itself after the last micro-batch. torch 2.15:
+    every finalization goes through ``FSDPState.wait_for_gradient_reduction``, which is wrapped
+    instead. A state with neither is left alone, with a debug log.
 
     Args:
         states: the model's FSDP2 states (:func:`fsdp_states`).
@@ -321,12 +319,11 @@ def wrap_pre_forward(states: list[Any], wrap: Any) -> list[_Restore]:
     """Replace FSDP2's forward pre-hook on each module of ``states`` by ``wrap(hook)``.
 
     The wrapper takes the original's place in the module's ``_forward_pre_hooks`` (same hook
-    id, so the same position, ``with_kwargs`` flag and FSDP2's own handle). FSDP2 registers
-    ``FSDPState._pre_forward`` itself on a single module, or per module a ``functools.wraps``
-    wrapper of it for grouped ``fully_shard([a, b])`` (``_register_group_forward_hooks``, which
-    torch 2.13 wraps once more in ``_dynamo_disable``: ``hook.__wrapped__.__wrapped__`` is the
-    bound method); both are recognised by that bound method, at any depth of ``__wrapped__``.
-    A state whose hook is not found (another torch) is left alone.
+    id: same position, ``with_kwargs`` flag and FSDP2's own handle). FSDP2's hook is
+    ``FSDPState._pre_forward`` itself, or for grouped ``fully_shard([a, b])`` a
+    ``functools.wraps`` wrapper of it (wrapped once more in ``_dynamo_disable`` on torch 2.13):
+    recognised by that bound method at any depth of ``__wrapped__``. A state whose hook is not
+    found is left alone.
 
     Args:
         states: the model's FSDP2 states (:func:`fsdp_states`).

@@ -1,39 +1,17 @@
 """``replicas="keep"``: the DDP-style path, full weights on every rank, collectives in buckets.
 
-On a plain replicated module (no FSDP2) the user chose replication, so memory is not the
-constraint: every rank keeps every dedicated matrix whole in its compute dtype and nothing is
-published in forward or backward. One step is then DDP's all-reduce cut in its two halves:
+On a plain replicated module (no FSDP2) every rank keeps every dedicated matrix whole in its
+compute dtype and nothing is published in forward or backward. A step is DDP's all-reduce cut
+in two halves (Li et al., "PyTorch Distributed", VLDB 2020): in backward, the matrices'
+gradients go to their owners in size-capped buckets (one owner and one ``reduce`` per bucket,
+:func:`dmuon.owners.plan.build_bucket_plan`), each issued once full; after ``step()``, each
+bucket's updated matrices are broadcast from their owner, all issued at once, and a unit's
+forward waits only for its own buckets. The other parameters ride in the bucket of the model's
+first matrix, the last to go out, which is then one ``all_reduce``
+(:meth:`dmuon.comm.grad_buckets.GradBucket.attach_shared`).
 
-* **reduce-to-owner** (backward): the matrices' gradients go to their owners in size-capped
-  buckets cut in backward order (:func:`dmuon.owners.plan.build_bucket_plan`; one owner per
-  bucket, so one ``reduce`` per bucket), each issued as soon as its last gradient is in, so
-  they overlap the rest of backward (:class:`dmuon.comm.grad_buckets.GradBucket`, issued by
-  :meth:`dmuon.hooks.unit.Unit.on_grad`);
-* **update**: owners run momentum + Newton-Schulz on what they own (:class:`dmuon.Muon`);
-* **publish** (after ``step()``): each bucket's updated matrices are broadcast from their owner
-  as one flat tensor, all issued at once in forward order; a module's forward pre-hook waits only
-  for the bucket(s) holding its own matrices, so the broadcasts overlap the next forward.
-
-Bytes per rank and step: reduce + broadcast of every matrix, the bytes of one all-reduce
-(Li et al., "PyTorch Distributed", VLDB 2020 for DDP's bucketed all-reduce), with
-Newton-Schulz run once per matrix. Against ``replicas="placeholder"`` (non-owners hold zero-size
-placeholders; each matrix is broadcast before forward and again before backward): ``"keep"``
-costs one full copy of every matrix per rank and saves one or two broadcasts per matrix and
-step, issued one per unit instead of one per bucket.
-
-The non-dedicated parameters (AdamW runs on every rank, as under DDP) travel in the bucket of
-the model's first matrix, the last to go out in backward, which is then one ``all_reduce``
-instead of a ``reduce`` (:meth:`dmuon.comm.grad_buckets.GradBucket.attach_shared`): no
-collective of their own, so a step issues #buckets reduces/all-reduces and #buckets
-broadcasts. (Their separate DDP-style all-reduce, :class:`dmuon.comm.ddp_allreduce.ReplicatedGrads`,
-remains for ``replicas="placeholder"`` and for parameters of another dtype or device.)
-
-The runtime (:mod:`dmuon.hooks.state`) runs this mode with its ordinary publication
-machinery (:mod:`dmuon.hooks.unit`): groups keyed by bucket (:func:`bucket_keys`, at
-:mod:`dmuon.hooks.bind`), non-owners' buffers never freed (``PublishGroup.keep``),
-nothing released after forward or backward, and every group issued at once (after the step,
-or at the first forward) instead of ``prefetch`` units ahead. This module only decides the
-mode and the buckets.
+The runtime runs this mode with its ordinary publication machinery, publish groups keyed by
+bucket (:func:`bucket_keys`) and never freed; this module only decides the mode and the buckets.
 """
 
 from __future__ import annotations

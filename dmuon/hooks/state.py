@@ -1,37 +1,26 @@
-"""The per-model runtime: hooks for the four phases of a dmuon step, in FSDP2's shape.
+"""The per-model runtime state: hooks for the four phases of a dmuon step, in FSDP2's shape.
 
-As FSDP2 splits ``FSDPState`` (dispatches hooks), ``FSDPParamGroup`` (one unit) and
-``FSDPParam``, dmuon has :class:`DedicateState` (one per model: registers every hook, holds what
-the units share, finishes a backward, publishes after a step), :class:`dmuon.hooks.unit.Unit`
-(one per unit: its forward and backward hooks) with its :class:`dmuon.hooks.unit.PublishGroup`
-buffers (publish, wait, release) and :class:`dmuon.owners.dedicated.DedicatedParam` (one
-matrix). :mod:`dmuon.hooks.bind` builds them. Hooks only enqueue work (issue a broadcast, issue
-a reduce, mark a record); the math lives in :mod:`dmuon.owners`.
+As FSDP2 has one ``FSDPState`` per module, dmuon has one :class:`DedicateState` per model: it
+registers every hook and holds what the phases share; :func:`dmuon.hooks.bind.bind` fills it in
+place. The phases are objects of their own: publish (:class:`dmuon.hooks.unit.Publisher`),
+reduce (:class:`dmuon.hooks.backward.ReduceToOwners`), update (:class:`dmuon.optim.OwnerUpdate`)
+and overlap (:class:`dmuon.owners.overlap.PendingSteps`). A :class:`dmuon.hooks.unit.Unit`
+(FSDP2's ``FSDPParamGroup``) runs one unit's forward and backward hooks; a
+:class:`dmuon.owners.dedicated.DedicatedParam` is one matrix. Hooks only enqueue work; the math
+lives in :mod:`dmuon.owners`.
 
-Phase 1, forward materialization: a forward pre-hook on each *unit* waits for the unit's
-publication, issued earlier, and prefetches the next ``prefetch`` units; a post-hook puts the
-placeholders back and, with ``reshard_after_forward``, frees the full weights until a
-pre-backward hook re-publishes them. A unit is what FSDP2 gathers: the module ``fully_shard``
-was called on, never the leaf holding the parameter, so a parent that reads a child's weight
-without calling the child (``nn.MultiheadAttention.out_proj``), a module called twice and a
-block reused across depth all see full weights. On a plain replicated module it is the module
-holding the matrix or its enclosing torch attention/transformer layer
-(:func:`dmuon.hooks.fsdp_adapter.publish_block`).
-
-Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
-pre-backward until its post-backward (its last gradient is in), and its forward hooks do
-nothing while autograd runs: activation checkpointing re-runs forwards inside backward,
-and cuts them short (early stop) so their post-forward never runs.
-Phase 2, reduce-to-owner: a post-accumulate-grad hook on each full weight puts its gradient in
-its unit's :class:`dmuon.comm.grad_buckets.GradBucket`, which issues an async reduce to the
-owners once full; a callback at the end of backward waits and averages
-(:class:`dmuon.hooks.backward.ReduceToOwners`, the state's ``backward``).
+Phase 1, forward: a forward pre-hook on each unit (the module ``fully_shard`` was called on,
+or without FSDP2 :func:`dmuon.hooks.fsdp_adapter.publish_block`) waits for its publication and
+prefetches the next ``prefetch`` units; a post-hook puts the placeholders back and, with
+``reshard_after_forward``, frees the full weights until its pre-backward publishes them again.
+Phase 2, reduce-to-owner: each full weight's post-accumulate-grad hook puts its gradient in its
+bucket (:class:`dmuon.comm.grad_buckets.GradBucket`), reduced to the owners once full; the end
+of backward waits and averages. Phase 3, the owners' update (:mod:`dmuon.owners.update`).
 Phase 4, publication: :meth:`DedicateState.publish_after_step` refreshes the owners' compute
-copies and issues the first units' broadcasts so they overlap the next forward.
+copies and issues the first units' broadcasts, overlapping the next forward.
 
-Which ranks hold what is a function of one rank-independent flag per publish group, ``live``
-("the current weights are published or being published"), so every rank issues the same
-collectives in the same order without talking about it.
+What each rank holds follows from one rank-independent flag per publish group, ``live``, so
+every rank issues the same collectives in the same order without talking about it.
 """
 
 from __future__ import annotations
@@ -45,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.hooks import fsdp_adapter as fsdp
-from dmuon.hooks.bind import BindRequest, Selected, Wiring, bind, check_materialized
+from dmuon.hooks.bind import Selected, bind, check_materialized
 from dmuon.hooks.backward import ReduceToOwners
 from dmuon.hooks.compile import dynamo_disable
 from dmuon.hooks.step_check import StepCheck
@@ -54,7 +43,7 @@ from dmuon.comm.grad_buckets import GradBucket, IssueOrder
 from dmuon.comm.mesh_roles import MeshRoles
 from dmuon.comm.hsdp_replicas import broadcast_masters
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
-from dmuon.hooks.unit import PublishGroup, Unit, UnitContext
+from dmuon.hooks.unit import Publisher, PublishGroup, Unit
 from dmuon.owners.dedicated import DedicatedParam
 from dmuon.owners.overlap import PendingSteps
 from dmuon.owners.plan import OwnerPlan
@@ -63,22 +52,16 @@ logger = logging.getLogger(__name__)
 
 
 class DedicateState:
-    """Everything dmuon keeps for one model on one rank; dispatches the hooks to its units.
+    """Everything dmuon keeps for one model on one rank; registers every hook.
 
     Args:
         model: the user's model (FSDP2-wrapped or plain).
-        roles: dmuon's process groups along the mesh's shard / replicate / TP dimensions.
+        roles: dmuon's process groups along the mesh's dimensions.
         plan: the owner plan, already checked identical on every rank.
         selected: the dedicated matrices, in model order.
-        prefetch: how many units ahead a publication is issued (>= 1).
-        reshard_after_forward: free non-owners' full weights after forward and publish again
-            before backward; ``None`` follows FSDP2 (:func:`dmuon.hooks.fsdp_adapter.reshards_after_forward`).
-        bucket_bytes: bucket size for replicated gradient all-reduces (DDP-style path).
-        reduce_mode: how a block's gradients reach their owners: ``"reduce"`` or
-            ``"all_reduce"`` (:mod:`dmuon.comm.grad_buckets`).
-        replicas: plain replicated module only: ``"keep"`` (default there) or
-            ``"placeholder"`` (:mod:`dmuon.hooks.keep`).
-        step_check: compare step and backward counts across ranks (:mod:`dmuon.hooks.step_check`).
+        prefetch, reshard_after_forward, reduce_mode, replicas, step_check: as
+            :func:`dmuon.dedicate_params` takes them.
+        bucket_bytes: ``bucket_cap_mb`` in bytes.
     """
 
     def __init__(
@@ -109,7 +92,7 @@ class DedicateState:
         self.bucket_bytes = bucket_bytes
         self.reduce_mode = reduce_mode
         self.replicas = replicas
-        # Set at binding (dmuon.hooks.bind):
+        # filled in by binding (dmuon.hooks.bind.bind)
         self.bound = False
         self.records: list[DedicatedParam] = []
         self.units: list[Unit] = []
@@ -119,68 +102,66 @@ class DedicateState:
         self.replicated: ReplicatedGrads | None = None
         self.shared_bucket: GradBucket | None = None  # keep mode: carries the other parameters
         self.keep = False  # replicas="keep": every rank keeps the full weights
-        self.fsdp_wrapped = False
-        self._sharding_checked = False  # check_not_sharded_since_binding ran
-        self._fsdp_states: list[Any] = []
+        self.fsdp_states: list[Any] = []
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
-        self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}  # master -> record
-        self.ns_matrices = 0  # matrices this rank orthogonalized (for tests and stats)
-        # phase 2 (dmuon.hooks.backward): what one backward needs, and its entry points
-        self.backward = ReduceToOwners(self)
-        # phase 3 behind compute (Muon(overlap=...)): the owners' scheduled updates
+        self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}
+        self._sharding_checked = False  # check_not_sharded_since_binding ran
+        # the owners' updates an overlapped step scheduled (Muon(overlap=...))
         self.pending = PendingSteps()
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
         self.step_check = StepCheck(roles.steps if step_check else None)
         self.step_check.watch(self.pending)  # a failed overlapped update fails every rank at once
-        # what the units share (they never see this object: FSDP2's FSDPCommContext pattern)
-        self.ctx = UnitContext(group=self.group, prefetch=prefetch, reduce_mode=reduce_mode,
-                               step_check=self.step_check, ensure_bound=self.ensure_bound,
-                               queue_final_callback=self.backward.queue_final_callback,
-                               pending=self.pending)
+        self.publisher = Publisher(self)  # phases 1 and 4
+        self.backward = ReduceToOwners(self)  # phase 2
         # what this rank switched off for want of live peers (the fake backend; set by
         # dedicate_params): the rank view reports it
         self.offline: tuple[str, ...] = ()
-        self._handles: list[Any] = []
+        self.handles: list[Any] = []  # every hook dmuon installed (remove() takes them out)
         self._bind_handle: Any = None
         self._register_hooks()
 
+    @property
+    def fsdp_wrapped(self) -> bool:
+        """The model was FSDP2-wrapped when bound."""
+        return bool(self.fsdp_states)
+
     # ------------------------------------------------------------------ hooks
-    def _register_hooks(self, wiring: list[Wiring] | None = None) -> None:
+    def _register_hooks(self, wiring: list[tuple] | None = None) -> None:
         """Every hook dmuon installs. Without ``wiring`` (construction): the step check and the
         binding pre-hook, both in front of FSDP2's root hook. Units are FSDP2 blocks, known once
         ``fully_shard`` has run: binding passes ``wiring`` for the units' and gradients' hooks."""
         if wiring is None:
             self._bind_handle = self.model.register_forward_pre_hook(
                 dynamo_disable(self._bind_at_first_forward), prepend=True)
-            self._handles += self.step_check.install(self.model)  # prepended: in front of binding too
+            self.handles += self.step_check.install(self.model)  # prepended: in front of binding too
             return
-        for w in wiring:  # where each gradient goes
-            self._handles.append(w.rec.compute.register_post_accumulate_grad_hook(
-                functools.partial(w.unit.on_grad, w.rec, w.group, w.bucket)))
+        for rec, *where in wiring:  # where each gradient goes
+            self.handles.append(rec.compute.register_post_accumulate_grad_hook(
+                functools.partial(self.backward.on_grad, rec, *where)))
         if self.replicated is not None:
             for p in self.replicated.params:
-                self._handles.append(p.register_hook(functools.partial(self.backward.on_replicated_grad, p)))
+                self.handles.append(p.register_hook(functools.partial(self.backward.on_replicated_grad, p)))
         if self.shared_bucket is not None:
             for p in self.shared_bucket.shared:
-                self._handles.append(p.register_post_accumulate_grad_hook(self.backward.on_shared_grad))
+                self.handles.append(p.register_post_accumulate_grad_hook(self.backward.on_shared_grad))
         # Nothing reads or writes a master with an overlapped update pending (dmuon.owners.overlap)
-        self._handles.append(self.model.register_state_dict_pre_hook(
+        self.handles.append(self.model.register_state_dict_pre_hook(
             lambda *args, **kwargs: self.settle_pending()))
-        self._handles.append(self.model.register_load_state_dict_pre_hook(
+        self.handles.append(self.model.register_load_state_dict_pre_hook(
             lambda *args, **kwargs: self.settle_pending()))
         # Loading a state dict writes the masters; the compute copies must follow.
-        self._handles.append(self.model.register_load_state_dict_post_hook(
+        self.handles.append(self.model.register_load_state_dict_post_hook(
             lambda module, keys: self.publish_after_step(issue=False)))
         for unit in self.units:
             unit.pre_backward_hook = dynamo_disable(unit.pre_backward)
-            self._handles.append(unit.module.register_forward_pre_hook(dynamo_disable(unit.pre_forward)))
-            self._handles.append(unit.module.register_forward_hook(dynamo_disable(unit.post_forward)))
+            self.handles.append(unit.module.register_forward_pre_hook(dynamo_disable(unit.pre_forward)))
+            self.handles.append(unit.module.register_forward_hook(dynamo_disable(unit.post_forward)))
 
     def remove(self) -> None:
         """Remove every hook dmuon installed (the model keeps its current parameters)."""
-        for handle in self._handles:
+        for handle in self.handles:
             handle.remove()
-        self._handles.clear()
+        self.handles.clear()
 
     # ------------------------------------------------------------------ binding
     def ensure_bound(self) -> None:
@@ -193,43 +174,27 @@ class DedicateState:
             return
         check_materialized(self.selected)
         self._bind_handle.remove()
-        request = BindRequest(model=self.model, roles=self.roles, plan=self.plan, selected=self.selected,
-                              replicas=self.replicas, reshard_after_forward=self.reshard_after_forward,
-                              bucket_bytes=self.bucket_bytes, rank=self.rank, world_size=self.world_size)
-        binding = bind(request, self.ctx)
-        self.records, self.units, self.groups, self.buckets = (
-            binding.records, binding.units, binding.groups, binding.buckets)
-        self.ctx.issue_order = self.issue_order = IssueOrder(self.buckets)  # the units issue in it
-        self.keep, self._fsdp_states = binding.keep, binding.fsdp_states
-        self.ctx.units, self.ctx.groups, self.ctx.keep = self.units, self.groups, self.keep
-        self.fsdp_wrapped = bool(binding.fsdp_states)
+        wiring = bind(self)
         # without FSDP2 dmuon issues every collective of the step: the check can wait until
         # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
         self.step_check.deferred = not self.fsdp_wrapped
         # FSDP2: the forward check goes out at the end of opt.step() and is settled, usually
         # already complete, at the next forward (StepCheck.issue_at_step)
         self.step_check.issue_at_step = self.fsdp_wrapped
-        self.record_of_master = {rec.master: rec for rec in self.records}
-        self.shared_bucket = binding.shared_bucket
-        if binding.replicated and binding.shared_bucket is None:
-            self.replicated = ReplicatedGrads(binding.replicated, self.group, self.bucket_bytes,
-                                              before_issue=self.step_check.settle)
         self.bound = True
-        self._register_hooks(binding.wiring)
+        self._register_hooks(wiring)
         if not self.fsdp_wrapped:  # a later fully_shard (accelerator.prepare) is refused by name
             self._refuse_later_fully_shard()
         if self.fsdp_wrapped and self.step_check.group is not None:
             # the check settles before FSDP2's root all-gather even when dedicate_params ran
             # before fully_shard, and a rank the others left fails by name in FSDP2's
             # all-gather (StepCheck.guard_fsdp_pre_forward)
-            self._handles += self.step_check.to_front(self.model)
-            self._handles += fsdp.wrap_pre_forward(self._fsdp_states, self.step_check.guard_fsdp_pre_forward)
+            self.handles += self.step_check.to_front(self.model)
+            self.handles += fsdp.wrap_pre_forward(self.fsdp_states, self.step_check.guard_fsdp_pre_forward)
         if self.fsdp_wrapped:
             # FSDP2 reduces outside any backward too (pipelining schedules call its final callback
-            # themselves): follow it there; and each bucket follows its block's divide factor
-            self._handles += fsdp.wrap_final_callback(self._fsdp_states, self.backward.reduce_outside_backward)
-            for w in binding.wiring:
-                w.bucket.block = w.unit.module
+            # themselves): follow it there
+            self.handles += fsdp.wrap_final_callback(self.fsdp_states, self.backward.reduce_outside_backward)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
 
@@ -250,7 +215,7 @@ class DedicateState:
                 self.check_not_sharded_since_binding("the model's first forward")
 
         handle = register_module_forward_pre_hook(dynamo_disable(first_forward))
-        self._handles.append(handle)
+        self.handles.append(handle)
 
     def check_not_sharded_since_binding(self, where: str) -> None:
         """Raise if the model, bound without FSDP2, is FSDP2-wrapped now (checked once).
@@ -282,9 +247,9 @@ class DedicateState:
     # -------------------------------------------------------------- publication
     def settle_pending(self) -> None:
         """Every overlapped update done and what this rank held back published
-        (:meth:`UnitContext.flush`): before a reader, or another collective on that group."""
+        (:meth:`Publisher.flush`): before a reader, or another collective on that group."""
         self.pending.wait_all()
-        self.ctx.flush()
+        self.publisher.flush()
 
     # --------------------------------------------------------------- after step
     def publish_after_step(self, issue: bool = True) -> None:
@@ -311,4 +276,4 @@ class DedicateState:
             for group in self.groups:  # a group with a job pending refreshes itself there
                 group.refresh(copy=not self.pending.pending(group))
             if issue:  # keep mode: every bucket, overlapping the next forward
-                self.ctx.issue(self.units if self.keep else self.units[: self.prefetch])
+                self.publisher.issue(self.units if self.keep else self.units[: self.prefetch])

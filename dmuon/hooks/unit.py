@@ -1,26 +1,23 @@
 """One unit of publication: FSDP2's ``FSDPParamGroup`` for dmuon's dedicated matrices.
 
 A :class:`Unit` is what is published together before one module runs (an FSDP2 block, or
-without FSDP2 the block :func:`dmuon.hooks.fsdp_adapter.publish_block` picks); it runs its own pre/post
-forward and backward bookkeeping, as ``FSDPParamGroup`` runs its unshard/reshard. Its matrices
-travel in :class:`PublishGroup` buffers, one per owner and compute dtype, each issued, waited
-on and freed by itself (one broadcast per group, as FSDP2 all-gathers a group into one buffer).
-A unit gets a :class:`UnitContext`, what every unit of the model shares (the process group,
-``prefetch``, the unit order, the keep mode, the step check, two callbacks into the runtime), not
-the whole :class:`dmuon.hooks.state.DedicateState`, as FSDP2 gives ``FSDPParamGroup`` an
-``FSDPCommContext`` rather than its ``FSDPState``: this module never names the state.
+without FSDP2 the block :func:`dmuon.hooks.fsdp_adapter.publish_block` picks); it runs its own
+pre/post forward and backward bookkeeping, as ``FSDPParamGroup`` runs its unshard/reshard. Its
+matrices travel in :class:`PublishGroup` buffers, one per owner and compute dtype, each issued,
+waited on and freed by itself (one broadcast per group, as FSDP2 all-gathers a group into one
+buffer). The :class:`Publisher` (the publish phase) issues them in the one order every rank
+shares.
 
 Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
 pre-backward until its post-backward (its last gradient is in), and its forward hooks do
 nothing while autograd runs: activation checkpointing re-runs forwards inside backward, and
-cuts them short (early stop) so their post-forward never runs.
-"""
+cuts them short (early stop) so their post-forward never runs."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +28,7 @@ from torch.utils._pytree import tree_flatten
 from dmuon.comm import collectives as comm
 from dmuon.comm.collectives import Pending, is_complete, issued_together, label
 from dmuon.comm.mesh_roles import is_fake_backend
-from dmuon.hooks.step_check import StepCheck, in_autograd_backward
-from dmuon.comm.grad_buckets import GradBucket, IssueOrder
+from dmuon.hooks.step_check import in_autograd_backward
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
 
 
@@ -151,29 +147,15 @@ def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
                 pendings.append(pub.issue(pg))
 
 
-@dataclass(eq=False)
-class UnitContext:
-    """What the units of one model share (FSDP2's ``FSDPCommContext``): built by the runtime,
-    filled in at binding, read and written by the units' hooks.
+class Publisher:
+    """The publish phase of one model: issues the units' publications in the one order every
+    rank shares, holding back a prefetched group whose overlapped owner update is still running.
+
+    Args:
+        state: the model's runtime state (:class:`dmuon.hooks.state.DedicateState`; read: its
+            process group, units, keep mode and pending updates).
 
     Attributes:
-        group: the dmuon process group (publications, reduce-to-owner).
-        prefetch: how many units ahead a publication is issued (>= 1).
-        reduce_mode: ``"reduce"`` or ``"all_reduce"`` (:mod:`dmuon.comm.grad_buckets`).
-        step_check: the model's :class:`dmuon.hooks.step_check.StepCheck`.
-        ensure_bound: binds the model if it is not yet (the runtime's).
-        queue_final_callback: the runtime's first-gradient hook of a backward (decides
-            ``sync_this_backward``, queues the end-of-backward callback).
-        units: every unit, in forward order (set at binding).
-        groups: every publish group (set at binding).
-        keep: ``replicas="keep"``: every rank keeps every matrix whole (set at binding).
-        sync_this_backward: this backward reduces to the owners (``False`` under ``no_sync``).
-        issue_order: the one order every rank issues the gradient buckets in (set at binding,
-            :class:`dmuon.comm.grad_buckets.IssueOrder`).
-        pending: the owners' updates an overlapped step scheduled
-            (:class:`dmuon.owners.overlap.PendingSteps`); a publication waits for its own.
-        poll_reduced: ``Muon(overlap="backward")``: called whenever a synced backward issues a
-            bucket (:meth:`dmuon.hooks.backward.ReduceToOwners.poll_reduced`).
         deferred: publish groups this rank held back at its last :meth:`issue` (an owner's
             prefetched group whose update was still running, and those after it); the other
             ranks may have issued them.
@@ -181,37 +163,23 @@ class UnitContext:
             :meth:`adopt_forward_order` has run).
     """
 
-    group: dist.ProcessGroup
-    prefetch: int
-    reduce_mode: str
-    step_check: StepCheck
-    ensure_bound: Callable[[], None]
-    queue_final_callback: Callable[[], None]
-    units: list[Unit] = field(default_factory=list)
-    groups: list[PublishGroup] = field(default_factory=list)
-    keep: bool = False
-    sync_this_backward: bool = True
-    issue_order: IssueOrder = field(default_factory=lambda: IssueOrder([]))
-    pending: Any = None
-    poll_reduced: Callable[[], None] | None = None
-    deferred: list[PublishGroup] = field(default_factory=list)
-    seen: list[Unit] | None = field(default_factory=list)
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.deferred: list[PublishGroup] = []
+        self.seen: list[Unit] | None = []
 
     def issue(self, units: list[Unit], need: Unit | None = None) -> None:
         """Publish the groups of ``units`` not yet live, in order, as one NCCL group call if
         possible.
 
         With overlapped owner updates pending (:class:`dmuon.owners.overlap.PendingSteps`), a
-        group's broadcast goes out only after its own update: the groups up to and including
-        ``need``'s (the unit about to run) wait for theirs; a later, prefetched group goes out
-        only if its update is done, and this rank stops at the first one that is not (it and
-        the groups after it go out at a later issue, in the same order, so every rank issues
-        the publications in one order and a forward never waits on a later unit's
-        Newton-Schulz). On CUDA an update is a side-stream job with an event: the broadcasts
-        are issued in order on a publication stream (:meth:`PendingSteps.stream_for`), each
-        group with a job right after that stream waits for its job's event (and alone, not in
-        a group call with later ones, whose events it would then wait for too); only the unit
-        that runs makes the compute stream wait, on its publication (:meth:`PublishGroup.wait`).
+        group goes out only after its own update: the groups up to ``need``'s wait for theirs;
+        a later, prefetched group goes out only if its update is done, and this rank holds it
+        and the groups after it back (:attr:`deferred`) until a later issue, in the same order,
+        so every rank issues in one order and a forward never waits on a later unit's
+        Newton-Schulz. On CUDA the broadcasts go out on a publication stream
+        (:meth:`PendingSteps.stream_for`) that waits for each group's job event alone; only the
+        unit that runs makes the compute stream wait (:meth:`PublishGroup.wait`).
 
         Args:
             units: the units to publish, in forward (or backward prefetch) order.
@@ -222,9 +190,9 @@ class UnitContext:
         if self.deferred:  # what this rank held back last time goes first: one order on all ranks
             groups = [g for g in self.deferred if not g.live] + [g for g in groups if g not in self.deferred]
             self.deferred = []
-        pending = self.pending
-        if pending is None or not pending.jobs:
-            issue_groups(groups, self.group)
+        pending, pg = self.state.pending, self.state.group
+        if not pending.jobs:
+            issue_groups(groups, pg)
             return
         last = max((i for i, g in enumerate(groups) if need is not None and g in need.groups), default=-1)
         ready = groups
@@ -237,7 +205,7 @@ class UnitContext:
         stream = pending.stream_for(ready)
         if stream is None:
             pending.wait_for(ready)
-            issue_groups(ready, self.group)
+            issue_groups(ready, pg)
             return
         for g in ready:  # a non-owner's buffer is allocated on the compute stream, which frees it
             if not g.is_owner:
@@ -249,43 +217,42 @@ class UnitContext:
                 if not pending.pending(g):
                     batch.append(g)
                     continue
-                issue_groups(batch, self.group)
+                issue_groups(batch, pg)
                 batch = []
                 pending.wait_for([g])  # this stream waits for g's job event alone
-                issue_groups([g], self.group)
-            issue_groups(batch, self.group)
+                issue_groups([g], pg)
+            issue_groups(batch, pg)
 
     def adopt_forward_order(self) -> None:
-        """Once, at the first step: reorder :attr:`units` (and their ``index``) as the first
-        forward ran them (units it did not run keep their place after those), so prefetch,
-        backward prefetch and the overlapped jobs follow execution order, as FSDP2's own
-        prefetch does. pi0 and SmolVLA run their VLM and action-expert layers interleaved; in
-        registration order expert layer 0 would wait for every VLM layer's Newton-Schulz.
+        """Once, at the first step: reorder the units (and their ``index``) as the first
+        forward ran them (units it did not run keep their place after those), so prefetch and
+        the overlapped jobs follow execution order, as FSDP2's prefetch does (pi0 runs its VLM
+        and action-expert layers interleaved).
 
         Collective over the publications' group: the ranks adopt the order only if they all
-        saw the same one (a forward whose modules depend on the data, e.g. experts that
-        receive no tokens, keeps registration order), so they keep issuing in one order.
+        saw the same one (else registration order stays), so they keep issuing in one order.
         """
         if self.seen is None:
             return
         self.flush()  # nothing held back may cross the all_gather below
         seen, self.seen = self.seen, None
-        if not seen or self.keep:
+        units, pg = self.state.units, self.state.group
+        if not seen or self.state.keep:
             return
-        order = seen + [u for u in self.units if u not in set(seen)]
-        if order == self.units:
+        order = seen + [u for u in units if u not in set(seen)]
+        if order == units:
             return
         digest = tuple(u.index for u in order)
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1 and \
-                not is_fake_backend(dist.get_backend(self.group)):
-            everyone: list[Any] = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(everyone, digest, group=self.group)
+        if dist.is_initialized() and dist.get_world_size(pg) > 1 and \
+                not is_fake_backend(dist.get_backend(pg)):
+            everyone: list[Any] = [None] * dist.get_world_size(pg)
+            dist.all_gather_object(everyone, digest, group=pg)
             if any(d != digest for d in everyone):
                 logger.info("dmuon: the ranks ran their units in different orders in the first "
                             "forward; prefetch keeps registration order")
                 return
-        self.units[:] = order
-        for index, unit in enumerate(self.units):
+        units[:] = order
+        for index, unit in enumerate(units):
             unit.index = index
 
     def flush(self) -> None:
@@ -296,9 +263,8 @@ class UnitContext:
             return
         groups = [g for g in self.deferred if not g.live]
         self.deferred = []
-        if self.pending is not None:
-            self.pending.wait_for(groups)
-        issue_groups(groups, self.group)
+        self.state.pending.wait_for(groups)
+        issue_groups(groups, self.state.group)
 
 
 @dataclass(eq=False)
@@ -306,7 +272,7 @@ class Unit:
     """The dedicated matrices published together before one module runs, and their hooks.
 
     Attributes:
-        ctx: what the model's units share (:class:`UnitContext`).
+        state: the model's runtime state (:class:`dmuon.hooks.state.DedicateState`).
         index: position in forward order (the order units are prefetched in).
         module: the FSDP2 block (``fully_shard`` module) or, without FSDP2, the matrices'
             parent module (:func:`dmuon.hooks.fsdp_adapter.publish_block`).
@@ -325,7 +291,7 @@ class Unit:
             it encloses): backward prefetch skips it.
     """
 
-    ctx: UnitContext
+    state: Any
     index: int
     module: nn.Module
     reshard: bool = True
@@ -364,27 +330,28 @@ class Unit:
     # --------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: publish this unit (and prefetch the next), wait, show compute."""
-        ctx = self.ctx
-        ctx.ensure_bound()
-        ctx.step_check.before_forward()
-        if ctx.seen is not None and not (self.in_backward or in_autograd_backward()) and self not in ctx.seen:
-            ctx.seen.append(self)  # the first forward's order (adopt_forward_order)
+        state = self.state
+        state.ensure_bound()
+        state.step_check.before_forward()
+        seen = state.publisher.seen
+        if seen is not None and not (self.in_backward or in_autograd_backward()) and self not in seen:
+            seen.append(self)  # the first forward's order (adopt_forward_order)
         with label("dmuon::pre_forward"):
-            if ctx.keep:  # every bucket goes out at once (normally right after the step, else
+            if state.keep:  # every bucket goes out at once (normally right after the step, else
                 # here: at the first forward, after loading a state dict); each unit waits for
                 # its own. A recomputed forward (activation checkpointing) finds them live.
-                to_issue = [] if all(g.live for g in ctx.groups) else ctx.units
+                to_issue = [] if all(g.live for g in state.groups) else state.units
             elif self.in_backward or in_autograd_backward():
                 # Activation checkpointing recomputes this forward inside backward: the
                 # weights must be whole, and stay so until the unit's post-backward.
                 to_issue = [self]
             else:
-                to_issue = ctx.units[self.index: self.index + 1 + ctx.prefetch]
+                to_issue = state.units[self.index: self.index + 1 + state.prefetch]
             if any(not g.live for unit in to_issue for g in unit.groups) or any(
                     g.in_flight() for g in self.groups):
-                ctx.step_check.settle()  # a deferred check, before issuing or blocking
+                state.step_check.settle()  # a deferred check, before issuing or blocking
             if to_issue:
-                ctx.issue(to_issue, need=self)
+                state.publisher.issue(to_issue, need=self)
             self.wait()
         self.show("compute")
 
@@ -393,7 +360,7 @@ class Unit:
         if self.in_backward or in_autograd_backward():
             return  # a recomputation: the unit's post-backward puts the masters back
         self.show("master")
-        if self.ctx.keep:
+        if self.state.keep:
             # keep mode: the weights stay, and no pre-backward is needed (nothing is published;
             # a recomputed forward shows the compute weights through pre_forward, and the
             # gradient hooks end the backward): no release, no multi-grad hook per unit
@@ -409,42 +376,25 @@ class Unit:
     def pre_backward(self, grad: Any) -> None:
         """First gradient of the unit's output: publish it again (and prefetch the previous
         units), wait, and show the compute weights until its post-backward."""
-        ctx = self.ctx
-        ctx.queue_final_callback()  # the step check; ends every unit's backward, even a frozen unit's
-        if not ctx.keep:  # keep mode: the weights never left
+        state = self.state
+        state.backward.queue_final_callback()  # the step check; ends every unit's backward
+        if not state.keep:  # keep mode: the weights never left
             with label("dmuon::pre_backward"):
-                ctx.step_check.settle()
-                previous = ctx.units[max(0, self.index - ctx.prefetch): self.index][::-1]
-                ctx.issue([self] + [prev for prev in previous if prev.takes_grad and not prev.backward_finished],
-                          need=self)
+                state.step_check.settle()
+                previous = state.units[max(0, self.index - state.prefetch): self.index][::-1]
+                previous = [prev for prev in previous if prev.takes_grad and not prev.backward_finished]
+                state.publisher.issue([self] + previous, need=self)
                 self.wait()
         # Like FSDP2's pre-backward unshard: a recomputed forward reads the module's weights.
         self.in_backward = True
         self.show("compute")
 
-    def on_grad(self, rec: DedicatedParam, group: PublishGroup, bucket: GradBucket, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of ``rec.compute``: its gradient goes into its bucket (the
-        bucket's reduce-to-owner starts once full); then the group and unit bookkeeping."""
-        ctx = self.ctx
-        ctx.queue_final_callback()
-        with label("dmuon::grad_hook"):
-            if ctx.sync_this_backward:
-                grad = param.grad
-                param.grad = None
-                if hasattr(grad, "to_local"):  # the TP slice's gradient
-                    grad = grad.to_local()
-                if bucket.add(rec, grad):
-                    ctx.step_check.settle()  # the ranks agree before the first reduce goes out
-                    ctx.issue_order.full(ctx.group, ctx.reduce_mode)  # in the one order of all ranks
-                    if ctx.poll_reduced is not None:  # Muon(overlap="backward"): owners' NS
-                        ctx.poll_reduced()  # starts for the buckets already reduced
-            # else gradient accumulation: keep the local sum in compute.grad (full size on every
-            # rank, like FSDP2's unsharded grads under no_sync); reduce it on the sync pass.
-            group.grad_in(rec)
-            self.grads_done.add(rec)
-            if self.grads_complete():
-                self.post_backward()
-                self.backward_finished = True
+    def grad_in(self, rec: DedicatedParam) -> None:
+        """``rec``'s gradient is in: the unit's backward is over once every gradient is."""
+        self.grads_done.add(rec)
+        if self.grads_complete():
+            self.post_backward()
+            self.backward_finished = True
 
     def post_backward(self) -> None:
         """Masters back on the modules; the unit's backward is over."""

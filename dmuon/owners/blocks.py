@@ -1,23 +1,16 @@
 """Split Muon: a matrix orthogonalized block by block (per-head Muon).
 
-A :class:`Split` says how one dedicated matrix cuts into blocks along a dimension that
-Newton-Schulz treats as matrices of their own: ``Split.heads(num_heads, head_dim)`` for a query
-/ key / value projection (rows grouped by head), ``Split(sizes=(...))`` for blocks of any sizes
-(a fused ``[q; k; v]`` as three parts, or each part per head). The owner forms the momentum and
-Nesterov update of the whole matrix, orthogonalizes every block (the blocks of one matrix and
-same-shape blocks of other matrices in one batched Newton-Schulz call,
-:func:`dmuon.kernels.orthogonalize_by_shape`), and applies each block with the learning rate
-adjusted by *the block's* shape. That is ``torch.optim.Muon`` run on every block as a parameter
-of its own (momentum and weight decay are element-wise, so they do not care), and the rule
-torchtitan's per-head Muon uses: its ``_adjust_muon_learning_rate`` reads the last two dims of
-the ``[num_heads, head_dim, dim]`` compute view (torchtitan ``distributed/flex_shard`` DistMuon,
-``AttentionPerHeadComputeView``, PR #4078).
+A :class:`Split` cuts one dedicated matrix into blocks along a dimension, each a Newton-Schulz
+matrix of its own: ``Split.heads(num_heads, head_dim)`` for a query / key / value projection,
+``Split(sizes=(...))`` for blocks of any sizes. The owner forms the momentum update of the whole
+matrix, orthogonalizes every block (batched by shape with other matrices' blocks), and applies
+each with the learning rate adjusted by *the block's* shape: ``torch.optim.Muon`` run on every
+block as a parameter of its own, the rule of torchtitan's per-head Muon
+(``_adjust_muon_learning_rate`` on the ``[num_heads, head_dim, dim]`` view, PR #4078).
 
-Under tensor parallelism a matrix whose TP slices hold whole blocks (q / k / v sharded colwise on
-head boundaries) is orthogonalized block by block on each TP rank, with no exchange; otherwise
-the TP owner gathers the slices as for any matrix (:func:`dmuon.comm.exchange.orthogonalize_tp`)
-and cuts the full update into blocks there. Each TP rank applies the learning rates of the blocks its slice
-intersects.
+Under tensor parallelism a matrix whose TP slices hold whole blocks is orthogonalized block by
+block on each TP rank, with no exchange; otherwise the TP owner gathers the slices
+(:func:`dmuon.comm.exchange.orthogonalize_tp`) and cuts the full update there.
 """
 
 from __future__ import annotations

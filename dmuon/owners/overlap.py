@@ -1,60 +1,32 @@
 """Newton-Schulz behind compute: the owners' updates run after ``opt.step()`` returns.
 
-``dmuon.Muon(model, overlap=...)`` (issue 39):
+``dmuon.Muon(model, overlap=...)``:
 
 * ``"off"``: ``opt.step()`` runs momentum, Newton-Schulz and the master update of every owned
   matrix before it returns (:func:`dmuon.owners.update.muon_update_`).
-* ``"forward"``: ``opt.step()`` runs the cheap part (momentum on the main thread, AdamW) and
-  *schedules* each publish group's Newton-Schulz, master update and refresh of the owner's
-  compute copy, in the order the units run forward (the first forward's order); it returns at
-  once. The publication of a group waits for that group's job only, and a prefetched
-  publication whose job is still running is held back rather than waited for
-  (:meth:`dmuon.hooks.unit.UnitContext.issue`), so unit k's forward waits for unit k's
-  Newton-Schulz and no later one's. On CUDA a job runs on a side stream and records an
-  event; the broadcasts of groups with a job are issued on a publication stream that waits for
-  each one's own event (no host synchronisation; the compute stream waits only on the
-  publication it needs); on CPU it runs on one worker thread (torch
-  releases the GIL inside its ops).
-* ``"backward"``: as ``"forward"``, and in the backward that precedes a step (with gradient
-  sync on) the owners start each matrix's momentum and Newton-Schulz on *copies*
-  (:func:`speculate`): a bucket's matrices as soon as its reduce-to-owner is seen complete
-  while the backward goes on (polled, without blocking, whenever a later bucket is issued;
-  not under HSDP, whose replica combine comes at the end), the rest at the end of backward.
-  The momentum step runs on the main thread into a copy of the buffer (the same function as
-  the step's, :func:`dmuon.owners.update.muon_momentum_`), so the Newton-Schulz input is
-  known at once; only Newton-Schulz runs behind. ``opt.step()`` runs its own momentum step
-  (cheap, element-wise) and keeps a speculative result only on proof: its Newton-Schulz input
-  holds the very bits the speculation's did (compared bit for bit, one host synchronisation
-  per step for all matrices), with the same Newton-Schulz settings and layout. That input is
-  a function of the final gradient and the momentum buffer, so any change to either (a
-  clip below its threshold, a GradScaler's unscale, a ``.data`` write, a loaded state dict)
-  discards the result, and a clip that multiplies by exactly 1 keeps it. A version counter
-  decides nothing (``.data`` and raw-pointer writes skip it). A discarded speculation's job is
-  skipped if it has not started. :meth:`PendingSteps.stats` counts kept and recomputed results.
+* ``"forward"``: ``opt.step()`` runs the momentum step and AdamW, and *schedules* one job per
+  publish group (Newton-Schulz, master update, refresh of the owner's compute copy) in forward
+  order (:func:`step_overlapped`). A group's publication waits for its own job only; a
+  prefetched publication whose job still runs is held back
+  (:meth:`dmuon.hooks.unit.Publisher.issue`). On CUDA a job runs on a side stream and records
+  an event that the publication stream waits on (no host synchronisation); on CPU it runs on
+  one worker thread.
+* ``"backward"``: as ``"forward"``, and in a synced backward the owners start momentum and
+  Newton-Schulz on *copies* (:func:`speculate`): a bucket's matrices once its reduce-to-owner is
+  seen complete (not under HSDP), the rest at the end of backward. ``opt.step()`` keeps a
+  speculative result only if its own Newton-Schulz input equals the speculation's bit for bit,
+  with the same settings and layout (:func:`take_proven`); any change to the gradient or the
+  momentum buffer discards it. :meth:`PendingSteps.stats` counts kept and recomputed results.
 
-Every job reads only what ``step()`` (or the backward) handed it: a frozen
-:class:`dmuon.owners.update.MuonHyper` of the step's hyper-parameters, the Newton-Schulz
-inputs, and the tensors it writes. A scheduler stepped right after ``opt.step()`` changes
-the next step's learning rate, never a pending one's.
-
-Nothing outside sees a pending update: the next ``step()``, ``model.state_dict()`` /
-``load_state_dict`` (and torch's state-dict and DCP APIs, which call them), the optimizer's
-``state_dict`` / ``load_state_dict`` and ``dmuon.state_dict`` / ``dmuon.load`` first call
-:meth:`PendingSteps.wait_all` (``dmuon.clip_grad_norm_`` reads gradients, which no job writes,
-and waits for nothing). A job that fails is raised, naming dmuon and the matrices, at once by
-a reader, and on the way to a publication at the next step check on every rank
-(``defer_failures``).
-
-Tensor parallelism orthogonalizes through collectives over the TP group; they cannot run on a
-second thread beside the main thread's collectives in a fixed order, so a TP model steps as
-with ``"off"`` (``dmuon.Muon`` warns once). Expert parallelism overlaps like any other layout:
-an expert group's publication waits for its own job as a dense one does.
-
-Code that reads a dedicated parameter's tensor itself (``rec.master``, or a master found
-through ``model.parameters()`` outside forward) between ``step()`` and the next forward sees it
-mid-update; call :meth:`dmuon.Muon.wait_pending` first. (An earlier "race" under expert
-parallelism was exactly that: a test helper read the owners' expert masters directly after the
-last step.)
+A job reads only what it was handed: a frozen :class:`dmuon.owners.update.MuonHyper`, its
+inputs, and the tensors it writes; a scheduler stepped after ``opt.step()`` changes the next
+step only. Every reader (the next ``step()``, the model's and optimizer's ``state_dict`` /
+``load_state_dict``, ``dmuon.state_dict`` / ``dmuon.load``) first calls
+:meth:`PendingSteps.wait_all`. A failed job is raised, naming dmuon and the matrices, at once by
+a reader, and by every rank at the next step check when met on the way to a publication
+(``defer_failures``). Tensor parallelism's Newton-Schulz is collective over the TP group, so a
+TP model steps as with ``"off"``. Code that reads a master directly between ``step()`` and the
+next forward calls :meth:`dmuon.Muon.wait_pending` first.
 """
 
 from __future__ import annotations
@@ -165,7 +137,6 @@ class PendingSteps:
         early: the masters whose speculation this backward started during backward.
         kept, recomputed: speculative results used and discarded by ``step()``, summed over
             steps.
-        scheduled: jobs :meth:`schedule` submitted, summed over steps (0: nothing overlapped).
         started_early: speculative results started during backward (``early``), summed.
         defer_failures: a failed job waited for on the way to a publication is recorded in
             ``failure`` instead of raised, so that this rank keeps its collectives in step with
@@ -181,7 +152,6 @@ class PendingSteps:
     early: set = field(default_factory=set)
     kept: int = 0
     recomputed: int = 0
-    scheduled: int = 0
     started_early: int = 0
     defer_failures: bool = False
     failure: str | None = None
@@ -226,7 +196,6 @@ class PendingSteps:
                  keep: tuple = ()) -> None:
         """Submit ``fn`` as the job the publication of ``key`` waits for."""
         self.jobs[key] = self.submit(fn, device, what, keep)
-        self.scheduled += 1
 
     def pending(self, key: Any) -> bool:
         """Whether ``key`` has a job not yet waited for."""

@@ -1,28 +1,19 @@
 """The shape seam: how a dedicated parameter is one matrix or a stack of them.
 
-Muon orthogonalizes 2-D matrices. A dedicated parameter is either one matrix ``[rows, cols]``
-or a stack ``[E, rows, cols]`` (more leading dims allowed, flattened in C order): the experts of
-a Mixture-of-Experts layer as Hugging Face ``transformers`` 5.x and torchtitan store them, each
-orthogonalized on its own. Optionally every stored matrix is cut along its rows into ``blocks``
-equal parts, each orthogonalized separately (a fused ``gate_up_proj`` ``[2I, H]`` as two
-``[I, H]`` matrices); the Newton-Schulz input is then ``[E * blocks, rows / blocks, cols]``, a
-reshape of the stack (the row blocks of one matrix are contiguous).
+A dedicated parameter is one matrix ``[rows, cols]`` or a stack ``[E, rows, cols]`` (more
+leading dims flattened in C order): the experts of a Mixture-of-Experts layer as Hugging Face
+``transformers`` 5.x and torchtitan store them, each orthogonalized on its own. Each stored
+matrix may be cut along its rows into ``blocks`` equal parts, each orthogonalized separately (a
+fused ``gate_up_proj`` ``[2I, H]`` as two ``[I, H]``); the Newton-Schulz input is then
+``[E * blocks, rows / blocks, cols]``, a reshape of the stack.
 
-This module is the one place that knows it. Everything else asks it:
-
-* the plan (:func:`dmuon.owners.plan.build_plan`) expands each parameter into *owner items*
-  (one per stored matrix of a stack: the balancer sees every expert) and collapses the solved
-  items back into contiguous *expert ranges* per owner (:func:`collapse_ranges`);
-* binding cuts the full parameter into those ranges (:meth:`ParamLayout.flat_view`) and shows
-  the module the whole stack again (:class:`StackSlot`);
-* the owner's update reshapes a range into its Newton-Schulz matrices (:func:`as_matrices`);
-* selection (:func:`dmuon.hooks.dedicate.select_matrices`) validates a selected parameter
-  (:func:`param_layout`, :func:`check_expert_stack`, :func:`expert_parallel_size`);
-* under expert parallelism a rank holds ``E / ep`` experts of each stack whole
-  (:meth:`ParamLayout.local`): the plan, binding and update see that local stack, the same
-  shape on every ``"ep"`` coordinate.
-
-A new layout (say, a stack whose experts are not the leading dim) is a change here.
+This module is the one place that knows it: the plan expands parameters into owner items and
+collapses them back into expert ranges (:func:`owner_items`, :func:`collapse_ranges`); binding
+cuts ranges (:meth:`ParamLayout.flat_view`) and shows the module the whole stack
+(:class:`StackSlot`); the update reshapes a range into its matrices (:func:`as_matrices`);
+selection validates (:func:`param_layout`, :func:`check_expert_stack`,
+:func:`expert_parallel_size`); under expert parallelism a rank holds ``E / ep`` experts whole
+(:meth:`ParamLayout.local`).
 """
 
 from __future__ import annotations
@@ -73,14 +64,6 @@ class ParamLayout:
     def matrix_shape(self) -> tuple[int, int]:
         """``(rows / blocks, cols)`` of one Newton-Schulz matrix."""
         return self.shape[-2] // self.blocks, self.shape[-1]
-
-    def range_shape(self, start: int, stop: int) -> tuple[int, ...]:
-        """Shape of the record holding stored matrices ``[start, stop)``: the parameter's own
-        shape when the range is the whole parameter (the module then computes with the record
-        itself), else ``(stop - start, rows, cols)``."""
-        if (start, stop) == (0, self.count):
-            return self.shape
-        return (stop - start, self.shape[-2], self.shape[-1])
 
     def flat_view(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (the full parameter) as ``[count, rows, cols]`` (a view when contiguous)."""
@@ -181,25 +164,22 @@ EP_NAMES = ("ep",)
 
 
 def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_size: int) -> int:
-    """How many expert-parallel ranks split a selected parameter's experts: 1 for a parameter
-    on no ``"ep"`` mesh dimension, ``ep_size`` for an expert stack ``Shard(0)`` over it (as
-    torchtitan's ``ExpertParallel`` distributes ``[E, rows, cols]``; under FSDP2 the parameter
-    lives on the 2-D ``(efsdp, ep)`` mesh). Each rank then holds ``E / ep_size`` experts whole
-    along ``"ep"`` (:meth:`ParamLayout.local`). Placements are read from the DTensor; every rank
-    sees the same ones and the same global shape, so every rank raises alike, before any
-    collective.
+    """How many expert-parallel ranks split a selected parameter's experts: 1 off the ``"ep"``
+    mesh dimension, ``ep_size`` for an expert stack ``Shard(0)`` over it (torchtitan's
+    ``ExpertParallel``); each rank then holds ``E / ep_size`` experts whole
+    (:meth:`ParamLayout.local`). Every rank sees the same placements and shape, so every rank
+    raises alike, before any collective.
 
     Args:
         fqn: the parameter's name (for errors).
         param: the parameter as the module holds it (a DTensor, or a plain tensor).
-        ep_name: the ``"ep"`` dimension of the mesh given to ``dedicate_params``, or ``None``.
-        ep_size: that dimension's size.
+        ep_name, ep_size: the ``"ep"`` dimension of ``dedicate_params``' mesh and its size
+            (``None``, 1 without one).
 
     Raises:
-        ValueError: a parameter on an ``"ep"`` mesh when ``dedicate_params`` got a mesh without
-            one, an ``"ep"`` size that differs from the mesh's, a placement on ``"ep"`` other
-            than ``Shard(0)`` or a tensor that is not a stack, and an ``"ep"`` size that does not
-            divide the number of experts; naming the parameter, the values and the fix.
+        ValueError: a parameter on an ``"ep"`` mesh when the given mesh has none, another
+            ``"ep"`` size, a placement other than ``Shard(0)`` or a tensor that is not a stack
+            on ``"ep"``, or an ``"ep"`` size that does not divide the experts.
     """
     mesh = getattr(param, "device_mesh", None)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
