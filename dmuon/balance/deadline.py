@@ -2,12 +2,12 @@
 
 With NS overlapped with the next forward (``Muon(overlap="forward"|"backward")``), what the
 step pays is not the NS makespan but the part of it the forward cannot hide. What the code
-enforces (:mod:`dmuon.owners.overlap`, :meth:`dmuon.hooks.unit.UnitContext.issue`):
+enforces (:mod:`dmuon.owners.overlap`, :meth:`dmuon.hooks.unit.Publisher.issue`):
 
 * ``opt.step()`` schedules one job per publish group (a unit's matrices on one owner) and
   returns without waiting for any. Each owner runs its jobs one after the other, in the
   units' forward order (the order the first forward ran them,
-  :meth:`~dmuon.hooks.unit.UnitContext.adopt_forward_order`), on one worker thread (CPU) or
+  :meth:`~dmuon.hooks.unit.Publisher.adopt_forward_order`), on one worker thread (CPU) or
   one side stream (CUDA), from when ``step()`` returns: time 0 here, which is taken as the
   start of forward 0 (whatever runs in between, e.g. data loading, only adds slack).
 * The publication of unit ``k`` waits for unit ``k``'s jobs only. A prefetched publication

@@ -24,7 +24,7 @@ plan from shapes cannot see either way. What the estimate leaves out, and which 
 * Units are in the order their pre-forward hooks fire when modules run in registration order
   (:func:`dmuon.hooks.bind.make_units`'s order). A model that runs them in another order (pi0
   and SmolVLA interleave VLM and action-expert layers) has its jobs follow the first forward's
-  order (:meth:`dmuon.hooks.unit.UnitContext.adopt_forward_order`) against deadlines computed
+  order (:meth:`dmuon.hooks.unit.Publisher.adopt_forward_order`) against deadlines computed
   for registration order. For such a model, a plan from ``python -m dmuon.profile --objective
   exposed`` on an inventory in execution order does better.
 * One token count for every matrix: a VLA's vision tower, language model and action expert see
