@@ -221,7 +221,10 @@ class FlatBucket:
         parts, first = [], 0
         for count, flagged in self.segments:
             for t, shape in zip(tensors[first: first + count], self.shapes[first: first + count]):
-                t = torch.zeros(shape, dtype=self.dtype, device=self.device) if t is None else t.detach()
+                if t is None:
+                    t = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                elif t.requires_grad:  # a gradient of a create_graph backward; no op per tensor else
+                    t = t.detach()
                 parts.append(t if t.dim() else t.reshape(1))
             if flagged:
                 parts.append(next(flag_parts))
