@@ -156,6 +156,7 @@ class FlatBucket:
     slots: list[tuple[int, int]] = field(default_factory=list, init=False)
     flag_at: list[int | None] = field(default_factory=list, init=False)
     spans: list[tuple[int, int]] = field(default_factory=list, init=False)
+    numel: int = field(default=0, init=False)
     _ones: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -169,10 +170,7 @@ class FlatBucket:
             self.flag_at += list(range(start, start + count)) if flagged else [None] * count
             start += count if flagged else 0
             self.spans.append((seg_start, start - seg_start))
-
-    @property
-    def numel(self) -> int:
-        return sum(n for _, n in self.spans)
+        self.numel = start
 
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], flags: Sequence[float] | None = None, *,
