@@ -2,7 +2,7 @@
 (no plan given) under them (issue 28 item 4).
 
 Each stub replaces PuLP's CBC class (``PULP_CBC_CMD`` on PuLP 3, ``COIN_CMD`` on PuLP 4: what
-:func:`dmuon.balance.pulp_api.cbc` calls) and counts its calls, so a test can tell that the
+:func:`dmuon.balance.milp.cbc` calls) and counts its calls, so a test can tell that the
 MILP really ran and failed, rather than never being tried. The stubs answer in the installed
 PuLP's own terms (PuLP 3: a status on the problem; PuLP 4: an ``LpSolveStats``).
 """
@@ -21,9 +21,9 @@ GARBAGE_VALUE = 0.5
 def pulp_major() -> int:
     import pulp
 
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
-    return pulp_api.major(pulp)
+    return milp.pulp_major(pulp)
 
 
 def _answer(lp, outcome: str):
@@ -98,9 +98,9 @@ def stub_cbc(kind: str) -> Iterator[type[_Stub]]:
     (``.calls``, ``.procs``)."""
     import pulp
 
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
-    name = pulp_api.cbc_class_name(pulp)
+    name = milp.cbc_class_name(pulp)
     stub = type(f"Stub_{kind}", (_Stub,), {"kind": kind, "calls": [], "procs": []})
     real = getattr(pulp, name)
     setattr(pulp, name, stub)
@@ -214,9 +214,9 @@ def dedicate_with_real_cbc(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
-    name = pulp_api.cbc_class_name(pulp)
+    name = milp.cbc_class_name(pulp)
     real = getattr(pulp, name)
     calls: list[bool] = []
 
@@ -244,7 +244,7 @@ def dedicate_with_real_cbc(rank: int, world_size: int) -> dict:
     return dict(digest=plan.digest(), method=plan.method, extra=dict(plan.extra),
                 makespan=plan.makespan, costs=[m.cost for m in plan.matrices],
                 owners=[m.owner for m in plan.matrices], calls=calls, warnings=records.lines,
-                pulp=pulp_api.version(pulp))
+                pulp=milp.pulp_version(pulp))
 
 
 def dedicate_when_rank0_error_does_not_pickle(rank: int, world_size: int) -> str:

@@ -116,14 +116,14 @@ def test_heuristic_on_qwen_meets_the_bound_and_beats_the_makespan_plan():
 
 def test_missing_cbc_keeps_the_heuristic_plan_with_one_warning(monkeypatch, caplog):
     """PuLP 4 without its cbc extra: no retry, the heuristic plan, one warning naming it."""
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
     costs, classes, units, forward, _ = random_instance(3, n=8)
     deadlines = dl.deadlines_from_forward(forward)
     ref = solve(costs, 3, units=units, deadlines=deadlines, classes=classes,
                 method="greedy")
     calls = []
-    monkeypatch.setattr(pulp_api, "cbc_available",
+    monkeypatch.setattr(milp, "cbc_available",
                         lambda pulp, solver: calls.append(1) or "stub: no CBC binary")
     with caplog.at_level(logging.WARNING, logger="dmuon.balance"):
         res = solve(costs, 3, units=units, deadlines=deadlines, classes=classes,
@@ -165,13 +165,14 @@ def test_bad_inputs_name_the_fix():
 def _cbc_available() -> bool:
     import warnings
 
-    from dmuon.balance import pulp_api
+    import pulp
+
+    from dmuon.balance import milp
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.x announcing 4.0
-        pulp = pulp_api.load()
-        solver = pulp_api.cbc(pulp, time_limit_s=1, warm_start=False, options=[])
-    return pulp_api.cbc_available(pulp, solver) is None
+        solver = milp.cbc(pulp, time_limit_s=1, warm_start=False, options=[])
+    return milp.cbc_available(pulp, solver) is None
 
 
 def test_build_plan_with_deadlines_records_the_exposed_time_and_refuses_other_objectives():

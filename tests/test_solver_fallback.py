@@ -84,9 +84,9 @@ def test_a_hung_cbc_is_killed_and_falls_back(monkeypatch, caplog):
 def test_retry_without_warm_start_recovers_with_the_real_cbc(monkeypatch):
     import pulp
 
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
-    name = pulp_api.cbc_class_name(pulp)
+    name = milp.cbc_class_name(pulp)
     real = getattr(pulp, name)
     seen = []
 
@@ -190,14 +190,14 @@ def _issue28_model():
 def _run_issue28(monkeypatch, *, rins_on: bool):
     import pulp
 
-    from dmuon.balance import milp, pulp_api
+    from dmuon.balance import milp
     from dmuon.balance.milp import solve_milp
 
     costs, shapes = _issue28_model()
     warm = heuristic_only(monkeypatch, solve, costs, 32, classes=shapes, time_limit_s=1).owners
     # one MILP class per shape, as before the classes were merged by (cost, memory)
     monkeypatch.setattr(milp, "milp_class", lambda shape, cost, memory, overhead: ("shape", shape))
-    name = pulp_api.cbc_class_name(pulp)
+    name = milp.cbc_class_name(pulp)
     real = getattr(pulp, name)
 
     def node_limited(*args, options=(), **kwargs):  # dmuon's own options unless rins_on
@@ -215,11 +215,11 @@ def _bundled_cbc_version() -> str:
 
     import pulp
 
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
     with warnings.catch_warnings():  # PuLP 3.x announces its 4.0 API on PULP_CBC_CMD
         warnings.simplefilter("ignore", DeprecationWarning)
-        path = getattr(pulp, pulp_api.cbc_class_name(pulp))(msg=False).path
+        path = getattr(pulp, milp.cbc_class_name(pulp))(msg=False).path
     out = subprocess.run([path, "-quit"], capture_output=True,
                          text=True, timeout=30, stdin=subprocess.DEVNULL).stdout
     return next((line.split(":", 1)[1].strip() for line in out.splitlines()
@@ -359,12 +359,12 @@ def test_missing_cbc_binary_falls_back(monkeypatch, caplog):
     # PuLP 4 bundles no CBC: without cbcbox or a cbc on PATH its COIN_CMD is not available.
     import pulp
 
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
-    monkeypatch.setattr(getattr(pulp, pulp_api.cbc_class_name(pulp)), "available",
+    monkeypatch.setattr(getattr(pulp, milp.cbc_class_name(pulp)), "available",
                         lambda self: False)
     res = _falls_back(monkeypatch, caplog, "CBC")
-    assert ("finds no CBC binary" if pulp_api.major(pulp) >= 4 else "cannot run") in res.milp_status
+    assert ("finds no CBC binary" if milp.pulp_major(pulp) >= 4 else "cannot run") in res.milp_status
     assert "retry" not in res.milp_status
 
 
@@ -378,12 +378,12 @@ def test_solve_and_result_errors_fall_back_on_the_installed_pulp(kind, monkeypat
 
 @pytest.mark.compat
 def test_unreadable_values_fall_back(monkeypatch, caplog):
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
-    def unreadable(var):
+    def unreadable(*args):
         raise AttributeError("'Variable' object has no attribute 'value'")
 
-    monkeypatch.setattr(pulp_api, "value", unreadable)
+    monkeypatch.setattr(milp, "_read", unreadable)
     _falls_back(monkeypatch, caplog, "CBC's solution could not be read through PuLP")
 
 
@@ -393,9 +393,9 @@ def test_dedicate_params_uses_the_milp_plan_on_4_ranks(dist_pool):
                         timeout_s=180)
     import pulp
 
-    from dmuon.balance import pulp_api
+    from dmuon.balance import milp
 
-    assert {o["pulp"] for o in out} == {pulp_api.version(pulp)}  # the PuLP under test
+    assert {o["pulp"] for o in out} == {milp.pulp_version(pulp)}  # the PuLP under test
     assert out[0]["calls"] == [True]  # rank 0 ran CBC once, warm-started
     assert all(o["calls"] == [] for o in out[1:])  # the others received its plan
     assert len({o["digest"] for o in out}) == 1

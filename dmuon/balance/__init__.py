@@ -3,8 +3,7 @@
 Never imports ``torch.distributed``; torch itself is only imported by the profiler.
 """
 
-from dmuon.balance.bounds import makespan_lower_bound, trivial_lower_bound
-from dmuon.balance.assignment import evaluate, greedy
+from dmuon.balance.assignment import evaluate, greedy, makespan_lower_bound, trivial_lower_bound
 from dmuon.balance.solver import AUTO_MAX_INTEGER_VARS, Assignment, solve
 
 __all__ = [

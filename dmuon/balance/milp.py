@@ -4,10 +4,8 @@ Matrices of one unit and one *class* are interchangeable, so instead of one bina
 (matrix, rank) the model counts them: ``x[q, r]`` is the number of matrices of key ``q =
 (unit, group, class)`` rank ``r`` owns. A class is one (cost, memory) pair, so a shape and its
 transpose share one; only a shape with a batch overhead ``f_s > 0`` stays a class of its own,
-as it pays ``f_s`` once per (rank, unit). For Qwen2.5-7B (196 matrices, 4 shapes, 3 classes)
-at 256 ranks that is 768 integers instead of 50,176 binaries (one class per shape only adds
-symmetric solutions: Qwen2.5-7B on 32 ranks is proven optimal in 0.2 s with 3 classes and not
-within 5 s with 4).
+as it pays ``f_s`` once per (rank, unit). For Qwen2.5-7B (196 matrices, 3 classes) at 256 ranks
+that is 768 integers instead of 50,176 binaries.
 
     minimize    E + w M + group_cost * sum y
     subject to  sum_r x[q, r] = n_q                                        for every key q
@@ -21,19 +19,20 @@ within 5 s with 4).
                 E >= a proven lower bound                                (lets CBC stop early)
 
 ``E`` is the exposed time of :mod:`dmuon.balance.deadline`; with one unit and ``d_0 = 0`` it
-is the makespan (``P || C_max``, the classic identical-machines problem). The publish-group
-binaries ``y`` (:mod:`dmuon.balance.grouping`) enter only with ``group_cost > 0``. ``c`` is
-the marginal NS cost of one matrix, ``f`` the fixed cost of a batch
-(:func:`dmuon.balance.cost.fit_batch_costs`), ``m`` its bytes. CBC (bundled with PuLP 3,
-``pulp[cbc]`` with PuLP 4: :mod:`dmuon.balance.pulp_api`) runs with one thread, so an
-untimed-out solve is reproducible.
+is the makespan (``P || C_max``). The publish-group binaries ``y``
+(:mod:`dmuon.balance.grouping`) enter only with ``group_cost > 0``. ``c`` is the marginal NS
+cost of one matrix, ``f`` the fixed cost of a batch (:func:`dmuon.balance.cost.fit_batch_costs`),
+``m`` its bytes.
+
+CBC comes with PuLP 3 (``PULP_CBC_CMD``) or, on PuLP 4 (Python >= 3.12, a Rust core: variables
+made by ``LpProblem.add_variable``, ``solve`` returning an ``LpSolveStats``), from the
+``cbcbox`` package (``pulp[cbc]``) or ``PATH`` (``COIN_CMD``); the functions below under
+"PuLP" are the only calls that differ (read in PuLP 3.3.2 and 4.0.0 / 4.2.0).
 
 Every way the solver path can fail (PuLP cannot be imported or finds no CBC binary, building
-the model raises, CBC crashes, PuLP raises, the solution file is missing or holds values that
-are not a plan, no plan by the time limit, an infeasible status, no return at all) raises
+the model raises, CBC crashes, hangs or returns no plan, its values are not a plan) raises
 :class:`MilpFailure` with the reason; :func:`milp_fallback` then retries once without the
-warm start (not when PuLP or CBC is missing: :class:`PulpUnusable`) and falls back to the
-heuristic plan with a warning.
+warm start (not for :class:`PulpUnusable`) and falls back to the heuristic plan with a warning.
 """
 
 from __future__ import annotations
@@ -45,11 +44,10 @@ import tempfile
 import threading
 import time
 import warnings
+from types import ModuleType
 from typing import Hashable, Mapping, Sequence
 
-from dmuon.balance import pulp_api
-from dmuon.balance.assignment import effective_costs
-from dmuon.balance.bounds import makespan_lower_bound
+from dmuon.balance.assignment import effective_costs, makespan_lower_bound
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +140,7 @@ def solve_milp(
                  group_cost=float(group_cost) / scale, bound=float(bound) / scale,
                  overhead={s: f / scale for s, f in overhead.items()})
     with warnings.catch_warnings():
-        # PuLP 3.x announces API changes for 4.0 (PULP_CBC_CMD's removal); pulp_api handles both.
+        # PuLP 3.x announces API changes for 4.0 (PULP_CBC_CMD's removal); both are handled.
         warnings.simplefilter("ignore", DeprecationWarning)
         owners, optimal, seconds = _solve_with_cbc(model, warm_start, time_limit_s)
     logger.debug("dmuon: CBC %s in %.2fs (%d keys x %d ranks)",
@@ -159,7 +157,7 @@ def _solve_with_cbc(model, warm_start, time_limit_s: float):
             no return), or its values cannot be read; the message names the stage.
     """
     try:
-        pulp = pulp_api.load()
+        import pulp
     except Exception as e:  # ImportError, or PuLP 4's Rust core failing to load
         raise PulpUnusable(f"PuLP could not be imported ({type(e).__name__}: {_first_line(e)}); "
                            f"pip install 'pulp>=3.3.2,<5' (on Python >= 3.12: 'pulp[cbc]', "
@@ -172,22 +170,22 @@ def _solve_with_cbc(model, warm_start, time_limit_s: float):
         # ``rins off``: CBC 2.10.3 (PuLP 3.3's bundled binary) aborts with an uncaught
         # CoinError inside its RINS heuristic on warm-started models (CHANGELOG, issue 28); our
         # warm start is already a local-search optimum, the neighbourhood RINS searches.
-        solver = pulp_api.cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
-                              warm_start=warm_start is not None, options=["rins off"])
+        solver = cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
+                     warm_start=warm_start is not None, options=["rins off"])
     except Exception as e:  # a PuLP whose modelling API this code does not know
-        raise MilpFailure(f"PuLP {pulp_api.version(pulp)} could not build the model: "
+        raise MilpFailure(f"PuLP {pulp_version(pulp)} could not build the model: "
                           f"{type(e).__name__}: {_first_line(e)}") from e
-    missing = pulp_api.cbc_available(pulp, solver)
+    missing = cbc_available(pulp, solver)
     if missing is not None:
         raise PulpUnusable(missing)
     # PuLP deletes its model, warm-start and solution files only after a solve that returned:
     # a directory of our own is removed whatever happened.
     with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
         solver.tmpDir = tmp
-        outcome = _solve_with_deadline(pulp, prob, solver, time_limit_s)
-    if not outcome.has_plan:
+        has_plan, optimal, status = _solve_with_deadline(pulp, prob, solver, time_limit_s)
+    if not has_plan:
         raise MilpFailure(
-            f"CBC returned no plan: {outcome.status} after "
+            f"CBC returned no plan: {status} after "
             f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
     try:
         owners = _read(x, model["table"], model["num_ranks"], len(model["keys"]))
@@ -195,14 +193,14 @@ def _solve_with_cbc(model, warm_start, time_limit_s: float):
         raise
     except Exception as e:  # a value PuLP hands back in a form this code does not know
         raise MilpFailure(f"CBC's solution could not be read through PuLP "
-                          f"{pulp_api.version(pulp)}: {type(e).__name__}: {_first_line(e)}") from e
-    return owners, outcome.optimal, time.perf_counter() - start
+                          f"{pulp_version(pulp)}: {type(e).__name__}: {_first_line(e)}") from e
+    return owners, optimal, time.perf_counter() - start
 
 
 def _build(pulp, *, table, keys, num_ranks, memory_cap, deadlines, w, group_cost, bound, overhead,
            warm_start):
     """The MILP of the module docstring as a PuLP problem, warm start set; ``(problem, x)``."""
-    var = pulp_api.variable
+    var = _variable
     order = list(table)
     K, ranks = len(deadlines), range(num_ranks)
     prob = pulp.LpProblem("dmuon_owner_plan", pulp.LpMinimize)
@@ -300,7 +298,7 @@ def _read(x, table, num_ranks, n):
     for k, key in enumerate(table):
         counts = []
         for r in range(num_ranks):
-            value = pulp_api.value(x[k, r])
+            value = x[k, r].value()
             ok = isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
             if not ok or abs(value - round(value)) > 1e-6 or round(value) < 0:
                 raise MilpFailure(
@@ -326,8 +324,8 @@ def _read(x, table, num_ranks, n):
 HANG_MARGIN_S = 30.0
 
 
-def _solve_with_deadline(pulp, prob, solver, time_limit_s: float) -> pulp_api.Outcome:
-    """:func:`dmuon.balance.pulp_api.solve` in a worker thread, waited on for ``2 * time_limit_s +``
+def _solve_with_deadline(pulp, prob, solver, time_limit_s: float) -> tuple[bool, bool, str]:
+    """:func:`_solve_pulp` in a worker thread, waited on for ``2 * time_limit_s +``
     :data:`HANG_MARGIN_S` seconds. PuLP waits on CBC's process without a timeout, so a CBC that
     never returns would hang the caller (on ``dedicate_params``' rank 0: the whole job).
 
@@ -341,7 +339,7 @@ def _solve_with_deadline(pulp, prob, solver, time_limit_s: float) -> pulp_api.Ou
 
     def run() -> None:
         try:
-            box["outcome"] = pulp_api.solve(pulp, prob, solver)
+            box["outcome"] = _solve_pulp(pulp, prob, solver)
         except BaseException as e:  # handed to the caller below
             box["error"] = e
         finally:
@@ -389,6 +387,82 @@ def _kill_child_processes(name: str) -> int:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else "(no message)"
+
+
+# ------------------------------------------------------------------ PuLP 3.x and 4.x
+
+
+def pulp_major(pulp: ModuleType) -> int:
+    """PuLP's major version (3 or 4); 3 when the version string cannot be read."""
+    try:
+        return int(str(getattr(pulp, "__version__", "3")).split(".")[0])
+    except ValueError:
+        return 3
+
+
+def pulp_version(pulp: ModuleType) -> str:
+    return str(getattr(pulp, "__version__", "unknown"))
+
+
+def _variable(prob, name: str, low: float | None, up: float | None, cat: str):
+    """A variable of ``prob``: ``LpProblem.add_variable`` (PuLP 4, and 3.3 on), else the
+    PuLP 3 constructor ``LpVariable(name, low, up, cat)``."""
+    add = getattr(prob, "add_variable", None)
+    if add is not None:
+        return add(name, low, up, cat)
+    import pulp
+
+    return pulp.LpVariable(name, low, up, cat)
+
+
+def cbc_class_name(pulp: ModuleType) -> str:
+    """PuLP 3's ``PULP_CBC_CMD`` (its bundled CBC binary), else PuLP 4's ``COIN_CMD``."""
+    return "PULP_CBC_CMD" if hasattr(pulp, "PULP_CBC_CMD") else "COIN_CMD"
+
+
+def cbc(pulp: ModuleType, *, time_limit_s: int, warm_start: bool, options: list[str]):
+    """A silent CBC command solver with a time limit (seconds), warm start and extra options."""
+    cls = getattr(pulp, cbc_class_name(pulp))
+    return cls(msg=False, timeLimit=time_limit_s, warmStart=warm_start, options=options)
+
+
+def cbc_available(pulp: ModuleType, solver) -> str | None:
+    """None when ``solver`` can run, else why not and what to install."""
+    available = getattr(solver, "available", None)
+    if available is None or available():
+        return None
+    path = getattr(solver, "path", "cbc")
+    if pulp_major(pulp) >= 4:
+        return (f"PuLP {pulp_version(pulp)} finds no CBC binary ({path!r}): PuLP 4 bundles "
+                f"none; pip install 'pulp[cbc]' (the cbcbox package) or put 'cbc' on PATH")
+    return f"PuLP {pulp_version(pulp)}'s CBC binary {path!r} cannot run"
+
+
+def _solve_pulp(pulp: ModuleType, prob, solver) -> tuple[bool, bool, str]:
+    """``prob.solve(solver)``: ``(has_plan, optimal, status)``, ``status`` in PuLP's words.
+
+    PuLP 3 records the outcome on the problem (``sol_status``: ``LpSolutionOptimal``, or
+    ``LpSolutionIntegerFeasible`` for an incumbent at the time limit); PuLP 4 returns an
+    ``LpSolveStats`` (``status``, ``has_solution``).
+
+    Raises:
+        whatever ``prob.solve`` raises (``PulpSolverError`` when CBC exits non-zero or writes
+        no solution file), and ``TypeError`` when it returns neither PuLP's result.
+    """
+    result = prob.solve(solver)
+    if hasattr(result, "has_solution"):  # PuLP 4's LpSolveStats
+        has_plan = bool(result.has_solution)
+        optimal = has_plan and int(result.status) == int(pulp.LpSolveStatus.Optimal)
+        name = getattr(result, "status_str", str(result.status))
+        return has_plan, optimal, f"status {name!r}, {'a' if has_plan else 'no'} solution"
+    if not hasattr(prob, "sol_status"):
+        raise TypeError(f"PuLP {pulp_version(pulp)}'s solve returned {result!r}, neither a "
+                        f"PuLP 3 status nor a PuLP 4 LpSolveStats")
+    status = pulp.LpStatus.get(prob.status, prob.status)
+    solution = pulp.LpSolution.get(prob.sol_status, prob.sol_status)
+    optimal = prob.sol_status == pulp.LpSolutionOptimal
+    has_plan = optimal or prob.sol_status == pulp.LpSolutionIntegerFeasible
+    return has_plan, optimal, f"status {status!r}, solution {solution!r}"
 
 
 def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, what="owner", **milp_args):

@@ -3,7 +3,7 @@
 With ``Muon(overlap="forward"|"backward")`` the step pays the Newton-Schulz (NS) that finishes
 after its unit's forward starts (the exposed time, :mod:`dmuon.balance.deadline`); with
 ``overlap="off"`` it pays the makespan. The plan is solved before ``Muon`` exists, so it serves
-both (:func:`dmuon.balance.deadline.refine_for_overlap`): the least exposed time among plans
+both (:func:`dmuon.balance.solve` with ``makespan_slack``): the least exposed time among plans
 within :data:`dmuon.balance.deadline.MAKESPAN_SLACK` of the makespan plan's makespan.
 
 Per-unit forward times are estimated from shapes, not measured: each unit's dedicated matrices

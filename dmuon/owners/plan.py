@@ -121,7 +121,7 @@ def build_plan(
             ``tp_size > 1``, ``group_cost``, ``memory_cap_bytes``, expert parallelism,
             ``bucket_bytes``.
         makespan_slack: with ``deadlines``: the runtime's objective instead
-            (:func:`dmuon.balance.deadline.refine_for_overlap`, what ``dedicate_params`` solves
+            (:func:`dmuon.balance.solve`, what ``dedicate_params`` solves
             without a plan file): the least exposed time among plans whose makespan is at most
             ``1 + makespan_slack`` times the makespan plan's (and whose publish pairs are no
             more than its, with ``group_cost``); ``group_cost`` is then allowed. ``extra``
