@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import sys
 from typing import Sequence
 
 from dmuon.balance.inventories import INVENTORIES, inventory, layer_groups
 from dmuon.balance.profiler import DEFAULT_CACHE, profile_costs
-
-logger = logging.getLogger(__name__)
 
 #: ``--objective``'s choices (:func:`build_owner_plan`).
 OBJECTIVES = ("makespan", "exposed", "overlap")

@@ -1,29 +1,25 @@
 """Owners for the DDP-style path: size-capped buckets in backward order, one owner per bucket.
 
 With ``replicas="keep"`` (:mod:`dmuon.hooks.keep`) every rank holds the full matrices; a step
-moves each gradient to its owner (``reduce``) and each updated matrix back (``broadcast``).
-Cutting the matrices into buckets the way DDP's reducer does (Li et al., "PyTorch
-Distributed", VLDB 2020: reverse registration order, a size cap, launched as each fills) and
-giving each bucket *one* owner makes both phases one collective per bucket.
+moves each gradient to its owner (``reduce``) and each updated matrix back (``broadcast``), one
+collective per bucket as DDP's reducer cuts them (Li et al., "PyTorch Distributed", VLDB 2020:
+reverse registration order, a size cap).
 
-The owner of a bucket pays its Newton-Schulz time and sends its bytes in the broadcast, so a
-matrix's load is the sum of the two, each normalized by its total over the model:
-``ns / sum(ns) + nbytes / sum(nbytes)``. The buckets are cut where that load is balanced, not
-the bytes alone: the contiguous partition (backward order) into as many buckets as DDP's rule
-makes (close a bucket once it holds ``cap_bytes``), at least ``world_size``, that minimizes
-the largest bucket load, each bucket also closed at the cap (the linear-partition problem,
-solved exactly by a bisection on the largest load with a greedy check; Skiena, "The Algorithm
-Design Manual", 8.5). Buckets then go to owners by longest-processing-time first (Graham
-1969). With at least ``world_size`` buckets every rank owns one: a single 25 MB bucket would
-have one rank of a small model run all of Newton-Schulz. Bytes alone do not balance, as the
-Newton-Schulz cost per byte grows with a matrix's smaller side.
+A bucket's owner pays its Newton-Schulz time and sends its bytes, so a matrix's load is
+``ns / sum(ns) + nbytes / sum(nbytes)`` (bytes alone do not balance: NS cost per byte grows
+with a matrix's smaller side). The buckets are the contiguous partition (backward order) into
+as many buckets as DDP's rule makes, at least ``world_size`` (so every rank owns one), that
+minimizes the largest bucket load, each also closed at the cap (the linear-partition problem,
+by bisection on the largest load with a greedy check; Skiena, "The Algorithm Design Manual",
+8.5). Buckets then go to owners by LPT (:func:`dmuon.balance.assignment.greedy`).
 """
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Sequence
+
+from dmuon.balance.assignment import greedy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,7 +116,8 @@ def partition_buckets(loads: Sequence[float], nbytes: Sequence[int], parts: int,
         members: dict[int, list[int]] = {}
         for i, b in enumerate(bucket):
             members.setdefault(b, []).append(i)
-        b = max((b for b, m in members.items() if len(m) > 1), key=lambda b: sum(loads[i] for i in members[b]))
+        b = max((b for b, m in members.items() if len(m) > 1),
+                key=lambda b: sum(loads[i] for i in members[b]))
         first = members[b][0]
         half, acc, split = sum(loads[i] for i in members[b]) / 2, 0.0, members[b][-1]
         for i in reversed(members[b][1:]):  # the later matrices stay in bucket b
@@ -144,14 +141,13 @@ def assign_buckets(ns_costs: Sequence[float], nbytes: Sequence[int], world_size:
         cap_bytes: the user's bucket cap in bytes (``bucket_cap_mb * 2**20``).
 
     Raises:
-        ValueError: on mismatched lengths, ``world_size < 1`` or ``cap_bytes <= 0``.
+        ValueError: on mismatched lengths, ``world_size < 1`` or ``cap_bytes <= 0``
+            (:func:`cut_buckets`).
     """
     if len(ns_costs) != len(nbytes):
         raise ValueError(f"dmuon: {len(ns_costs)} costs for {len(nbytes)} matrices")
     if world_size < 1:
         raise ValueError(f"dmuon: world_size must be >= 1, got {world_size}")
-    if cap_bytes <= 0:
-        raise ValueError(f"dmuon: bucket cap must be > 0 bytes, got {cap_bytes}")
     total_bytes = sum(nbytes)
     ns_total, bytes_total = float(sum(ns_costs)) or 1.0, float(total_bytes) or 1.0
     combined = [float(c) / ns_total + n / bytes_total for c, n in zip(ns_costs, nbytes)]
@@ -164,16 +160,12 @@ def assign_buckets(ns_costs: Sequence[float], nbytes: Sequence[int], world_size:
         ns_b[b] += float(c)
         bytes_b[b] += float(n)
         load_b[b] += load
-    heap = [(0.0, r) for r in range(world_size)]  # (load, rank): ties go to the lowest rank
-    owner = [0] * n_buckets
-    for b in sorted(range(n_buckets), key=lambda b: (-load_b[b], b)):
-        load, r = heapq.heappop(heap)
-        owner[b] = r
-        heapq.heappush(heap, (load + load_b[b], r))
+    owner = greedy(load_b, world_size)
     ns_share, bytes_share, loads = [0.0] * world_size, [0.0] * world_size, [0.0] * world_size
     for b in range(n_buckets):
         ns_share[owner[b]] += ns_b[b] / ns_total
         bytes_share[owner[b]] += bytes_b[b] / bytes_total
         loads[owner[b]] += load_b[b]
-    return BucketAssignment(bucket=tuple(bucket), owner_of_bucket=tuple(owner), cap_bytes=int(cap_bytes),
-                            loads=tuple(loads), ns_share=tuple(ns_share), bytes_share=tuple(bytes_share))
+    return BucketAssignment(bucket=tuple(bucket), owner_of_bucket=tuple(owner),
+                            cap_bytes=int(cap_bytes), loads=tuple(loads),
+                            ns_share=tuple(ns_share), bytes_share=tuple(bytes_share))

@@ -1,19 +1,15 @@
 """Cost model: Newton-Schulz FLOPs, owner memory, batched-NS cost fits, publication and HSDP
 replica costs. Every cost constant of dmuon lives here.
 
-Costs feed :func:`dmuon.balance.solve`. Without a device the FLOP model of the optimizer's NS
-(:func:`dmuon.kernels.ns_flops`) stands in for time; with one, :mod:`dmuon.balance.profiler`
+Without a device the FLOP model stands in for time; with one, :mod:`dmuon.balance.profiler`
 measures milliseconds per shape and batch size and :func:`fit_batch_costs` turns them into the
 solver's ``fixed + k * marginal`` batching model.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Mapping, Sequence
-
-logger = logging.getLogger(__name__)
 
 #: Bytes a dedicated matrix costs its owner per element: fp32 master (4) + fp32 momentum (4)
 #: + fp32 reduced gradient (4).
@@ -54,22 +50,10 @@ REPLICATE_MODES = ("compute", "broadcast")
 
 
 def ns_flops(rows: int, cols: int, *, steps: int = 5, method: str = "gram", batch: int = 1) -> float:
-    """FLOPs of one Newton-Schulz orthogonalization of a ``[rows, cols]`` matrix (x ``batch``).
+    """FLOPs of one Newton-Schulz orthogonalization of a ``[rows, cols]`` matrix (x ``batch``):
+    :func:`dmuon.kernels.ns_flops` (the optimizer's own count), Gram method by default."""
+    from dmuon.kernels import ns_flops as kernel_flops
 
-    Delegates to :func:`dmuon.kernels.ns_flops` (the optimizer's own count). If the kernels
-    package cannot be imported, uses the counts of DESIGN.md with ``m = min, n = max``:
-    standard ``steps * (4 m^2 n + 2 m^3)`` (``X X^T``, ``A^2``, ``B X``), Gram
-    ``(8 m^2 n + 28 m^3) * steps / 5``.
-    """
-    try:
-        from dmuon.kernels import ns_flops as kernel_flops
-    except ImportError:  # kernels not importable: the documented formula stands in
-        m, n = sorted((int(rows), int(cols)))
-        if method == "gram" and m != n:
-            per = (8.0 * m * m * n + 28.0 * m ** 3) / 5.0
-        else:
-            per = 4.0 * m * m * n + 2.0 * m ** 3  # per step
-        return float(per * steps * batch)
     return float(kernel_flops(int(rows), int(cols), steps=steps, method=method, batch=batch))
 
 

@@ -1,25 +1,17 @@
 """Publish-group-aware placement: trade Newton-Schulz balance against collective count.
 
-dmuon publishes (and reduces) one flat buffer per *(group, owner)* pair, where a group is an
-FSDP2 block (see :mod:`dmuon.hooks.state`): a block whose matrices have ``k`` owners costs
-``k`` broadcasts in forward, ``k`` more in backward (with ``reshard_after_forward``) and ``k``
-reduces. Every rank takes part in each of them, so the step grows by the per-collective
-overhead times the number of pairs, while the optimizer waits for the most loaded owner. The
-objective is therefore
+dmuon publishes (and reduces) one flat buffer per *(group, owner)* pair, a group being an FSDP2
+block: a block whose matrices have ``k`` owners costs ``k`` broadcasts in forward, ``k`` more in
+backward (with ``reshard_after_forward``) and ``k`` reduces, on every rank. So the objective is
 
     minimize    makespan + group_cost * pairs,      pairs = |{(g, owner(i)) : i in g}|
 
-with ``group_cost`` the step time one extra pair costs, in the unit of the NS costs. On NCCL an
-extra pair is one more root inside a group call (microseconds: ``group_cost = 0`` keeps the
-pure makespan plan); on gloo each collective costs the CPU about a millisecond (measured in
-``bench/results/history/step_cpu_4r_grouped_owners.json``), comparable with the NS of a small block.
-
-Two heuristics feed the exact MILP (:func:`dmuon.balance.milp.solve_milp` with ``groups``):
-
-* :func:`group_lpt`: longest-processing-time first over whole groups (one pair per group;
-  Graham 1969 on group totals); no plan when a group fits on no rank under the memory cap.
-* :func:`merge_groups`: from any plan, move all of a group's matrices on one owner onto
-  another owner of the same group (one pair fewer) while the objective drops.
+with ``group_cost`` the step time of one pair in the unit of the NS costs (0 on NCCL, which
+groups the roots of one call; about a millisecond per collective on gloo,
+:data:`dmuon.balance.cost.GLOO_PAIR_COST_S`). Two heuristics feed the MILP
+(:func:`dmuon.balance.milp.solve_milp` with ``groups``): :func:`group_lpt` (LPT over whole
+groups) and :func:`merge_groups` (move a group's part onto another owner of the group while the
+objective drops).
 """
 
 from __future__ import annotations
@@ -61,19 +53,8 @@ def group_lpt(
     memory: Sequence[float] | None = None,
     memory_cap: float | None = None,
 ) -> tuple[int, ...] | None:
-    """Whole groups, by decreasing total cost, each to the least loaded rank with room.
-
-    Args:
-        costs: per-matrix cost, ``>= 0``.
-        num_ranks: number of ranks.
-        groups: per-matrix group id.
-        memory: per-matrix bytes on the owner, or None.
-        memory_cap: bytes per rank, or None.
-
-    Returns:
-        Owner per matrix, input order; None when some group fits on no rank under the cap
-        (the caller's other plans still apply).
-    """
+    """LPT over whole groups (:func:`dmuon.balance.assignment.greedy` on the groups' total
+    cost and memory): owner per matrix, or None when some group fits on no rank under the cap."""
     members: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)

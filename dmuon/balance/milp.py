@@ -108,7 +108,9 @@ def solve_milp(
 
     Raises:
         ValueError: when matrices of one class differ in cost or memory.
-        MilpFailure: when CBC gives no usable plan (see the module docstring).
+        PulpUnusable: PuLP cannot be imported or finds no CBC (a retry fails the same way).
+        MilpFailure: the model cannot be built, CBC gives no plan (crash, status, time limit,
+            no return), or its values cannot be read; the message names the stage.
     """
     n = len(costs)
     units = [0] * n if units is None else [int(u) for u in units]
@@ -135,27 +137,6 @@ def solve_milp(
     if len(deadlines) == 1:  # the makespan: its pigeonhole bound lets CBC stop early
         eff = effective_costs(costs, classes, overhead)
         bound = max(float(bound), makespan_lower_bound(eff, num_ranks) - float(deadlines[0]))
-    model = dict(table=table, keys=keys, num_ranks=num_ranks, memory_cap=memory_cap,
-                 deadlines=[float(d) / scale for d in deadlines], w=float(makespan_weight),
-                 group_cost=float(group_cost) / scale, bound=float(bound) / scale,
-                 overhead={s: f / scale for s, f in overhead.items()})
-    with warnings.catch_warnings():
-        # PuLP 3.x announces API changes for 4.0 (PULP_CBC_CMD's removal); both are handled.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        owners, optimal, seconds = _solve_with_cbc(model, warm_start, time_limit_s)
-    logger.debug("dmuon: CBC %s in %.2fs (%d keys x %d ranks)",
-                 "optimal" if optimal else "incumbent", seconds, len(table), num_ranks)
-    return tuple(owners), optimal
-
-
-def _solve_with_cbc(model, warm_start, time_limit_s: float):
-    """Build, solve and read the model; ``(owners, proven optimal, seconds)``.
-
-    Raises:
-        PulpUnusable: PuLP cannot be imported or finds no CBC (a retry fails the same way).
-        MilpFailure: the model cannot be built, CBC gives no plan (crash, status, time limit,
-            no return), or its values cannot be read; the message names the stage.
-    """
     try:
         import pulp
     except Exception as e:  # ImportError, or PuLP 4's Rust core failing to load
@@ -163,38 +144,46 @@ def _solve_with_cbc(model, warm_start, time_limit_s: float):
                            f"pip install 'pulp>=3.3.2,<5' (on Python >= 3.12: 'pulp[cbc]', "
                            f"whose CBC PuLP 4 needs)") from e
     start = time.perf_counter()
-    try:
-        prob, x = _build(pulp, warm_start=warm_start, **model)
-        # No ``threads`` option: with ``threads=1`` CBC starts one worker thread that, about
-        # once in 200 solves, never starts and the solve stops at the time limit unproven.
-        # ``rins off``: CBC 2.10.3 (PuLP 3.3's bundled binary) aborts with an uncaught
-        # CoinError inside its RINS heuristic on warm-started models (CHANGELOG, issue 28); our
-        # warm start is already a local-search optimum, the neighbourhood RINS searches.
-        solver = cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
-                     warm_start=warm_start is not None, options=["rins off"])
-    except Exception as e:  # a PuLP whose modelling API this code does not know
-        raise MilpFailure(f"PuLP {pulp_version(pulp)} could not build the model: "
-                          f"{type(e).__name__}: {_first_line(e)}") from e
-    missing = cbc_available(pulp, solver)
-    if missing is not None:
-        raise PulpUnusable(missing)
-    # PuLP deletes its model, warm-start and solution files only after a solve that returned:
-    # a directory of our own is removed whatever happened.
-    with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
-        solver.tmpDir = tmp
-        has_plan, optimal, status = _solve_with_deadline(pulp, prob, solver, time_limit_s)
-    if not has_plan:
-        raise MilpFailure(
-            f"CBC returned no plan: {status} after "
-            f"{time.perf_counter() - start:.1f} s (time limit {time_limit_s} s)")
-    try:
-        owners = _read(x, model["table"], model["num_ranks"], len(model["keys"]))
-    except MilpFailure:
-        raise
-    except Exception as e:  # a value PuLP hands back in a form this code does not know
-        raise MilpFailure(f"CBC's solution could not be read through PuLP "
-                          f"{pulp_version(pulp)}: {type(e).__name__}: {_first_line(e)}") from e
-    return owners, optimal, time.perf_counter() - start
+    with warnings.catch_warnings():
+        # PuLP 3.x announces API changes for 4.0 (PULP_CBC_CMD's removal); both are handled.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            prob, x = _build(pulp, table=table, keys=keys, num_ranks=num_ranks,
+                             memory_cap=memory_cap, deadlines=[float(d) / scale for d in deadlines],
+                             w=float(makespan_weight), group_cost=float(group_cost) / scale,
+                             bound=float(bound) / scale, warm_start=warm_start,
+                             overhead={s: f / scale for s, f in overhead.items()})
+            # No ``threads`` option: with ``threads=1`` CBC starts one worker thread that,
+            # about once in 200 solves, never starts and the solve stops at the time limit.
+            # ``rins off``: CBC 2.10.3 (PuLP 3.3's binary) aborts with an uncaught CoinError in
+            # its RINS heuristic on warm-started models (issue 28); our warm start is already a
+            # local-search optimum, the neighbourhood RINS searches.
+            solver = cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
+                         warm_start=warm_start is not None, options=["rins off"])
+        except Exception as e:  # a PuLP whose modelling API this code does not know
+            raise MilpFailure(f"PuLP {pulp_version(pulp)} could not build the model: "
+                              f"{type(e).__name__}: {_first_line(e)}") from e
+        missing = cbc_available(pulp, solver)
+        if missing is not None:
+            raise PulpUnusable(missing)
+        # PuLP deletes its model, warm-start and solution files only after a solve that
+        # returned: a directory of our own is removed whatever happened.
+        with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
+            solver.tmpDir = tmp
+            has_plan, optimal, status = _solve_with_deadline(pulp, prob, solver, time_limit_s)
+        if not has_plan:
+            raise MilpFailure(f"CBC returned no plan: {status} after {time.perf_counter() - start:.1f}"
+                              f" s (time limit {time_limit_s} s)")
+        try:
+            owners = _read(x, table, num_ranks, n)
+        except MilpFailure:
+            raise
+        except Exception as e:  # a value PuLP hands back in a form this code does not know
+            raise MilpFailure(f"CBC's solution could not be read through PuLP {pulp_version(pulp)}:"
+                              f" {type(e).__name__}: {_first_line(e)}") from e
+    logger.debug("dmuon: CBC %s in %.2fs (%d keys x %d ranks)", "optimal" if optimal else
+                 "incumbent", time.perf_counter() - start, len(table), num_ranks)
+    return tuple(owners), optimal
 
 
 def _build(pulp, *, table, keys, num_ranks, memory_cap, deadlines, w, group_cost, bound, overhead,
@@ -466,22 +455,20 @@ def _solve_pulp(pulp: ModuleType, prob, solver) -> tuple[bool, bool, str]:
 
 
 def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, what="owner", **milp_args):
-    """:func:`solve_milp` that never raises for a solver failure.
-
-    CBC is tried with the warm start, then once more without it (a warm start is what
-    brought CBC's RINS abort to light; not when PuLP cannot be imported or finds no CBC).
-    When both fail, one warning line says why and names the plan kept instead.
+    """:func:`solve_milp` that never raises for a solver failure: CBC with the warm start, then
+    once more without it (not for :class:`PulpUnusable`); after two failures, one warning line
+    says why and names the plan kept instead.
 
     Args:
         costs, num_ranks, milp_args: passed to :func:`solve_milp`.
         warm_start: the heuristic plan (owners per matrix), or None.
-        fallback: the heuristic's name (e.g. ``"multifit+local_search"``) for the warning,
-            or None when there is no plan to fall back to (the caller then raises).
+        fallback: the heuristic's name for the warning, or None when there is no plan to fall
+            back to (the caller then raises).
         score: ``owners -> str``: how good a plan is against its bound, for the warning.
         what: the objective's name in the warning (``"owner"``, ``"deadline"``).
 
     Returns:
-        ``(result, status)``: ``solve_milp``'s ``(owners, optimal)`` or None after two
+        ``(result, status)``: ``solve_milp``'s ``(owners, optimal)``, or None after two
         failures; ``status`` is :attr:`dmuon.balance.solver.Assignment.milp_status`.
 
     Raises:

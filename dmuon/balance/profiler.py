@@ -1,30 +1,22 @@
-"""Measure Newton-Schulz time per shape and batch size, cached on disk.
+"""Measure Newton-Schulz and forward matmul times per shape, cached on disk.
 
-Times go through the optimizer's own NS path (:func:`dmuon.kernels.newton_schulz`, Gram
-method, fp16, default backend), on a ``[batch, rows, cols]`` random fp32 input, as the median
-of ``repeats`` timed runs after ``warmup`` untimed ones (CUDA events on GPU, a wall clock
-otherwise). The cache is a JSON file keyed by ``device name | torch version | rows x cols |
-batch | steps``, so a re-run on the same hardware re-uses every measurement and a new GPU or
-torch version measures again. On CPU the FLOP model stands in (:func:`profile_costs` with
-``measure=False``) because CPU times say nothing about the GPUs a plan is for.
-
-:func:`unit_times` gives each unit's (FSDP2 block's) forward and backward time, the deadlines
-of the overlap plan (:mod:`dmuon.balance.deadline`): the forward matmuls of its matrices timed
-on the device (cache key ``device | torch | matmul rows x cols | t tokens``), or their FLOPs.
+NS goes through the optimizer's own path (:func:`dmuon.kernels.newton_schulz`, Gram method,
+fp16, default backend) on a ``[batch, rows, cols]`` random fp32 input; times are the median of
+``repeats`` runs after ``warmup`` (CUDA events on GPU, a wall clock otherwise). The cache is a
+JSON file keyed by ``device name | torch version | shape | batch or tokens``, so a new GPU or
+torch version measures again. On CPU the FLOP model stands in (``measure=False``): CPU times
+say nothing about the GPUs a plan is for.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import statistics
 import time
 from typing import Iterable, Sequence
 
 from dmuon.balance.cost import fit_batch_costs, ns_flops
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dmuon", "ns_profile.json")
 
@@ -69,21 +61,26 @@ def _median_ms(run, device, warmup: int, repeats: int) -> float:
     return float(statistics.median(times))
 
 
-def _read_cache(cache_path) -> dict[str, float]:
+def _cached(cache_path, measure: dict, desc: str | None = None) -> dict[str, float]:
+    """The cache with every key of ``measure`` (``{key: () -> ms}``) in it: missing ones are
+    measured and the file rewritten (atomically: concurrent ranks never read half a file)."""
+    cache: dict[str, float] = {}
     if cache_path is not None and os.path.exists(cache_path):
         with open(cache_path) as f:
-            return json.load(f)
-    return {}
+            cache = json.load(f)
+    todo = [k for k in measure if k not in cache]
+    if todo:
+        from tqdm.auto import tqdm
 
-
-def _write_cache(cache_path, cache: dict[str, float]) -> None:
-    if cache_path is None:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
-    tmp = f"{cache_path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(cache, f, indent=1, sort_keys=True)
-    os.replace(tmp, cache_path)  # atomic: concurrent ranks never read half a file
+        for k in tqdm(todo, desc=desc, disable=desc is None):
+            cache[k] = measure[k]()
+        if cache_path is not None:
+            os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+            tmp = f"{cache_path}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(cache, f, indent=1, sort_keys=True)
+            os.replace(tmp, cache_path)
+    return cache
 
 
 def time_ns(shape: tuple[int, int], batch: int, *, device, steps: int = 5, warmup: int = 2,
@@ -121,15 +118,10 @@ def profile_shapes(
         ``{shape: {batch: ms}}``.
     """
     dev = device_name(device)
-    cache = _read_cache(cache_path)
     distinct = sorted({(int(r), int(c)) for r, c in shapes})
-    todo = [(s, b) for s in distinct for b in batch_sizes if _key(dev, s, b, steps) not in cache]
-    if todo:
-        from tqdm.auto import tqdm
-
-        for shape, batch in tqdm(todo, desc=f"dmuon: profiling NS on {dev}", disable=not progress):
-            cache[_key(dev, shape, batch, steps)] = time_ns(shape, batch, device=device, steps=steps)
-        _write_cache(cache_path, cache)
+    todo = {_key(dev, s, b, steps): (lambda s=s, b=b: time_ns(s, b, device=device, steps=steps))
+            for s in distinct for b in batch_sizes}
+    cache = _cached(cache_path, todo, f"dmuon: profiling NS on {dev}" if progress else None)
     return {s: {b: cache[_key(dev, s, b, steps)] for b in batch_sizes} for s in distinct}
 
 
@@ -213,19 +205,15 @@ def unit_times(
     if not measure:
         fwd = [float(sum(2.0 * tokens * r * c for r, c in shapes)) for shapes in unit_shapes]
         return fwd, [2.0 * f for f in fwd], "flops"
-    dev = device_name(device)
-    cache = _read_cache(cache_path)
     import torch
+
+    dev = device_name(device)
 
     def key(s):
         return f"{dev}|torch {torch.__version__}|matmul {s[0]}x{s[1]}|t{tokens}"
 
-    new = False
-    for s in sorted({(int(r), int(c)) for shapes in unit_shapes for r, c in shapes}):
-        if key(s) not in cache:
-            cache[key(s)] = time_matmul(s, tokens, device=device)
-            new = True
-    if new:
-        _write_cache(cache_path, cache)
+    distinct = sorted({(int(r), int(c)) for shapes in unit_shapes for r, c in shapes})
+    cache = _cached(cache_path, {key(s): (lambda s=s: time_matmul(s, tokens, device=device))
+                                 for s in distinct})
     fwd = [float(sum(cache[key((int(r), int(c)))] for r, c in shapes)) for shapes in unit_shapes]
     return fwd, [2.0 * f for f in fwd], "ms"
