@@ -6,20 +6,16 @@ Example::
         --memory-cap-gb 20 --out plan.json
 
 ``--model`` is a named inventory (:mod:`dmuon.balance.inventories`) or ``MODULE:FACTORY``, a
-zero-argument callable returning an ``nn.Module``, built on the meta device; its dedicated
-matrices are what dmuon's default predicate selects (2-D non-embedding parameters and MoE
-expert stacks, priced and placed expert by expert). On a GPU the NS times are measured
-(cached, :mod:`dmuon.balance.profiler`); on CPU the FLOP model stands in. The plan JSON
+zero-argument callable returning an ``nn.Module``, built on the meta device (its matrices are
+those ``dedicate_params`` selects). On a GPU the NS times are measured
+(:mod:`dmuon.balance.profiler`); on CPU the FLOP model stands in. The plan JSON
 (:class:`dmuon.owners.plan.OwnerPlan`) is what ``dedicate_params(model, mesh, plan=...)``
 loads; owners are global ranks ``node * gpus_per_node + gpu`` in the XOR layout
-(:mod:`dmuon.balance.layout`). A per-rank table goes to stdout and a bar chart to
-``<out>.png`` when matplotlib is installed (``dmuon[plot]``).
-
-The summary also gives the plan's *exposed time* (:mod:`dmuon.balance.deadline`), with each
-unit's forward time from :func:`dmuon.balance.profiler.unit_times` (``--tokens`` per GPU per
-micro-batch). ``--objective exposed`` minimizes it, ``--objective overlap`` builds the plan
-``dedicate_params`` solves without a plan file (both without the XOR layout); the default
-``makespan`` is the plan the serial step wants.
+(:mod:`dmuon.balance.layout`). A per-rank table goes to stdout, a bar chart to ``<out>.png``
+(with ``dmuon[plot]``). The summary gives the plan's *exposed time* too
+(:mod:`dmuon.balance.deadline`, forward times at ``--tokens`` per GPU per micro-batch);
+``--objective exposed`` minimizes it, ``--objective overlap`` builds the plan ``dedicate_params``
+solves without a plan file (both without the XOR layout).
 """
 
 from __future__ import annotations
@@ -61,10 +57,11 @@ def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
         raise ValueError(f"dmuon: --model {spec!r}: {mod_name} has no callable {factory_name!r}")
     with torch.device("meta"):
         model = factory()
-    # dedicate_params' own selection rule, so the plan names exactly the matrices it dedicates
-    out = [(sel.fqn, sel.shape) for sel in select_matrices(model, default_predicate(model))]  # stacks too
+    # dedicate_params' own selection rule (stacks too), so the plan names what it dedicates
+    out = [(sel.fqn, sel.shape) for sel in select_matrices(model, default_predicate(model))]
     if not out:
-        raise ValueError(f"dmuon: --model {spec!r} has no 2-D non-embedding parameter or expert stack to dedicate")
+        raise ValueError(f"dmuon: --model {spec!r} has no 2-D non-embedding parameter or expert "
+                         f"stack to dedicate")
     return out
 
 
@@ -91,11 +88,8 @@ def rank_table(plan, memory_by_rank: Sequence[float], nodes: int, gpus_per_node:
 
 
 def solver_summary(plan) -> list[str]:
-    """Two lines: the makespan against both bounds with the proven gap, then which method
-    produced the plan and what the MILP did (its fallback reason, when it failed); a third
-    with the exposed time under overlap where :func:`build_owner_plan` recorded it.
-
-    Needs a plan built with ``solver_report=True`` (:func:`build_owner_plan`)."""
+    """The makespan against both bounds with the proven gap; the method and what the MILP did;
+    the exposed time where recorded. Needs a plan built with ``solver_report=True``."""
     unit = plan.cost_unit
     scale, label = (1e12, "TFLOP") if unit == "flops" else (1.0, "ms")
     extra = plan.extra
@@ -146,15 +140,9 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
                      group_cost: float = 0.0, ep: int = 1, objective: str = "makespan",
                      tokens: int = 4096):
     """Profile Newton-Schulz costs, then :func:`dmuon.owners.plan.build_plan` inside the XOR
-    layout; returns ``(OwnerPlan, per-rank memory bytes)``.
-
-    Without the XOR layout: with ``group_cost > 0`` (profile's unit per (layer, owner)
-    publication, :mod:`dmuon.balance.grouping`; layers are :func:`layer_groups`), with ``ep >
-    1`` (expert stacks ``Shard(0)`` over ``ep`` ranks, balanced over the ``world / ep`` ranks
-    holding them), and with ``objective`` ``"exposed"`` or ``"overlap"`` (:func:`dmuon.balance.
-    solve` with ``deadlines``, from :func:`dmuon.balance.profiler.unit_times` at ``tokens`` per
-    GPU per micro-batch). Without expert parallelism ``extra`` records the plan's ``exposed``
-    time and its bound whatever the objective.
+    layout (not with ``group_cost > 0``, ``ep > 1`` or ``objective`` ``"exposed"`` /
+    ``"overlap"``); returns ``(OwnerPlan, per-rank memory bytes)``. Without expert parallelism
+    ``extra`` records the plan's ``exposed`` time and its bound whatever the objective.
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (e.g. an infeasible memory cap).
@@ -171,8 +159,9 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
         raise ValueError(f"dmuon: objective={objective!r} is not one of {OBJECTIVES}")
 
     layouts = [param_layout(fqn, s) for fqn, s in named_shapes]  # a stack: its experts' matrices
-    matrix_costs, overhead, unit = profile_costs([lay.matrix_shape for lay in layouts], measure=measure,
-                                                 device=device, cache_path=cache_path, progress=progress)
+    matrix_costs, overhead, unit = profile_costs([lay.matrix_shape for lay in layouts],
+                                                 measure=measure, device=device,
+                                                 cache_path=cache_path, progress=progress)
     costs = [c * lay.count for c, lay in zip(matrix_costs, layouts)]  # per parameter
     stacks = [fqn for (fqn, _), lay in zip(named_shapes, layouts) if lay.is_stack] if ep > 1 else []
     groups = layer_groups([f for f, _ in named_shapes])
@@ -187,7 +176,8 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     plan = build_plan(named_shapes, nodes * gpus_per_node, costs=costs, cost_unit=unit,
                       method=method, time_limit_s=time_limit_s,
                       groups=groups, group_cost=group_cost,
-                      layout=None if ep > 1 else (nodes, gpus_per_node), memory_cap_bytes=memory_cap_bytes,
+                      layout=None if ep > 1 else (nodes, gpus_per_node),
+                      memory_cap_bytes=memory_cap_bytes,
                       batch_overhead=overhead, solver_report=True,
                       deadlines=deadlines if objective != "makespan" else None,
                       makespan_slack=MAKESPAN_SLACK if objective == "overlap" else None,
@@ -200,7 +190,8 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
         units = [unit_of[m.fqn] for m in specs]
         extra = {**plan.extra, "exposed": exposed_time([m.owner for m in specs], marginal, units,
                                                        deadlines, plan.world_size, **kw),
-                 "exposed_bound": exposed_lower_bound(marginal, units, deadlines, plan.world_size, **kw),
+                 "exposed_bound": exposed_lower_bound(marginal, units, deadlines,
+                                                      plan.world_size, **kw),
                  "forward_total": float(sum(forward)), "units": len(forward),
                  "forward_source": (f"timed matmuls of {tokens} tokens" if measure else
                                     f"FLOP model 2 x {tokens} tokens x rows x cols")}
@@ -224,20 +215,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cache", default=DEFAULT_CACHE, help="profile cache JSON")
     p.add_argument("--group-cost", default="0",
                    help="step time of one more (layer, owner) publication in the profile's unit "
-                        "(FLOPs of the FLOP model, or ms when measured), or 'auto': by the device's backend (0 on "
-                        "CUDA/NCCL, ~2.5 ms per publication on CPU/gloo). 0 keeps the XOR layout")
+                        "(FLOPs or ms), or 'auto' (0 on CUDA/NCCL, ~2.5 ms on CPU/gloo); 0 keeps "
+                        "the XOR layout")
     p.add_argument("--ep", type=int, default=1,
-                   help="expert parallelism: expert stacks Shard(0) over this many ranks (the plan "
-                        "then runs on an (efsdp, ep) mesh; it must divide the ranks and the experts)")
+                   help="expert stacks Shard(0) over this many ranks (an (efsdp, ep) mesh; it "
+                        "must divide the ranks and the experts)")
     p.add_argument("--objective", choices=OBJECTIVES, default="makespan",
-                   help="makespan: balance NS for a step that runs it after backward (default); "
-                        "exposed: minimize the NS the next forward waits for when NS overlaps it "
-                        "(no XOR layout); overlap: what dedicate_params solves without a plan "
-                        "file, the least exposed NS within 2%% of the makespan plan's makespan "
-                        "(no XOR layout). Each prints the makespan and the exposed time")
+                   help="makespan: NS after backward (default); exposed: the NS the next "
+                        "forward waits for; overlap: what dedicate_params solves without a plan "
+                        "file, the least exposed NS within 2%% of the makespan plan's makespan")
     p.add_argument("--tokens", type=int, default=4096,
-                   help="tokens per GPU per micro-batch through each matrix: the forward times "
-                        "that set each unit's deadline (default 4096)")
+                   help="tokens per GPU per micro-batch through each matrix, for the forward "
+                        "times (default 4096)")
     p.add_argument("--no-plot", action="store_true",
                    help="skip the per-rank load chart <out>.png (it needs matplotlib: dmuon[plot])")
     args = p.parse_args(argv)
@@ -274,14 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.no_plot:
         png = os.path.splitext(args.out)[0] + ".png"
         try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            # the chart is an extra (dmuon[plot]): a plain install still gets its plan, exit 0
-            print(f"no per-rank load chart: matplotlib is not installed "
-                  f"(pip install 'dmuon[plot]' for {png}, or pass --no-plot)")
-        else:
             plot_loads(plan, png)
             print(f"per-rank load chart written to {png}")
+        except ImportError:  # the chart is an extra: a plain install still gets its plan
+            print(f"no per-rank load chart: matplotlib is not installed "
+                  f"(pip install 'dmuon[plot]' for {png}, or pass --no-plot)")
     return 0
 
 

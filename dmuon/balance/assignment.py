@@ -10,6 +10,8 @@ from __future__ import annotations
 import heapq
 from typing import Hashable, Mapping, Sequence
 
+import numpy as np
+
 
 def greedy(
     costs: Sequence[float],
@@ -44,7 +46,7 @@ def greedy(
         under ``memory_cap`` (a MILP may still find a plan).
     """
     n = len(costs)
-    over = [float(batch_overhead.get(c, 0.0)) for c in classes] if batch_overhead else [0.0] * n
+    over = class_overheads(classes, batch_overhead, n)
     unit = [0] * n if units is None else units
     order = sorted(range(n), key=lambda i: (unit[i], -(float(costs[i]) + over[i]), i))
     owners = [0] * n
@@ -85,18 +87,34 @@ def evaluate(
     batch_overhead: Mapping[Hashable, float] | None = None,
 ) -> list[float]:
     """Per-rank load of a plan: a rank that owns ``k >= 1`` matrices of class ``s`` pays
-    ``batch_overhead[s]`` once plus the ``k`` per-matrix costs (same-shape NS runs as one batch).
-    """
-    loads = [0.0] * num_ranks
-    seen: set[tuple[int, Hashable]] = set()
-    for i, r in enumerate(owners):
-        loads[r] += float(costs[i])
-        if batch_overhead and classes is not None:
-            key = (r, classes[i])
-            if key not in seen:
-                seen.add(key)
-                loads[r] += float(batch_overhead.get(classes[i], 0.0))
-    return loads
+    ``batch_overhead[s]`` once plus the ``k`` per-matrix costs (same-shape NS runs as one batch);
+    :func:`completion_times` with one unit."""
+    c = completion_times(owners, costs, [0] * len(owners), num_ranks, 1, classes=classes,
+                         batch_overhead=batch_overhead)
+    return [float(x) for x in c[:, 0]]
+
+
+def class_overheads(classes, batch_overhead, n) -> list[float]:
+    """Per-matrix batch overhead of its class (zeros without ``batch_overhead``)."""
+    if not batch_overhead or classes is None:
+        return [0.0] * n
+    return [float(batch_overhead.get(c, 0.0)) for c in classes]
+
+
+def completion_times(owners, costs, units, num_ranks, num_units, *, classes=None,
+                     batch_overhead=None) -> np.ndarray:
+    """``C[r, k]``, ``[num_ranks, num_units]`` float64: when rank ``r`` has finished the NS of
+    everything it owns in units ``0..k`` (:mod:`dmuon.balance.deadline`), its per-unit loads
+    summed, each with the batch overhead of every class it owns in that unit."""
+    per = np.zeros((num_ranks, num_units))
+    seen = set()
+    over = class_overheads(classes, batch_overhead, len(costs))
+    for i, (r, k) in enumerate(zip(owners, units)):
+        per[r, k] += costs[i]
+        if over[i] and (r, k, classes[i]) not in seen:
+            seen.add((r, k, classes[i]))
+            per[r, k] += over[i]
+    return np.cumsum(per, axis=1)
 
 
 def effective_costs(costs, classes, batch_overhead):

@@ -41,6 +41,8 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 
+from dmuon.balance.assignment import class_overheads, completion_times
+
 #: The makespan the runtime plan may add to the makespan plan's, as a fraction of it
 #: (:func:`dmuon.balance.solve`'s ``makespan_slack``): the deadline plan's extra makespan was
 #: 0.1-1.3% on Pi0 and Qwen2.5-7B, below the FLOP model's error; with NS at 15-30% of a VLA
@@ -59,26 +61,6 @@ def deadlines_from_forward(forward: Sequence[float]) -> list[float]:
         out.append(t)
         t += float(f)
     return out
-
-
-def _overheads(classes, batch_overhead, n):
-    if not batch_overhead:
-        return [0.0] * n
-    return [float(batch_overhead.get(c, 0.0)) for c in classes]
-
-
-def completion_times(owners, costs, units, num_ranks, num_units, *, classes=None,
-                     batch_overhead=None) -> np.ndarray:
-    """``C[r, k]`` of the module docstring: ``[num_ranks, num_units]`` float64."""
-    per = np.zeros((num_ranks, num_units))
-    seen = set()
-    over = _overheads(classes, batch_overhead, len(costs))
-    for i, (r, k) in enumerate(zip(owners, units)):
-        per[r, k] += costs[i]
-        if over[i] and (r, k, classes[i]) not in seen:
-            seen.add((r, k, classes[i]))
-            per[r, k] += over[i]
-    return np.cumsum(per, axis=1)
 
 
 def measure(owners, costs, units, deadlines, num_ranks, *, classes=None,
@@ -115,7 +97,7 @@ def exposed_lower_bound(costs: Sequence[float], units: Sequence[int], deadlines:
     """A bound no plan's ``E`` is below: every matrix finishes no earlier than its own cost
     after 0 (``c_i + f_i - d_(unit i)``), and units ``0..k`` hold ``W_k`` of work that ``D``
     ranks finish no earlier than ``W_k / D`` (``W_k / D - d_k``)."""
-    over = _overheads(classes, batch_overhead, len(costs))
+    over = class_overheads(classes, batch_overhead, len(costs))
     best = 0.0
     work = np.zeros(len(deadlines))
     for i, (c, k) in enumerate(zip(costs, units)):
@@ -209,7 +191,7 @@ def improve_exposed(owners, costs, units, deadlines, num_ranks, *, classes, batc
         pair_cap: no move or swap takes the distinct (rank, unit) pairs (publish pairs) above
             this (``None``: no cap).
     """
-    over = [float((batch_overhead or {}).get(c, 0.0)) for c in classes]
+    over = class_overheads(classes, batch_overhead, len(costs))
     st = _State(owners, costs, units, deadlines, num_ranks, classes, over)
     st.load_cap = np.inf if load_cap is None else float(load_cap) * (1 + 1e-12)
     st.pair_cap = pair_cap

