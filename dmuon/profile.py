@@ -168,10 +168,8 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
     unit_shapes = [[] for _ in range(max(groups, default=-1) + 1)]
     for g, lay in zip(groups, layouts):
         unit_shapes[g].append(lay.matrix_shape)
-    forward, _, fwd_unit = unit_times(unit_shapes, tokens=tokens, measure=measure, device=device,
-                                      cache_path=cache_path)
-    if fwd_unit != unit:
-        raise RuntimeError(f"dmuon: NS costs in {unit} but forward times in {fwd_unit}")
+    forward, _, _ = unit_times(unit_shapes, tokens=tokens, measure=measure, device=device,
+                               cache_path=cache_path)  # in ``unit`` too: both follow ``measure``
     deadlines = deadlines_from_forward(forward)
     plan = build_plan(named_shapes, nodes * gpus_per_node, costs=costs, cost_unit=unit,
                       method=method, time_limit_s=time_limit_s,

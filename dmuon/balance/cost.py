@@ -17,30 +17,23 @@ OWNER_BYTES_PER_ELEMENT = 12
 
 #: Step time (s) one more publish (group, owner) pair costs on gloo: its forward and backward
 #: broadcasts and its reduce, on every rank. Measured on the 2-core CPU, 4 ranks, default
-#: ``dmuon.train`` model, makespan plan (23-26 pairs) against one owner per FSDP2 block (9 to
-#: 12 pairs), same run each: 1.3 to 2.7 ms per pair over four runs
-#: (bench/results/history/step_cpu_4r_grouped_owners*.json and the first, hand-made block plan).
+#: ``dmuon.train`` model: 1.3 to 2.7 ms per pair over four runs
+#: (bench/results/history/step_cpu_4r_grouped_owners*.json).
 GLOO_PAIR_COST_S = 2.5e-3
 #: fp32 Newton-Schulz throughput (FLOP/s) of one CPU thread on the same model's shapes: the
 #: same run's calibration gives 3.4e10-8.3e10 for shapes of >= 1e7 FLOPs; this is about their
 #: median. Converts :data:`GLOO_PAIR_COST_S` into the FLOP model's unit.
 CPU_NS_FLOP_PER_S = 6e10
-#: What one more matrix costs a CPU owner's step beyond its own Newton-Schulz FLOPs, in FLOPs of
-#: the same step: its share of its shape's batched NS call (normalization, stacking, ~25 small
-#: ops) and its element-wise momentum and update. Fitted on ``dmuon.train``'s default policy,
-#: one thread, four contiguous buckets of 5-21 matrices: ``t = FLOPs / 8.6e10 s + 0.19 ms per
-#: matrix`` (so 1.6e7 FLOPs), the NS calls alone; byte-cut buckets of 21 small matrices ran
-#: 9.6 ms against 7.1 ms for 11 larger ones of about the same FLOPs. Used by the DDP-style
-#: path's bucket cuts on CPU (:func:`matrix_costs`); on GPU the FLOP model stands alone.
+#: What one more matrix costs a CPU owner's step beyond its own Newton-Schulz FLOPs, in FLOPs:
+#: its share of its shape's batched NS call (~25 small ops) and its element-wise update. Fitted
+#: on ``dmuon.train``'s default policy, one thread: ``t = FLOPs / 8.6e10 s + 0.19 ms per
+#: matrix`` (so 1.6e7 FLOPs). Used by the DDP-style path's bucket cuts on CPU
+#: (:func:`matrix_costs`); on GPU the FLOP model stands alone.
 CPU_MATRIX_OVERHEAD_FLOPS = 1.6e7
 
-# HSDP per-matrix replicate mode (DESIGN.md "Meshes"): running NS on every replica's owner costs
-# ~flops(m, n) / peak; having replica 0 compute and broadcast the fp32 master costs
-# 4 m n bytes / inter-node bandwidth. With an H100 at ~400 TFLOP/s effective fp16 and 25 GB/s
-# per-GPU InfiniBand (200 Gb/s), the broadcast wins for square matrices above ~2,150 rows (the
-# standard NS count, 30 p^3 for 5 steps) and for a [p, q] matrix with q >> p above p ~ 8,000
-# (the Gram count, ~8 p^2 q). The constants are the A800/H100 cluster figures of the DMuon
-# paper's setup.
+# HSDP replicate mode (:class:`ReplicaCost`): with an H100 at ~400 TFLOP/s effective fp16 and
+# 25 GB/s per-GPU InfiniBand (200 Gb/s; the DMuon paper's cluster), broadcasting the fp32 master
+# wins for square matrices above ~2,150 rows and for a [p, q] matrix with q >> p above p ~ 8,000.
 #: Newton-Schulz throughput (FLOP/s) of one owner, for :class:`ReplicaCost`.
 NS_FLOPS_PER_S = 400e12
 #: Bandwidth (bytes/s) of one fp32 master's broadcast across HSDP replicas, for :class:`ReplicaCost`.

@@ -37,6 +37,7 @@ expert and records one expert range per owner.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Callable
 
@@ -169,8 +170,6 @@ def kimi_k2() -> Inventory:
 
 def matrix_count(inv: Inventory) -> int:
     """Newton-Schulz matrices of an inventory (a stack counts its experts)."""
-    import math
-
     return sum(math.prod(shape[:-2]) for _, shape in inv)
 
 
@@ -202,20 +201,11 @@ _LAYER = re.compile(r"^(.*?\.\d+)\.")
 
 
 def layer_groups(fqns: list[str]) -> list[int]:
-    """Publish-group id per matrix, as the usual FSDP2 wrapping makes them.
-
-    The usual wrapping (``fully_shard`` on each numbered layer, then on the root, as
-    :func:`dmuon.train.parallel.shard_model` and torchtitan do) puts the matrices under one
-    numbered module (``...layers.7.``) into that layer's block and every other matrix into the
-    root block. This is the inventory-side twin of :func:`dmuon.hooks.fsdp_adapter.publish_block`,
-    which reads the blocks off a wrapped model.
-
-    Args:
-        fqns: matrix names, in forward order.
-
-    Returns:
-        One id per name, counting up from 0 in order of first appearance; all matrices outside
-        numbered layers share one id (the root block's).
+    """Publish-group id per matrix name (forward order), as the usual FSDP2 wrapping makes them
+    (``fully_shard`` on each numbered layer, then on the root): one id per numbered module
+    (``...layers.7.``), counting up from 0 in order of first appearance, and one for every
+    matrix outside them (the root block). The inventory-side twin of
+    :func:`dmuon.hooks.fsdp_adapter.publish_block`, which reads the blocks off a wrapped model.
     """
     ids: dict[str, int] = {}
     out = []

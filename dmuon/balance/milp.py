@@ -322,7 +322,6 @@ def _solve_with_deadline(pulp, prob, solver, time_limit_s: float) -> tuple[bool,
             ``OSError``...), or did not return in time (its processes, children of this one
             named like the solver binary, are then killed where ``/proc`` exists).
     """
-    done = threading.Event()
     box: dict[str, object] = {}
 
     def run() -> None:
@@ -330,13 +329,12 @@ def _solve_with_deadline(pulp, prob, solver, time_limit_s: float) -> tuple[bool,
             box["outcome"] = _solve_pulp(pulp, prob, solver)
         except BaseException as e:  # handed to the caller below
             box["error"] = e
-        finally:
-            done.set()
 
     thread = threading.Thread(target=run, name="dmuon-cbc", daemon=True)
     thread.start()
     deadline_s = 2 * time_limit_s + HANG_MARGIN_S
-    if not done.wait(deadline_s):
+    thread.join(deadline_s)
+    if thread.is_alive():
         killed = _kill_child_processes(os.path.basename(str(getattr(solver, "path", "cbc"))))
         raise MilpFailure(
             f"CBC did not return within {deadline_s:.0f} s (time limit {time_limit_s} s): "

@@ -67,9 +67,8 @@ class Assignment:
         memory: per-rank memory in bytes (zeros when no memory was given).
         makespan: ``max(loads)``.
         lower_bound: ``max(total / num_ranks, largest cost)``.
-        proven_bound: a lower bound on the makespan at least as strong
-            (:func:`dmuon.balance.assignment.makespan_lower_bound`, or the makespan itself when
-            ``optimal``).
+        proven_bound: :func:`dmuon.balance.assignment.makespan_lower_bound`, or the makespan
+            itself when ``optimal``.
         method: ``"milp"`` when CBC's plan is returned (whenever it is at least as good as the
             heuristic's, even the warm start itself), else ``"greedy"``.
         optimal: True only where the makespan is proven optimal (MILP optimal, or makespan
@@ -123,14 +122,6 @@ class Assignment:
     def objective(self) -> float:
         """What the makespan objective minimized: ``makespan + group_cost * publish_pairs``."""
         return self.makespan + self.group_cost * self.publish_pairs
-
-    @property
-    def gap(self) -> float:
-        """Proven relative optimality gap ``makespan / proven_bound - 1`` (0 when optimal);
-        with a group cost it bounds the makespan term only."""
-        if self.optimal or self.proven_bound <= 0:
-            return 0.0
-        return self.makespan / self.proven_bound - 1.0
 
 
 def _check_inputs(costs, num_ranks, *, memory, memory_cap, method, groups, classes, group_cost,
