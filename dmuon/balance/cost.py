@@ -52,14 +52,9 @@ def ns_flops(rows: int, cols: int, *, steps: int = 5, method: str = "gram", batc
 
 def flop_costs(shapes: Sequence[tuple[int, int]], *, steps: int = 5, method: str = "gram") -> list[float]:
     """Per-matrix NS FLOPs (:func:`ns_flops`), one per ``(rows, cols)`` shape."""
-    cache: dict[tuple[int, int], float] = {}
-    out = []
-    for s in shapes:
-        key = (int(s[0]), int(s[1]))
-        if key not in cache:
-            cache[key] = ns_flops(*key, steps=steps, method=method)
-        out.append(cache[key])
-    return out
+    keys = [(int(s[0]), int(s[1])) for s in shapes]
+    per = {k: ns_flops(*k, steps=steps, method=method) for k in set(keys)}
+    return [per[k] for k in keys]
 
 
 def matrix_costs(shapes: Sequence[tuple[int, int]], device_type: str) -> list[float]:

@@ -285,12 +285,18 @@ def solve(
                     makespan_slack, time_limit_s, start)
 
 
+def _skip_milp(method, n_vars, limit_name, limit):
+    """Why CBC does not run (``"not run: ..."``), or None where ``method`` asks for it with
+    ``n_vars`` integer variables (``"auto"``: up to ``limit``, the constant ``limit_name``)."""
+    if method in ("greedy", "heuristic"):
+        return f"not run: method={method!r}"
+    if method == "auto" and n_vars > limit:
+        return f"not run: {n_vars} integer variables > {limit_name}={limit}"
+    return None
+
+
 def _per_rank(owners, values, num_ranks):
-    out = [0.0] * num_ranks
-    if values is not None:
-        for i, r in enumerate(owners):
-            out[r] += values[i]
-    return tuple(out)
+    return (0.0,) * num_ranks if values is None else tuple(evaluate(owners, values, num_ranks))
 
 
 def _solve_exposed(costs, num_ranks, start, *, units, deadlines, classes, batch_overhead, memory,
@@ -308,15 +314,11 @@ def _solve_exposed(costs, num_ranks, start, *, units, deadlines, classes, batch_
                                 time_limit_s=time_limit_s / 2, **kw)
     used, detail = "greedy", "deadline_greedy+local_search"
     e0 = dl.measure(owners, costs, units, deadlines, num_ranks, **kw)[0]
-    n_keys = len(set(zip(units, classes)))
-    if method in ("greedy", "heuristic"):
-        status = f"not run: method={method!r}"
-    elif method == "auto" and e0 <= bound + 1e-12 * max(1.0, sum(costs)):
+    status = _skip_milp(method, len(set(zip(units, classes))) * num_ranks,
+                        "AUTO_MAX_DEADLINE_VARS", AUTO_MAX_DEADLINE_VARS)
+    if method == "auto" and e0 <= bound + 1e-12 * max(1.0, sum(costs)):
         status = "not run: the heuristic plan meets the lower bound"
-    elif method == "auto" and n_keys * num_ranks > AUTO_MAX_DEADLINE_VARS:
-        status = (f"not run: {n_keys * num_ranks} integer variables > "
-                  f"AUTO_MAX_DEADLINE_VARS={AUTO_MAX_DEADLINE_VARS}")
-    else:
+    if status is None:
         res, status = milp_fallback(
             costs, num_ranks, warm_start=owners, fallback=detail,
             score=lambda o: f"exposed {e0:.6g}, bound {bound:.6g}", what="deadline",
@@ -412,11 +414,10 @@ def _solve_makespan(costs, num_ranks, start, *, memory, memory_cap, groups, clas
     owners = greedy(costs, num_ranks, memory=memory, memory_cap=memory_cap)
     used = "greedy"
     optimal = False
-    n_vars = len(set(classes)) * num_ranks
-    want_milp = method == "milp" or (method == "auto" and n_vars <= AUTO_MAX_INTEGER_VARS)
-    status = (f"not run: method={method!r}" if method in ("greedy", "heuristic") else
-              f"not run: {n_vars} integer variables > AUTO_MAX_INTEGER_VARS="
-              f"{AUTO_MAX_INTEGER_VARS}" if not want_milp else "not run")
+    status = _skip_milp(method, len(set(classes)) * num_ranks, "AUTO_MAX_INTEGER_VARS",
+                        AUTO_MAX_INTEGER_VARS)
+    want_milp = status is None
+    status = status or "not run"
     heuristic = "lpt"
     if method == "greedy":
         pass  # plain LPT, as documented
@@ -501,10 +502,9 @@ def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, cl
                            "group_lpt+merge_groups"))
     best, detail = min(candidates, key=lambda c: objective(c[0], costs, num_ranks, **score))
     used, optimal = "greedy", False
-    keys = len(set(zip(groups, classes)))
-    status = (f"not run: {keys * num_ranks} integer variables > AUTO_MAX_GROUP_VARS="
-              f"{AUTO_MAX_GROUP_VARS}" if method == "auto" else f"not run: method={method!r}")
-    if method == "milp" or (method == "auto" and keys * num_ranks <= AUTO_MAX_GROUP_VARS):
+    status = _skip_milp(method, len(set(zip(groups, classes))) * num_ranks, "AUTO_MAX_GROUP_VARS",
+                        AUTO_MAX_GROUP_VARS)
+    if status is None:
         start_obj = objective(best, costs, num_ranks, **score)
         res, status = milp_fallback(
             costs, num_ranks, warm_start=best, fallback=detail,
@@ -530,7 +530,7 @@ def check_memory_cap(
         ValueError: naming the smallest feasible cap (exact when CBC proves it, else the best
             found and the proven lower bound).
     """
-    if memory_cap >= max(_per_rank(greedy(memory, num_ranks), memory, num_ranks)):
+    if memory_cap >= max(evaluate(greedy(memory, num_ranks), memory, num_ranks)):
         return
     best = solve(memory, num_ranks, method="milp", time_limit_s=time_limit_s)
     if memory_cap >= best.makespan:
