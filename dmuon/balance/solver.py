@@ -219,25 +219,22 @@ def solve(
             Takes none of ``memory_cap``, ``group_cost``, ``layout`` without ``makespan_slack``.
         memory: bytes each matrix costs its owner (fp32 master + momentum + gradient).
         memory_cap: bytes allowed per rank (needs ``memory``).
-        groups: per-matrix group id (one layer = one group, ids increasing in forward order).
-            With ``layout`` the owners are rearranged, at equal loads, so that a group spreads
-            over different ranks and neighbouring groups differ in node and GPU
-            (:func:`dmuon.balance.layout.apply_layout`).
+        groups: per-matrix group id (one layer = one group, ids increasing in forward order);
+            with ``layout``, :func:`dmuon.balance.layout.apply_layout` spreads each group.
         classes: per-matrix class (the shape); matrices of one class are interchangeable and
             batch together. Default: matrices with equal ``(cost, memory)`` form a class.
         batch_overhead: per-class cost paid once per rank (and unit, with ``deadlines``)
             owning any matrix of that class (the fixed part of a batched NS, from
             :func:`dmuon.balance.cost.fit_batch_costs`); ``costs`` then hold the marginal part.
         layout: ``(nodes, gpus_per_node)`` with ``nodes * gpus_per_node == num_ranks``.
-        method: ``"greedy"``: plain LPT (the greedy in unit order and its local search for
-            the exposed time). ``"heuristic"``: the better of LPT and MULTIFIT refined by local
-            search, no CBC (the runtime's). ``"milp"``: the heuristic plan, then CBC
-            warm-started from it. ``"auto"``: ``"milp"`` up to :data:`AUTO_MAX_INTEGER_VARS`
-            (:data:`AUTO_MAX_GROUP_VARS` with ``group_cost``, :data:`AUTO_MAX_DEADLINE_VARS`
-            with ``deadlines``) integer variables, and never once the heuristic plan meets the
-            lower bound. The runtime plan's refinement never runs CBC.
-        time_limit_s: CBC wall-clock limit, seconds; on timeout the best plan found is kept.
-            The local searches get part of it.
+        method: ``"greedy"`` (plain LPT; for the exposed time as ``"heuristic"``),
+            ``"heuristic"`` (the module docstring's heuristics, no CBC: the runtime's),
+            ``"milp"`` (then CBC warm-started from the heuristic plan) or ``"auto"`` (``"milp"``
+            up to :data:`AUTO_MAX_INTEGER_VARS`, :data:`AUTO_MAX_GROUP_VARS` or
+            :data:`AUTO_MAX_DEADLINE_VARS` integer variables, and not once the heuristic plan
+            meets the lower bound). The runtime plan's refinement never runs CBC.
+        time_limit_s: CBC wall-clock limit, seconds (the best plan found is kept); the local
+            searches get part of it.
         group_cost: step time one (group, owner) pair costs (its broadcasts and reduce), in the
             unit of ``costs``; with ``groups``, the objective becomes ``makespan + group_cost *
             pairs``. 0 (default) minimizes the makespan alone.
