@@ -8,7 +8,7 @@ trainers built on them expect from FSDP2 + ``torch.optim.AdamW``:
 * **State exists from construction** (zeros, AdamW ``step`` 0: what the first step creates), so
   torch's ``_init_optim_state`` finds state and does not step (on cleared state, its
   ``lr = 0`` step with zero gradients changes no parameter).
-* **param_groups hold plain values** (:class:`dmuon.hooks.optim_state.OptimizerStateHooks`).
+* **param_groups hold plain values** (:class:`dmuon.hooks.state_dict.OptimizerStateHooks`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon.hooks.optim_state import OptimizerStateHooks
+from dmuon.hooks.state_dict import OptimizerStateHooks
 from dmuon.owners.slices import local_tensor
 from dmuon.owners.update import first_step_state
 

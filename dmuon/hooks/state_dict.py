@@ -1,19 +1,33 @@
 """One translation of dedicated matrices into state-dict entries (:func:`entries`), and the
-hooks that make ``model.state_dict()`` / ``load_state_dict()`` show what FSDP2 alone shows.
+hooks that make ``model.state_dict()`` / ``opt.state_dict()`` (and their loads) show what FSDP2
+and a torch optimizer show, as torch's state-dict utilities, ``dcp.save`` and the trainers built
+on them expect.
 
 A dedicated matrix is the owner's fp32 master ``[rows, cols]`` (this TP rank's slice under TP;
 ``[k, rows, cols]`` for an expert range) and a ``[0]`` placeholder elsewhere. Its record
 carries its layout from bind time: ``rec.sd_layout`` (FSDP2's sharded parameter, or the TP
 DTensor, :class:`Layout`), ``rec.tp_shard_dim``, ``rec.key`` / ``rec.experts``.
 
-Hooks (installed by :func:`dmuon.dedicate_params`): a state_dict post-hook first on each module
-holding a dedicated matrix (so a parent's hook that rewrites entries, torchtitan's fused-QKV
-split, sees FSDP2's view); load pre-hooks on the root, which stages every present entry as the
-owner's TP slice and has the ranks agree before anything is written, and on each such module,
-which hands torch the staged tensor on the owner and the placeholder elsewhere (an entry a load
-hook made, or ``submodule.load_state_dict``'s, is staged as its module loads). A bad entry
-raises ``ValueError`` naming dmuon on every rank. Split and expert-parallel stacks have no
-torch view (``RuntimeError`` naming dmuon; :func:`dmuon.state_dict` saves them).
+* **Model** (:class:`StateDictHooks`, installed by :func:`dmuon.dedicate_params`): a state_dict
+  post-hook first on each module holding a dedicated matrix (so a parent's hook that rewrites
+  entries, torchtitan's fused-QKV split, sees FSDP2's view); load pre-hooks on the root, which
+  stages every present entry as the owner's TP slice and has the ranks agree before anything is
+  written, and on each such module, which hands torch the staged tensor on the owner and the
+  placeholder elsewhere (an entry a load hook made, or ``submodule.load_state_dict``'s, is
+  staged as its module loads).
+* **Optimizer** (:class:`OptimizerStateHooks`, on every ``dmuon.Muon``): ``ns_dtype`` as a
+  string in ``param_groups`` (torch's utilities refuse a ``torch.dtype``), parsed back on load;
+  each dedicated matrix's ``momentum_buffer`` on every rank in torch's view of the parameter
+  (HSDP ``"broadcast"`` mode: replica 0's, the only one stepped; an owner that has not stepped
+  offers zeros, ``torch.optim.Muon``'s start, unless no owner holds a buffer: a fresh optimizer
+  shows no Muon state). On load each momentum is staged, checked and agreed on like the
+  model's, then given to its owner only. AdamW state of FSDP2 parameters passes unchanged.
+  ``get_optimizer_state_dict`` steps an optimizer without state with zero gradients and
+  ``lr = 0`` (``_init_optim_state``); dmuon's step then changes no parameter.
+
+A bad entry raises ``ValueError`` naming dmuon on every rank before anything is written. Split
+and expert-parallel stacks have no torch view (``RuntimeError`` naming dmuon;
+:func:`dmuon.state_dict` saves them).
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.owners.dedicated import DedicatedParam
+from dmuon.owners.update import dtype_name, parse_dtype
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 NOTHING_LOADED = "Nothing was loaded: the dedicated matrices are unchanged on every rank."
@@ -174,8 +189,8 @@ def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING
 
 
 class StateDictHooks:
-    """The state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`; the optimizer's
-    (:mod:`dmuon.hooks.optim_state`) use :meth:`records`, :meth:`entry` and :meth:`stage_all`."""
+    """The model's state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`; the
+    optimizer's (:class:`OptimizerStateHooks`) use :meth:`records` and :meth:`stage_all`."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
@@ -183,7 +198,6 @@ class StateDictHooks:
         self._staged: dict[int, tuple[Any, torch.Tensor]] = {}
         self._in_root_load = False  # between the root's load pre-hook and its post-hook
         self._refresh = False  # a module's hook wrote masters outside a root load
-        self._by_module: tuple[Any, dict[int, list[DedicatedParam]]] = (None, {})
 
     def install(self) -> list[Any]:
         """Register the hooks; returns their handles.
@@ -227,19 +241,9 @@ class StateDictHooks:
                 f"dmuon.state_dict(model, opt) + dcp.save and dmuon.load(model, opt, path).")
         return state.records
 
-    def entry(self, rec: DedicatedParam, owned: torch.Tensor | None) -> torch.Tensor:
-        """The owner's ``owned`` (master or momentum) in torch's view on this rank (collective)."""
-        return entries(rec, owned, self.state)[0][1]
-
     def _module_records(self, module: Any) -> list[DedicatedParam]:
         """The dedicated matrices ``module`` holds itself, in model order."""
-        records = self.records()
-        if self._by_module[0] is not records:
-            by_module: dict[int, list[DedicatedParam]] = {}
-            for rec in records:
-                by_module.setdefault(id(rec.module), []).append(rec)
-            self._by_module = (records, by_module)
-        return self._by_module[1].get(id(module), [])
+        return [rec for rec in self.records() if rec.module is module]
 
     @torch.no_grad()
     def on_module_state_dict(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -247,7 +251,7 @@ class StateDictHooks:
         owners' masters. Collective (one broadcast per matrix, in model order)."""
         for rec in self._module_records(module):
             if prefix + rec.attr in sd:
-                sd[prefix + rec.attr] = self.entry(rec, rec.master)
+                sd[prefix + rec.attr] = entries(rec, rec.master, self.state)[0][1]
 
     def stage_all(self, entries: list[tuple[DedicatedParam, str, Any]], consequence: str,
                   source: str = "the state dict", target: str = "this model") -> list[torch.Tensor]:
@@ -325,3 +329,125 @@ class StateDictHooks:
         if self._refresh and not self._in_root_load:
             self._refresh = False
             self.state.publish_after_step(issue=False)
+
+
+def param_names(model: torch.nn.Module, params: list[torch.Tensor], state: Any = None) -> list[str]:
+    """Canonical FQNs of ``params`` (dedicated masters by their plan key)."""
+    names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    if state is not None:
+        names.update({id(rec.master): canonical_fqn(rec.key or rec.fqn) for rec in state.records})
+    return [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+
+def _ns_dtypes(groups: list[dict[str, Any]], convert: Any) -> list[dict[str, Any]]:
+    """Copies of ``groups`` with ``convert`` applied to each ``ns_dtype``."""
+    groups = [dict(g) for g in groups]
+    for g in groups:
+        if "ns_dtype" in g:
+            g["ns_dtype"] = convert(g["ns_dtype"])
+    return groups
+
+
+class OptimizerStateHooks:
+    """The optimizer state-dict hooks of one :class:`dmuon.Muon` (see the module docstring).
+
+    Args:
+        opt: the optimizer.
+        state: the model's :class:`dmuon.hooks.state.DedicateState` (owner runtime), or ``None``
+            (only ``param_groups`` are translated).
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer, state: Any = None) -> None:
+        self.opt, self.state = opt, state
+
+    def install(self) -> list[Any]:
+        """Register the hooks on the optimizer; returns their handles."""
+        cls = OptimizerStateHooks
+        return [self.opt.register_state_dict_post_hook(functools.partial(cls.on_state_dict, self)),
+                self.opt.register_load_state_dict_pre_hook(functools.partial(cls.on_load, self))]
+
+    def _muon_records(self) -> list[tuple[int, int, Any]]:
+        """``(group index, position, record)`` of every trainable dedicated matrix (``[]``
+        without a model state or before binding).
+
+        Raises:
+            RuntimeError: a matrix torch's view cannot show (:meth:`StateDictHooks.records`).
+        """
+        if self.state is None or not self.state.state_dict_hooks.records():
+            return []
+        return [(gi, pos, self.state.record_of_master[master])
+                for gi, group in enumerate(self.opt.param_groups) if group.get("kind") == "muon"
+                for pos, master in enumerate(group["params"]) if master.requires_grad]
+
+    @torch.no_grad()
+    def on_state_dict(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        """Post-hook: ``ns_dtype`` as a string, momentum in torch's view (collective on the owner
+        runtime: one all_reduce, then one broadcast per matrix)."""
+        groups = _ns_dtypes(sd["param_groups"],
+                            lambda v: dtype_name(v) if isinstance(v, torch.dtype) else v)
+        out = {**sd, "param_groups": groups}
+        records = self._muon_records()
+        if not records:
+            return out
+        ctx, state = self.state, dict(sd["state"])
+        # whether any owner holds a momentum buffer (a fresh optimizer shows none, so torch's
+        # get_optimizer_state_dict initialises the whole state; collective)
+        held = torch.tensor([float(any(rec.is_owner and "momentum_buffer" in opt.state.get(rec.master, {})
+                                       for _, _, rec in records))],
+                            device=records[0][2].master.device)  # NCCL reduces on the GPU
+        if dist.is_initialized() and dist.get_world_size(ctx.roles.world) > 1:
+            dist.all_reduce(held, op=dist.ReduceOp.MAX, group=ctx.roles.world)
+        if not held.item():
+            return out
+        for gi, pos, rec in records:
+            buf = None
+            if rec.is_owner:
+                buf = opt.state.get(rec.master, {}).get("momentum_buffer")
+                if buf is None:  # not stepped yet: torch.optim.Muon starts from zeros
+                    buf = torch.zeros(rec.shape, dtype=torch.float32, device=rec.master.device)
+                src = momentum_replica(rec, ctx)
+                if src is not None:
+                    buf = buf.clone()
+                    dist.broadcast(buf, src=dist.get_global_rank(ctx.roles.replicate, src),
+                                   group=ctx.roles.replicate)
+            pid = groups[gi]["params"][pos]
+            state[pid] = {**state.get(pid, {}), "momentum_buffer": entries(rec, buf, ctx)[0][1]}
+        # parameter order: torch's full state dict gathers entry by entry in dict order
+        out["state"] = {pid: state[pid] for g in groups for pid in g["params"] if pid in state}
+        return out
+
+    @torch.no_grad()
+    def on_load(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        """Pre-hook: ``ns_dtype`` parsed back (``None`` kept: a Muon group needs the key); each
+        momentum staged, checked, agreed on, then given to its owner only (collective on the
+        owner runtime).
+
+        Raises:
+            ValueError: on every rank, if on any rank an entry has the wrong shape, or the
+                ranks' entries differ in kind; nothing is written.
+        """
+        groups = _ns_dtypes(sd["param_groups"], parse_dtype)
+        out = {**sd, "param_groups": groups}
+        records = self._muon_records()
+        if not records:
+            return out
+        state, present = dict(sd["state"]), []
+        for gi, pos, rec in records:
+            saved = groups[gi]["params"] if gi < len(groups) else []
+            if pos >= len(saved):
+                continue  # torch's load_state_dict names the group-size mismatch
+            entry = state.get(saved[pos])
+            if isinstance(entry, dict) and "momentum_buffer" in entry:
+                present.append((saved[pos], rec, entry))
+        staged = self.state.state_dict_hooks.stage_all(
+            [(rec, f"optimizer state {canonical_fqn(rec.fqn)!r}/momentum_buffer", entry["momentum_buffer"])
+             for _, rec, entry in present],
+            "Nothing was loaded: the optimizer state is unchanged on every rank.",
+            source="the optimizer state dict", target="this optimizer")
+        for (pid, rec, entry), full in zip(present, staged):
+            if rec.is_owner:
+                state[pid] = {**entry, "momentum_buffer": full.to(torch.float32)}
+            else:
+                state.pop(pid)
+        out["state"] = state
+        return out
