@@ -197,14 +197,10 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
             optim_state.update({key: {"momentum_buffer": t} for key, t in entries(rec, buf)})
     optim_state.update(adamw_state)
     skip = _SKIP_GROUP_KEYS if ctx is not None else ("params",)
-    groups = {_group_key(ctx, gi, g): {k: v for k, v in g.items() if k not in skip}
+    # by kind on the owner runtime, else by index
+    groups = {g["kind"] if ctx is not None else str(gi): {k: v for k, v in g.items() if k not in skip}
               for gi, g in enumerate(opt.param_groups)}
     return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
-
-
-def _group_key(ctx: DedicateState | None, index: int, group: dict[str, Any]) -> str:
-    """A param group's key in the saved ``param_groups``: its kind (owner runtime), else its index."""
-    return group["kind"] if ctx is not None else str(index)
 
 
 def _problem(target: torch.Tensor, value: Any, where: str) -> str | None:
@@ -296,7 +292,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
         _copy_into(target, value)
     saved_groups = sd[OPTIM_KEY]["param_groups"]
     for index, group in enumerate(opt.param_groups):
-        for name, value in saved_groups.get(_group_key(ctx, index, group), {}).items():
+        for name, value in saved_groups.get(group["kind"] if ctx is not None else str(index), {}).items():
             group[name] = value
     if ctx is not None:
         ctx.publish_after_step(issue=False)

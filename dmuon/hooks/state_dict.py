@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.owners.dedicated import DedicatedParam
+from dmuon.owners.slices import chunk_sizes
 from dmuon.owners.update import dtype_name, parse_dtype
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -52,12 +53,6 @@ def canonical_fqn(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
-
-
-def module_key(fqn: str) -> str:
-    """How ``nn.Module.state_dict`` names parameter ``fqn``: ``checkpoint_wrapper``'s hooks strip
-    ``_checkpoint_wrapped_module.``; ``_orig_mod.`` stays (torch keeps it there)."""
-    return fqn.replace(WRAPPER_PREFIXES[0], "")
 
 
 class Layout(NamedTuple):
@@ -85,13 +80,6 @@ def layout_of(tensor: Any, fsdp: bool = True) -> Layout | None:
                   tuple(tensor.stride()), fsdp)
 
 
-def _chunks(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """``torch.chunk(t, parts, dim=0)`` padded with empty chunks to ``parts`` (FSDP2's
-    ``_chunk_with_empty``): the rows each shard rank holds."""
-    chunks = list(torch.chunk(t, parts, dim=0))
-    return chunks + [t.new_empty((0, *t.shape[1:]))] * (parts - len(chunks))
-
-
 def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) -> list[tuple[str, Any]]:
     """``(canonical key, tensor)`` entries of ``rec``'s master or momentum ``local`` (fp32
     ``rec.shape`` on the owner; unused elsewhere).
@@ -100,9 +88,9 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
     ``rec.key``; a TP slice as a DTensor on the TP mesh (``Shard(tp_shard_dim)``, global
     ``rec.full_shape``: DCP records its offset); an expert range as ``"fqn[e]"`` ->
     ``[rows, cols]`` views. ``state`` the :class:`dmuon.hooks.state.DedicateState`: torch's
-    view (every shard rank; one broadcast from the owner; new tensors): under ``rec.fqn``,
-    FSDP2's rows (``torch.chunk`` along dim 0) of the TP slice as a DTensor laid out as
-    ``rec.sd_layout``; the TP DTensor without FSDP2; the full tensor on a plain replica.
+    view (every shard rank; one broadcast from the owner; new tensors) under ``rec.fqn``, laid
+    out as ``rec.sd_layout`` (FSDP2's ``torch.chunk`` rows of the TP slice; the TP DTensor
+    without FSDP2); the full tensor on a plain replica.
     """
     if state is not None:
         if rec.is_owner:
@@ -112,9 +100,10 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
         if dist.get_world_size(state.group) > 1:
             dist.broadcast(full, src=dist.get_global_rank(state.group, rec.owner), group=state.group)
         lay = rec.sd_layout
+        if lay is not None and lay.fsdp:  # this shard rank's rows, as FSDP2 chunks them
+            full = full.split(chunk_sizes(rec.shape[0], state.world_size))[state.rank].clone()
         if lay is not None:
-            piece = _chunks(full, state.world_size)[state.rank].clone() if lay.fsdp else full
-            full = lay.wrap(piece)
+            full = lay.wrap(full)
         return [(canonical_fqn(rec.fqn), full)]
     if rec.experts is not None:
         experts, fqn = local.view(-1, *local.shape[-2:]), canonical_fqn(rec.fqn)
@@ -153,7 +142,7 @@ def staged_tp_local(value: Any, rec: DedicatedParam, where: str,
     lay = rec.sd_layout
     if (lay is not None and lay.fsdp and hasattr(value, "to_local")
             and value.device_mesh == lay.mesh and tuple(value.placements) == lay.placements):
-        rows = [c.shape[0] for c in _chunks(torch.empty(rec.shape[0], 0), state.world_size)]
+        rows = chunk_sizes(rec.shape[0], state.world_size)
         local = value.to_local().detach()
         padded = torch.zeros((max(rows), *rec.shape[1:]), dtype=local.dtype, device=local.device)
         padded[: local.shape[0]] = local
@@ -286,7 +275,9 @@ class StateDictHooks:
         records = self.records()
         if not records:
             return
-        present = [(rec, prefix + module_key(rec.fqn)) for rec in records]
+        # nn.Module.state_dict names a parameter without checkpoint_wrapper's component (its hooks
+        # strip it), but keeps torch.compile's _orig_mod.
+        present = [(rec, prefix + rec.fqn.replace(WRAPPER_PREFIXES[0], "")) for rec in records]
         present = [(rec, key) for rec, key in present if key in sd]
         staged = self.stage_all([(rec, f"entry {key!r}", sd[key]) for rec, key in present], NOTHING_LOADED)
         self._staged = {id(rec): (sd[key], full) for (rec, key), full in zip(present, staged)}
