@@ -20,13 +20,10 @@ checkpointing)::
 * HSDP: every replica's owner offers the master; in ``"broadcast"`` mode only replica 0 offers
   the momentum (the others never step the matrix and hold stale zeros).
 * Replicated tensors (buffers, plain replicated parameters, AdamW ``step``) are plain on every
-  rank; DCP's planner writes one copy. Hyper-parameters are saved as byte items, one dict per
-  param group kind.
-
-For ``dmuon.Muon(params, distributed_config=...)`` (and single-device ``Muon(params)``) the
-model entries are the live parameters and buffers (:func:`live_entries`), each optimizer state
-tensor enters laid out like its parameter, and param groups are saved by index (``"0"``,
-``"1"``, ...). Plain sharded Muon matrices cannot be described to DCP (``ValueError``).
+  rank; DCP's planner writes one copy. Hyper-parameters are byte items, one dict per group kind.
+* ``dmuon.Muon(params, distributed_config=...)`` (and single-device ``Muon(params)``): each
+  optimizer state tensor is laid out like its parameter; param groups are keyed by index
+  (``"0"``, ``"1"``, ...). Plain sharded Muon matrices cannot be described to DCP (``ValueError``).
 
 torch's own state-dict API works on the same models (:mod:`dmuon.hooks.state_dict`); this
 module adds checkpoints without a collective or a copy
@@ -48,10 +45,8 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
-from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of, momentum_replica
+from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of, momentum_replica, zero_state
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
-from dmuon.owners.slices import local_tensor
-from dmuon.owners.update import first_step_state
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +136,10 @@ def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
 
 
 def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model and optimizer state, sharded, keyed by canonical FQN, for ``dcp.save`` /
-    ``dcp.load``: the layout of the module docstring.
-
-    Local and cheap (no collective, no copy): the values are the live tensors (detached
-    aliases), so ``dcp.load`` into the returned dict writes straight into the model and the
-    optimizer. Optimizer state that does not exist yet is created as the first step would
-    (zeros, ``step`` 0), so a fresh job can load into it.
+    """The model and optimizer state for ``dcp.save`` / ``dcp.load``, laid out as the module
+    docstring says. Local (no collective, no copy): the values are detached aliases of the live
+    tensors, so ``dcp.load`` writes straight into the model and the optimizer. Missing optimizer
+    state is created as the first step would (zeros, ``step`` 0), so a fresh job can load into it.
 
     Args:
         model: a model passed to :func:`dmuon.dedicate_params`; or, for a
@@ -179,7 +171,7 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
                     f"Make the parameters DTensors (fully_shard, distribute_tensor) to checkpoint them.")
             # zero state where none exists yet, for dcp.load to fill (not on a placeholder)
             if p.requires_grad and (ctx is None or not muon or p.numel()):
-                state = first_step_state(opt.state[p], local_tensor(p) if ctx is None else p, muon)
+                state = zero_state(opt, p, muon)
                 if ctx is None:
                     optim_state[canonical_fqn(names[id(p)])] = {
                         k: _laid_out_like(p, v) for k, v in state.items()}
@@ -253,12 +245,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
     tensors ``dcp.load`` wrote in place are left alone, others copied in. Then the saved
     hyper-parameters are set and the owners refresh their compute copies. Collective. (An
     in-place ``dcp.load`` that fails half-way leaves the live tensors half-written; :func:`load`
-    does not.)
-
-    Args:
-        model: the model passed to :func:`dmuon.dedicate_params` in this job.
-        opt: its :class:`dmuon.Muon`.
-        sd: the dict returned by :func:`state_dict` for this model and optimizer on this rank.
+    does not.) ``model`` and ``opt`` as for :func:`state_dict`; ``sd`` its dict on this rank.
 
     Raises:
         ValueError: on every rank, if on any rank ``sd`` lacks a key that rank needs or holds a
@@ -346,8 +333,7 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
     needs none).
 
     Args:
-        model: the model passed to :func:`dmuon.dedicate_params`.
-        opt: its :class:`dmuon.Muon`.
+        model, opt: as for :func:`state_dict`.
         checkpoint_id: the checkpoint directory written by ``dcp.save`` (of
             ``dmuon.state_dict(model, opt)``, with ``extra``'s keys beside ``"model"`` and
             ``"optim"``).

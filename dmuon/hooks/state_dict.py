@@ -1,33 +1,32 @@
 """One translation of dedicated matrices into state-dict entries (:func:`entries`), and the
-hooks that make ``model.state_dict()`` / ``opt.state_dict()`` (and their loads) show what FSDP2
-and a torch optimizer show, as torch's state-dict utilities, ``dcp.save`` and the trainers built
-on them expect.
+hooks that make ``model.state_dict()`` / ``opt.state_dict()`` and their loads show what FSDP2
+and a torch optimizer show (what torch's state-dict utilities and ``dcp.save`` expect).
 
 A dedicated matrix is the owner's fp32 master ``[rows, cols]`` (this TP rank's slice under TP;
 ``[k, rows, cols]`` for an expert range) and a ``[0]`` placeholder elsewhere. Its record
-carries its layout from bind time: ``rec.sd_layout`` (FSDP2's sharded parameter, or the TP
-DTensor, :class:`Layout`), ``rec.tp_shard_dim``, ``rec.key`` / ``rec.experts``.
+carries its layout from bind time: ``rec.sd_layout`` (:class:`Layout`), ``rec.tp_shard_dim``,
+``rec.key`` / ``rec.experts``.
 
-* **Model** (:class:`StateDictHooks`, installed by :func:`dmuon.dedicate_params`): a state_dict
-  post-hook first on each module holding a dedicated matrix (so a parent's hook that rewrites
-  entries, torchtitan's fused-QKV split, sees FSDP2's view); load pre-hooks on the root, which
-  stages every present entry as the owner's TP slice and has the ranks agree before anything is
-  written, and on each such module, which hands torch the staged tensor on the owner and the
-  placeholder elsewhere (an entry a load hook made, or ``submodule.load_state_dict``'s, is
-  staged as its module loads).
-* **Optimizer** (:class:`OptimizerStateHooks`, on every ``dmuon.Muon``): ``ns_dtype`` as a
-  string in ``param_groups`` (torch's utilities refuse a ``torch.dtype``), parsed back on load;
-  each dedicated matrix's ``momentum_buffer`` on every rank in torch's view of the parameter
-  (HSDP ``"broadcast"`` mode: replica 0's, the only one stepped; an owner that has not stepped
-  offers zeros, ``torch.optim.Muon``'s start, unless no owner holds a buffer: a fresh optimizer
-  shows no Muon state). On load each momentum is staged, checked and agreed on like the
-  model's, then given to its owner only. AdamW state of FSDP2 parameters passes unchanged.
-  ``get_optimizer_state_dict`` steps an optimizer without state with zero gradients and
-  ``lr = 0`` (``_init_optim_state``); dmuon's step then changes no parameter.
+* Model (:class:`StateDictHooks`): a state_dict post-hook first on each module holding a
+  dedicated matrix (a parent's hook that rewrites entries, torchtitan's fused-QKV split, sees
+  FSDP2's view); a root load pre-hook stages every present entry as the owner's TP slice and
+  has the ranks agree before anything is written; each module's load pre-hook hands torch the
+  staged tensor on the owner and the placeholder elsewhere (an entry a load hook made, or
+  ``submodule.load_state_dict``'s, is staged as its module loads).
+* Optimizer (:class:`OptimizerStateHooks`): ``ns_dtype`` as a string (torch's utilities refuse
+  a ``torch.dtype``), parsed back on load; each ``momentum_buffer`` in torch's view of its
+  parameter (HSDP ``"broadcast"``: replica 0's; zeros on an owner that has not stepped, unless
+  no owner holds one: a fresh optimizer shows no Muon state), staged on load like the model's
+  and given to its owner. ``get_optimizer_state_dict`` steps a stateless optimizer with zero
+  gradients and ``lr = 0`` (``_init_optim_state``), which changes no parameter.
+* ``dmuon.Muon(params, ...)``: its state tensors are laid out like their parameter (zeros like a
+  DTensor parameter are a DTensor; the step updates the local pieces), so DCP reshards them as
+  it does the parameter, and exist from construction (:func:`init_state`), so
+  ``_init_optim_state`` finds state and does not step.
 
 A bad entry raises ``ValueError`` naming dmuon on every rank before anything is written. Split
-and expert-parallel stacks have no torch view (``RuntimeError`` naming dmuon;
-:func:`dmuon.state_dict` saves them).
+and expert-parallel stacks have no torch view (``RuntimeError``; :func:`dmuon.state_dict`
+saves them).
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from dmuon.owners.dedicated import DedicatedParam
-from dmuon.owners.slices import chunk_sizes
-from dmuon.owners.update import dtype_name, parse_dtype
+from dmuon.owners.slices import chunk_sizes, local_tensor
+from dmuon.owners.update import dtype_name, first_step_state, parse_dtype
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 NOTHING_LOADED = "Nothing was loaded: the dedicated matrices are unchanged on every rank."
@@ -118,21 +117,17 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
 
 
 def momentum_replica(rec: DedicatedParam, state: Any) -> int | None:
-    """The HSDP replica whose momentum of ``rec`` is the one to show: ``0`` in ``"broadcast"``
-    mode (replica 0 alone steps the matrix; the others hold stale zeros), ``None`` when every
-    replica's copy is current (``"compute"`` mode, or no replicas)."""
+    """The HSDP replica whose momentum of ``rec`` counts: ``0`` in ``"broadcast"`` mode (only
+    replica 0 steps the matrix), ``None`` when every copy is current (``"compute"``, no HSDP)."""
     return 0 if rec.replicate_mode == "broadcast" and state.roles.replicate is not None else None
 
 
 def staged_tp_local(value: Any, rec: DedicatedParam, where: str,
                     state: Any) -> tuple[torch.Tensor | None, str | None]:
-    """A loaded entry as this rank's TP slice (``rec.shape``; the whole matrix without TP), or
-    why it cannot be one: ``(tensor, None)`` or ``(None, problem)``.
-
-    A DTensor laid out as :func:`entries`' torch view: the shard ranks' chunks, gathered over
-    the shard group (collective); another DTensor: ``full_tensor()`` (collective over its mesh),
-    then this TP rank's slice (``torch.chunk``); a plain tensor: the full matrix, sliced.
-    """
+    """A loaded entry as this rank's TP slice (``rec.shape``; the whole matrix without TP):
+    ``(tensor, None)``, or ``(None, why it cannot be one)``. A DTensor laid out as
+    :func:`entries`' torch view: the shard ranks' rows, gathered over the shard group; another
+    DTensor: ``full_tensor()`` (collective over its mesh), sliced; a plain tensor: sliced."""
     if not isinstance(value, torch.Tensor):
         return None, f"{where} should be a tensor, got {type(value).__name__}"
     full_shape = tuple(rec.full_shape) if rec.tp_shard_dim is not None else tuple(rec.shape)
@@ -189,13 +184,9 @@ class StateDictHooks:
         self._refresh = False  # a module's hook wrote masters outside a root load
 
     def install(self) -> list[Any]:
-        """Register the hooks; returns their handles.
-
-        On the root model: a load pre-hook and post-hook. On each module that holds a
-        dedicated matrix: a state_dict post-hook moved to the front of ``_state_dict_hooks``
-        (``register_state_dict_post_hook`` has no ``prepend``), a load pre-hook (after the
-        module's own, like torchtitan's fused-QKV merge) and a load post-hook.
-        """
+        """Register the hooks of the module docstring; returns their handles. A module's
+        state_dict post-hook is moved to the front (``register_state_dict_post_hook`` has no
+        ``prepend``); its load pre-hook runs after the module's own (torchtitan's QKV merge)."""
         model = self.state.model
         # partials: torch marks a public hook with an attribute, which a bound method refuses
         cls = StateDictHooks
@@ -245,9 +236,8 @@ class StateDictHooks:
     def stage_all(self, entries: list[tuple[DedicatedParam, str, Any]], consequence: str,
                   source: str = "the state dict", target: str = "this model") -> list[torch.Tensor]:
         """Stage every ``(rec, where, value)`` as this rank's TP slice (:func:`staged_tp_local`),
-        check, agree; returns the staged tensors in order. Collective over the world: every rank
-        passes the same entries (``where`` names one in errors; ``source`` / ``target`` name what
-        is loaded into what).
+        check, agree; returns the staged tensors in order. Collective over the world, every rank
+        passing the same entries; ``where``, ``source`` and ``target`` name them in errors.
 
         Raises:
             ValueError: on every rank, if the ranks' entries differ in kind or an entry does
@@ -442,3 +432,43 @@ class OptimizerStateHooks:
                 state.pop(pid)
         out["state"] = state
         return out
+
+
+def zero_state(opt: torch.optim.Optimizer, param: torch.Tensor, use_muon: bool) -> dict[str, Any]:
+    """``opt.state[param]``, with the state the first step would create added where missing
+    (:func:`dmuon.owners.update.first_step_state`, zeros like ``param``)."""
+    return first_step_state(opt.state[param], param, use_muon)
+
+
+def init_state(opt: torch.optim.Optimizer) -> None:
+    """Create every trainable parameter's state now (see the module docstring); frozen
+    parameters get none, as in torch's optimizers. Local: no collective."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                zero_state(opt, p, group["use_muon"])
+
+
+def local_state(value: torch.Tensor, shape: torch.Size, name: str, where: str) -> torch.Tensor:
+    """This rank's piece of state tensor ``name`` (a DTensor laid out like its parameter, or a
+    plain tensor shaped like its local piece), checked against ``shape``, the local piece's
+    (parameter's or gradient's); ``where`` names the parameter.
+
+    Raises:
+        RuntimeError: the shapes differ (a state dict from another layout given to
+            ``opt.load_state_dict``), naming the fix.
+    """
+    local = local_tensor(value)
+    if local.shape != shape:
+        raise RuntimeError(
+            f"dmuon: {where}: optimizer state {name!r} holds a local piece of shape "
+            f"{tuple(local.shape)} ({type(value).__name__} of shape {tuple(value.shape)}), but the "
+            f"parameter's local piece is {tuple(shape)}. Load optimizer state with "
+            f"torch.distributed.checkpoint.state_dict.set_optimizer_state_dict (or dcp.load into "
+            f"get_optimizer_state_dict's dict), which lays it out like the parameter.")
+    return local
+
+
+def install_state_dict_hooks(opt: torch.optim.Optimizer) -> list[Any]:
+    """Register ``opt``'s ``param_groups`` translation; returns the handles."""
+    return OptimizerStateHooks(opt).install()
