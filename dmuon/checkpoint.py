@@ -179,8 +179,7 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
                 adamw_state[canonical_fqn(names[id(p)])] = dict(opt.state[p])
     model_sd = live_entries(model)
     for rec in ctx.records if ctx is not None else ():
-        model_sd.pop(canonical_fqn(rec.fqn), None)
-    for rec in ctx.records if ctx is not None else ():
+        model_sd.pop(canonical_fqn(rec.fqn), None)  # the live master or placeholder: entries() shows it
         if not rec.is_owner:
             continue
         model_sd.update(entries(rec, rec.master.detach()))

@@ -182,14 +182,12 @@ def mixed_precision_dtypes(block: nn.Module | None) -> tuple[torch.dtype | None,
 
 
 def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tensor | None:
-    """Remove ``module.<attr>`` from FSDP2's management and return FSDP2's sharded DTensor.
-
-    Returns:
-        FSDP2's sharded DTensor (undo its sharding with :func:`dmuon.hooks.tp_placements.local_slice`),
-        or ``None`` when FSDP2 does not manage the parameter.
+    """Remove ``module.<attr>`` from FSDP2's management; returns FSDP2's sharded DTensor (undo
+    its sharding with :func:`dmuon.hooks.tp_placements.local_slice`), or ``None`` when FSDP2
+    does not manage the parameter.
 
     Raises:
-        RuntimeError: if FSDP2 has already unsharded the parameter (called inside forward).
+        ValueError: the parameter is shared with other modules (tied weights).
     """
     for state in fsdp_states(model):
         for group in _param_groups(state):

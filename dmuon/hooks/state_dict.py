@@ -330,13 +330,9 @@ def _ns_dtypes(groups: list[dict[str, Any]], convert: Any) -> list[dict[str, Any
 
 
 class OptimizerStateHooks:
-    """The optimizer state-dict hooks of one :class:`dmuon.Muon` (see the module docstring).
-
-    Args:
-        opt: the optimizer.
-        state: the model's :class:`dmuon.hooks.state.DedicateState` (owner runtime), or ``None``
-            (only ``param_groups`` are translated).
-    """
+    """The state-dict hooks of :class:`dmuon.Muon` ``opt`` (see the module docstring); ``state``
+    is the model's :class:`dmuon.hooks.state.DedicateState`, or ``None`` (only ``param_groups``
+    are translated)."""
 
     def __init__(self, opt: torch.optim.Optimizer, state: Any = None) -> None:
         self.opt, self.state = opt, state

@@ -35,14 +35,12 @@ class TPSlice:
 
 
 def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None, ep_name: str | None = None) -> TPSlice:
-    """Undo data-parallel sharding of ``tensor`` and return this rank's TP slice.
+    """Undo data-parallel sharding of ``tensor`` and return this rank's TP slice; collective
+    over the DTensor's mesh when it has data-parallel shards (a redistribute).
 
-    With ``ep_name`` (an expert stack ``Shard(0)`` over the mesh's expert-parallel dimension,
-    :func:`dmuon.owners.stacks.expert_parallel_size`) the ``"ep"`` placement is kept like a TP
-    one: ``local`` is this rank's experts ``[E / ep, rows, cols]``, whole, and ``shard_dim`` is
-    ``None`` (no rank holds a part of one of them).
-
-    Collective over the DTensor's mesh when it has data-parallel shards (a redistribute).
+    With ``ep_name`` (an expert stack ``Shard(0)`` over the mesh's expert-parallel dimension)
+    the ``"ep"`` placement is kept like a TP one: ``local`` is this rank's experts
+    ``[E / ep, rows, cols]``, whole, and ``shard_dim`` is ``None``.
 
     Raises:
         ValueError: for a placement dmuon cannot own (``Partial``, a strided shard on the TP
