@@ -20,16 +20,13 @@ checkpointing)::
 * HSDP: every replica's owner offers the master; in ``"broadcast"`` mode only replica 0 offers
   the momentum (the others never step the matrix and hold stale zeros).
 * Replicated tensors (buffers, plain replicated parameters, AdamW ``step``) are plain on every
-  rank; DCP's planner writes one copy. Hyper-parameters are saved as byte items, one dict per
-  param group kind.
+  rank; DCP's planner writes one copy. Hyper-parameters are byte items, one dict per group kind.
+* ``dmuon.Muon(params, distributed_config=...)`` (and single-device ``Muon(params)``): each
+  optimizer state tensor is laid out like its parameter; param groups are keyed by index
+  (``"0"``, ``"1"``, ...). Plain sharded Muon matrices cannot be described to DCP (``ValueError``).
 
-For ``dmuon.Muon(params, distributed_config=...)`` (and single-device ``Muon(params)``) the
-model entries are the live parameters and buffers (:func:`live_entries`), each optimizer state
-tensor enters laid out like its parameter, and param groups are saved by index (``"0"``,
-``"1"``, ...). Plain sharded Muon matrices cannot be described to DCP (``ValueError``).
-
-torch's own state-dict API works on the same models (:mod:`dmuon.hooks.state_dict`,
-:mod:`dmuon.hooks.optim_state`); this module adds checkpoints without a collective or a copy
+torch's own state-dict API works on the same models (:mod:`dmuon.hooks.state_dict`); this
+module adds checkpoints without a collective or a copy
 and the layouts torch's path refuses (split or expert-parallel stacks). Save each checkpoint
 to a new directory: DCP writes ``.metadata`` last. Typical use::
 
@@ -48,10 +45,8 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
-from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of, momentum_replica
+from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of, momentum_replica, zero_state
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
-from dmuon.owners.slices import local_tensor
-from dmuon.owners.update import first_step_state
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +74,8 @@ def _fqns(model: nn.Module, opt: torch.optim.Optimizer, kind: str | None = None)
 
 
 def _checked(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[DedicateState | None, Any]:
-    """``(the model's dmuon state, the process group whose ranks agree on a load)``, after
-    checking that ``opt`` was built over ``model``; the state is ``None`` for a
-    ``dmuon.Muon(params, ...)`` (an optimizer that is not a dmuon.Muon takes the owner path,
-    whose check names the mistake).
+    """``(the model's dmuon state, the process group whose ranks agree on a load)`` once ``opt``
+    is checked to be built over ``model``; the state is ``None`` for ``dmuon.Muon(params, ...)``.
 
     Raises:
         ValueError: ``dedicate_params`` was not called on ``model``, ``opt`` is another model's
@@ -100,35 +93,6 @@ def _checked(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[DedicateStat
         )
     ctx.settle_pending()  # Muon(overlap=...): no master or momentum with an update pending
     return ctx, ctx.roles.world
-
-
-def _configured_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """:func:`state_dict` for ``dmuon.Muon(params, distributed_config=... | None)``: missing
-    optimizer state created as the first step would (zeros like the local piece, ``step`` 0),
-    each state tensor laid out like its parameter (:func:`_laid_out_like`)."""
-    names = _fqns(model, opt)
-    strategy = opt.strategy
-    layouts = getattr(strategy, "config", None) and strategy.config.state.get("layouts")
-    muon_index = 0
-    optim_state: dict[str, dict[str, Any]] = {}
-    for gi, group in enumerate(opt.param_groups):
-        for p in group["params"]:
-            fqn = names[id(p)]
-            if group["use_muon"]:
-                if layouts is not None and not hasattr(p, "device_mesh") \
-                        and len(layouts[muon_index].representatives()) > 1:
-                    raise ValueError(
-                        f"dmuon: Muon matrix {fqn!r} is a plain tensor sharded over ranks (local "
-                        f"shape {tuple(p.shape)} of {layouts[muon_index].full_shape}); DCP cannot "
-                        f"place plain shards. Make the parameters DTensors (fully_shard, "
-                        f"distribute_tensor) to checkpoint them.")
-                muon_index += 1
-            if p.requires_grad:
-                state = first_step_state(opt.state[p], local_tensor(p), group["use_muon"])
-                optim_state[fqn] = {k: _laid_out_like(p, v) for k, v in state.items()}
-    groups = {str(gi): {k: v for k, v in g.items() if k != "params"}
-              for gi, g in enumerate(opt.param_groups)}
-    return {MODEL_KEY: live_entries(model), OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
 
 
 def live_entries(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -172,22 +136,15 @@ def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
 
 
 def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model and optimizer state, sharded, keyed by FQN, for ``dcp.save`` / ``dcp.load``.
-
-    Local and cheap (no collective, no copy): the values are the live tensors (detached
-    aliases), so ``dcp.load`` into the returned dict writes straight into the model and the
-    optimizer. Optimizer state that does not exist yet is created as zeros (what the first
-    step would create), so a fresh job can load into it.
+    """The model and optimizer state for ``dcp.save`` / ``dcp.load``, laid out as the module
+    docstring says. Local (no collective, no copy): the values are detached aliases of the live
+    tensors, so ``dcp.load`` writes straight into the model and the optimizer. Missing optimizer
+    state is created as the first step would (zeros, ``step`` 0), so a fresh job can load into it.
 
     Args:
         model: a model passed to :func:`dmuon.dedicate_params`; or, for a
             ``dmuon.Muon(params, ...)``, the model whose parameters ``params`` are.
         opt: the :class:`dmuon.Muon` built over ``model``.
-
-    Returns:
-        The layout of the module docstring: dedicated masters and momentum only on their owner
-        (:func:`dmuon.hooks.state_dict.entries`), FSDP2 parameters and AdamW moments as DTensor
-        shards, the rest replicated.
 
     Raises:
         ValueError: if ``dedicate_params`` was not called on ``model``, ``opt`` belongs to
@@ -196,30 +153,44 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """
     opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
     ctx, _ = _checked(model, opt)
-    if ctx is None:
-        return _configured_state_dict(model, opt)
-    ctx.ensure_bound()
-    for group in opt.param_groups:  # zero state where none exists yet, for dcp.load to fill
-        for p in group["params"]:
-            state = opt.state[p]
-            if p.requires_grad and (group["kind"] != "muon" or p.numel()):  # not a placeholder
-                first_step_state(state, p, group["kind"] == "muon")
-    dedicated = {canonical_fqn(rec.fqn) for rec in ctx.records}
-    model_sd = {fqn: t for fqn, t in live_entries(model).items() if fqn not in dedicated}
+    if ctx is not None:
+        ctx.ensure_bound()
+    names = _fqns(model, opt, "adamw" if ctx is not None else None)
+    config = getattr(opt.strategy, "config", None) if ctx is None else None
+    layouts = iter((config and config.state.get("layouts")) or ())
     optim_state: dict[str, dict[str, Any]] = {}
-    for rec in ctx.records:
+    adamw_state: dict[str, dict[str, Any]] = {}
+    for group in opt.param_groups:
+        muon = group["use_muon"] if ctx is None else group["kind"] == "muon"
+        for p in group["params"]:
+            layout = next(layouts, None) if muon else None
+            if layout is not None and not hasattr(p, "device_mesh") and len(layout.representatives()) > 1:
+                raise ValueError(
+                    f"dmuon: Muon matrix {names[id(p)]!r} is a plain tensor sharded over ranks (local "
+                    f"shape {tuple(p.shape)} of {layout.full_shape}); DCP cannot place plain shards. "
+                    f"Make the parameters DTensors (fully_shard, distribute_tensor) to checkpoint them.")
+            # zero state where none exists yet, for dcp.load to fill (not on a placeholder)
+            if p.requires_grad and (ctx is None or not muon or p.numel()):
+                state = zero_state(opt, p, muon)
+                if ctx is None:
+                    optim_state[canonical_fqn(names[id(p)])] = {
+                        k: _laid_out_like(p, v) for k, v in state.items()}
+            if ctx is not None and not muon:
+                adamw_state[canonical_fqn(names[id(p)])] = dict(opt.state[p])
+    model_sd = live_entries(model)
+    for rec in ctx.records if ctx is not None else ():
+        model_sd.pop(canonical_fqn(rec.fqn), None)  # the live master or placeholder: entries() shows it
         if not rec.is_owner:
             continue
         model_sd.update(entries(rec, rec.master.detach()))
         buf = opt.state.get(rec.master, {}).get("momentum_buffer")
         if buf is not None and momentum_replica(rec, ctx) in (None, ctx.replicate_rank):
             optim_state.update({key: {"momentum_buffer": t} for key, t in entries(rec, buf)})
-    names = _fqns(model, opt, "adamw")
-    for group in opt.param_groups:
-        for p in group["params"] if group.get("kind") == "adamw" else ():
-            optim_state[canonical_fqn(names[id(p)])] = dict(opt.state[p])
-    groups = {g["kind"]: {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS}
-              for g in opt.param_groups}
+    optim_state.update(adamw_state)
+    skip = _SKIP_GROUP_KEYS if ctx is not None else ("params",)
+    # by kind on the owner runtime, else by index
+    groups = {g["kind"] if ctx is not None else str(gi): {k: v for k, v in g.items() if k not in skip}
+              for gi, g in enumerate(opt.param_groups)}
     return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
 
 
@@ -273,12 +244,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
     tensors ``dcp.load`` wrote in place are left alone, others copied in. Then the saved
     hyper-parameters are set and the owners refresh their compute copies. Collective. (An
     in-place ``dcp.load`` that fails half-way leaves the live tensors half-written; :func:`load`
-    does not.)
-
-    Args:
-        model: the model passed to :func:`dmuon.dedicate_params` in this job.
-        opt: its :class:`dmuon.Muon`.
-        sd: the dict returned by :func:`state_dict` for this model and optimizer on this rank.
+    does not.) ``model`` and ``opt`` as for :func:`state_dict`; ``sd`` its dict on this rank.
 
     Raises:
         ValueError: on every rank, if on any rank ``sd`` lacks a key that rank needs or holds a
@@ -312,8 +278,7 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
         _copy_into(target, value)
     saved_groups = sd[OPTIM_KEY]["param_groups"]
     for index, group in enumerate(opt.param_groups):
-        key = group["kind"] if ctx is not None else str(index)
-        for name, value in saved_groups.get(key, {}).items():
+        for name, value in saved_groups.get(group["kind"] if ctx is not None else str(index), {}).items():
             group[name] = value
     if ctx is not None:
         ctx.publish_after_step(issue=False)
@@ -367,8 +332,7 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
     needs none).
 
     Args:
-        model: the model passed to :func:`dmuon.dedicate_params`.
-        opt: its :class:`dmuon.Muon`.
+        model, opt: as for :func:`state_dict`.
         checkpoint_id: the checkpoint directory written by ``dcp.save`` (of
             ``dmuon.state_dict(model, opt)``, with ``extra``'s keys beside ``"model"`` and
             ``"optim"``).

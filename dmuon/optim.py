@@ -24,7 +24,7 @@ from dmuon.comm.owned_grad import plain
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
-from dmuon.hooks.optim_state import OptimizerStateHooks, param_names
+from dmuon.hooks.state_dict import OptimizerStateHooks, param_names
 from dmuon.owners.blocks import resolve_splits, tp_orthogonalizer, tp_rank_size
 from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.overlap import check_overlap, speculate, step_overlapped
@@ -182,7 +182,7 @@ class Muon(torch.optim.Optimizer):
         self.distributed_config = distributed_config
         if isinstance(params, nn.Module):  # the other strategies install their own hooks
             # torch's state-dict utilities see plain param_groups and momentum laid out like
-            # the parameters (dmuon.hooks.optim_state)
+            # the parameters (dmuon.hooks.state_dict)
             self._state_dict_handles = OptimizerStateHooks(self, self.state_ctx).install()
 
     @torch.no_grad()

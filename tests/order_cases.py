@@ -98,5 +98,6 @@ def grouped_fully_shard(rank: int, world_size: int, *, steps: int = 3) -> dict:
     _steps(model, opt, rank, world_size, steps)
     state = model._dmuon_state
     names = {id(m._forward_pre_hooks): n for n, m in model.named_modules()}
-    guarded = sorted(names[id(h.hooks)] for h in state.handles if isinstance(h, fsdp_adapter._Restore))
+    guarded = sorted(names[id(h.table)] for h in state.handles
+                     if isinstance(h, fsdp_adapter._Restore) and id(h.table) in names)
     return dict(params=full_params(model, rank), guarded=guarded)

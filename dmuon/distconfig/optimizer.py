@@ -31,7 +31,7 @@ from dmuon.comm.collectives import Pending, check_same_on_all_ranks, label
 from dmuon.distconfig import strategies
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
 from dmuon.comm.exchange import gather_to_owners, scatter_from_owners
-from dmuon.distconfig.state import (
+from dmuon.hooks.state_dict import (
     init_state,
     install_state_dict_hooks,
     local_state,

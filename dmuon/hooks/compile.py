@@ -14,18 +14,13 @@ _F = TypeVar("_F", bound=Callable)
 
 
 def dynamo_disable(fn: _F) -> _F:
-    """``torch._dynamo.disable(fn, recursive=True)``: ``torch.compile`` runs the hook eagerly.
+    """``torch._dynamo.disable(fn, recursive=True)``: ``torch.compile`` runs the hook ``fn``
+    eagerly; same signature.
 
     Apply it where a hook is created (so ``import dmuon`` does not import ``torch._dynamo``),
     to every function dmuon registers as a module or autograd hook, and register the result
     itself: a Python wrapper around it would share one code object across units, which dynamo
     would recompile per unit until its recompile limit.
-
-    Args:
-        fn: the hook.
-
-    Returns:
-        The disabled hook (same signature).
     """
     import torch._dynamo
 

@@ -133,17 +133,14 @@ READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Tra
 
 
 def publish_block(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module:
-    """The unit a dedicated matrix of ``module`` is published for (and reduced with).
+    """The unit a dedicated matrix of ``module`` is published for and reduced with (the
+    balancer's groups and the runtime's units).
 
-    Under FSDP2 it is the enclosing ``fully_shard`` module, exactly the unit FSDP2 all-gathers,
-    so all code that may read the weight in forward (a parent reading a child's weight without
-    calling it, as ``nn.MultiheadAttention`` reads ``out_proj.weight``) runs inside it. Without
-    FSDP2 it is ``module`` itself, or its outermost ancestor among :data:`READS_CHILD_WEIGHTS`
-    (torch's attention and transformer layers). A weight that other code reads outside its own
-    module's forward is covered under FSDP2 only (or leave it to AdamW with a predicate): a
-    parent module need not run at all (a container whose children a grandparent calls), so
-    widening every unit to its parent would be wrong in the other direction. The balancer's
-    groups and the runtime's units both come from here.
+    Under FSDP2: the enclosing ``fully_shard`` module, the unit FSDP2 all-gathers, so all code
+    that may read the weight in forward runs inside it. Without FSDP2: ``module``, or its
+    outermost ancestor among :data:`READS_CHILD_WEIGHTS`. Not every parent: a parent need not
+    run at all (a container whose children a grandparent calls); a weight read outside its own
+    module's forward is covered under FSDP2 only (or leave it to AdamW with a predicate).
     """
     block = enclosing_fsdp_module(module, parents)
     if block is not None:
@@ -159,12 +156,10 @@ def publish_block(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module
 def reshards_after_forward(block: nn.Module | None, parents: dict[int, nn.Module]) -> bool:
     """FSDP2's own post-forward choice for ``block``: does it free the unsharded parameters?
 
-    Mirrors FSDP2: a block follows its ``fully_shard(..., reshard_after_forward=...)`` (an int,
-    resharding onto fewer ranks, counts as freeing), and the root block (no FSDP2 ancestor)
-    keeps its parameters unless the user set the flag on it, since backward would gather them
-    again at once (``FSDPState._lazy_init``). Without FSDP2 (``block`` is None) it is True.
-    Read it before dmuon takes the block's matrices: a block left with none loses its
-    parameter group.
+    A block follows its ``fully_shard(..., reshard_after_forward=...)`` (an int counts as
+    freeing); the root block keeps its parameters unless the user set the flag on it
+    (``FSDPState._lazy_init``). True without FSDP2 (``block`` None). Read it before dmuon takes
+    the block's matrices: a block left with none loses its parameter group.
     """
     state = _fsdp_state(block) if block is not None else None
     if state is None:
@@ -178,8 +173,7 @@ def reshards_after_forward(block: nn.Module | None, parents: dict[int, nn.Module
 
 
 def mixed_precision_dtypes(block: nn.Module | None) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """``(param_dtype, reduce_dtype)`` of the FSDP2 policy of ``block`` (the module's
-    :func:`enclosing_fsdp_module`); ``None`` where unset or without FSDP2."""
+    """``(param_dtype, reduce_dtype)`` of ``block``'s FSDP2 policy; ``None`` where unset."""
     state = _fsdp_state(block) if block is not None else None
     policy = getattr(state, "_mp_policy", None)
     if policy is None:
@@ -188,14 +182,12 @@ def mixed_precision_dtypes(block: nn.Module | None) -> tuple[torch.dtype | None,
 
 
 def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tensor | None:
-    """Remove ``module.<attr>`` from FSDP2's management and return FSDP2's sharded DTensor.
-
-    Returns:
-        FSDP2's sharded DTensor (undo its sharding with :func:`dmuon.hooks.tp_placements.local_slice`),
-        or ``None`` when FSDP2 does not manage the parameter.
+    """Remove ``module.<attr>`` from FSDP2's management; returns FSDP2's sharded DTensor (undo
+    its sharding with :func:`dmuon.hooks.tp_placements.local_slice`), or ``None`` when FSDP2
+    does not manage the parameter.
 
     Raises:
-        RuntimeError: if FSDP2 has already unsharded the parameter (called inside forward).
+        ValueError: the parameter is shared with other modules (tied weights).
     """
     for state in fsdp_states(model):
         for group in _param_groups(state):
@@ -231,13 +223,9 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def gradient_sync_enabled(states: list[Any]) -> bool:
-    """False when the user turned FSDP2's gradient sync off (``set_requires_gradient_sync``).
-
-    Args:
-        states: the model's FSDP2 states (:func:`fsdp_states`, found once at bind time); the
-            flag itself is read from their parameter groups at call time. States whose groups
-            were all taken by dmuon report nothing (dmuon's own ``no_sync`` covers them).
-    """
+    """False when the user turned FSDP2's gradient sync off (``set_requires_gradient_sync``),
+    read now from the parameter groups of ``states`` (:func:`fsdp_states`); states whose groups
+    dmuon took all report nothing (dmuon's own ``no_sync`` covers them)."""
     for state in states:
         for group in _param_groups(state):
             if not getattr(group, "reduce_grads", True):
@@ -245,18 +233,22 @@ def gradient_sync_enabled(states: list[Any]) -> bool:
     return True
 
 
-class _RestoreAttr:
-    """Removes the instance attribute :func:`wrap_final_callback` set (the class's method shows
-    again)."""
+class _Restore:
+    """Puts back what :func:`wrap_final_callback` or :func:`wrap_pre_forward` replaced: entry
+    ``key`` of ``table`` (a state's ``__dict__``, a module's ``_forward_pre_hooks``) becomes
+    ``original`` again, or is removed when ``original`` is ``None`` (the class's method shows)."""
 
-    def __init__(self, obj: Any, name: str) -> None:
-        self.obj, self.name = obj, name
+    def __init__(self, table: dict, key: Any, original: Any = None) -> None:
+        self.table, self.key, self.original = table, key, original
 
     def remove(self) -> None:
-        self.obj.__dict__.pop(self.name, None)
+        if self.original is None:
+            self.table.pop(self.key, None)
+        elif self.key in self.table:  # FSDP2 may have removed its hook since
+            self.table[self.key] = self.original
 
 
-def wrap_final_callback(states: list[Any], after: Any) -> list[_RestoreAttr]:
+def wrap_final_callback(states: list[Any], after: Any) -> list[_Restore]:
     """Call ``after()`` whenever FSDP2 has finished a backward's gradient reduction, whoever
     made it finish.
 
@@ -264,14 +256,8 @@ def wrap_final_callback(states: list[Any], after: Any) -> list[_RestoreAttr]:
     backward (looked up on the state, so an instance attribute takes the method's place), and
     ``torch.distributed.pipelining`` calls it itself after the last micro-batch. torch 2.15:
     every finalization goes through ``FSDPState.wait_for_gradient_reduction``, which is wrapped
-    instead. A state with neither is left alone, with a debug log.
-
-    Args:
-        states: the model's FSDP2 states (:func:`fsdp_states`).
-        after: ``after() -> None``.
-
-    Returns:
-        Handles whose ``remove()`` puts FSDP2's method back.
+    instead. A state with neither is left alone, with a debug log. ``states``:
+    :func:`fsdp_states`; returns handles whose ``remove()`` puts FSDP2's method back.
     """
     handles = []
     for state in states:
@@ -289,19 +275,8 @@ def wrap_final_callback(states: list[Any], after: Any) -> list[_RestoreAttr]:
             return out
 
         state.__dict__[name] = callback
-        handles.append(_RestoreAttr(state, name))
+        handles.append(_Restore(state.__dict__, name))
     return handles
-
-
-class _Restore:
-    """Puts FSDP2's own pre-forward hook back where :func:`wrap_pre_forward` replaced it."""
-
-    def __init__(self, hooks: dict, hook_id: int, original: Any) -> None:
-        self.hooks, self.hook_id, self.original = hooks, hook_id, original
-
-    def remove(self) -> None:
-        if self.hook_id in self.hooks:  # FSDP2 may have removed its hook since
-            self.hooks[self.hook_id] = self.original
 
 
 def _wraps(hook: Any, target: Any, depth: int = 8) -> bool:
@@ -323,14 +298,8 @@ def wrap_pre_forward(states: list[Any], wrap: Any) -> list[_Restore]:
     ``FSDPState._pre_forward`` itself, or for grouped ``fully_shard([a, b])`` a
     ``functools.wraps`` wrapper of it (wrapped once more in ``_dynamo_disable`` on torch 2.13):
     recognised by that bound method at any depth of ``__wrapped__``. A state whose hook is not
-    found is left alone.
-
-    Args:
-        states: the model's FSDP2 states (:func:`fsdp_states`).
-        wrap: ``wrap(hook) -> hook`` of the same signature.
-
-    Returns:
-        Handles whose ``remove()`` puts FSDP2's hooks back.
+    found is left alone. ``wrap(hook) -> hook`` keeps the signature; returns handles whose
+    ``remove()`` puts FSDP2's hooks back.
     """
     handles = []
     for state in states:

@@ -1,17 +1,14 @@
 """``replicas="keep"``: the DDP-style path, full weights on every rank, collectives in buckets.
 
 On a plain replicated module (no FSDP2) every rank keeps every dedicated matrix whole in its
-compute dtype and nothing is published in forward or backward. A step is DDP's all-reduce cut
-in two halves (Li et al., "PyTorch Distributed", VLDB 2020): in backward, the matrices'
-gradients go to their owners in size-capped buckets (one owner and one ``reduce`` per bucket,
-:func:`dmuon.owners.plan.build_bucket_plan`), each issued once full; after ``step()``, each
-bucket's updated matrices are broadcast from their owner, all issued at once, and a unit's
-forward waits only for its own buckets. The other parameters ride in the bucket of the model's
-first matrix, the last to go out, which is then one ``all_reduce``
-(:meth:`dmuon.comm.grad_buckets.GradBucket.attach_shared`).
-
-The runtime runs this mode with its ordinary publication machinery, publish groups keyed by
-bucket (:func:`bucket_keys`) and never freed; this module only decides the mode and the buckets.
+compute dtype. A step is DDP's all-reduce cut in two halves (Li et al., "PyTorch Distributed",
+VLDB 2020): in backward, gradients go to their owners in size-capped buckets (one owner and one
+``reduce`` per bucket), each issued once full; after ``step()``, each bucket's updated matrices
+are broadcast from their owner, and a unit's forward waits only for its own buckets. The other
+parameters ride in the bucket of the model's first matrix as one ``all_reduce``
+(:meth:`dmuon.comm.grad_buckets.GradBucket.attach_shared`). The runtime's publication machinery
+runs it, with publish groups keyed by bucket (:func:`bucket_keys`) and never freed; this module
+only decides the mode and the buckets.
 """
 
 from __future__ import annotations

@@ -1,19 +1,32 @@
 """One translation of dedicated matrices into state-dict entries (:func:`entries`), and the
-hooks that make ``model.state_dict()`` / ``load_state_dict()`` show what FSDP2 alone shows.
+hooks that make ``model.state_dict()`` / ``opt.state_dict()`` and their loads show what FSDP2
+and a torch optimizer show (what torch's state-dict utilities and ``dcp.save`` expect).
 
 A dedicated matrix is the owner's fp32 master ``[rows, cols]`` (this TP rank's slice under TP;
 ``[k, rows, cols]`` for an expert range) and a ``[0]`` placeholder elsewhere. Its record
-carries its layout from bind time: ``rec.sd_layout`` (FSDP2's sharded parameter, or the TP
-DTensor, :class:`Layout`), ``rec.tp_shard_dim``, ``rec.key`` / ``rec.experts``.
+carries its layout from bind time: ``rec.sd_layout`` (:class:`Layout`), ``rec.tp_shard_dim``,
+``rec.key`` / ``rec.experts``.
 
-Hooks (installed by :func:`dmuon.dedicate_params`): a state_dict post-hook first on each module
-holding a dedicated matrix (so a parent's hook that rewrites entries, torchtitan's fused-QKV
-split, sees FSDP2's view); load pre-hooks on the root, which stages every present entry as the
-owner's TP slice and has the ranks agree before anything is written, and on each such module,
-which hands torch the staged tensor on the owner and the placeholder elsewhere (an entry a load
-hook made, or ``submodule.load_state_dict``'s, is staged as its module loads). A bad entry
-raises ``ValueError`` naming dmuon on every rank. Split and expert-parallel stacks have no
-torch view (``RuntimeError`` naming dmuon; :func:`dmuon.state_dict` saves them).
+* Model (:class:`StateDictHooks`): a state_dict post-hook first on each module holding a
+  dedicated matrix (a parent's hook that rewrites entries, torchtitan's fused-QKV split, sees
+  FSDP2's view); a root load pre-hook stages every present entry as the owner's TP slice and
+  has the ranks agree before anything is written; each module's load pre-hook hands torch the
+  staged tensor on the owner and the placeholder elsewhere (an entry a load hook made, or
+  ``submodule.load_state_dict``'s, is staged as its module loads).
+* Optimizer (:class:`OptimizerStateHooks`): ``ns_dtype`` as a string (torch's utilities refuse
+  a ``torch.dtype``), parsed back on load; each ``momentum_buffer`` in torch's view of its
+  parameter (HSDP ``"broadcast"``: replica 0's; zeros on an owner that has not stepped, unless
+  no owner holds one: a fresh optimizer shows no Muon state), staged on load like the model's
+  and given to its owner. ``get_optimizer_state_dict`` steps a stateless optimizer with zero
+  gradients and ``lr = 0`` (``_init_optim_state``), which changes no parameter.
+* ``dmuon.Muon(params, ...)``: its state tensors are laid out like their parameter (zeros like a
+  DTensor parameter are a DTensor; the step updates the local pieces), so DCP reshards them as
+  it does the parameter, and exist from construction (:func:`init_state`), so
+  ``_init_optim_state`` finds state and does not step.
+
+A bad entry raises ``ValueError`` naming dmuon on every rank before anything is written. Split
+and expert-parallel stacks have no torch view (``RuntimeError``; :func:`dmuon.state_dict`
+saves them).
 """
 
 from __future__ import annotations
@@ -25,6 +38,8 @@ import torch
 import torch.distributed as dist
 
 from dmuon.owners.dedicated import DedicatedParam
+from dmuon.owners.slices import chunk_sizes, local_tensor
+from dmuon.owners.update import dtype_name, first_step_state, parse_dtype
 
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 NOTHING_LOADED = "Nothing was loaded: the dedicated matrices are unchanged on every rank."
@@ -37,12 +52,6 @@ def canonical_fqn(name: str) -> str:
     for prefix in WRAPPER_PREFIXES:
         name = name.replace(prefix, "")
     return name
-
-
-def module_key(fqn: str) -> str:
-    """How ``nn.Module.state_dict`` names parameter ``fqn``: ``checkpoint_wrapper``'s hooks strip
-    ``_checkpoint_wrapped_module.``; ``_orig_mod.`` stays (torch keeps it there)."""
-    return fqn.replace(WRAPPER_PREFIXES[0], "")
 
 
 class Layout(NamedTuple):
@@ -70,13 +79,6 @@ def layout_of(tensor: Any, fsdp: bool = True) -> Layout | None:
                   tuple(tensor.stride()), fsdp)
 
 
-def _chunks(t: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """``torch.chunk(t, parts, dim=0)`` padded with empty chunks to ``parts`` (FSDP2's
-    ``_chunk_with_empty``): the rows each shard rank holds."""
-    chunks = list(torch.chunk(t, parts, dim=0))
-    return chunks + [t.new_empty((0, *t.shape[1:]))] * (parts - len(chunks))
-
-
 def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) -> list[tuple[str, Any]]:
     """``(canonical key, tensor)`` entries of ``rec``'s master or momentum ``local`` (fp32
     ``rec.shape`` on the owner; unused elsewhere).
@@ -85,9 +87,9 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
     ``rec.key``; a TP slice as a DTensor on the TP mesh (``Shard(tp_shard_dim)``, global
     ``rec.full_shape``: DCP records its offset); an expert range as ``"fqn[e]"`` ->
     ``[rows, cols]`` views. ``state`` the :class:`dmuon.hooks.state.DedicateState`: torch's
-    view (every shard rank; one broadcast from the owner; new tensors): under ``rec.fqn``,
-    FSDP2's rows (``torch.chunk`` along dim 0) of the TP slice as a DTensor laid out as
-    ``rec.sd_layout``; the TP DTensor without FSDP2; the full tensor on a plain replica.
+    view (every shard rank; one broadcast from the owner; new tensors) under ``rec.fqn``, laid
+    out as ``rec.sd_layout`` (FSDP2's ``torch.chunk`` rows of the TP slice; the TP DTensor
+    without FSDP2); the full tensor on a plain replica.
     """
     if state is not None:
         if rec.is_owner:
@@ -97,9 +99,10 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
         if dist.get_world_size(state.group) > 1:
             dist.broadcast(full, src=dist.get_global_rank(state.group, rec.owner), group=state.group)
         lay = rec.sd_layout
+        if lay is not None and lay.fsdp:  # this shard rank's rows, as FSDP2 chunks them
+            full = full.split(chunk_sizes(rec.shape[0], state.world_size))[state.rank].clone()
         if lay is not None:
-            piece = _chunks(full, state.world_size)[state.rank].clone() if lay.fsdp else full
-            full = lay.wrap(piece)
+            full = lay.wrap(full)
         return [(canonical_fqn(rec.fqn), full)]
     if rec.experts is not None:
         experts, fqn = local.view(-1, *local.shape[-2:]), canonical_fqn(rec.fqn)
@@ -114,21 +117,17 @@ def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) 
 
 
 def momentum_replica(rec: DedicatedParam, state: Any) -> int | None:
-    """The HSDP replica whose momentum of ``rec`` is the one to show: ``0`` in ``"broadcast"``
-    mode (replica 0 alone steps the matrix; the others hold stale zeros), ``None`` when every
-    replica's copy is current (``"compute"`` mode, or no replicas)."""
+    """The HSDP replica whose momentum of ``rec`` counts: ``0`` in ``"broadcast"`` mode (only
+    replica 0 steps the matrix), ``None`` when every copy is current (``"compute"``, no HSDP)."""
     return 0 if rec.replicate_mode == "broadcast" and state.roles.replicate is not None else None
 
 
 def staged_tp_local(value: Any, rec: DedicatedParam, where: str,
                     state: Any) -> tuple[torch.Tensor | None, str | None]:
-    """A loaded entry as this rank's TP slice (``rec.shape``; the whole matrix without TP), or
-    why it cannot be one: ``(tensor, None)`` or ``(None, problem)``.
-
-    A DTensor laid out as :func:`entries`' torch view: the shard ranks' chunks, gathered over
-    the shard group (collective); another DTensor: ``full_tensor()`` (collective over its mesh),
-    then this TP rank's slice (``torch.chunk``); a plain tensor: the full matrix, sliced.
-    """
+    """A loaded entry as this rank's TP slice (``rec.shape``; the whole matrix without TP):
+    ``(tensor, None)``, or ``(None, why it cannot be one)``. A DTensor laid out as
+    :func:`entries`' torch view: the shard ranks' rows, gathered over the shard group; another
+    DTensor: ``full_tensor()`` (collective over its mesh), sliced; a plain tensor: sliced."""
     if not isinstance(value, torch.Tensor):
         return None, f"{where} should be a tensor, got {type(value).__name__}"
     full_shape = tuple(rec.full_shape) if rec.tp_shard_dim is not None else tuple(rec.shape)
@@ -138,7 +137,7 @@ def staged_tp_local(value: Any, rec: DedicatedParam, where: str,
     lay = rec.sd_layout
     if (lay is not None and lay.fsdp and hasattr(value, "to_local")
             and value.device_mesh == lay.mesh and tuple(value.placements) == lay.placements):
-        rows = [c.shape[0] for c in _chunks(torch.empty(rec.shape[0], 0), state.world_size)]
+        rows = chunk_sizes(rec.shape[0], state.world_size)
         local = value.to_local().detach()
         padded = torch.zeros((max(rows), *rec.shape[1:]), dtype=local.dtype, device=local.device)
         padded[: local.shape[0]] = local
@@ -174,8 +173,8 @@ def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING
 
 
 class StateDictHooks:
-    """The state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`; the optimizer's
-    (:mod:`dmuon.hooks.optim_state`) use :meth:`records`, :meth:`entry` and :meth:`stage_all`."""
+    """The model's state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`; the
+    optimizer's (:class:`OptimizerStateHooks`) use :meth:`records` and :meth:`stage_all`."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
@@ -183,16 +182,11 @@ class StateDictHooks:
         self._staged: dict[int, tuple[Any, torch.Tensor]] = {}
         self._in_root_load = False  # between the root's load pre-hook and its post-hook
         self._refresh = False  # a module's hook wrote masters outside a root load
-        self._by_module: tuple[Any, dict[int, list[DedicatedParam]]] = (None, {})
 
     def install(self) -> list[Any]:
-        """Register the hooks; returns their handles.
-
-        On the root model: a load pre-hook and post-hook. On each module that holds a
-        dedicated matrix: a state_dict post-hook moved to the front of ``_state_dict_hooks``
-        (``register_state_dict_post_hook`` has no ``prepend``), a load pre-hook (after the
-        module's own, like torchtitan's fused-QKV merge) and a load post-hook.
-        """
+        """Register the hooks of the module docstring; returns their handles. A module's
+        state_dict post-hook is moved to the front (``register_state_dict_post_hook`` has no
+        ``prepend``); its load pre-hook runs after the module's own (torchtitan's QKV merge)."""
         model = self.state.model
         # partials: torch marks a public hook with an attribute, which a bound method refuses
         cls = StateDictHooks
@@ -227,19 +221,9 @@ class StateDictHooks:
                 f"dmuon.state_dict(model, opt) + dcp.save and dmuon.load(model, opt, path).")
         return state.records
 
-    def entry(self, rec: DedicatedParam, owned: torch.Tensor | None) -> torch.Tensor:
-        """The owner's ``owned`` (master or momentum) in torch's view on this rank (collective)."""
-        return entries(rec, owned, self.state)[0][1]
-
     def _module_records(self, module: Any) -> list[DedicatedParam]:
         """The dedicated matrices ``module`` holds itself, in model order."""
-        records = self.records()
-        if self._by_module[0] is not records:
-            by_module: dict[int, list[DedicatedParam]] = {}
-            for rec in records:
-                by_module.setdefault(id(rec.module), []).append(rec)
-            self._by_module = (records, by_module)
-        return self._by_module[1].get(id(module), [])
+        return [rec for rec in self.records() if rec.module is module]
 
     @torch.no_grad()
     def on_module_state_dict(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -247,14 +231,13 @@ class StateDictHooks:
         owners' masters. Collective (one broadcast per matrix, in model order)."""
         for rec in self._module_records(module):
             if prefix + rec.attr in sd:
-                sd[prefix + rec.attr] = self.entry(rec, rec.master)
+                sd[prefix + rec.attr] = entries(rec, rec.master, self.state)[0][1]
 
     def stage_all(self, entries: list[tuple[DedicatedParam, str, Any]], consequence: str,
                   source: str = "the state dict", target: str = "this model") -> list[torch.Tensor]:
         """Stage every ``(rec, where, value)`` as this rank's TP slice (:func:`staged_tp_local`),
-        check, agree; returns the staged tensors in order. Collective over the world: every rank
-        passes the same entries (``where`` names one in errors; ``source`` / ``target`` name what
-        is loaded into what).
+        check, agree; returns the staged tensors in order. Collective over the world, every rank
+        passing the same entries; ``where``, ``source`` and ``target`` name them in errors.
 
         Raises:
             ValueError: on every rank, if the ranks' entries differ in kind or an entry does
@@ -282,7 +265,9 @@ class StateDictHooks:
         records = self.records()
         if not records:
             return
-        present = [(rec, prefix + module_key(rec.fqn)) for rec in records]
+        # nn.Module.state_dict names a parameter without checkpoint_wrapper's component (its hooks
+        # strip it), but keeps torch.compile's _orig_mod.
+        present = [(rec, prefix + rec.fqn.replace(WRAPPER_PREFIXES[0], "")) for rec in records]
         present = [(rec, key) for rec, key in present if key in sd]
         staged = self.stage_all([(rec, f"entry {key!r}", sd[key]) for rec, key in present], NOTHING_LOADED)
         self._staged = {id(rec): (sd[key], full) for (rec, key), full in zip(present, staged)}
@@ -325,3 +310,161 @@ class StateDictHooks:
         if self._refresh and not self._in_root_load:
             self._refresh = False
             self.state.publish_after_step(issue=False)
+
+
+def param_names(model: torch.nn.Module, params: list[torch.Tensor], state: Any = None) -> list[str]:
+    """Canonical FQNs of ``params`` (dedicated masters by their plan key)."""
+    names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    if state is not None:
+        names.update({id(rec.master): canonical_fqn(rec.key or rec.fqn) for rec in state.records})
+    return [names.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+
+def _ns_dtypes(groups: list[dict[str, Any]], convert: Any) -> list[dict[str, Any]]:
+    """Copies of ``groups`` with ``convert`` applied to each ``ns_dtype``."""
+    groups = [dict(g) for g in groups]
+    for g in groups:
+        if "ns_dtype" in g:
+            g["ns_dtype"] = convert(g["ns_dtype"])
+    return groups
+
+
+class OptimizerStateHooks:
+    """The state-dict hooks of :class:`dmuon.Muon` ``opt`` (see the module docstring); ``state``
+    is the model's :class:`dmuon.hooks.state.DedicateState`, or ``None`` (only ``param_groups``
+    are translated)."""
+
+    def __init__(self, opt: torch.optim.Optimizer, state: Any = None) -> None:
+        self.opt, self.state = opt, state
+
+    def install(self) -> list[Any]:
+        """Register the hooks on the optimizer; returns their handles."""
+        cls = OptimizerStateHooks
+        return [self.opt.register_state_dict_post_hook(functools.partial(cls.on_state_dict, self)),
+                self.opt.register_load_state_dict_pre_hook(functools.partial(cls.on_load, self))]
+
+    def _muon_records(self) -> list[tuple[int, int, Any]]:
+        """``(group index, position, record)`` of every trainable dedicated matrix (``[]``
+        without a model state or before binding).
+
+        Raises:
+            RuntimeError: a matrix torch's view cannot show (:meth:`StateDictHooks.records`).
+        """
+        if self.state is None or not self.state.state_dict_hooks.records():
+            return []
+        return [(gi, pos, self.state.record_of_master[master])
+                for gi, group in enumerate(self.opt.param_groups) if group.get("kind") == "muon"
+                for pos, master in enumerate(group["params"]) if master.requires_grad]
+
+    @torch.no_grad()
+    def on_state_dict(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        """Post-hook: ``ns_dtype`` as a string, momentum in torch's view (collective on the owner
+        runtime: one all_reduce, then one broadcast per matrix)."""
+        groups = _ns_dtypes(sd["param_groups"],
+                            lambda v: dtype_name(v) if isinstance(v, torch.dtype) else v)
+        out = {**sd, "param_groups": groups}
+        records = self._muon_records()
+        if not records:
+            return out
+        ctx, state = self.state, dict(sd["state"])
+        # whether any owner holds a momentum buffer (a fresh optimizer shows none, so torch's
+        # get_optimizer_state_dict initialises the whole state; collective)
+        held = torch.tensor([float(any(rec.is_owner and "momentum_buffer" in opt.state.get(rec.master, {})
+                                       for _, _, rec in records))],
+                            device=records[0][2].master.device)  # NCCL reduces on the GPU
+        if dist.is_initialized() and dist.get_world_size(ctx.roles.world) > 1:
+            dist.all_reduce(held, op=dist.ReduceOp.MAX, group=ctx.roles.world)
+        if not held.item():
+            return out
+        for gi, pos, rec in records:
+            buf = None
+            if rec.is_owner:
+                buf = opt.state.get(rec.master, {}).get("momentum_buffer")
+                if buf is None:  # not stepped yet: torch.optim.Muon starts from zeros
+                    buf = torch.zeros(rec.shape, dtype=torch.float32, device=rec.master.device)
+                src = momentum_replica(rec, ctx)
+                if src is not None:
+                    buf = buf.clone()
+                    dist.broadcast(buf, src=dist.get_global_rank(ctx.roles.replicate, src),
+                                   group=ctx.roles.replicate)
+            pid = groups[gi]["params"][pos]
+            state[pid] = {**state.get(pid, {}), "momentum_buffer": entries(rec, buf, ctx)[0][1]}
+        # parameter order: torch's full state dict gathers entry by entry in dict order
+        out["state"] = {pid: state[pid] for g in groups for pid in g["params"] if pid in state}
+        return out
+
+    @torch.no_grad()
+    def on_load(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+        """Pre-hook: ``ns_dtype`` parsed back (``None`` kept: a Muon group needs the key); each
+        momentum staged, checked, agreed on, then given to its owner only (collective on the
+        owner runtime).
+
+        Raises:
+            ValueError: on every rank, if on any rank an entry has the wrong shape, or the
+                ranks' entries differ in kind; nothing is written.
+        """
+        groups = _ns_dtypes(sd["param_groups"], parse_dtype)
+        out = {**sd, "param_groups": groups}
+        records = self._muon_records()
+        if not records:
+            return out
+        state, present = dict(sd["state"]), []
+        for gi, pos, rec in records:
+            saved = groups[gi]["params"] if gi < len(groups) else []
+            if pos >= len(saved):
+                continue  # torch's load_state_dict names the group-size mismatch
+            entry = state.get(saved[pos])
+            if isinstance(entry, dict) and "momentum_buffer" in entry:
+                present.append((saved[pos], rec, entry))
+        staged = self.state.state_dict_hooks.stage_all(
+            [(rec, f"optimizer state {canonical_fqn(rec.fqn)!r}/momentum_buffer", entry["momentum_buffer"])
+             for _, rec, entry in present],
+            "Nothing was loaded: the optimizer state is unchanged on every rank.",
+            source="the optimizer state dict", target="this optimizer")
+        for (pid, rec, entry), full in zip(present, staged):
+            if rec.is_owner:
+                state[pid] = {**entry, "momentum_buffer": full.to(torch.float32)}
+            else:
+                state.pop(pid)
+        out["state"] = state
+        return out
+
+
+def zero_state(opt: torch.optim.Optimizer, param: torch.Tensor, use_muon: bool) -> dict[str, Any]:
+    """``opt.state[param]``, with the state the first step would create added where missing
+    (:func:`dmuon.owners.update.first_step_state`, zeros like ``param``)."""
+    return first_step_state(opt.state[param], param, use_muon)
+
+
+def init_state(opt: torch.optim.Optimizer) -> None:
+    """Create every trainable parameter's state now (see the module docstring); frozen
+    parameters get none, as in torch's optimizers. Local: no collective."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                zero_state(opt, p, group["use_muon"])
+
+
+def local_state(value: torch.Tensor, shape: torch.Size, name: str, where: str) -> torch.Tensor:
+    """This rank's piece of state tensor ``name`` (a DTensor laid out like its parameter, or a
+    plain tensor shaped like its local piece), checked against ``shape``, the local piece's
+    (parameter's or gradient's); ``where`` names the parameter.
+
+    Raises:
+        RuntimeError: the shapes differ (a state dict from another layout given to
+            ``opt.load_state_dict``), naming the fix.
+    """
+    local = local_tensor(value)
+    if local.shape != shape:
+        raise RuntimeError(
+            f"dmuon: {where}: optimizer state {name!r} holds a local piece of shape "
+            f"{tuple(local.shape)} ({type(value).__name__} of shape {tuple(value.shape)}), but the "
+            f"parameter's local piece is {tuple(shape)}. Load optimizer state with "
+            f"torch.distributed.checkpoint.state_dict.set_optimizer_state_dict (or dcp.load into "
+            f"get_optimizer_state_dict's dict), which lays it out like the parameter.")
+    return local
+
+
+def install_state_dict_hooks(opt: torch.optim.Optimizer) -> list[Any]:
+    """Register ``opt``'s ``param_groups`` translation; returns the handles."""
+    return OptimizerStateHooks(opt).install()

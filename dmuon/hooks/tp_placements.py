@@ -35,14 +35,12 @@ class TPSlice:
 
 
 def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None, ep_name: str | None = None) -> TPSlice:
-    """Undo data-parallel sharding of ``tensor`` and return this rank's TP slice.
+    """Undo data-parallel sharding of ``tensor`` and return this rank's TP slice; collective
+    over the DTensor's mesh when it has data-parallel shards (a redistribute).
 
-    With ``ep_name`` (an expert stack ``Shard(0)`` over the mesh's expert-parallel dimension,
-    :func:`dmuon.owners.stacks.expert_parallel_size`) the ``"ep"`` placement is kept like a TP
-    one: ``local`` is this rank's experts ``[E / ep, rows, cols]``, whole, and ``shard_dim`` is
-    ``None`` (no rank holds a part of one of them).
-
-    Collective over the DTensor's mesh when it has data-parallel shards (a redistribute).
+    With ``ep_name`` (an expert stack ``Shard(0)`` over the mesh's expert-parallel dimension)
+    the ``"ep"`` placement is kept like a TP one: ``local`` is this rank's experts
+    ``[E / ep, rows, cols]``, whole, and ``shard_dim`` is ``None``.
 
     Raises:
         ValueError: for a placement dmuon cannot own (``Partial``, a strided shard on the TP
@@ -56,19 +54,15 @@ def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None, ep_name: st
     names = tuple(mesh.mesh_dim_names or ())
     target, shard_dim, tp_mesh, placement = [], None, None, None
     for i, p in enumerate(tensor.placements):
-        is_tp = tp_name is not None and i < len(names) and names[i] == tp_name
-        if ep_name is not None and i < len(names) and names[i] == ep_name:  # checked at selection
-            tp_mesh = mesh[ep_name] if mesh.ndim > 1 else mesh
-            placement = p
-            target.append(p)
-            continue
-        if p.is_partial():
+        name = names[i] if i < len(names) else None
+        is_ep = ep_name is not None and name == ep_name  # the "ep" placement: checked at selection
+        if p.is_partial() and not is_ep:
             raise ValueError(f"dmuon: parameter {fqn!r} has a Partial placement on mesh dim {i}; "
                              f"dmuon takes Shard(0)/Shard(1)/Replicate() tensor-parallel matrices")
-        if is_tp:
-            tp_mesh = mesh[tp_name] if mesh.ndim > 1 else mesh
+        if is_ep or (tp_name is not None and name == tp_name):
+            tp_mesh = mesh[name] if mesh.ndim > 1 else mesh
             placement = p
-            if p.is_shard():
+            if p.is_shard() and not is_ep:
                 if type(p) is not Shard or p.dim not in (0, 1):
                     raise ValueError(
                         f"dmuon: parameter {fqn!r} has tensor-parallel placement {p!r}; dmuon "
