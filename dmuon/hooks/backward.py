@@ -19,11 +19,8 @@ from dmuon.hooks import fsdp_adapter as fsdp
 
 
 class ReduceToOwners:
-    """The reduce-to-owner phase of one model's runtime.
-
-    Args:
-        state: the model's :class:`dmuon.hooks.state.DedicateState` (read: its bound units,
-            buckets, process groups and step check).
+    """The reduce-to-owner phase of one model's runtime (reads its
+    :class:`dmuon.hooks.state.DedicateState`'s bound units, buckets, groups and step check).
 
     Attributes:
         sync_enabled: ``False`` inside :func:`dmuon.no_sync`.
@@ -53,9 +50,8 @@ class ReduceToOwners:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def on_grad(self, rec: Any, unit: Any, group: Any, bucket: Any, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of ``rec.compute``: its gradient goes into its bucket (the
-        bucket's reduce-to-owner starts once full); then its publish group's and unit's
-        bookkeeping."""
+        """Post-accumulate-grad hook of ``rec.compute``: its gradient goes into its bucket, whose
+        reduce-to-owner starts once full."""
         s = self.state
         self.queue_final_callback()
         with label("dmuon::grad_hook"):
@@ -103,9 +99,8 @@ class ReduceToOwners:
         last reduce, as FSDP2 reduce-scatters its own. Inside a backward it does nothing
         (:meth:`finish_backward` reduces). Collective over the shard (and replicate) group.
         """
-        if not self.state.bound or self._final_callback_queued or not self.sync_enabled:
-            return
-        if not fsdp.gradient_sync_enabled(self.state.fsdp_states):
+        if (not self.state.bound or self._final_callback_queued or not self.sync_enabled
+                or not fsdp.gradient_sync_enabled(self.state.fsdp_states)):
             return
         held = False
         for bucket in self.state.buckets:

@@ -1,11 +1,10 @@
 """Binding: from the selected matrices to owners' masters, placeholders, units and buckets.
 
-Runs once per model, at ``dmuon.Muon`` construction or at the first forward (whichever comes
-first), once the user's ``fully_shard`` calls have made the FSDP2 blocks known. Collective: the
-matrices are taken from FSDP2 (a redistribute each) and, on a plain replicated module, the other
-parameters are broadcast from rank 0, in the same order on every rank. :func:`bind` fills the
-runtime state (:class:`dmuon.hooks.state.DedicateState`) in place and registers no hook: the
-state registers them all.
+Runs once per model, at ``dmuon.Muon`` construction or at the first forward, once the user's
+``fully_shard`` calls have made the FSDP2 blocks known. Collective, in the same order on every
+rank: the matrices are taken from FSDP2 and, on a plain replicated module, the other parameters
+are broadcast from rank 0. :func:`bind` fills the runtime state in place; the state registers
+the hooks.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ class Selected:
 
     @property
     def layout(self) -> ParamLayout:
-        """How this rank's part of the parameter splits into Newton-Schulz matrices (the shape
-        seam): the whole parameter, or under expert parallelism its ``E / ep`` local experts."""
+        """How this rank's part of the parameter (under expert parallelism its ``E / ep`` local
+        experts) splits into Newton-Schulz matrices."""
         return ParamLayout(shape=tuple(self.shape), blocks=self.blocks).local(self.ep)
 
     @property
@@ -63,7 +62,8 @@ def check_materialized(selected: list[Selected]) -> None:
     """
     on_meta = [sel.fqn for sel in selected if sel.param.is_meta]
     if on_meta:
-        shown = ", ".join(repr(n) for n in on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
+        shown = ", ".join(repr(n) for n in on_meta[:3])
+        shown += f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
         raise RuntimeError(
             f"dmuon: {len(on_meta)} dedicated matrices are still on the meta device ({shown}); "
             f"dmuon.Muon (or the first forward) builds the owners' masters from the current "
@@ -71,24 +71,6 @@ def check_materialized(selected: list[Selected]) -> None:
             f"model.to_empty(device=...), the model's own init (reset_parameters() / "
             f"init_weights()), then dmuon.Muon(model, ...)."
         )
-
-
-def check_param_dtypes(selected: list[Selected],
-                       policies: list[tuple[torch.dtype | None, torch.dtype | None]]) -> None:
-    """Refuse an FSDP2 ``param_dtype`` dmuon cannot publish, on every rank alike, before
-    binding changes anything.
-
-    Raises:
-        ValueError: naming the matrix, the dtype and the fix.
-    """
-    for sel, (param_dtype, _) in zip(selected, policies):
-        if param_dtype is not None and (not param_dtype.is_floating_point or param_dtype.itemsize < 2):
-            raise ValueError(
-                f"dmuon: the FSDP2 block holding {sel.fqn!r} computes in {param_dtype} "
-                f"(MixedPrecisionPolicy.param_dtype); dmuon publishes float16, bfloat16, float32 "
-                f"or float64 weights. Use one of those, or pass predicate=... to leave the matrix "
-                f"on AdamW."
-            )
 
 
 def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucket]]:
@@ -114,7 +96,14 @@ def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucke
     parents = fsdp.parent_map(model)
     policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))
                 for sel in selected]
-    check_param_dtypes(selected, policies)  # before anything is taken from FSDP2
+    for sel, (param_dtype, _) in zip(selected, policies):  # before anything is taken from FSDP2
+        if param_dtype is not None and (not param_dtype.is_floating_point or param_dtype.itemsize < 2):
+            raise ValueError(
+                f"dmuon: the FSDP2 block holding {sel.fqn!r} computes in {param_dtype} "
+                f"(MixedPrecisionPolicy.param_dtype); dmuon publishes float16, bfloat16, float32 "
+                f"or float64 weights. Use one of those, or pass predicate=... to leave the matrix "
+                f"on AdamW."
+            )
     unit_ids, unit_modules = publish_units(model, selected, parents)
     units = []
     for index, module in enumerate(unit_modules):

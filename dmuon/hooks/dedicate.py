@@ -38,15 +38,12 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
     """Muon's usual scope: 2-D trainable parameters that are not an embedding's weight, and
     Mixture-of-Experts expert stacks.
 
-    Selected: every 2-D parameter with ``requires_grad`` (projections, an MoE router, an untied
-    head, ``nn.MultiheadAttention.in_proj_weight``), and every trainable expert stack: a
+    Selected: every 2-D parameter with ``requires_grad``, and every trainable expert stack: a
     parameter of 3 or more dims whose module declares ``num_experts`` equal to its leading
-    dim(s) (Hugging Face's ``Qwen3MoeExperts`` / ``MixtralExperts``, torchtitan's
-    ``GroupedExperts``; :func:`dmuon.owners.stacks.check_expert_stack`), one Muon matrix per
-    expert as stored. Left to AdamW: ``nn.Embedding`` / ``nn.EmbeddingBag`` weights (and a head
-    tied to one), biases, norms, convolutions, other tensors of 3 or more dims, frozen
-    parameters. Stable across ``fully_shard``: embeddings are recognised by name, or by being
-    the tensor an embedding module holds when the predicate is called.
+    dim(s) (:func:`dmuon.owners.stacks.check_expert_stack`), one Muon matrix per expert. Left
+    to AdamW: ``nn.Embedding`` / ``nn.EmbeddingBag`` weights (and a head tied to one), biases,
+    norms, convolutions, other tensors of 3 or more dims, frozen parameters. Stable across
+    ``fully_shard`` (embeddings are recognised by name, or by identity when called).
 
     To leave one more parameter on AdamW, wrap it::
 
@@ -189,19 +186,15 @@ def dedicate_params(
             other parameters' gradients, DDP-style; pass the module, not a DDP wrapper).
         mesh: the ``DeviceMesh``, roles by dimension name (:mod:`dmuon.comm.mesh_roles`): 1-D
             data parallel; ``("replicate", "shard")`` HSDP; ``("dp", "tp")`` FSDP x TP;
-            ``("replicate", "shard", "tp")``; ``("tp",)``; with expert parallelism the mesh the
-            experts live on (``("efsdp", "ep")``, ``("ep",)``, HSDP in front): expert stacks
-            ``Shard(0)`` over ``"ep"`` get owners among the ranks holding the same experts.
-            With pipeline parallelism, ``model`` is one stage and ``mesh`` has a ``"pp"``
-            dimension (or is the stage's sub-mesh); call it once per stage module, equally
-            often on every rank (:func:`dmuon.comm.mesh_roles.stage_layout`).
+            ``("replicate", "shard", "tp")``; ``("tp",)``; expert parallelism's
+            ``("efsdp", "ep")`` or ``("ep",)`` (HSDP in front); with pipeline parallelism, the
+            stage's mesh or one with a ``"pp"`` dimension (call it once per stage module).
         predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
             ``k``: cut each stored matrix into ``k`` row blocks); default: the one declared on
             the model (:func:`declare_predicate`), else :func:`default_predicate`.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
             default: solved on rank 0 and broadcast (:mod:`dmuon.hooks.default_plan`).
-        prefetch: units (modules holding dedicated matrices) whose publication is issued ahead
-            of the one running (>= 1).
+        prefetch: units whose publication is issued ahead of the one running (>= 1).
         reshard_after_forward: free non-owners' full weights between forward and backward.
             ``None`` (default): as FSDP2 does with each block (without FSDP2, free).
         bucket_cap_mb: plain replicated module only: cap (MiB, > 0) of one gradient bucket, as
@@ -214,12 +207,10 @@ def dedicate_params(
         group_cost: default plan only: the cost (FLOP-model units) of one more owner in an
             FSDP2 block; ``"auto"``: by backend (:func:`dmuon.balance.cost.default_group_cost`).
         step_check: compare every rank's ``opt.step()`` and backward counts at each forward
-            and backward (:mod:`dmuon.hooks.step_check`), so a rank that skips one fails every
-            rank at once, by name. Off on torch's fake process group (``state.offline``).
+            and backward (:mod:`dmuon.hooks.step_check`); off on torch's fake process group.
         replicas: plain replicated module on a 1-D mesh only: ``"keep"`` (default there):
             every rank keeps every matrix whole; ``"placeholder"``: non-owners hold zero-size
-            placeholders, at one broadcast per module before forward and backward
-            (:mod:`dmuon.hooks.keep`).
+            placeholders (:mod:`dmuon.hooks.keep`).
         replica_cost: HSDP, ``replicate_mode="auto"`` only: the cost model that picks each
             matrix's mode (default :class:`dmuon.balance.cost.ReplicaCost`).
         forward_tokens: default plan only: tokens per rank per micro-batch through each
@@ -262,7 +253,15 @@ def dedicate_params(
     if isinstance(forward_tokens, bool) or not isinstance(forward_tokens, int) or forward_tokens < 1:
         raise ValueError(f"dmuon: forward_tokens must be a positive int (tokens per rank per "
                          f"micro-batch through each matrix), got {forward_tokens!r}")
-    _refuse_ddp(model)
+    # DDP's reducer would wait forever for the gradients of the parameters dmuon swaps in
+    for name, module in model.named_modules():
+        if isinstance(module, DistributedDataParallel):
+            where = "the model" if not name else f"its submodule {name!r}"
+            raise ValueError(
+                f"dmuon: {where} is wrapped in torch DistributedDataParallel; dedicate_params needs "
+                f"the plain module (dedicate_params(ddp_model.module, mesh)). dmuon averages the "
+                f"gradients of the other parameters itself, in DDP-style buckets (bucket_cap_mb)."
+            )
     if not dist.is_initialized():
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
@@ -277,7 +276,13 @@ def dedicate_params(
     expert_parallel = [s.fqn for s in selected if s.ep > 1]
     blocks = {s.fqn: s.blocks for s in selected if s.blocks != 1}
     world_size, tp_size = roles.shard_size, roles.tp_size
-    cost = _group_cost(group_cost, dist.get_backend(roles.shard))
+    if group_cost == "auto":
+        cost = default_group_cost(str(dist.get_backend(roles.shard)), "flops")
+    elif isinstance(group_cost, str) or not float(group_cost) >= 0 or float(group_cost) == float("inf"):
+        raise ValueError(f"dmuon: group_cost must be 'auto' or a finite number >= 0 (FLOPs per "
+                         f"(block, owner) pair), got {group_cost!r}")
+    else:
+        cost = float(group_cost)
     if plan is None and keep:  # DDP-style path: one owner per bucket, deterministic
         device = selected[0].param.device.type if selected else "cpu"
         costs = matrix_costs([s.layout.matrix_shape for s in selected], device)
@@ -346,30 +351,6 @@ def dedicate_params(
                         "(bound %.3g; objective %s)", plan.extra["exposed"], plan.cost_unit,
                         plan.extra.get("exposed_bound", float("nan")), plan.extra.get("objective"))
     return plan
-
-
-def _refuse_ddp(model: nn.Module) -> None:
-    """Refuse a DDP wrapper: its reducer would wait forever for the gradients of the
-    parameters dmuon swaps in, and all-reduce what dmuon reduces to the owners."""
-    for name, module in model.named_modules():
-        if isinstance(module, DistributedDataParallel):
-            where = "the model" if not name else f"its submodule {name!r}"
-            raise ValueError(
-                f"dmuon: {where} is wrapped in torch DistributedDataParallel; dedicate_params needs "
-                f"the plain module (dedicate_params(ddp_model.module, mesh)). dmuon averages the "
-                f"gradients of the other parameters itself, in DDP-style buckets (bucket_cap_mb)."
-            )
-
-
-def _group_cost(group_cost: float | str, backend: str) -> float:
-    if group_cost == "auto":
-        return default_group_cost(str(backend), "flops")
-    if isinstance(group_cost, str) or not float(group_cost) >= 0 or float(group_cost) == float("inf"):
-        raise ValueError(
-            f"dmuon: group_cost must be 'auto' or a finite number >= 0 (FLOPs per (block, "
-            f"owner) pair), got {group_cost!r}"
-        )
-    return float(group_cost)
 
 
 def get_state(model: nn.Module) -> DedicateState:

@@ -34,38 +34,16 @@ from dmuon.owners.plan import OwnerPlan, build_plan
 #: that set each unit's deadline (``python -m dmuon.profile --tokens``' default too).
 DEFAULT_FORWARD_TOKENS = 4096
 
-#: Wall-clock limit of the runtime solve's searches, seconds (the makespan plan's local search,
-#: then the exposed-time searches, each within it): Pi0's 420 matrices on 8 ranks solve in
-#: ~0.55 s on the shared 2-core dev VM, on 64 ranks in ~0.2-0.4 s.
+#: Wall-clock limit of the runtime solve's searches, seconds: Pi0's 420 matrices on 8 ranks
+#: solve in ~0.55 s on a shared 2-core VM.
 RUNTIME_TIME_LIMIT_S = 0.5
 
 #: CBC's time limit with ``solver="milp"``, seconds.
 RUNTIME_MILP_TIME_LIMIT_S = 5.0
 
-#: ``dedicate_params(solver=...)``: ``"heuristic"`` (the default: on Pi0, Qwen2.5-7B and the
-#: main job's policy at 8-256 ranks its makespan and exposed time are within 1% of the MILP's,
-#: docs/performance.md) or ``"milp"`` (CBC warm-started from it, never worse).
+#: ``dedicate_params(solver=...)``: ``"heuristic"`` (within 1% of the MILP on the shipped
+#: inventories, docs/performance.md) or ``"milp"`` (CBC warm-started from it, never worse).
 SOLVERS = ("heuristic", "milp")
-
-
-def unit_forward_flops(model: nn.Module, selected: list[Selected], units: Sequence[int],
-                       modules: Sequence[nn.Module], tokens: int) -> list[float]:
-    """Estimated forward FLOPs per unit (module docstring): ``2 * tokens * rows * cols`` per
-    dedicated matrix (an expert stack as one matrix: a token passes few experts), 0 for a unit
-    that holds another unit.
-
-    Args:
-        model, selected: as ``dedicate_params`` has them.
-        units, modules: :func:`dmuon.hooks.bind.publish_units`.
-        tokens: tokens per rank per micro-batch through each matrix, ``>= 1``.
-    """
-    shapes: list[list[tuple[int, int]]] = [[] for _ in modules]
-    for sel, k in zip(selected, units):
-        shapes[k].append((int(sel.shape[-2]), int(sel.shape[-1])))
-    forward, _, _ = unit_times(shapes, tokens=tokens, measure=False)
-    unit_ids = {id(m) for m in modules}
-    holds = [any(id(m) in unit_ids for m in unit.modules() if m is not unit) for unit in modules]
-    return [0.0 if hold else f for f, hold in zip(forward, holds)]
 
 
 def default_plan(model: nn.Module, selected: list[Selected], world_size: int, *, tp_size: int,
@@ -73,6 +51,9 @@ def default_plan(model: nn.Module, selected: list[Selected], world_size: int, *,
                  group_cost: float, forward_tokens: int, solver: str = "heuristic") -> OwnerPlan:
     """The plan of the module docstring, or, where the exposed-time objective does not apply
     (tensor or expert parallelism, :func:`dmuon.owners.plan.build_plan`), the makespan plan.
+
+    Each unit's forward FLOPs: ``2 * tokens * rows * cols`` per dedicated matrix (an expert
+    stack as one matrix: a token passes few experts), 0 for a unit that holds another unit.
 
     Raises:
         ValueError: ``solver`` not in :data:`SOLVERS`.
@@ -87,7 +68,13 @@ def default_plan(model: nn.Module, selected: list[Selected], world_size: int, *,
                           groups=units if group_cost > 0 else None, group_cost=group_cost,
                           blocks=blocks, expert_parallel=expert_parallel, ep_size=ep_size,
                           method=solver, time_limit_s=limit)
-    forward = unit_forward_flops(model, selected, units, modules, forward_tokens)
+    shapes: list[list[tuple[int, int]]] = [[] for _ in modules]
+    for sel, k in zip(selected, units):
+        shapes[k].append((int(sel.shape[-2]), int(sel.shape[-1])))
+    forward, _, _ = unit_times(shapes, tokens=forward_tokens, measure=False)
+    unit_ids = {id(m) for m in modules}
+    holds = [any(id(m) in unit_ids for m in unit.modules() if m is not unit) for unit in modules]
+    forward = [0.0 if hold else f for f, hold in zip(forward, holds)]
     plan = build_plan(named, world_size, groups=units, group_cost=group_cost, blocks=blocks,
                       deadlines=deadlines_from_forward(forward), makespan_slack=MAKESPAN_SLACK,
                       method=solver, time_limit_s=limit)

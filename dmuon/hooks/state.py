@@ -101,8 +101,7 @@ class DedicateState:
         self.step_check = StepCheck(roles.steps if step_check else None, self.pending)
         self.publisher = Publisher(self)  # phases 1 and 4
         self.backward = ReduceToOwners(self)  # phase 2
-        # what this rank switched off for want of live peers (the fake backend; set by
-        # dedicate_params): the rank view reports it
+        # what this rank switched off for want of live peers (the fake backend)
         self.offline: tuple[str, ...] = ()
         self.handles: list[Any] = []  # every hook dmuon installed (remove() takes them out)
         # binding at the first forward (unless dmuon.Muon binds first), then the step check in
@@ -116,7 +115,6 @@ class DedicateState:
         """The model was FSDP2-wrapped when bound."""
         return bool(self.fsdp_states)
 
-    # ------------------------------------------------------------------ hooks
     def _register_hooks(self, wiring: list[tuple]) -> None:
         """The hooks of the bound runtime: units (FSDP2 blocks, known once ``fully_shard`` has
         run) and gradients (``wiring``, :func:`dmuon.hooks.bind.bind`'s)."""
@@ -149,7 +147,6 @@ class DedicateState:
             handle.remove()
         self.handles.clear()
 
-    # ------------------------------------------------------------------ binding
     def ensure_bound(self) -> None:
         """Create masters and placeholders (collective; idempotent), at optimizer construction
         or the first forward, so ``dedicate_params`` may run before or after ``fully_shard``."""
@@ -158,16 +155,21 @@ class DedicateState:
         check_materialized(self.selected)
         self._bind_handle.remove()
         wiring = bind(self)
-        # without FSDP2 dmuon issues every collective of the step: the check can wait until
-        # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
-        self.step_check.deferred = not self.fsdp_wrapped
-        # FSDP2: the forward check goes out at the end of opt.step() and is settled, usually
-        # already complete, at the next forward (StepCheck.issue_at_step)
+        self.step_check.deferred = not self.fsdp_wrapped  # the modes of dmuon.hooks.step_check
         self.step_check.issue_at_step = self.fsdp_wrapped
         self.bound = True
         self._register_hooks(wiring)
-        if not self.fsdp_wrapped:  # a later fully_shard (accelerator.prepare) is refused by name
-            self._refuse_later_fully_shard()
+        if not self.fsdp_wrapped:
+            # a later fully_shard (accelerator.prepare) is refused by name at the first forward,
+            # by a global forward pre-hook: it runs before FSDP2's root pre-forward, whose
+            # all-gather of masters and placeholders would fail in the backend
+            def first_forward(module: nn.Module, args: Any) -> None:
+                if module is self.model:
+                    handle.remove()
+                    self.check_not_sharded_since_binding("the model's first forward")
+
+            handle = register_module_forward_pre_hook(dynamo_disable(first_forward))
+            self.handles.append(handle)
         else:
             if self.step_check.group is not None:
                 # the check settles before FSDP2's root all-gather even when dedicate_params ran
@@ -180,18 +182,6 @@ class DedicateState:
             self.handles += fsdp.wrap_final_callback(self.fsdp_states, self.backward.reduce_outside_backward)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
-
-    def _refuse_later_fully_shard(self) -> None:
-        """Check at the model's first forward that nobody ran ``fully_shard`` on it after binding:
-        a global module forward pre-hook, which runs before FSDP2's root pre-forward (whose
-        all-gather of masters and placeholders would fail in the backend), removed then."""
-        def first_forward(module: nn.Module, args: Any) -> None:
-            if module is self.model:
-                handle.remove()
-                self.check_not_sharded_since_binding("the model's first forward")
-
-        handle = register_module_forward_pre_hook(dynamo_disable(first_forward))
-        self.handles.append(handle)
 
     def check_not_sharded_since_binding(self, where: str) -> None:
         """Raise if the model, bound without FSDP2, is FSDP2-wrapped now (checked once).
@@ -220,14 +210,12 @@ class DedicateState:
         if root is not None:  # its pre-hook was registered during this call: run it now
             root.pre_forward(module, args)
 
-    # -------------------------------------------------------------- publication
     def settle_pending(self) -> None:
         """Every overlapped update done and what this rank held back published
         (:meth:`Publisher.flush`): before a reader, or another collective on that group."""
         self.pending.wait_all()
         self.publisher.flush()
 
-    # --------------------------------------------------------------- after step
     def publish_after_step(self, issue: bool = True) -> None:
         """Phase 4: owners refresh their compute copy; the first units' broadcasts go out.
 

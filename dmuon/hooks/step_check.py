@@ -63,7 +63,8 @@ class StepCheck:
         self.issue_at_step = False  # FSDP2: the forward check goes out at the step (binding sets it)
         # work, rows, phase, steps, backwards
         self._pending: tuple[Any, torch.Tensor, int, int, int] | None = None
-        self._pre_forward: Any = None  # the forward pre-hook and its handle (install, to_front)
+        # the forward pre-hook and its handle (install, to_front)
+        self._pre_forward = dynamo_disable(lambda module, args: self.before_forward())
         self._pre_forward_handle: Any = None
         self.pending = pending
         pending.defer_failures = self.group is not None and self.world_size > 1
@@ -77,10 +78,6 @@ class StepCheck:
             if needs_grad and not in_autograd_backward():  # the hook lives as long as the graph
                 register_multi_grad_hook(needs_grad, lambda grads: self.before_backward(), mode="any")
 
-        def pre_forward(module: nn.Module, args: Any) -> None:
-            self.before_forward()
-
-        self._pre_forward = dynamo_disable(pre_forward)
         self._pre_forward_handle = model.register_forward_pre_hook(self._pre_forward, prepend=True)
         return [self._pre_forward_handle,
                 model.register_forward_hook(dynamo_disable(post_forward), prepend=True)]
@@ -133,7 +130,7 @@ class StepCheck:
         """``opt.step()`` finished on this rank (under FSDP2: issue the next forward's check)."""
         self.steps += 1
         self._last = None
-        if self.issue_at_step and not self.deferred:
+        if self.issue_at_step:  # never with deferred (the runtime sets one of them)
             self._last = 0
             self._check(0, wait=False)
 

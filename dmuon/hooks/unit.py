@@ -73,20 +73,17 @@ class PublishGroup:
         """Whether this group's broadcast is issued and not known to be complete."""
         if self.work is None or self.work.work is None:
             return False
-        # One query per group and forward, never a loop (collectives.is_complete: a coalesced
-        # NCCL group call answers through its works)
         return not is_complete(self.work.work)
 
     def wait(self) -> None:
         """Wait for this group's broadcast, if one is in flight (on NCCL the current stream
-        waits on the collective's event; the host does not block)."""
+        waits; the host does not)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
 
     def release(self) -> None:
-        """Free a non-owner's copy of the group (the owner keeps it: it is the source; in keep
-        mode every rank keeps it, and the group only stops being live)."""
+        """Free a non-owner's copy of the group (not in keep mode); the group is not live."""
         self.wait()
         if not self.is_owner and not self.keep:
             # no host sync: the current stream waited on the broadcast and NCCL recorded its
@@ -96,8 +93,7 @@ class PublishGroup:
         self.bwd_done.clear()
 
     def grad_in(self, rec: DedicatedParam) -> None:
-        """``rec``'s gradient is in: release once every member that takes one has it (never in
-        keep mode: the weights stay)."""
+        """``rec``'s gradient is in: release once every member that takes one has it."""
         if self.keep:
             return
         self.bwd_done.add(rec)
@@ -117,8 +113,7 @@ class PublishGroup:
         self.live = False
 
     def copy_masters(self) -> None:
-        """The owner's compute copy from its masters: one op for the group, casting fp32 masters
-        to the compute dtype."""
+        """The owner's compute copy from its masters: one op for the group, cast to its dtype."""
         with torch.autograd._unsafe_preserve_version_counter(self.flat), torch.no_grad():
             torch._foreach_copy_([rec.buffer for rec in self.members], [rec.master for rec in self.members])
 
@@ -138,15 +133,11 @@ def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
 
 class Publisher:
     """The publish phase of one model: issues the units' publications in the one order every
-    rank shares, holding back a prefetched group whose overlapped owner update is still running.
-
-    Args:
-        state: the model's :class:`dmuon.hooks.state.DedicateState` (read: its process group,
-            units, keep mode and pending updates).
+    rank shares (reads its :class:`dmuon.hooks.state.DedicateState`'s process group, units,
+    keep mode and pending updates).
 
     Attributes:
-        deferred: publish groups this rank held back at its last :meth:`issue`; the other
-            ranks may have issued them.
+        deferred: publish groups this rank held back at its last :meth:`issue`.
         seen: the units in the order the first forward ran them (``None`` once
             :meth:`adopt_forward_order` has run).
     """
@@ -254,15 +245,13 @@ class Unit:
     """The dedicated matrices published together before one module runs, and their hooks.
 
     Attributes:
-        state: the model's runtime state (:class:`dmuon.hooks.state.DedicateState`).
+        state: the model's :class:`dmuon.hooks.state.DedicateState`.
         index: position in forward order (the order units are prefetched in).
-        module: the FSDP2 block or, without FSDP2, the matrices' parent module
-            (:func:`dmuon.hooks.fsdp_adapter.publish_block`).
+        module: the module whose hooks publish it (FSDP2's block, or
+            :func:`dmuon.hooks.fsdp_adapter.publish_block`'s).
         reshard: free non-owners' copies after forward (set at bind, FSDP2's rule).
-        records: its dedicated matrices, in model order.
-        groups: its publish groups (one per owner and compute dtype).
-        in_backward: between the unit's pre-backward and its post-backward; forward hooks
-            (activation-checkpointing recomputation) then leave the full weights alone.
+        in_backward: between the unit's pre-backward and its post-backward (forward hooks of a
+            recomputation then leave the full weights alone).
         grads_done: records whose gradient is in during this backward; the backward is over
             when it holds ``grad_count`` (the records that take one).
         backward_finished: every gradient of the unit is in during this backward (an
@@ -299,7 +288,6 @@ class Unit:
         for group in self.groups:
             group.wait()
 
-    # --------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: publish this unit (and prefetch the next), wait, show compute."""
         state = self.state
@@ -337,7 +325,6 @@ class Unit:
         if needs_grad:
             register_multi_grad_hook(needs_grad, self.pre_backward_hook, mode="any")
 
-    # -------------------------------------------------------------- backward
     def pre_backward(self, grad: Any) -> None:
         """First gradient of the unit's output: publish it again (and prefetch the previous
         units), wait, and show the compute weights until its post-backward."""
