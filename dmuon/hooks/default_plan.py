@@ -6,15 +6,11 @@ after its unit's forward starts (the exposed time, :mod:`dmuon.balance.deadline`
 both (:func:`dmuon.balance.deadline.refine_for_overlap`): the least exposed time among plans
 within :data:`dmuon.balance.deadline.MAKESPAN_SLACK` of the makespan plan's makespan.
 
-Per-unit forward times are estimated from shapes: each unit's dedicated matrices as linear
-layers over ``forward_tokens`` tokens per rank, ``2 * tokens * rows * cols`` FLOPs each
-(:func:`dmuon.balance.profiler.unit_times`), the unit of the NS FLOP model. The estimate counts
-only the dedicated matrices, gives a unit that holds another (the FSDP2 root) 0 forward time,
-and takes units in registration order (:func:`dmuon.hooks.bind.publish_units`), not execution
-order (:meth:`dmuon.hooks.unit.Publisher.adopt_forward_order`): deadlines come early, and the
-exposed time is overestimated. For a model that interleaves its units (pi0, SmolVLA), a plan
-from ``python -m dmuon.profile --objective exposed`` does better. The makespan bound holds
-whatever the estimate's error.
+Per-unit forward times are estimated from shapes (:func:`default_plan`), in the NS FLOP
+model's unit. The estimate counts only the dedicated matrices and takes units in registration
+order (:func:`dmuon.hooks.bind.publish_units`): deadlines come early, and the exposed time is
+overestimated. For a model that interleaves its units (pi0, SmolVLA), a plan from ``python -m
+dmuon.profile --objective exposed`` does better. The makespan bound holds whatever the error.
 """
 
 from __future__ import annotations
@@ -52,8 +48,10 @@ def default_plan(model: nn.Module, selected: list[Selected], world_size: int, *,
     """The plan of the module docstring, or, where the exposed-time objective does not apply
     (tensor or expert parallelism, :func:`dmuon.owners.plan.build_plan`), the makespan plan.
 
-    Each unit's forward FLOPs: ``2 * tokens * rows * cols`` per dedicated matrix (an expert
-    stack as one matrix: a token passes few experts), 0 for a unit that holds another unit.
+    Each unit's forward FLOPs: ``2 * forward_tokens * rows * cols`` per dedicated matrix (an
+    expert stack as one matrix: a token passes few experts), 0 for a unit that holds another
+    (the FSDP2 root: its own matrices run inside or after its children)
+    (:func:`dmuon.balance.profiler.unit_times`).
 
     Raises:
         ValueError: ``solver`` not in :data:`SOLVERS`.

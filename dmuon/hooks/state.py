@@ -44,13 +44,10 @@ class DedicateState:
     """Everything dmuon keeps for one model on one rank; registers every hook.
 
     Args:
-        model: the user's model (FSDP2-wrapped or plain).
-        roles: dmuon's process groups along the mesh's dimensions.
-        plan: the owner plan, already checked identical on every rank.
-        selected: the dedicated matrices, in model order.
+        model, roles, plan, selected: the user's model, dmuon's process groups, the owner plan
+            (identical on every rank) and the dedicated matrices in model order.
         prefetch, reshard_after_forward, reduce_mode, replicas, step_check: as
-            :func:`dmuon.dedicate_params` takes them.
-        bucket_bytes: ``bucket_cap_mb`` in bytes.
+            :func:`dmuon.dedicate_params` takes them; ``bucket_bytes``: ``bucket_cap_mb`` in bytes.
     """
 
     def __init__(

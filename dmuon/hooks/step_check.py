@@ -7,12 +7,10 @@ backwards, failure flag) on a gloo group of its own, so it never synchronizes a 
 rank that runs more steps than the others waits at its next check until the group's timeout
 (:func:`dmuon.comm.mesh_roles.inherited_timeout`) ends it with a named error.
 
-Modes, set by the runtime at binding: ``deferred`` (no FSDP2: dmuon issues every collective of
-the step) waits for the check in :meth:`StepCheck.settle`, right before dmuon's next
-collective; ``issue_at_step`` (FSDP2) issues the forward check at the end of ``opt.step()`` and
-settles it in front of FSDP2's root pre-forward, where a rank one step ahead fails in FSDP2's
-all-gather, raised as this check's error (:meth:`StepCheck.guard_fsdp_pre_forward`). The
-backward check blocks (docs/history.md, "Step check under FSDP2").
+Modes, set at binding: ``deferred`` (no FSDP2) waits for the check in :meth:`StepCheck.settle`,
+right before dmuon's next collective; ``issue_at_step`` (FSDP2) issues the forward check at the
+end of ``opt.step()`` and settles it in front of FSDP2's root pre-forward
+(:meth:`StepCheck.guard_fsdp_pre_forward`). The backward check blocks (docs/history.md).
 """
 
 from __future__ import annotations

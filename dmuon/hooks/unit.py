@@ -71,9 +71,7 @@ class PublishGroup:
 
     def in_flight(self) -> bool:
         """Whether this group's broadcast is issued and not known to be complete."""
-        if self.work is None or self.work.work is None:
-            return False
-        return not is_complete(self.work.work)
+        return self.work is not None and not is_complete(self.work.work)
 
     def wait(self) -> None:
         """Wait for this group's broadcast, if one is in flight (on NCCL the current stream
