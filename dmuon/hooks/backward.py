@@ -26,9 +26,8 @@ class ReduceToOwners:
         sync_enabled: ``False`` inside :func:`dmuon.no_sync`.
         sync_this_backward: this backward reduces to the owners (decided at its first hook).
         made_up_grads: :func:`dmuon.comm.owned_grad.present`'s gradients for "none here".
-        speculator: ``Muon(overlap="backward")``'s update (:class:`dmuon.optim.OwnerUpdate`),
-            told when reduced gradients are in: ``speculate_early({record: average})`` per
-            bucket during backward, ``speculate()`` at its end; ``None`` otherwise.
+        speculator: ``Muon(overlap="backward")``'s :class:`dmuon.optim.OwnerUpdate`, told
+            ``speculate_early({record: average})`` per reduced bucket, ``speculate()`` at the end.
     """
 
     def __init__(self, state: Any) -> None:

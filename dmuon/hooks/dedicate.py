@@ -122,10 +122,9 @@ def select_matrices(model: nn.Module, predicate: Predicate, *, ep_name: str | No
             one), for ``Selected.ep`` (:func:`dmuon.owners.stacks.expert_parallel_size`).
 
     Raises:
-        ValueError: on every rank alike, if the predicate selects a tensor of fewer than 2
-            dims, a >2-D tensor whose leading dims are not experts, a row-block count that does
-            not divide the rows, a parameter under two names (tied weights), or an
-            expert-parallel stack dmuon cannot take.
+        ValueError: on every rank alike, for a selected tensor of fewer than 2 dims, a >2-D
+            one that is no expert stack, row blocks that do not divide the rows, tied weights,
+            or an expert-parallel stack dmuon cannot take.
     """
     experts = expert_module_names(model)
     names_by_id: dict[int, list[str]] = {}

@@ -2,13 +2,11 @@
 
 As FSDP2 has one ``FSDPState`` per module, dmuon has one :class:`DedicateState` per model: it
 registers every hook and holds what the phases share; :func:`dmuon.hooks.bind.bind` fills it in
-place. The phases are objects of their own: publish before forward and backward, and after the
-step (:class:`dmuon.hooks.unit.Publisher`, per unit :class:`dmuon.hooks.unit.Unit`, FSDP2's
-``FSDPParamGroup``), reduce-to-owner (:class:`dmuon.hooks.backward.ReduceToOwners`), the owners'
-update (:class:`dmuon.optim.OwnerUpdate`) and its overlap
-(:class:`dmuon.owners.overlap.PendingSteps`). Hooks only enqueue work; the math lives in
-:mod:`dmuon.owners`. What each rank holds follows from one rank-independent flag per publish
-group, ``live``, so every rank issues the same collectives in the same order.
+place. The phases are objects of their own: publish (:class:`dmuon.hooks.unit.Publisher`, per
+unit :class:`dmuon.hooks.unit.Unit`), reduce-to-owner (:class:`dmuon.hooks.backward.ReduceToOwners`),
+update (:class:`dmuon.optim.OwnerUpdate`) and overlap (:class:`dmuon.owners.overlap.PendingSteps`).
+What each rank holds follows from one rank-independent flag per publish group, ``live``, so
+every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations

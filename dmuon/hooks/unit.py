@@ -147,14 +147,10 @@ class Publisher:
 
     def issue(self, units: list[Unit], need: Unit | None = None) -> None:
         """Publish the groups of ``units`` not yet live, in order, as one NCCL group call if
-        possible.
-
-        With overlapped owner updates pending (:class:`dmuon.owners.overlap.PendingSteps`), a
-        group goes out only after its own update: the groups up to ``need``'s wait for theirs;
-        a later, prefetched group whose update is not done is held back with the groups after
-        it (:attr:`deferred`) until a later issue, in the same order, so a forward never waits
-        on a later unit's Newton-Schulz. On CUDA the broadcasts go out on a publication stream
-        (:meth:`PendingSteps.stream_for`) that waits for each group's job event alone.
+        possible. With overlapped owner updates pending, a group goes out after its own update:
+        the groups up to ``need``'s wait for theirs; a later group whose update is not done is
+        held back with those after it (:attr:`deferred`), so a forward never waits on a later
+        unit's Newton-Schulz. On CUDA they go out on :meth:`PendingSteps.stream_for`'s stream.
 
         Args:
             units: the units to publish, in forward (or backward prefetch) order.
