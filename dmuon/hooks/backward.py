@@ -1,16 +1,6 @@
-"""Phase 2 of a dmuon step, reduce-to-owner: the end of each backward, as FSDP2's root
-``_root_post_backward_final_callback`` ends its own.
-
-:class:`ReduceToOwners` holds what one backward needs (whether gradient sync is on, whether the
-end-of-backward callback is queued, the gradients made up for matrices no rank here used) and
-the runtime's backward entry points: each dedicated gradient's hook
-(:meth:`ReduceToOwners.on_grad`), the first gradient hook of a backward
-(:meth:`ReduceToOwners.queue_final_callback`), the end of backward
-(:meth:`ReduceToOwners.finish_backward`), FSDP2's final callback outside a backward
-(:meth:`ReduceToOwners.reduce_outside_backward`, pipelining schedules) and the check before a
-step (:meth:`ReduceToOwners.check_reduced`). It reads the bound units, buckets and process
-groups from its :class:`dmuon.hooks.state.DedicateState`; the collectives are
-:mod:`dmuon.comm.hsdp_replicas`' and :mod:`dmuon.comm.grad_buckets`'.
+"""Phase 2 of a dmuon step, reduce-to-owner: each dedicated gradient's hook and the end of each
+backward, as FSDP2's root ``_root_post_backward_final_callback`` ends its own. The collectives
+are :mod:`dmuon.comm.grad_buckets`' and :mod:`dmuon.comm.hsdp_replicas`'.
 """
 
 from __future__ import annotations
@@ -29,19 +19,15 @@ from dmuon.hooks import fsdp_adapter as fsdp
 
 
 class ReduceToOwners:
-    """The reduce-to-owner phase of one model's runtime.
-
-    Args:
-        state: the model's :class:`dmuon.hooks.state.DedicateState` (read: its bound units,
-            buckets, process groups and step check).
+    """The reduce-to-owner phase of one model's runtime (reads its
+    :class:`dmuon.hooks.state.DedicateState`'s bound units, buckets, groups and step check).
 
     Attributes:
         sync_enabled: ``False`` inside :func:`dmuon.no_sync`.
         sync_this_backward: this backward reduces to the owners (decided at its first hook).
         made_up_grads: :func:`dmuon.comm.owned_grad.present`'s gradients for "none here".
-        speculator: ``Muon(overlap="backward")``'s update (:class:`dmuon.optim.OwnerUpdate`),
-            told when reduced gradients are in: ``speculate_early({record: average})`` per
-            bucket during backward, ``speculate()`` at its end; ``None`` otherwise.
+        speculator: ``Muon(overlap="backward")``'s :class:`dmuon.optim.OwnerUpdate`, told
+            ``speculate_early({record: average})`` per reduced bucket, ``speculate()`` at the end.
     """
 
     def __init__(self, state: Any) -> None:
@@ -63,9 +49,8 @@ class ReduceToOwners:
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def on_grad(self, rec: Any, unit: Any, group: Any, bucket: Any, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of ``rec.compute``: its gradient goes into its bucket (the
-        bucket's reduce-to-owner starts once full); then its publish group's and unit's
-        bookkeeping."""
+        """Post-accumulate-grad hook of ``rec.compute``: its gradient goes into its bucket, whose
+        reduce-to-owner starts once full."""
         s = self.state
         self.queue_final_callback()
         with label("dmuon::grad_hook"):
@@ -85,10 +70,9 @@ class ReduceToOwners:
 
     def poll_reduced(self) -> None:
         """A gradient hook of a synced backward (``Muon(overlap="backward")``): hand each bucket
-        whose reduce-to-owner has completed (:func:`dmuon.comm.grad_buckets.reduced`, a non-blocking query)
-        to :attr:`speculator` with this rank's averages, once per backward, so its owner's
-        Newton-Schulz starts while the backward goes on. Not under HSDP (the replica combine
-        comes at the end of backward: the average is not yet the final gradient)."""
+        whose reduce-to-owner has completed (a non-blocking query) to :attr:`speculator` with
+        this rank's averages, once per backward, so its owner's Newton-Schulz starts while the
+        backward goes on. Not under HSDP (the replica combine comes at the end of backward)."""
         s = self.state
         if self.speculator is None or s.roles.replicate_size > 1:
             return
@@ -97,8 +81,8 @@ class ReduceToOwners:
             if bucket.my_owner is None or bucket in self._handed or not reduced(bucket):
                 continue
             self._handed.add(bucket)
-            # the divisor finish_backward will use (set_divide_factors, read now)
-            factor = (fsdp.gradient_divide_factor(bucket.block) if s.fsdp_wrapped and bucket.block is not None
+            # the divisor _reduce_and_present will use, read now
+            factor = (fsdp.gradient_divide_factor(bucket.block) if bucket.block is not None
                       else bucket.divide_factor)
             averages = owned_averages(bucket, s.world_size if factor is None else factor)
             self.speculator.speculate_early(averages)
@@ -107,27 +91,15 @@ class ReduceToOwners:
         self.queue_final_callback()
         return self.state.replicated.on_grad(param, grad, sync=self.sync_this_backward)
 
-    def on_shared_grad(self, param: nn.Parameter) -> None:
-        """Post-accumulate-grad hook of a non-dedicated parameter in keep mode: only makes sure
-        the backward ends in :meth:`finish_backward` (a model whose matrices are all frozen has
-        no other hook), which copies every ``.grad`` into the bucket at once."""
-        self.queue_final_callback()
-
     def reduce_outside_backward(self) -> None:
-        """FSDP2's final callback ran outside a backward, with gradient sync on: reduce to the
-        owners every gradient accumulated locally since the last reduce, as FSDP2 reduce-scatters
-        its own.
-
-        ``torch.distributed.pipelining`` runs every micro-batch backward with FSDP2's gradient
-        sync off, then turns it on and calls FSDP2's post-backward and final callback itself
-        (``PipelineStage.perform_reduce_grad``) before dividing the gradients
-        (``scale_grads``): this runs in that callback, so the owners' ``master.grad`` is in
-        before the division. Inside a backward it does nothing (:meth:`finish_backward`
-        reduces). Collective over the shard group (and the replicate group under HSDP).
+        """FSDP2's final callback ran outside a backward, with gradient sync on
+        (``torch.distributed.pipelining``'s ``PipelineStage.perform_reduce_grad``, before its
+        ``scale_grads``): reduce to the owners every gradient accumulated locally since the
+        last reduce, as FSDP2 reduce-scatters its own. Inside a backward it does nothing
+        (:meth:`finish_backward` reduces). Collective over the shard (and replicate) group.
         """
-        if not self.state.bound or self._final_callback_queued or not self.sync_enabled:
-            return
-        if not fsdp.gradient_sync_enabled(self.state.fsdp_states):
+        if (not self.state.bound or self._final_callback_queued or not self.sync_enabled
+                or not fsdp.gradient_sync_enabled(self.state.fsdp_states)):
             return
         held = False
         for bucket in self.state.buckets:
@@ -139,24 +111,11 @@ class ReduceToOwners:
             self.sync_this_backward = True
             self.state.issue_order.next = 0
             self.state.step_check.settle()
-            self.set_divide_factors()
-            unpresent(self.state.records)  # as finish_backward: plain gradients to add to, then shown
             self._reduce_and_present()
 
-    def set_divide_factors(self) -> None:
-        """Each bucket's FSDP2 ``set_gradient_divide_factor`` (``None``: the mean), read now."""
-        for bucket in self.state.buckets:
-            if bucket.block is not None:
-                bucket.divide_factor = fsdp.gradient_divide_factor(bucket.block)
-
     def check_reduced(self) -> None:
-        """Before a step: no matrix may hold a gradient that never reached its owner.
-
-        A backward with gradient sync off (``dmuon.no_sync``, FSDP2's
-        ``set_requires_gradient_sync(False)``) keeps each matrix's local gradient on every rank
-        until a synced backward or FSDP2's final callback reduces it; a step before that would
-        skip the matrix (its owner has no gradient), as ``torch.optim.Muon`` skips
-        ``grad=None``, silently.
+        """Before a step: no matrix may hold a gradient that never reached its owner (a
+        backward with gradient sync off keeps it local; the step would skip the matrix).
 
         Raises:
             RuntimeError: naming the matrices and the fix, on every rank that computed them.
@@ -175,27 +134,30 @@ class ReduceToOwners:
         """End of backward: close open units, then reduce-to-owner and, under HSDP, the replica
         combine (:func:`dmuon.comm.hsdp_replicas.reduce_to_owners`); the other parameters'
         DDP-style all-reduce finishes last."""
+        s = self.state
         self._final_callback_queued = False
-        self.state.issue_order.next = 0  # the rest go out below, in the same order
-        self.state.step_check.settle()  # before waiting on (or issuing) any reduce of this backward
-        for unit in self.state.units:  # units with unused matrices, or cut short by checkpointing
+        s.issue_order.next = 0  # the rest go out below, in the same order
+        s.step_check.settle()  # before waiting on (or issuing) any reduce of this backward
+        for unit in s.units:  # units with unused matrices, or cut short by checkpointing
             unit.post_backward()
             unit.backward_finished = False
         with label("dmuon::finish_backward"), torch.no_grad():
-            if self.state.shared_bucket is not None and self.sync_this_backward:
-                self.state.shared_bucket.issue(self.state.group, self.state.reduce_mode)  # the other parameters' .grad
-            if self.state.fsdp_wrapped:
-                self.set_divide_factors()
-            unpresent(self.state.records)  # plain gradients for the owners to add to
+            if s.shared_bucket is not None and self.sync_this_backward:
+                s.shared_bucket.issue(s.group, s.reduce_mode)  # the other parameters' .grad
             self._reduce_and_present()
-            if self.state.replicated is not None and self.sync_this_backward:
-                self.state.replicated.finish()
+            if s.replicated is not None and self.sync_this_backward:
+                s.replicated.finish()
 
     def _reduce_and_present(self) -> None:
-        """Reduce every bucket to its owners (and combine HSDP replicas), then show the
-        gradients as clipping by third-party code sees them (:mod:`dmuon.comm.owned_grad`),
-        every rank alike; then the :attr:`speculator`, if any."""
+        """Reduce every bucket to its owners, divided by its FSDP2 block's gradient divide
+        factor (``None``: the mean), and combine HSDP replicas; then show the gradients as
+        clipping by third-party code sees them (:mod:`dmuon.comm.owned_grad`), every rank
+        alike; then the :attr:`speculator`, if any."""
         s = self.state
+        for bucket in s.buckets:  # FSDP2's set_gradient_divide_factor, read now
+            if bucket.block is not None:
+                bucket.divide_factor = fsdp.gradient_divide_factor(bucket.block)
+        unpresent(s.records)  # plain gradients for the owners to add to
         reduce_to_owners(s.issue_order, s.roles, s.reduce_mode, s.world_size, s.replicate_rank)
         present(s.records, group=s.roles.world, replicate_rank=s.replicate_rank, tp_rank=s.tp_rank,
                 made_up=self.made_up_grads)

@@ -1,11 +1,10 @@
 """Binding: from the selected matrices to owners' masters, placeholders, units and buckets.
 
-Runs once per model, at ``dmuon.Muon`` construction or at the first forward (whichever comes
-first), once the user's ``fully_shard`` calls have made the FSDP2 blocks known. Collective: the
-matrices are taken from FSDP2 (a redistribute each) and, on a plain replicated module, the other
-parameters are broadcast from rank 0, in the same order on every rank. :func:`bind` fills the
-runtime state (:class:`dmuon.hooks.state.DedicateState`) in place and registers no hook: the
-state registers them all.
+Runs once per model, at ``dmuon.Muon`` construction or at the first forward, once the user's
+``fully_shard`` calls have made the FSDP2 blocks known. Collective, in the same order on every
+rank: the matrices are taken from FSDP2 and, on a plain replicated module, the other parameters
+are broadcast from rank 0. :func:`bind` fills the runtime state in place; the state registers
+the hooks.
 """
 
 from __future__ import annotations
@@ -44,8 +43,8 @@ class Selected:
 
     @property
     def layout(self) -> ParamLayout:
-        """How this rank's part of the parameter splits into Newton-Schulz matrices (the shape
-        seam): the whole parameter, or under expert parallelism its ``E / ep`` local experts."""
+        """How this rank's part of the parameter (under expert parallelism its ``E / ep`` local
+        experts) splits into Newton-Schulz matrices."""
         return ParamLayout(shape=tuple(self.shape), blocks=self.blocks).local(self.ep)
 
     @property
@@ -55,19 +54,16 @@ class Selected:
 
 
 def check_materialized(selected: list[Selected]) -> None:
-    """Refuse to bind matrices that still live on the meta device.
-
-    Binding copies each matrix's current value into its owner's master and leaves a zero-size
-    placeholder on the module; a meta tensor has no value, and an init run after binding
-    would see placeholders. Same on every rank (meta-ness does not depend on the rank), so
-    every rank raises before any collective: no hang.
+    """Refuse to bind matrices that still live on the meta device (binding copies each
+    current value into its owner's master), on every rank alike, before any collective.
 
     Raises:
         RuntimeError: naming the first meta parameters and the order of calls that works.
     """
     on_meta = [sel.fqn for sel in selected if sel.param.is_meta]
     if on_meta:
-        shown = ", ".join(repr(n) for n in on_meta[:3]) + (f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else "")
+        shown = ", ".join(repr(n) for n in on_meta[:3])
+        shown += f" and {len(on_meta) - 3} more" if len(on_meta) > 3 else ""
         raise RuntimeError(
             f"dmuon: {len(on_meta)} dedicated matrices are still on the meta device ({shown}); "
             f"dmuon.Muon (or the first forward) builds the owners' masters from the current "
@@ -77,31 +73,11 @@ def check_materialized(selected: list[Selected]) -> None:
         )
 
 
-def check_param_dtypes(selected: list[Selected],
-                       policies: list[tuple[torch.dtype | None, torch.dtype | None]]) -> None:
-    """Refuse an FSDP2 ``param_dtype`` dmuon cannot publish, on every rank alike (the policies
-    are the same everywhere), before binding changes anything.
-
-    Raises:
-        ValueError: naming the matrix, the dtype and the fix.
-    """
-    for sel, (param_dtype, _) in zip(selected, policies):
-        if param_dtype is not None and (not param_dtype.is_floating_point or param_dtype.itemsize < 2):
-            raise ValueError(
-                f"dmuon: the FSDP2 block holding {sel.fqn!r} computes in {param_dtype} "
-                f"(MixedPrecisionPolicy.param_dtype); dmuon publishes float16, bfloat16, float32 "
-                f"or float64 weights. Use one of those, or pass predicate=... to leave the matrix "
-                f"on AdamW."
-            )
-
-
 def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucket]]:
-    """Take the selected matrices from the model (FSDP2 or plain) and fill ``state`` in place.
-
-    Reads ``state``'s model, roles, plan (each matrix's HSDP mode is its
-    ``MatrixSpec.replicate_mode``), selection and options; sets its ``records``, ``units``,
-    ``groups``, ``buckets``, ``issue_order``, ``keep``, ``fsdp_states``, ``record_of_master``,
-    ``replicated`` and ``shared_bucket``. The caller runs :func:`check_materialized` first.
+    """Take the selected matrices from the model (FSDP2 or plain) and fill ``state`` in place:
+    its ``records``, ``units``, ``groups``, ``buckets``, ``issue_order``, ``keep``,
+    ``fsdp_states``, ``record_of_master``, ``replicated`` and ``shared_bucket``, from its model,
+    roles, plan, selection and options. The caller runs :func:`check_materialized` first.
 
     Returns:
         For each record whose compute weight takes a gradient: ``(record, unit, publish group,
@@ -118,11 +94,23 @@ def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucke
                                          plain_1d=plain_1d) == "keep"
     specs_of = state.plan.specs_by_fqn()
     parents = fsdp.parent_map(model)
-    unit_modules = [fsdp.publish_block(sel.module, parents) for sel in selected]
     policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))
                 for sel in selected]
-    check_param_dtypes(selected, policies)  # before anything is taken from FSDP2
-    units = make_units(state, unit_modules, parents)
+    for sel, (param_dtype, _) in zip(selected, policies):  # before anything is taken from FSDP2
+        if param_dtype is not None and (not param_dtype.is_floating_point or param_dtype.itemsize < 2):
+            raise ValueError(
+                f"dmuon: the FSDP2 block holding {sel.fqn!r} computes in {param_dtype} "
+                f"(MixedPrecisionPolicy.param_dtype); dmuon publishes float16, bfloat16, float32 "
+                f"or float64 weights. Use one of those, or pass predicate=... to leave the matrix "
+                f"on AdamW."
+            )
+    unit_ids, unit_modules = publish_units(model, selected, parents)
+    units = []
+    for index, module in enumerate(unit_modules):
+        reshard = state.reshard_after_forward  # FSDP2's, read before its groups lose our matrices
+        if reshard is None:
+            reshard = fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(module, parents), parents)
+        units.append(Unit(state=state, index=index, module=module, reshard=reshard))
     # one entry per plan entry: a matrix, or an expert range of a stack (the shape seam)
     layouts: dict[int, Any] = {}  # selected index -> FSDP2's sharded layout (or None)
     entries = []  # (selected index, spec, slice holding the entry's piece, requires_grad, dtypes)
@@ -144,15 +132,14 @@ def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucke
             if len(specs) > 1:
                 piece = layout.flat_view(sl.local)[spec.experts[0]: spec.experts[1]]
             entries.append((i, spec, dataclasses.replace(sl, local=piece), param.requires_grad) + dtypes)
-    unit_of = [next(u for u in units if u.module is unit_modules[e[0]]) for e in entries]
+    unit_of = [units[unit_ids[e[0]]] for e in entries]
     # keep mode: publish groups and gradient buckets per plan bucket; else per unit
     keys = (bucket_keys(state.plan, [e[1] for e in entries], state.bucket_bytes) if keep
             else [u.index for u in unit_of])
     # expert parallelism: an expert stack's owner is a rank of the group holding its experts
     pgs = [roles.expert if e[1].ep else None for e in entries]
     ranks = [dist.get_rank(pg) if pg is not None else state.rank for pg in pgs]
-    views = make_groups([(e[2], e[3], e[4], e[5]) for e in entries], [e[1].owner for e in entries],
-                        keys, ranks, keep, pgs)
+    views = make_groups(entries, keys, ranks, keep, pgs)
     records = []
     slots: dict[int, StackSlot] = {}
     for order, (i, spec, sl, requires_grad, compute_dtype, reduce_dtype) in enumerate(entries):
@@ -186,7 +173,7 @@ def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucke
             rec.stack = slot
         group.members.append(rec)
         if rec.compute.requires_grad:
-            group.grad_members.add(rec)
+            group.grad_count += 1
         unit_of[order].add(rec, group)
         records.append(rec)
     for slot in slots.values():
@@ -219,38 +206,41 @@ def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucke
     return wiring
 
 
-def make_units(state: Any, unit_modules: list[nn.Module], parents: dict[int, nn.Module]) -> list[Unit]:
-    """One :class:`Unit` per distinct unit module, in the order their forward pre-hooks
-    fire when modules run in registration order (an enclosing unit, such as the FSDP2
-    root, before the units inside it)."""
-    wanted = {id(m) for m in unit_modules}  # modules compared by identity, as FSDP2 does
-    units: list[Unit] = []
-    for module in state.model.modules():  # modules() yields each module once
-        if id(module) in wanted:
-            # FSDP2's setting, read before its groups lose our matrices
-            reshard = state.reshard_after_forward
-            if reshard is None:
-                reshard = fsdp.reshards_after_forward(fsdp.enclosing_fsdp_module(module, parents), parents)
-            units.append(Unit(state=state, index=len(units), module=module, reshard=reshard))
-    return units
+def publish_units(model: nn.Module, selected: list[Selected],
+                  parents: dict[int, nn.Module]) -> tuple[list[int], list[nn.Module]]:
+    """The unit (:func:`dmuon.hooks.fsdp_adapter.publish_block`) of each selected matrix.
+
+    Returns:
+        ``(unit id per selected matrix, module per unit id)``; ids count up in the order the
+        units' forward pre-hooks fire when modules run in registration order
+        (``model.modules()``, an enclosing unit such as the FSDP2 root before the units inside
+        it): the runtime's initial unit order.
+    """
+    blocks = [fsdp.publish_block(sel.module, parents) for sel in selected]
+    wanted = {id(b) for b in blocks}  # modules compared by identity, as FSDP2 does
+    modules = [m for m in model.modules() if id(m) in wanted]
+    index = {id(m): i for i, m in enumerate(modules)}
+    return [index[id(b)] for b in blocks], modules
 
 
-def make_groups(slices: list, owners: list[int], keys: list, ranks: list[int],
+def make_groups(entries: list[tuple], keys: list, ranks: list[int],
                 keep: bool, pgs: list) -> list[tuple[PublishGroup, torch.Tensor]]:
     """One :class:`PublishGroup` per (unit or bucket key, process group, owner, dtype, device);
-    returns each matrix's group and its view of the group's flat buffer, in selection order.
+    returns each entry's group and its view of the group's flat buffer, in entry order.
 
     Args:
-        ranks: per matrix, this rank's index in the process group its owner is a rank of.
-        pgs: per matrix, that process group (``None``: the shard group; expert parallelism:
+        entries: :func:`bind`'s ``(selected index, spec, slice, requires_grad, compute dtype,
+            reduce dtype)`` per plan entry.
+        ranks: per entry, this rank's index in the process group its owner is a rank of.
+        pgs: per entry, that process group (``None``: the shard group; expert parallelism:
             the expert group).
     """
     keyed: dict[tuple, list[int]] = {}
-    for i, ((sl, _, dtype, _), owner) in enumerate(zip(slices, owners)):
-        keyed.setdefault((keys[i], pgs[i], owner, dtype, sl.local.device), []).append(i)
-    views: list[Any] = [None] * len(slices)
+    for i, (_, spec, sl, _, dtype, _) in enumerate(entries):
+        keyed.setdefault((keys[i], pgs[i], spec.owner, dtype, sl.local.device), []).append(i)
+    views: list[Any] = [None] * len(entries)
     for (_, pg, owner, dtype, device), indices in keyed.items():
-        numels = [slices[i][0].local.numel() for i in indices]
+        numels = [entries[i][2].local.numel() for i in indices]
         flat = torch.empty(sum(numels), dtype=dtype, device=device)
         group = PublishGroup(owner=owner, is_owner=owner == ranks[indices[0]], flat=flat, keep=keep, pg=pg)
         for i, piece in zip(indices, torch.split(flat, numels)):

@@ -10,25 +10,27 @@ from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from dmuon.balance.cost import ReplicaCost, matrix_costs
+from dmuon.balance.cost import ReplicaCost, default_group_cost, matrix_costs
 from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.comm.grad_buckets import REDUCE_MODES
-from dmuon.hooks.keep import resolve_replicas
 from dmuon.comm.mesh_roles import build_roles
+from dmuon.hooks import fsdp_adapter as fsdp
+from dmuon.hooks.keep import resolve_replicas
 from dmuon.hooks.bind import Selected
 from dmuon.hooks.state import DedicateState
 from dmuon.hooks.state_dict import StateDictHooks
 from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, default_plan
 from dmuon.owners.plan import OwnerPlan, build_bucket_plan
+from dmuon.owners.stacks import (check_expert_stack, declared_experts, expert_module_names,
+                                 expert_parallel_size, in_expert, param_layout)
 
 logger = logging.getLogger(__name__)
 
 STATE_ATTR = "_dmuon_state"
 #: Where :func:`declare_predicate` keeps a model's own default predicate.
 PREDICATE_ATTR = "_dmuon_predicate"
-#: Tags the (tag, error type, message) that rank 0 broadcasts instead of a plan it could not build.
-_PLAN_ERROR = "dmuon: no owner plan"
 Predicate = Callable[[str, nn.Parameter], "bool | int"]
 
 
@@ -36,23 +38,12 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
     """Muon's usual scope: 2-D trainable parameters that are not an embedding's weight, and
     Mixture-of-Experts expert stacks.
 
-    Selected: every 2-D parameter with ``requires_grad`` (attention and MLP projections, an
-    MoE router's weight, an untied ``lm_head`` / classifier head,
-    ``nn.MultiheadAttention.in_proj_weight``), and every trainable expert stack: a parameter of
-    3 or more dims held by a module that declares its expert count (``num_experts``, as
-    Hugging Face's ``Qwen3MoeExperts`` / ``MixtralExperts`` / ``DeepseekV3Experts`` and
-    torchtitan's ``GroupedExperts`` do) equal to its leading dim(s)
-    (:func:`dmuon.owners.stacks.check_expert_stack`): one Muon matrix per expert as stored, so
-    a fused ``gate_up_proj`` ``[E, 2I, H]`` is one ``[2I, H]`` matrix per expert. Left to
-    AdamW: the weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` modules (and a head tied to
-    one, which is the same tensor), biases, norms, convolutions, other tensors of 3 or more
-    dims, and frozen parameters.
-
-    The predicate is stable across ``fully_shard``: it may be built before the user's
-    ``fully_shard`` calls and passed to :func:`dedicate_params` after them. An embedding weight
-    is recognised by its name (``<embedding module>.weight``, names do not change under
-    FSDP2) or by being, when the predicate is called, the tensor an embedding module holds
-    (FSDP2 replaces parameter objects, so identities remembered at build time would be stale).
+    Selected: every 2-D parameter with ``requires_grad``, and every trainable expert stack: a
+    parameter of 3 or more dims whose module declares ``num_experts`` equal to its leading
+    dim(s) (:func:`dmuon.owners.stacks.check_expert_stack`), one Muon matrix per expert. Left
+    to AdamW: ``nn.Embedding`` / ``nn.EmbeddingBag`` weights (and a head tied to one), biases,
+    norms, convolutions, other tensors of 3 or more dims, frozen parameters. Stable across
+    ``fully_shard`` (embeddings are recognised by name, or by identity when called).
 
     To leave one more parameter on AdamW, wrap it::
 
@@ -62,11 +53,9 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
 
     Args:
         model: the model whose parameters the predicate will be asked about.
-        fused_blocks: orthogonalize fused matrices block by block: ``{attribute name: k}``
-            cuts each stored matrix of a selected parameter named so (the last component of
-            its name, e.g. ``{"gate_up_proj": 2}``) into ``k`` equal row blocks, each its own
-            Newton-Schulz matrix (gate and up orthogonalized separately, as two unfused
-            ``nn.Linear`` would be). Default: every stored matrix whole.
+        fused_blocks: ``{attribute name: k}`` cuts each stored matrix of a selected parameter
+            whose name ends so (e.g. ``{"gate_up_proj": 2}``) into ``k`` equal row blocks, each
+            its own Newton-Schulz matrix, as unfused ``nn.Linear`` would be. Default: whole.
 
     Returns:
         ``predicate(fqn, param) -> bool | int``: false to leave the parameter to AdamW, true
@@ -75,8 +64,6 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
     Raises:
         ValueError: a ``fused_blocks`` count that is not a positive int.
     """
-    from dmuon.owners.stacks import declared_experts
-
     fused = dict(fused_blocks or {})
     for attr, k in fused.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -108,18 +95,13 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
 
 def declare_predicate(model: nn.Module, predicate: Predicate) -> None:
     """Make ``predicate`` the one :func:`dedicate_params` uses for ``model`` when the caller
-    passes none.
-
-    For code that prepares a model for dmuon and knows which of its matrices Muon must not take
-    (dmuon's LeRobot integration: the ``lm_head`` matrices that training never reads, which
-    :func:`default_predicate` would give an owner that holds them whole). Forgetting
-    ``predicate=`` then costs the user nothing; a predicate passed explicitly still wins.
+    passes none (a predicate passed explicitly still wins). For code that prepares a model and
+    knows which matrices Muon must not take (the LeRobot integration's unused ``lm_head``).
 
     Args:
-        model: the model later passed to :func:`dedicate_params` (the same object; FSDP2's
-            ``fully_shard`` keeps it).
+        model: the model later passed to :func:`dedicate_params` (the same object).
         predicate: ``predicate(fqn, param) -> bool | int``, as :func:`dedicate_params` takes it;
-            it must give the same answer before and after ``fully_shard``.
+            the same answer before and after ``fully_shard``.
 
     Raises:
         TypeError: ``predicate`` is not callable.
@@ -137,21 +119,13 @@ def select_matrices(model: nn.Module, predicate: Predicate, *, ep_name: str | No
     Args:
         model, predicate: the model and :func:`default_predicate` or the user's.
         ep_name, ep_size: the mesh's expert-parallel dimension and size (``None``, 1 without
-            one); an expert stack ``Shard(0)`` over it gets ``Selected.ep``
-            (:func:`dmuon.owners.stacks.expert_parallel_size`).
+            one), for ``Selected.ep`` (:func:`dmuon.owners.stacks.expert_parallel_size`).
 
     Raises:
-        ValueError: if the predicate selects a tensor of fewer than 2 dims, a >2-D tensor
-            whose leading dims are not experts (:func:`dmuon.owners.stacks.check_expert_stack`),
-            a row-block count that does not divide the rows, or a parameter that appears under
-            two names (tied weights cannot have one owner's placeholder swapped on two
-            modules), and an expert-parallel stack dmuon cannot take (an ``"ep"`` size that
-            does not divide its experts, ...). Every rank sees the same model, so every rank
-            raises alike (no hang).
+        ValueError: on every rank alike, for a selected tensor of fewer than 2 dims, a >2-D
+            one that is no expert stack, row blocks that do not divide the rows, tied weights,
+            or an expert-parallel stack dmuon cannot take.
     """
-    from dmuon.owners.stacks import (check_expert_stack, expert_module_names, expert_parallel_size, in_expert,
-                                     param_layout)
-
     experts = expert_module_names(model)
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -201,8 +175,8 @@ def dedicate_params(
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
-    Call it on every rank, after (the three-line drop-in) or before the user's ``fully_shard``
-    calls; then build :class:`dmuon.Muon` over the model. Collective over ``mesh``.
+    Call it on every rank, after or before the user's ``fully_shard`` calls; then build
+    :class:`dmuon.Muon` over the model. Collective over ``mesh``.
 
     Args:
         model: an ``nn.Module`` wrapped by FSDP2 ``fully_shard`` (per block and root; HSDP
@@ -211,65 +185,46 @@ def dedicate_params(
             other parameters' gradients, DDP-style; pass the module, not a DDP wrapper).
         mesh: the ``DeviceMesh``, roles by dimension name (:mod:`dmuon.comm.mesh_roles`): 1-D
             data parallel; ``("replicate", "shard")`` HSDP; ``("dp", "tp")`` FSDP x TP;
-            ``("replicate", "shard", "tp")``; ``("tp",)``; with expert parallelism the mesh the
-            experts live on (``("efsdp", "ep")``, ``("ep",)``, HSDP in front): expert stacks
-            ``Shard(0)`` over ``"ep"`` get owners among the ranks holding the same experts.
-            With pipeline parallelism, ``model`` is one stage and ``mesh`` has a ``"pp"``
-            dimension (or is the stage's sub-mesh): owners, the plan and the step check live
-            within the stage's data-parallel ranks; call it once per stage module, equally
-            often on every rank (:func:`dmuon.comm.mesh_roles.stage_layout`).
+            ``("replicate", "shard", "tp")``; ``("tp",)``; expert parallelism's
+            ``("efsdp", "ep")`` or ``("ep",)`` (HSDP in front); with pipeline parallelism, the
+            stage's mesh or one with a ``"pp"`` dimension (call it once per stage module).
         predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
             ``k``: cut each stored matrix into ``k`` row blocks); default: the one declared on
             the model (:func:`declare_predicate`), else :func:`default_predicate`.
         plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
-            default: solved on rank 0 and broadcast (:mod:`dmuon.hooks.default_plan`: heuristics,
-            or CBC with ``solver="milp"``; under tensor or expert parallelism the makespan plan
-            of :func:`dmuon.build_plan`).
-        prefetch: units (modules holding dedicated matrices) whose publication is issued ahead
-            of the one running (>= 1).
-        reshard_after_forward: free non-owners' full weights between forward and backward
-            (published again before backward). ``None`` (default): as FSDP2 does with each
-            block (:func:`dmuon.hooks.fsdp_adapter.reshards_after_forward`; without FSDP2,
-            free); ``True`` / ``False`` apply to every block.
+            default: solved on rank 0 and broadcast (:mod:`dmuon.hooks.default_plan`).
+        prefetch: units whose publication is issued ahead of the one running (>= 1).
+        reshard_after_forward: free non-owners' full weights between forward and backward.
+            ``None`` (default): as FSDP2 does with each block (without FSDP2, free).
         bucket_cap_mb: plain replicated module only: cap (MiB, > 0) of one gradient bucket, as
             DDP's ``bucket_cap_mb``.
-        replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz on the
-            all-reduced gradient), ``"broadcast"`` (replica 0's owner runs it and broadcasts) or
-            ``"auto"`` (per matrix, the cheaper by ``replica_cost``; keeps a given plan's
-            modes); all exact (:meth:`OwnerPlan.with_replicate_modes`).
-        reduce_mode: how one FSDP2 block's gradients reach their owners: ``"reduce"`` (one
-            reduce per owner of the block) or ``"all_reduce"`` (one all-reduce, twice the
-            bytes); both exact (:mod:`dmuon.comm.grad_buckets`).
+        replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz),
+            ``"broadcast"`` (replica 0's owner runs it and broadcasts) or ``"auto"`` (per
+            matrix, the cheaper by ``replica_cost``; keeps a given plan's modes); all exact.
+        reduce_mode: ``"reduce"`` (one reduce per owner of an FSDP2 block) or ``"all_reduce"``
+            (one all-reduce, twice the bytes); both exact (:mod:`dmuon.comm.grad_buckets`).
         group_cost: default plan only: the cost (FLOP-model units) of one more owner in an
             FSDP2 block; ``"auto"``: by backend (:func:`dmuon.balance.cost.default_group_cost`).
         step_check: compare every rank's ``opt.step()`` and backward counts at each forward
-            and backward (:mod:`dmuon.hooks.step_check`), so a rank that skips one fails every
-            rank at once, by name; ``False`` leaves a desync to the process-group timeout. Off
-            on torch's fake process group, where nothing waits for a peer (``state.offline``
-            lists what is off).
+            and backward (:mod:`dmuon.hooks.step_check`); off on torch's fake process group.
         replicas: plain replicated module on a 1-D mesh only: ``"keep"`` (default there):
-            every rank keeps every matrix whole, gradients go to owners and updated matrices
-            come back in ``bucket_cap_mb`` buckets; ``"placeholder"``: non-owners hold
-            zero-size placeholders, at one broadcast per module before forward and backward
-            (:mod:`dmuon.hooks.keep`).
+            every rank keeps every matrix whole; ``"placeholder"``: non-owners hold zero-size
+            placeholders (:mod:`dmuon.hooks.keep`).
         replica_cost: HSDP, ``replicate_mode="auto"`` only: the cost model that picks each
             matrix's mode (default :class:`dmuon.balance.cost.ReplicaCost`).
         forward_tokens: default plan only: tokens per rank per micro-batch through each
-            dedicated matrix (>= 1), from which each unit's forward time, hence the deadline of
-            the next unit's Newton-Schulz, is estimated (:mod:`dmuon.hooks.default_plan`).
-        solver: default plan only: ``"heuristic"`` (greedy and local search, under a second) or
-            ``"milp"`` (CBC warm-started from it, 5 s limit; never worse).
+            dedicated matrix (>= 1), which set the deadlines (:mod:`dmuon.hooks.default_plan`).
+        solver: default plan only: ``"heuristic"`` (under a second) or ``"milp"`` (CBC
+            warm-started from it, 5 s limit; never worse).
 
     Returns:
         The owner plan in use (identical on every rank).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` or ``mesh`` not a ``DeviceMesh``.
-        ValueError: a mesh that does not hold every rank of the job or whose roles cannot be
-            told apart, a predicate selecting a non-2-D or tied tensor, a plan for another model
-            or world size, a bad option value (``prefetch``, ``forward_tokens``,
-            ``replicate_mode``, ``reduce_mode``, ``group_cost``, ``bucket_cap_mb``,
-            ``replicas``), or a model wrapped in ``DistributedDataParallel``.
+        ValueError: a mesh that does not hold every rank or whose roles cannot be told apart,
+            a predicate selecting a non-2-D or tied tensor, a plan for another model or world
+            size, a bad option value, or a model wrapped in ``DistributedDataParallel``.
         RuntimeError: ``dedicate_params`` already called on this model, or ranks that disagree
             on the plan (raised on every rank, naming the ranks).
     """
@@ -297,13 +252,19 @@ def dedicate_params(
     if isinstance(forward_tokens, bool) or not isinstance(forward_tokens, int) or forward_tokens < 1:
         raise ValueError(f"dmuon: forward_tokens must be a positive int (tokens per rank per "
                          f"micro-batch through each matrix), got {forward_tokens!r}")
-    _refuse_ddp(model)
+    # DDP's reducer would wait forever for the gradients of the parameters dmuon swaps in
+    for name, module in model.named_modules():
+        if isinstance(module, DistributedDataParallel):
+            where = "the model" if not name else f"its submodule {name!r}"
+            raise ValueError(
+                f"dmuon: {where} is wrapped in torch DistributedDataParallel; dedicate_params needs "
+                f"the plain module (dedicate_params(ddp_model.module, mesh)). dmuon averages the "
+                f"gradients of the other parameters itself, in DDP-style buckets (bucket_cap_mb)."
+            )
     if not dist.is_initialized():
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
     roles = build_roles(mesh, step_check=step_check)
-    from dmuon.hooks import fsdp_adapter as fsdp
-
     plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
     keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
     if predicate is None:
@@ -314,13 +275,20 @@ def dedicate_params(
     expert_parallel = [s.fqn for s in selected if s.ep > 1]
     blocks = {s.fqn: s.blocks for s in selected if s.blocks != 1}
     world_size, tp_size = roles.shard_size, roles.tp_size
-    cost = _group_cost(group_cost, dist.get_backend(roles.shard))
+    if group_cost == "auto":
+        cost = default_group_cost(str(dist.get_backend(roles.shard)), "flops")
+    elif isinstance(group_cost, str) or not float(group_cost) >= 0 or float(group_cost) == float("inf"):
+        raise ValueError(f"dmuon: group_cost must be 'auto' or a finite number >= 0 (FLOPs per "
+                         f"(block, owner) pair), got {group_cost!r}")
+    else:
+        cost = float(group_cost)
     if plan is None and keep:  # DDP-style path: one owner per bucket, deterministic
         device = selected[0].param.device.type if selected else "cpu"
+        costs = matrix_costs([s.layout.matrix_shape for s in selected], device)
         plan = build_bucket_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
-                                 element_size=_element_size(selected), blocks=blocks,
-                                 costs=[c * s.layout.count * s.blocks for s, c in zip(
-                                     selected, matrix_costs([s.layout.matrix_shape for s in selected], device))])
+                                 element_size=max((s.param.element_size() for s in selected), default=4),
+                                 blocks=blocks,
+                                 costs=[c * s.layout.count * s.blocks for s, c in zip(selected, costs)])
     # What this rank does not do because no peer is there to answer (the fake backend).
     offline: list[str] = []
     if plan is None:
@@ -333,12 +301,8 @@ def dedicate_params(
             plan = solve()
             offline.append("plan broadcast (plan solved in process, as rank 0 would)")
         else:
-            # The MILP is time-limited, hence not reproducible across ranks: one rank solves. A
-            # failing CBC already falls back to the heuristic plan inside build_plan; anything
-            # else rank 0 raises goes to every rank, so none waits in the broadcast for a plan.
-            # What travels is the plan or an error's name and text, checked to pickle first: an
-            # exception object may not pickle (or unpickle), and a payload that fails to pickle
-            # would raise on rank 0 alone while the others wait in the broadcast forever.
+            # A time-limited solve is not reproducible across ranks: rank 0 solves and sends the
+            # plan, or its error's name and text (an exception may not pickle), so no rank waits
             solved: list[Any] = [None]
             error: Exception | None = None
             if dist.get_rank(roles.world) == 0:
@@ -347,13 +311,12 @@ def dedicate_params(
                     pickle.dumps(solved[0])
                 except Exception as e:  # sent to the other ranks, raised below on all
                     error = e
-                    solved[0] = (_PLAN_ERROR, type(e).__name__, str(e))
+                    solved[0] = f"{type(e).__name__}: {e}"
             dist.broadcast_object_list(solved, src=dist.get_global_rank(roles.world, 0), group=roles.world)
-            if isinstance(solved[0], tuple) and solved[0][:1] == (_PLAN_ERROR,):
-                if error is not None:
-                    raise error
-                raise RuntimeError(f"dmuon: rank 0 could not build the owner plan: "
-                                   f"{solved[0][1]}: {solved[0][2]}")
+            if error is not None:
+                raise error
+            if isinstance(solved[0], str):
+                raise RuntimeError(f"dmuon: rank 0 could not build the owner plan: {solved[0]}")
             plan = solved[0]
     elif not isinstance(plan, OwnerPlan):
         plan = OwnerPlan.load(plan)
@@ -389,41 +352,6 @@ def dedicate_params(
     return plan
 
 
-def _refuse_ddp(model: nn.Module) -> None:
-    """dmuon swaps each dedicated matrix for its own parameters, which DDP's reducer never sees
-    (it would wait for their gradients forever), and DDP would all-reduce the matrices that
-    dmuon already reduces to their owners: refuse, and say what to pass instead."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    for name, module in model.named_modules():
-        if isinstance(module, DistributedDataParallel):
-            where = "the model" if not name else f"its submodule {name!r}"
-            raise ValueError(
-                f"dmuon: {where} is wrapped in torch DistributedDataParallel; dedicate_params needs "
-                f"the plain module (dedicate_params(ddp_model.module, mesh)). dmuon averages the "
-                f"gradients of the other parameters itself, in DDP-style buckets (bucket_cap_mb)."
-            )
-
-
-def _element_size(selected: list[Selected]) -> int:
-    """Bytes per gradient element of the dedicated matrices (their parameters' dtype)."""
-    sizes = {sel.param.element_size() for sel in selected}
-    return max(sizes, default=4)
-
-
-def _group_cost(group_cost: float | str, backend: str) -> float:
-    if group_cost == "auto":
-        from dmuon.balance.cost import default_group_cost
-
-        return default_group_cost(str(backend), "flops")
-    if isinstance(group_cost, str) or not float(group_cost) >= 0 or float(group_cost) == float("inf"):
-        raise ValueError(
-            f"dmuon: group_cost must be 'auto' or a finite number >= 0 (FLOPs per (block, "
-            f"owner) pair), got {group_cost!r}"
-        )
-    return float(group_cost)
-
-
 def get_state(model: nn.Module) -> DedicateState:
     """The :class:`DedicateState` of a model passed to ``dedicate_params``.
 
@@ -443,10 +371,9 @@ class no_sync:
     """Context manager: backward passes inside accumulate gradients locally, no communication.
 
     The next backward outside the context reduces the accumulated gradients to their owners
-    (and, on FSDP2, reduce-scatters the rest), so ``k`` micro-batches with ``loss / k`` give the
-    step one batch of ``k`` times the size would. FSDP2's own ``set_requires_gradient_sync(False)``
-    is honored the same way. Memory: a full-size gradient per dedicated matrix on every rank
-    while accumulating (as FSDP2 keeps unsharded gradients).
+    (and, on FSDP2, reduce-scatters the rest), as FSDP2's ``set_requires_gradient_sync(False)``,
+    which is honored the same way. Memory: a full-size gradient per dedicated matrix on every
+    rank while accumulating.
 
     Args:
         model: the model given to ``dedicate_params``.
@@ -457,16 +384,13 @@ class no_sync:
         self.model = model
 
     def __enter__(self) -> "no_sync":
-        from dmuon.hooks import fsdp_adapter as fsdp
-
-        self.state.backward.sync_enabled = False
-        if fsdp.is_fsdp_wrapped(self.model):
-            fsdp.set_gradient_sync(self.model, False)
+        self._sync(False)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from dmuon.hooks import fsdp_adapter as fsdp
+        self._sync(True)
 
-        self.state.backward.sync_enabled = True
+    def _sync(self, enabled: bool) -> None:
+        self.state.backward.sync_enabled = enabled
         if fsdp.is_fsdp_wrapped(self.model):
-            fsdp.set_gradient_sync(self.model, True)
+            fsdp.set_gradient_sync(self.model, enabled)

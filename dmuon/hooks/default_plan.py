@@ -6,101 +6,40 @@ after its unit's forward starts (the exposed time, :mod:`dmuon.balance.deadline`
 both (:func:`dmuon.balance.solve` with ``makespan_slack``): the least exposed time among plans
 within :data:`dmuon.balance.deadline.MAKESPAN_SLACK` of the makespan plan's makespan.
 
-Per-unit forward times are estimated from shapes, not measured: each unit's dedicated matrices
-as linear layers over ``forward_tokens`` tokens per rank, ``2 * tokens * rows * cols`` FLOPs
-each (:func:`dmuon.balance.profiler.unit_times`), the unit of the NS FLOP model, so NS and forward
-run at one throughput. Why not measure them in the first step and re-solve: the first backward
-has already reduced every gradient to the old owners and bound their fp32 masters, so a re-solve
-must move masters and gradients, and rebuild the units' publish groups and reduce buckets
-before the first ``step()``; and what the measurement would add, the units' execution order, a
-plan from shapes cannot see either way. What the estimate leaves out, and which way it errs:
-
-* Only the dedicated matrices count (attention scores, norms, embeddings, the AdamW
-  parameters' matmuls do not), so forward times are lower bounds and deadlines come early: the
-  exposed time is overestimated, never hidden by the model.
-* A unit that holds another unit (the FSDP2 root) has its pre-forward hook fire first, but its
-  own matrices (an ``lm_head``, a projector) run later, inside or after its children: it counts
-  0 forward time, which again moves deadlines early.
-* Units are in the order their pre-forward hooks fire when modules run in registration order
-  (:func:`dmuon.hooks.bind.make_units`'s order). A model that runs them in another order (pi0
-  and SmolVLA interleave VLM and action-expert layers) has its jobs follow the first forward's
-  order (:meth:`dmuon.hooks.unit.Publisher.adopt_forward_order`) against deadlines computed
-  for registration order. For such a model, a plan from ``python -m dmuon.profile --objective
-  exposed`` on an inventory in execution order does better.
-* One token count for every matrix: a VLA's vision tower, language model and action expert see
-  different numbers of tokens.
-
-The makespan bound holds whatever the estimate's error, so a wrong token count costs
-``overlap="off"`` at most the slack.
+Per-unit forward times are estimated from shapes (:func:`default_plan`), in the NS FLOP
+model's unit. The estimate counts only the dedicated matrices and takes units in registration
+order (:func:`dmuon.hooks.bind.publish_units`): deadlines come early, and the exposed time is
+overestimated. For a model that interleaves its units (pi0, SmolVLA), a plan from ``python -m
+dmuon.profile --objective exposed`` does better. The makespan bound holds whatever the error.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Sequence
 
 from torch import nn
 
-from dmuon.hooks.bind import Selected
+from dmuon.balance.deadline import MAKESPAN_SLACK, deadlines_from_forward
+from dmuon.balance.profiler import unit_times
+from dmuon.hooks import fsdp_adapter as fsdp
+from dmuon.hooks.bind import Selected, publish_units
 from dmuon.owners.plan import OwnerPlan, build_plan
 
 #: Default tokens per rank per micro-batch through each dedicated matrix: the forward times
 #: that set each unit's deadline (``python -m dmuon.profile --tokens``' default too).
 DEFAULT_FORWARD_TOKENS = 4096
 
-#: Wall-clock limit of the runtime solve's searches, seconds (the makespan plan's local search,
-#: then the exposed-time searches, each within it): Pi0's 420 matrices on 8 ranks solve in
-#: ~0.55 s on the shared 2-core dev VM, on 64 ranks in ~0.2-0.4 s.
+#: Wall-clock limit of the runtime solve's searches, seconds: Pi0's 420 matrices on 8 ranks
+#: solve in ~0.55 s on a shared 2-core VM.
 RUNTIME_TIME_LIMIT_S = 0.5
 
 #: CBC's time limit with ``solver="milp"``, seconds.
 RUNTIME_MILP_TIME_LIMIT_S = 5.0
 
-#: ``dedicate_params(solver=...)``: ``"heuristic"`` (the default: on Pi0, Qwen2.5-7B and the
-#: main job's policy at 8-256 ranks its makespan and exposed time are within 1% of the MILP's,
-#: docs/performance.md) or ``"milp"`` (CBC warm-started from it, never worse).
+#: ``dedicate_params(solver=...)``: ``"heuristic"`` (within 1% of the MILP on the shipped
+#: inventories, docs/performance.md) or ``"milp"`` (CBC warm-started from it, never worse).
 SOLVERS = ("heuristic", "milp")
-
-
-def publish_units(model: nn.Module, selected: list[Selected]) -> tuple[list[int], list[nn.Module]]:
-    """Unit (publish block, :func:`dmuon.hooks.fsdp_adapter.publish_block`) per selected matrix,
-    and the unit modules.
-
-    Returns:
-        ``(unit id per selected matrix, module per unit id)``; ids count up in the order the
-        units' forward pre-hooks fire when modules run in registration order
-        (``model.modules()``, an enclosing unit before the units inside it), the runtime's
-        initial unit order (:func:`dmuon.hooks.bind.make_units`).
-    """
-    from dmuon.hooks import fsdp_adapter as fsdp
-
-    parents = fsdp.parent_map(model)
-    blocks = [fsdp.publish_block(sel.module, parents) for sel in selected]
-    wanted = {id(b) for b in blocks}
-    modules = [m for m in model.modules() if id(m) in wanted]
-    index = {id(m): i for i, m in enumerate(modules)}
-    return [index[id(b)] for b in blocks], modules
-
-
-def unit_forward_flops(model: nn.Module, selected: list[Selected], units: Sequence[int],
-                       modules: Sequence[nn.Module], tokens: int) -> list[float]:
-    """Estimated forward FLOPs per unit (module docstring): ``2 * tokens * rows * cols`` per
-    dedicated matrix (an expert stack as one matrix: a token passes few experts), 0 for a unit
-    that holds another unit.
-
-    Args:
-        model, selected: as ``dedicate_params`` has them.
-        units, modules: :func:`publish_units`.
-        tokens: tokens per rank per micro-batch through each matrix, ``>= 1``.
-    """
-    from dmuon.balance.profiler import unit_times
-
-    shapes: list[list[tuple[int, int]]] = [[] for _ in modules]
-    for sel, k in zip(selected, units):
-        shapes[k].append((int(sel.shape[-2]), int(sel.shape[-1])))
-    forward, _, _ = unit_times(shapes, tokens=tokens, measure=False)
-    unit_ids = {id(m) for m in modules}
-    holds = [any(id(m) in unit_ids for m in unit.modules() if m is not unit) for unit in modules]
-    return [0.0 if hold else f for f, hold in zip(forward, holds)]
 
 
 def default_plan(model: nn.Module, selected: list[Selected], world_size: int, *, tp_size: int,
@@ -109,27 +48,34 @@ def default_plan(model: nn.Module, selected: list[Selected], world_size: int, *,
     """The plan of the module docstring, or, where the exposed-time objective does not apply
     (tensor or expert parallelism, :func:`dmuon.owners.plan.build_plan`), the makespan plan.
 
+    Each unit's forward FLOPs: ``2 * forward_tokens * rows * cols`` per dedicated matrix (an
+    expert stack as one matrix: a token passes few experts), 0 for a unit that holds another
+    (the FSDP2 root: its own matrices run inside or after its children)
+    (:func:`dmuon.balance.profiler.unit_times`).
+
     Raises:
         ValueError: ``solver`` not in :data:`SOLVERS`.
     """
-    from dmuon.balance.deadline import MAKESPAN_SLACK, deadlines_from_forward
-
     if solver not in SOLVERS:
         raise ValueError(f"dmuon: solver must be one of {SOLVERS}, got {solver!r}")
     limit = RUNTIME_MILP_TIME_LIMIT_S if solver == "milp" else RUNTIME_TIME_LIMIT_S
     named = [(s.fqn, s.shape) for s in selected]
-    units, modules = publish_units(model, selected)
+    units, modules = publish_units(model, selected, fsdp.parent_map(model))
     if tp_size > 1 or expert_parallel or ep_size != 1:
         return build_plan(named, world_size, tp_size=tp_size,
                           groups=units if group_cost > 0 else None, group_cost=group_cost,
                           blocks=blocks, expert_parallel=expert_parallel, ep_size=ep_size,
                           method=solver, time_limit_s=limit)
-    forward = unit_forward_flops(model, selected, units, modules, forward_tokens)
+    shapes: list[list[tuple[int, int]]] = [[] for _ in modules]
+    for sel, k in zip(selected, units):
+        shapes[k].append((int(sel.shape[-2]), int(sel.shape[-1])))
+    forward, _, _ = unit_times(shapes, tokens=forward_tokens, measure=False)
+    unit_ids = {id(m) for m in modules}
+    holds = [any(id(m) in unit_ids for m in unit.modules() if m is not unit) for unit in modules]
+    forward = [0.0 if hold else f for f, hold in zip(forward, holds)]
     plan = build_plan(named, world_size, groups=units, group_cost=group_cost, blocks=blocks,
                       deadlines=deadlines_from_forward(forward), makespan_slack=MAKESPAN_SLACK,
                       method=solver, time_limit_s=limit)
     extra = dict(plan.extra, forward_tokens=int(forward_tokens),
                  forward_source=f"FLOP model 2 x {int(forward_tokens)} tokens x rows x cols")
-    return OwnerPlan(world_size=plan.world_size, matrices=plan.matrices, tp_size=plan.tp_size,
-                     method=plan.method, cost_unit=plan.cost_unit, makespan=plan.makespan,
-                     lower_bound=plan.lower_bound, extra=extra, ep_size=plan.ep_size)
+    return dataclasses.replace(plan, extra=extra)

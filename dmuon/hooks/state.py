@@ -2,25 +2,11 @@
 
 As FSDP2 has one ``FSDPState`` per module, dmuon has one :class:`DedicateState` per model: it
 registers every hook and holds what the phases share; :func:`dmuon.hooks.bind.bind` fills it in
-place. The phases are objects of their own: publish (:class:`dmuon.hooks.unit.Publisher`),
-reduce (:class:`dmuon.hooks.backward.ReduceToOwners`), update (:class:`dmuon.optim.OwnerUpdate`)
-and overlap (:class:`dmuon.owners.overlap.PendingSteps`). A :class:`dmuon.hooks.unit.Unit`
-(FSDP2's ``FSDPParamGroup``) runs one unit's forward and backward hooks; a
-:class:`dmuon.owners.dedicated.DedicatedParam` is one matrix. Hooks only enqueue work; the math
-lives in :mod:`dmuon.owners`.
-
-Phase 1, forward: a forward pre-hook on each unit (the module ``fully_shard`` was called on,
-or without FSDP2 :func:`dmuon.hooks.fsdp_adapter.publish_block`) waits for its publication and
-prefetches the next ``prefetch`` units; a post-hook puts the placeholders back and, with
-``reshard_after_forward``, frees the full weights until its pre-backward publishes them again.
-Phase 2, reduce-to-owner: each full weight's post-accumulate-grad hook puts its gradient in its
-bucket (:class:`dmuon.comm.grad_buckets.GradBucket`), reduced to the owners once full; the end
-of backward waits and averages. Phase 3, the owners' update (:mod:`dmuon.owners.update`).
-Phase 4, publication: :meth:`DedicateState.publish_after_step` refreshes the owners' compute
-copies and issues the first units' broadcasts, overlapping the next forward.
-
+place. The phases are objects of their own: publish (:class:`dmuon.hooks.unit.Publisher`, per
+unit :class:`dmuon.hooks.unit.Unit`), reduce-to-owner (:class:`dmuon.hooks.backward.ReduceToOwners`),
+update (:class:`dmuon.optim.OwnerUpdate`) and overlap (:class:`dmuon.owners.overlap.PendingSteps`).
 What each rank holds follows from one rank-independent flag per publish group, ``live``, so
-every rank issues the same collectives in the same order without talking about it.
+every rank issues the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -32,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from dmuon.hooks import fsdp_adapter as fsdp
 from dmuon.hooks.bind import Selected, bind, check_materialized
@@ -55,13 +42,10 @@ class DedicateState:
     """Everything dmuon keeps for one model on one rank; registers every hook.
 
     Args:
-        model: the user's model (FSDP2-wrapped or plain).
-        roles: dmuon's process groups along the mesh's dimensions.
-        plan: the owner plan, already checked identical on every rank.
-        selected: the dedicated matrices, in model order.
+        model, roles, plan, selected: the user's model, dmuon's process groups, the owner plan
+            (identical on every rank) and the dedicated matrices in model order.
         prefetch, reshard_after_forward, reduce_mode, replicas, step_check: as
-            :func:`dmuon.dedicate_params` takes them.
-        bucket_bytes: ``bucket_cap_mb`` in bytes.
+            :func:`dmuon.dedicate_params` takes them; ``bucket_bytes``: ``bucket_cap_mb`` in bytes.
     """
 
     def __init__(
@@ -109,41 +93,36 @@ class DedicateState:
         # the owners' updates an overlapped step scheduled (Muon(overlap=...))
         self.pending = PendingSteps()
         # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
-        self.step_check = StepCheck(roles.steps if step_check else None)
-        self.step_check.watch(self.pending)  # a failed overlapped update fails every rank at once
+        self.step_check = StepCheck(roles.steps if step_check else None, self.pending)
         self.publisher = Publisher(self)  # phases 1 and 4
         self.backward = ReduceToOwners(self)  # phase 2
-        # what this rank switched off for want of live peers (the fake backend; set by
-        # dedicate_params): the rank view reports it
+        # what this rank switched off for want of live peers (the fake backend)
         self.offline: tuple[str, ...] = ()
         self.handles: list[Any] = []  # every hook dmuon installed (remove() takes them out)
-        self._bind_handle: Any = None
-        self._register_hooks()
+        # binding at the first forward (unless dmuon.Muon binds first), then the step check in
+        # front of it: both in front of FSDP2's root hook
+        self._bind_handle = model.register_forward_pre_hook(
+            dynamo_disable(self._bind_at_first_forward), prepend=True)
+        self.handles += self.step_check.install(model)
 
     @property
     def fsdp_wrapped(self) -> bool:
         """The model was FSDP2-wrapped when bound."""
         return bool(self.fsdp_states)
 
-    # ------------------------------------------------------------------ hooks
-    def _register_hooks(self, wiring: list[tuple] | None = None) -> None:
-        """Every hook dmuon installs. Without ``wiring`` (construction): the step check and the
-        binding pre-hook, both in front of FSDP2's root hook. Units are FSDP2 blocks, known once
-        ``fully_shard`` has run: binding passes ``wiring`` for the units' and gradients' hooks."""
-        if wiring is None:
-            self._bind_handle = self.model.register_forward_pre_hook(
-                dynamo_disable(self._bind_at_first_forward), prepend=True)
-            self.handles += self.step_check.install(self.model)  # prepended: in front of binding too
-            return
+    def _register_hooks(self, wiring: list[tuple]) -> None:
+        """The hooks of the bound runtime: units (FSDP2 blocks, known once ``fully_shard`` has
+        run) and gradients (``wiring``, :func:`dmuon.hooks.bind.bind`'s)."""
         for rec, *where in wiring:  # where each gradient goes
             self.handles.append(rec.compute.register_post_accumulate_grad_hook(
                 functools.partial(self.backward.on_grad, rec, *where)))
         if self.replicated is not None:
             for p in self.replicated.params:
                 self.handles.append(p.register_hook(functools.partial(self.backward.on_replicated_grad, p)))
-        if self.shared_bucket is not None:
+        if self.shared_bucket is not None:  # the backward ends in finish_backward, which takes them
             for p in self.shared_bucket.shared:
-                self.handles.append(p.register_post_accumulate_grad_hook(self.backward.on_shared_grad))
+                self.handles.append(p.register_post_accumulate_grad_hook(
+                    lambda p: self.backward.queue_final_callback()))
         # Nothing reads or writes a master with an overlapped update pending (dmuon.owners.overlap)
         self.handles.append(self.model.register_state_dict_pre_hook(
             lambda *args, **kwargs: self.settle_pending()))
@@ -163,59 +142,41 @@ class DedicateState:
             handle.remove()
         self.handles.clear()
 
-    # ------------------------------------------------------------------ binding
     def ensure_bound(self) -> None:
-        """Create masters and placeholders (collective; idempotent).
-
-        Runs at optimizer construction or at the first forward, whichever comes first, so that
-        ``dedicate_params`` may be called before or after the user's ``fully_shard`` calls.
-        """
+        """Create masters and placeholders (collective; idempotent), at optimizer construction
+        or the first forward, so ``dedicate_params`` may run before or after ``fully_shard``."""
         if self.bound:
             return
         check_materialized(self.selected)
         self._bind_handle.remove()
         wiring = bind(self)
-        # without FSDP2 dmuon issues every collective of the step: the check can wait until
-        # the first of them (StepCheck.settle), overlapping compute; FSDP2's own need it first
-        self.step_check.deferred = not self.fsdp_wrapped
-        # FSDP2: the forward check goes out at the end of opt.step() and is settled, usually
-        # already complete, at the next forward (StepCheck.issue_at_step)
+        self.step_check.deferred = not self.fsdp_wrapped  # the modes of dmuon.hooks.step_check
         self.step_check.issue_at_step = self.fsdp_wrapped
         self.bound = True
         self._register_hooks(wiring)
-        if not self.fsdp_wrapped:  # a later fully_shard (accelerator.prepare) is refused by name
-            self._refuse_later_fully_shard()
-        if self.fsdp_wrapped and self.step_check.group is not None:
-            # the check settles before FSDP2's root all-gather even when dedicate_params ran
-            # before fully_shard, and a rank the others left fails by name in FSDP2's
-            # all-gather (StepCheck.guard_fsdp_pre_forward)
-            self.handles += self.step_check.to_front(self.model)
-            self.handles += fsdp.wrap_pre_forward(self.fsdp_states, self.step_check.guard_fsdp_pre_forward)
-        if self.fsdp_wrapped:
-            # FSDP2 reduces outside any backward too (pipelining schedules call its final callback
-            # themselves): follow it there
+        if not self.fsdp_wrapped:
+            # a later fully_shard (accelerator.prepare) is refused by name at the first forward,
+            # by a global forward pre-hook: it runs before FSDP2's root pre-forward, whose
+            # all-gather of masters and placeholders would fail in the backend
+            def first_forward(module: nn.Module, args: Any) -> None:
+                if module is self.model:
+                    handle.remove()
+                    self.check_not_sharded_since_binding("the model's first forward")
+
+            handle = register_module_forward_pre_hook(dynamo_disable(first_forward))
+            self.handles.append(handle)
+        else:
+            if self.step_check.group is not None:
+                # the check settles before FSDP2's root all-gather even when dedicate_params ran
+                # before fully_shard, and a rank the others left fails by name in that all-gather
+                self.handles += self.step_check.to_front(self.model)
+                self.handles += fsdp.wrap_pre_forward(self.fsdp_states,
+                                                      self.step_check.guard_fsdp_pre_forward)
+            # FSDP2 reduces outside any backward too (pipelining schedules call its final
+            # callback themselves): follow it there
             self.handles += fsdp.wrap_final_callback(self.fsdp_states, self.backward.reduce_outside_backward)
         logger.debug("dmuon: rank %d bound %d dedicated matrices in %d units", self.rank,
                      len(self.records), len(self.units))
-
-    def _refuse_later_fully_shard(self) -> None:
-        """Check at the model's first forward that nobody ran ``fully_shard`` on it after binding.
-
-        The check must run before FSDP2's root pre-forward, whose all-gather of dmuon's masters
-        and placeholders (different sizes on owner and non-owners) fails in the backend
-        (gloo: "Received data size doesn't match expected size"), and ``fully_shard`` puts its
-        hook in front of every hook the model has: so it is a global module forward pre-hook
-        (those run first), removed at the model's first forward. Every rank raises alike.
-        """
-        from torch.nn.modules.module import register_module_forward_pre_hook
-
-        def first_forward(module: nn.Module, args: Any) -> None:
-            if module is self.model:
-                handle.remove()
-                self.check_not_sharded_since_binding("the model's first forward")
-
-        handle = register_module_forward_pre_hook(dynamo_disable(first_forward))
-        self.handles.append(handle)
 
     def check_not_sharded_since_binding(self, where: str) -> None:
         """Raise if the model, bound without FSDP2, is FSDP2-wrapped now (checked once).
@@ -244,14 +205,12 @@ class DedicateState:
         if root is not None:  # its pre-hook was registered during this call: run it now
             root.pre_forward(module, args)
 
-    # -------------------------------------------------------------- publication
     def settle_pending(self) -> None:
         """Every overlapped update done and what this rank held back published
         (:meth:`Publisher.flush`): before a reader, or another collective on that group."""
         self.pending.wait_all()
         self.publisher.flush()
 
-    # --------------------------------------------------------------- after step
     def publish_after_step(self, issue: bool = True) -> None:
         """Phase 4: owners refresh their compute copy; the first units' broadcasts go out.
 

@@ -1,25 +1,16 @@
 """Step agreement: a rank that skips or repeats ``opt.step()`` or ``backward()`` fails loudly.
 
-Every rank counts its optimizer steps and backward passes; the counts are compared across ranks
-at the start of every forward (the model's forward pre-hook, placed first) and every backward
-(the first gradient of the model's output): one all-reduce of a ``[world, 4]`` int64 tensor
-(phase, steps, backwards, failure flag) on a gloo group of its own, so a check pairs only with
-another rank's check and never synchronizes a GPU stream. A rank that runs more steps than the
-others waits at its next check until the group's timeout
+Every rank counts its optimizer steps and backward passes; the counts are compared at the start
+of every forward (the model's forward pre-hook, placed first) and every backward (the first
+gradient of the model's output): one all-reduce of a ``[world, 4]`` int64 tensor (phase, steps,
+backwards, failure flag) on a gloo group of its own, so it never synchronizes a GPU stream. A
+rank that runs more steps than the others waits at its next check until the group's timeout
 (:func:`dmuon.comm.mesh_roles.inherited_timeout`) ends it with a named error.
 
-Modes, set by the runtime at binding:
-
-* ``deferred`` (no FSDP2: dmuon issues every collective of the step): the check is issued at the
-  same points and waited on in :meth:`StepCheck.settle`, right before dmuon's next collective.
-* ``issue_at_step`` (FSDP2): the forward check is issued at the end of ``opt.step()`` and settled
-  in the model's forward pre-hook, in front of FSDP2's root pre-forward
-  (:meth:`StepCheck.to_front`). A rank that ran one step more than the others fails in FSDP2's
-  all-gather of that forward, raised as this check's error
-  (:meth:`StepCheck.guard_fsdp_pre_forward`). The backward check stays blocking: FSDP2's
-  pre-backward all-gather follows it at once.
-
-docs/history.md ("Step check under FSDP2") says why the backward check is not deferred.
+Modes, set at binding: ``deferred`` (no FSDP2) waits for the check in :meth:`StepCheck.settle`,
+right before dmuon's next collective; ``issue_at_step`` (FSDP2) issues the forward check at the
+end of ``opt.step()`` and settles it in front of FSDP2's root pre-forward
+(:meth:`StepCheck.guard_fsdp_pre_forward`). The backward check blocks (docs/history.md).
 """
 
 from __future__ import annotations
@@ -35,6 +26,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from dmuon.comm.collectives import label
+from dmuon.hooks.compile import dynamo_disable  # torch.compile runs dmuon's hooks eagerly
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +45,12 @@ class StepCheck:
     Args:
         group: the check's own process group over every rank of the mesh, or ``None`` (no
             check: a single rank, or no gloo).
+        pending: the overlapped updates (:class:`dmuon.owners.overlap.PendingSteps`) whose
+            failure flag travels in every check, so every rank raises at the same point; with
+            peers, ``pending`` defers its failures to it.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, pending: Any) -> None:
         self.group = group
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
@@ -64,14 +59,11 @@ class StepCheck:
         self._last: int | None = None  # phase checked last; None after a step
         self.deferred = False  # issue now, wait at settle() (the runtime sets it at binding)
         self.issue_at_step = False  # FSDP2: the forward check goes out at the step (binding sets it)
-        self._pending: tuple[Any, torch.Tensor, int, int, int] | None = None  # work, rows, phase, steps, backwards
-        self._pre_forward: Any = None  # the forward pre-hook and its handle (install, to_front)
+        # work, rows, phase, steps, backwards
+        self._pending: tuple[Any, torch.Tensor, int, int, int] | None = None
+        # the forward pre-hook and its handle (install, to_front)
+        self._pre_forward = dynamo_disable(lambda module, args: self.before_forward())
         self._pre_forward_handle: Any = None
-        self.pending: Any = None  # PendingSteps whose failure flag travels in every check
-
-    def watch(self, pending: Any) -> None:
-        """Carry ``pending``'s (:class:`dmuon.owners.overlap.PendingSteps`) failure flag in every
-        check, so every rank raises at the same point; with peers, ``pending`` defers failures."""
         self.pending = pending
         pending.defer_failures = self.group is not None and self.world_size > 1
 
@@ -84,12 +76,6 @@ class StepCheck:
             if needs_grad and not in_autograd_backward():  # the hook lives as long as the graph
                 register_multi_grad_hook(needs_grad, lambda grads: self.before_backward(), mode="any")
 
-        from dmuon.hooks.compile import dynamo_disable  # torch.compile runs them eagerly
-
-        def pre_forward(module: nn.Module, args: Any) -> None:
-            self.before_forward()
-
-        self._pre_forward = dynamo_disable(pre_forward)
         self._pre_forward_handle = model.register_forward_pre_hook(self._pre_forward, prepend=True)
         return [self._pre_forward_handle,
                 model.register_forward_hook(dynamo_disable(post_forward), prepend=True)]
@@ -103,10 +89,8 @@ class StepCheck:
 
     def guard_fsdp_pre_forward(self, fsdp_pre_forward: Callable[..., Any]) -> Callable[..., Any]:
         """FSDP2's forward pre-hook (``FSDPState._pre_forward``) wrapped so that its failure
-        after a passed forward check (a rank the others have left) raises :meth:`waited_in_vain`,
-        chained to the backend's error; inside backward and out of memory it passes unchanged."""
-        from dmuon.hooks.compile import dynamo_disable
-
+        after a passed forward check (a rank the others have left) raises :meth:`waited_in_vain`
+        (not inside backward, nor out of memory)."""
         def pre_forward(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fsdp_pre_forward(*args, **kwargs)
@@ -144,7 +128,7 @@ class StepCheck:
         """``opt.step()`` finished on this rank (under FSDP2: issue the next forward's check)."""
         self.steps += 1
         self._last = None
-        if self.issue_at_step and not self.deferred:
+        if self.issue_at_step:  # never with deferred (the runtime sets one of them)
             self._last = 0
             self._check(0, wait=False)
 
@@ -155,7 +139,7 @@ class StepCheck:
         self.settle()  # at most one check in flight
         rows = torch.zeros(self.world_size, 4, dtype=torch.int64)
         rows[self.rank, 0], rows[self.rank, 1], rows[self.rank, 2] = phase, self.steps, self.backwards
-        rows[self.rank, 3] = int(self.pending is not None and self.pending.failure is not None)
+        rows[self.rank, 3] = int(self.pending.failure is not None)
         with label("dmuon::step_check"):
             work = dist.all_reduce(rows, group=self.group, async_op=True)
         self._pending = (work, rows, phase, self.steps, self.backwards)
@@ -192,12 +176,13 @@ class StepCheck:
         """The error of a rank whose wait for the others failed in ``phase`` (0 forward, 1
         backward); ``what`` names a wait other than the check's own."""
         where = f", {what}" if what else ""
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         return RuntimeError(
-            f"dmuon: rank {dist.get_rank()} waited in vain for the other ranks at its "
-            f"{PHASES[phase]} after {steps} optimizer step(s) and {backwards} "
-            f"backward(s) (step check over ranks {dist.get_process_group_ranks(self.group)}{where}): "
-            f"{_first_line(err)}. Another rank ran fewer steps, stopped, died or is stuck; "
-            f"every rank must run the same forwards, backwards and opt.step() calls."
+            f"dmuon: rank {dist.get_rank()} waited in vain for the other ranks at "
+            f"{_at(phase, steps, backwards)} (step check over ranks "
+            f"{dist.get_process_group_ranks(self.group)}{where}): {first}. Another rank ran fewer "
+            f"steps, stopped, died or is stuck; every rank must run the same forwards, backwards "
+            f"and opt.step() calls."
         )
 
     def describe_failure(self, failed: list[int], phase: int, steps: int, backwards: int) -> str:
@@ -205,7 +190,7 @@ class StepCheck:
         failed overlapped owner update, quoting the first one's message from the c10d store."""
         ranks = dist.get_process_group_ranks(self.group)
         names = [ranks[i] for i in failed]
-        if self.pending is not None and self.pending.failure is not None:
+        if self.pending.failure is not None:
             cause = self.pending.failure
         else:
             cause = "its message could not be read"
@@ -215,8 +200,8 @@ class StepCheck:
             except Exception:  # noqa: BLE001 - the rank numbers are the error; the text is a help
                 pass
         return (f"dmuon: the overlapped owner update failed on rank(s) {names} (seen on rank "
-                f"{dist.get_rank()} at its {PHASES[phase]} after {steps} optimizer step(s) and "
-                f"{backwards} backward(s); every rank stops at this step check): {cause}")
+                f"{dist.get_rank()} at {_at(phase, steps, backwards)}; every rank stops at this "
+                f"step check): {cause}")
 
     def describe(self, states: list[tuple[int, int, int]]) -> str:
         """The error text for disagreeing ``(phase, steps, backwards)`` rows, one per rank."""
@@ -235,6 +220,5 @@ class StepCheck:
                 f"Restart from the last checkpoint.")
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+def _at(phase: int, steps: int, backwards: int) -> str:
+    return f"its {PHASES[phase]} after {steps} optimizer step(s) and {backwards} backward(s)"

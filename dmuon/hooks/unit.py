@@ -1,17 +1,13 @@
 """One unit of publication: FSDP2's ``FSDPParamGroup`` for dmuon's dedicated matrices.
 
 A :class:`Unit` is what is published together before one module runs (an FSDP2 block, or
-without FSDP2 the block :func:`dmuon.hooks.fsdp_adapter.publish_block` picks); it runs its own
-pre/post forward and backward bookkeeping, as ``FSDPParamGroup`` runs its unshard/reshard. Its
-matrices travel in :class:`PublishGroup` buffers, one per owner and compute dtype, each issued,
-waited on and freed by itself (one broadcast per group, as FSDP2 all-gathers a group into one
-buffer). The :class:`Publisher` (the publish phase) issues them in the one order every rank
-shares.
-
-Like FSDP2's ``FSDPParamGroup``, a unit keeps its full weights registered from its
-pre-backward until its post-backward (its last gradient is in), and its forward hooks do
-nothing while autograd runs: activation checkpointing re-runs forwards inside backward, and
-cuts them short (early stop) so their post-forward never runs."""
+without FSDP2 :func:`dmuon.hooks.fsdp_adapter.publish_block`'s); its matrices travel in
+:class:`PublishGroup` buffers, one broadcast per owner and compute dtype, as FSDP2 all-gathers a
+group into one buffer. The :class:`Publisher` issues them in the one order every rank shares.
+Like ``FSDPParamGroup``, a unit keeps its full weights from its pre-backward until its last
+gradient is in, and its forward hooks do nothing while autograd runs (activation checkpointing
+re-runs forwards inside backward and may cut them short).
+"""
 
 from __future__ import annotations
 
@@ -38,20 +34,16 @@ logger = logging.getLogger(__name__)
 class PublishGroup:
     """Dedicated matrices of one unit with the same owner, published by one broadcast.
 
-    Their compute weights are views of ``flat`` (``[sum of numels]``, compute dtype), so the
-    group is materialized, published and freed as one tensor, as FSDP2 all-gathers a unit's
-    parameters into one buffer. ``live`` is rank-independent ("the current weights are
-    published or being published"); ``bwd_done`` collects members whose gradient is in since
-    the group went live, and the group is freed when every member that takes one has it.
-
     Attributes:
         owner: the rank (in the dmuon group) that holds the masters and broadcasts.
         is_owner: whether this rank is ``owner``.
-        flat: ``[sum of numels]`` compute-dtype buffer; storage freed on non-owners while not
-            live (never in keep mode).
+        flat: ``[sum of numels]`` compute-dtype buffer, of which the members' compute weights
+            are views; storage freed on non-owners while not live (never in keep mode).
         keep: ``replicas="keep"``: every rank keeps ``flat``; release only ends ``live``.
         members: the matrices whose compute weights are views of ``flat``, in model order.
-        grad_members: the members that take a gradient.
+        grad_count: how many members take a gradient (the group is freed when ``bwd_done``,
+            the members whose gradient is in since it went live, holds that many).
+        live: the current weights are published or being published (rank-independent).
         pg: the process group ``owner`` is a rank of and the broadcast runs on, when not the
             units' shared one (expert parallelism: the ranks holding the same experts).
     """
@@ -61,7 +53,7 @@ class PublishGroup:
     flat: torch.Tensor
     keep: bool = False
     members: list[DedicatedParam] = field(default_factory=list)
-    grad_members: set[DedicatedParam] = field(default_factory=set)
+    grad_count: int = 0
     live: bool = False
     work: Pending | None = None
     bwd_done: set[DedicatedParam] = field(default_factory=set)
@@ -79,46 +71,37 @@ class PublishGroup:
 
     def in_flight(self) -> bool:
         """Whether this group's broadcast is issued and not known to be complete."""
-        if self.work is None or self.work.work is None:
-            return False
-        # One query per group and forward, never a loop (collectives.is_complete: a coalesced
-        # NCCL group call answers through its works)
-        return not is_complete(self.work.work)
+        return self.work is not None and not is_complete(self.work.work)
 
     def wait(self) -> None:
         """Wait for this group's broadcast, if one is in flight (on NCCL the current stream
-        waits on the collective's event; the host does not block)."""
+        waits; the host does not)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
 
     def release(self) -> None:
-        """Free a non-owner's copy of the group (the owner keeps it: it is the source; in keep
-        mode every rank keeps it, and the group only stops being live)."""
+        """Free a non-owner's copy of the group (not in keep mode); the group is not live."""
         self.wait()
         if not self.is_owner and not self.keep:
-            # Safe on CUDA without a host sync: the current stream has waited on the broadcast
-            # (wait() above), the buffer was allocated on it, and ProcessGroupNCCL recorded
-            # its own stream on the tensor, so the caching allocator reuses the block only
-            # after both streams are past it (FSDP2 frees its all-gather outputs the same way).
+            # no host sync: the current stream waited on the broadcast and NCCL recorded its
+            # stream on the tensor (FSDP2 frees its all-gather outputs the same way)
             free_storage(self.flat)
         self.live = False
         self.bwd_done.clear()
 
     def grad_in(self, rec: DedicatedParam) -> None:
-        """``rec``'s gradient is in: release once every member that takes one has it (never in
-        keep mode: the weights stay)."""
+        """``rec``'s gradient is in: release once every member that takes one has it."""
         if self.keep:
             return
         self.bwd_done.add(rec)
-        if len(self.bwd_done) >= len(self.grad_members):  # O(1): bwd_done only holds members
+        if len(self.bwd_done) >= self.grad_count:  # O(1): bwd_done only holds members
             self.release()
 
     def refresh(self, copy: bool = True) -> None:
-        """After a step: the owner copies its stepped masters into its compute copy (the next
-        publication's source; ``copy=False``: a job scheduled by an overlapped step does it,
-        :mod:`dmuon.owners.overlap`); the others free theirs. Either way the group is no
-        longer live."""
+        """After a step: the owner copies its stepped masters into its compute copy
+        (``copy=False``: an overlapped step's job does it); the others free theirs. Either way
+        the group is no longer live."""
         if not self.is_owner:
             self.release()
             return
@@ -128,8 +111,7 @@ class PublishGroup:
         self.live = False
 
     def copy_masters(self) -> None:
-        """The owner's compute copy from its masters: one op for the group, casting fp32 masters
-        to the compute dtype."""
+        """The owner's compute copy from its masters: one op for the group, cast to its dtype."""
         with torch.autograd._unsafe_preserve_version_counter(self.flat), torch.no_grad():
             torch._foreach_copy_([rec.buffer for rec in self.members], [rec.master for rec in self.members])
 
@@ -149,16 +131,11 @@ def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
 
 class Publisher:
     """The publish phase of one model: issues the units' publications in the one order every
-    rank shares, holding back a prefetched group whose overlapped owner update is still running.
-
-    Args:
-        state: the model's runtime state (:class:`dmuon.hooks.state.DedicateState`; read: its
-            process group, units, keep mode and pending updates).
+    rank shares (reads its :class:`dmuon.hooks.state.DedicateState`'s process group, units,
+    keep mode and pending updates).
 
     Attributes:
-        deferred: publish groups this rank held back at its last :meth:`issue` (an owner's
-            prefetched group whose update was still running, and those after it); the other
-            ranks may have issued them.
+        deferred: publish groups this rank held back at its last :meth:`issue`.
         seen: the units in the order the first forward ran them (``None`` once
             :meth:`adopt_forward_order` has run).
     """
@@ -170,16 +147,10 @@ class Publisher:
 
     def issue(self, units: list[Unit], need: Unit | None = None) -> None:
         """Publish the groups of ``units`` not yet live, in order, as one NCCL group call if
-        possible.
-
-        With overlapped owner updates pending (:class:`dmuon.owners.overlap.PendingSteps`), a
-        group goes out only after its own update: the groups up to ``need``'s wait for theirs;
-        a later, prefetched group goes out only if its update is done, and this rank holds it
-        and the groups after it back (:attr:`deferred`) until a later issue, in the same order,
-        so every rank issues in one order and a forward never waits on a later unit's
-        Newton-Schulz. On CUDA the broadcasts go out on a publication stream
-        (:meth:`PendingSteps.stream_for`) that waits for each group's job event alone; only the
-        unit that runs makes the compute stream wait (:meth:`PublishGroup.wait`).
+        possible. With overlapped owner updates pending, a group goes out after its own update:
+        the groups up to ``need``'s wait for theirs; a later group whose update is not done is
+        held back with those after it (:attr:`deferred`), so a forward never waits on a later
+        unit's Newton-Schulz. On CUDA they go out on :meth:`PendingSteps.stream_for`'s stream.
 
         Args:
             units: the units to publish, in forward (or backward prefetch) order.
@@ -225,13 +196,9 @@ class Publisher:
 
     def adopt_forward_order(self) -> None:
         """Once, at the first step: reorder the units (and their ``index``) as the first
-        forward ran them (units it did not run keep their place after those), so prefetch and
-        the overlapped jobs follow execution order, as FSDP2's prefetch does (pi0 runs its VLM
-        and action-expert layers interleaved).
-
-        Collective over the publications' group: the ranks adopt the order only if they all
-        saw the same one (else registration order stays), so they keep issuing in one order.
-        """
+        forward ran them (units it did not run after those), so prefetch and the overlapped
+        jobs follow execution order, as FSDP2's prefetch does. Collective over the
+        publications' group: adopted only if every rank saw the same order."""
         if self.seen is None:
             return
         self.flush()  # nothing held back may cross the all_gather below
@@ -257,8 +224,8 @@ class Publisher:
 
     def flush(self) -> None:
         """Publish what :meth:`issue` held back (waiting for those owners' updates): before any
-        other collective on the publications' process group (a state dict's broadcast, the
-        backward's reduce-to-owner), which every other rank issues after them."""
+        other collective on the publications' process group, which the other ranks issue after
+        them."""
         if not self.deferred:
             return
         groups = [g for g in self.deferred if not g.live]
@@ -272,23 +239,17 @@ class Unit:
     """The dedicated matrices published together before one module runs, and their hooks.
 
     Attributes:
-        state: the model's runtime state (:class:`dmuon.hooks.state.DedicateState`).
+        state: the model's :class:`dmuon.hooks.state.DedicateState`.
         index: position in forward order (the order units are prefetched in).
-        module: the FSDP2 block (``fully_shard`` module) or, without FSDP2, the matrices'
-            parent module (:func:`dmuon.hooks.fsdp_adapter.publish_block`).
-        records: its dedicated matrices, in model order.
-        groups: its publish groups (one per owner and compute dtype).
-        takes_grad: some record's compute weight requires grad (set at bind).
+        module: the module whose hooks publish it (FSDP2's block, or
+            :func:`dmuon.hooks.fsdp_adapter.publish_block`'s).
         reshard: free non-owners' copies after forward (set at bind, FSDP2's rule).
-        in_backward: between the unit's pre-backward and its post-backward; forward hooks
-            (activation-checkpointing recomputation) then leave the full weights alone.
-        grads_done: records whose gradient is in during this backward.
-        grad_count: how many records take a gradient (counted at bind, as the publish groups'
-            ``grad_members``): the unit's backward is over when ``grads_done`` holds that many,
-            an O(1) test per gradient instead of a rescan of the unit.
+        in_backward: between the unit's pre-backward and its post-backward (forward hooks of a
+            recomputation then leave the full weights alone).
+        grads_done: records whose gradient is in during this backward; the backward is over
+            when it holds ``grad_count`` (the records that take one).
         backward_finished: every gradient of the unit is in during this backward (an
-            enclosing unit, e.g. FSDP2's root holding the head, may finish before the units
-            it encloses): backward prefetch skips it.
+            enclosing unit may finish before the units it encloses): backward prefetch skips it.
     """
 
     state: Any
@@ -297,7 +258,6 @@ class Unit:
     reshard: bool = True
     records: list[DedicatedParam] = field(default_factory=list)
     groups: list[PublishGroup] = field(default_factory=list)
-    takes_grad: bool = False
     in_backward: bool = False
     grads_done: set[DedicatedParam] = field(default_factory=set)
     grad_count: int = 0
@@ -310,7 +270,6 @@ class Unit:
         if group not in self.groups:
             self.groups.append(group)
         if rec.compute.requires_grad:
-            self.takes_grad = True
             self.grad_count += 1
 
     def show(self, which: str) -> None:
@@ -323,11 +282,6 @@ class Unit:
         for group in self.groups:
             group.wait()
 
-    def grads_complete(self) -> bool:
-        """Every record that takes a gradient has it in this backward (O(1))."""
-        return len(self.grads_done) >= self.grad_count
-
-    # --------------------------------------------------------------- forward
     def pre_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook: publish this unit (and prefetch the next), wait, show compute."""
         state = self.state
@@ -337,14 +291,10 @@ class Unit:
         if seen is not None and not (self.in_backward or in_autograd_backward()) and self not in seen:
             seen.append(self)  # the first forward's order (adopt_forward_order)
         with label("dmuon::pre_forward"):
-            if state.keep:  # every bucket goes out at once (normally right after the step, else
-                # here: at the first forward, after loading a state dict); each unit waits for
-                # its own. A recomputed forward (activation checkpointing) finds them live.
+            if state.keep:  # every bucket at once (here: the first forward, or after a load)
                 to_issue = [] if all(g.live for g in state.groups) else state.units
             elif self.in_backward or in_autograd_backward():
-                # Activation checkpointing recomputes this forward inside backward: the
-                # weights must be whole, and stay so until the unit's post-backward.
-                to_issue = [self]
+                to_issue = [self]  # a recomputation: whole until the unit's post-backward
             else:
                 to_issue = state.units[self.index: self.index + 1 + state.prefetch]
             if any(not g.live for unit in to_issue for g in unit.groups) or any(
@@ -360,10 +310,7 @@ class Unit:
         if self.in_backward or in_autograd_backward():
             return  # a recomputation: the unit's post-backward puts the masters back
         self.show("master")
-        if self.state.keep:
-            # keep mode: the weights stay, and no pre-backward is needed (nothing is published;
-            # a recomputed forward shows the compute weights through pre_forward, and the
-            # gradient hooks end the backward): no release, no multi-grad hook per unit
+        if self.state.keep:  # the weights stay: no release, no pre-backward
             return
         needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if self.reshard or not needs_grad:
@@ -372,7 +319,6 @@ class Unit:
         if needs_grad:
             register_multi_grad_hook(needs_grad, self.pre_backward_hook, mode="any")
 
-    # -------------------------------------------------------------- backward
     def pre_backward(self, grad: Any) -> None:
         """First gradient of the unit's output: publish it again (and prefetch the previous
         units), wait, and show the compute weights until its post-backward."""
@@ -382,7 +328,7 @@ class Unit:
             with label("dmuon::pre_backward"):
                 state.step_check.settle()
                 previous = state.units[max(0, self.index - state.prefetch): self.index][::-1]
-                previous = [prev for prev in previous if prev.takes_grad and not prev.backward_finished]
+                previous = [prev for prev in previous if prev.grad_count and not prev.backward_finished]
                 state.publisher.issue([self] + previous, need=self)
                 self.wait()
         # Like FSDP2's pre-backward unshard: a recomputed forward reads the module's weights.
@@ -392,7 +338,7 @@ class Unit:
     def grad_in(self, rec: DedicatedParam) -> None:
         """``rec``'s gradient is in: the unit's backward is over once every gradient is."""
         self.grads_done.add(rec)
-        if self.grads_complete():
+        if len(self.grads_done) >= self.grad_count:
             self.post_backward()
             self.backward_finished = True
 
