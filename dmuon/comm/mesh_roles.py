@@ -48,12 +48,11 @@ class MeshRoles:
             (plan agreement, gradient norm).
         replicate: group over the HSDP replicate dimension, or ``None``.
         tp: group over the tensor-parallel dimension, or ``None``.
-        shard_dim, replicate_dim, tp_dim: the mesh dimensions of each role (``None`` if absent).
+        shard_size, replicate_size, tp_size: each role's number of ranks (1 if absent).
+        replicate_dim: the (stage's) mesh dimension of the replicate role, or ``None``.
         tp_name: the mesh dimension name of the TP role.
-        shape: the (stage's) mesh shape.
         steps: gloo group over ``world``'s ranks for the step check only
             (:mod:`dmuon.hooks.step_check`), or ``None``.
-        timeout: the collective timeout of every dmuon group (``None``: torch's default).
         fake: the mesh runs on torch's fake process group (one process plays one rank; nothing
             that needs a live peer is created or issued).
         expert: expert parallelism only: the ranks sharing this rank's ``"ep"`` coordinate.
@@ -65,30 +64,17 @@ class MeshRoles:
     world: dist.ProcessGroup
     replicate: dist.ProcessGroup | None
     tp: dist.ProcessGroup | None
-    shard_dim: int
+    shard_size: int
+    replicate_size: int
+    tp_size: int
     replicate_dim: int | None
-    tp_dim: int | None
     tp_name: str | None
-    shape: tuple[int, ...]
     steps: dist.ProcessGroup | None = None
-    timeout: timedelta | None = None
     fake: bool = False
     expert: dist.ProcessGroup | None = None
     ep_size: int = 1
     ep_name: str | None = None
     pp_size: int = 1
-
-    @property
-    def shard_size(self) -> int:
-        return self.shape[self.shard_dim]
-
-    @property
-    def tp_size(self) -> int:
-        return 1 if self.tp_dim is None else self.shape[self.tp_dim]
-
-    @property
-    def replicate_size(self) -> int:
-        return 1 if self.replicate_dim is None else self.shape[self.replicate_dim]
 
 
 def _describe(mesh) -> str:
@@ -221,7 +207,8 @@ def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
         f"'efsdp'. TP together with expert parallelism is not supported yet.")
 
 
-def _groups_of(rank_lists: list[list[int]], backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
+def _groups_of(rank_lists: list[list[int]], backend: str,
+               timeout: timedelta | None) -> dist.ProcessGroup | None:
     """Create one group per rank list, in order, on every rank; return the one holding this rank."""
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
@@ -292,12 +279,10 @@ def check_mesh(mesh) -> None:
         )
 
 
-def _groups_along(ranks: torch.Tensor, dim: int | None, backend: str,
+def _groups_along(ranks: torch.Tensor, dim: int, backend: str,
                   timeout: timedelta | None) -> dist.ProcessGroup | None:
-    """dmuon's own group along ``dim`` of the rank tensor ``ranks`` containing this rank
-    (every group is created on every rank, in order; ``None`` without ``dim``)."""
-    if dim is None:
-        return None
+    """dmuon's own group along ``dim`` of the rank tensor ``ranks`` that holds this rank (every
+    group is created on every rank, in order)."""
     return _groups_of(ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist(), backend, timeout)
 
 
@@ -347,12 +332,12 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
              if step_check and not fake and dist.is_gloo_available() else None)
     shard = _groups_along(stages, shard_dim + 1, backend, timeout)
     expert = None if experts is None else _groups_along(experts, 1, backend, timeout)
+    replicate = None if replicate_dim is None else _groups_along(stages, replicate_dim + 1, backend, timeout)
+    tp = None if tp_dim is None else _groups_along(stages, tp_dim + 1, backend, timeout)
+    sizes = stages.shape[1:]
     return MeshRoles(
-        shard=shard, world=world,
-        replicate=_groups_along(stages, None if replicate_dim is None else replicate_dim + 1, backend, timeout),
-        tp=_groups_along(stages, None if tp_dim is None else tp_dim + 1, backend, timeout),
-        shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim, tp_name=tp_name,
-        shape=tuple(stages.shape[1:]), steps=steps, timeout=timeout, fake=fake, pp_size=int(stages.shape[0]),
-        expert=expert, ep_size=1 if experts is None else ep,
-        ep_name=None if experts is None else mesh.mesh_dim_names[-1],
-    )
+        shard=shard, world=world, replicate=replicate, tp=tp, expert=expert, shard_size=sizes[shard_dim],
+        replicate_size=1 if replicate_dim is None else sizes[replicate_dim],
+        tp_size=1 if tp_dim is None else sizes[tp_dim], replicate_dim=replicate_dim, tp_name=tp_name,
+        steps=steps, fake=fake, pp_size=int(stages.shape[0]), ep_size=1 if experts is None else ep,
+        ep_name=None if experts is None else mesh.mesh_dim_names[-1])

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from dmuon.comm.collectives import Pending
 from dmuon.owners.dedicated import DedicatedParam
 
 _WHOLE_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm)
@@ -103,7 +104,7 @@ def _whole_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
             f"(the same on every rank). Reduce over all dims, or use dmuon.clip_grad_norm_.")
     if not isinstance(grad, OwnedGrad):  # an OwnedGrad passed elsewhere (out=, ...)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **[kwargs, dict(kwargs, dim=dim)][dim is not None])
+            return func(*args, **kwargs)
     if func is torch.linalg.norm and p not in (None, "fro") and grad.dim() != 1:
         raise RuntimeError(
             f"dmuon: torch.linalg.norm(ord={p!r}) of a dedicated matrix's gradient is a matrix "
@@ -146,13 +147,17 @@ def global_norms(grads: Sequence[OwnedGrad], p: float) -> list[torch.Tensor]:
                 x = piece.detach().abs().to(torch.float64)
                 values[j] = torch.maximum(values[j], x.max()) if is_inf else values[j] + x.pow(p).sum()
         if first.dmuon_group is not None and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(values, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM,
-                            group=first.dmuon_group)
+            _all_reduce(values, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, first.dmuon_group,
+                        f"the all-reduce of {len(idx)} gradient norm(s)")
         if not is_inf:
             values = values.pow(1.0 / p)
         for j, i in enumerate(idx):
             out[i] = values[j].to(grads[i].dtype)
     return out  # type: ignore[return-value]
+
+
+def _all_reduce(t: torch.Tensor, op: Any, group: Any, what: str) -> None:
+    Pending(dist.all_reduce(t, op=op, group=group, async_op=True), (t,), what, group).wait()
 
 
 def _foreach_norm(tensors: Sequence[torch.Tensor], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:
@@ -206,7 +211,8 @@ def _amp_unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_sc
     if pieces:
         torch._amp_foreach_non_finite_check_and_unscale_(pieces, mine, inv_scale)
     if owned and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=owned[0].dmuon_group)
+        _all_reduce(mine, dist.ReduceOp.MAX, owned[0].dmuon_group,
+                    "the all-reduce of a grad scaler's non-finite check")
     torch.maximum(found_inf, mine, out=found_inf)
 
 
