@@ -3,21 +3,14 @@
 Roles come from ``mesh_dim_names``: a dimension named ``"tp"`` is tensor parallel; of the
 others, a single one is the data-parallel *shard* dimension (FSDP, or plain replicas), two are
 ``(replicate, shard)`` in that order (HSDP, as ``init_device_mesh(..., ("replicate", "shard"))``
-builds them). A 1-D mesh without names is data-parallel. dmuon creates its own process groups
-along each role so its broadcasts and reduces never interleave with FSDP2's collectives.
+builds them). A 1-D mesh without names is data-parallel. An ``"ep"`` dimension (torchtitan's
+name) is expert parallelism (:func:`expert_parallel_dims`); a ``"pp"`` dimension holds pipeline
+*stages*, not replicas: it is dropped and every group lives within a stage (:func:`stage_layout`).
 
-Expert parallelism (a dimension named ``"ep"``, torchtitan's name; :func:`expert_parallel_dims`):
-the dense matrices' owners are drawn from every rank of a replica (``shard``), an expert stack's
-from the replica's ranks sharing this rank's ``"ep"`` coordinate (``expert``).
-
-Pipeline parallelism (a dimension named ``"pp"``): pp ranks are *stages*, not replicas; the
-``"pp"`` dimension is dropped and every group lives within the stage's data-parallel ranks
-(:func:`stage_layout`). Every rank creates every stage's groups in the same order
-(``dist.new_group`` numbers groups by a counter), so each rank must call ``dedicate_params``
-equally often.
-
-Every group inherits the user's collective timeout (:func:`inherited_timeout`), not torch's
-30-minute default.
+dmuon creates its own process groups along each role, so its collectives never interleave with
+FSDP2's, with the user's collective timeout (:func:`inherited_timeout`), not torch's 30-minute
+default. Every rank creates every stage's groups in the same order (``dist.new_group`` numbers
+groups by a counter), so each rank must call ``dedicate_params`` equally often.
 """
 
 from __future__ import annotations
@@ -84,14 +77,7 @@ def _describe(mesh) -> str:
 def _root_mesh(mesh):
     """The mesh ``mesh`` was sliced from (itself if not a slice)."""
     getter = getattr(mesh, "_get_root_mesh", None)
-    if getter is not None:
-        return getter()
-    try:  # pragma: no cover - older torch
-        from torch.distributed.device_mesh import _mesh_resources
-
-        return _mesh_resources.get_root_mesh(mesh)
-    except (ImportError, AttributeError):  # pragma: no cover
-        return mesh
+    return mesh if getter is None else getter()
 
 
 def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:

@@ -219,7 +219,10 @@ def _amp_unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_sc
 def _view(local: torch.Tensor, pieces: list[torch.Tensor], counts: bool, group: Any,
           absent: bool = False) -> OwnedGrad:
     grad = local.as_subclass(OwnedGrad)
-    grad.dmuon_pieces, grad.dmuon_counts, grad.dmuon_group, grad.dmuon_absent = pieces, counts, group, absent
+    grad.dmuon_pieces = pieces
+    grad.dmuon_counts = counts
+    grad.dmuon_group = group
+    grad.dmuon_absent = absent
     grad.dmuon_local = local  # what unpresent gives back: no second alias per step
     return grad
 
@@ -238,14 +241,13 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
         made_up: ``id(parameter) -> OwnedGrad`` shown where this rank holds no gradient (a
             placeholder's ``[0]``, an owner's absent zeros), built once and reused every step.
     """
-    by_param: dict[int, list[DedicatedParam]] = {}
+    by_param: dict[int, tuple[DedicatedParam, list[DedicatedParam]]] = {}
     for rec in records:
         shown = rec.stack.records[0] if rec.stack is not None else rec
-        by_param.setdefault(id(shown), []).append(rec)
-    for recs in by_param.values():
+        by_param.setdefault(id(shown), (shown, []))[1].append(rec)
+    for shown, recs in by_param.values():
         if not any(r.had_grad for r in recs):
             continue
-        shown = recs[0].stack.records[0] if recs[0].stack is not None else recs[0]
         pieces = [plain(r.master.grad) for r in recs if r.master.grad is not None]
         counts = replicate_rank == 0 and (recs[0].tp_shard_dim is not None or tp_rank == 0)
         master = shown.master
@@ -253,14 +255,13 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
         if grad is None and len(pieces) == 0 and id(master) in made_up:
             master.grad = made_up[id(master)]
             continue
-        absent = False
         if grad is None:
             absent = master.numel() > 0  # the owner: no rank had a gradient (or an HSDP
             # "broadcast" matrix on a replica other than 0): zeros that take no memory
             grad = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)
             master.grad = made_up[id(master)] = _view(grad, pieces, counts, group, absent)
         else:
-            master.grad = _view(grad, pieces, counts, group, absent)
+            master.grad = _view(grad, pieces, counts, group)
 
 
 def unpresent(records: Sequence[DedicatedParam]) -> None:
