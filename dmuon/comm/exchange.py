@@ -20,7 +20,6 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import Replicate, Shard
 
 from dmuon.comm.collectives import Pending
 from dmuon.owners.slices import MatrixLayout, placement_runs, put, take
@@ -167,6 +166,8 @@ def scatter_from_owners(fulls: Sequence[Tensor | None], layouts: Sequence[Matrix
 def tp_layout(full_shape: tuple[int, int], shard_dim: int | None, size: int) -> MatrixLayout:
     """The layout of a matrix cut by ``torch.chunk`` along ``shard_dim`` over ``size`` TP ranks
     (DTensor's ``Shard``), or held whole by each (``shard_dim=None``)."""
+    from torch.distributed.tensor import Replicate, Shard  # here: importing dmuon leaves torch alone
+
     placements = [Replicate() if shard_dim is None else Shard(shard_dim)]
     return MatrixLayout.build(full_shape, [tuple(placement_runs(full_shape, placements, [size], [r]))
                                            for r in range(size)])
@@ -175,10 +176,9 @@ def tp_layout(full_shape: tuple[int, int], shard_dim: int | None, size: int) -> 
 def orthogonalize_tp(updates: Sequence[Tensor], recs: Sequence[Any], group: dist.ProcessGroup,
                      orthogonalize: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
     """Second-level ownership: each TP owner gathers its matrices' slices over the TP group,
-    runs Newton-Schulz on the full matrices (batched by shape) and scatters the orthogonalized
-    slices back, one all-to-all each way (Megatron's "duplicated" mode without the
-    duplication). A matrix every TP rank holds whole is computed by its TP owner and sent back
-    whole.
+    orthogonalizes the full matrices and scatters the slices back, one all-to-all each way
+    (Megatron's "duplicated" mode without the duplication; a matrix every TP rank holds whole
+    goes back whole).
 
     Args:
         updates: this rank's slice of each matrix's Nesterov update (``[rows_t, cols]`` or
