@@ -29,13 +29,8 @@ from dmuon.owners.dedicated import DedicatedParam
 
 
 def batches_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """Group ``tensors`` by (dtype, device), in a rank-independent order.
-
-    Returns:
-        ``(indices, tensors)`` per (dtype, device) present, sorted by the dtype's and device's
-        names (not by first appearance, so the order does not depend on which dtype comes
-        first); ``indices`` are positions in the input, ascending.
-    """
+    """``(indices, tensors)`` per (dtype, device) of ``tensors``, sorted by the dtype's and
+    device's names (a rank-independent order); ``indices`` are input positions, ascending."""
     keyed: dict[tuple[str, str], list[int]] = {}
     for i, t in enumerate(tensors):
         keyed.setdefault((str(t.dtype), str(t.device)), []).append(i)

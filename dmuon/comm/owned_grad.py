@@ -135,13 +135,11 @@ def global_norms(grads: Sequence[OwnedGrad], p: float) -> list[torch.Tensor]:
         by_group.setdefault(id(g.dmuon_group), []).append(i)
     for idx in by_group.values():
         first = grads[idx[0]]
-        device = first.device
-        values = torch.zeros(len(idx), dtype=torch.float64, device=device)
+        values = torch.zeros(len(idx), dtype=torch.float64, device=first.device)
         for j, i in enumerate(idx):
-            g = grads[i]
-            if not (g.dmuon_counts or is_inf):
+            if not (grads[i].dmuon_counts or is_inf):
                 continue
-            for piece in g.dmuon_pieces:
+            for piece in grads[i].dmuon_pieces:
                 if piece.numel() == 0:
                     continue
                 x = piece.detach().abs().to(torch.float64)
