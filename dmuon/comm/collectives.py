@@ -22,21 +22,20 @@ from torch.distributed.distributed_c10d import _CoalescingManager
 
 def label(name: str) -> contextlib.AbstractContextManager:
     """``torch.profiler.record_function(name)`` while a profiler is running, else a no-op (an
-    unconditional one costs about 8 us on CPU, the check 0.1 us; the hooks run ~100 times a step)."""
+    unconditional one costs about 8 us on CPU, the check 0.1 us)."""
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 @dataclass(eq=False)
 class Pending:
     """An in-flight collective, the buffers it reads or writes, and how to unpack its result:
-    the one handle of every dmuon collective (publish, :class:`FlatBucket`, the owner exchanges
-    of :mod:`dmuon.comm.exchange`).
+    the one handle of every dmuon collective.
 
     Attributes:
         work: the ``dist.Work`` (or group call) to wait on; ``None`` once waited or when nothing
             was issued.
         tensors: buffers that must stay alive until the wait.
-        what: what the collective does, for the error text (or a callable building it on failure).
+        what: what the collective does, for the error text (or a callable building it).
         group: the process group it runs on (its ranks are named on failure).
         finish: called once after the wait; its value is what :meth:`wait` returns.
     """
@@ -49,7 +48,7 @@ class Pending:
     result: Any = field(default=None, init=False, repr=False)
 
     def wait(self) -> Any:
-        """Wait, bounded by the group's timeout (the user's, :func:`dmuon.comm.mesh_roles.inherited_timeout`);
+        """Wait, bounded by the group's timeout (:func:`dmuon.comm.mesh_roles.inherited_timeout`);
         return ``finish()``'s value (computed once), or ``None`` without ``finish``.
 
         Raises:
@@ -121,7 +120,8 @@ def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup,
     src = dist.get_global_rank(group, owner)
     with label("dmuon::publish"), torch.no_grad():
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-    return Pending(work, (tensor,), lambda: f"the publication of {_names(names)} by owner rank {src}", group)
+    return Pending(work, (tensor,), lambda: f"the publication of {_names(names)} by owner rank {src}",
+                   group)
 
 
 _OPS = ("all_reduce", "reduce", "broadcast")
@@ -130,9 +130,7 @@ _OPS = ("all_reduce", "reduce", "broadcast")
 @dataclass(eq=False)
 class FlatBucket:
     """Tensors of one dtype and device packed into one flat buffer that crosses a process group
-    as one collective: the gradient buckets (:mod:`dmuon.comm.grad_buckets`), the replicated
-    parameters' all-reduce (:mod:`dmuon.comm.ddp_allreduce`), the HSDP replica combine and
-    broadcast (:mod:`dmuon.comm.hsdp_replicas`).
+    as one collective (gradient buckets, the replicated parameters' all-reduce, HSDP replicas).
 
     ``flat`` holds the segments in order: a segment's tensors, flattened, then, if flagged, one
     flag per tensor (by default 1.0 where the tensor was given, 0.0 where zeros took its place:
@@ -198,7 +196,8 @@ class FlatBucket:
             bucket.flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
         return bucket
 
-    def pack(self, tensors: Sequence[torch.Tensor | None], flags: Sequence[float] | None = None) -> None:
+    def pack(self, tensors: Sequence[torch.Tensor | None],
+             flags: Sequence[float] | None = None) -> None:
         """Write ``tensors`` (any dtype, not mutated; ``None``: zeros) and the flagged segments'
         ``flags`` (one per tensor; default: whether it is given) into ``flat`` with one
         ``torch._chunk_cat`` (FSDP2's packing op)."""

@@ -3,8 +3,8 @@
 On a plain module replicated on every rank with ``replicas="placeholder"`` (with
 ``replicas="keep"`` they ride in a gradient bucket instead, :mod:`dmuon.hooks.keep`, unless
 their dtype or device differs from it), dmuon averages the gradients of the parameters AdamW
-steps, in :class:`dmuon.comm.collectives.FlatBucket` all-reduces overlapped with backward like DDP's
-reducer (Li et al., "PyTorch Distributed", VLDB 2020): buckets are filled in reverse
+steps in :class:`dmuon.comm.collectives.FlatBucket` all-reduces overlapped with backward, like
+DDP's reducer (Li et al., "PyTorch Distributed", VLDB 2020): buckets are filled in reverse
 registration order and launched strictly in bucket order, so every rank issues the same
 all-reduces in the same order even if a parameter is unused on some ranks.
 
@@ -50,16 +50,9 @@ class ReplicatedGrads:
                 current, size = [], 0
         if current:
             self.buckets.append(current)
-        # keyed by the parameter itself (tensors hash by identity)
-        self.incoming: dict[nn.Parameter, torch.Tensor] = {}
+        self.incoming: dict[nn.Parameter, torch.Tensor] = {}  # this backward's, by parameter
         self.unsynced: dict[nn.Parameter, torch.Tensor] = {}  # local sums of no_sync micro-batches
         self.pending: list[tuple[list[nn.Parameter], FlatBucket, Pending]] = []
-        self.next_bucket = 0
-
-    def reset(self) -> None:
-        self.incoming.clear()
-        self.pending.clear()
-        self.next_bucket = 0
 
     def on_grad(self, param: nn.Parameter, grad: torch.Tensor, sync: bool = True) -> torch.Tensor:
         """Tensor hook: stash the incoming gradient, launch ready buckets, accumulate zero.
@@ -70,16 +63,17 @@ class ReplicatedGrads:
         earlier = self.unsynced.pop(param, None)
         if earlier is not None:
             grad = earlier + grad
-        if not sync:
+        if sync:
+            self.incoming[param] = grad
+            self._launch_ready(final=False)
+        else:
             self.unsynced[param] = grad
-            return torch.zeros_like(grad)
-        self.incoming[param] = grad
-        self._launch_ready(final=False)
         return torch.zeros_like(grad)
 
     def _launch_ready(self, final: bool) -> None:
-        while self.next_bucket < len(self.buckets):
-            bucket = self.buckets[self.next_bucket]
+        """Issue the next buckets, in order, while all their gradients are in (``final``: all)."""
+        while len(self.pending) < len(self.buckets):
+            bucket = self.buckets[len(self.pending)]
             if not final and any(p not in self.incoming for p in bucket):
                 return
             # one flag per parameter counts the ranks that produced a gradient, so a parameter
@@ -90,7 +84,6 @@ class ReplicatedGrads:
             self.before_issue()
             pend = flat.issue("all_reduce", self.group, what="the gradient all-reduce")
             self.pending.append((bucket, flat, pend))
-            self.next_bucket += 1
 
     def finish(self) -> None:
         """At the end of backward: launch what is left, wait, and add the averages to ``.grad``."""
@@ -102,4 +95,5 @@ class ReplicatedGrads:
                     if count > 0:
                         avg = avg.div_(self.world_size).to(p.dtype)
                         p.grad = avg if p.grad is None else p.grad.add_(avg)
-        self.reset()
+        self.incoming.clear()
+        self.pending.clear()

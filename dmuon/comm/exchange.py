@@ -5,9 +5,8 @@
 This is the layer sharding of "Layer Sharding for Large-Scale Training with Muon" (2025): a
 round of matrices, each owned by one rank, is re-sharded from the training layout (pieces of
 every matrix on every rank) to whole matrices on their owners with one all-to-all, and back
-with a second one, instead of one gather and one scatter per matrix. With split sizes
-(``all_to_all_single``'s alltoallv form) uneven and strided pieces need no padding. gloo
-implements ``all_to_all_single`` with splits and ``async_op=True`` on CPU; NCCL on GPU.
+with a second one. With split sizes (``all_to_all_single``'s alltoallv form) uneven and
+strided pieces need no padding; gloo (CPU) and NCCL (GPU) both implement it asynchronously.
 
 Only one copy of a replicated piece travels to the owner, and none when the owner holds it
 (:meth:`MatrixLayout.source_for`); every rank receives its own piece of the update, replicas included.
@@ -23,35 +22,48 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon.comm.collectives import Pending
-from dmuon.owners.slices import MatrixLayout, chunk_sizes, put, take
+from dmuon.owners.slices import MatrixLayout, placement_runs, put, take
 
 
-def _all_to_all(send: Tensor, send_splits: list[int], recv_splits: list[int], group: Any,
-                async_op: bool, traffic: bool) -> tuple[Tensor, Any]:
-    """``traffic``: whether any rank sends anything (the same on every rank, from the layouts);
-    without it the collective is skipped everywhere (e.g. DDP gathers: the owner has it all)."""
+def _all_to_all(send_parts: list[list[Tensor]], recv_splits: list[int], traffic: bool, group: Any,
+                dtype: torch.dtype, device: torch.device, what: str,
+                finish: Callable[[Callable[[int, tuple[int, int]], Tensor]], list]) -> Pending:
+    """Issue one ``all_to_all_single``: to each rank ``dst`` its ``send_parts[dst]`` (flat, in
+    order), from each rank ``src`` ``recv_splits[src]`` elements; skipped on every rank without
+    ``traffic`` (whether any rank sends anything, the same everywhere: e.g. a DDP gather, the
+    owner has it all). ``finish(received)`` builds the result, ``received(src, shape)`` being
+    the next piece of ``shape`` from ``src``."""
+    send_splits = [sum(p.numel() for p in parts) for parts in send_parts]
+    flat = [p for parts in send_parts for p in parts]
+    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     recv = send.new_empty(sum(recv_splits))
-    if not traffic:
-        return recv, None
-    work = dist.all_to_all_single(recv, send, output_split_sizes=recv_splits,
-                                  input_split_sizes=send_splits, group=group, async_op=async_op)
-    return recv, work
+    work = None
+    if traffic:
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_splits,
+                                      input_split_sizes=send_splits, group=group, async_op=True)
+    offsets = [sum(recv_splits[:s]) for s in range(len(recv_splits))]
+
+    def received(src: int, shape: tuple[int, int]) -> Tensor:
+        n = shape[0] * shape[1]
+        offsets[src] += n
+        return recv[offsets[src] - n: offsets[src]].view(shape)
+
+    return Pending(work, (send, recv), what, group, lambda: finish(received))
 
 
 def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLayout],
                      owners: Sequence[int], *, group: Any, rank: int, world_size: int,
-                     dtype: torch.dtype, async_op: bool = True) -> Pending:
+                     dtype: torch.dtype) -> Pending:
     """Assemble every matrix of a round, whole, on its owner, with one all-to-all.
 
     Args:
         local_pieces: this rank's local piece of each matrix ``[local rows, local cols]``
-            (any dtype; not mutated), in round order.
+            (any dtype; not mutated, free to reuse once this returns), in round order.
         layouts: each matrix's :class:`MatrixLayout` (identical on every rank).
         owners: each matrix's owner, a rank of ``group``.
         group: the process group (``None``: the default group).
         rank, world_size: this rank and the size of ``group``.
         dtype: transport and result dtype.
-        async_op: issue the collective asynchronously.
 
     Returns:
         A :class:`Pending` whose ``wait()`` gives, per matrix, the full ``[rows, cols]`` tensor
@@ -77,19 +89,13 @@ def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLay
                 src = layout.source_for(rep, owner)
                 if src != rank:
                     recv_splits[src] += layout.numel(rep)
-    send_splits = [sum(p.numel() for p in parts) for parts in send_parts]
-    flat = [p for parts in send_parts for p in parts]
-    device = local_pieces[0].device if local_pieces else torch.device("cpu")
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     traffic = any(layout.source_for(rep, owner) != owner and layout.numel(rep)
                   for layout, owner in zip(layouts, owners) for rep in layout.representatives())
-    recv, work = _all_to_all(send, send_splits, recv_splits, group, async_op, traffic)
-    # Own pieces are copied now: the caller may reuse its tensors once this returns.
     own = [piece.to(dtype, copy=True) if owner == rank else None
            for piece, owner in zip(local_pieces, owners)]
+    device = local_pieces[0].device if local_pieces else torch.device("cpu")
 
-    def finish() -> list[Tensor | None]:
-        offsets = [sum(recv_splits[:s]) for s in range(world_size)]
+    def finish(received: Callable[[int, tuple[int, int]], Tensor]) -> list[Tensor | None]:
         out: list[Tensor | None] = []
         for j, (layout, owner) in enumerate(zip(layouts, owners)):
             if owner != rank:
@@ -98,31 +104,24 @@ def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLay
             full = torch.empty(layout.full_shape, dtype=dtype, device=device)
             for rep in layout.representatives():  # one copy of each distinct piece
                 src = layout.source_for(rep, owner)
-                if src == rank:
-                    put(full, layout.slices[rep], own[j])
-                else:
-                    n = layout.numel(rep)
-                    piece = recv[offsets[src]:offsets[src] + n].view(layout.local_shape(rep))
-                    offsets[src] += n
-                    put(full, layout.slices[rep], piece)
+                piece = own[j] if src == rank else received(src, layout.local_shape(rep))
+                put(full, layout.slices[rep], piece)
             out.append(full)
         return out
 
-    return Pending(work, (send, recv), f"the gather of {len(layouts)} matrices to their owners",
-                   group, finish)
+    return _all_to_all(send_parts, recv_splits, traffic, group, dtype, device,
+                       f"the gather of {len(layouts)} matrices to their owners", finish)
 
 
 def scatter_from_owners(fulls: Sequence[Tensor | None], layouts: Sequence[MatrixLayout],
                         owners: Sequence[int], *, group: Any, rank: int, world_size: int,
-                        dtype: torch.dtype, device: torch.device, async_op: bool = True) -> Pending:
+                        dtype: torch.dtype, device: torch.device) -> Pending:
     """Send every rank its piece of each owner's full matrix, with one all-to-all.
 
     Args:
         fulls: per matrix, the full ``[rows, cols]`` update on its owner, ``None`` elsewhere.
-        layouts, owners, group, rank, world_size: as :func:`gather_to_owners`.
-        dtype: transport and result dtype.
+        layouts, owners, group, rank, world_size, dtype: as :func:`gather_to_owners`.
         device: device of the results.
-        async_op: issue the collective asynchronously.
 
     Returns:
         A :class:`Pending` whose ``wait()`` gives this rank's piece ``[local rows, local cols]``
@@ -150,54 +149,36 @@ def scatter_from_owners(fulls: Sequence[Tensor | None], layouts: Sequence[Matrix
                     f"dmuon: rank {rank} is not the owner (rank {owner}) of matrix {j} of the "
                     f"round but passed a tensor of shape {tuple(full.shape)}; pass None.")
             recv_splits[owner] += layout.numel(rank)
-    send_splits = [sum(p.numel() for p in parts) for parts in send_parts]
-    flat = [p for parts in send_parts for p in parts]
-    send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     traffic = any(dst != owner and layout.numel(dst)
                   for layout, owner in zip(layouts, owners) for dst in range(world_size))
-    recv, work = _all_to_all(send, send_splits, recv_splits, group, async_op, traffic)
     own = [take(full, layout.slices[rank]).to(dtype, copy=True) if owner == rank else None
            for full, layout, owner in zip(fulls, layouts, owners)]
 
-    def finish() -> list[Tensor]:
-        offsets = [sum(recv_splits[:s]) for s in range(world_size)]
-        out = []
-        for j, (layout, owner) in enumerate(zip(layouts, owners)):
-            if owner == rank:
-                out.append(own[j])
-                continue
-            n = layout.numel(rank)
-            out.append(recv[offsets[owner]:offsets[owner] + n].view(layout.local_shape(rank)))
-            offsets[owner] += n
-        return out
+    def finish(received: Callable[[int, tuple[int, int]], Tensor]) -> list[Tensor]:
+        return [own[j] if owner == rank else received(owner, layout.local_shape(rank))
+                for j, (layout, owner) in enumerate(zip(layouts, owners))]
 
-    return Pending(work, (send, recv), f"the scatter of {len(layouts)} updates from their owners",
-                   group, finish)
+    return _all_to_all(send_parts, recv_splits, traffic, group, dtype, device,
+                       f"the scatter of {len(layouts)} updates from their owners", finish)
 
 
 @functools.lru_cache(maxsize=None)
 def tp_layout(full_shape: tuple[int, int], shard_dim: int | None, size: int) -> MatrixLayout:
     """The layout of a matrix cut by ``torch.chunk`` along ``shard_dim`` over ``size`` TP ranks
     (DTensor's ``Shard``), or held whole by each (``shard_dim=None``)."""
-    whole = tuple(((0, n),) if n else () for n in full_shape)
-    if shard_dim is None:
-        return MatrixLayout.build(full_shape, [whole] * size)
-    slices, start = [], 0
-    for n in chunk_sizes(full_shape[shard_dim], size):
-        piece = list(whole)
-        piece[shard_dim] = ((start, start + n),) if n else ()
-        slices.append(tuple(piece))
-        start += n
-    return MatrixLayout.build(full_shape, slices)
+    from torch.distributed.tensor import Replicate, Shard  # here: importing dmuon leaves torch alone
+
+    placements = [Replicate() if shard_dim is None else Shard(shard_dim)]
+    return MatrixLayout.build(full_shape, [tuple(placement_runs(full_shape, placements, [size], [r]))
+                                           for r in range(size)])
 
 
 def orthogonalize_tp(updates: Sequence[Tensor], recs: Sequence[Any], group: dist.ProcessGroup,
                      orthogonalize: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
     """Second-level ownership: each TP owner gathers its matrices' slices over the TP group,
-    runs Newton-Schulz on the full matrices (batched by shape) and scatters the orthogonalized
-    slices back, one all-to-all each way (Megatron's "duplicated" mode without the
-    duplication). A matrix every TP rank holds whole is computed by its TP owner and sent back
-    whole.
+    orthogonalizes the full matrices and scatters the slices back, one all-to-all each way
+    (Megatron's "duplicated" mode without the duplication; a matrix every TP rank holds whole
+    goes back whole).
 
     Args:
         updates: this rank's slice of each matrix's Nesterov update (``[rows_t, cols]`` or

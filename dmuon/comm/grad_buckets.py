@@ -1,27 +1,24 @@
 """Reduce-to-owner in buckets: the gradients of one FSDP2 block's dedicated matrices travel together.
 
 A :class:`GradBucket` holds the local gradients of one block's dedicated matrices (one dtype,
-one device) in a :class:`dmuon.comm.collectives.FlatBucket`, one segment per owner. When the
-block's last gradient is in, the bucket goes out, exact either way (a sum over the
-data-parallel group, divided by its size on the owner): ``reduce_mode="reduce"`` (default)
-reduces each segment to its owner (bandwidth-optimal; one NCCL group call);
-``"all_reduce"`` all-reduces the whole bucket (twice the bytes, one collective).
+one device) in a :class:`dmuon.comm.collectives.FlatBucket`, one segment per owner, and goes
+out once the block's last gradient is in: ``reduce_mode="reduce"`` (default) reduces each
+segment to its owner (one NCCL group call), ``"all_reduce"`` all-reduces the whole bucket
+(twice the bytes, one collective); the owner divides the sum by the data-parallel size.
 
-On the DDP-style path (``replicas="keep"``) one bucket also carries the *shared* parameters,
-the non-dedicated ones every rank steps with AdamW (:meth:`GradBucket.attach_shared`): at the
-end of backward their accumulated ``.grad`` are packed in, the bucket becomes one
-``all_reduce`` and each rank's ``.grad`` is overwritten with the average, as DDP's reducer does
-(Li et al., "PyTorch Distributed", VLDB 2020); exact under accumulation.
+In keep mode (``replicas="keep"``) one bucket also carries the *shared* parameters, the
+non-dedicated ones every rank steps with AdamW (:meth:`GradBucket.attach_shared`): their
+accumulated ``.grad`` are packed in at the end of backward, the bucket is all-reduced and each
+``.grad`` is overwritten with the average, as DDP's reducer does (Li et al., "PyTorch
+Distributed", VLDB 2020).
 
-A matrix without a gradient on a rank in this backward contributes zeros, as FSDP2 does with an
-unused parameter. In a bucket holding a routed expert's matrix (``DedicatedParam.optional``)
-every owner's segment ends with one presence flag per matrix, summed with the reduce, so the
-owner knows whether any rank had a gradient: a matrix no rank used stays out of the owners'
-gradients, as ``torch.optim.Muon`` skips a ``grad`` of ``None``. Other buckets keep their
-sizes (gloo's summation order, hence a sum's last bit, depends on a buffer's size).
-
-Such a bucket is complete at different times on different ranks, so buckets go out in one
-rank-independent order (:class:`IssueOrder`: by their last matrix in model order, descending).
+A matrix without a gradient on a rank contributes zeros, as FSDP2 does with an unused
+parameter. A bucket holding a routed expert's matrix (``DedicatedParam.optional``) ends each
+owner's segment with one presence flag per matrix, summed with the reduce: a matrix no rank
+used stays out of the owners' gradients, as ``torch.optim.Muon`` skips a ``grad`` of ``None``.
+Other buckets keep their sizes (gloo's summation order, hence a sum's last bit, depends on a
+buffer's size). Buckets fill at different times on different ranks, so they go out in one
+rank-independent order (:class:`IssueOrder`).
 """
 
 from __future__ import annotations
@@ -47,11 +44,13 @@ class GradBucket:
 
     Attributes:
         records: the block's matrices, owner-major (stable within an owner).
-        index: record -> its position in ``records``.
         owners: the owner of each segment of ``buf``.
         buf: one segment per owner (then one for ``shared``); its buffer is dropped after
             :meth:`take` unless ``persistent`` (keep mode: a fresh multi-MB buffer per backward
             page-faults on every first touch).
+        group: the process group of the members' owners when not :class:`IssueOrder`'s (expert
+            parallelism; the average still divides by the whole data-parallel size).
+        index: record -> its position in ``records``.
         expected: the records that take a gradient (``compute.requires_grad``).
         active: the bucket holds gradients of this backward; ``ready``: whose.
         grads: this backward's local gradients by position (``None``: not in), kept, not
@@ -59,19 +58,18 @@ class GradBucket:
         pending: this backward's collective, once issued.
         shared: the non-dedicated parameters carried in keep mode.
         my_owner: this rank's owner index if it owns a member.
-        owner_avg: fp32 copy of this rank's segment, its views ``owner_views`` (:meth:`_average_mine`).
-        group: the process group of the members' owners when not :class:`IssueOrder`'s (expert
-            parallelism; the average still divides by the whole data-parallel size).
+        owner_avg: fp32 copy of this rank's segment, its views ``owner_views`` (:func:`owned_averages`).
         block: the FSDP2 module whose unit the bucket reduces (``None`` without FSDP2).
         divide_factor: that module's ``set_gradient_divide_factor``; ``None``: the mean.
     """
 
     records: list[DedicatedParam]
-    index: dict[DedicatedParam, int]
     owners: list[int]
     buf: FlatBucket
-    expected: frozenset[DedicatedParam]
     persistent: bool = False
+    group: dist.ProcessGroup | None = None
+    index: dict[DedicatedParam, int] = field(init=False)
+    expected: frozenset[DedicatedParam] = field(init=False)
     active: bool = False
     ready: set[DedicatedParam] = field(default_factory=set)
     grads: list[torch.Tensor | None] = field(default_factory=list)
@@ -80,11 +78,12 @@ class GradBucket:
     my_owner: int | None = None
     owner_avg: torch.Tensor | None = None
     owner_views: dict[DedicatedParam, torch.Tensor] | None = None
-    group: dist.ProcessGroup | None = None
     block: object = None
     divide_factor: float | None = None
 
     def __post_init__(self) -> None:
+        self.index = {rec: i for i, rec in enumerate(self.records)}
+        self.expected = frozenset(rec for rec in self.records if rec.compute.requires_grad)
         self.grads = [None] * len(self.records)
         self.my_owner = next((r.owner for r in self.records if r.is_owner), None)
 
@@ -108,21 +107,12 @@ class GradBucket:
         (their gradients are complete only at the end of backward)."""
         return len(self.ready) == len(self.expected) and not self.shared
 
-    @property
-    def issued(self) -> bool:
-        return self.pending is not None
-
     def add(self, rec: DedicatedParam, grad: torch.Tensor) -> bool:
         """Keep ``rec``'s local gradient ``[rows, cols]`` (no op dispatched); True once all are in."""
         self.active = True
         self.grads[self.index[rec]] = grad
         self.ready.add(rec)
         return self.full()
-
-    @property
-    def takes_grads(self) -> bool:
-        """Some member takes a gradient: the bucket is reduced in every synced backward."""
-        return bool(self.expected)
 
     def issue(self, group: dist.ProcessGroup, mode: str) -> None:
         """Pack (zeros where a matrix has no gradient; the shared parameters' ``.grad``) and
@@ -148,45 +138,22 @@ class GradBucket:
         kind = "gradient all-reduce" if op == "all_reduce" else "reduce-to-owner"
         return f"the {kind} of {[r.fqn for r in self.records][:4]}{shared} to owner rank {owners}"
 
-    def my_segment(self) -> tuple[torch.Tensor, list[tuple[DedicatedParam, int, int]]]:
-        """This rank's segment of the buffer and ``(record, offset in it, numel)`` of each member
-        it owns."""
-        seg_start, seg_numel = self.buf.spans[self.owners.index(self.my_owner)]
-        owned = [(rec, start - seg_start, numel)
-                 for rec, (start, numel) in zip(self.records, self.buf.slots) if rec.is_owner]
-        return self.buf.flat[seg_start: seg_start + seg_numel], owned
-
-    def _average_mine(self, divisor: float) -> dict[DedicatedParam, torch.Tensor]:
-        """This rank's segment averaged in fp32 by two ops, and a ``[rows, cols]`` view of it per
-        owned matrix. The fp32 segment and its views are kept from one backward to the next and
-        become the masters' ``.grad``; a master whose ``.grad`` is still set gets a fresh tensor
-        (:func:`owned_averages`)."""
-        seg, owned = self.my_segment()
-        if any(rec.master.grad is not None for rec, _, _ in owned):
-            return owned_averages(self, divisor)
-        if self.owner_views is None:
-            self.owner_avg = torch.empty(seg.numel(), dtype=torch.float32, device=self.device)
-            self.owner_views = {rec: self.owner_avg[at: at + n].view(rec.shape) for rec, at, n in owned}
-        self.owner_avg.copy_(seg)
-        self.owner_avg.div_(divisor)
-        return self.owner_views
-
     def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None, float]]:
-        """Wait, then yield ``(record, average, ranks)`` for every record of the bucket.
+        """Wait, then yield ``(record, average, ranks)`` for every record of the bucket; the
+        bucket is empty afterwards.
 
-        ``average`` is a fp32 tensor of the record's shape on the owner (the sum over the group
-        divided by ``world_size``, or by ``divide_factor`` when set) and ``None`` elsewhere;
-        ``ranks`` is, on the owner, how many ranks had a gradient (the summed presence flag;
-        0: no rank used the matrix) and, elsewhere, whether this rank had one. Without presence
-        flags only the records with a gradient here are yielded, with 1.0. The bucket is empty
-        afterwards.
+        ``average``: on the owner the fp32 ``[rows, cols]`` sum over the group divided by
+        ``world_size`` (or by ``divide_factor`` when set), ``None`` elsewhere. ``ranks``: on the
+        owner how many ranks had a gradient (the summed presence flag; 0: no rank used the
+        matrix), elsewhere whether this rank had one. Without presence flags only the records
+        with a gradient here are yielded, with 1.0.
         """
         self.pending.wait()
         counts = self.buf.flag_values()  # one host copy, only where the bucket has flags
         if self.shared:
             _average_shared(self, world_size, counts[len(self.records):])
         divisor = world_size if self.divide_factor is None else self.divide_factor
-        views = self._average_mine(divisor) if self.my_owner is not None else {}
+        views = owned_averages(self, divisor, reuse=True) if self.my_owner is not None else {}
         for rec, count in zip(self.records, counts):
             if count is None:
                 if rec in self.ready:
@@ -206,14 +173,30 @@ def reduced(bucket: GradBucket) -> bool:
     return bucket.pending is not None and is_complete(bucket.pending.work)
 
 
-def owned_averages(bucket: GradBucket, divisor: float) -> dict[DedicatedParam, torch.Tensor]:
-    """Once :func:`reduced`, before :meth:`GradBucket.take`: this rank's owned matrices'
-    averages as ``take`` computes them (the segment cast to fp32, then divided: the same two
-    element-wise ops, so the same bits), in new tensors; the bucket is untouched. For
-    ``Muon(overlap="backward")``'s start during backward."""
-    seg, owned = bucket.my_segment()
-    fresh = seg.to(torch.float32, copy=True).div_(divisor)
-    return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in owned}
+def owned_averages(bucket: GradBucket, divisor: float,
+                   reuse: bool = False) -> dict[DedicatedParam, torch.Tensor]:
+    """Once :func:`reduced`: this rank's owned matrices' averages, its segment cast to fp32,
+    then divided by ``divisor`` (two element-wise ops, the same bits either way), a
+    ``[rows, cols]`` view per owned matrix.
+
+    Without ``reuse`` in new tensors, the bucket untouched (``Muon(overlap="backward")``'s start
+    during backward); with it (:meth:`GradBucket.take`) in the bucket's fp32 segment kept from
+    one backward to the next, whose views become the masters' ``.grad`` (new tensors while a
+    master's ``.grad`` is still set).
+    """
+    seg_start, seg_numel = bucket.buf.spans[bucket.owners.index(bucket.my_owner)]
+    seg = bucket.buf.flat[seg_start: seg_start + seg_numel]
+    owned = [(rec, start - seg_start, numel)
+             for rec, (start, numel) in zip(bucket.records, bucket.buf.slots) if rec.is_owner]
+    if not reuse or any(rec.master.grad is not None for rec, _, _ in owned):
+        fresh = seg.to(torch.float32, copy=True).div_(divisor)
+        return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in owned}
+    if bucket.owner_views is None:
+        bucket.owner_avg = torch.empty(seg_numel, dtype=torch.float32, device=bucket.device)
+        bucket.owner_views = {rec: bucket.owner_avg[at: at + n].view(rec.shape) for rec, at, n in owned}
+    bucket.owner_avg.copy_(seg)
+    bucket.owner_avg.div_(divisor)
+    return bucket.owner_views
 
 
 @torch.no_grad()
@@ -253,39 +236,19 @@ class IssueOrder:
     def __post_init__(self) -> None:
         self.buckets = sorted(self.buckets, key=lambda b: -max(rec.order for rec in b.records))
 
-    def full(self, group: dist.ProcessGroup, mode: str) -> None:
-        """A bucket is full: issue every bucket from ``next`` on that is full, in order."""
+    def full(self, group: dist.ProcessGroup, mode: str, final: bool = False) -> None:
+        """A bucket is full: issue every bucket from ``next`` on that is full, in order. With
+        ``final`` (end of a synced backward) issue all the rest and start over (a bucket none
+        of whose members took a gradient on this rank still goes out: other ranks may have them)."""
         while self.next < len(self.buckets):
             bucket = self.buckets[self.next]
-            if bucket.takes_grads and not (bucket.active and bucket.full()):
+            if not final and bucket.expected and not (bucket.active and bucket.full()):
                 return
-            if bucket.takes_grads and not bucket.issued:
+            if bucket.expected and bucket.pending is None:
                 bucket.issue(bucket.group or group, mode)
             self.next += 1
-
-    def finish(self, group: dist.ProcessGroup, mode: str) -> None:
-        """End of a synced backward: issue the rest, in order (a bucket none of whose members
-        took a gradient on this rank still goes out: other ranks may have them)."""
-        for bucket in self.buckets[self.next:]:
-            if bucket.takes_grads and not bucket.issued:
-                bucket.issue(bucket.group or group, mode)
-        self.next = 0
-
-
-def finish_buckets(order: IssueOrder, group: dist.ProcessGroup, mode: str,
-                   world_size: int
-                   ) -> Iterator[tuple[DedicatedParam, torch.Tensor | None, float, float | None]]:
-    """End of backward: issue the buckets not yet out, in ``order``, wait for each and yield
-    :meth:`GradBucket.take`'s ``(record, average, ranks)`` with the bucket's ``divide_factor``.
-    A backward that put no gradient in any bucket (``no_sync``) issues nothing."""
-    if not any(bucket.active for bucket in order.buckets):
-        return
-    order.finish(group, mode)
-    for bucket in order.buckets:
-        if bucket.issued:
-            factor = bucket.divide_factor
-            for rec, avg, ranks in bucket.take(world_size):
-                yield rec, avg, ranks, factor
+        if final:
+            self.next = 0
 
 
 def make_buckets(records: list[DedicatedParam], blocks: list[int],
@@ -308,8 +271,6 @@ def make_buckets(records: list[DedicatedParam], blocks: list[int],
         flagged = any(rec.optional for rec in members)  # a routed expert: presence flags
         segments = [(sum(rec.owner == owner for rec in members), flagged) for owner in owners]
         buf = FlatBucket([torch.Size(rec.shape) for rec in members], dtype, device, segments)
-        buckets.append(GradBucket(members, {r: i for i, r in enumerate(members)}, owners, buf,
-                                  frozenset(r for r in members if r.compute.requires_grad),
-                                  persistent=persistent, group=pg))
+        buckets.append(GradBucket(members, owners, buf, persistent, pg))
     logger.debug("dmuon: %d gradient buckets for %d matrices", len(buckets), len(records))
     return buckets

@@ -3,26 +3,18 @@
 Roles come from ``mesh_dim_names``: a dimension named ``"tp"`` is tensor parallel; of the
 others, a single one is the data-parallel *shard* dimension (FSDP, or plain replicas), two are
 ``(replicate, shard)`` in that order (HSDP, as ``init_device_mesh(..., ("replicate", "shard"))``
-builds them). A 1-D mesh without names is data-parallel. dmuon creates its own process groups
-along each role so its broadcasts and reduces never interleave with FSDP2's collectives.
+builds them). A 1-D mesh without names is data-parallel. An ``"ep"`` dimension (torchtitan's
+name) is expert parallelism (:func:`expert_parallel_dims`); a ``"pp"`` dimension holds pipeline
+*stages*, not replicas: it is dropped and every group lives within a stage (:func:`stage_layout`).
 
-Expert parallelism (a dimension named ``"ep"``, torchtitan's name; :func:`expert_parallel_dims`):
-the dense matrices' owners are drawn from every rank of a replica (``shard``), an expert stack's
-from the replica's ranks sharing this rank's ``"ep"`` coordinate (``expert``).
-
-Pipeline parallelism (a dimension named ``"pp"``): pp ranks are *stages*, not replicas; the
-``"pp"`` dimension is dropped and every group lives within the stage's data-parallel ranks
-(:func:`stage_layout`). Every rank creates every stage's groups in the same order
-(``dist.new_group`` numbers groups by a counter), so each rank must call ``dedicate_params``
-equally often.
-
-Every group inherits the user's collective timeout (:func:`inherited_timeout`), not torch's
-30-minute default.
+dmuon creates its own process groups along each role, so its collectives never interleave with
+FSDP2's, with the user's collective timeout (:func:`inherited_timeout`), not torch's 30-minute
+default. Every rank creates every stage's groups in the same order (``dist.new_group`` numbers
+groups by a counter), so each rank must call ``dedicate_params`` equally often.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
@@ -49,12 +41,11 @@ class MeshRoles:
             (plan agreement, gradient norm).
         replicate: group over the HSDP replicate dimension, or ``None``.
         tp: group over the tensor-parallel dimension, or ``None``.
-        shard_dim, replicate_dim, tp_dim: the mesh dimensions of each role (``None`` if absent).
+        shard_size, replicate_size, tp_size: each role's number of ranks (1 if absent).
+        replicate_dim: the (stage's) mesh dimension of the replicate role, or ``None``.
         tp_name: the mesh dimension name of the TP role.
-        shape: the (stage's) mesh shape.
         steps: gloo group over ``world``'s ranks for the step check only
             (:mod:`dmuon.hooks.step_check`), or ``None``.
-        timeout: the collective timeout of every dmuon group (``None``: torch's default).
         fake: the mesh runs on torch's fake process group (one process plays one rank; nothing
             that needs a live peer is created or issued).
         expert: expert parallelism only: the ranks sharing this rank's ``"ep"`` coordinate.
@@ -66,63 +57,27 @@ class MeshRoles:
     world: dist.ProcessGroup
     replicate: dist.ProcessGroup | None
     tp: dist.ProcessGroup | None
-    shard_dim: int
+    shard_size: int
+    replicate_size: int
+    tp_size: int
     replicate_dim: int | None
-    tp_dim: int | None
     tp_name: str | None
-    shape: tuple[int, ...]
     steps: dist.ProcessGroup | None = None
-    timeout: timedelta | None = None
     fake: bool = False
     expert: dist.ProcessGroup | None = None
     ep_size: int = 1
     ep_name: str | None = None
     pp_size: int = 1
 
-    @property
-    def shard_size(self) -> int:
-        return self.shape[self.shard_dim]
-
-    @property
-    def tp_size(self) -> int:
-        return 1 if self.tp_dim is None else self.shape[self.tp_dim]
-
-    @property
-    def replicate_size(self) -> int:
-        return 1 if self.replicate_dim is None else self.shape[self.replicate_dim]
-
 
 def _describe(mesh) -> str:
     return f"shape {tuple(mesh.shape)} with dims {getattr(mesh, 'mesh_dim_names', None)}"
 
 
-@dataclass(frozen=True)
-class _MeshView:
-    """A ``DeviceMesh``'s rank tensor and dimension names (one pipeline stage's)."""
-
-    mesh: torch.Tensor
-    mesh_dim_names: tuple[str, ...] | None
-
-    @property
-    def ndim(self) -> int:
-        return self.mesh.ndim
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.mesh.shape)
-
-
 def _root_mesh(mesh):
     """The mesh ``mesh`` was sliced from (itself if not a slice)."""
     getter = getattr(mesh, "_get_root_mesh", None)
-    if getter is not None:
-        return getter()
-    try:  # pragma: no cover - older torch
-        from torch.distributed.device_mesh import _mesh_resources
-
-        return _mesh_resources.get_root_mesh(mesh)
-    except (ImportError, AttributeError):  # pragma: no cover
-        return mesh
+    return mesh if getter is None else getter()
 
 
 def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
@@ -175,18 +130,17 @@ def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
     return stages, stage_names, index
 
 
-def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
-    """``(shard_dim, replicate_dim, tp_dim, tp_name)`` of a mesh, from its dimension names.
+def assign_roles(shape: tuple[int, ...], names: tuple[str, ...] | None
+                 ) -> tuple[int, int | None, int | None, str | None]:
+    """``(shard_dim, replicate_dim, tp_dim, tp_name)`` of a (stage's) mesh of ``shape``, from
+    its dimension ``names`` (``None``: unnamed).
 
     Raises:
         ValueError: a mesh of more than 3 dimensions, or one whose roles cannot be told apart
             (a 2-D or 3-D mesh without names, two TP dimensions...).
     """
-    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    ndim = mesh.ndim
-    if any(n in EP_NAMES for n in names):  # expert parallelism: see expert_parallel_dims
-        raise ValueError(f"dmuon: mesh {_describe(mesh)} has an expert-parallel dimension; "
-                         f"its roles come from expert_parallel_dims")
+    described, ndim = f"shape {shape} with dims {names}", len(shape)
+    names = names or ()
     if ndim == 1:
         if names and names[0] in TP_NAMES:  # TP only: a DP "group" of one rank per TP rank
             return -1, None, 0, names[0]
@@ -194,19 +148,20 @@ def assign_roles(mesh) -> tuple[int, int | None, int | None, str | None]:
     if len(names) != ndim:
         raise ValueError(
             f"dmuon: a {ndim}-D mesh needs mesh_dim_names to tell data and tensor parallelism "
-            f"apart; got {_describe(mesh)}. Build it with init_device_mesh(..., "
+            f"apart; got {described}. Build it with init_device_mesh(..., "
             f"mesh_dim_names=('replicate', 'shard') / ('dp', 'tp') / ('replicate', 'shard', 'tp'))."
         )
     tp_dims = [i for i, n in enumerate(names) if n in TP_NAMES]
     if len(tp_dims) > 1 or ndim > 3:
-        raise ValueError(f"dmuon: unsupported mesh {_describe(mesh)}: at most (replicate, shard, tp)")
+        raise ValueError(f"dmuon: unsupported mesh {described}: at most (replicate, shard, tp)")
     tp_dim = tp_dims[0] if tp_dims else None
+    tp_name = names[tp_dim] if tp_dim is not None else None
     data_dims = [i for i in range(ndim) if i != tp_dim]
     if len(data_dims) == 1:
-        return data_dims[0], None, tp_dim, names[tp_dim] if tp_dim is not None else None
+        return data_dims[0], None, tp_dim, tp_name
     if len(data_dims) == 2:
-        return data_dims[1], data_dims[0], tp_dim, names[tp_dim] if tp_dim is not None else None
-    raise ValueError(f"dmuon: unsupported mesh {_describe(mesh)}")
+        return data_dims[1], data_dims[0], tp_dim, tp_name
+    raise ValueError(f"dmuon: unsupported mesh {described}")
 
 
 def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
@@ -238,7 +193,8 @@ def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
         f"'efsdp'. TP together with expert parallelism is not supported yet.")
 
 
-def _groups_of(rank_lists: list[list[int]], backend: str, timeout: timedelta | None) -> dist.ProcessGroup | None:
+def _groups_of(rank_lists: list[list[int]], backend: str,
+               timeout: timedelta | None) -> dist.ProcessGroup | None:
     """Create one group per rank list, in order, on every rank; return the one holding this rank."""
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
@@ -309,19 +265,11 @@ def check_mesh(mesh) -> None:
         )
 
 
-def _groups_along(mesh_ranks, dim: int | None, backend: str,
-                  timeout: timedelta | None = None) -> dist.ProcessGroup | None:
-    """dmuon's own group along ``dim`` containing this rank (collective over the world)."""
-    if dim is None:
-        return None
-    shape = mesh_ranks.shape
-    other = [range(s) for i, s in enumerate(shape) if i != dim]
-    rank_lists = []
-    for idx in itertools.product(*other):
-        full = list(idx)
-        full.insert(dim, slice(None))
-        rank_lists.append([int(r) for r in mesh_ranks[tuple(full)].tolist()])
-    return _groups_of(rank_lists, backend, timeout)
+def _groups_along(ranks: torch.Tensor, dim: int, backend: str,
+                  timeout: timedelta | None) -> dist.ProcessGroup | None:
+    """dmuon's own group along ``dim`` of the rank tensor ``ranks`` that holds this rank (every
+    group is created on every rank, in order)."""
+    return _groups_of(ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist(), backend, timeout)
 
 
 def is_fake_backend(backend: str) -> bool:
@@ -332,66 +280,50 @@ def is_fake_backend(backend: str) -> bool:
 def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
     """Create dmuon's groups for ``mesh``, with :func:`inherited_timeout` (collective).
 
+    An expert-parallel mesh (:func:`expert_parallel_dims`) is seen as ``[replicas, expert
+    shard, ep]``: ``shard`` is a replica's ranks, ``expert`` a replica's ranks of one ep
+    coordinate, ``replicate`` the ranks of one (expert shard, ep) position.
+
     Args:
         mesh: the ``DeviceMesh``.
         step_check: create the step check's gloo group (never on the fake backend).
 
     Raises:
-        TypeError, ValueError: see :func:`check_mesh` and :func:`assign_roles`.
+        TypeError, ValueError: see :func:`check_mesh`, :func:`assign_roles` and
+            :func:`expert_parallel_dims`.
     """
     check_mesh(mesh)
     backend = dist.get_backend(mesh.get_group(0))
     fake = is_fake_backend(backend)
     timeout = None if fake else inherited_timeout(mesh)  # a fake group waits for nothing
-    ep_dims = expert_parallel_dims(mesh)
-    if ep_dims is not None:
-        return _expert_parallel_roles(mesh, ep_dims, backend, timeout, fake, step_check)
-    stages, names, stage = stage_layout(mesh)
-    shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(_MeshView(stages[stage], names))
-    if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
-        stages = stages.unsqueeze(1)
-        shard_dim, tp_dim = 0, 1
+    experts = None
+    if expert_parallel_dims(mesh) is not None:
+        experts = mesh.mesh.reshape((1,) * (3 - mesh.ndim) + tuple(mesh.mesh.shape))
+        replicas, ep = experts.shape[0], experts.shape[2]
+        stages = experts.reshape(1, replicas, -1) if replicas > 1 else experts.reshape(1, -1)
+        shard_dim, replicate_dim = (1, 0) if replicas > 1 else (0, None)
+        tp_dim = tp_name = None
+    else:
+        stages, names, stage = stage_layout(mesh)
+        shard_dim, replicate_dim, tp_dim, tp_name = assign_roles(tuple(stages[stage].shape), names)
+        if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
+            stages = stages.unsqueeze(1)
+            shard_dim, tp_dim = 0, 1
     # every rank creates every stage's groups, in stage order (one stage without "pp": the
     # groups and their order are those of a mesh without pipeline parallelism)
-    every = [[int(r) for r in ranks.flatten().tolist()] for ranks in stages]
+    every = stages.flatten(1).tolist()
     world = _groups_of(every, backend, timeout)
     # gloo even in NCCL jobs: the step check's CPU tensors never synchronize a GPU stream.
     steps = (_groups_of(every, "gloo", timeout)
              if step_check and not fake and dist.is_gloo_available() else None)
+    shard = _groups_along(stages, shard_dim + 1, backend, timeout)
+    expert = None if experts is None else _groups_along(experts, 1, backend, timeout)
+    replicate = None if replicate_dim is None else _groups_along(stages, replicate_dim + 1, backend, timeout)
+    tp = None if tp_dim is None else _groups_along(stages, tp_dim + 1, backend, timeout)
+    sizes = stages.shape[1:]
     return MeshRoles(
-        shard=_groups_along(stages, shard_dim + 1, backend, timeout), world=world,
-        replicate=_groups_along(stages, None if replicate_dim is None else replicate_dim + 1, backend, timeout),
-        tp=_groups_along(stages, None if tp_dim is None else tp_dim + 1, backend, timeout),
-        shard_dim=shard_dim, replicate_dim=replicate_dim, tp_dim=tp_dim, tp_name=tp_name,
-        shape=tuple(stages.shape[1:]), steps=steps, timeout=timeout, fake=fake, pp_size=int(stages.shape[0]),
-    )
-
-
-def _expert_parallel_roles(mesh, ep_dims: tuple[int, int | None, int | None], backend: str,
-                           timeout: timedelta | None, fake: bool, step_check: bool) -> MeshRoles:
-    """:func:`build_roles` on a mesh seen as ``[replicas, expert shard, ep]``: ``shard`` is a
-    replica's ranks, ``expert`` a replica's ranks of one ep coordinate, ``replicate`` the ranks
-    of one (expert shard, ep) position."""
-    ep_dim, expert_dim, replicate_dim = ep_dims
-    ranks = mesh.mesh
-    if expert_dim is None:
-        ranks = ranks.unsqueeze(0)
-    if replicate_dim is None:
-        ranks = ranks.unsqueeze(0)
-    replicas, experts, ep = (int(n) for n in ranks.shape)
-    every = [int(r) for r in ranks.flatten().tolist()]
-    world = dist.new_group(ranks=every, backend=backend, timeout=timeout)
-    steps = (dist.new_group(ranks=every, backend="gloo", timeout=timeout)
-             if step_check and not fake and dist.is_gloo_available() else None)
-    shard = _groups_of([[int(x) for x in ranks[r].flatten().tolist()] for r in range(replicas)], backend, timeout)
-    expert = _groups_of([[int(x) for x in ranks[r, :, c].tolist()] for r in range(replicas) for c in range(ep)],
-                        backend, timeout)
-    replicate = (_groups_of([[int(x) for x in ranks[:, e, c].tolist()] for e in range(experts) for c in range(ep)],
-                            backend, timeout) if replicas > 1 else None)
-    names = tuple(mesh.mesh_dim_names)
-    return MeshRoles(shard=shard, world=world, replicate=replicate, tp=None,
-                     shard_dim=1 if replicate is not None else 0,
-                     replicate_dim=0 if replicate is not None else None, tp_dim=None, tp_name=None,
-                     shape=(replicas, experts * ep) if replicate is not None else (experts * ep,),
-                     steps=steps, timeout=timeout, fake=fake, expert=expert, ep_size=ep,
-                     ep_name=names[ep_dim])
+        shard=shard, world=world, replicate=replicate, tp=tp, expert=expert, shard_size=sizes[shard_dim],
+        replicate_size=1 if replicate_dim is None else sizes[replicate_dim],
+        tp_size=1 if tp_dim is None else sizes[tp_dim], replicate_dim=replicate_dim, tp_name=tp_name,
+        steps=steps, fake=fake, pp_size=int(stages.shape[0]), ep_size=1 if experts is None else ep,
+        ep_name=None if experts is None else mesh.mesh_dim_names[-1])

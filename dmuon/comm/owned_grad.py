@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
+from dmuon.comm.collectives import Pending
 from dmuon.owners.dedicated import DedicatedParam
 
 _WHOLE_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm)
@@ -103,7 +104,7 @@ def _whole_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
             f"(the same on every rank). Reduce over all dims, or use dmuon.clip_grad_norm_.")
     if not isinstance(grad, OwnedGrad):  # an OwnedGrad passed elsewhere (out=, ...)
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **[kwargs, dict(kwargs, dim=dim)][dim is not None])
+            return func(*args, **kwargs)
     if func is torch.linalg.norm and p not in (None, "fro") and grad.dim() != 1:
         raise RuntimeError(
             f"dmuon: torch.linalg.norm(ord={p!r}) of a dedicated matrix's gradient is a matrix "
@@ -134,25 +135,27 @@ def global_norms(grads: Sequence[OwnedGrad], p: float) -> list[torch.Tensor]:
         by_group.setdefault(id(g.dmuon_group), []).append(i)
     for idx in by_group.values():
         first = grads[idx[0]]
-        device = first.device
-        values = torch.zeros(len(idx), dtype=torch.float64, device=device)
+        values = torch.zeros(len(idx), dtype=torch.float64, device=first.device)
         for j, i in enumerate(idx):
-            g = grads[i]
-            if not (g.dmuon_counts or is_inf):
+            if not (grads[i].dmuon_counts or is_inf):
                 continue
-            for piece in g.dmuon_pieces:
+            for piece in grads[i].dmuon_pieces:
                 if piece.numel() == 0:
                     continue
                 x = piece.detach().abs().to(torch.float64)
                 values[j] = torch.maximum(values[j], x.max()) if is_inf else values[j] + x.pow(p).sum()
         if first.dmuon_group is not None and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(values, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM,
-                            group=first.dmuon_group)
+            _all_reduce(values, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, first.dmuon_group,
+                        f"the all-reduce of {len(idx)} gradient norm(s)")
         if not is_inf:
             values = values.pow(1.0 / p)
         for j, i in enumerate(idx):
             out[i] = values[j].to(grads[i].dtype)
     return out  # type: ignore[return-value]
+
+
+def _all_reduce(t: torch.Tensor, op: Any, group: Any, what: str) -> None:
+    Pending(dist.all_reduce(t, op=op, group=group, async_op=True), (t,), what, group).wait()
 
 
 def _foreach_norm(tensors: Sequence[torch.Tensor], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:
@@ -206,14 +209,18 @@ def _amp_unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_sc
     if pieces:
         torch._amp_foreach_non_finite_check_and_unscale_(pieces, mine, inv_scale)
     if owned and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=owned[0].dmuon_group)
+        _all_reduce(mine, dist.ReduceOp.MAX, owned[0].dmuon_group,
+                    "the all-reduce of a grad scaler's non-finite check")
     torch.maximum(found_inf, mine, out=found_inf)
 
 
 def _view(local: torch.Tensor, pieces: list[torch.Tensor], counts: bool, group: Any,
           absent: bool = False) -> OwnedGrad:
     grad = local.as_subclass(OwnedGrad)
-    grad.dmuon_pieces, grad.dmuon_counts, grad.dmuon_group, grad.dmuon_absent = pieces, counts, group, absent
+    grad.dmuon_pieces = pieces
+    grad.dmuon_counts = counts
+    grad.dmuon_group = group
+    grad.dmuon_absent = absent
     grad.dmuon_local = local  # what unpresent gives back: no second alias per step
     return grad
 
@@ -232,14 +239,13 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
         made_up: ``id(parameter) -> OwnedGrad`` shown where this rank holds no gradient (a
             placeholder's ``[0]``, an owner's absent zeros), built once and reused every step.
     """
-    by_param: dict[int, list[DedicatedParam]] = {}
+    by_param: dict[int, tuple[DedicatedParam, list[DedicatedParam]]] = {}
     for rec in records:
         shown = rec.stack.records[0] if rec.stack is not None else rec
-        by_param.setdefault(id(shown), []).append(rec)
-    for recs in by_param.values():
+        by_param.setdefault(id(shown), (shown, []))[1].append(rec)
+    for shown, recs in by_param.values():
         if not any(r.had_grad for r in recs):
             continue
-        shown = recs[0].stack.records[0] if recs[0].stack is not None else recs[0]
         pieces = [plain(r.master.grad) for r in recs if r.master.grad is not None]
         counts = replicate_rank == 0 and (recs[0].tp_shard_dim is not None or tp_rank == 0)
         master = shown.master
@@ -247,14 +253,13 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
         if grad is None and len(pieces) == 0 and id(master) in made_up:
             master.grad = made_up[id(master)]
             continue
-        absent = False
         if grad is None:
             absent = master.numel() > 0  # the owner: no rank had a gradient (or an HSDP
             # "broadcast" matrix on a replica other than 0): zeros that take no memory
             grad = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)
             master.grad = made_up[id(master)] = _view(grad, pieces, counts, group, absent)
         else:
-            master.grad = _view(grad, pieces, counts, group, absent)
+            master.grad = _view(grad, pieces, counts, group)
 
 
 def unpresent(records: Sequence[DedicatedParam]) -> None:
