@@ -151,9 +151,8 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ diagnosis
     def probe(self) -> list[int]:
-        """Global ranks whose heartbeat does not move for ``probe_s`` (blocks up to ``probe_s``).
-
-        Returns early with the published ``lost`` ranks when a watcher has named some.
+        """Global ranks whose heartbeat does not move for ``probe_s`` (blocks up to ``probe_s``),
+        or the published ``lost`` ranks as soon as a watcher has named some.
 
         Raises:
             RuntimeError: the c10d store is unreachable (its host is lost).

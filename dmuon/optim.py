@@ -206,13 +206,10 @@ class Muon(torch.optim.Optimizer):
         return {"kept": 0, "recomputed": 0}
 
     def wait_pending(self) -> None:
-        """Block until every owner update an overlapped ``step()`` scheduled has finished
-        (``overlap="forward"`` / ``"backward"``; a no-op with ``"off"`` and other strategies).
-
-        ``model.state_dict()``, torch's state-dict and DCP APIs, ``dmuon.state_dict``,
+        """Block until every owner update an overlapped ``step()`` scheduled has finished (a
+        no-op with ``overlap="off"`` and other strategies). State-dict and DCP APIs,
         ``dmuon.clip_grad_norm_``, the next forward and the next ``step()`` wait by themselves;
-        call this only before reading a dedicated parameter's tensor directly (a master in
-        ``model.parameters()`` outside forward) between ``step()`` and the next forward.
+        call this only to read a dedicated master directly between ``step()`` and the next forward.
 
         Raises:
             RuntimeError: an update failed on dmuon's worker thread (naming the matrices).

@@ -1,12 +1,10 @@
 """Launch configs for the Triton symmetric-product kernels: tuned offline, looked up at run time.
 
-The table ``dmuon/kernels/configs/launch_configs.json`` (shipped as package data) is written by
-``bench/tune_kernels.py``. It maps a GPU name (``torch.cuda.get_device_name()``) to an ordered
-list of shape buckets; a bucket matches when the output side ``m`` and the reduction length ``k``
-are within its ``max_m``/``max_k`` (``null`` means unbounded), and the first match wins. GPUs not
-in the table use ``"default"``; CPU tensors (only runnable under ``TRITON_INTERPRET=1``) use
-``"interpreter"``, whose small tiles keep the interpreter fast. There is no autotuning on the hot
-path, so every rank launches the same config for the same shape.
+``bench/tune_kernels.py`` writes the table ``dmuon/kernels/configs/launch_configs.json``
+(package data): per GPU name (``torch.cuda.get_device_name()``) an ordered list of shape
+buckets; the first whose ``max_m``/``max_k`` (``null``: unbounded) hold the output side ``m``
+and the reduction length ``k`` wins. Other GPUs use ``"default"``, CPU tensors (under
+``TRITON_INTERPRET=1``) ``"interpreter"``. No autotuning: every rank launches the same config.
 
 Schema (version 1)::
 

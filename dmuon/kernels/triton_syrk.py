@@ -1,21 +1,16 @@
-"""The Triton op set of the Newton-Schulz algorithms: a symmetric-product kernel (batched SYRK
-``X X^T`` and ``alpha A B + beta C``), and when ``backend="auto"`` uses it.
+"""The Triton backend of Newton-Schulz: a symmetric-product kernel (batched SYRK ``X X^T`` and
+``alpha A B + beta C``), and when ``backend="auto"`` uses it; ``mm`` and ``add_diag`` stay on
+torch (cuBLAS runs a general GEMM at peak; :func:`dmuon.kernels.newton_schulz._select_ops`).
 
-Both Gram-space products are symmetric by construction: ``X X^T``, and every product of two
-polynomials in the same Gram matrix (``R R``, ``R Z``, ``Z (RZ)``, ``Q Z`` commute, so their
-product is symmetric). The kernel therefore computes only the output tiles on or below the
-diagonal (``T (T + 1) / 2`` of ``T^2`` tiles for ``T`` tile rows) and writes each off-diagonal
-tile also to its mirror position, roughly halving the FLOPs. On a diagonal tile it keeps the lower
-triangle of the tile and mirrors it, so the output is exactly symmetric.
-
-Inputs are fp16/bf16/fp32, the accumulator fp32, the output the input dtype. Launch configs come
-from :mod:`dmuon.kernels.launch_configs` (no autotuning: every rank picks the same config).
-
-The Triton op set (:func:`dmuon.kernels.newton_schulz._select_ops`) keeps ``mm`` and
-``add_diag`` on torch (cuBLAS runs a general GEMM at peak); the torch reference is
-:func:`dmuon.kernels.newton_schulz.torch_mm`. This module imports triton at import time;
-:mod:`dmuon.kernels.newton_schulz` imports it lazily. triton's ``TRITON_INTERPRET`` switch is
-read here and nowhere else in dmuon.
+Every Gram-space product is symmetric: ``X X^T``, and products of two polynomials in the same
+Gram matrix (``R R``, ``R Z``, ``Z (RZ)``, ``Q Z`` commute). The kernel computes only the
+``T (T + 1) / 2`` output tiles on or below the diagonal (of ``T^2``) and writes each
+off-diagonal tile to its mirror too, roughly halving the FLOPs; a diagonal tile keeps its lower
+triangle and mirrors it, so the output is exactly symmetric. Inputs fp16/bf16/fp32, fp32
+accumulator, output in the input dtype; launch configs from :mod:`dmuon.kernels.launch_configs`
+(no autotuning: every rank picks the same config). The torch reference is
+:func:`dmuon.kernels.newton_schulz.torch_mm`. Importing this module imports triton; triton's
+``TRITON_INTERPRET`` switch is read here and nowhere else in dmuon.
 """
 
 from __future__ import annotations
