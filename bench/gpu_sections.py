@@ -194,7 +194,7 @@ def check_shape(shape: list[int], device: torch.device, coefficient_sets: tuple[
         the checks are the tolerances of :data:`PRODUCT_TOL` (or :data:`ROUNDING_FACTOR` times the
         error of rounding the float64 product to the dtype, whichever is larger) and :data:`NS_FACTOR`.
     """
-    from dmuon.kernels.triton_syrk import triton_syrk
+    from dmuon.kernels.triton_syrk import triton_sym_mm
 
     gen = torch.Generator(device="cpu").manual_seed(seed)
     G = torch.randn(shape, generator=gen).to(device)
@@ -209,7 +209,7 @@ def check_shape(shape: list[int], device: torch.device, coefficient_sets: tuple[
     syrk_ref = X64 @ X64.mT
     for dname, dtype in DTYPES.items():
         Xd = X.to(dtype)
-        S = triton_syrk(Xd)
+        S = triton_sym_mm(Xd, Xd.mT)
         e = {"syrk_vs_f64": _rel(S, syrk_ref), "syrk_vs_torch": _rel(S, (Xd @ Xd.mT).double()),
              "syrk_symmetric": bool(torch.equal(S, S.mT)), "syrk_finite": bool(torch.isfinite(S).all()),
              "output_rounding": _rel(syrk_ref.to(dtype), syrk_ref)}

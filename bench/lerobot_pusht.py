@@ -11,7 +11,7 @@ to ``bench/results/lerobot_pusht_<policy>.json``::
     python bench/lerobot_pusht.py --policy smolvla --steps 40 --nproc 2
 
 "Tiny": LeRobot's own pi0 / SmolVLA classes with the pretrained backbones shrunk
-(:func:`dmuon.integrations.lerobot.tiny.tiny`: 2-layer Gemmas 32 wide, a 1-layer SigLIP; a
+(:func:`lerobot_tiny.tiny`: 2-layer Gemmas 32 wide, a 1-layer SigLIP; a
 2-layer SmolVLM) and a word-level tokenizer written to a local directory, since LeRobot's
 processors would otherwise download PaliGemma's / SmolVLM2's tokenizer. The ranks are started
 by :func:`dmuon.train.ranks.launch`; rank 0 writes the per-step records (``--dmuon.metrics``).
@@ -117,8 +117,8 @@ def lerobot_args(policy: str, dataset_root: pathlib.Path, output_dir: pathlib.Pa
 
 def train_rank(arg: tuple[list[str], str, str]) -> None:
     """One rank (process group initialized by :func:`dmuon.train.ranks.launch`):
-    :func:`dmuon.integrations.lerobot.tiny.train_tiny` on ``arg = (argv, policy, tokenizer)``."""
-    from dmuon.integrations.lerobot.tiny import train_tiny
+    :func:`lerobot_tiny.train_tiny` on ``arg = (argv, policy, tokenizer)``."""
+    from lerobot_tiny import train_tiny
 
     train_tiny(*arg)
 

@@ -11,7 +11,7 @@ seed and synthetic batches (this rank's rows of the global batch):
 
 * ``adamw``: FSDP2 + ``torch.optim.AdamW`` (the baseline);
 * ``dmuon``: FSDP2 + ``dmuon.dedicate_params`` + ``dmuon.Muon``;
-* ``vanilla``: FSDP2 + gather-then-compute Muon (:class:`dmuon.baselines.VanillaMuon`);
+* ``vanilla``: FSDP2 + gather-then-compute Muon (:class:`dmuon.train.baselines.VanillaMuon`);
 * ``torch_muon``: unsharded ``torch.optim.Muon`` + ``AdamW`` (single device; world size 1 by
   default, where it is what the job runs; ``--variants`` adds it elsewhere if it fits);
 * ``dmuon-overlap-forward`` / ``dmuon-overlap-backward``: ``dmuon`` with ``Muon(overlap=...)``
@@ -284,7 +284,7 @@ def build_variant(variant: str, build: Callable[[], nn.Module], mesh, device: to
     ns_dtype = torch.float16 if device.type == "cuda" else torch.float32  # dmuon.train's "auto"
     common = dict(lr=0.02, weight_decay=0.01, adamw_lr=3e-4, ns_dtype=ns_dtype)
     if variant == "vanilla":
-        from dmuon.baselines import VanillaMuon
+        from dmuon.train.baselines import VanillaMuon
 
         return model, VanillaMuon(model, **common)
     import dmuon

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 #: Labels whose inclusive CPU time the profiled step reports (dmuon's ``record_function``
-#: names; ``vanilla_*`` are :class:`dmuon.baselines.VanillaMuon`'s).
+#: names; ``vanilla_*`` are :class:`dmuon.train.baselines.VanillaMuon`'s).
 LABELS = ("dmuon::step_check", "dmuon::step_check_wait", "dmuon::pre_forward", "dmuon::pre_backward", "dmuon::reduce_bucket", "dmuon::all_reduce",
           "dmuon::finish_backward", "dmuon::optimizer_step", "dmuon::newton_schulz", "dmuon::adamw",
           "dmuon::publish_after_step", "dmuon::publish", "dmuon::vanilla_all_gather",

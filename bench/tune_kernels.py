@@ -85,14 +85,14 @@ def tune_bucket(X: torch.Tensor, candidates: list[dict], reps: int = 10,
         launch (out of shared memory) has ``ms=None`` and its error.
     """
     from dmuon.kernels.launch_configs import LaunchConfig
-    from dmuon.kernels.triton_syrk import triton_sym_mm, triton_syrk
+    from dmuon.kernels.triton_syrk import triton_sym_mm
 
     R = X @ X.mT
     out = []
     for cand in candidates:
         cfg = LaunchConfig(**cand)
         try:
-            ms = (_time_ms(lambda: triton_syrk(X, config=cfg), reps)
+            ms = (_time_ms(lambda: triton_sym_mm(X, X.mT, config=cfg), reps)
                   + _time_ms(lambda: triton_sym_mm(R, R, R, beta=0.5, config=cfg), reps))
             out.append({"config": dict(cand), "ms": ms, "error": None})
         except Exception as exc:  # out of shared memory / registers for this config

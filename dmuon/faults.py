@@ -1,21 +1,16 @@
 """Lost-rank detection: heartbeats through the c10d store, errors that name the lost rank.
 
-A dead rank shows on the survivors as a transport error that does not name it, or not at all
-until the process-group timeout. A :class:`Heartbeat` (one daemon thread per rank, three store
-operations per interval) fixes both: each rank bumps ``beat/<rank>`` in the c10d store every
-``interval_s`` and watches the next rank of the group (a ring); a counter still for
-``timeout_s`` is published under ``lost``. :meth:`Heartbeat.guard` then raises
-``RuntimeError("dmuon: rank K ... lost ...")`` on entry, or turns a broken collective's error
-into it (naming the ranks whose counters stay still for ``probe_s``). A survivor blocked in a
-collective that never errors exits after ``exit_grace_s`` with :data:`EXIT_CODE_LOST`, as NCCL's
-watchdog does, so ``torchrun`` can restart.
+Each rank bumps ``beat/<rank>`` in the c10d store every ``interval_s`` and watches the next
+rank of the group (a ring); a counter still for ``timeout_s`` is published under ``lost``.
+:meth:`Heartbeat.guard` raises ``RuntimeError("dmuon: rank K ... lost ...")`` on entry, or turns
+a broken collective's error into it; a survivor blocked in a collective that never errors exits
+with :data:`EXIT_CODE_LOST`, as NCCL's watchdog does, so ``torchrun`` can restart.
 
 Bounds after a rank dies (``h = interval_s``, ``T = timeout_s``, ``P = probe_s``,
 ``G = exit_grace_s``; defaults 0.5, 5, 1.5, 5 s): a survivor whose collective errors raises
-within ``P`` plus one store round trip; every other one within ``T + 2h + G`` (11 s). A live
-rank is named only if its heartbeat thread stalls for ``P``; a rank deadlocked in user code
-keeps beating (the process-group timeout covers it). Under ``env://`` the store lives in rank
-0, whose death makes it unreachable (the error says so); under ``torchrun`` it survives any rank.
+within ``P`` plus one store round trip; every other one within ``T + 2h + G`` (11 s). A rank
+deadlocked in user code keeps beating (the process-group timeout covers it). Under ``env://``
+the store lives in rank 0, whose death makes it unreachable (the error says so).
 """
 
 from __future__ import annotations
@@ -79,7 +74,7 @@ class Heartbeat:
         dist.broadcast_object_list(token, src=self.ranks[0], group=self.group)
         base = store if store is not None else dist.distributed_c10d._get_default_store()
         self.store = dist.PrefixStore(f"dmuon/heartbeat/{token[0]}/", base)
-        self.store.add(self._beat_key(self.rank), 1)
+        self.store.add(f"beat/{self.rank}", 1)
         self._lost: list[int] = []
         self._lost_at: float | None = None
         self._reported = False
@@ -87,15 +82,8 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
 
     # ----------------------------------------------------------------- store keys
-    @staticmethod
-    def _beat_key(rank: int) -> str:
-        return f"beat/{rank}"
-
     def _read_beat(self, rank: int) -> int:
-        return int(self.store.add(self._beat_key(rank), 0))  # add(0) reads without blocking
-
-    def _publish_lost(self, ranks: list[int]) -> None:
-        self.store.append("lost", "".join(f"{r}," for r in ranks))
+        return int(self.store.add(f"beat/{rank}", 0))  # add(0) reads without blocking
 
     def _read_lost(self) -> list[int]:
         if not self.store.check(["lost"]):
@@ -135,7 +123,7 @@ class Heartbeat:
         last_value, last_change = -1, time.monotonic()
         while not self._stop.wait(self.interval_s):
             try:
-                self.store.add(self._beat_key(self.rank), 1)
+                self.store.add(f"beat/{self.rank}", 1)
                 now = time.monotonic()
                 if neighbour is not None and not self._lost:
                     value = self._read_beat(neighbour)
@@ -144,7 +132,7 @@ class Heartbeat:
                     elif now - last_change > self.timeout_s:
                         logger.error("dmuon: rank %d sees no heartbeat from rank %d for %.1f s",
                                      self.rank, neighbour, now - last_change)
-                        self._publish_lost([neighbour])
+                        self.store.append("lost", f"{neighbour},")
                 if not self._lost:
                     lost = self._read_lost()
                     if lost:
@@ -163,9 +151,8 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ diagnosis
     def probe(self) -> list[int]:
-        """Global ranks whose heartbeat does not move for ``probe_s`` (blocks up to ``probe_s``).
-
-        Returns early with the published ``lost`` ranks when a watcher has named some.
+        """Global ranks whose heartbeat does not move for ``probe_s`` (blocks up to ``probe_s``),
+        or the published ``lost`` ranks as soon as a watcher has named some.
 
         Raises:
             RuntimeError: the c10d store is unreachable (its host is lost).

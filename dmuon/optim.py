@@ -1,14 +1,8 @@
-"""``dmuon.Muon``: Muon on the matrices, AdamW on everything else, over one of three update
-strategies picked by the constructor and held as ``opt.strategy``:
-
-* :class:`OwnerUpdate` -- ``Muon(model)`` for a model passed to :func:`dmuon.dedicate_params`
-  (the owner runtime: owners step their masters, then publish);
-* :class:`~dmuon.distconfig.optimizer.ConfiguredUpdate` -- ``Muon(params,
-  distributed_config=...)`` (hook-free owner-centric Muon over the user's own sharding);
-* :class:`~dmuon.distconfig.optimizer.SingleDeviceUpdate` -- ``Muon(params)`` (plain tensors).
-
-The strategies import downward only (``dmuon.distconfig`` never imports this module).
-"""
+"""``dmuon.Muon``: Muon on the matrices, AdamW on everything else, through one of three update
+strategies held as ``opt.strategy``: :class:`OwnerUpdate` (``Muon(model)``, the owner runtime of
+:func:`dmuon.dedicate_params`), :class:`~dmuon.distconfig.optimizer.ConfiguredUpdate`
+(``Muon(params, distributed_config=...)``) and
+:class:`~dmuon.distconfig.optimizer.SingleDeviceUpdate` (``Muon(params)``)."""
 
 from __future__ import annotations
 
@@ -22,29 +16,34 @@ from dmuon.comm.collectives import label
 from dmuon.comm.exchange import orthogonalize_tp
 from dmuon.comm.owned_grad import plain
 from dmuon.distconfig.config import DistributedConfig
-from dmuon.distconfig.optimizer import ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
+from dmuon.distconfig.optimizer import MUON_KEYS, ConfiguredUpdate, SingleDeviceUpdate, split_param_groups
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state_dict import OptimizerStateHooks, param_names
 from dmuon.owners.blocks import resolve_splits, tp_orthogonalizer, tp_rank_size
 from dmuon.owners.clip import clip_by_total_norm_
 from dmuon.owners.overlap import check_overlap, speculate, step_overlapped
-from dmuon.owners.update import MatrixLayout, MuonHyper, adamw_update_, muon_update_, validate_hyperparameters
+from dmuon.owners.update import (
+    MatrixLayout,
+    MuonHyper,
+    adamw_update_,
+    first_step_state,
+    muon_update_,
+    validate_hyperparameters,
+)
 from dmuon.qk_clip import QKClip, validate_qk_clip
 
 
 class Muon(torch.optim.Optimizer):
     """Muon for the matrices and AdamW for the rest, on the owner runtime, a
-    ``distributed_config`` or a single device.
+    ``distributed_config`` or a single device; the update equals ``torch.optim.Muon`` +
+    ``torch.optim.AdamW`` on the global batch (Jordan et al. 2024; Loshchilov & Hutter 2019;
+    :mod:`dmuon.owners.update`).
 
-    With a model passed to :func:`dmuon.dedicate_params` (:class:`OwnerUpdate`):
-    ``param_groups[0]`` holds every dedicated matrix (its fp32 master on the owner, a
-    zero-size placeholder elsewhere; identical group layout on every rank, so LR schedulers
-    work), ``param_groups[1]`` every other trainable parameter (FSDP2 shards or replicas),
-    stepped by AdamW. With parameters or param groups, each group is marked ``use_muon`` (see
-    :func:`~dmuon.distconfig.optimizer.split_param_groups`) and stepped on one device or
-    through ``distributed_config``. The update equals ``torch.optim.Muon`` +
-    ``torch.optim.AdamW`` on the global batch (Jordan et al. 2024; Loshchilov & Hutter 2019);
-    see :mod:`dmuon.owners.update`.
+    With a model (:class:`OwnerUpdate`), ``param_groups[0]`` holds every dedicated matrix (its
+    fp32 master on the owner, a zero-size placeholder elsewhere: the same group layout on every
+    rank, so LR schedulers work) and ``param_groups[1]`` every other trainable parameter. With
+    parameters or param groups, each group is marked ``use_muon``
+    (:func:`~dmuon.distconfig.optimizer.split_param_groups`).
 
     Args:
         params: the model given to ``dedicate_params``; or parameters / param groups (dicts
@@ -64,11 +63,10 @@ class Muon(torch.optim.Optimizer):
             (as ``torch.optim.Muon``; the last needs torch>=2.14). Where torch versions' Muon
             differ, dmuon follows the installed one (:mod:`dmuon.owners.torch_muon`).
         ns_method: ``"gram"`` (Gram-space, default) or ``"standard"``.
-        ns_dtype: iteration dtype: ``None`` (default): by the owner's device
-            (:func:`dmuon.kernels.default_ns_dtype`: ``torch.float16`` on CUDA, ``torch.float32``
-            on CPU, where half-precision products are converted and slower); ``torch.float16``;
-            ``torch.bfloat16`` (with ``"standard"`` and ``"muon"`` coefficients:
-            ``torch.optim.Muon``'s iteration); or ``torch.float32`` (exact-math mode).
+        ns_dtype: iteration dtype: ``None`` (default: :func:`dmuon.kernels.default_ns_dtype` of
+            the owner's device, fp16 on CUDA, fp32 on CPU), ``torch.float16``, ``torch.bfloat16``
+            (with ``"standard"`` and ``"muon"``: ``torch.optim.Muon``'s iteration) or
+            ``torch.float32`` (exact-math mode).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's hyper-parameters for the
             other parameters; ``adamw_lr``/``adamw_weight_decay`` default to ``lr``/``weight_decay``.
         ns_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`dmuon.kernels.newton_schulz`).
@@ -93,9 +91,9 @@ class Muon(torch.optim.Optimizer):
 
     Raises:
         ValueError: bad hyper-parameters (:func:`validate_hyperparameters`, also per param
-            group), ``dedicate_params`` not called on the model, a model together with a
-            ``distributed_config``, a ``distributed_config`` that is not a
-            ``DistributedConfig``, an empty parameter list, or a bad ``assign_fn`` result.
+            group), ``dedicate_params`` not called on the model, a model with a
+            ``distributed_config``, a ``distributed_config`` that is not a ``DistributedConfig``,
+            an empty parameter list, or a bad ``assign_fn`` result.
         TypeError: a hyper-parameter that is not a number, or ``params`` of neither kind.
         RuntimeError: ranks computed different ``assign_fn`` assignments.
     """
@@ -128,14 +126,12 @@ class Muon(torch.optim.Optimizer):
         overlap: str = "off",
     ) -> None:
         validate_qk_clip(qk_clip_threshold, qk_clip_alpha)
-        validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                 adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
-                                 adamw_lr=adamw_lr, adamw_betas=adamw_betas,
-                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
-                                 adamw_eps=adamw_eps, adamw_weight_decay=adamw_weight_decay)
         muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                              ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                              adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype)
+        validate_hyperparameters(**{k: muon_defaults[k] for k in MUON_KEYS}, adamw_lr=adamw_lr,
+                                 adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                                 adamw_weight_decay=adamw_weight_decay)
         adamw_defaults = dict(lr=lr if adamw_lr is None else adamw_lr, betas=tuple(adamw_betas),
                               eps=adamw_eps,
                               weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay)
@@ -170,29 +166,22 @@ class Muon(torch.optim.Optimizer):
         self.ns_backend = ns_backend
         self.max_batch_bytes = max_batch_bytes
         super().__init__(groups, defaults={})
+        self.distributed_config = distributed_config
         if isinstance(params, nn.Module):
-            self.strategy: Any = OwnerUpdate(self, params)
+            self.strategy: Any = OwnerUpdate(self, params, per_head=per_head, split=split,
+                                             qk_clip=qk_clip_threshold is not None)
             self.state_ctx = self.strategy.state
-            self.strategy.configure_blocks(per_head=per_head, split=split,
-                                           qk_clip=qk_clip_threshold is not None)
+            # torch's state-dict utilities see plain param_groups and momentum laid out like
+            # the parameters (the other strategies install their own)
+            self._state_dict_handles = OptimizerStateHooks(self, self.state_ctx).install()
         elif distributed_config is None:
             self.strategy = SingleDeviceUpdate(self)
         else:
             self.strategy = ConfiguredUpdate(self, distributed_config)
-        self.distributed_config = distributed_config
-        if isinstance(params, nn.Module):  # the other strategies install their own hooks
-            # torch's state-dict utilities see plain param_groups and momentum laid out like
-            # the parameters (dmuon.hooks.state_dict)
-            self._state_dict_handles = OptimizerStateHooks(self, self.state_ctx).install()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step (on the owner runtime, then the asynchronous publication of the
-        new weights).
-
-        Returns:
-            ``closure()``'s value when a closure is given.
-        """
+        """One optimizer step; returns ``closure()``'s value when a closure is given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -217,13 +206,10 @@ class Muon(torch.optim.Optimizer):
         return {"kept": 0, "recomputed": 0}
 
     def wait_pending(self) -> None:
-        """Block until every owner update an overlapped ``step()`` scheduled has finished
-        (``overlap="forward"`` / ``"backward"``; a no-op with ``"off"`` and other strategies).
-
-        ``model.state_dict()``, torch's state-dict and DCP APIs, ``dmuon.state_dict``,
+        """Block until every owner update an overlapped ``step()`` scheduled has finished (a
+        no-op with ``overlap="off"`` and other strategies). State-dict and DCP APIs,
         ``dmuon.clip_grad_norm_``, the next forward and the next ``step()`` wait by themselves;
-        call this only before reading a dedicated parameter's tensor directly (a master in
-        ``model.parameters()`` outside forward) between ``step()`` and the next forward.
+        call this only to read a dedicated master directly between ``step()`` and the next forward.
 
         Raises:
             RuntimeError: an update failed on dmuon's worker thread (naming the matrices).
@@ -235,17 +221,18 @@ class Muon(torch.optim.Optimizer):
 class OwnerUpdate:
     """The owner runtime's update: Muon on the masters this rank owns (TP matrices through
     their TP owner), AdamW on the other parameters, then the publication of the new weights.
-
     Every path of the Muon step (synchronous, per-head / split, overlapped, speculative) runs
-    the same three functions of :mod:`dmuon.owners.update` (momentum, Newton-Schulz, finish)
-    with a :class:`~dmuon.owners.update.MuonHyper` frozen when ``step()`` runs.
+    :mod:`dmuon.owners.update` with a :class:`~dmuon.owners.update.MuonHyper` frozen at ``step()``.
 
     Args:
         opt: the :class:`Muon` built over ``model`` (groups from :meth:`param_groups`).
         model: the model passed to :func:`dmuon.dedicate_params`.
+        per_head, split: resolved into ``splits`` (:func:`dmuon.owners.blocks.resolve_splits`).
+        qk_clip: install QK-clip's logit recording (:class:`dmuon.qk_clip.QKClip`).
     """
 
-    def __init__(self, opt: torch.optim.Optimizer, model: nn.Module) -> None:
+    def __init__(self, opt: torch.optim.Optimizer, model: nn.Module, *, per_head: bool = False,
+                 split: Any = None, qk_clip: bool = False) -> None:
         self.opt, self.model = opt, model
         self.state = state = get_state(model)
         self.splits: dict[int, Any] = {}  # id(record) -> Split
@@ -271,15 +258,10 @@ class OwnerUpdate:
                 stacklevel=3)
         if self.overlap == "backward":
             state.backward.speculator = self
-
-    def configure_blocks(self, *, per_head: bool, split: Any, qk_clip: bool) -> None:
-        """Resolve the per-head / explicit splits of the dedicated matrices
-        (:func:`dmuon.owners.blocks.resolve_splits`) and install QK-clip's logit recording
-        (:class:`dmuon.qk_clip.QKClip`) when ``qk_clip``."""
         if per_head or split is not None:
-            self.splits = resolve_splits(self.model, self.state.records, per_head=per_head, split=split)
+            self.splits = resolve_splits(model, state.records, per_head=per_head, split=split)
         if qk_clip:
-            self.qk_clip = QKClip(self.model, self.state)
+            self.qk_clip = QKClip(model, state)
 
     @staticmethod
     def param_groups(model: nn.Module, muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
@@ -302,12 +284,10 @@ class OwnerUpdate:
         then the step check and the publication.
 
         Raises:
-            RuntimeError: a matrix holds a gradient never reduced to its owner
-                (:meth:`dmuon.hooks.backward.ReduceToOwners.check_reduced`), ``fully_shard`` ran
-                on the model after binding (first step only, when no forward caught it:
-                :meth:`DedicateState.check_not_sharded_since_binding`), or QK-clip recorded no
-                logits of an attention layer in the first step (:mod:`dmuon.qk_clip`); each
-                before any parameter changes.
+            RuntimeError: before any parameter changes: a gradient never reduced to its owner
+                (:meth:`dmuon.hooks.backward.ReduceToOwners.check_reduced`), ``fully_shard``
+                run after binding (:meth:`DedicateState.check_not_sharded_since_binding`), or
+                QK-clip recorded no logits of an attention layer (:mod:`dmuon.qk_clip`).
         """
         state = self.state
         state.pending.wait_for(list(state.pending.jobs))  # the previous step's
@@ -335,8 +315,7 @@ class OwnerUpdate:
     def overlaps(self) -> bool:
         """Whether this step's Newton-Schulz runs behind the next forward: ``overlap`` is not
         ``"off"`` and the model has no tensor parallelism (its Newton-Schulz is collective;
-        warned once at construction). Per-head / split Muon and QK-clip overlap like the rest:
-        the clip's frozen plan scales the new rows in the job, before the compute copy."""
+        warned once at construction)."""
         return self.overlap != "off" and self.state.roles.tp is None
 
     def _owned(self, group: dict) -> list[tuple]:
@@ -347,15 +326,12 @@ class OwnerUpdate:
         for p in group["params"]:
             if p.grad is None or p.numel() == 0 or getattr(p.grad, "dmuon_absent", False):
                 continue
-            state = self.opt.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            items.append((p, plain(p.grad), state["momentum_buffer"], self.state.record_of_master[p]))
+            buf = first_step_state(self.opt.state[p], p, use_muon=True)["momentum_buffer"]
+            items.append((p, plain(p.grad), buf, self.state.record_of_master[p]))
         return items
 
     def layout(self, rec: Any) -> MatrixLayout:
-        """How ``rec``'s update is orthogonalized and lr-adjusted: its Newton-Schulz matrix
-        shape, its split (per-head / ``split=``), and its tensor-parallel slice."""
+        """``rec``'s Newton-Schulz matrix shape, split and tensor-parallel slice."""
         split = self.splits.get(id(rec))
         tp = self.state.roles.tp
         if tp is None:
@@ -371,8 +347,8 @@ class OwnerUpdate:
 
     @torch.no_grad()
     def speculate(self) -> None:
-        """End of a synced backward with ``overlap="backward"``: the owners' momentum into
-        copies and their Newton-Schulz behind (:func:`dmuon.owners.overlap.speculate`)."""
+        """End of a synced backward with ``overlap="backward"``:
+        :func:`dmuon.owners.overlap.speculate` on the owned matrices."""
         if not self.overlaps:
             return
         for group in self.opt.param_groups:
@@ -382,10 +358,9 @@ class OwnerUpdate:
 
     @torch.no_grad()
     def speculate_early(self, averages: dict) -> None:
-        """During a synced backward with ``overlap="backward"``: a bucket's reduce-to-owner has
-        completed; start its owned matrices' speculation from ``averages`` (``{record: fp32
-        average}``). A matrix with no momentum buffer yet (before its first step) waits for the
-        end of backward."""
+        """During a synced backward with ``overlap="backward"``, once a bucket's reduce-to-owner
+        completed: speculate from ``averages`` (``{record: fp32 average}``), for the matrices
+        that have a momentum buffer (the others wait for the end of backward)."""
         if not self.overlaps:
             return
         group = next(g for g in self.opt.param_groups if g["kind"] == "muon")
@@ -444,12 +419,9 @@ def unwrap_optimizer(opt: Any) -> Any:
 
 def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute.
-
-    Call it between ``backward()`` and ``step()``; it clips the averaged gradients *before*
-    Newton-Schulz (which is scale-invariant up to ``eps``, so clipping changes Muon's update only
-    through momentum, exactly as it does for ``torch.optim.Muon``). Collective over the mesh
-    (the owner runtime) or over the ``distributed_config``'s group; the math is
+    """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute,
+    between ``backward()`` and ``step()`` (before Newton-Schulz, as for ``torch.optim.Muon``).
+    Collective over the mesh or the ``distributed_config``'s group; the math is
     :func:`dmuon.owners.clip.clip_by_total_norm_`.
 
     Args:
@@ -467,8 +439,8 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
     Raises:
         RuntimeError: if ``error_if_nonfinite`` and the norm is nan or inf.
         ValueError: a model not passed to ``dedicate_params``, one pipeline stage of several
-            (its norm is not the model's), or (``distributed_config``) a
-            plain Muon matrix whose layout the config does not record.
+            (its norm is not the model's), or (``distributed_config``) a plain Muon matrix
+            whose layout the config does not record.
         TypeError: neither a model nor a :class:`Muon`.
     """
     model_or_optimizer = unwrap_optimizer(model_or_optimizer)

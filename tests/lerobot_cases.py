@@ -1,7 +1,7 @@
 """Tiny LeRobot policies (pi0, pi05, SmolVLA, ACT, diffusion) for dmuon's LeRobot tests.
 
 Every policy is LeRobot 0.6.1's own class, built from its own config with random weights and no
-hub access: :func:`dmuon.integrations.lerobot.tiny.tiny` shrinks the pretrained backbones those
+hub access: :func:`lerobot_tiny.tiny` (``bench/``) shrinks the pretrained backbones those
 classes hard-code (PaliGemma's Gemma 2B / 300M and SigLIP, SmolVLM2's config and processor) for
 the duration of the constructor, and the configs here drop ResNet-18's ImageNet weights. Layer
 structure, forward code, loss and processors stay LeRobot's. ``*_run`` functions run on every
@@ -10,11 +10,18 @@ rank of the test pool (``tests/_pool.py``).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from dmuon.integrations.lerobot.tiny import IMAGE, local_tokenizer, tiny, train_tiny
+_BENCH = str(Path(__file__).resolve().parents[1] / "bench")
+sys.path.insert(0, _BENCH)
+try:
+    from lerobot_tiny import IMAGE, local_tokenizer, tiny, train_tiny
+finally:
+    sys.path.remove(_BENCH)
 
 POLICIES = ("pi0", "pi05", "smolvla", "act", "diffusion")
 STATE_DIM, ACTION_DIM = 6, 4
@@ -228,7 +235,7 @@ def dmuon_run(rank: int, world_size: int, *, name: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- entry point
 def train_entry(rank: int, world_size: int, *, argv: list[str], policy: str,
                 tokenizer: str) -> list[dict[str, float]]:
-    """Pool worker: :func:`dmuon.integrations.lerobot.tiny.train_tiny`; its per-step records."""
+    """Pool worker: :func:`lerobot_tiny.train_tiny`; its per-step records."""
     return train_tiny(argv, policy, tokenizer)
 
 

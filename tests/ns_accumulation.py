@@ -28,7 +28,7 @@ from typing import Iterator, Optional
 import torch
 from torch import Tensor
 
-from dmuon.kernels.ops import NSOps, torch_add_diag
+from dmuon.kernels.newton_schulz import NSOps, torch_add_diag
 
 
 def mm(A: Tensor, B: Tensor, C: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 0.0) -> Tensor:

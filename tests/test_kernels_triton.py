@@ -44,8 +44,8 @@ if not _IN_INTERPRETER:
 else:
     from dmuon.kernels import newton_schulz
     from dmuon.kernels.launch_configs import LaunchConfig
-    from dmuon.kernels.ops import torch_sym_mm
-    from dmuon.kernels.triton_syrk import triton_sym_mm, triton_syrk
+    from dmuon.kernels.newton_schulz import torch_mm
+    from dmuon.kernels.triton_syrk import triton_sym_mm
 
     _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
     # Relative Frobenius error vs float64, per input dtype: a few units of roundoff of the output
@@ -63,12 +63,12 @@ else:
         X = torch.randn(shape, device=_DEVICE).to(dtype)
         ref = X.double() @ X.double().mT
         for config in (None, _SMALL_TILES):  # 16-tiles: several tile rows, partial and mirrored tiles
-            S = triton_syrk(X, config=config)
+            S = triton_sym_mm(X, X.mT, config=config)
             assert S.dtype == dtype and S.shape == ref.shape
             assert torch.equal(S, S.mT)
             assert _rel(S, ref) < _PRODUCT_TOL[dtype]
             # and agrees with the torch reference op to the same tolerance
-            assert _rel(S, torch_sym_mm(X, X.mT).double()) < _PRODUCT_TOL[dtype]
+            assert _rel(S, torch_mm(X, X.mT).double()) < _PRODUCT_TOL[dtype]
 
     @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
     def test_sym_mm_of_commuting_symmetric_matrices_with_c(dtype):
@@ -85,7 +85,7 @@ else:
     def test_non_contiguous_input_and_shape_errors():
         torch.manual_seed(2)
         X = torch.randn(40, 24).half().T  # [24, 40] view with strides (1, 24)
-        assert _rel(triton_syrk(X), X.double() @ X.double().T) < _PRODUCT_TOL[torch.float16]
+        assert _rel(triton_sym_mm(X, X.mT), X.double() @ X.double().T) < _PRODUCT_TOL[torch.float16]
         with pytest.raises(ValueError, match="shape"):
             triton_sym_mm(torch.randn(4, 8).half(), torch.randn(8, 5).half())
         with pytest.raises(ValueError, match="dtype"):

@@ -23,7 +23,7 @@ LAYERS = {
     "train": 8, "integrations": 8,  # glue to third-party trainers: uses the public API
     "__init__": 7,
     "profile": 6, "checkpoint": 6,
-    "optim": 5, "baselines": 5,
+    "optim": 5,
     "distconfig": 4,
     "qk_clip": 2.5,  # QK-clip (issue 40): owners math + a collective, below the optimizer
     "hooks": 3,

@@ -3,7 +3,7 @@ torch and PuLP (issue 38: on Python 3.12 with PuLP 4 it died building the owner 
 
 The job runs as the README shows it (its default: 4 gloo ranks, the Pi0-style policy, dmuon with
 an owner plan solved by rank 0), and once more with ``--optimizer vanilla``, the
-gather-then-compute ``torch.optim.Muon`` math (``dmuon.baselines.VanillaMuon``, itself checked
+gather-then-compute ``torch.optim.Muon`` math (``dmuon.train.baselines.VanillaMuon``, itself checked
 against ``torch.optim.Muon`` on one process in tests/test_train.py). The same data and seed
 give the same first loss; the two updates agree, so the later losses agree to float32 rounding.
 """

@@ -17,7 +17,7 @@ from torch import nn
 
 pytest.importorskip("gym_pusht", reason="the PushT simulator (pip install gym-pusht) is needed")
 
-from dmuon.baselines import VanillaMuon  # noqa: E402
+from dmuon.train.baselines import VanillaMuon  # noqa: E402
 from dmuon.train import data as data_mod  # noqa: E402
 from dmuon.train import frames as frames_mod  # noqa: E402
 from dmuon.train.expert import evaluate_expert  # noqa: E402
@@ -167,16 +167,16 @@ def _split(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
 
 
 def test_vanilla_matches_torch_muon_and_adamw_on_one_process(monkeypatch):
-    import dmuon.baselines
+    import dmuon.train.baselines
 
     calls = []
-    ns = dmuon.baselines.newton_schulz
+    ns = dmuon.train.baselines.newton_schulz
 
     def counted(*args, **kwargs):  # every rank orthogonalizes every matrix: count them
         calls.append(1)
         return ns(*args, **kwargs)
 
-    monkeypatch.setattr(dmuon.baselines, "newton_schulz", counted)
+    monkeypatch.setattr(dmuon.train.baselines, "newton_schulz", counted)
     torch.manual_seed(0)
     model = Pi0Policy(TINY_MODEL)
     ref = copy.deepcopy(model)

@@ -35,12 +35,11 @@ class DistributedConfig:
         state: metadata for the three functions (process groups, meshes, layouts, ...). The
             optimizer adds ``"assignments"`` and ``"rank"``.
         async_gpu_parallelism: ranks orthogonalize their own matrices at the same time (rounds
-            of one matrix per owner, update scatters awaited at the end of the step). False:
-            one matrix at a time, in parameter order, each finished before the next (debugging).
+            of one matrix per owner). False: one matrix at a time, in parameter order, each
+            finished before the next (debugging).
         prefetch_count: rounds whose gathers are issued ahead of the one being orthogonalized
-            (0: none). Applies to the helpers' functions, which move each round in one
-            asynchronous ``all_to_all``; costs about ``prefetch_count`` extra full matrices of
-            memory per owner. Functions of your own are called synchronously, round by round.
+            (0: none; about ``prefetch_count`` extra full matrices of memory per owner). Applies
+            to the helpers' functions; functions of your own are called round by round.
 
     Raises:
         ValueError: a function that is not callable, a ``state`` that is not a dict, a bad
@@ -72,10 +71,8 @@ class DistributedConfig:
 
 
 def validate_assignments(assignments: Any, num_params: int, world_size: int) -> tuple[int, ...]:
-    """Check ``assign_fn``'s result and return the owner of each parameter, in index order.
-
-    ``assignments``: ``{param_index: rank}`` (or a sequence of ranks) for ``num_params``
-    matrices over a group of ``world_size`` ranks.
+    """Check ``assign_fn``'s result (``{param_index: rank}`` or a sequence of ranks) for
+    ``num_params`` matrices over ``world_size`` ranks; return the owners in index order.
 
     Raises:
         ValueError: not a mapping, missing indices, unknown indices, non-integer ranks, or

@@ -1,19 +1,15 @@
 """:class:`dmuon.Muon`'s update strategies over parameters or param groups (no hooks):
 single-device Muon, and owner-centric Muon through a
-:class:`~dmuon.distconfig.config.DistributedConfig`.
+:class:`~dmuon.distconfig.config.DistributedConfig` (the PyTorch design "Muon Distributed
+Training"): momentum on each rank's local piece, ``gather_fn`` to the matrix's owner,
+Newton-Schulz there alone, ``redistribute_fn`` back, and each rank applies its piece. The math
+is ``torch.optim.Muon``'s (:mod:`dmuon.owners.update`).
 
-The distributed step follows the PyTorch design "Muon Distributed Training": momentum is
-updated on each rank's local piece, ``gather_fn`` assembles the Newton-Schulz input on the
-matrix's owner, the owner alone orthogonalizes it, ``redistribute_fn`` sends every rank its
-piece of the update, and each rank applies it. The math is ``torch.optim.Muon``'s
-(:mod:`dmuon.owners.update`); the single-device path is :func:`~dmuon.owners.update.muon_update_`.
-
-Schedule: the matrices go in *rounds*, one matrix of every owner (``async_gpu_parallelism``:
-all owners orthogonalize at once, scatters awaited at the end of the step) or one matrix each
-(finished before the next). The helpers' functions move a round in one asynchronous
-``all_to_all`` each way (:mod:`dmuon.comm.exchange`), ``prefetch_count`` rounds of gathers
-ahead: ``G(0..p)``, then per round ``k``: ``R(k)``, ``G(k+p+1)``, in the same order on every
-rank. Other functions are called per matrix, round by round.
+Schedule: the matrices go in *rounds* of one matrix per owner (``async_gpu_parallelism``; else
+one matrix per round, finished before the next). The helpers' functions move a round in one
+``all_to_all`` each way (:mod:`dmuon.comm.exchange`), gathers ``prefetch_count`` rounds ahead:
+``G(0..p)``, then per round ``k``: ``R(k)``, ``G(k+p+1)``. Other functions are called per
+matrix, round by round.
 """
 
 from __future__ import annotations
@@ -112,12 +108,8 @@ def _tensor(entry: Any) -> Tensor:
 
 
 class SingleDeviceUpdate:
-    """``distributed_config=None``: Muon on plain full tensors, AdamW on the rest.
-
-    Args:
-        opt: the :class:`dmuon.Muon` whose ``param_groups`` (from :func:`split_param_groups`)
-            and ``state`` this strategy steps.
-    """
+    """``distributed_config=None``: Muon on plain full tensors, AdamW on the rest, over the
+    ``param_groups`` (from :func:`split_param_groups`) and ``state`` of ``opt``."""
 
     group: Any = None  # the process group of collective helpers (none: single device)
 
@@ -130,7 +122,9 @@ class SingleDeviceUpdate:
         self.step_adamw()
         for group in self.opt.param_groups:
             if group["use_muon"]:
-                self._step_single(group)
+                ps = [p for p in group["params"] if p.grad is not None]
+                bufs = [zero_state(self.opt, p, use_muon=True)["momentum_buffer"] for p in ps]
+                muon_update_(ps, [p.grad for p in ps], bufs, self.hyper(group))
 
     def step_adamw(self) -> None:
         """AdamW on every ``use_muon=False`` group, element-wise on local shards."""
@@ -149,11 +143,6 @@ class SingleDeviceUpdate:
         """The frozen hyper-parameters of a Muon param group for this step."""
         return MuonHyper.of(group, backend=self.opt.ns_backend, max_batch_bytes=self.opt.max_batch_bytes)
 
-    def _step_single(self, group: dict) -> None:
-        ps = [p for p in group["params"] if p.grad is not None]
-        bufs = [zero_state(self.opt, p, use_muon=True)["momentum_buffer"] for p in ps]
-        muon_update_(ps, [p.grad for p in ps], bufs, self.hyper(group))
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool) -> Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every parameter of the optimizer."""
         params = [p for g in self.opt.param_groups for p in g["params"]]
@@ -163,9 +152,7 @@ class SingleDeviceUpdate:
 
 class ConfiguredUpdate(SingleDeviceUpdate):
     """Owner-centric Muon through a :class:`DistributedConfig` (see the module docstring).
-
-    Collective at construction: ``assign_fn`` runs on every rank and the ranks compare their
-    assignments (one ``all_gather_object``).
+    Collective at construction: ``assign_fn`` runs on every rank, which compare the results.
 
     Args:
         opt: the :class:`dmuon.Muon` (its ``param_groups`` from :func:`split_param_groups`).
@@ -244,7 +231,7 @@ class ConfiguredUpdate(SingleDeviceUpdate):
             self._normalize_like_torch(entries)
 
     def _ns_inputs(self, entries: list[tuple[Tensor, dict]]) -> list[Tensor]:
-        """Momentum update on local shards; the Newton-Schulz inputs (local), as muon_update_."""
+        """The momentum update on local pieces; returns the local Newton-Schulz inputs."""
         inputs = []
         for i, (p, g) in enumerate(entries):
             if p.grad is None:
@@ -335,9 +322,8 @@ class ConfiguredUpdate(SingleDeviceUpdate):
 
     def _normalize_like_torch(self, entries: list[tuple[Tensor, dict]]) -> None:
         """What torch <= 2.14 leaves in a bf16 momentum buffer with ``nesterov=False``: the
-        buffer divided by its norm (:mod:`dmuon.owners.torch_muon`). The full norm from the
-        local pieces (one all-reduce over the group, each piece counted once), after every
-        gather read them. Nothing on other torches, dtypes or with Nesterov."""
+        buffer divided by its full norm (:mod:`dmuon.owners.torch_muon`; one all-reduce, each
+        piece counted once), after every gather read it."""
         semantics = torch_muon.installed()
         todo = []
         for i, (p, g) in enumerate(entries):
@@ -369,11 +355,9 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                                    error_if_nonfinite=error_if_nonfinite, group=self.group)
 
     def _counted(self, param: Tensor, muon_index: int | None) -> bool:
-        """Whether this rank's local piece of ``param`` (or of its gradient) is the one copy a
-        sum over the group counts: the first copy of a DTensor piece
-        (:func:`~dmuon.owners.clip.is_first_copy`), the source of a plain Muon matrix's piece
-        in ``state["layouts"]`` (set by the helper configs), and group rank 0's copy of any
-        other plain tensor (a replica, as DDP holds it).
+        """Whether this rank's local piece of ``param`` (or of its gradient) is the copy a sum
+        over the group counts: a DTensor's first copy (:func:`~dmuon.owners.clip.is_first_copy`),
+        a plain Muon matrix's source in ``state["layouts"]``, or group rank 0's replica.
 
         Raises:
             ValueError: a plain Muon matrix without a layout (a hand-made config whose

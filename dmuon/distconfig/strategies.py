@@ -1,19 +1,12 @@
 """The three config helpers and the functions they install.
 
 All three read DTensor placements (``Shard``, ``_StridedShard``, ``Replicate``) from the tensors
-themselves, so FSDP2, HSDP, TP and FSDP x TP parameters need nothing else. They differ only in
-how *plain* tensors are understood:
-
-* :func:`create_processgroup_config`: a plain tensor is sharded along ``tp_shard_dim`` over
-  ``tp_pg`` (its TP shard), that shard along dim 0 over ``fsdp_pg`` (contiguous, uneven
-  allowed, as FSDP shards), and replicated over every other rank (``dp_pg``, ``cp_pg``).
-* :func:`create_devicemesh_config`: the same, with the groups taken from the mesh dims, named
-  as :func:`dmuon.dedicate_params` names them (:mod:`dmuon.comm.mesh_roles`).
-* :func:`create_dtensor_config`: plain tensors are replicas (DDP).
-
-``dmuon.Muon`` moves a round of the helpers' matrices in one ``all_to_all`` each way
-(:mod:`dmuon.comm.exchange`); :func:`gather_fn` and :func:`redistribute_fn` are that
-exchange for one matrix.
+themselves; they differ in how *plain* tensors are read: sharded along ``tp_shard_dim`` over
+``tp_pg``, that shard along dim 0 over ``fsdp_pg``, and replicated elsewhere
+(:func:`create_processgroup_config`; :func:`create_devicemesh_config` takes the groups from the
+mesh), or replicas (:func:`create_dtensor_config`). :func:`gather_fn` and
+:func:`redistribute_fn` are the owner exchange (:mod:`dmuon.comm.exchange`) for one matrix;
+``dmuon.Muon`` moves a whole round of them in one ``all_to_all`` each way.
 """
 
 from __future__ import annotations
@@ -109,15 +102,6 @@ def _plain_layouts(tensors: Sequence[Tensor], state: dict) -> list[MatrixLayout]
     return layouts
 
 
-def compute_layouts(params: Sequence[Tensor], state: dict) -> list[MatrixLayout]:
-    """Every matrix's :class:`MatrixLayout` (collective: one ``all_gather_object``)."""
-    plain = [i for i, p in enumerate(params) if not hasattr(p, "placements")]
-    layouts = {i: dtensor_layout(p, state["group_ranks"])
-               for i, p in enumerate(params) if hasattr(p, "placements")}
-    layouts.update(zip(plain, _plain_layouts([params[i] for i in plain], state)))
-    return [layouts[i] for i in range(len(params))]
-
-
 def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
     """Default ``assign_fn``: owners that balance Newton-Schulz FLOPs over the group's ranks.
 
@@ -129,7 +113,11 @@ def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
     from dmuon.kernels import ns_flops
     from dmuon.owners.plan import build_plan
 
-    layouts = compute_layouts(params, state)
+    plain = [i for i, p in enumerate(params) if not hasattr(p, "placements")]
+    by_index = {i: dtensor_layout(p, state["group_ranks"])
+                for i, p in enumerate(params) if hasattr(p, "placements")}
+    by_index.update(zip(plain, _plain_layouts([params[i] for i in plain], state)))  # collective
+    layouts = [by_index[i] for i in range(len(params))]
     state["layouts"] = layouts
     state["full_shapes"] = [layout.full_shape for layout in layouts]
     if not params:

@@ -28,8 +28,8 @@ import dmuon
 def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
             dedicate_kwargs: dict[str, Any] | None = None,
             **muon_kwargs: Any) -> tuple[nn.Module, Any]:
-    """Accelerate's FSDP2 preparation of ``model`` (auto-wrap, activation checkpointing, mixed
-    precision), then :func:`dmuon.dedicate_params` and :class:`dmuon.Muon`. Collective.
+    """Accelerate's FSDP2 preparation of ``model``, then :func:`dmuon.dedicate_params` and
+    :class:`dmuon.Muon`. Collective.
 
     Args:
         accelerator: an ``accelerate.Accelerator`` whose state is FSDP2
@@ -61,12 +61,19 @@ def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
         raise ValueError(
             f"dmuon: this accelerator already prepared {len(accelerator._models)} model(s); "
             f"Accelerate's FSDP2 takes one model per accelerator: call prepare() on a fresh one")
-    model, prepared_stand_in = accelerator.prepare(model, stand_in_optimizer(model))
-    accelerator._optimizers.remove(prepared_stand_in)  # save_state pairs _optimizers[i] with _models[i]
-    dmuon.dedicate_params(model, mesh if mesh is not None else fsdp_mesh(model),
-                          **(dedicate_kwargs or {}))
-    optimizer = accelerator.prepare_optimizer(dmuon.Muon(model, **muon_kwargs))
-    return model, optimizer
+    model, stand_in = accelerator.prepare(model, stand_in_optimizer(model))
+    return model, replace_stand_in(accelerator, model, stand_in,
+                                   {**(dedicate_kwargs or {}), "mesh": mesh}, muon_kwargs)
+
+
+def replace_stand_in(accelerator: Any, model: nn.Module, stand_in: Any,
+                     dedicate_kwargs: dict[str, Any], muon_kwargs: dict[str, Any]) -> Any:
+    """:func:`dedicate` the FSDP2-sharded ``model``, then the accelerator's prepared
+    :class:`dmuon.Muon` in place of the prepared ``stand_in`` (collective)."""
+    if stand_in in accelerator._optimizers:
+        accelerator._optimizers.remove(stand_in)  # save_state pairs _optimizers[i] with _models[i]
+    dedicate(model, dedicate_kwargs)
+    return accelerator.prepare_optimizer(dmuon.Muon(model, **muon_kwargs))
 
 
 def stand_in_optimizer(model: nn.Module) -> torch.optim.Optimizer:
@@ -80,7 +87,8 @@ def dedicate(model: nn.Module, dedicate_kwargs: dict[str, Any]) -> None:
     """:func:`dmuon.dedicate_params` with ``dedicate_kwargs``, whose ``mesh`` defaults to
     :func:`fsdp_mesh` (collective)."""
     kwargs = dict(dedicate_kwargs)
-    dmuon.dedicate_params(model, kwargs.pop("mesh", None) or fsdp_mesh(model), **kwargs)
+    mesh = kwargs.pop("mesh", None)
+    dmuon.dedicate_params(model, mesh if mesh is not None else fsdp_mesh(model), **kwargs)
 
 
 def fsdp_mesh(model: nn.Module) -> Any:

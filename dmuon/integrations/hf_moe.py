@@ -34,10 +34,9 @@ _STACKS = ("gate_up_proj", "down_proj")
 
 def ep_dispatch(routed: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None,
                 compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
-    """Send each row to the rank holding its expert, run ``compute`` there, bring the rows back.
-
-    torchtitan's ``ExpertParallel`` dispatch and combine, with torch's autograd all-to-all
-    (``all_to_all_single_autograd``), so gradients flow back along the same route.
+    """Send each row to the rank holding its expert, run ``compute`` there, bring the rows back:
+    torchtitan's ``ExpertParallel`` dispatch and combine, with torch's autograd all-to-all, so
+    gradients flow back along the same route.
 
     Args:
         routed: ``[rows, hidden]``, any float dtype, rows sorted by global expert index (not
@@ -80,11 +79,10 @@ def ep_dispatch(routed: torch.Tensor, counts: torch.Tensor, group: dist.ProcessG
 
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face experts module's forward with expert parallelism.
-
-    transformers 5's ``Qwen3MoeExperts.forward``: ``sum_k w_k * down[e_k] (act(gate[e_k] x) *
-    up[e_k] x)`` (``gate_up_proj[e]`` holds ``gate`` above ``up``), each (token, expert) pair sent
-    by :func:`ep_dispatch` over ``experts.ep_group`` (``None``: every expert local).
+    """A Hugging Face experts module's forward with expert parallelism: transformers 5's
+    ``Qwen3MoeExperts.forward``, ``sum_k w_k * down[e_k] (act(gate[e_k] x) * up[e_k] x)``
+    (``gate_up_proj[e]`` holds ``gate`` above ``up``), each (token, expert) pair sent by
+    :func:`ep_dispatch` over ``experts.ep_group`` (``None``: every expert local).
 
     Args:
         experts: the experts module (``gate_up_proj`` ``[E, 2 * I, H]``, ``down_proj``
@@ -117,11 +115,9 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
 
 
 def shard_experts(experts: nn.Module, ep_mesh: Any) -> nn.Module:
-    """Lay a Hugging Face experts module out for expert parallelism, in place.
-
-    Each stack becomes a DTensor ``Shard(0)`` over ``ep_mesh``, ``experts.ep_group`` is set and
-    ``experts.forward`` is :func:`experts_forward`. Call it before ``fully_shard`` and
-    :func:`dmuon.dedicate_params`.
+    """Lay a Hugging Face experts module out for expert parallelism, in place, before
+    ``fully_shard`` and :func:`dmuon.dedicate_params`: each stack becomes a DTensor ``Shard(0)``
+    over ``ep_mesh``, ``experts.ep_group`` is set and ``experts.forward`` is :func:`experts_forward`.
 
     Args:
         experts: a transformers 5 experts module (``layer.mlp.experts``), parameters full on

@@ -42,13 +42,11 @@ class DmuonOptimizersContainer(OptimizersContainer):
         model_parts: torchtitan's model parts (one without pipeline parallelism).
 
     Raises:
-        ValueError: ``config.path`` is not one of :data:`PATHS`; on the hooks path, a model
-            part has no FSDP2 parameter and no ``mesh`` was given in ``dedicate_kwargs``; on the
-            ``distributed_config`` path, ``dedicate_kwargs`` other than ``predicate``, a
-            predicate asking for row blocks or picking a parameter that is not 2-D (an MoE
-            expert stack), or a ``distributed_config`` that is not a
-            :class:`dmuon.DistributedConfig`; or what :func:`dmuon.dedicate_params` /
-            :class:`dmuon.Muon` raise.
+        ValueError: ``config.path`` is not one of :data:`PATHS`; hooks path: a model part with
+            no FSDP2 parameter and no ``mesh``; ``distributed_config`` path: ``dedicate_kwargs``
+            other than ``predicate``, a predicate asking for row blocks or picking a non-2-D
+            parameter, or a ``distributed_config`` that is not a :class:`dmuon.DistributedConfig`;
+            or what :func:`dmuon.dedicate_params` / :class:`dmuon.Muon` raise.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -81,7 +79,8 @@ class DmuonOptimizersContainer(OptimizersContainer):
         all_params = []
         for model in model_parts:
             if config.path == "hooks":
-                optimizer = _hooks_optimizer(model, config)
+                dedicate(model, config.dedicate_kwargs)  # collective
+                optimizer = dmuon.Muon(model, **config.muon_kwargs)
             else:
                 optimizer = _distributed_config_optimizer(model, config)
             self.optimizers.append(optimizer)
@@ -111,12 +110,6 @@ class DmuonOptimizersContainer(OptimizersContainer):
                         sd["state"][pid] = {"momentum_buffer": state_dict[key]}
                     pid += 1
             optim.load_state_dict(sd)
-
-
-def _hooks_optimizer(model: nn.Module, config: DmuonOptimizersContainer.Config) -> dmuon.Muon:
-    """``dedicate_params`` on ``model`` (collective), then ``dmuon.Muon(model)``."""
-    dedicate(model, config.dedicate_kwargs)
-    return dmuon.Muon(model, **config.muon_kwargs)
 
 
 def _distributed_config_optimizer(model: nn.Module,

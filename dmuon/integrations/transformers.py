@@ -14,11 +14,9 @@
     trainer.train()                       # or train(resume_from_checkpoint=True)
     trainer.save_model()                  # full weights, save_pretrained / push_to_hub ready
 
-A subclass, because ``optimizers=`` is refused under FSDP and ``optimizer_cls_and_kwargs``
-would hand ``dmuon.Muon`` DTensor shards without :func:`dmuon.dedicate_params`. The Trainer
-shards the model between ``create_optimizer`` and ``create_scheduler``, so the latter
-dedicates, builds ``dmuon.Muon`` in place of a stand-in, then the stock scheduler. Clipping,
-``save_model`` and checkpoints / resume are the stock Trainer's.
+A subclass, because the Trainer refuses ``optimizers=`` under FSDP and shards the model only
+between ``create_optimizer`` and ``create_scheduler``. Clipping, ``save_model`` and checkpoints /
+resume are the stock Trainer's.
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ from typing import Any
 import torch
 import transformers
 
-import dmuon
 from dmuon.hooks.dedicate import STATE_ATTR
-from dmuon.integrations.accelerate import dedicate, stand_in_optimizer
+from dmuon.integrations.accelerate import replace_stand_in, stand_in_optimizer
 
 
 class DmuonTrainer(transformers.Trainer):
@@ -62,13 +59,6 @@ class DmuonTrainer(transformers.Trainer):
         self.muon_kwargs = dict(muon_kwargs or {})
         self.dedicate_kwargs = dict(dedicate_kwargs or {})
 
-    # ------------------------------------------------------------------ optimizer
-    def _muon_kwargs(self) -> dict[str, Any]:
-        args = self.args
-        return {"lr": args.learning_rate, "weight_decay": args.weight_decay,
-                "adamw_betas": (args.adam_beta1, args.adam_beta2), "adamw_eps": args.adam_epsilon,
-                **self.muon_kwargs}
-
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """A stand-in until :meth:`create_scheduler`: Accelerate's FSDP2 ``prepare`` needs an
         optimizer beside the model, and ``dmuon.Muon`` needs the sharded model."""
@@ -85,19 +75,17 @@ class DmuonTrainer(transformers.Trainer):
             ValueError: the Trainer is not on FSDP2 (``fsdp_config={"fsdp_version": 2}``).
         """
         if optimizer is None and getattr(self.model, STATE_ATTR, None) is None:  # not dedicated yet
-            self._dedicate_and_build_muon()
+            plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
+            if not self.is_fsdp_enabled or getattr(plugin, "fsdp_version", 1) != 2:
+                raise ValueError(
+                    "dmuon: DmuonTrainer needs FSDP2: TrainingArguments(fsdp='full_shard', "
+                    "fsdp_config={'fsdp_version': 2, ...}) and a distributed launch (torchrun / "
+                    "accelerate launch)")
+            args = self.args
+            muon_kwargs = {"lr": args.learning_rate, "weight_decay": args.weight_decay,
+                           "adamw_betas": (args.adam_beta1, args.adam_beta2),
+                           "adamw_eps": args.adam_epsilon, **self.muon_kwargs}
+            # fully_shard converted self.model in place
+            self.optimizer = replace_stand_in(self.accelerator, self.model, self.optimizer,
+                                              self.dedicate_kwargs, muon_kwargs)
         return super().create_scheduler(num_training_steps, optimizer=optimizer)
-
-    def _dedicate_and_build_muon(self) -> None:
-        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)
-        if not self.is_fsdp_enabled or getattr(plugin, "fsdp_version", 1) != 2:
-            raise ValueError(
-                "dmuon: DmuonTrainer needs FSDP2: TrainingArguments(fsdp='full_shard', "
-                "fsdp_config={'fsdp_version': 2, ...}) and a distributed launch (torchrun / "
-                "accelerate launch)")
-        model = self.model  # fully_shard converted it in place
-        dedicate(model, self.dedicate_kwargs)
-        stand_in = self.optimizer
-        if stand_in in self.accelerator._optimizers:
-            self.accelerator._optimizers.remove(stand_in)  # save_state pairs _optimizers[i] with _models[i]
-        self.optimizer = self.accelerator.prepare_optimizer(dmuon.Muon(model, **self._muon_kwargs()))

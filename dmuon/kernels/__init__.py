@@ -4,21 +4,15 @@ Triton is imported lazily (only for ``backend="triton"``/``"auto"`` on CUDA), so
 imports without it.
 """
 
-from dmuon.kernels.batching import DEFAULT_MAX_BATCH_BYTES, orthogonalize_by_shape
-from dmuon.kernels.coefficients import (
-    MUON_COEFFICIENTS,
-    POLAR_EXPRESS_COEFFICIENTS,
-    POLAR_EXPRESS_SAFETY,
-    choose_gram_restarts,
-    resolve_coefficients,
+from dmuon.kernels.coefficients import choose_gram_restarts, resolve_coefficients
+from dmuon.kernels.newton_schulz import (
+    default_ns_dtype,
+    newton_schulz,
+    ns_flops,
+    orthogonalize_by_shape,
 )
-from dmuon.kernels.newton_schulz import default_ns_dtype, newton_schulz, ns_flops
 
 __all__ = [
-    "DEFAULT_MAX_BATCH_BYTES",
-    "MUON_COEFFICIENTS",
-    "POLAR_EXPRESS_COEFFICIENTS",
-    "POLAR_EXPRESS_SAFETY",
     "choose_gram_restarts",
     "default_ns_dtype",
     "newton_schulz",

@@ -1,12 +1,10 @@
 """Launch configs for the Triton symmetric-product kernels: tuned offline, looked up at run time.
 
-The table ``dmuon/kernels/configs/launch_configs.json`` (shipped as package data) is written by
-``bench/tune_kernels.py``. It maps a GPU name (``torch.cuda.get_device_name()``) to an ordered
-list of shape buckets; a bucket matches when the output side ``m`` and the reduction length ``k``
-are within its ``max_m``/``max_k`` (``null`` means unbounded), and the first match wins. GPUs not
-in the table use ``"default"``; CPU tensors (only runnable under ``TRITON_INTERPRET=1``) use
-``"interpreter"``, whose small tiles keep the interpreter fast. There is no autotuning on the hot
-path, so every rank launches the same config for the same shape.
+``bench/tune_kernels.py`` writes the table ``dmuon/kernels/configs/launch_configs.json``
+(package data): per GPU name (``torch.cuda.get_device_name()``) an ordered list of shape
+buckets; the first whose ``max_m``/``max_k`` (``null``: unbounded) hold the output side ``m``
+and the reduction length ``k`` wins. Other GPUs use ``"default"``, CPU tensors (under
+``TRITON_INTERPRET=1``) ``"interpreter"``. No autotuning: every rank launches the same config.
 
 Schema (version 1)::
 
@@ -23,16 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import logging
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["LaunchConfig", "LaunchTable", "load_launch_table", "lookup_launch_config", "min_rows_for_triton"]
+__all__ = ["LaunchConfig", "LaunchTable", "load_launch_table", "lookup_launch_config",
+           "min_rows_for_triton"]
 
 _TABLE_FILE = "launch_configs.json"
 _SCHEMA = 1
@@ -62,15 +58,17 @@ class LaunchConfig:
         for name in ("block", "block_k"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 16 or not _is_pow2(value):
-                raise ValueError(f"dmuon: LaunchConfig.{name} must be a power of 2 >= 16; got {value!r}.")
-        if not isinstance(self.num_warps, int) or not _is_pow2(self.num_warps) or self.num_warps > 16:
-            raise ValueError(f"dmuon: LaunchConfig.num_warps must be 1, 2, 4, 8 or 16; got {self.num_warps!r}.")
+                raise ValueError(f"dmuon: LaunchConfig.{name} must be a power of 2 >= 16; "
+                                 f"got {value!r}.")
+        warps = self.num_warps
+        if not isinstance(warps, int) or not _is_pow2(warps) or warps > 16:
+            raise ValueError(f"dmuon: LaunchConfig.num_warps must be 1, 2, 4, 8 or 16; got {warps!r}.")
         if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"dmuon: LaunchConfig.num_stages must be an int >= 1; got {self.num_stages!r}.")
+            raise ValueError(f"dmuon: LaunchConfig.num_stages must be an int >= 1; "
+                             f"got {self.num_stages!r}.")
 
 
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class _Bucket:
+class _Bucket(NamedTuple):
     max_m: Optional[int]
     max_k: Optional[int]
     config: LaunchConfig
@@ -102,62 +100,56 @@ class LaunchTable:
     def entry(self, device: torch.device) -> _DeviceEntry:
         if device.type != "cuda":
             return self.interpreter
-        name = torch.cuda.get_device_name(device)
-        for gpu, entry in self.gpus:
-            if gpu == name:
-                return entry
-        return self.default
+        return dict(self.gpus).get(torch.cuda.get_device_name(device), self.default)
 
 
 def _parse_entry(raw: Any, where: str) -> _DeviceEntry:
     if not isinstance(raw, dict) or not isinstance(raw.get("buckets"), list) or not raw["buckets"]:
-        raise ValueError(f"dmuon: launch table entry {where} needs a non-empty 'buckets' list; got {raw!r}.")
+        raise ValueError(f"dmuon: launch table entry {where} needs a non-empty 'buckets' list; "
+                         f"got {raw!r}.")
     buckets = []
     for i, b in enumerate(raw["buckets"]):
         try:
             config = LaunchConfig(block=b["block"], block_k=b["block_k"], num_warps=b["num_warps"],
                                   num_stages=b["num_stages"])
-            buckets.append(_Bucket(max_m=b.get("max_m"), max_k=b.get("max_k"), config=config))
+            buckets.append(_Bucket(b.get("max_m"), b.get("max_k"), config))
         except (KeyError, TypeError) as exc:
-            raise ValueError(f"dmuon: launch table {where} bucket {i} is malformed ({exc}): {b!r}.") from exc
-    if buckets[-1].max_m is not None or buckets[-1].max_k is not None:
-        raise ValueError(f"dmuon: the last bucket of launch table entry {where} must be unbounded (max_m = max_k = null).")
-    return _DeviceEntry(min_rows_for_triton=int(raw.get("min_rows_for_triton", 256)), buckets=tuple(buckets))
-
-
-def parse_launch_table(raw: Any) -> LaunchTable:
-    """Validate and parse a launch table loaded from JSON.
-
-    Raises:
-        ValueError: wrong schema version or a malformed entry (naming it).
-    """
-    if not isinstance(raw, dict) or raw.get("schema") != _SCHEMA:
-        raise ValueError(f"dmuon: launch table must be a dict with schema {_SCHEMA}; got schema "
-                         f"{raw.get('schema') if isinstance(raw, dict) else raw!r}.")
-    gpus = tuple((str(name), _parse_entry(e, f"gpus[{name!r}]")) for name, e in raw.get("gpus", {}).items())
-    return LaunchTable(default=_parse_entry(raw["default"], "default"),
-                       interpreter=_parse_entry(raw["interpreter"], "interpreter"), gpus=gpus)
+            raise ValueError(f"dmuon: launch table {where} bucket {i} is malformed ({exc}): "
+                             f"{b!r}.") from exc
+    if buckets[-1][:2] != (None, None):
+        raise ValueError(f"dmuon: the last bucket of launch table entry {where} must be unbounded "
+                         f"(max_m = max_k = null).")
+    return _DeviceEntry(min_rows_for_triton=int(raw.get("min_rows_for_triton", 256)),
+                        buckets=tuple(buckets))
 
 
 @functools.lru_cache(maxsize=4)
 def load_launch_table(path: Optional[str] = None) -> LaunchTable:
-    """Load and parse the launch table (cached; immutable).
+    """Load, validate and parse the launch table (cached; immutable).
 
     Args:
         path: a JSON file; ``None`` reads the table shipped in ``dmuon/kernels/configs/``.
 
     Raises:
-        ValueError: malformed table.
+        ValueError: wrong schema version or a malformed entry (naming it).
         FileNotFoundError: ``path`` does not exist.
     """
     if path is None:
         text = resources.files("dmuon.kernels").joinpath("configs", _TABLE_FILE).read_text()
     else:
         text = Path(path).read_text()
-    return parse_launch_table(json.loads(text))
+    raw = json.loads(text)
+    if not isinstance(raw, dict) or raw.get("schema") != _SCHEMA:
+        raise ValueError(f"dmuon: launch table must be a dict with schema {_SCHEMA}; got schema "
+                         f"{raw.get('schema') if isinstance(raw, dict) else raw!r}.")
+    gpus = tuple((str(name), _parse_entry(e, f"gpus[{name!r}]"))
+                 for name, e in raw.get("gpus", {}).items())
+    return LaunchTable(default=_parse_entry(raw["default"], "default"),
+                       interpreter=_parse_entry(raw["interpreter"], "interpreter"), gpus=gpus)
 
 
-def lookup_launch_config(device: torch.device, m: int, k: int, table: Optional[LaunchTable] = None) -> LaunchConfig:
+def lookup_launch_config(device: torch.device, m: int, k: int,
+                         table: Optional[LaunchTable] = None) -> LaunchConfig:
     """Launch config for an ``[m, k] @ [k, m]`` symmetric product on ``device``.
 
     Args:
@@ -166,11 +158,8 @@ def lookup_launch_config(device: torch.device, m: int, k: int, table: Optional[L
         k: reduction length.
         table: a parsed table; ``None`` uses the shipped one.
     """
-    table = table or load_launch_table()
-    for bucket in table.entry(device).buckets:
-        if bucket.matches(m, k):
-            return bucket.config
-    raise RuntimeError("dmuon: launch table has no unbounded last bucket")  # excluded by parsing
+    buckets = (table or load_launch_table()).entry(device).buckets
+    return next(b.config for b in buckets if b.matches(m, k))  # the last one is unbounded
 
 
 def min_rows_for_triton(device: torch.device) -> int:

@@ -1,7 +1,10 @@
-"""Newton-Schulz orthogonalization: the standard and the Gram-space iteration, and their FLOPs.
+"""Newton-Schulz orthogonalization: the standard and the Gram-space iteration, their FLOPs, and
+same-shape batching under a memory cap.
 
-Both algorithms are written once over the op set of :mod:`dmuon.kernels.ops` (``sym_mm``,
-``mm``, ``add_diag``); the torch op set is the spec, the Triton op set a faster backend.
+Both algorithms are written once over a small op set (:class:`NSOps`: ``sym_mm``, ``mm``,
+``add_diag``), so backends cannot drift: the torch op set is the spec, the Triton op set
+(:mod:`dmuon.kernels.triton_syrk`) a faster backend (the pattern of Dao-AILab/gram-newton-schulz's
+``_TORCH_BE``/``_TRITON_BE`` and microsoft/dion).
 
 Math (DESIGN.md "Newton-Schulz"). Input ``M`` of shape ``m x n``, transposed so ``m <= n``,
 ``X_0 = M / max(||M||_F, eps)``, and per step ``(a, b, c)``:
@@ -19,23 +22,75 @@ Math (DESIGN.md "Newton-Schulz"). Input ``M`` of shape ``m x n``, transposed so 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from dmuon.kernels.coefficients import choose_gram_restarts, resolve_coefficients
-from dmuon.kernels.ops import TORCH_OPS, NSOps
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["newton_schulz", "ns_flops"]
+__all__ = ["DEFAULT_MAX_BATCH_BYTES", "NSOps", "TORCH_OPS", "default_ns_dtype", "newton_schulz",
+           "ns_flops", "orthogonalize_by_shape", "torch_add_diag", "torch_mm"]
 
 _METHODS = ("standard", "gram")
 _BACKENDS = ("auto", "torch", "triton")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+#: Default cap on the bytes of one stacked ``[batch, m, n]`` input in the iteration dtype (the
+#: peak is a small multiple of it).
+DEFAULT_MAX_BATCH_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class NSOps:
+    """A backend for the Newton-Schulz algorithms: three ops on ``[m, k]`` or ``[batch, m, k]``
+    operands of one floating dtype, returning that dtype.
+
+    Attributes:
+        name: backend name, ``"torch"`` or ``"triton"``.
+        sym_mm: ``(A, B, C=None, alpha=1.0, beta=0.0) -> alpha*A@B + beta*C`` for a result the
+            caller promises symmetric (``A A^T``, or a product of two commuting symmetric
+            matrices, as every Gram-polynomial product is): a kernel may compute one triangle.
+        mm: ``(A, B, C=None, alpha=1.0, beta=0.0) -> alpha*A@B + beta*C``.
+        add_diag: ``(A, value) -> A + value * I`` (a new tensor).
+    """
+
+    name: str
+    sym_mm: Callable[..., Tensor]
+    mm: Callable[..., Tensor]
+    add_diag: Callable[[Tensor, float], Tensor]
+
+
+def torch_mm(
+    A: Tensor, B: Tensor, C: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 0.0
+) -> Tensor:
+    """``alpha * A @ B + beta * C`` (``A`` ``[m, k]`` or ``[batch, m, k]``, ``B`` ``[.., k, n]``,
+    ``C`` ``None`` or ``[.., m, n]``, one dtype) with the calls ``torch.optim.Muon`` issues
+    (``A @ B``, ``torch.addmm``; ``baddbmm`` for 3-D), so the bf16 standard iteration is bitwise
+    identical to it. Also the reference ``sym_mm``: torch computes all of a symmetric result."""
+    if C is None:
+        if alpha == 1.0:
+            return A @ B
+        return torch.mul(A @ B, alpha)
+    if A.dim() == 2:
+        return torch.addmm(C, A, B, beta=beta, alpha=alpha)
+    return torch.baddbmm(C, A, B, beta=beta, alpha=alpha)
+
+
+def torch_add_diag(A: Tensor, value: float) -> Tensor:
+    """Return ``A + value * I`` for ``A`` of shape ``[m, m]`` or ``[batch, m, m]`` (new tensor)."""
+    out = A.clone()
+    out.diagonal(dim1=-2, dim2=-1).add_(value)
+    return out
+
+
+#: The reference backend.
+TORCH_OPS = NSOps(name="torch", sym_mm=torch_mm, mm=torch_mm, add_diag=torch_add_diag)
 
 
 def _standard_iteration(X: Tensor, coefficients: Sequence[tuple[float, float, float]], ops: NSOps) -> Tensor:
@@ -80,7 +135,7 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
     if backend == "torch" or (backend == "auto" and X.device.type != "cuda"):
         return TORCH_OPS  # "auto" never uses Triton on CPU: do not even import it
     try:
-        from dmuon.kernels import triton_ops
+        from dmuon.kernels import triton_syrk
     except ImportError as exc:
         if backend == "triton":
             raise RuntimeError(
@@ -88,10 +143,11 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
                 "Install dmuon[triton] or pass backend='torch'."
             ) from exc
         return TORCH_OPS
+    if backend == "auto" and not triton_syrk.auto_prefers_triton(X):
+        return TORCH_OPS
     if backend == "triton":
-        triton_ops.check_supported(X)
-        return triton_ops.TRITON_OPS
-    return triton_ops.TRITON_OPS if triton_ops.auto_prefers_triton(X) else TORCH_OPS
+        triton_syrk.check_supported(X)
+    return NSOps(name="triton", sym_mm=triton_syrk.triton_sym_mm, mm=torch_mm, add_diag=torch_add_diag)
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
@@ -204,7 +260,6 @@ def ns_flops(
     steps: int = 5,
     method: str = "standard",
     batch: int = 1,
-    restarts: Optional[Sequence[int]] = None,
     symmetric: bool = False,
 ) -> float:
     """FLOPs of one Newton-Schulz call, counting ``2 * M * N * K`` per ``[M, K] @ [K, N]`` product.
@@ -230,8 +285,6 @@ def ns_flops(
         steps: number of iterations.
         method: ``"standard"`` or ``"gram"``.
         batch: number of matrices of this shape.
-        restarts: Gram restart steps; ``None`` uses the count of one restart (the placement does
-            not change the FLOPs).
         symmetric: count symmetric products at half cost.
 
     Returns:
@@ -251,8 +304,7 @@ def ns_flops(
     syrk, gemm_pq, cube = 2.0 * p * p * q * half, 2.0 * p * p * q, 2.0 * p**3
     if method == "standard" or p == q:
         return float(batch * steps * (syrk + cube * half + gemm_pq))
-    if restarts is None:
-        restarts = (1,) if steps >= 2 else ()
+    restarts = (1,) if steps >= 2 else ()  # one restart (its placement does not change the FLOPs)
     total = syrk
     fresh = True
     for i in range(steps):
@@ -267,3 +319,58 @@ def ns_flops(
             total += 2 * cube * half  # RZ and R updates
     total += gemm_pq  # final Q X
     return float(batch * total)
+
+
+def orthogonalize_by_shape(
+    tensors: Sequence[Tensor],
+    *,
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
+    **newton_schulz_kwargs: Any,
+) -> list[Tensor]:
+    """Run :func:`newton_schulz` over many matrices, batching equal shapes.
+
+    Matrices are grouped by ``(shape, dtype, device)`` in order of first appearance, stacked into
+    ``[batch, m, n]`` chunks whose size in the iteration dtype stays under ``max_batch_bytes``
+    (a single matrix larger than the cap goes alone), and each chunk is one ``newton_schulz``
+    call. Batching does not change the math: each matrix is normalized by its own norm.
+
+    Args:
+        tensors: 2-D tensors ``[m, n]``, full (not shards), any floating dtype; not mutated.
+        max_batch_bytes: cap on one chunk's stacked input, in bytes (>= 1).
+        **newton_schulz_kwargs: passed to ``newton_schulz`` (``steps``, ``coefficients``,
+            ``method``, ``dtype``, ``eps``, ``backend``, ``restarts``).
+
+    Returns:
+        One tensor per input, in input order, each of its input's shape in the iteration dtype.
+
+    Raises:
+        ValueError: a tensor that is not 2-D (naming its index and shape), a non-positive cap,
+            or a bad ``newton_schulz`` argument.
+    """
+    if not isinstance(max_batch_bytes, int) or max_batch_bytes < 1:
+        raise ValueError(f"dmuon: max_batch_bytes must be a positive int; got {max_batch_bytes!r}.")
+    groups: dict[tuple, list[int]] = {}
+    for index, t in enumerate(tensors):
+        if t.dim() != 2:
+            raise ValueError(
+                f"dmuon: orthogonalize_by_shape takes 2-D matrices; tensor {index} has shape "
+                f"{tuple(t.shape)}. Reshape it to 2-D first."
+            )
+        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(index)
+
+    out: list[Tensor | None] = [None] * len(tensors)
+    for (shape, _, device), indices in groups.items():
+        dtype = newton_schulz_kwargs.get("dtype") or default_ns_dtype(device)
+        per_matrix = max(1, shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size())
+        chunk = max(1, max_batch_bytes // per_matrix)
+        for start in range(0, len(indices), chunk):
+            part = indices[start : start + chunk]
+            if len(part) == 1:
+                results = [newton_schulz(tensors[part[0]], **newton_schulz_kwargs)]
+            else:
+                stacked = torch.stack([tensors[i] for i in part])
+                results = list(newton_schulz(stacked, **newton_schulz_kwargs).unbind(0))
+            for i, r in zip(part, results):
+                out[i] = r
+        logger.debug("orthogonalize_by_shape: %d x %s in chunks of %d", len(indices), shape, chunk)
+    return out  # type: ignore[return-value]

@@ -1,22 +1,21 @@
-"""Triton kernels for symmetric products: batched SYRK ``X X^T`` and ``alpha A B + beta C``.
+"""The Triton backend of Newton-Schulz: a symmetric-product kernel (batched SYRK ``X X^T`` and
+``alpha A B + beta C``), and when ``backend="auto"`` uses it; ``mm`` and ``add_diag`` stay on
+torch (cuBLAS runs a general GEMM at peak; :func:`dmuon.kernels.newton_schulz._select_ops`).
 
-Both Gram-space products are symmetric by construction: ``X X^T``, and every product of two
-polynomials in the same Gram matrix (``R R``, ``R Z``, ``Z (RZ)``, ``Q Z`` commute, so their
-product is symmetric). The kernel therefore computes only the output tiles on or below the
-diagonal (``T (T + 1) / 2`` of ``T^2`` tiles for ``T`` tile rows) and writes each off-diagonal
-tile also to its mirror position, roughly halving the FLOPs. On a diagonal tile it keeps the lower
-triangle of the tile and mirrors it, so the output is exactly symmetric.
-
-Inputs are fp16/bf16/fp32, the accumulator fp32, the output the input dtype. Launch configs come
-from :mod:`dmuon.kernels.launch_configs` (no autotuning: every rank picks the same config).
-
-The torch reference is :func:`dmuon.kernels.ops.torch_sym_mm`. This module imports triton at
-import time; :mod:`dmuon.kernels.triton_ops` imports it lazily.
+Every Gram-space product is symmetric: ``X X^T``, and products of two polynomials in the same
+Gram matrix (``R R``, ``R Z``, ``Z (RZ)``, ``Q Z`` commute). The kernel computes only the
+``T (T + 1) / 2`` output tiles on or below the diagonal (of ``T^2``) and writes each
+off-diagonal tile to its mirror too, roughly halving the FLOPs; a diagonal tile keeps its lower
+triangle and mirrors it, so the output is exactly symmetric. Inputs fp16/bf16/fp32, fp32
+accumulator, output in the input dtype; launch configs from :mod:`dmuon.kernels.launch_configs`
+(no autotuning: every rank picks the same config). The torch reference is
+:func:`dmuon.kernels.newton_schulz.torch_mm`. Importing this module imports triton; triton's
+``TRITON_INTERPRET`` switch is read here and nowhere else in dmuon.
 """
 
 from __future__ import annotations
 
-import logging
+import os
 from typing import Optional
 
 import torch
@@ -24,11 +23,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from dmuon.kernels.launch_configs import LaunchConfig, lookup_launch_config
+from dmuon.kernels.launch_configs import LaunchConfig, lookup_launch_config, min_rows_for_triton
 
-logger = logging.getLogger(__name__)
+__all__ = ["auto_prefers_triton", "check_supported", "triton_sym_mm"]
 
-__all__ = ["triton_sym_mm", "triton_syrk"]
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Grid axis 1 (the batch) is limited to 65535 programs by CUDA.
 _MAX_GRID_BATCH = 65535
@@ -180,14 +179,28 @@ def triton_sym_mm(
 
 
 
+def check_supported(X: Tensor) -> None:
+    """Raise ``RuntimeError`` if the Triton kernels cannot run on ``X`` (``[m, n]`` or
+    ``[batch, m, n]``): a dtype other than fp16/bf16/fp32, or not CUDA (CPU only under
+    ``TRITON_INTERPRET=1``)."""
+    if X.dtype not in _TRITON_DTYPES:
+        raise RuntimeError(
+            f"dmuon: the Triton Newton-Schulz backend runs {_TRITON_DTYPES}; got {X.dtype}. "
+            "Pass backend='torch' for this dtype."
+        )
+    if X.device.type == "cuda":
+        return
+    if X.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return
+    raise RuntimeError(
+        f"dmuon: the Triton Newton-Schulz backend needs a CUDA tensor (got device {X.device}); "
+        "on CPU it runs only under TRITON_INTERPRET=1 (tests). Pass backend='torch' or 'auto'."
+    )
 
-def triton_syrk(
-    X: Tensor,
-    C: Optional[Tensor] = None,
-    alpha: float = 1.0,
-    beta: float = 0.0,
-    *,
-    config: Optional[LaunchConfig] = None,
-) -> Tensor:
-    """Batched SYRK ``alpha * X @ X^T + beta * C``: :func:`triton_sym_mm` of ``(X, X.mT)``."""
-    return triton_sym_mm(X, X.mT, C, alpha, beta, config=config)
+
+def auto_prefers_triton(X: Tensor) -> bool:
+    """``backend="auto"``: Triton on CUDA in fp16/bf16 when ``m`` reaches the table's
+    ``min_rows_for_triton`` (256 by default: below, tile waste and launches eat the saving)."""
+    if X.device.type != "cuda" or X.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return X.size(-2) >= min_rows_for_triton(X.device)

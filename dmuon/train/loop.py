@@ -163,7 +163,7 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module, mesh, device: torch.devi
         ns_dtype = getattr(torch, cfg.ns_dtype)
     common = dict(lr=lr, weight_decay=cfg.weight_decay, adamw_lr=cfg.adamw_lr, ns_dtype=ns_dtype)
     if cfg.optimizer == "vanilla":
-        from dmuon.baselines import VanillaMuon
+        from dmuon.train.baselines import VanillaMuon
 
         return VanillaMuon(model, **common)
     import dmuon

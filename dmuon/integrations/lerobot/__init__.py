@@ -18,7 +18,6 @@ compute_layer_complete``, ``SmolVLMWithExpertModel.forward_attn_layer``), so the
 decoder layer's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``mlp``, and each vision-encoder
 layer; ACT's are its encoder / decoder layers and ResNet blocks, diffusion's its residual and
 ResNet blocks. :func:`predicate` leaves every ``lm_head`` (never read in training) to FSDP2.
-docs/history.md ("LeRobot units") has the failures that led here.
 """
 
 from __future__ import annotations
@@ -76,7 +75,13 @@ _UNITS: dict[str, Callable[[nn.Module], list[nn.Module]]] = {
 POLICY_TYPES = tuple(_UNITS)
 
 
-def _policy_type(policy: nn.Module) -> str:
+def fsdp_units(policy: nn.Module) -> list[nn.Module]:
+    """The modules :func:`fully_shard_policy` makes FSDP2 units of ``policy`` (a LeRobot
+    ``PreTrainedPolicy`` whose ``name`` is in :data:`POLICY_TYPES`), in forward order.
+
+    Raises:
+        ValueError: an unknown policy type (the message says how to shard by hand).
+    """
     name = getattr(policy, "name", None) or getattr(getattr(policy, "config", None), "type", None)
     if name not in _UNITS:
         raise ValueError(
@@ -86,20 +91,7 @@ def _policy_type(policy: nn.Module) -> str:
             f"(a transformer layer, or a layer's projections and MLP where the code calls those "
             f"directly), then on the policy itself, and pass the policy to "
             f"dmuon.dedicate_params")
-    return name
-
-
-def fsdp_units(policy: nn.Module) -> list[nn.Module]:
-    """The modules :func:`fully_shard_policy` makes FSDP2 units, in forward order.
-
-    Args:
-        policy: a LeRobot ``PreTrainedPolicy`` of a type in :data:`POLICY_TYPES` (its
-            ``name``).
-
-    Raises:
-        ValueError: an unknown policy type (the message says how to shard by hand).
-    """
-    return _UNITS[_policy_type(policy)](policy)
+    return _UNITS[name](policy)
 
 
 def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, Any] | None = None,

@@ -7,13 +7,12 @@
         --steps=30000 --batch_size=8 --output_dir=outputs/pi0_dmuon \\
         --dmuon.lr=0.02 --dmuon.param_dtype=bfloat16
 
-LeRobot's own pieces do what they do in ``lerobot_train.py`` (config parser, dataset and
-policy factories, processors, LR scheduler, clip norm, checkpoint layout). What differs: the
-policy is sharded with :func:`dmuon.integrations.lerobot.fully_shard_policy` and dedicated, the
-optimizer is :class:`dmuon.Muon` (matrices at ``--dmuon.lr``, the rest AdamW at LeRobot's
-``optimizer.*``), the loss is ``policy(batch)``, the optimizer state is a DCP checkpoint
-(``training_state/dmuon``) with every rank's RNG beside it, and global batch ``k`` is a function
-of the seed and ``k``, so a resumed run continues exactly.
+LeRobot's own config parser, factories, processors, LR scheduler, clip norm and checkpoint
+layout, with the policy sharded by :func:`dmuon.integrations.lerobot.fully_shard_policy` and
+dedicated, :class:`dmuon.Muon` (matrices at ``--dmuon.lr``, the rest AdamW at LeRobot's
+``optimizer.*``), the optimizer state in a DCP checkpoint (``training_state/dmuon``) with every
+rank's RNG, and global batch ``k`` a function of the seed and ``k``, so a resumed run continues
+exactly.
 """
 
 from __future__ import annotations
@@ -60,13 +59,12 @@ class DmuonArgs:
     overlap: str = "off"
 
     def __post_init__(self) -> None:
-        if self.param_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dmuon: --dmuon.param_dtype={self.param_dtype!r}; "
-                             f"use float32 or bfloat16")
-        if self.solver not in ("auto", "greedy", "milp"):
-            raise ValueError(f"dmuon: --dmuon.solver={self.solver!r}; use auto, greedy or milp")
-        if self.overlap not in ("off", "forward", "backward"):
-            raise ValueError(f"dmuon: --dmuon.overlap={self.overlap!r}; use off, forward or backward")
+        for name, allowed in (("param_dtype", ("float32", "bfloat16")),
+                              ("solver", ("auto", "greedy", "milp")),
+                              ("overlap", ("off", "forward", "backward"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"dmuon: --dmuon.{name}={getattr(self, name)!r}; "
+                                 f"use {', '.join(allowed[:-1])} or {allowed[-1]}")
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], DmuonArgs]:
@@ -103,9 +101,8 @@ def _init_distributed(device: str) -> Any:
 def batches(dataset: Any, batch_size: int, seed: int, start_step: int, rank: int,
             world_size: int, num_workers: int = 0) -> Iterator[dict[str, Any]]:
     """Rank ``rank``'s share (``batch_size`` samples) of global batch ``k = start_step, ...``:
-    epoch ``e`` shuffles all frames with ``Generator(seed + e)`` and deals consecutive global
-    batches of ``batch_size * world_size`` frames (the tail of an epoch that does not fill one
-    is dropped). A function of ``(seed, k)`` only, so a resumed run sees what it would have."""
+    epoch ``e`` shuffles all frames with ``Generator(seed + e)`` and deals global batches of
+    ``batch_size * world_size`` frames (dropping an epoch's tail); a function of ``(seed, k)``."""
     from lerobot.utils.collate import lerobot_collate_fn
 
     n, per_step = len(dataset), batch_size * world_size

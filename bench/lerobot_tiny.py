@@ -113,7 +113,6 @@ def local_tokenizer(path: str) -> Iterator[None]:
         yield
 
 
-
 def train_tiny(argv: list[str], policy: str, tokenizer: str, runner: Any = None) -> Any:
     """:func:`dmuon.integrations.lerobot.train.main` (``argv``, ``runner``) with the tiny
     backbones of ``policy`` (a LeRobot policy type) and the tokenizer saved at ``tokenizer``;
