@@ -342,8 +342,10 @@ def validate_qk_clip(threshold: Any, alpha: Any) -> None:
         raise ValueError(f"dmuon: qk_clip_alpha must be in [0, 1] (the query's share of "
                          f"the scaling), got {alpha!r}")
 
+
 # ``(1 + self.weight`` / ``(1.0 + self.weight`` or ``self.weight... + 1)``: Gemma's RMSNorm family
-_ONE_PLUS = re.compile(r"\(\s*1(?:\.0*)?\s*\+\s*self\.weight\b|self\.weight(?:\.\w+\(\))*\s*\+\s*1(?:\.0*)?\s*\)")
+_ONE_PLUS = re.compile(r"\(\s*1(?:\.0*)?\s*\+\s*self\.weight\b"
+                       r"|self\.weight(?:\.\w+\(\))*\s*\+\s*1(?:\.0*)?\s*\)")
 _TIMES_WEIGHT = re.compile(r"\bself\.weight\b")
 
 
@@ -409,23 +411,6 @@ def norm_gain(which: str, layout: AttentionLayout, norm: nn.Module, heads: int) 
     raise refuse("does not read self.weight in its forward (dmuon cannot tell its gain)")
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class RowScale:
-    """A tensor that is not a dedicated matrix (a bias, a gain, a projection left to AdamW),
-    scaled along its dim 0 by every rank on its local piece.
-
-    Attributes:
-        module, attr: where it lives (``module._parameters[attr]``, read when scaled).
-        factors: ``[rows]`` fp32 CPU, one factor per row of the *full* tensor.
-        offset: ``x <- factor * (x + offset) - offset`` (1.0 for a ``1 + weight`` gain).
-    """
-
-    module: nn.Module
-    attr: str
-    factors: Tensor
-    offset: float = 0.0
-
-
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
 class ClipPlan:
     """What one step's QK-clip scales (built by :meth:`QKClip.prepare`).
@@ -434,13 +419,16 @@ class ClipPlan:
         tau: the threshold (a logit).
         masters: ``{id(record): [rows of this rank's master] fp32}`` on the master's device,
             for every dedicated matrix this rank owns that has rows to scale.
-        others: the non-dedicated tensors to scale, on every rank.
+        others: ``(module, attr, factors, offset)`` per other tensor (a bias, a gain, a
+            projection left to AdamW: ``module._parameters[attr]``), scaled by every rank on
+            its local piece: ``x <- factor * (x + offset) - offset``, ``factors`` ``[full rows]``
+            fp32 CPU (``offset`` 1.0 for a ``1 + weight`` gain).
         clipped_heads: query heads in clipped groups.
     """
 
     tau: float
     masters: Mapping[int, Tensor] = field(default_factory=lambda: MappingProxyType({}))
-    others: tuple[RowScale, ...] = ()
+    others: tuple[tuple[nn.Module, str, Tensor, float], ...] = ()
     clipped_heads: int = 0
 
     @torch.no_grad()
@@ -457,15 +445,15 @@ class ClipPlan:
     def scale_others(self) -> None:
         """Scale the biases, gains and non-dedicated projections, each rank its local piece at
         its global rows (:func:`dmuon.owners.slices.local_rows`)."""
-        for item in self.others:
-            param = item.module._parameters.get(item.attr)
+        for module, attr, factors, offset in self.others:
+            param = module._parameters.get(attr)
             local = None if param is None else local_tensor(param)
             if local is None or local.numel() == 0:
                 continue
-            f = item.factors.index_select(0, local_rows(param).to(item.factors.device)).to(local.device)
+            f = factors.index_select(0, local_rows(param).to(factors.device)).to(local.device)
             f = f.view(-1, *([1] * (local.dim() - 1)))
-            if item.offset:
-                local.copy_(((local.float() + item.offset) * f - item.offset).to(local.dtype))
+            if offset:
+                local.copy_(((local.float() + offset) * f - offset).to(local.dtype))
             else:
                 local.mul_(f.to(local.dtype))
 
@@ -500,7 +488,8 @@ def plan_rows(layout: AttentionLayout, eta: Tensor, alpha: float, gains: Sequenc
     """
     out = []
     q_eta, eta_min = eta.repeat_interleave(layout.group), float(eta.min())
-    for ref, gain, per_head, power in ((layout.q, gains[0], q_eta, alpha), (layout.k, gains[1], eta, 1 - alpha)):
+    sides = ((layout.q, gains[0], q_eta, alpha), (layout.k, gains[1], eta, 1 - alpha))
+    for ref, gain, per_head, power in sides:
         factors = per_head ** power
         if gain is not None:  # after the norm: its gain, per head or the layer's smallest eta
             width = layout.head_dim
@@ -545,8 +534,8 @@ class QKClip:
                 f"module dmuon recognizes (Hugging Face q_proj/k_proj/v_proj, nn.MultiheadAttention, "
                 f"torchtitan wq/wk/wv or wqkv; see docs/usage.md). Leave qk_clip_threshold=None.")
         self.record_of = {(id(r.module), r.attr): r for r in ctx.records}
-        self.gains = [(norm_gain("q_norm", lay, lay.q_norm, lay.num_heads) if lay.q_norm is not None else None,
-                       norm_gain("k_norm", lay, lay.k_norm, lay.num_kv_heads) if lay.k_norm is not None else None)
+        self.gains = [(None if lay.q_norm is None else norm_gain("q_norm", lay, lay.q_norm, lay.num_heads),
+                       None if lay.k_norm is None else norm_gain("k_norm", lay, lay.k_norm, lay.num_kv_heads))
                       for lay in self.layouts]
         self.local = [self._local_heads(layout) for layout in self.layouts]
         self.recorder = LogitRecorder(self.layouts, [len(heads) for heads in self.local])
@@ -717,7 +706,7 @@ class QKClip:
             if rec is None:
                 param = module._parameters.get(attr)
                 if param is not None and param.requires_grad:  # frozen: no step moves it, nor its clip
-                    others.append(RowScale(module=module, attr=attr, factors=factors.float(), offset=shift))
+                    others.append((module, attr, factors.float(), shift))
             elif rec.is_owner and rec.master.numel():
                 first, count = self._tp_rows(rec)  # the master is this TP rank's slice of the rows
                 masters[id(rec)] = factors[first: first + count].float().to(rec.master.device)

@@ -139,7 +139,8 @@ def _fused_qkv(name: str, module: nn.Module, qkv: nn.Linear, full_rows: dict) ->
     return AttentionLayout(name, module, heads, heads, dim, q, k, v)
 
 
-def _q_kv(name: str, module: nn.Module, q: nn.Linear, kv: nn.Linear, full_rows: dict) -> AttentionLayout | None:
+def _q_kv(name: str, module: nn.Module, q: nn.Linear, kv: nn.Linear,
+          full_rows: dict) -> AttentionLayout | None:
     """``q`` ``[heads * head_dim, dim]`` and a fused ``kv`` ``[2 * kv_heads * head_dim, dim]``
     laid out ``[k; v]`` (dmuon.train's policy: one shared key/value head)."""
     heads, dim = _int_attr([module], _HEADS), _int_attr([module], ("head_dim",))
@@ -152,8 +153,8 @@ def _q_kv(name: str, module: nn.Module, q: nn.Linear, kv: nn.Linear, full_rows: 
     _check(name, "fused kv", kv_rows, 2 * kv_heads * dim)
     if kv_heads < 1 or heads % kv_heads:
         return None
-    return AttentionLayout(name, module, heads, kv_heads, dim, _ref(q, q_rows, 0, heads, dim),
-                           _ref(kv, kv_rows, 0, kv_heads, dim), _ref(kv, kv_rows, kv_heads * dim, kv_heads, dim))
+    k, v = (_ref(kv, kv_rows, i * kv_heads * dim, kv_heads, dim) for i in range(2))
+    return AttentionLayout(name, module, heads, kv_heads, dim, _ref(q, q_rows, 0, heads, dim), k, v)
 
 
 def _fused_group_major(name: str, module: nn.Module, wqkv: nn.Linear, sources: list[Any],
