@@ -11,7 +11,7 @@ a Williams design (:func:`step_stats.round_order`: over 4 rounds every variant h
 position and follows every other one once; take ``--rounds`` a multiple of 4):
 
 * ``off``, ``off2``: no recorder (``off2 / off`` is the A/A pair: the noise floor);
-* ``on``: the recorder as it is (:func:`dmuon.owners.logit_max.max_logits`);
+* ``on``: the recorder as it is (:func:`dmuon.qk_clip.max_logits`);
 * ``on_e6e933c``: the recorder with the recomputation of e6e933c (the one before this bench's
   commit, kept below as :func:`max_logits_e6e933c`: one fp32 product over the whole call).
 
@@ -57,10 +57,10 @@ if __package__ in (None, ""):
 import dmuon.qk_clip as qk_clip  # noqa: E402
 from bench_step import synthetic_batch  # noqa: E402
 from step_stats import noise_floor, round_order, verdict  # noqa: E402
-from dmuon.owners import logit_max  # noqa: E402
 from dmuon.owners.attention import find_attention  # noqa: E402
 from dmuon.train.model import Pi0Policy, PolicyConfig  # noqa: E402
 
+MAX_LOGITS = qk_clip.max_logits  # the recorder's, while the harness swaps in a timed one
 VARIANTS = ("off", "on", "on_e6e933c", "off2")
 CLOCKS = ("thread_cpu", "wall")
 
@@ -87,7 +87,7 @@ def max_logits_e6e933c(query, key, *, scale=None, attn_mask=None, is_causal=Fals
         scores = torch.matmul(chunk.reshape(batch, kv, group * count, dim), keys).view(batch, heads, count, -1)
         if not late:
             scores.mul_(scale)
-        best = torch.maximum(best, logit_max._masked_max_(scores, start, attn_mask, is_causal, mask_true_keeps))
+        best = torch.maximum(best, qk_clip._masked_max_(scores, start, attn_mask, is_causal, mask_true_keeps))
     return best * scale if late else best
 
 
@@ -117,8 +117,8 @@ class Harness:
         self.batch = synthetic_batch(self.cfg, 0, batch_size, 0, 1, 0)
         self.layouts = find_attention(self.model)
         self.recorder: qk_clip.LogitRecorder | None = None
-        self.impls = {"on": logit_max.max_logits, "on_e6e933c": max_logits_e6e933c}
-        self.impl = logit_max.max_logits
+        self.impls = {"on": MAX_LOGITS, "on_e6e933c": max_logits_e6e933c}
+        self.impl = MAX_LOGITS
         self.call_seconds: list[float] = []
         self.calls: list[dict] = []
 
@@ -152,7 +152,7 @@ class Harness:
     def close(self) -> None:
         if self.recorder is not None:
             self.recorder.remove()
-        qk_clip.max_logits = logit_max.max_logits
+        qk_clip.max_logits = MAX_LOGITS
 
 
 def describe(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> dict:

@@ -1,49 +1,156 @@
 """QK-clip (MuonClip): after each Muon step, scale the query and key heads whose attention logits
 exceeded a threshold ``tau``.
 
-The rule (Kimi K2's MuonClip, with Megatron-LM's grouped-query form) and what it scales are
-:mod:`dmuon.owners.qk_plan`'s. This module records each attention module's per-head max logit
-over the step's micro-batches (:class:`LogitRecorder`, or :func:`observe`), and at the start of
-``opt.step()`` :meth:`QKClip.prepare` MAX-reduces the maxima over the mesh and returns the step's
-frozen :class:`dmuon.owners.qk_plan.ClipPlan`. Under tensor parallelism (q / k sharded
-``Shard(0)`` on head boundaries) a rank records only its slice's heads, placed at their global
-indices (``-inf`` elsewhere) before the reduce.
+The rule (Kimi Team, "Kimi K2: Open Agentic Intelligence", 2025, MuonClip; with grouped-query
+attention as Megatron-LM's ``SelfAttention.clip_qk``, ``megatron/core/transformer/attention.py``):
+for each key/value group ``g`` of an attention module, ``S_g`` is the largest scaled logit
+``q_i . k_j * scale`` its query heads computed over the step's global batch. Only a group with
+``S_g`` finite and ``> tau`` is clipped: ``eta_g = tau / S_g``, its query heads' queries are
+scaled by ``eta_g ** alpha`` and its key head's keys by ``eta_g ** (1 - alpha)``, so each of its
+logits shrinks by exactly ``eta_g``; a group at ``-inf`` / ``inf`` / NaN is skipped and logged.
+
+What "scale the queries" touches (RoPE is linear per head, so it commutes with the scaling):
+
+* nothing, or a bias (``q = W x + b``): the head's rows of ``W`` *and* of ``b``;
+* a QK-norm (``q = g * norm(W x)``: Qwen3, Gemma 3, OLMo 2): the gain ``g`` instead, the head's
+  slice of a per-head gain (``[heads * head_dim]``, OLMo 2), or for a gain shared by the heads
+  (``[head_dim]``, Qwen3, Gemma 3) the layer's smallest ``eta`` (``eta_min ** alpha`` on
+  ``q_norm``, ``eta_min ** (1 - alpha)`` on ``k_norm``: every head shrinks by at least its own
+  ``eta``). A gain ``1 + weight`` (Gemma's RMSNorm) is scaled as ``weight <- c * (1 + weight) - 1``.
+
+Each attention module's per-head max logit over the step's micro-batches is recorded in forward
+(:class:`LogitRecorder`, or :func:`observe` where attention runs outside the module; under tensor
+parallelism a rank's own heads). :meth:`QKClip.prepare` MAX-reduces the maxima over the mesh at the
+start of ``opt.step()`` and returns the step's frozen :class:`ClipPlan`: owners scale their fp32
+masters (:meth:`ClipPlan.scale_master`, safe on a worker thread), every rank its local piece of the
+other tensors (:meth:`ClipPlan.scale_others`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
+import re
 import sys
+from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from dmuon.comm.collectives import label
 from dmuon.owners.attention import AttentionLayout, find_attention
-from dmuon.owners.logit_max import max_logits  # public here too: dmuon.qk_clip.max_logits
-from dmuon.owners.qk_plan import ClipPlan, RowScale, group_etas, norm_gain, plan_rows
-from dmuon.owners.slices import chunk_sizes
+from dmuon.owners.slices import chunk_sizes, local_rows, local_tensor
 
 logger = logging.getLogger(__name__)
 
 _ATTR = "_dmuon_max_logits"
-#: set on every attention module a :class:`QKClip` reads, while it does (:func:`watched`)
+#: set on every attention module a :class:`QKClip` reads (:func:`watched`)
 _WATCH = "_dmuon_qk_clip_watch"
-
-
 #: pipelining's shape inference (torch >= 2.13) runs a stage with gradients on, on
 #: uninitialized inputs: its logits are not the model's
 _METADATA_INFERENCE = frozenset({"_forward_metadata_inference", "_backward_metadata_inference"})
+#: elements of one chunk of recomputed logits when one batch element alone is larger than this
+#: ([batch, heads, rows, keys] fp32): 16 Mi = 64 MiB
+_CHUNK_ELEMENTS = 1 << 24
+#: logits of one batch chunk: 128 Ki fp32 = 512 KiB, half an EPYC core's 1 MiB L2
+_CACHE_ELEMENTS = 1 << 17
+_SDPA = F.scaled_dot_product_attention
+SOFTMAX = frozenset((F.softmax, torch.softmax, Tensor.softmax))
+
+
+def _masked_max_(scores: Tensor, start: int, attn_mask: Tensor | None, is_causal: bool,
+                 mask_true_keeps: bool) -> Tensor:
+    """Per-head max of ``scores`` ``[batch, heads, rows, keys]`` (rows ``start:``), masked in
+    place (the caller's own tensor: no second copy of the logits)."""
+    rows, keys = scores.shape[-2], scores.shape[-1]
+    if is_causal:
+        drop = torch.ones(rows, keys, dtype=torch.bool, device=scores.device).triu_(diagonal=start + 1)
+        scores.masked_fill_(drop, float("-inf"))
+    if attn_mask is not None:
+        mask = attn_mask
+        if mask.dim() >= 2 and mask.shape[-2] != 1:
+            mask = mask[..., start: start + rows, :]
+        if mask.dtype == torch.bool:
+            scores.masked_fill_(~mask if mask_true_keeps else mask, float("-inf"))
+        else:
+            scores.add_(mask)
+    return scores.amax(dim=(0, 2, 3))
+
+
+@torch.no_grad()
+def max_logits(query: Tensor, key: Tensor, *, scale: float | None = None, attn_mask: Tensor | None = None,
+               is_causal: bool = False, mask_true_keeps: bool = True) -> Tensor:
+    """Per-query-head max of ``query @ key^T * scale`` over the kept positions, recomputed in
+    fp32, a few batch elements (or rows) at a time into one cache-sized buffer (docs/history.md,
+    "QK-clip recording cost").
+
+    Args:
+        query: ``[batch, heads, rows, dim]`` (or without ``batch``), any float dtype. Not mutated.
+        key: ``[batch, kv_heads, keys, dim]``; ``heads % kv_heads == 0`` (query head ``h`` reads
+            key head ``h // (heads / kv_heads)``; one key head expanded to every query head is
+            read once). Not mutated.
+        scale: ``None``: ``1 / sqrt(dim)`` (``F.scaled_dot_product_attention``'s default).
+        attn_mask: broadcastable to ``[batch, heads, rows, keys]``: bool (``mask_true_keeps``:
+            True marks a kept position, as SDPA; else a masked one, as ``nn.MultiheadAttention``)
+            or additive float.
+        is_causal: top-left causal mask (SDPA's).
+
+    Returns:
+        ``[heads]`` fp32 (``-inf`` for a head that attended nowhere).
+    """
+    if query.dim() == 3:
+        query, key = query.unsqueeze(0), key.unsqueeze(0)
+    if key.shape[1] > 1 and key.stride(1) == 0:  # one key head expanded to every query head
+        key = key[:, :1]
+    batch, heads, rows, dim = query.shape
+    kv, keys = key.shape[1], key.shape[2]
+    group = heads // kv
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    # A positive scale commutes with the max (rounding is monotonic: max(fl(c s)) = fl(c max s)),
+    # so the logits are scaled after the max, [heads] numbers instead of every logit; an
+    # additive float mask needs the scaled logits.
+    late = scale > 0 and (attn_mask is None or attn_mask.dtype == torch.bool)
+    key_t = key.float().transpose(-1, -2)  # [batch, kv, dim, keys]
+    best = torch.full((heads,), float("-inf"), device=query.device)
+    if not batch * rows * keys:  # nothing attended
+        return best
+    if heads * rows * keys <= _CHUNK_ELEMENTS:
+        per = max(1, min(batch, _CACHE_ELEMENTS // max(1, heads * rows * keys)))
+        buffer = torch.empty(per, kv, group * rows, keys, device=query.device)
+        for first in range(0, batch, per):
+            count = min(per, batch - first)
+            # grouped-query attention: each key head's query heads in one product, no copy of
+            # the keys per query head (query head h reads key head h // group)
+            chunk = query[first: first + count].float().reshape(count, kv, group * rows, dim)
+            scores = torch.matmul(chunk, key_t[first: first + count], out=buffer[:count])
+            scores = scores.view(count, heads, rows, keys)
+            if not late:
+                scores.mul_(scale)
+            mask = attn_mask  # a per-batch mask: this chunk's batch elements
+            if mask is not None and mask.dim() >= 4 and mask.shape[0] != 1 and count != batch:
+                mask = mask[first: first + count]
+            best = torch.maximum(best, _masked_max_(scores, 0, mask, is_causal, mask_true_keeps))
+        return best * scale if late else best
+    step = max(1, _CHUNK_ELEMENTS // max(1, batch * heads * keys))
+    for start in range(0, rows, step):
+        chunk = query[:, :, start: start + step].float()
+        count = chunk.shape[2]
+        scores = torch.matmul(chunk.reshape(batch, kv, group * count, dim), key_t)
+        scores = scores.view(batch, heads, count, keys)
+        if not late:
+            scores.mul_(scale)
+        best = torch.maximum(best, _masked_max_(scores, start, attn_mask, is_causal, mask_true_keeps))
+    return best * scale if late else best
 
 
 def in_metadata_inference(depth: int = 64) -> bool:
-    """Whether the caller runs inside a pipelining stage's metadata inference (one of
+    """Whether the caller runs inside a pipelining stage's metadata inference (a frame named in
     :data:`_METADATA_INFERENCE` within ``depth`` frames up the stack)."""
     frame = sys._getframe(1)
     for _ in range(depth):
@@ -55,12 +162,27 @@ def in_metadata_inference(depth: int = 64) -> bool:
     return False
 
 
-def observe(module: nn.Module, max_logits: torch.Tensor) -> None:
+def _records_now() -> bool:
+    """Gradients on, not pipelining's shape inference, and not non-reentrant checkpointing's
+    recomputation (a repeat of a recorded forward, known by checkpointing's saved-tensor hooks on
+    top of the stack; where unreadable it is recorded twice, harmless to a running max)."""
+    if not torch.is_grad_enabled():
+        return False
+    try:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):  # not in this torch: record
+        top = None
+    if top is not None and getattr(top[0], "__qualname__", "").startswith("_recomputation_hook."):
+        return False
+    return not in_metadata_inference()
+
+
+def observe(module: nn.Module, max_logits: Tensor) -> None:
     """Record ``module``'s per-head max attention logits for the next QK-clip.
 
-    For attention computed outside the module's forward (a fused kernel, LeRobot's pi0);
-    calls accumulate a running max until ``opt.step()`` consumes them. Calls during a
-    pipelining stage's shape inference are ignored.
+    For attention computed outside the module's forward (a fused kernel, LeRobot's pi0); calls
+    accumulate a running max until ``opt.step()`` consumes them. Calls during a pipelining
+    stage's shape inference are ignored.
 
     Args:
         module: the attention module (as :func:`dmuon.owners.attention.find_attention` finds it).
@@ -81,8 +203,8 @@ def watched(module: nn.Module) -> bool:
     return bool(getattr(module, _WATCH, False))
 
 
-def _record(module: nn.Module, max_logits: torch.Tensor) -> None:
-    """:func:`observe` without the stack check (the recorder's hooks made it once per call)."""
+def _record(module: nn.Module, max_logits: Tensor) -> None:
+    """:func:`observe` without the stack check."""
     value = max_logits.detach().reshape(-1).float()
     old = getattr(module, _ATTR, None)
     if old is None:
@@ -94,48 +216,27 @@ def _record(module: nn.Module, max_logits: torch.Tensor) -> None:
         torch.maximum(old, value.to(old.device), out=old)
 
 
-def in_checkpoint_recomputation() -> bool:
-    """Whether the caller runs inside non-reentrant activation checkpointing's recomputation
-    (a repeat of a recorded forward), known by checkpointing's saved-tensor hooks on top of the
-    stack; ``False`` where unreadable (recording twice is harmless to a running max)."""
-    try:
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, TypeError, RuntimeError):  # not in this torch: record
-        return False
-    return top is not None and getattr(top[0], "__qualname__", "").startswith("_recomputation_hook.")
+class LogitMode(TorchFunctionMode):
+    """While active, the attention logits of the torch calls it sees: each
+    ``F.scaled_dot_product_attention`` call's per-head max (recomputed, :func:`max_logits`), and
+    each softmax over the last dim of a ``[batch, heads, rows, keys]`` tensor (an eager
+    attention's softmax input *is* its scaled, masked logits: one ``amax``).
 
+    Args:
+        module: where the maxima go (:func:`observe`'s store; softmax inputs of ``heads`` heads
+            only); ``None``: each softmax's ``[heads, rows]`` fp32 maxima are appended to
+            :attr:`rows` and SDPA calls are not read (LeRobot's joint attention splits the rows).
+    """
 
-def _records_now() -> bool:
-    """Gradients on, not non-reentrant checkpointing's recomputation, not pipelining's shape
-    inference."""
-    return torch.is_grad_enabled() and not in_checkpoint_recomputation() and not in_metadata_inference()
-
-
-_SDPA = F.scaled_dot_product_attention
-SOFTMAX = frozenset((F.softmax, torch.softmax, torch.Tensor.softmax))
-
-
-def attention_logits(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The input of a :data:`SOFTMAX` call over the last dim of a ``[batch, heads, rows, keys]``
-    tensor (an eager attention's scaled, masked logits), else ``None``."""
-    x = args[0]
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    return x if isinstance(x, torch.Tensor) and x.dim() == 4 and dim in (-1, 3) else None
-
-
-class _SDPAMode(TorchFunctionMode):
-    """Inside one attention module's forward: record the per-head max logits of its
-    ``F.scaled_dot_product_attention`` calls (recomputed, :func:`max_logits`) and of its eager
-    softmax (the softmax input *is* the scaled, masked logits: one ``amax``)."""
-
-    def __init__(self, module: nn.Module, heads: int) -> None:
+    def __init__(self, module: nn.Module | None = None, heads: int = 0) -> None:
         super().__init__()
         self.module, self.heads = module, heads
+        self.rows: list[Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # every torch call of the module's forward passes here: keep the common case to two
-        # identity tests (docs/history.md, "QK-clip recording cost")
-        if func is _SDPA:
+        # every torch call of the forward passes here: keep the common case to two identity
+        # tests (docs/history.md, "QK-clip recording cost")
+        if func is _SDPA and self.module is not None:
             kwargs = kwargs or {}
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
             bound = dict(zip(names, args), **kwargs)
@@ -144,17 +245,19 @@ class _SDPAMode(TorchFunctionMode):
                                             is_causal=bool(bound.get("is_causal", False))))
         elif func in SOFTMAX:
             kwargs = kwargs or {}
-            x = attention_logits(args, kwargs)
-            if x is not None and x.shape[1] == self.heads:
-                _record(self.module, x.detach().amax(dim=(0, 2, 3)))
+            x, dim = args[0], kwargs.get("dim", args[1] if len(args) > 1 else None)
+            if isinstance(x, Tensor) and x.dim() == 4 and dim in (-1, 3):
+                if self.module is None:
+                    self.rows.append(x.detach().amax(dim=(0, 3)).float())
+                elif x.shape[1] == self.heads:
+                    _record(self.module, x.detach().amax(dim=(0, 2, 3)))
         return func(*args, **kwargs) if kwargs else func(*args)
 
 
 class LogitRecorder:
-    """Forward hooks that record every recognized attention module's per-head max logits when
+    """Forward hooks that record the per-head max logits of ``layouts``' modules when
     :func:`_records_now`: for ``nn.MultiheadAttention`` a pre-hook recomputes ``q k^T / sqrt(d)``
-    from its inputs and ``in_proj_*``; for other modules a ``TorchFunctionMode`` around the
-    forward sees ``F.scaled_dot_product_attention`` (recomputed) and eager softmax calls.
+    from its inputs and ``in_proj_*``; other modules run their forward under a :class:`LogitMode`.
 
     Args:
         layouts: the model's attention modules.
@@ -163,19 +266,18 @@ class LogitRecorder:
     """
 
     def __init__(self, layouts: Sequence[AttentionLayout], local_heads: Sequence[int] | None = None) -> None:
-        self.layouts = list(layouts)
         self.handles: list[Any] = []
-        counts = list(local_heads) if local_heads is not None else [lay.num_heads for lay in self.layouts]
-        for layout, count in zip(self.layouts, counts):
+        counts = list(local_heads) if local_heads is not None else [lay.num_heads for lay in layouts]
+        for layout, count in zip(layouts, counts):
             module = layout.module
             if isinstance(module, nn.MultiheadAttention):
                 self.handles.append(module.register_forward_pre_hook(self._mha_hook, with_kwargs=True))
                 continue
-            modes: list[_SDPAMode] = []
+            modes: list[LogitMode] = []
 
             def enter(mod, args, count=count, modes=modes):
                 if _records_now():
-                    mode = _SDPAMode(mod, count)
+                    mode = LogitMode(mod, count)
                     mode.__enter__()
                     modes.append(mode)
 
@@ -226,7 +328,7 @@ class LogitRecorder:
         self.handles.clear()
 
 
-def validate_qk_clip(threshold: Any, alpha: Any, where: str = "") -> None:
+def validate_qk_clip(threshold: Any, alpha: Any) -> None:
     """``threshold``: ``None`` (off) or a finite number > 0; ``alpha`` in [0, 1].
 
     Raises:
@@ -234,11 +336,175 @@ def validate_qk_clip(threshold: Any, alpha: Any, where: str = "") -> None:
     """
     if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))
                                   or not math.isfinite(threshold) or threshold <= 0):
-        raise ValueError(f"dmuon: {where}qk_clip_threshold must be None (off) or a finite number "
+        raise ValueError(f"dmuon: qk_clip_threshold must be None (off) or a finite number "
                          f"> 0 (a max attention logit), got {threshold!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
-        raise ValueError(f"dmuon: {where}qk_clip_alpha must be in [0, 1] (the query's share of "
+        raise ValueError(f"dmuon: qk_clip_alpha must be in [0, 1] (the query's share of "
                          f"the scaling), got {alpha!r}")
+
+
+# ``(1 + self.weight`` / ``(1.0 + self.weight`` or ``self.weight... + 1)``: Gemma's RMSNorm family
+_ONE_PLUS = re.compile(r"\(\s*1(?:\.0*)?\s*\+\s*self\.weight\b"
+                       r"|self\.weight(?:\.\w+\(\))*\s*\+\s*1(?:\.0*)?\s*\)")
+_TIMES_WEIGHT = re.compile(r"\bself\.weight\b")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gain:
+    """What multiplies a QK-norm's normalized output, for QK-clip to scale.
+
+    Attributes:
+        module: the norm.
+        attrs: its parameters to scale: ``("weight",)``, or ``("weight", "bias")`` for a
+            ``LayerNorm`` with a bias (``y = n(x) * w + b`` scales by ``c`` when both do).
+        per_head: the weight is ``[heads * head_dim]`` (one slice per head); ``False``: one
+            ``[head_dim]`` weight shared by all heads.
+        offset: 1.0 where the gain is ``1 + weight`` (Gemma's RMSNorm), else 0.0.
+    """
+
+    module: nn.Module
+    attrs: tuple[str, ...]
+    per_head: bool
+    offset: float = 0.0
+
+
+def norm_gain(which: str, layout: AttentionLayout, norm: nn.Module, heads: int) -> Gain:
+    """The gain of ``layout``'s ``which`` norm (``"q_norm"`` / ``"k_norm"``) over ``heads`` heads,
+    ``weight`` or ``1 + weight`` as read from ``torch.nn``'s types or the norm's ``forward`` source.
+
+    Raises:
+        ValueError: naming ``which`` and the module: no weight, a weight not ``[head_dim]`` or
+            ``[heads * head_dim]``, a norm shared by ``q`` and ``k``, or an unreadable gain.
+    """
+    weight = norm._parameters.get("weight")
+    shape = tuple(weight.shape) if weight is not None else None
+
+    def refuse(why: str) -> ValueError:
+        return ValueError(
+            f"dmuon: qk_clip_threshold: the {which} of attention module {layout.name!r} "
+            f"({type(norm).__name__}) {why}. After a QK-norm, scaling the projection rows changes "
+            f"nothing, so QK-clip scales the norm's gain instead. Give the norm a weight "
+            f"(elementwise_affine=True / with_scale=True), or leave qk_clip_threshold=None.")
+
+    if layout.q_norm is not None and layout.q_norm is layout.k_norm:
+        raise refuse("is the same module as the other QK-norm (one gain cannot take two factors)")
+    if weight is None:
+        raise refuse("has no weight")
+    if len(shape) != 1 or shape[0] not in (layout.head_dim, heads * layout.head_dim):
+        raise refuse(f"has a weight of shape {shape}, neither [head_dim] = [{layout.head_dim}] "
+                     f"nor [heads * head_dim] = [{heads * layout.head_dim}]")
+    per_head = shape[0] != layout.head_dim
+    others = sorted(n for n, p in norm.named_parameters(recurse=False) if n != "weight" and p is not None)
+    if type(norm) in (nn.RMSNorm, nn.LayerNorm):
+        return Gain(module=norm, attrs=("weight", *others), per_head=per_head)
+    if others:
+        raise refuse(f"has parameters {others} besides its weight (dmuon cannot tell how they "
+                     f"enter its output)")
+    try:
+        source = inspect.getsource(type(norm).forward)
+    except (OSError, TypeError):
+        raise refuse("has no Python source to read its gain from") from None
+    if _ONE_PLUS.search(source):
+        return Gain(module=norm, attrs=("weight",), per_head=per_head, offset=1.0)
+    if _TIMES_WEIGHT.search(source):
+        return Gain(module=norm, attrs=("weight",), per_head=per_head)
+    raise refuse("does not read self.weight in its forward (dmuon cannot tell its gain)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+class ClipPlan:
+    """What one step's QK-clip scales (built by :meth:`QKClip.prepare`).
+
+    Attributes:
+        tau: the threshold (a logit).
+        masters: ``{id(record): [rows of this rank's master] fp32}`` on the master's device,
+            for every dedicated matrix this rank owns that has rows to scale.
+        others: ``(module, attr, factors, offset)`` per other tensor (a bias, a gain, a
+            projection left to AdamW: ``module._parameters[attr]``), scaled by every rank on
+            its local piece: ``x <- factor * (x + offset) - offset``, ``factors`` ``[full rows]``
+            fp32 CPU (``offset`` 1.0 for a ``1 + weight`` gain).
+        clipped_heads: query heads in clipped groups.
+    """
+
+    tau: float
+    masters: Mapping[int, Tensor] = field(default_factory=lambda: MappingProxyType({}))
+    others: tuple[tuple[nn.Module, str, Tensor, float], ...] = ()
+    clipped_heads: int = 0
+
+    @torch.no_grad()
+    def scale_master(self, rec: Any, master: Tensor) -> bool:
+        """Scale ``master`` (``rec``'s fp32 ``[rows, cols]``, or this TP rank's rows; mutated) by
+        the plan's row factors; ``False`` when the plan has none for ``rec``."""
+        rows = self.masters.get(id(rec))
+        if rows is None or master.numel() == 0:
+            return False
+        master.mul_(rows.to(master.device, master.dtype).view(-1, *([1] * (master.dim() - 1))))
+        return True
+
+    @torch.no_grad()
+    def scale_others(self) -> None:
+        """Scale the biases, gains and non-dedicated projections, each rank its local piece at
+        its global rows (:func:`dmuon.owners.slices.local_rows`)."""
+        for module, attr, factors, offset in self.others:
+            param = module._parameters.get(attr)
+            local = None if param is None else local_tensor(param)
+            if local is None or local.numel() == 0:
+                continue
+            f = factors.index_select(0, local_rows(param).to(factors.device)).to(local.device)
+            f = f.view(-1, *([1] * (local.dim() - 1)))
+            if offset:
+                local.copy_(((local.float() + offset) * f - offset).to(local.dtype))
+            else:
+                local.mul_(f.to(local.dtype))
+
+
+def group_etas(maxima: Tensor, nan: Tensor, num_kv_heads: int, tau: float) -> tuple[Tensor, Tensor]:
+    """Per key/value group ``eta`` and whether the group was skipped.
+
+    Args:
+        maxima: ``[heads]`` fp32 reduced per-query-head max logits (``-inf``: none seen).
+        nan: ``[heads]`` bool: some rank saw a NaN max for the head.
+        num_kv_heads: groups (query head ``h`` is in group ``h // (heads / num_kv_heads)``).
+        tau: the threshold.
+
+    Returns:
+        ``eta`` ``[num_kv_heads]`` fp64 (``tau / S_g`` where ``S_g`` is finite and ``> tau``,
+        else 1) and ``skipped`` ``[num_kv_heads]`` bool (``S_g`` is ``-inf``, ``+inf`` or NaN).
+    """
+    s = maxima.double().view(num_kv_heads, -1).amax(dim=1)
+    skipped = nan.view(num_kv_heads, -1).any(dim=1) | ~torch.isfinite(s)
+    clip = ~skipped & (s > tau)
+    return torch.where(clip, tau / torch.where(clip, s, torch.ones_like(s)), torch.ones_like(s)), skipped
+
+
+def plan_rows(layout: AttentionLayout, eta: Tensor, alpha: float, gains: Sequence[Gain | None]
+              ) -> list[tuple[nn.Module, str, Tensor, float]]:
+    """The row factors of one layout's clip: ``(module, attr, [full rows] fp64, offset)`` per
+    tensor to scale (a fused weight appears once per side; the caller multiplies them).
+
+    Args:
+        eta: ``[num_kv_heads]`` fp64 from :func:`group_etas` (some ``< 1``).
+        gains: ``(q gain, k gain)``, ``None`` where that side has no QK-norm.
+    """
+    out = []
+    q_eta, eta_min = eta.repeat_interleave(layout.group), float(eta.min())
+    sides = ((layout.q, gains[0], q_eta, alpha), (layout.k, gains[1], eta, 1 - alpha))
+    for ref, gain, per_head, power in sides:
+        factors = per_head ** power
+        if gain is not None:  # after the norm: its gain, per head or the layer's smallest eta
+            width = layout.head_dim
+            if gain.per_head:
+                gain_rows = torch.repeat_interleave(factors, width)
+            else:
+                gain_rows = torch.full((width,), eta_min ** power, dtype=torch.float64)
+            for attr in gain.attrs:
+                out.append((gain.module, attr, gain_rows, gain.offset if attr == "weight" else 0.0))
+            continue
+        rows = torch.ones(ref.rows, dtype=torch.float64)  # the weight's and its bias's rows
+        for first, factor in zip(ref.head_rows, factors.tolist()):
+            rows[first: first + ref.head_dim] = factor
+        out += [(ref.module, attr, rows, 0.0) for attr in (ref.attr, ref.bias) if attr is not None]
+    return out
 
 
 class QKClip:
@@ -246,7 +512,7 @@ class QKClip:
 
     Args:
         model: the model passed to ``dedicate_params``.
-        ctx: its :class:`dmuon.hooks.state.DedicateState` (records, groups).
+        ctx: its :class:`dmuon.hooks.state.DedicateState` (records, roles).
 
     Attributes:
         clipped_heads: query heads in the groups the last step clipped.
@@ -254,9 +520,9 @@ class QKClip:
 
     Raises:
         ValueError: a model with no recognized attention module; a ``q_norm`` / ``k_norm``
-            whose gain cannot be scaled (:func:`dmuon.owners.qk_plan.norm_gain`); under tensor
-            parallelism, a query projection that is not a dedicated matrix, is sharded by
-            columns, or whose TP slices cut a head.
+            whose gain cannot be scaled (:func:`norm_gain`); under tensor parallelism, a query
+            projection that is not a dedicated matrix, is sharded by columns, or whose TP
+            slices cut a head.
     """
 
     def __init__(self, model: nn.Module, ctx: Any) -> None:
@@ -268,10 +534,8 @@ class QKClip:
                 f"module dmuon recognizes (Hugging Face q_proj/k_proj/v_proj, nn.MultiheadAttention, "
                 f"torchtitan wq/wk/wv or wqkv; see docs/usage.md). Leave qk_clip_threshold=None.")
         self.record_of = {(id(r.module), r.attr): r for r in ctx.records}
-        self.module_names = {id(m): n for n, m in model.named_modules()}
-        # QK-norms: their gains are what the clip scales (refused here when it cannot)
-        self.gains = [(norm_gain("q_norm", lay, lay.q_norm, lay.num_heads) if lay.q_norm is not None else None,
-                       norm_gain("k_norm", lay, lay.k_norm, lay.num_kv_heads) if lay.k_norm is not None else None)
+        self.gains = [(None if lay.q_norm is None else norm_gain("q_norm", lay, lay.q_norm, lay.num_heads),
+                       None if lay.k_norm is None else norm_gain("k_norm", lay, lay.k_norm, lay.num_kv_heads))
                       for lay in self.layouts]
         self.local = [self._local_heads(layout) for layout in self.layouts]
         self.recorder = LogitRecorder(self.layouts, [len(heads) for heads in self.local])
@@ -279,8 +543,8 @@ class QKClip:
             setattr(layout.module, _WATCH, True)
         self.first_step = True  # nothing recorded in the first step is an error
         self.warned: set[str] = set()  # modules whose skipped groups were logged
-        self.clipped_heads = 0  # query heads in clipped groups at the last step (logs, tests)
-        self.max_logit = float("-inf")  # the largest finite reduced max logit of the last step
+        self.clipped_heads = 0
+        self.max_logit = float("-inf")
 
     def _tp_rows(self, rec: Any) -> tuple[int, int]:
         """``(first row, rows)`` of this TP rank's slice of ``rec`` (the whole matrix unless TP
@@ -328,7 +592,7 @@ class QKClip:
                 heads.append(h)
         return tuple(heads)
 
-    def _gather(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _gather(self) -> tuple[Tensor, Tensor, Tensor]:
         """This step's recorded maxima, MAX-reduced over the mesh in one all-reduce, and reset.
 
         Returns:
@@ -358,7 +622,7 @@ class QKClip:
         heads = sum(layout.num_heads for layout in self.layouts)
         return flat[:heads], flat[heads: 2 * heads] > 0, flat[2 * heads:]
 
-    def _check_recorded(self, recorded: torch.Tensor) -> None:
+    def _check_recorded(self, recorded: Tensor) -> None:
         """Raise (on every rank) when a module recorded a wrong head count, or none in the first
         step; later, a module that did not run is skipped."""
         wrong = {lay.name: f"{len(local)} of {lay.num_heads} heads on rank {getattr(self.ctx, 'rank', '?')}"
@@ -395,7 +659,7 @@ class QKClip:
             group: the Muon param group (``qk_clip_threshold`` ``tau``, ``qk_clip_alpha``).
 
         Returns:
-            The frozen :class:`dmuon.owners.qk_plan.ClipPlan` of this step, or ``None`` when no
+            The frozen :class:`ClipPlan` of this step, or ``None`` when no
             group clips (or the threshold is ``None``).
 
         Raises:
@@ -431,35 +695,20 @@ class QKClip:
             if not bool((eta < 1).any()):
                 continue
             self.clipped_heads += int((eta < 1).sum()) * layout.group
-            for module, attr, factors, shift in plan_rows(layout, eta, alpha, gains, self._rows_of):
+            for module, attr, factors, shift in plan_rows(layout, eta, alpha, gains):
                 entry = acc.setdefault((id(module), attr), [module, attr, torch.ones_like(factors), shift])
                 entry[2] = entry[2] * factors  # a fused weight: its q and its k rows
         if not acc:
             return None
-        return self._plan(tau, alpha, acc.values())
-
-    def _rows_of(self, module: nn.Module, attr: str) -> int | None:
-        rec = self.record_of.get((id(module), attr))
-        if rec is not None:
-            return int(rec.full_shape[0])
-        param = module._parameters.get(attr)
-        return None if param is None else int(param.shape[0])
-
-    def _plan(self, tau: float, alpha: float, entries: Any) -> ClipPlan:
-        masters, records, others = {}, [], []
-        for module, attr, factors, shift in entries:
+        masters, others = {}, []
+        for module, attr, factors, shift in acc.values():
             rec = self.record_of.get((id(module), attr))
             if rec is None:
                 param = module._parameters.get(attr)
-                if param is None or not param.requires_grad:
-                    continue  # frozen: no optimizer step moves it, nor does its clip
-                name = self.module_names.get(id(module), type(module).__name__)
-                others.append(RowScale(fqn=f"{name}.{attr}", module=module, attr=attr,
-                                       factors=factors.float(), offset=shift))
+                if param is not None and param.requires_grad:  # frozen: no step moves it, nor its clip
+                    others.append((module, attr, factors.float(), shift))
             elif rec.is_owner and rec.master.numel():
                 first, count = self._tp_rows(rec)  # the master is this TP rank's slice of the rows
                 masters[id(rec)] = factors[first: first + count].float().to(rec.master.device)
-                records.append(rec)
-        return ClipPlan(tau=float(tau), alpha=alpha, masters=MappingProxyType(masters),
-                        records=tuple(records), others=tuple(others),
-                        clipped_heads=self.clipped_heads, max_logit=self.max_logit)
+        return ClipPlan(tau=float(tau), masters=MappingProxyType(masters), others=tuple(others),
+                        clipped_heads=self.clipped_heads)

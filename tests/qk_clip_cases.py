@@ -482,9 +482,10 @@ def local_rows_pieces(rank: int, world_size: int) -> dict:
 
 def plan_is_frozen(rank: int, world_size: int) -> dict:
     """:class:`EdgeNet` on the replicated path: ``prepare`` outside a step gives a frozen plan;
-    after it, the param group's threshold is changed and the live master is scaled by
-    ``scale_all``; a *copy* of the master taken before is scaled by ``scale_master`` on a worker
-    thread. Both must equal the formula of the threshold ``prepare`` saw."""
+    after it, the param group's threshold is changed and the live masters and biases are scaled
+    by ``scale_master`` and ``scale_others`` (as ``step()``); a *copy* of the master taken before
+    is scaled by ``scale_master`` on a worker thread. Both must equal the formula of the
+    threshold ``prepare`` saw."""
     import dataclasses
     import threading
 
@@ -515,7 +516,9 @@ def plan_is_frozen(rank: int, world_size: int) -> dict:
     worker = threading.Thread(target=plan.scale_master, args=(rec, copy))
     worker.start()
     worker.join()
-    plan.scale_all()
+    for r in opt.state_ctx.records:  # every owned master, then the biases
+        plan.scale_master(r, r.master.data)
+    plan.scale_others()
     want = expected_clip(before, maxima, tau, 0.3)
     return dict(frozen=frozen, tau=plan.tau, clipped=plan.clipped_heads, thread=copy.numpy(),
                 live=rec.master.detach().numpy().copy(), full=_full(model)["layers.0.self_attn.q_proj.bias"].numpy(),

@@ -1,6 +1,6 @@
 """QK-clip's recorded max logit, cheaper and the same (issue 46).
 
-:func:`dmuon.owners.logit_max.max_logits` computes the logits a few batch elements (or rows) at a
+:func:`dmuon.qk_clip.max_logits` computes the logits a few batch elements (or rows) at a
 time; what it records must be what one fp32 ``Q K^T`` over the whole call gave (the recorder
 before, e6e933c) and the float64 formula's, both written here. Checked on the chunk layouts
 (one chunk, one batch element per chunk with per-batch masks, row chunks), on the recorder over
@@ -22,7 +22,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 import dmuon.qk_clip as qk_clip
-from dmuon.owners import logit_max
 from dmuon.owners.attention import find_attention
 from dmuon.train.model import Pi0Policy, PolicyConfig
 
@@ -95,11 +94,11 @@ def _case(name: str):
 @pytest.mark.parametrize("name", CASES)
 def test_max_logits_in_chunks_is_the_one_product_max(monkeypatch, name, chunks):
     if chunks == "per-batch-element":
-        monkeypatch.setattr(logit_max, "_CACHE_ELEMENTS", 1)
+        monkeypatch.setattr(qk_clip, "_CACHE_ELEMENTS", 1)
     elif chunks == "rows":  # a batch element (6 heads x 7 rows x 7-9 keys) over the cap: row chunks
-        monkeypatch.setattr(logit_max, "_CHUNK_ELEMENTS", 200)
+        monkeypatch.setattr(qk_clip, "_CHUNK_ELEMENTS", 200)
     q, k, kwargs = _case(name)
-    got = logit_max.max_logits(q, k, **kwargs)
+    got = qk_clip.max_logits(q, k, **kwargs)
     before = one_product_max(q.float(), k.float(), **kwargs)
     formula = one_product_max(q.float(), k.float(), **kwargs, dtype=torch.float64)
     assert got.dtype == torch.float32 and got.shape == (q.shape[-3],)
@@ -111,8 +110,8 @@ def test_max_logits_in_chunks_is_the_one_product_max(monkeypatch, name, chunks):
 
 def test_max_logits_with_nothing_to_attend_is_minus_inf():
     q, k = torch.randn(2, 3, 0, 4), torch.randn(2, 3, 5, 4)
-    assert logit_max.max_logits(q, k).tolist() == [float("-inf")] * 3
-    assert logit_max.max_logits(k, q).tolist() == [float("-inf")] * 3
+    assert qk_clip.max_logits(q, k).tolist() == [float("-inf")] * 3
+    assert qk_clip.max_logits(k, q).tolist() == [float("-inf")] * 3
 
 
 class _SDPAReference(TorchFunctionMode):
@@ -161,7 +160,7 @@ def _record(model: nn.Module, run, impl=None) -> list[torch.Tensor]:
 @pytest.mark.parametrize("per_batch_element", [False, True])
 def test_recorder_on_the_main_jobs_model_records_the_one_product_max(monkeypatch, per_batch_element):
     if per_batch_element:
-        monkeypatch.setattr(logit_max, "_CACHE_ELEMENTS", 1)
+        monkeypatch.setattr(qk_clip, "_CACHE_ELEMENTS", 1)
     model, batch = _small_policy()
     recorded = _record(model, lambda: model(batch).backward())
     reference = _SDPAReference()
@@ -179,7 +178,7 @@ def test_recorder_on_the_main_jobs_model_records_the_one_product_max(monkeypatch
 def test_recorder_on_multihead_attention_records_the_one_product_max(monkeypatch, padding):
     """``nn.MultiheadAttention``: q and k recomputed from ``in_proj``; a key padding mask is an
     additive per-batch mask there (batch chunks of one element slice it)."""
-    monkeypatch.setattr(logit_max, "_CACHE_ELEMENTS", 1)
+    monkeypatch.setattr(qk_clip, "_CACHE_ELEMENTS", 1)
     torch.manual_seed(1)
     mha = nn.MultiheadAttention(32, 4, batch_first=True)
     x = torch.randn(3, 20, 32)
@@ -217,10 +216,11 @@ def test_recorder_under_activation_checkpointing(reentrant):
     runs without gradients, so its recomputation is the one recorded."""
     model, batch = _small_policy()
     calls = []
+    original = qk_clip.max_logits
 
     def counted(*args, **kwargs):
         calls.append(1)
-        return logit_max.max_logits(*args, **kwargs)
+        return original(*args, **kwargs)
 
     plain = _record(model, lambda: model(batch).backward(), counted)
     assert len(calls) == 7

@@ -137,7 +137,7 @@ def test_local_rows_are_the_rows_fsdp2_and_tp_pieces_hold(dist_pool):
 def test_prepare_gives_a_frozen_plan_a_worker_thread_can_apply(dist_pool):
     """The plan holds what the step decided: the threshold changed after ``prepare`` changes
     nothing, and ``scale_master`` on a worker thread (a copy of the master) gives the formula,
-    as ``scale_all`` does on the live master and bias."""
+    as ``scale_master`` + ``scale_others`` do on the live master and bias."""
     (out,) = dist_pool.run(1, "tests.qk_clip_cases:plan_is_frozen", {}, timeout_s=120)
     assert out["frozen"] and out["clipped"] == 2 * 2  # group 2 of both layers, 2 query heads each
     np.testing.assert_allclose(out["thread"], out["want"], rtol=1e-6, atol=1e-7)

@@ -17,17 +17,10 @@ import torch.distributed as dist
 
 
 def is_first_copy(t: torch.Tensor, group_ranks: Sequence[int]) -> bool:
-    """Whether this rank's local piece of the DTensor ``t`` is the one copy a sum counts.
-
-    A DTensor's pieces repeat along the mesh dims it is ``Replicate`` on: coordinate 0 there
-    counts. A DTensor on a sub-mesh of the group (a FSDP2 parameter on the data-parallel
-    sub-mesh of a FSDP x TP model) is repeated on the other sub-meshes: the one holding the
-    group's lowest rank counts.
-
-    Args:
-        t: a DTensor (parameter or gradient); only its metadata is read.
-        group_ranks: global ranks of the group the sum runs over.
-    """
+    """Whether this rank's local piece of the DTensor ``t`` (only its metadata is read) is the
+    one copy a sum over ``group_ranks`` (global ranks) counts: coordinate 0 along the mesh dims
+    it is ``Replicate`` on, and, for a DTensor on a sub-mesh of the group (an FSDP2 parameter on
+    the data-parallel sub-mesh of FSDP x TP), the sub-mesh holding the group's lowest rank."""
     mesh = t.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
@@ -42,13 +35,11 @@ def clip_by_total_norm_(counted: Sequence[torch.Tensor], clipped: Sequence[torch
                         replicated: Sequence[torch.Tensor] = (), count_replicated: bool = False
                         ) -> torch.Tensor:
     """Scale ``clipped`` in place by the clip coefficient of the total norm; return the norm.
-
-    Collective over ``group`` (an all-reduce), unless torch.distributed is not initialized
-    (single process).
+    Collective over ``group`` (an all-reduce) when torch.distributed is initialized.
 
     Args:
         counted: the pieces this rank counts (each distinct piece on exactly one rank), any
-            shape and float dtype; not mutated.
+            shape and float dtype.
         clipped: every gradient piece this rank holds; multiplied in place.
         max_norm: largest allowed norm (the gradients' unit).
         norm_type: p of the p-norm; ``float("inf")`` for the max norm.
@@ -72,8 +63,8 @@ def clip_by_total_norm_(counted: Sequence[torch.Tensor], clipped: Sequence[torch
         if not gs:
             return torch.zeros((), device=device)
         if is_inf:
-            return torch.stack([g.detach().abs().max().float() if g.numel() else torch.zeros((), device=device)
-                                for g in gs]).max()
+            zero = torch.zeros((), device=device)
+            return torch.stack([g.detach().abs().max().float() if g.numel() else zero for g in gs]).max()
         return sum(g.detach().float().abs().pow(norm_type).sum() for g in gs)
 
     collective = dist.is_available() and dist.is_initialized()

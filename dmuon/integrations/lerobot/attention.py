@@ -5,8 +5,8 @@ pi05 in ``modeling_pi0.compute_layer_complete`` (one *joint* ``eager_attention_f
 the VLM's and the action expert's tokens), SmolVLA in ``SmolVLMWithExpertModel.
 forward_attn_layer`` (joint) and ``forward_cross_attn_layer`` (the expert's keys are its
 ``k_proj`` of the VLM's keys). :func:`record_attention` reads each such call's softmax input
-(the scaled, masked logits after RoPE) with one ``amax`` and passes the per-head maxima to
-:func:`dmuon.qk_clip.observe`:
+(the scaled, masked logits after RoPE) under a :class:`dmuon.qk_clip.LogitMode` and passes the
+per-head maxima to :func:`dmuon.qk_clip.observe`:
 
 * joint attention of trained models: the whole call's maxima for both modules, so every block
   of the joint logits shrinks by the same ``eta``;
@@ -25,56 +25,39 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from dmuon.qk_clip import SOFTMAX, attention_logits, observe, watched
+from dmuon.qk_clip import LogitMode, observe, watched
 
 __all__ = ["AttentionRecording", "record_attention"]
 
 _ATTR = "_dmuon_attention_recording"
 
 
-class _SoftmaxMax(TorchFunctionMode):
-    """While active: per head and query row, the max of every softmax over the last dim of a
-    ``[batch, heads, rows, keys]`` tensor (the attention logits an eager attention normalizes)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxima: list[torch.Tensor] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        x = attention_logits(args, kwargs) if func in SOFTMAX else None
-        if x is not None:
-            self.maxima.append(x.detach().amax(dim=(0, 3)).float())  # [heads, rows]
-        return func(*args, **kwargs)
-
-
-def _run_and_record(fn: Callable[..., Any], members: list[tuple[nn.Module, int]], uniform: bool,
+def _run_and_record(fn: Callable[..., Any], pending: list[tuple[nn.Module, int]], uniform: Any,
                     args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)``, an eager attention call over the query rows of ``members``
-    (``(attention module, rows)`` in LeRobot's order), with its softmax's per-head maxima
-    observed for each module (module doc; all heads at the largest with ``uniform``). A call
-    whose softmax cannot be read records nothing (QK-clip then reports the layer)."""
-    mode = _SoftmaxMax()
+    """``fn(*args, **kwargs)``, an eager attention call over the query rows of the members
+    ``pending`` noted (``(attention module, rows)`` in LeRobot's order; emptied), with its
+    softmax's per-head maxima observed for each module (module doc; ``uniform``: ids of modules
+    whose heads all take their largest). A call whose softmax cannot be read records nothing
+    (QK-clip then reports the layer)."""
+    members = list(pending)
+    pending.clear()
+    if not members or not torch.is_grad_enabled() or not any(watched(m) for m, _ in members):
+        return fn(*args, **kwargs)  # no QK-clip reads this layer: no extra work
+    mode = LogitMode()
     with mode:
         out = fn(*args, **kwargs)
-    rows = sum(r for _, r in members)
-    if len(mode.maxima) != 1 or mode.maxima[0].shape[1] != rows:
+    if len(mode.rows) != 1 or mode.rows[0].shape[1] != sum(r for _, r in members):
         return out
-    per_row = mode.maxima[0]
-    joint = all(_trains(m) for m, _ in members)
+    per_row = mode.rows[0]
+    joint = all(attn.q_proj.weight.requires_grad and attn.k_proj.weight.requires_grad for attn, _ in members)
+    same = len(members) == 1 and id(members[0][0]) in uniform
     start = 0
     for module, count in members:
         maxima = (per_row if joint else per_row[:, start: start + count]).amax(dim=1)
         start += count
-        observe(module, maxima.amax().expand_as(maxima) if uniform else maxima)
+        observe(module, maxima.amax().expand_as(maxima) if same else maxima)
     return out
-
-
-def _trains(attn: nn.Module) -> bool:
-    """Whether the optimizer can move ``attn``'s query and key projections."""
-    return attn.q_proj.weight.requires_grad and attn.k_proj.weight.requires_grad
 
 
 def _pending_hook(pending: list[tuple[nn.Module, int]], attn: nn.Module) -> Callable[..., None]:
@@ -102,28 +85,7 @@ def _pi_eager(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     pending = _PI_PENDING.get(module)
     if pending is None or not torch.is_grad_enabled() or sys._getframe(1).f_code.co_name != _PI_CALLER:
         return original(module, *args, **kwargs)
-    members = list(pending)
-    pending.clear()
-    if not any(watched(m) for m, _ in members):  # no QK-clip reads this layer: no extra work
-        return original(module, *args, **kwargs)
-    return _run_and_record(original, members, False, (module, *args), kwargs)
-
-
-def _install_pi() -> None:
-    from transformers.models.gemma import modeling_gemma
-
-    if not _pi_original:
-        _pi_original.append(modeling_gemma.eager_attention_forward)
-        modeling_gemma.eager_attention_forward = _pi_eager
-
-
-def _uninstall_pi() -> None:
-    from transformers.models.gemma import modeling_gemma
-
-    if _pi_original and not len(_PI_PENDING):
-        if modeling_gemma.eager_attention_forward is _pi_eager:
-            modeling_gemma.eager_attention_forward = _pi_original[0]
-        _pi_original.clear()
+    return _run_and_record(original, pending, (), (module, *args), kwargs)
 
 
 class AttentionRecording:
@@ -136,7 +98,13 @@ class AttentionRecording:
         self._pi_keys: list[nn.Module] = []
         self._smolvla: Any = None
 
+    def _note(self, pending: list[tuple[nn.Module, int]], group: tuple[nn.Module, ...]) -> None:
+        for attn in group:
+            self._handles.append(attn.q_proj.register_forward_pre_hook(_pending_hook(pending, attn)))
+
     def _on_pi(self, pwe: nn.Module) -> None:
+        from transformers.models.gemma import modeling_gemma
+
         vlm_layers = pwe.paligemma.model.language_model.layers
         for vlm, expert in zip(vlm_layers, pwe.gemma_expert.model.layers, strict=True):
             group = (vlm.self_attn, expert.self_attn)
@@ -144,9 +112,10 @@ class AttentionRecording:
             _PI_PENDING[vlm.self_attn] = pending
             self._pi_keys.append(vlm.self_attn)
             self.groups.append(group)
-            for attn in group:
-                self._handles.append(attn.q_proj.register_forward_pre_hook(_pending_hook(pending, attn)))
-        _install_pi()
+            self._note(pending, group)
+        if not _pi_original:
+            _pi_original.append(modeling_gemma.eager_attention_forward)
+            modeling_gemma.eager_attention_forward = _pi_eager
 
     def _on_smolvla(self, vwe: nn.Module) -> None:
         models = [vwe.get_vlm_model().text_model, vwe.lm_expert]
@@ -162,17 +131,11 @@ class AttentionRecording:
                 self.groups.append((vlm.self_attn,) + (() if expert is None else (expert.self_attn,)))
         pending: list[tuple[nn.Module, int]] = []  # members of the next attention call
         for group in self.groups:
-            for attn in group:
-                self._handles.append(attn.q_proj.register_forward_pre_hook(_pending_hook(pending, attn)))
+            self._note(pending, group)
 
         def eager(*args: Any, **kwargs: Any) -> Any:
             original = type(vwe).eager_attention_forward.__get__(vwe)
-            members = list(pending)
-            pending.clear()
-            if not members or not torch.is_grad_enabled() or not any(watched(m) for m, _ in members):
-                return original(*args, **kwargs)
-            is_uniform = len(members) == 1 and id(members[0][0]) in uniform
-            return _run_and_record(original, members, is_uniform, args, kwargs)
+            return _run_and_record(original, pending, uniform, args, kwargs)
 
         vwe.eager_attention_forward = eager  # the instance's: get_attention_interface returns it
         self._smolvla = vwe
@@ -187,7 +150,12 @@ class AttentionRecording:
             _PI_PENDING.pop(key, None)
         if self._pi_keys:
             self._pi_keys.clear()
-            _uninstall_pi()
+            from transformers.models.gemma import modeling_gemma
+
+            if _pi_original and not len(_PI_PENDING):
+                if modeling_gemma.eager_attention_forward is _pi_eager:
+                    modeling_gemma.eager_attention_forward = _pi_original[0]
+                _pi_original.clear()
         if self._smolvla is not None:
             self._smolvla.__dict__.pop("eager_attention_forward", None)
             self._smolvla = None
