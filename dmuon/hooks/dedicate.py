@@ -20,7 +20,7 @@ from dmuon.hooks.bind import Selected
 from dmuon.hooks.state import DedicateState
 from dmuon.hooks.state_dict import StateDictHooks
 from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, default_plan
-from dmuon.owners.plan import OwnerPlan, build_bucket_plan
+from dmuon.owners.plan import OwnerPlan, build_plan
 
 logger = logging.getLogger(__name__)
 
@@ -317,10 +317,10 @@ def dedicate_params(
     cost = _group_cost(group_cost, dist.get_backend(roles.shard))
     if plan is None and keep:  # DDP-style path: one owner per bucket, deterministic
         device = selected[0].param.device.type if selected else "cpu"
-        plan = build_bucket_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
-                                 element_size=_element_size(selected), blocks=blocks,
-                                 costs=[c * s.layout.count * s.blocks for s, c in zip(
-                                     selected, matrix_costs([s.layout.matrix_shape for s in selected], device))])
+        plan = build_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
+                          element_size=_element_size(selected), blocks=blocks,
+                          costs=[c * s.layout.count * s.blocks for s, c in zip(
+                              selected, matrix_costs([s.layout.matrix_shape for s in selected], device))])
     # What this rank does not do because no peer is there to answer (the fake backend).
     offline: list[str] = []
     if plan is None:

@@ -4,7 +4,7 @@ On a plain replicated module (no FSDP2) every rank keeps every dedicated matrix 
 compute dtype and nothing is published in forward or backward. A step is DDP's all-reduce cut
 in two halves (Li et al., "PyTorch Distributed", VLDB 2020): in backward, the matrices'
 gradients go to their owners in size-capped buckets (one owner and one ``reduce`` per bucket,
-:func:`dmuon.owners.plan.build_bucket_plan`), each issued once full; after ``step()``, each
+``build_plan(bucket_bytes=...)``), each issued once full; after ``step()``, each
 bucket's updated matrices are broadcast from their owner, all issued at once, and a unit's
 forward waits only for its own buckets. The other parameters ride in the bucket of the model's
 first matrix, the last to go out, which is then one ``all_reduce``
@@ -50,7 +50,7 @@ def resolve_replicas(replicas: str | None, *, fsdp_wrapped: bool, plain_1d: bool
 def bucket_keys(plan, specs, bucket_bytes: int) -> list[int]:
     """Each plan entry's bucket (``specs``: :class:`dmuon.owners.plan.MatrixSpec`, a matrix or
     an expert range, in binding order), which keys its publish group and gradient bucket: the
-    plan's (:func:`dmuon.owners.plan.build_bucket_plan`), or, for a plan without buckets (a
+    plan's (``build_plan(bucket_bytes=...)``), or, for a plan without buckets (a
     file solved for another path), buckets cut here by the same cap (fp32 bytes)."""
     if all(spec.bucket is not None for spec in specs):
         return [spec.bucket for spec in specs]
