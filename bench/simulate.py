@@ -38,7 +38,7 @@ every GPU, fp32 weights and gradients, ``bucket_cap_mb`` 25 as DDP:
   ``2 (p - 1)`` latencies, ``2 n (p - 1) / p`` bytes per link), AdamW on every parameter on
   every rank (28 bytes per element at HBM speed);
 * dmuon (``replicas="keep"``, as built): the matrices in the buckets of
-  :func:`dmuon.owners.plan.build_bucket_plan`, one fp32 ``reduce`` per bucket in backward and
+  :func:`dmuon.owners.plan.build_plan` (``bucket_bytes``), one fp32 ``reduce`` per bucket in backward and
   one fp32 ``broadcast`` per bucket after the step, overlapping the next forward; the other
   parameters all-reduced in 25 MB buckets; optimizer step = the most loaded owner's NS seconds
   (plus ``ns_call_s`` per shape it owns) and its elementwise work, plus AdamW on the others;
@@ -379,7 +379,7 @@ def _buckets(sizes: list[float], cap: float) -> list[float]:
 
 def predict_replicated(work: Workload, cluster: Cluster, p: int, *, bucket_cap_mb: float = 25.0) -> dict:
     """Predicted phase times (s) on the replicated path: DDP + AdamW, vanilla under DDP, dmuon keep."""
-    from dmuon.owners.plan import build_bucket_plan
+    from dmuon.owners.plan import build_plan
 
     inv = matrices(inventory(work.name))
     comm = AlphaBeta(cluster, p)
@@ -394,7 +394,7 @@ def predict_replicated(work: Workload, cluster: Cluster, p: int, *, bucket_cap_m
     # DDP: every parameter (model order: the embedding first, then the matrices), fp32 grads
     ddp_b = tuple(_ring_all_reduce(comm, 4 * n) for n in _buckets([other] + [r * c for r, c in shapes], cap / 4))
     adamw_all = 28.0 * (matrix_n + other) / cluster.hbm_Bps
-    plan = build_bucket_plan(inv, p, bucket_bytes=int(cap), costs=ns_s, cost_unit="s")
+    plan = build_plan(inv, p, bucket_bytes=int(cap), costs=ns_s, cost_unit="s")
     bucket_n: dict[int, float] = {}
     owner_of: dict[int, int] = {}
     for m in plan.matrices:

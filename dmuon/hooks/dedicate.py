@@ -22,7 +22,7 @@ from dmuon.hooks.bind import Selected
 from dmuon.hooks.state import DedicateState
 from dmuon.hooks.state_dict import StateDictHooks
 from dmuon.hooks.default_plan import DEFAULT_FORWARD_TOKENS, default_plan
-from dmuon.owners.plan import OwnerPlan, build_bucket_plan
+from dmuon.owners.plan import OwnerPlan, build_plan
 from dmuon.owners.stacks import (check_expert_stack, declared_experts, expert_module_names,
                                  expert_parallel_size, in_expert, param_layout)
 
@@ -285,10 +285,10 @@ def dedicate_params(
     if plan is None and keep:  # DDP-style path: one owner per bucket, deterministic
         device = selected[0].param.device.type if selected else "cpu"
         costs = matrix_costs([s.layout.matrix_shape for s in selected], device)
-        plan = build_bucket_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
-                                 element_size=max((s.param.element_size() for s in selected), default=4),
-                                 blocks=blocks,
-                                 costs=[c * s.layout.count * s.blocks for s, c in zip(selected, costs)])
+        plan = build_plan([(s.fqn, s.shape) for s in selected], world_size, bucket_bytes=bucket_bytes,
+                          element_size=max((s.param.element_size() for s in selected), default=4),
+                          blocks=blocks,
+                          costs=[c * s.layout.count * s.blocks for s, c in zip(selected, costs)])
     # What this rank does not do because no peer is there to answer (the fake backend).
     offline: list[str] = []
     if plan is None:

@@ -47,7 +47,7 @@ def resolve_replicas(replicas: str | None, *, fsdp_wrapped: bool, plain_1d: bool
 def bucket_keys(plan, specs, bucket_bytes: int) -> list[int]:
     """Each plan entry's bucket (``specs``: :class:`dmuon.owners.plan.MatrixSpec`, a matrix or
     an expert range, in binding order), which keys its publish group and gradient bucket: the
-    plan's (:func:`dmuon.owners.plan.build_bucket_plan`), or, for a plan without buckets (a
+    plan's (``build_plan(bucket_bytes=...)``), or, for a plan without buckets (a
     file solved for another path), buckets cut here by the same cap (fp32 bytes)."""
     if all(spec.bucket is not None for spec in specs):
         return [spec.bucket for spec in specs]

@@ -1,16 +1,11 @@
 """Split Muon: a matrix orthogonalized block by block (per-head Muon).
 
 A :class:`Split` cuts one dedicated matrix into blocks along a dimension, each a Newton-Schulz
-matrix of its own: ``Split.heads(num_heads, head_dim)`` for a query / key / value projection,
-``Split(sizes=(...))`` for blocks of any sizes. The owner forms the momentum update of the whole
-matrix, orthogonalizes every block (batched by shape with other matrices' blocks), and applies
-each with the learning rate adjusted by *the block's* shape: ``torch.optim.Muon`` run on every
-block as a parameter of its own, the rule of torchtitan's per-head Muon
-(``_adjust_muon_learning_rate`` on the ``[num_heads, head_dim, dim]`` view, PR #4078).
-
-Under tensor parallelism a matrix whose TP slices hold whole blocks is orthogonalized block by
-block on each TP rank, with no exchange; otherwise the TP owner gathers the slices
-(:func:`dmuon.comm.exchange.orthogonalize_tp`) and cuts the full update there.
+matrix of its own. The owner forms the momentum update of the whole matrix, orthogonalizes
+every block, and applies each with the learning rate adjusted by *the block's* shape:
+``torch.optim.Muon`` run on every block as a parameter of its own, the rule of torchtitan's
+per-head Muon (``_adjust_muon_learning_rate`` on the ``[num_heads, head_dim, dim]`` view, PR
+#4078).
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon.owners.attention import find_attention
-from dmuon.owners.slices import chunk_sizes
+from dmuon.owners.slices import chunk_span
 from dmuon.owners.update import split_orthogonalize
 
 
@@ -94,7 +89,7 @@ class Split:
 def per_head_splits(model: nn.Module, records: Sequence[Any] = ()) -> dict[tuple[int, str], Split]:
     """Per-head splits of the q / k / v projections of every attention module
     :func:`dmuon.owners.attention.find_attention` recognizes, keyed by ``(id(module), attr)``
-    of the weight (a fused weight: every q, k and v head, in row order)."""
+    of the weight (a fused weight: every head, in row order)."""
     blocks: dict[tuple[int, str], set[tuple[int, int]]] = {}
     for layout in find_attention(model, records):
         for ref in (layout.q, layout.k, layout.v):
@@ -144,8 +139,7 @@ def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
             names.setdefault(id(rec.master), rec.fqn)
         known = {rec.fqn for rec in records}
         for key, value in split.items():
-            fqn = key if isinstance(key, str) else names.get(id(key))
-            fqn = getattr(key, "_dmuon_fqn", fqn) if not isinstance(key, str) else fqn
+            fqn = key if isinstance(key, str) else getattr(key, "_dmuon_fqn", names.get(id(key)))
             if fqn not in known:
                 raise ValueError(
                     f"dmuon: split names {key if isinstance(key, str) else 'a parameter'!r} "
@@ -183,43 +177,28 @@ def tp_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _local_split(rec: Any, split: Split | None, rank: int, size: int) -> Split | None:
     """The blocks of this TP rank's slice when every TP slice of ``rec`` holds whole blocks
-    (a colwise-sharded q/k/v split by heads on a head boundary); ``None`` otherwise (no split,
-    another shard dim, a block cut by a slice boundary, or an empty slice). Depends on shapes
-    only, so every TP rank decides alike."""
+    (a colwise-sharded q/k/v split by heads); ``None`` otherwise. Depends on shapes only, so
+    every TP rank decides alike."""
     if split is None or rec.tp_shard_dim != split.dim or size == 1:
         return None
-    sizes = chunk_sizes(int(rec.full_shape[split.dim]), size)
-    if 0 in sizes:
-        return None
-    cuts = {0}
-    for n in sizes:
-        cuts.add(max(cuts) + n)
+    spans = [chunk_span(int(rec.full_shape[split.dim]), size, r) for r in range(size)]
     edges = {a for a, _ in split.bounds()} | {b for _, b in split.bounds()}
-    if not cuts <= edges:
+    if any(a == b for a, b in spans) or not {x for span in spans for x in span} <= edges:
         return None
-    start = sum(sizes[:rank])
-    return Split(sizes=tuple(b - a for a, b in split.bounds() if start <= a and b <= start + sizes[rank]),
-                 dim=split.dim)
+    start, stop = spans[rank]
+    return Split(sizes=tuple(b - a for a, b in split.bounds() if start <= a and b <= stop), dim=split.dim)
 
 
 def tp_orthogonalizer(recs: Sequence[Any], splits: Sequence[Split | None], group: dist.ProcessGroup,
                       ns: Callable[[list[torch.Tensor]], list[torch.Tensor]],
                       exchange: Callable[..., list[torch.Tensor]]
                       ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """Newton-Schulz of tensor-parallel slices, for :func:`dmuon.owners.update.muon_update_`.
-
-    A slice whose blocks each lie within it (a colwise-sharded q/k/v split by heads on head
-    boundaries, :func:`_local_split`) is orthogonalized block by block on its own TP rank, with
-    no exchange; every other matrix goes to its TP owner, which gathers the slices, cuts the
-    full update into its blocks (if split) and scatters the results back
-    (``exchange``: :func:`dmuon.comm.exchange.orthogonalize_tp`).
-
-    Args:
-        recs: the owned records, in plan order (the same sequence on every rank of ``group``).
-        splits: each one's :class:`Split` or ``None``.
-        group: the TP process group.
-        ns: batched Newton-Schulz over full matrices.
-        exchange: the TP owners' exchange, ``exchange(updates, recs, group, orthogonalize)``.
+    """Newton-Schulz of tensor-parallel slices, for :func:`dmuon.owners.update.muon_update_`:
+    a slice holding whole blocks (:func:`_local_split`) is orthogonalized block by block on its
+    own TP rank; every other matrix goes through ``exchange`` (``exchange(updates, recs, group,
+    orthogonalize)``, :func:`dmuon.comm.exchange.orthogonalize_tp`) to its TP owner, which cuts
+    the full update into its blocks. ``recs``: the owned records in plan order (the same on
+    every rank of the TP ``group``), ``splits`` theirs, ``ns`` batched Newton-Schulz.
 
     Returns:
         A function from the slices' updates to their orthogonalized slices, same order and

@@ -42,41 +42,29 @@ class DedicatedParam:
     """Runtime state of one dedicated matrix on one rank.
 
     Attributes:
-        fqn: fully qualified parameter name.
-        module: the module whose ``_parameters[attr]`` holds the matrix.
-        attr: the attribute name on ``module`` (e.g. ``"weight"``).
-        shape: full shape ``(rows, cols)``.
-        owner: owner's rank within the dmuon process group.
-        is_owner: whether this rank is the owner.
-        master: fp32 master ``[rows, cols]`` on the owner, zero-size placeholder elsewhere.
-        compute: full weight in the compute dtype ``[rows, cols]``; storage freed on non-owners
-            while not in use.
+        fqn, module, attr: the parameter's name, and the module whose ``_parameters[attr]``
+            holds it.
+        shape: this rank's matrix ``(rows, cols)`` (a TP slice), or expert range ``[k, rows,
+            cols]``; ``full_shape``: the whole matrix's ``(rows, cols)``.
+        owner, is_owner: the owner's rank within ``group`` (default dmuon's shard group;
+            expert parallelism: the ranks holding the same experts), and whether it is this one.
+        master: fp32 master on the owner, zero-size placeholder elsewhere.
+        compute: the weight in the compute dtype; storage freed on non-owners while not in use.
         reduce_dtype: dtype gradients are summed in on their way to the owner.
-        order: index in forward order (for publication order and prefetch).
-        full_shape: ``(rows, cols)`` of the whole matrix (``shape`` is this rank's TP slice).
-        tp_shard_dim: 0/1 when TP splits the matrix, ``None`` otherwise.
-        tp_owner: TP rank that runs Newton-Schulz for the matrix.
-        replicate_mode: HSDP only: ``"compute"`` (every replica's owner runs NS on the
-            all-reduced gradient) or ``"broadcast"`` (replica 0's owner runs it and broadcasts
-            the new master).
-        matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix: ``full_shape`` for a
-            matrix; for a stack's expert range ``[k, rows, cols]`` (``shape``), or a matrix
-            cut into row blocks, one expert's (block's) matrix (:mod:`dmuon.owners.stacks`).
-        key: the plan entry's name (:attr:`dmuon.owners.plan.MatrixSpec.key`); under expert
-            parallelism ``fqn[start:stop]`` over the stack's *global* experts (the plan's range
-            is over this rank's local ones), so each expert group's ranges have their own names
-            (a checkpoint key is written once per name).
-        experts: a stack's expert range ``(start, stop)`` over its global (flattened leading)
-            experts, the numbers in ``key``; ``None`` for a 2-D matrix.
+        order: index in forward order (publication order and prefetch).
+        tp_shard_dim, tp_owner: the dim TP splits (0/1, or ``None``) and the TP rank that runs
+            Newton-Schulz.
+        replicate_mode: HSDP only: ``"compute"`` or ``"broadcast"``
+            (:attr:`dmuon.owners.plan.MatrixSpec.replicate_mode`).
+        matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix (:mod:`dmuon.owners.stacks`).
+        key, experts: the plan entry's name and expert range (:attr:`MatrixSpec.key`); under
+            expert parallelism over the stack's *global* experts, so each expert group's ranges
+            have their own names (a checkpoint key is written once per name).
         stack: the :class:`dmuon.owners.stacks.StackSlot` of a stack split into several
-            ranges (it shows the module the whole stack); ``None`` otherwise.
-        optional: a routed expert's matrix (:func:`dmuon.owners.stacks.expert_module_names`):
-            it may take no gradient on some ranks of a step.
-        group: the process group ``owner`` is a rank of, when it is not dmuon's shard group
-            (expert parallelism: the ranks holding the same experts); ``None``: the shard group.
+            ranges; ``None`` otherwise.
+        optional: a routed expert's matrix: it may take no gradient on some ranks of a step.
         sd_layout: ``(mesh, placements, shape, stride)`` of FSDP2's sharded parameter, which
-            ``model.state_dict()`` shows in its place (:mod:`dmuon.hooks.state_dict`); ``None``
-            when FSDP2 did not manage it (plain replicated module: the full tensor).
+            ``model.state_dict()`` shows in its place; ``None`` without FSDP2.
     """
 
     fqn: str

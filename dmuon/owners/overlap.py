@@ -2,31 +2,22 @@
 
 ``dmuon.Muon(model, overlap=...)``:
 
-* ``"off"``: ``opt.step()`` runs momentum, Newton-Schulz and the master update of every owned
-  matrix before it returns (:func:`dmuon.owners.update.muon_update_`).
+* ``"off"``: ``opt.step()`` runs the whole update (:func:`dmuon.owners.update.muon_update_`).
 * ``"forward"``: ``opt.step()`` runs the momentum step and AdamW, and *schedules* one job per
-  publish group (Newton-Schulz, master update, refresh of the owner's compute copy) in forward
-  order (:func:`step_overlapped`). A group's publication waits for its own job only; a
-  prefetched publication whose job still runs is held back
-  (:meth:`dmuon.hooks.unit.Publisher.issue`). On CUDA a job runs on a side stream and records
-  an event that the publication stream waits on (no host synchronisation); on CPU it runs on
-  one worker thread.
-* ``"backward"``: as ``"forward"``, and in a synced backward the owners start momentum and
-  Newton-Schulz on *copies* (:func:`speculate`): a bucket's matrices once its reduce-to-owner is
-  seen complete (not under HSDP), the rest at the end of backward. ``opt.step()`` keeps a
-  speculative result only if its own Newton-Schulz input equals the speculation's bit for bit,
-  with the same settings and layout (:func:`take_proven`); any change to the gradient or the
-  momentum buffer discards it. :meth:`PendingSteps.stats` counts kept and recomputed results.
+  publish group (Newton-Schulz, master update, the owner's compute copy) in forward order
+  (:func:`step_overlapped`); a group's publication waits for its own job only. On CUDA a job
+  runs on a side stream and records an event the publication stream waits on; on CPU it runs
+  on one worker thread.
+* ``"backward"``: as ``"forward"``, and a synced backward starts momentum and Newton-Schulz on
+  *copies* (:func:`speculate`). ``opt.step()`` keeps a speculative result only if its own
+  Newton-Schulz input equals the speculation's bit for bit, with the same settings and layout
+  (:func:`take_proven`).
 
-A job reads only what it was handed: a frozen :class:`dmuon.owners.update.MuonHyper`, its
-inputs, and the tensors it writes; a scheduler stepped after ``opt.step()`` changes the next
-step only. Every reader (the next ``step()``, the model's and optimizer's ``state_dict`` /
-``load_state_dict``, ``dmuon.state_dict`` / ``dmuon.load``) first calls
-:meth:`PendingSteps.wait_all`. A failed job is raised, naming dmuon and the matrices, at once by
-a reader, and by every rank at the next step check when met on the way to a publication
-(``defer_failures``). Tensor parallelism's Newton-Schulz is collective over the TP group, so a
-TP model steps as with ``"off"``. Code that reads a master directly between ``step()`` and the
-next forward calls :meth:`dmuon.Muon.wait_pending` first.
+A job reads only a frozen :class:`dmuon.owners.update.MuonHyper`, its inputs and the tensors it
+writes. Every reader of masters or optimizer state first calls :meth:`PendingSteps.wait_all`.
+A failed job is raised, naming dmuon and the matrices, by a reader at once, and by every rank
+at the next step check when met on the way to a publication (``defer_failures``). A TP model
+steps as with ``"off"`` (its Newton-Schulz is collective over the TP group).
 """
 
 from __future__ import annotations
@@ -59,13 +50,9 @@ def check_overlap(overlap: Any) -> str:
 @dataclass(eq=False)
 class Job:
     """One scheduled piece of owner work: a worker-thread future (CPU) or a side-stream event
-    (CUDA), the tensors it reads or writes (kept alive until waited), and what it does, for
-    an error message.
-
-    Attributes:
-        error: what issuing the work raised (a CUDA job is issued on the main thread), raised
-            again at :meth:`wait`.
-    """
+    (CUDA), the tensors it reads or writes (kept alive until waited), what it does (for an
+    error message), and what issuing a CUDA job on the main thread raised (raised at
+    :meth:`wait`)."""
 
     what: str
     future: Future | None = None
@@ -105,18 +92,14 @@ def _rank() -> int:
 
 @dataclass(eq=False)
 class Speculation:
-    """A momentum step and Newton-Schulz started during or at the end of a backward, for one
-    owned master.
+    """A momentum step and Newton-Schulz of one owned master, started in a backward.
 
     Attributes:
-        update: the Newton-Schulz input it computed from the gradient and a copy of the
-            momentum buffer (:func:`dmuon.owners.update.muon_momentum_`); private to it.
-        layout: the master's :class:`dmuon.owners.update.MatrixLayout` it orthogonalized by.
-        ns: the Newton-Schulz settings it used (:attr:`MuonHyper.ns`).
+        update: its Newton-Schulz input, from the gradient and a copy of the momentum buffer.
+        layout, ns: the :class:`dmuon.owners.update.MatrixLayout` and :attr:`MuonHyper.ns` used.
         ortho: the orthogonalized update, shaped like ``update`` (filled by its job).
         discarded: set by ``step()`` when the proof fails; a job not yet started skips it.
-        job: the :class:`Job` computing ``ortho`` (on CUDA, the step's job that reads ``ortho``
-            waits for its event: speculations run on a stream of their own).
+        job: the :class:`Job` computing ``ortho`` (on CUDA the step's job waits for its event).
     """
 
     update: torch.Tensor
@@ -132,17 +115,14 @@ class PendingSteps:
     """Owner work scheduled by ``opt.step()`` (or the last backward) and not yet waited for.
 
     Attributes:
-        jobs: by publish group (any hashable object the publication names): its job.
+        jobs: by publish group (any hashable key the publication names): its job.
         speculations: by master: the backward's speculative result (``overlap="backward"``).
         early: the masters whose speculation this backward started during backward.
-        kept, recomputed: speculative results used and discarded by ``step()``, summed over
-            steps.
-        started_early: speculative results started during backward (``early``), summed.
+        kept, recomputed, started_early: speculative results used, discarded, and started
+            during backward, summed over steps.
         defer_failures: a failed job waited for on the way to a publication is recorded in
-            ``failure`` instead of raised, so that this rank keeps its collectives in step with
-            the others and every rank raises together at the next step check
-            (:class:`dmuon.hooks.step_check.StepCheck` carries the flag); set by the runtime
-            when there is a step check. Readers (:meth:`wait_all`) always raise.
+            ``failure`` instead of raised, so that every rank raises together at the next step
+            check (:class:`dmuon.hooks.step_check.StepCheck`); readers always raise.
         failure: the first failed job's error message on this rank, or ``None``.
     """
 
@@ -167,9 +147,8 @@ class PendingSteps:
     def submit(self, fn: Callable[[], None], device: torch.device, what: str, keep: tuple = (),
                speculative: bool = False) -> Job:
         """Run ``fn`` (no autograd) behind the main thread: on CUDA on a side stream that first
-        waits for the current stream (a stream of its own for ``speculative`` work, so that a
-        step's jobs never queue behind a speculation the step discarded); elsewhere on dmuon's
-        one worker thread (jobs run in submission order)."""
+        waits for the current stream (``speculative`` work on a stream of its own, so that a
+        step's jobs never queue behind a discarded speculation); elsewhere on one worker thread."""
         if device.type == "cuda":
             streams = self._spec_streams if speculative else self._streams
             stream = streams.get(device)
@@ -209,10 +188,8 @@ class PendingSteps:
 
     def stream_for(self, keys: Any) -> Any:
         """The publication stream for the broadcasts of ``keys`` when one of them has a CUDA
-        job, or ``None``. It is not the jobs' side stream (a broadcast queued there would wait
-        for every job submitted before it, not only its own): the caller makes it wait for the
-        compute stream, then :meth:`wait_for` under it makes it wait for each job's own event,
-        so only the publication waits for its unit's Newton-Schulz."""
+        job, or ``None``: not the jobs' side stream (a broadcast queued there would wait for
+        every earlier job), so that :meth:`wait_for` under it waits for each key's own event."""
         for key in keys:
             job = self.jobs.get(key)
             if job is not None and job.event is not None:
@@ -233,35 +210,29 @@ class PendingSteps:
                 self._wait(job, defer=self.defer_failures)
 
     def _wait(self, job: Job, defer: bool) -> None:
+        """Wait for ``job``; keep the first failure, raised now unless ``defer``, when its
+        message goes to the job's c10d store (``dmuon/failure/<rank>``) for the other ranks'
+        step-check error to quote."""
         try:
             job.wait()
         except RuntimeError as exc:
             if not defer:
                 self.failure = self.failure or str(exc)
                 raise
-            self.record_failure(str(exc))
-
-    def record_failure(self, message: str) -> None:
-        """Keep the first failure, and leave its message in the job's c10d store (under
-        ``dmuon/failure/<rank>``) for the other ranks' step-check error to quote."""
-        if self.failure is not None:
-            return
-        self.failure = message
-        if dist.is_available() and dist.is_initialized():
-            try:
-                dist.distributed_c10d._get_default_store().set(f"dmuon/failure/{dist.get_rank()}", message)
-            except Exception:  # noqa: BLE001 - a message for others; the flag is what fails them
-                pass
-
-    def wait_speculation(self) -> None:
-        """Wait for the backward's speculative jobs."""
-        while self.spec_jobs:
-            self._wait(self.spec_jobs.pop(0), defer=False)
+            if self.failure is not None:
+                return
+            self.failure = str(exc)
+            if dist.is_available() and dist.is_initialized():
+                try:
+                    dist.distributed_c10d._get_default_store().set(f"dmuon/failure/{dist.get_rank()}",
+                                                                   self.failure)
+                except Exception:  # noqa: BLE001 - a message for others; the flag is what fails them
+                    pass
 
     def retire_speculation(self) -> None:
         """Forget the speculative jobs that have finished (re-raising a failure), without
-        waiting for the others: ``step()`` waits only for the speculations it keeps, through
-        the jobs that read them (one worker thread, or one side stream: in submission order)."""
+        waiting for the others: ``step()`` waits only for those it keeps, through the jobs that
+        read them (in submission order)."""
         running = []
         for job in self.spec_jobs:
             if job.future is None:  # CUDA: ordered on the side stream; nothing to re-raise
@@ -283,10 +254,10 @@ class PendingSteps:
         """Wait for every scheduled job (a reader of masters or optimizer state is next).
 
         Raises:
-            RuntimeError: a job failed, now or earlier (its masters may be half updated: a
-                reader, a checkpoint among them, must not see them).
+            RuntimeError: a job failed, now or earlier (its masters may be half updated).
         """
-        self.wait_speculation()
+        while self.spec_jobs:
+            self._wait(self.spec_jobs.pop(0), defer=False)
         while self.jobs:
             self._wait(self.jobs.pop(next(iter(self.jobs))), defer=False)
         if self.failure is not None:
@@ -324,15 +295,11 @@ def same_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
 def take_proven(pending: PendingSteps, masters: list[torch.Tensor], updates: list[torch.Tensor],
                 layouts: list[Any], hp: MuonHyper) -> dict[int, Speculation]:
     """The speculations ``step()`` may keep, by index into ``masters``: the Newton-Schulz input
-    it just computed equals the speculation's bit for bit, with the same settings and layout
-    (the module docstring says why that is proof). Every other speculation is discarded
-    (its job skipped if not started) and the record cleared."""
+    it just computed equals the speculation's bit for bit, with the same settings and layout.
+    Every other speculation is discarded (its job skipped if not started)."""
     found = [(i, pending.speculations.pop(m, None)) for i, m in enumerate(masters)]
     found = [(i, spec) for i, spec in found if spec is not None]
-    for spec in pending.speculations.values():  # speculated, but no gradient at the step
-        spec.discarded = True
-    pending.speculations.clear()
-    pending.early.clear()
+    pending.clear_speculations()  # the rest: speculated, but no gradient at the step
     alike = [spec.ns == hp.ns and spec.layout == layouts[i] for i, spec in found]
     bits = same_bits([(updates[i], spec.update) for (i, spec), ok in zip(found, alike) if ok])
     flags = iter(bits)
@@ -348,15 +315,12 @@ def take_proven(pending: PendingSteps, masters: list[torch.Tensor], updates: lis
 
 
 def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
-                    pubs: list[Any], scale_master: Callable[[Any, torch.Tensor], None] | None = None) -> int:
-    """``opt.step()``'s Muon with ``overlap="forward"``/``"backward"``: the momentum step now, on
-    the main thread (:func:`dmuon.owners.update.muon_momentum_`), then one job per publish
-    group, in ``pubs``' order (forward order): Newton-Schulz of its matrices (or a proven
+                    pubs: list[Any], scale_master: Callable[[Any, torch.Tensor], None] | None = None) -> None:
+    """``opt.step()``'s Muon with ``overlap="forward"``/``"backward"``: the momentum step now,
+    then one job per publish group, in forward order: Newton-Schulz of its matrices (or a proven
     speculation's result, :func:`take_proven`), :func:`dmuon.owners.update.muon_finish_`, the
-    QK-clip scaling, and the owner's compute copy (the next publication's source).
-
-    Only plain tensors and frozen records reach a job (no param group, no DTensor dispatch off
-    the main thread).
+    QK-clip scaling, and the owner's compute copy. Only plain tensors and frozen records reach
+    a job (no param group, no DTensor dispatch off the main thread).
 
     Args:
         pending: the model's :class:`PendingSteps`.
@@ -368,9 +332,6 @@ def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], la
             (records), ``flat`` and ``owner``.
         scale_master: ``(record, master)`` after the update, before the compute copy (QK-clip's
             frozen plan, :mod:`dmuon.qk_clip`), or ``None``.
-
-    Returns:
-        The number of matrices whose Newton-Schulz runs now (kept speculations excluded).
     """
     masters = [item[0] for item in items]
     bufs = [item[2] for item in items]
@@ -406,25 +367,16 @@ def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], la
 
         what = f"{[items[i][3].fqn for i in mine][:4]} (owner rank {pub.owner})"
         pending.schedule(pub, job, pub.flat.device, what, keep=tuple(work["updates"]))
-    return len(items) - len(kept)
 
 
 def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
               early: bool = False) -> None:
     """A synced backward with ``overlap="backward"``: each owned matrix's momentum step into a
-    copy of its buffer, now (:func:`dmuon.owners.update.muon_momentum_`, the step's own
-    function), and one job that orthogonalizes them all (read by :func:`take_proven`).
-
-    With ``early``, during backward, once a bucket's reduce-to-owner has completed (``grad``:
-    the owner's average, a copy :func:`dmuon.comm.grad_buckets.owned_averages` made); else at
-    the end of backward, for the masters not started early in it.
-
-    Args:
-        hp: the hyper-parameters of the Muon group now (a later change of momentum or the
-            Newton-Schulz settings only makes the proof fail).
-        items: ``(master, grad, momentum buffer, record)`` as in :func:`step_overlapped`.
-        layouts: each item's :class:`dmuon.owners.update.MatrixLayout`.
-    """
+    copy of its buffer now, and one job that orthogonalizes them all (read by
+    :func:`take_proven`). With ``early``, during backward once a bucket's reduce-to-owner has
+    completed (``grad``: a copy of the owner's average); else at the end of backward, for the
+    masters not started early. ``hp`` is the Muon group's now (a later change only makes the
+    proof fail); ``items`` and ``layouts`` as in :func:`step_overlapped`."""
     pending.wait_for(list(pending.jobs))  # the last step's (its jobs may write the buffers)
     chosen = [(item, lay) for item, lay in zip(items, layouts) if early or item[0] not in pending.early]
     if not early:
@@ -456,6 +408,3 @@ def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts:
         spec.job = handle
     pending.spec_jobs.append(handle)
 
-
-__all__ = ["OVERLAP_MODES", "PendingSteps", "Speculation", "check_overlap", "same_bits", "speculate",
-           "step_overlapped", "take_proven"]

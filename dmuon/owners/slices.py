@@ -1,12 +1,10 @@
 """Which slice of a matrix each rank holds: the one place of index math for Shard,
-``_StridedShard`` and Replicate (the ``distributed_config`` exchanges, the TP Newton-Schulz,
-the gradient-norm clip and QK-clip's rows).
+``_StridedShard`` and Replicate.
 
 A :class:`MatrixLayout` says which rows and columns of the full ``[rows, cols]`` matrix each
 rank of a process group holds (its local tensor is ``full[rows][:, cols]``), as *runs*: tuples
-of half-open ``(start, stop)`` intervals (a contiguous FSDP shard is one run, a strided FSDP x
-TP shard a few). The math follows DTensor's splitting (``torch/distributed/tensor/
-placement_types.py``), placements applied in mesh-dimension order:
+of half-open ``(start, stop)`` intervals. The math follows DTensor's splitting
+(``torch/distributed/tensor/placement_types.py``), placements applied in mesh-dimension order:
 
 * ``Shard(d)`` over a mesh dim of size ``n``: dim ``d``'s current index sequence is cut into
   ``n`` chunks of ``ceil(len / n)`` (``torch.chunk``; trailing chunks possibly empty);
@@ -39,6 +37,14 @@ def chunk_sizes(size: int, parts: int) -> list[int]:
     return [max(0, min(step, size - i * step)) for i in range(parts)]
 
 
+def chunk_span(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` of :func:`chunk_sizes`: the indices a TP slice
+    ``Shard`` over ``parts`` ranks holds along its dim."""
+    sizes = chunk_sizes(size, parts)
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
+
+
 def runs_length(runs: Runs) -> int:
     """Number of indices in ``runs``."""
     return sum(stop - start for start, stop in runs)
@@ -60,13 +66,6 @@ def sub_runs(runs: Runs, start: int, stop: int) -> Runs:
     return tuple(out)
 
 
-def chunk_runs(runs: Runs, num_chunks: int, index: int) -> Runs:
-    """Chunk ``index`` of ``torch.chunk(sequence, num_chunks)`` (empty past the last chunk)."""
-    sizes = chunk_sizes(runs_length(runs), num_chunks)
-    start = sum(sizes[:index])
-    return sub_runs(runs, start, start + (sizes[index] if index < num_chunks else 0))
-
-
 def placement_runs(shape: Sequence[int], placements: Sequence[object], mesh_shape: Sequence[int],
                    coords: Sequence[int]) -> list[Runs]:
     """The indices, per dim, of the piece of a DTensor of global ``shape`` held at mesh
@@ -81,32 +80,11 @@ def placement_runs(shape: Sequence[int], placements: Sequence[object], mesh_shap
         name = type(placement).__name__
         if name in ("Shard", "_StridedShard"):
             dim = int(placement.dim) % len(dims)
-            dims[dim] = chunk_runs(dims[dim], int(size), int(coord))
+            dims[dim] = sub_runs(dims[dim], *chunk_span(runs_length(dims[dim]), int(size), int(coord)))
         elif name not in ("Replicate", "Partial"):
             raise ValueError(f"dmuon: unsupported DTensor placement {placement!r}; expected Shard, "
                              f"_StridedShard or Replicate")
     return dims
-
-
-def placement_slice(shape: Sequence[int], placements: Sequence[object], mesh_shape: Sequence[int],
-                    coords: Sequence[int]) -> tuple[Runs, Runs]:
-    """Rows and columns of a ``[rows, cols]`` DTensor held at mesh coordinates ``coords``.
-
-    Args:
-        shape: full ``(rows, cols)``.
-        placements: one DTensor placement per mesh dim.
-        mesh_shape: size of each mesh dim.
-        coords: this rank's coordinate along each mesh dim.
-
-    Raises:
-        ValueError: a placement sharding a dim other than 0 or 1, or an unknown placement.
-    """
-    for placement in placements:
-        dim = getattr(placement, "dim", None)
-        if dim is not None and dim not in (0, 1, -1, -2):
-            raise ValueError(f"dmuon: placement {placement!r} shards dim {dim} of a 2-D matrix")
-    rows, cols = placement_runs(shape, placements, mesh_shape, coords)
-    return rows, cols
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -212,14 +190,12 @@ def local_rows(t: Tensor) -> Tensor:
 
 
 def dtensor_layout(t: Tensor, group_ranks: Sequence[int]) -> MatrixLayout:
-    """Layout of a 2-D DTensor whose mesh holds exactly the ranks ``group_ranks``.
-
-    Args:
-        t: a DTensor (parameter, gradient or buffer) ``[rows, cols]``; only its metadata is read.
-        group_ranks: global ranks of the optimizer's group, in group-rank order.
+    """Layout of a 2-D DTensor ``t`` (only its metadata is read) whose mesh holds exactly the
+    global ranks ``group_ranks`` (in group-rank order).
 
     Raises:
-        ValueError: the DTensor's mesh does not hold exactly the group's ranks (names both).
+        ValueError: the DTensor's mesh does not hold exactly the group's ranks (names both), or
+            a placement sharding a dim other than 0 or 1, or an unknown placement.
     """
     mesh = t.device_mesh
     grid = mesh.mesh
@@ -229,8 +205,12 @@ def dtensor_layout(t: Tensor, group_ranks: Sequence[int]) -> MatrixLayout:
             f"dmuon: a DTensor of shape {tuple(t.shape)} lives on a mesh of ranks {mesh_ranks}, "
             f"but the optimizer's group has ranks {list(group_ranks)}. Give all matrices a mesh "
             f"spanning the group, or pass the mesh's group (state['group']) to the config.")
+    for placement in t.placements:
+        dim = getattr(placement, "dim", None)
+        if dim is not None and dim not in (0, 1, -1, -2):
+            raise ValueError(f"dmuon: placement {placement!r} shards dim {dim} of a 2-D matrix")
     slices = []
     for g in group_ranks:
         coords = [int(c) for c in (grid == int(g)).nonzero()[0].tolist()]
-        slices.append(placement_slice(t.shape, t.placements, grid.shape, coords))
+        slices.append(tuple(placement_runs(t.shape, t.placements, grid.shape, coords)))
     return MatrixLayout.build(tuple(t.shape), slices)

@@ -3,17 +3,9 @@
 A dedicated parameter is one matrix ``[rows, cols]`` or a stack ``[E, rows, cols]`` (more
 leading dims flattened in C order): the experts of a Mixture-of-Experts layer as Hugging Face
 ``transformers`` 5.x and torchtitan store them, each orthogonalized on its own. Each stored
-matrix may be cut along its rows into ``blocks`` equal parts, each orthogonalized separately (a
-fused ``gate_up_proj`` ``[2I, H]`` as two ``[I, H]``); the Newton-Schulz input is then
-``[E * blocks, rows / blocks, cols]``, a reshape of the stack.
-
-This module is the one place that knows it: the plan expands parameters into owner items and
-collapses them back into expert ranges (:func:`owner_items`, :func:`collapse_ranges`); binding
-cuts ranges (:meth:`ParamLayout.flat_view`) and shows the module the whole stack
-(:class:`StackSlot`); the update reshapes a range into its matrices (:func:`as_matrices`);
-selection validates (:func:`param_layout`, :func:`check_expert_stack`,
-:func:`expert_parallel_size`); under expert parallelism a rank holds ``E / ep`` experts whole
-(:meth:`ParamLayout.local`).
+matrix may be cut along its rows into ``blocks`` equal parts (a fused ``gate_up_proj``
+``[2I, H]`` as two ``[I, H]``); the Newton-Schulz input is then ``[E * blocks, rows / blocks,
+cols]``, a reshape of the stack. Selection, the plan, binding and the update read it here.
 """
 
 from __future__ import annotations
@@ -43,9 +35,8 @@ class ParamLayout:
     blocks: int = 1
 
     def local(self, ep: int) -> "ParamLayout":
-        """The layout of one expert-parallel rank's part of a stack whose leading dim (the
-        experts) is split evenly over ``ep`` ranks (:func:`expert_parallel_size`): ``[E / ep,
-        ..., rows, cols]``; ``self`` for ``ep == 1``."""
+        """One expert-parallel rank's part, ``[E / ep, ..., rows, cols]``, of a stack whose
+        experts are split evenly over ``ep`` ranks; ``self`` for ``ep == 1``."""
         if ep == 1:
             return self
         return ParamLayout(shape=(self.shape[0] // ep,) + self.shape[1:], blocks=self.blocks)
@@ -100,14 +91,9 @@ def declared_experts(module: nn.Module) -> int | None:
 
 
 def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> None:
-    """Refuse a >2-D parameter whose leading dims are not experts.
-
-    How it tells: the leading dims are experts when the module holding the parameter declares
-    an expert count (``num_experts`` or one of :data:`EXPERT_COUNT_ATTRS`) equal to the
-    product of the leading dims, or equal to the first leading dim (``[E, ...]`` with more
-    leading dims). A convolution's weight ``[out, in, *kernel]`` is never a stack, and a
-    module that declares no expert count is not trusted either. Every rank holds the same
-    module and shapes, so every rank raises alike, before any collective.
+    """Refuse a >2-D parameter whose leading dims are not experts: those of a module that
+    declares an expert count (:data:`EXPERT_COUNT_ATTRS`) equal to their product or to the
+    first leading dim are; a convolution's weight never is. Every rank raises alike.
 
     Raises:
         ValueError: naming the parameter, its shape, what was found and the fix.
@@ -135,14 +121,10 @@ def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> Non
 
 
 def expert_module_names(model: nn.Module) -> set[str]:
-    """Names of the modules that are experts kept as separate modules: the children of an
-    ``nn.ModuleList`` held under an attribute named ``experts``, or held by a module that
-    declares an expert count (:data:`EXPERT_COUNT_ATTRS`). A routed expert runs only on the
-    ranks that route tokens to it, so its matrices may take no gradient on some ranks of a step;
-    the gradient buckets holding them carry presence flags (:mod:`dmuon.comm.grad_buckets`).
-    Every other matrix must take part in backward on every rank or on none (static graph), and
-    its buckets keep their sizes (gloo's summation order depends on a buffer's size).
-    """
+    """Names of the experts kept as separate modules: the children of an ``nn.ModuleList``
+    held under an attribute named ``experts`` or by a module that declares an expert count. A
+    routed expert may take no gradient on some ranks of a step (its gradient buckets carry
+    presence flags, :mod:`dmuon.comm.grad_buckets`)."""
     names: set[str] = set()
     for name, module in model.named_modules():
         for attr, child in module.named_children():
@@ -166,15 +148,9 @@ EP_NAMES = ("ep",)
 def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_size: int) -> int:
     """How many expert-parallel ranks split a selected parameter's experts: 1 off the ``"ep"``
     mesh dimension, ``ep_size`` for an expert stack ``Shard(0)`` over it (torchtitan's
-    ``ExpertParallel``); each rank then holds ``E / ep_size`` experts whole
-    (:meth:`ParamLayout.local`). Every rank sees the same placements and shape, so every rank
-    raises alike, before any collective.
-
-    Args:
-        fqn: the parameter's name (for errors).
-        param: the parameter as the module holds it (a DTensor, or a plain tensor).
-        ep_name, ep_size: the ``"ep"`` dimension of ``dedicate_params``' mesh and its size
-            (``None``, 1 without one).
+    ``ExpertParallel``). ``param`` is the module's (a DTensor or a plain tensor); ``ep_name``,
+    ``ep_size``: ``dedicate_params``' mesh's ``"ep"`` dimension (``None``, 1 without one).
+    Every rank raises alike, before any collective.
 
     Raises:
         ValueError: a parameter on an ``"ep"`` mesh when the given mesh has none, another
@@ -220,14 +196,9 @@ def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_
 
 @dataclass(frozen=True, slots=True)
 class OwnerItem:
-    """What the balancer places: a 2-D parameter, or one stored matrix of a stack.
-
-    Attributes:
-        fqn: the parameter's name.
-        index: the stored matrix (expert) of a stack, ``None`` for a 2-D parameter.
-        matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix.
-        matrices: Newton-Schulz matrices in the item (its ``blocks``).
-    """
+    """What the balancer places: a 2-D parameter (``index`` None), or one stored matrix
+    (expert ``index``) of a stack, holding ``matrices`` Newton-Schulz matrices (its row blocks)
+    of ``matrix_shape``."""
 
     fqn: str
     index: int | None
@@ -253,14 +224,8 @@ def owner_items(layouts: Iterable[tuple[str, ParamLayout]]) -> list[OwnerItem]:
 @dataclass(frozen=True, slots=True)
 class OwnerRange:
     """A run of one parameter's owner items with one owner (and bucket): one plan entry.
-
-    Attributes:
-        fqn: the parameter.
-        experts: ``(start, stop)`` over its flattened leading dims; ``None`` for a 2-D parameter.
-        owner: the solver's rank of every item in the range.
-        items: positions of the range's items in the :func:`owner_items` list.
-        bucket: the DDP-style path's bucket, or ``None``.
-    """
+    ``experts``: ``(start, stop)`` over its flattened leading dims (``None`` for a 2-D
+    parameter); ``items``: the items' positions in the :func:`owner_items` list."""
 
     fqn: str
     experts: tuple[int, int] | None
@@ -271,15 +236,10 @@ class OwnerRange:
 
 def collapse_ranges(items: Sequence[OwnerItem], owners: Sequence[int],
                     buckets: Sequence[int] | None = None) -> list[OwnerRange]:
-    """Solved items back to plan entries: per parameter, one contiguous expert range per owner.
-
-    The experts of one stack cost the same and weigh the same, so which expert goes to which
-    owner does not change any rank's load: without ``buckets`` the experts are renumbered so
-    that each owner's experts are contiguous, in the order owners first appear in the
-    solution (a stack with ``n`` owners becomes ``n`` ranges, each one reduce and one
-    broadcast). With ``buckets`` (the DDP-style path, buckets cut in backward order) only
-    neighbouring items with the same owner and bucket merge.
-    """
+    """Solved items back to plan entries. Without ``buckets``, one contiguous expert range per
+    owner of a stack, in the order owners first appear (its experts cost the same, so the
+    renumbering changes no rank's load); with ``buckets`` (the DDP-style path) only
+    neighbouring items with the same owner and bucket merge."""
     ranges: list[OwnerRange] = []
     i = 0
     while i < len(items):
@@ -316,15 +276,12 @@ def as_matrices(t: torch.Tensor, matrix_shape: Sequence[int]) -> torch.Tensor:
 
 @dataclass(eq=False)
 class StackSlot:
-    """The module slot of a stack split over several owner ranges.
+    """The module slot of a stack split over several owner ranges, each a record of its own.
 
-    Each range is a record of its own (its master, compute weight, publication and gradient);
-    the module computes with the whole stack, so ``show("compute")`` registers the
-    concatenation of the ranges' compute weights, shaped as the parameter (autograd splits the
-    gradient back into the ranges; one copy of the stack per show, the price of ranges that
-    live in different owners' publish buffers). ``show("master")`` registers the first range's
-    master (an fp32 range on its owner, a zero-size placeholder elsewhere); the other ranges'
-    masters are reached through dmuon (the optimizer, ``dmuon.state_dict``).
+    ``show("compute")`` registers the concatenation of the ranges' compute weights, shaped as
+    the parameter (autograd splits the gradient back into the ranges; one copy per show, as the
+    ranges live in different owners' publish buffers). ``show("master")`` registers the first
+    range's master; the others are reached through dmuon (the optimizer, ``dmuon.state_dict``).
 
     Attributes:
         module: the module holding the parameter.

@@ -1,9 +1,8 @@
 """What the installed ``torch.optim.Muon`` does where torch versions differ: the one place that asks.
 
-dmuon's update equals a single-process ``torch.optim.Muon`` step of the torch the user has
-installed (``torch>=2.11``). The versions differ in two ways (``torch/optim/_muon.py`` of 2.11.0,
-2.13.0, 2.14.1 and 2.15.0 compared; 2.11 -> 2.13 changed only docstrings, and ``adam.py`` changed no
-AdamW arithmetic across them):
+dmuon's update equals a single-process ``torch.optim.Muon`` step of the installed torch
+(``torch>=2.11``). ``torch/optim/_muon.py`` of 2.11.0, 2.13.0, 2.14.1 and 2.15.0 differ in two ways
+(and ``adam.py`` in no AdamW arithmetic):
 
 * ``adjust_lr_fn="spectral_unclamped"`` (``lr * sqrt(rows / cols)``, Bernstein, "Deriving
   Muon") exists from 2.14; before, ``Muon`` refuses the name.
@@ -14,8 +13,8 @@ AdamW arithmetic across them):
   every step. 2.15 copies (``grad.to(dtype=torch.bfloat16, copy=True)``) and the buffer keeps its
   scale. Newton-Schulz output and every fp32/fp16 buffer are the same in all versions.
 
-Both are found by asking the installed torch (feature detection, not its version string), once
-per process: :func:`installed`.
+Both are found by asking the installed torch (not its version string), once per process:
+:func:`installed`.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ class TorchMuon:
         version: ``torch.__version__`` (for messages only).
         adjust_lr_fns: the :data:`TORCH_SINCE` names its constructor accepts.
         normalizes_bf16_momentum: whether a step with ``nesterov=False`` leaves a bf16 momentum
-            buffer divided by its bf16 Frobenius norm (torch <= 2.14; see the module docstring).
+            buffer divided by its bf16 Frobenius norm (torch <= 2.14).
     """
 
     version: str

@@ -18,11 +18,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dmuon.owners import torch_muon
-from dmuon.owners.slices import chunk_sizes, local_tensor
+from dmuon.owners.slices import chunk_span, local_tensor
 
-#: Every ``adjust_lr_fn`` dmuon implements; the installed torch may lack some
-#: (:meth:`dmuon.owners.torch_muon.TorchMuon.check_adjust_lr_fn`).
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "spectral_unclamped")
 NS_METHODS = ("gram", "standard")
 
 
@@ -42,10 +39,9 @@ def parse_dtype(value: Any) -> Any:
 
 
 def first_step_state(state: dict[str, Any], like: torch.Tensor, use_muon: bool) -> dict[str, Any]:
-    """Add to ``state`` what the first step would create, keeping what is there: Muon's
-    ``momentum_buffer``, or AdamW's ``step`` (0-d fp32 CPU 0) and ``exp_avg`` / ``exp_avg_sq``;
-    zeros like ``like`` (a DTensor for a DTensor), named as torch's optimizers name them.
-    Returns ``state`` (mutated)."""
+    """Add to ``state`` (and return it) what torch's first step would create, keeping what is
+    there: Muon's ``momentum_buffer``, or AdamW's ``step`` (0-d fp32 CPU 0), ``exp_avg`` and
+    ``exp_avg_sq``; zeros like ``like`` (a DTensor for a DTensor)."""
     if use_muon:
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(like, memory_format=torch.preserve_format)
@@ -63,19 +59,13 @@ def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, mom
                              ns_coefficients: Any = "polar_express", ns_steps: int = 5,
                              eps: float = 1e-7, adamw_eps: float = 1e-8,
                              adamw_weight_decay: float | None = None, where: str = "") -> None:
-    """Check Muon's and AdamW's hyper-parameters once, at construction (not at the first step).
+    """Check Muon's and AdamW's hyper-parameters once, at construction (every :class:`dmuon.Muon`
+    path, per param group, and the baselines). As strict as ``torch.optim.Muon`` and
+    ``torch.optim.AdamW`` (``>= 0``, ``betas`` in [0, 1)), and stricter where torch lets a NaN
+    through: every number finite, ``momentum`` in [0, 1), ``ns_steps`` an integer >= 1.
 
-    The one check behind every :class:`dmuon.Muon` path (``dmuon.Muon(model)`` and the
-    ``distributed_config`` path, also per param group) and the baselines. At least as strict as
-    ``torch.optim.Muon`` (``lr``, ``momentum``, ``weight_decay`` >= 0) and ``torch.optim.AdamW``
-    (``lr``, ``eps``, ``weight_decay`` >= 0, ``betas`` in [0, 1)), and stricter where torch
-    lets a NaN through (``nan < 0`` is False): every number must be finite, ``momentum`` in
-    [0, 1), ``ns_steps`` an integer >= 1.
-
-    Args:
-        lr ... adamw_weight_decay: as :class:`dmuon.Muon` (``None`` for ``adamw_lr`` /
-            ``adamw_weight_decay``: taken from ``lr`` / ``weight_decay``).
-        where: names the param group in the message (``"param group 2: "``), or ``""``.
+    The arguments are :class:`dmuon.Muon`'s; ``where`` names the param group in the message
+    (``"param group 2: "``), or is ``""``.
 
     Raises:
         ValueError: naming the hyper-parameter, its value and the accepted range.
@@ -116,8 +106,6 @@ def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, mom
         raise ValueError(f"dmuon: {where}ns_dtype must be a float dtype or None (by device), got {ns_dtype}")
     resolve_coefficients(ns_coefficients, ns_steps)
 
-
-
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
     """Muon's shape-dependent learning rate (``torch.optim.Muon``'s ``_adjust_lr``).
 
@@ -144,18 +132,12 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> floa
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MuonHyper:
-    """What one Muon step of a param group reads, frozen when ``opt.step()`` runs.
-
-    Every path of the update (synchronous, per-head, overlapped, speculative) takes its
-    hyper-parameters from one of these, never from the live param group: a job that runs after
-    ``step()`` returned must not see the learning rate a scheduler set in the meantime.
+    """What one Muon step of a param group reads, frozen when ``opt.step()`` runs: every path of
+    the update takes its hyper-parameters from one of these, never from the live param group
+    (a job that runs after ``step()`` must not see what a scheduler set in the meantime).
 
     Attributes:
-        lr: learning rate (unitless step size); weight decay uses it unadjusted.
-        weight_decay: decoupled weight decay (``p *= 1 - lr * weight_decay``).
-        momentum: ``buf.lerp_(grad, 1 - momentum)``.
-        nesterov: Newton-Schulz input ``grad.lerp(buf, momentum)`` (else ``buf``).
-        adjust_lr_fn: as ``torch.optim.Muon`` (:func:`adjust_lr`).
+        lr, weight_decay, momentum, nesterov, adjust_lr_fn: as ``torch.optim.Muon``'s.
         ns: the Newton-Schulz settings as sorted ``(name, value)`` pairs (steps, coefficients,
             method, dtype, eps, backend); lists frozen to tuples, so two records compare by value.
         max_batch_bytes: cap (bytes) on one same-shape Newton-Schulz batch, or ``None``.
@@ -180,17 +162,19 @@ class MuonHyper:
                    adjust_lr_fn=group["adjust_lr_fn"], ns=tuple(sorted(ns.items())),
                    max_batch_bytes=max_batch_bytes)
 
-    def ns_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of :func:`dmuon.kernels.orthogonalize_by_shape`."""
-        return dict(self.ns)
-
     @property
     def eps(self) -> float:
         return dict(self.ns)["eps"]
 
     def orthogonalizer(self) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        """Batched Newton-Schulz over full matrices with these settings (:func:`ns_by_shape`)."""
-        return ns_by_shape(self.ns_kwargs(), self.max_batch_bytes)
+        """Newton-Schulz over a list of full matrices with these settings, batched by shape
+        (:func:`dmuon.kernels.orthogonalize_by_shape`)."""
+        from dmuon.kernels import orthogonalize_by_shape
+
+        kwargs = dict(self.ns)
+        if self.max_batch_bytes is not None:
+            kwargs["max_batch_bytes"] = self.max_batch_bytes
+        return lambda tensors: orthogonalize_by_shape(tensors, **kwargs)
 
 
 def _frozen(value: Any) -> Any:
@@ -208,15 +192,12 @@ class MatrixLayout:
     """How the update of one master is cut for Newton-Schulz and scaled by the lr adjustment.
 
     Attributes:
-        full_shape: ``(rows, cols)`` of the whole matrix (a tensor-parallel slice's matrix), or
+        full_shape: the whole matrix's ``(rows, cols)`` (that of a tensor-parallel slice), or
             the master's own shape.
-        matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix: ``full_shape`` for a matrix,
-            one expert's for a stack ``[k, rows, cols]`` or a matrix cut into row blocks
-            (:mod:`dmuon.owners.stacks`).
-        split: the :class:`dmuon.owners.blocks.Split` of a per-head / split matrix (each block
-            orthogonalized and lr-adjusted on its own), or ``None``.
-        tp_shard_dim: 0/1 when the master is a tensor-parallel slice of ``full_shape``.
-        tp_rank, tp_size: this rank's place in the TP group (the slice's offset).
+        matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix (:mod:`dmuon.owners.stacks`).
+        split: the :class:`dmuon.owners.blocks.Split` of a per-head / split matrix, or ``None``.
+        tp_shard_dim, tp_rank, tp_size: the tensor-parallel slice the master is (0/1, or
+            ``None``: whole) and this rank's place in the TP group.
     """
 
     full_shape: tuple[int, ...]
@@ -239,9 +220,16 @@ class MatrixLayout:
         return self.full_shape if self.tp_shard_dim is not None else self.matrix_shape
 
 
-def _cut(update: torch.Tensor, split: Any) -> list[torch.Tensor]:
-    pieces = [update.narrow(split.dim, a, b - a) for a, b in split.bounds()]
-    return pieces if split.dim == 0 else [p.contiguous() for p in pieces]
+def _ns_matrices(t: torch.Tensor, split: Any, matrix_shape: Sequence[int] | None) -> list[torch.Tensor]:
+    """Views of ``t``'s Newton-Schulz matrices: the blocks of ``split``, else ``t`` whole when it
+    is one matrix of ``matrix_shape`` (or that is ``None``), else a stack's matrices."""
+    from dmuon.owners.stacks import as_matrices
+
+    if split is not None:
+        return [t.narrow(split.dim, a, b - a) for a, b in split.bounds()]
+    if matrix_shape is None or tuple(t.shape) == tuple(matrix_shape):
+        return [t]
+    return list(as_matrices(t, matrix_shape).unbind(0))
 
 
 def split_orthogonalize(splits: Sequence[Any], matrix_shapes: Sequence[tuple[int, int]] | None,
@@ -250,18 +238,13 @@ def split_orthogonalize(splits: Sequence[Any], matrix_shapes: Sequence[tuple[int
     """Newton-Schulz over full updates (one per entry of ``splits``), each cut into its blocks
     (``None``: whole, or a stack's matrices of ``matrix_shapes[i]``), all blocks in one
     ``ns`` call (batched by shape), each result shaped like its update again."""
-    from dmuon.owners.stacks import as_matrices
-
     def run(updates: list[torch.Tensor]) -> list[torch.Tensor]:
         flat: list[torch.Tensor] = []
         spans = []
         for i, (update, split) in enumerate(zip(updates, splits)):
-            if split is not None:
-                pieces = _cut(update, split)
-            elif matrix_shapes is None or tuple(update.shape) == tuple(matrix_shapes[i]):
-                pieces = [update]
-            else:
-                pieces = list(as_matrices(update, matrix_shapes[i]).unbind(0))
+            pieces = _ns_matrices(update, split, None if matrix_shapes is None else matrix_shapes[i])
+            if split is not None and split.dim == 1:
+                pieces = [p.contiguous() for p in pieces]
             spans.append((len(flat), len(pieces)))
             flat.extend(pieces)
         out = ns(flat) if flat else []
@@ -279,29 +262,22 @@ def split_orthogonalize(splits: Sequence[Any], matrix_shapes: Sequence[tuple[int
     return run
 
 
-def apply_split_update_(param: torch.Tensor, update: torch.Tensor, split: Any, *, lr: float,
-                        weight_decay: float, adjust_lr_fn: str | None, full_shape: Sequence[int],
-                        tp_shard_dim: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
-    """Decoupled weight decay, then every block ``param[block] -= adjust_lr(lr, block) *
-    update[block]`` (``torch.optim.Muon``'s ``_single_tensor_muon`` on each block).
-
-    Args:
-        param: fp32 master ``[rows, cols]``, or this rank's TP slice of it; updated in place.
-        update: the orthogonalized update, same shape as ``param``.
-        full_shape: ``(rows, cols)`` of the whole matrix.
-        tp_shard_dim, tp_rank, tp_size: the TP slice ``param`` is (``tp_shard_dim`` None: whole).
-    """
-    param.mul_(1 - lr * weight_decay)
-    dim = split.dim
+def _apply_split_update_(param: torch.Tensor, update: torch.Tensor, lay: MatrixLayout,
+                         hp: MuonHyper) -> None:
+    """Decoupled weight decay, then ``param[block] -= adjust_lr(lr, block) * update[block]`` for
+    every block of ``lay.split`` (``torch.optim.Muon``'s ``_single_tensor_muon`` on each block);
+    ``param`` is the fp32 master or this rank's TP slice of it, ``update`` shaped like it."""
+    param.mul_(1 - hp.lr * hp.weight_decay)
+    dim = lay.split.dim
     offset = 0
-    if tp_shard_dim == dim and tp_size > 1:
-        offset = sum(chunk_sizes(int(full_shape[dim]), tp_size)[:tp_rank])
+    if lay.tp_shard_dim == dim and lay.tp_size > 1:
+        offset = chunk_span(int(lay.full_shape[dim]), lay.tp_size, lay.tp_rank)[0]
     length = param.shape[dim]
-    for index, (a, b) in enumerate(split.bounds()):
+    for index, (a, b) in enumerate(lay.split.bounds()):
         lo, hi = max(a, offset), min(b, offset + length)
         if lo >= hi:
             continue
-        alpha = -adjust_lr(lr, adjust_lr_fn, split.block_shape(index, full_shape))
+        alpha = -adjust_lr(hp.lr, hp.adjust_lr_fn, lay.split.block_shape(index, lay.full_shape))
         param.narrow(dim, lo - offset, hi - lo).add_(
             update.narrow(dim, lo - offset, hi - lo).to(param.dtype), alpha=alpha)
 
@@ -325,36 +301,27 @@ def orthogonalize_updates(updates: list[torch.Tensor], layouts: Sequence[MatrixL
 def muon_finish_(params: Sequence[torch.Tensor], orthos: Sequence[torch.Tensor],
                  bufs: Sequence[torch.Tensor], layouts: Sequence[MatrixLayout], hp: MuonHyper) -> None:
     """Phase 3c: after Newton-Schulz has read its inputs, what the installed torch leaves in the
-    momentum buffers (:func:`normalize_like_torch_`), then the master update: decoupled weight
-    decay and ``param -= adjust_lr(lr, shape) * ortho`` (:func:`apply_update_`, or per block of
-    a split, :func:`apply_split_update_`).
-
-    Args:
-        params: fp32 masters (full, a stack, or a TP slice), updated in place.
-        orthos: orthogonalized updates, shaped like ``params``.
-        bufs: the momentum buffers Newton-Schulz read (mutated only as torch does).
-        layouts: each master's :class:`MatrixLayout`.
-        hp: the step's :class:`MuonHyper`.
-    """
+    momentum buffers ``bufs`` (:func:`normalize_like_torch_`), then the update of the fp32
+    masters ``params`` (full, a stack, or a TP slice; in place) by ``orthos`` (shaped like
+    them): decoupled weight decay and ``param -= adjust_lr(lr, shape) * ortho``
+    (:func:`apply_update_`, or per block of a split)."""
     normalize_like_torch_(bufs, layouts, nesterov=hp.nesterov, eps=hp.eps)
     for param, ortho, lay in zip(params, orthos, layouts):
         if lay.split is None:
             apply_update_(param, ortho, lr=hp.lr, weight_decay=hp.weight_decay,
                           adjust_lr_fn=hp.adjust_lr_fn, shape=lay.lr_shape)
         else:
-            apply_split_update_(param, ortho, lay.split, lr=hp.lr, weight_decay=hp.weight_decay,
-                                adjust_lr_fn=hp.adjust_lr_fn, full_shape=lay.full_shape,
-                                tp_shard_dim=lay.tp_shard_dim, tp_rank=lay.tp_rank, tp_size=lay.tp_size)
+            _apply_split_update_(param, ortho, lay, hp)
 
 
 @torch.no_grad()
 def muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_bufs: list[torch.Tensor],
                  hp: MuonHyper, layouts: Sequence[MatrixLayout] | None = None,
-                 orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> int:
+                 orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
     """One Muon step (``torch.optim.Muon``'s ``_single_tensor_muon``, Jordan et al. 2024) on the
     matrices one rank owns: :func:`muon_momentum_`, Newton-Schulz batched by shape, then
-    :func:`muon_finish_`. The overlapped and speculative paths (:mod:`dmuon.owners.overlap`) run
-    the same three functions, split in time.
+    :func:`muon_finish_` (the overlapped paths, :mod:`dmuon.owners.overlap`, run the same three,
+    split in time).
 
     Args:
         params: fp32 masters ``[rows, cols]`` (or a stack ``[k, rows, cols]``, or a TP slice),
@@ -364,33 +331,25 @@ def muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum
         hp: the step's frozen hyper-parameters.
         layouts: each master's :class:`MatrixLayout` (default: every param one whole matrix).
         orthogonalize: Newton-Schulz over the updates, each result shaped like its update;
-            default :func:`orthogonalize_updates` on this rank (tensor parallelism passes its
-            TP-owner exchange, :func:`dmuon.owners.blocks.tp_orthogonalizer`).
-
-    Returns:
-        The number of masters updated.
+            default :func:`orthogonalize_updates` on this rank (tensor parallelism passes
+            :func:`dmuon.owners.blocks.tp_orthogonalizer`).
     """
     if not params:
-        return 0
+        return
     layouts = list(layouts) if layouts is not None else [MatrixLayout.whole(p) for p in params]
     updates = muon_momentum_(grads, momentum_bufs, hp)
     if orthogonalize is None:
-        ns = hp.orthogonalizer()
-        orthos = orthogonalize_updates(updates, layouts, ns)
+        orthos = orthogonalize_updates(updates, layouts, hp.orthogonalizer())
     else:
         orthos = orthogonalize(updates)
     muon_finish_(params, orthos, momentum_bufs, layouts, hp)
-    return len(params)
 
 
 def momentum_update_(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float,
                      nesterov: bool) -> torch.Tensor:
-    """Muon's momentum step (``buf`` updated in place) and the Newton-Schulz input.
-
-    Element-wise, so it runs on a full matrix or any shard of one. ``torch.optim.Muon``:
-    ``buf.lerp_(grad, 1 - momentum)``; input ``grad.lerp(buf, momentum)`` with Nesterov, else
-    ``buf``.
-    """
+    """Muon's momentum step, element-wise (any shard): ``buf.lerp_(grad, 1 - momentum)`` in
+    place; returns the Newton-Schulz input, ``grad.lerp(buf, momentum)`` with Nesterov, else
+    ``buf`` (``torch.optim.Muon``)."""
     buf.lerp_(grad, 1 - momentum)
     return grad.lerp(buf, momentum) if nesterov else buf
 
@@ -398,17 +357,14 @@ def momentum_update_(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float,
 def normalize_like_torch_(bufs: Sequence[torch.Tensor], layouts: Sequence[MatrixLayout], *,
                           nesterov: bool, eps: float) -> None:
     """After Newton-Schulz has read them: what the installed torch's step leaves in the momentum
-    buffers besides the lerp (torch <= 2.14 divides a bf16 buffer by its norm with
-    ``nesterov=False``, :mod:`dmuon.owners.torch_muon`); nothing on other torches, dtypes or
-    with Nesterov. Per Newton-Schulz matrix (each expert of a stack, each block of a split), as
-    torch per parameter.
+    buffers besides the lerp (:mod:`dmuon.owners.torch_muon`: torch <= 2.14 divides a bf16
+    buffer by its norm with ``nesterov=False``), per Newton-Schulz matrix, as torch per
+    parameter.
 
     Raises:
         RuntimeError: such a buffer that is a tensor-parallel slice: its norm is the full
             matrix's. Unreachable through dmuon's paths (their TP buffers are fp32).
     """
-    from dmuon.owners.stacks import as_matrices
-
     semantics = torch_muon.installed()
     for buf, lay in zip(bufs, layouts):
         if not semantics.normalizes_momentum(buf, nesterov):
@@ -417,35 +373,16 @@ def normalize_like_torch_(bufs: Sequence[torch.Tensor], layouts: Sequence[Matrix
             raise RuntimeError(f"dmuon: a bf16 momentum buffer of shape {tuple(buf.shape)} is a "
                                f"tensor-parallel slice; torch {semantics.version} normalizes it "
                                f"whole with nesterov=False. Use fp32 parameters or nesterov=True.")
-        if lay.split is not None:
-            mats = [buf.narrow(lay.split.dim, a, b - a) for a, b in lay.split.bounds()]
-        elif tuple(buf.shape) == tuple(lay.matrix_shape):
-            mats = [buf]
-        else:
-            mats = list(as_matrices(buf, lay.matrix_shape).unbind(0))
-        for mat in mats:
+        for mat in _ns_matrices(buf, lay.split, lay.matrix_shape):
             torch_muon.normalize_momentum_(mat, eps)
 
 
 def apply_update_(param: torch.Tensor, update: torch.Tensor, *, lr: float, weight_decay: float,
                   adjust_lr_fn: str | None, shape: Sequence[int]) -> None:
-    """Decoupled weight decay with the unadjusted lr, then ``param -= adjust_lr(lr) * update``.
-
-    Element-wise (full matrix or shard); ``shape`` is the *full* matrix's ``(rows, cols)``.
-    """
+    """Decoupled weight decay with the unadjusted lr, then ``param -= adjust_lr(lr) * update``,
+    element-wise (full matrix or shard); ``shape`` is the *full* matrix's ``(rows, cols)``."""
     param.mul_(1 - lr * weight_decay)
     param.add_(update.to(param.dtype), alpha=-adjust_lr(lr, adjust_lr_fn, shape))
-
-
-def ns_by_shape(ns_kwargs: dict[str, Any], max_batch_bytes: int | None = None
-                ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """Newton-Schulz over a list of matrices, batched by shape (``orthogonalize_by_shape``)."""
-    from dmuon.kernels import orthogonalize_by_shape
-
-    kwargs = dict(ns_kwargs)
-    if max_batch_bytes is not None:
-        kwargs["max_batch_bytes"] = max_batch_bytes
-    return lambda tensors: orthogonalize_by_shape(tensors, **kwargs)
 
 
 @torch.no_grad()
@@ -459,23 +396,15 @@ def adamw_update_(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step, element-wise, on whatever each tensor is (full, local shard or DTensor).
-
-    ``states[i]`` holds ``step`` (0-d fp32 CPU tensor), ``exp_avg`` and ``exp_avg_sq`` (like
-    param), created on first use exactly as ``torch.optim.AdamW`` names them, so state dicts
-    interoperate. The math is ``_single_tensor_adam``'s, op for op, run as one ``torch._foreach_*``
-    call per op over the local tensors (a DTensor's ``to_local()`` aliases its storage, and AdamW
-    is element-wise, so updating the shards updates the DTensors, without DTensor dispatch).
-    """
+    """One AdamW step, element-wise, on whatever each tensor is (full, local shard or DTensor),
+    with ``states[i]`` as ``torch.optim.AdamW``'s (:func:`first_step_state`). The math is
+    ``_single_tensor_adam``'s, op for op, as one ``torch._foreach_*`` call per op over the local
+    tensors (``to_local()`` aliases a DTensor's storage: no DTensor dispatch)."""
     if not params:
         return
     beta1, beta2 = betas
     for param, state in zip(params, states):
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["step"] += 1
+        first_step_state(state, param, use_muon=False)["step"] += 1
     # the step counters are CPU tensors (created above without a device): no GPU sync
     steps = [state["step"].item() for state in states]
     local = [local_tensor(t) for t in params]
