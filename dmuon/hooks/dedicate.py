@@ -233,8 +233,7 @@ def dedicate_params(
                         f"pass the module itself, not model.parameters() or a list of tensors")
     if getattr(model, STATE_ATTR, None) is not None:
         raise RuntimeError(
-            "dmuon: dedicate_params was already called on this model; call it once per model "
-            "(state.remove() via dmuon.undedicate is not supported mid-training)"
+            "dmuon: dedicate_params was already called on this model; call it once per model"
         )
     if prefetch < 1:
         raise ValueError(f"dmuon: prefetch must be >= 1, got {prefetch}")
