@@ -100,7 +100,8 @@ class LaunchTable:
     def entry(self, device: torch.device) -> _DeviceEntry:
         if device.type != "cuda":
             return self.interpreter
-        return dict(self.gpus).get(torch.cuda.get_device_name(device), self.default)
+        name = torch.cuda.get_device_name(device)
+        return next((entry for gpu, entry in self.gpus if gpu == name), self.default)
 
 
 def _parse_entry(raw: Any, where: str) -> _DeviceEntry:
@@ -116,7 +117,7 @@ def _parse_entry(raw: Any, where: str) -> _DeviceEntry:
         except (KeyError, TypeError) as exc:
             raise ValueError(f"dmuon: launch table {where} bucket {i} is malformed ({exc}): "
                              f"{b!r}.") from exc
-    if buckets[-1][:2] != (None, None):
+    if buckets[-1].max_m is not None or buckets[-1].max_k is not None:
         raise ValueError(f"dmuon: the last bucket of launch table entry {where} must be unbounded "
                          f"(max_m = max_k = null).")
     return _DeviceEntry(min_rows_for_triton=int(raw.get("min_rows_for_triton", 256)),

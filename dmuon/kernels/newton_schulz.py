@@ -23,6 +23,7 @@ Math (DESIGN.md "Newton-Schulz"). Input ``M`` of shape ``m x n``, transposed so 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -147,6 +148,14 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
         return TORCH_OPS
     if backend == "triton":
         triton_syrk.check_supported(X)
+    return _triton_ops()
+
+
+@functools.cache
+def _triton_ops() -> NSOps:
+    """The Triton op set, built once (its module imports only after ``_select_ops`` checked it)."""
+    from dmuon.kernels import triton_syrk
+
     return NSOps(name="triton", sym_mm=triton_syrk.triton_sym_mm, mm=torch_mm, add_diag=torch_add_diag)
 
 
