@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.profiler import record_function
 
+from dmuon.distconfig.optimizer import MUON_KEYS
 from dmuon.kernels import newton_schulz
 from dmuon.owners import torch_muon
 from dmuon.owners.update import apply_update_, momentum_update_, validate_hyperparameters
@@ -71,18 +72,17 @@ class VanillaMuon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float | None = None,
     ) -> None:
-        validate_hyperparameters(lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                 adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype,
-                                 adamw_lr=adamw_lr, adamw_betas=adamw_betas,
-                                 ns_coefficients=ns_coefficients, ns_steps=ns_steps)
-        matrices, others = _default_matrices(model)
-        if not matrices and not others:
-            raise ValueError("dmuon: VanillaMuon got a model with no trainable parameters.")
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
             ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
             adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype, kind="muon",
         )
+        validate_hyperparameters(**{k: defaults[k] for k in MUON_KEYS}, adamw_lr=adamw_lr,
+                                 adamw_betas=adamw_betas, adamw_eps=adamw_eps,
+                                 adamw_weight_decay=adamw_weight_decay)
+        matrices, others = _default_matrices(model)
+        if not matrices and not others:
+            raise ValueError("dmuon: VanillaMuon got a model with no trainable parameters.")
         super().__init__([{"params": matrices}], defaults)
         self._adamw = None
         if others:
