@@ -28,8 +28,8 @@ from dmuon.distconfig import strategies
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
 from dmuon.comm.exchange import gather_to_owners, scatter_from_owners
 from dmuon.hooks.state_dict import (
+    OptimizerStateHooks,
     init_state,
-    install_state_dict_hooks,
     local_state,
     zero_state,
 )
@@ -115,7 +115,7 @@ class SingleDeviceUpdate:
 
     def __init__(self, opt: torch.optim.Optimizer) -> None:
         self.opt = opt
-        self._state_dict_handles = install_state_dict_hooks(opt)  # ns_dtype as a string
+        self._state_dict_handles = OptimizerStateHooks(opt).install()  # ns_dtype as a string
 
     def step(self) -> None:
         """AdamW on the ``use_muon=False`` groups, then Muon on the others."""

@@ -182,6 +182,9 @@ class StateDictHooks:
         self._staged: dict[int, tuple[Any, torch.Tensor]] = {}
         self._in_root_load = False  # between the root's load pre-hook and its post-hook
         self._refresh = False  # a module's hook wrote masters outside a root load
+        # the records list checked by records(), and its matrices by id(module), built once
+        self._checked: list[DedicatedParam] | None = None
+        self._by_module: dict[int, list[DedicatedParam]] = {}
 
     def install(self) -> list[Any]:
         """Register the hooks of the module docstring; returns their handles. A module's
@@ -210,20 +213,25 @@ class StateDictHooks:
         state = self.state
         if not state.bound:
             return []
-        refused = [(r.fqn, "is an expert stack split into several owner ranges" if r.stack is not None
-                    else "is an expert-parallel stack") for r in state.records
-                   if r.stack is not None or r.group is not None]
-        if refused:
-            fqn, why = refused[0]
-            raise RuntimeError(
-                f"dmuon: model.state_dict()/load_state_dict() cannot show dedicated matrix {fqn!r} as "
-                f"FSDP2 would: it {why} ({len(refused)} such matrices). Checkpoint this model with "
-                f"dmuon.state_dict(model, opt) + dcp.save and dmuon.load(model, opt, path).")
+        if self._checked is not state.records:  # once per binding, not per module hook
+            refused = [(r.fqn, "is an expert stack split into several owner ranges" if r.stack is not None
+                        else "is an expert-parallel stack") for r in state.records
+                       if r.stack is not None or r.group is not None]
+            if refused:
+                fqn, why = refused[0]
+                raise RuntimeError(
+                    f"dmuon: model.state_dict()/load_state_dict() cannot show dedicated matrix {fqn!r} "
+                    f"as FSDP2 would: it {why} ({len(refused)} such matrices). Checkpoint this model "
+                    f"with dmuon.state_dict(model, opt) + dcp.save and dmuon.load(model, opt, path).")
+            by_module: dict[int, list[DedicatedParam]] = {}
+            for rec in state.records:
+                by_module.setdefault(id(rec.module), []).append(rec)
+            self._checked, self._by_module = state.records, by_module
         return state.records
 
     def _module_records(self, module: Any) -> list[DedicatedParam]:
         """The dedicated matrices ``module`` holds itself, in model order."""
-        return [rec for rec in self.records() if rec.module is module]
+        return self._by_module.get(id(module), []) if self.records() else []
 
     @torch.no_grad()
     def on_module_state_dict(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -463,8 +471,3 @@ def local_state(value: torch.Tensor, shape: torch.Size, name: str, where: str) -
             f"torch.distributed.checkpoint.state_dict.set_optimizer_state_dict (or dcp.load into "
             f"get_optimizer_state_dict's dict), which lays it out like the parameter.")
     return local
-
-
-def install_state_dict_hooks(opt: torch.optim.Optimizer) -> list[Any]:
-    """Register ``opt``'s ``param_groups`` translation; returns the handles."""
-    return OptimizerStateHooks(opt).install()
