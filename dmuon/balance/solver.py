@@ -300,17 +300,13 @@ def _solve_exposed(costs, num_ranks, start, *, units, deadlines, classes, batch_
                    method, time_limit_s, weight):
     """The exposed-time objective: the greedy in unit order and its local search, then the MILP."""
     kw = dict(classes=classes, batch_overhead=batch_overhead)
-
-    def score(owners):
-        exposed, loads = dl.measure(owners, costs, units, deadlines, num_ranks, **kw)
-        return exposed + weight * loads.max()
-
     bound = dl.exposed_lower_bound(costs, units, deadlines, num_ranks, **kw)
     owners = greedy(costs, num_ranks, units=units, **kw)
     owners = dl.improve_exposed(owners, costs, units, deadlines, num_ranks, makespan_weight=weight,
                                 time_limit_s=time_limit_s / 2, **kw)
     used, detail = "greedy", "deadline_greedy+local_search"
-    e0 = dl.measure(owners, costs, units, deadlines, num_ranks, **kw)[0]
+    best = dl.measure(owners, costs, units, deadlines, num_ranks, **kw)  # (exposed, loads)
+    e0 = best[0]
     status = _skip_milp(method, len(set(zip(units, classes))) * num_ranks,
                         "AUTO_MAX_DEADLINE_VARS", AUTO_MAX_DEADLINE_VARS)
     if method == "auto" and e0 <= bound + 1e-12 * max(1.0, sum(costs)):
@@ -321,9 +317,11 @@ def _solve_exposed(costs, num_ranks, start, *, units, deadlines, classes, batch_
             score=lambda o: f"exposed {e0:.6g}, bound {bound:.6g}", what="deadline",
             units=units, deadlines=deadlines, time_limit_s=time_limit_s, makespan_weight=weight,
             bound=bound, **kw)
-        if res is not None and score(res[0]) <= score(owners) * (1 + 1e-9) + 1e-12:
-            owners, used, detail = res[0], "milp", "cbc"
-    exposed, loads = dl.measure(owners, costs, units, deadlines, num_ranks, **kw)
+        if res is not None:
+            milp = dl.measure(res[0], costs, units, deadlines, num_ranks, **kw)
+            if milp[0] + weight * milp[1].max() <= (e0 + weight * best[1].max()) * (1 + 1e-9) + 1e-12:
+                owners, used, detail, best = res[0], "milp", "cbc", milp
+    exposed, loads = best
     makespan = float(loads.max())
     return Assignment(
         owners=tuple(int(r) for r in owners), loads=tuple(float(x) for x in loads),
@@ -353,11 +351,11 @@ def _overlap(result, costs, units, deadlines, classes, batch_overhead, memory, s
     kw = dict(classes=classes, batch_overhead=batch_overhead or None)
 
     def measure(owners):
-        exposed, loads = dl.measure(owners, costs, units, deadlines, num_ranks, **kw)
-        return exposed, float(loads.max())
+        return dl.measure(owners, costs, units, deadlines, num_ranks, **kw)  # (exposed, loads)
 
     base = [int(r) for r in result.owners]
-    base_exposed, base_makespan = measure(base)
+    base_exposed, base_loads = measure(base)
+    base_makespan = float(base_loads.max())
     # the makespan in the deadline model's terms (a batch overhead per (rank, unit, class), as
     # the NS runs unit by unit), so that the makespan plan itself is always allowed
     cap = base_makespan * (1 + float(slack))
@@ -373,18 +371,20 @@ def _overlap(result, costs, units, deadlines, classes, batch_overhead, memory, s
             greedy(costs, num_ranks, units=units, **kw), costs, units,
             time_limit_s=time_limit_s / 2, **search)
     scored = {name: measure(owners) for name, owners in owners_of.items()}
-    allowed = [name for name, (_, m) in scored.items() if m <= cap * (1 + 1e-12)
-               and (pair_cap is None or publish_pairs(owners_of[name], units) <= pair_cap)]
-    candidate = min(allowed, key=lambda name: scored[name])  # "makespan" is always allowed
+    pairs = {name: publish_pairs(owners, units) for name, owners in owners_of.items()} if keep_pairs else {}
+    allowed = [name for name, (_, loads) in scored.items() if float(loads.max()) <= cap * (1 + 1e-12)
+               and (pair_cap is None or pairs[name] <= pair_cap)]
+    # the least exposed time, ties: the smaller makespan; "makespan" is always allowed
+    candidate = min(allowed, key=lambda name: (scored[name][0], float(scored[name][1].max())))
     owners = owners_of[candidate]
-    exposed, loads = dl.measure(owners, costs, units, deadlines, num_ranks, **kw)
+    exposed, loads = scored[candidate]
     moved = candidate != "makespan"
     return replace(
         result, owners=tuple(int(r) for r in owners), loads=tuple(float(x) for x in loads),
         makespan=float(loads.max()), memory=_per_rank(owners, memory, num_ranks),
         optimal=result.optimal and not moved,
         proven_bound=min(result.proven_bound, float(loads.max())),
-        publish_pairs=publish_pairs(owners, units) if keep_pairs else result.publish_pairs,
+        publish_pairs=pairs[candidate] if keep_pairs else result.publish_pairs,
         detail=f"{result.detail}; {candidate}" if moved else result.detail,
         solve_s=time.perf_counter() - start, problem="overlap", exposed=exposed,
         exposed_bound=float(dl.exposed_lower_bound(costs, units, deadlines, num_ranks, **kw)),

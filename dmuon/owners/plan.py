@@ -715,9 +715,7 @@ def _expert_parallel_plan(named_shapes: list, world_size: int, expert_parallel: 
     # of every ep coordinate c: pair the most loaded expert owners with the expert-shard
     # positions whose dense load is lightest (a relabelling: each solve's balance is kept).
     dense_loads = dense.loads()
-    expert_loads = [0.0] * group_size
-    for m in experts.matrices:
-        expert_loads[m.owner] += m.cost
+    expert_loads = experts.loads()  # one solve, tp_size 1: owner x's load at index x
     heavy_first = sorted(range(group_size), key=lambda x: (-expert_loads[x], x))
     light_first = sorted(range(group_size),
                          key=lambda x: (max(dense_loads[x * ep_size: (x + 1) * ep_size]), x))
