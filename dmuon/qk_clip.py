@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from dmuon.comm.collectives import label
+from dmuon.comm.collectives import all_reduce, label
 from dmuon.owners.attention import AttentionLayout, find_attention
 from dmuon.owners.slices import chunk_sizes, local_rows, local_tensor
 
@@ -617,7 +617,8 @@ class QKClip:
             flags.append(flag)
         flat = torch.cat([*maxima, *nans, torch.tensor(flags, device=device)])
         if dist.is_initialized() and dist.get_world_size(self.ctx.roles.world) > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.ctx.roles.world)
+            all_reduce(flat, dist.ReduceOp.MAX, self.ctx.roles.world,
+                       "QK-clip's all-reduce of the max logits")
         flat = flat.cpu()
         heads = sum(layout.num_heads for layout in self.layouts)
         return flat[:heads], flat[heads: 2 * heads] > 0, flat[2 * heads:]

@@ -107,6 +107,12 @@ def issued_together(group: dist.ProcessGroup, device: torch.device,
         pend.work = manager
 
 
+def all_reduce(t: torch.Tensor, op: Any, group: dist.ProcessGroup, what: str) -> None:
+    """``dist.all_reduce(t, op, group)`` in place, waited through :class:`Pending` (a timeout or
+    failure names dmuon, ``what`` and the group's ranks)."""
+    Pending(dist.all_reduce(t, op=op, group=group, async_op=True), (t,), what, group).wait()
+
+
 def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup,
             names: Callable[[], list[str]] | None = None) -> Pending:
     """Broadcast the owner's full weight into every rank's buffer (phase 1/4: publish).

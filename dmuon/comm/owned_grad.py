@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from dmuon.comm.collectives import Pending
+from dmuon.comm.collectives import all_reduce
 from dmuon.owners.dedicated import DedicatedParam
 
 _WHOLE_NORMS = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm, torch.linalg.norm)
@@ -145,17 +145,13 @@ def global_norms(grads: Sequence[OwnedGrad], p: float) -> list[torch.Tensor]:
                 x = piece.detach().abs().to(torch.float64)
                 values[j] = torch.maximum(values[j], x.max()) if is_inf else values[j] + x.pow(p).sum()
         if first.dmuon_group is not None and dist.is_available() and dist.is_initialized():
-            _all_reduce(values, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, first.dmuon_group,
-                        f"the all-reduce of {len(idx)} gradient norm(s)")
+            all_reduce(values, dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, first.dmuon_group,
+                       f"the all-reduce of {len(idx)} gradient norm(s)")
         if not is_inf:
             values = values.pow(1.0 / p)
         for j, i in enumerate(idx):
             out[i] = values[j].to(grads[i].dtype)
     return out  # type: ignore[return-value]
-
-
-def _all_reduce(t: torch.Tensor, op: Any, group: Any, what: str) -> None:
-    Pending(dist.all_reduce(t, op=op, group=group, async_op=True), (t,), what, group).wait()
 
 
 def _foreach_norm(tensors: Sequence[torch.Tensor], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:
@@ -209,8 +205,8 @@ def _amp_unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_sc
     if pieces:
         torch._amp_foreach_non_finite_check_and_unscale_(pieces, mine, inv_scale)
     if owned and dist.is_available() and dist.is_initialized():
-        _all_reduce(mine, dist.ReduceOp.MAX, owned[0].dmuon_group,
-                    "the all-reduce of a grad scaler's non-finite check")
+        all_reduce(mine, dist.ReduceOp.MAX, owned[0].dmuon_group,
+                   "the all-reduce of a grad scaler's non-finite check")
     torch.maximum(found_inf, mine, out=found_inf)
 
 
