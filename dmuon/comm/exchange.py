@@ -1,15 +1,8 @@
-"""Batched owner exchanges: many matrices' pieces to their owners, and updates back, in one
-``all_to_all_single`` each (the ``distributed_config`` path's rounds and the TP Newton-Schulz,
-:func:`orthogonalize_tp`).
-
-This is the layer sharding of "Layer Sharding for Large-Scale Training with Muon" (2025): a
-round of matrices, each owned by one rank, is re-sharded from the training layout (pieces of
-every matrix on every rank) to whole matrices on their owners with one all-to-all, and back
-with a second one. With split sizes (``all_to_all_single``'s alltoallv form) uneven and
-strided pieces need no padding; gloo (CPU) and NCCL (GPU) both implement it asynchronously.
-
-Only one copy of a replicated piece travels to the owner, and none when the owner holds it
-(:meth:`MatrixLayout.source_for`); every rank receives its own piece of the update, replicas included.
+"""Batched owner exchanges: a round of matrices' pieces to their owners, and the updates
+back, in one ``all_to_all_single`` each (the ``distributed_config`` rounds and
+:func:`orthogonalize_tp`): the layer sharding of "Layer Sharding for Large-Scale Training with
+Muon" (2025). Split sizes need no padding; one copy of a replicated piece travels
+(:meth:`MatrixLayout.source_for`), and every rank receives its own piece back.
 """
 
 from __future__ import annotations
@@ -28,11 +21,9 @@ from dmuon.owners.slices import MatrixLayout, placement_runs, put, take
 def _all_to_all(send_parts: list[list[Tensor]], recv_splits: list[int], traffic: bool, group: Any,
                 dtype: torch.dtype, device: torch.device, what: str,
                 finish: Callable[[Callable[[int, tuple[int, int]], Tensor]], list]) -> Pending:
-    """Issue one ``all_to_all_single``: to each rank ``dst`` its ``send_parts[dst]`` (flat, in
-    order), from each rank ``src`` ``recv_splits[src]`` elements; skipped on every rank without
-    ``traffic`` (whether any rank sends anything, the same everywhere: e.g. a DDP gather, the
-    owner has it all). ``finish(received)`` builds the result, ``received(src, shape)`` being
-    the next piece of ``shape`` from ``src``."""
+    """One ``all_to_all_single`` sending ``send_parts[dst]`` to each ``dst`` and receiving
+    ``recv_splits[src]`` elements from each ``src`` (skipped everywhere without ``traffic``).
+    ``finish(received)`` builds the result; ``received(src, shape)`` is the next piece from ``src``."""
     send_splits = [sum(p.numel() for p in parts) for parts in send_parts]
     flat = [p for parts in send_parts for p in parts]
     send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
@@ -57,11 +48,10 @@ def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLay
     """Assemble every matrix of a round, whole, on its owner, with one all-to-all.
 
     Args:
-        local_pieces: this rank's local piece of each matrix ``[local rows, local cols]``
-            (any dtype; not mutated, free to reuse once this returns), in round order.
+        local_pieces: this rank's piece ``[local rows, local cols]`` of each matrix (any dtype;
+            not mutated, free to reuse once this returns), in round order.
         layouts: each matrix's :class:`MatrixLayout` (identical on every rank).
-        owners: each matrix's owner, a rank of ``group``.
-        group: the process group (``None``: the default group).
+        owners: each matrix's owner, a rank of ``group`` (``None``: the default group).
         rank, world_size: this rank and the size of ``group``.
         dtype: transport and result dtype.
 
@@ -71,7 +61,7 @@ def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLay
 
     Raises:
         RuntimeError: a local piece whose shape is not the layout's (names the matrix, rank and
-            both shapes). Collective errors (a dead peer, a timeout) propagate from ``wait()``.
+            both shapes).
     """
     send_parts: list[list[Tensor]] = [[] for _ in range(world_size)]
     recv_splits = [0] * world_size
@@ -176,9 +166,7 @@ def tp_layout(full_shape: tuple[int, int], shard_dim: int | None, size: int) -> 
 def orthogonalize_tp(updates: Sequence[Tensor], recs: Sequence[Any], group: dist.ProcessGroup,
                      orthogonalize: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
     """Second-level ownership: each TP owner gathers its matrices' slices over the TP group,
-    orthogonalizes the full matrices and scatters the slices back, one all-to-all each way
-    (Megatron's "duplicated" mode without the duplication; a matrix every TP rank holds whole
-    goes back whole).
+    orthogonalizes the full matrices and scatters the slices back, one all-to-all each way.
 
     Args:
         updates: this rank's slice of each matrix's Nesterov update (``[rows_t, cols]`` or
