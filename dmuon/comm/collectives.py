@@ -41,13 +41,9 @@ class Pending:
     result: Any = field(default=None, init=False, repr=False)
 
     def wait(self) -> Any:
-        """Wait, bounded by the group's timeout (:func:`dmuon.comm.mesh_roles.inherited_timeout`);
-        return ``finish()``'s value (computed once) or ``None``.
-
-        Raises:
-            RuntimeError: the collective failed or timed out, naming this rank, what dmuon was
-                waiting for, the group's ranks, and the backend's own message (chained).
-        """
+        """Wait (bounded by the group's timeout); return ``finish()``'s value, computed once.
+        Raises RuntimeError on a failure or timeout, naming this rank, ``what``, the group's
+        ranks and the backend's message (chained)."""
         if self.work is not None:
             try:
                 self.work.wait()
@@ -101,6 +97,16 @@ def issued_together(group: dist.ProcessGroup, device: torch.device,
 def all_reduce(t: torch.Tensor, op: Any, group: dist.ProcessGroup, what: str) -> None:
     """``dist.all_reduce(t, op, group)`` in place, waited through :class:`Pending`."""
     Pending(dist.all_reduce(t, op=op, group=group, async_op=True), (t,), what, group).wait()
+
+
+def all_gather_object(value: Any, group: dist.ProcessGroup | None, what: str) -> list[Any]:
+    """Every rank's ``value`` (``dist.all_gather_object``); a failure names dmuon and ``what``."""
+    values: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(values, value, group=group)
+    except RuntimeError as err:
+        raise RuntimeError(wait_failure(what, group, err)) from err
+    return values
 
 
 def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup,
@@ -165,11 +171,8 @@ class FlatBucket:
     def of(cls, tensors: Sequence[torch.Tensor], flags: Sequence[float] | None = None, *,
            pack: bool = True) -> FlatBucket:
         """One segment of ``tensors`` (flagged when ``flags`` is given), packed, or with
-        ``pack=False`` an uninitialized receive buffer.
-
-        Raises:
-            ValueError: ``tensors`` is empty, or mixes dtypes or devices (says which).
-        """
+        ``pack=False`` an uninitialized receive buffer. Raises ValueError if ``tensors`` is
+        empty or mixes dtypes or devices."""
         tensors = list(tensors)
         if not tensors:
             raise ValueError("dmuon: FlatBucket needs at least one tensor; skip empty batches")
@@ -288,18 +291,10 @@ _SAME_MODEL = ("Every rank must build the same model and pass the same predicate
 
 def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup | None,
                             fix: str = _SAME_MODEL) -> None:
-    """Raise on every rank if the digest ``value`` differs between ranks of ``group``
-    (``None``: default); ``what`` names it, ``fix`` ends the message.
-
-    Raises:
-        RuntimeError: naming each rank whose value differs from rank 0's, on every rank
-            (one all-gather, so no rank is left waiting).
-    """
-    values: list[Any] = [None] * dist.get_world_size(group)
-    try:
-        dist.all_gather_object(values, value, group=group)
-    except RuntimeError as err:
-        raise RuntimeError(wait_failure(f"the exchange of the {what}", group, err)) from err
+    """Raise RuntimeError on every rank (one all-gather) if the digest ``value`` differs
+    between ranks of ``group``, naming the ranks that differ from rank 0; ``what`` names the
+    digest, ``fix`` ends the message."""
+    values = all_gather_object(value, group, f"the exchange of the {what}")
     bad = [r for r, v in enumerate(values) if v != values[0]]
     if bad:
         raise RuntimeError(

@@ -18,15 +18,9 @@ from dmuon.comm.collectives import FlatBucket, Pending
 
 
 class ReplicatedGrads:
-    """Bucketed all-reduce of replicated parameters' gradients.
-
-    Args:
-        params: replicated parameters that require grad, in registration order.
-        group: process group over which the replicas live.
-        bucket_bytes: target size of one flat all-reduce buffer (bytes).
-        before_issue: called before each all-reduce is issued (the runtime's deferred step
-            check, :meth:`dmuon.hooks.step_check.StepCheck.settle`).
-    """
+    """Bucketed all-reduce over ``group`` of the gradients of ``params`` (replicated, trainable,
+    in registration order), in buffers of about ``bucket_bytes``; ``before_issue`` runs before
+    each all-reduce (the step check's ``settle``)."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int,
                  before_issue: Callable[[], None] = lambda: None) -> None:

@@ -23,7 +23,7 @@ def _all_to_all(send_parts: list[list[Tensor]], recv_splits: list[int], traffic:
                 finish: Callable[[Callable[[int, tuple[int, int]], Tensor]], list]) -> Pending:
     """One ``all_to_all_single`` sending ``send_parts[dst]`` to each ``dst`` and receiving
     ``recv_splits[src]`` elements from each ``src`` (skipped everywhere without ``traffic``).
-    ``finish(received)`` builds the result; ``received(src, shape)`` is the next piece from ``src``."""
+    ``finish(received)`` builds the result; ``received(src, shape)``: the next piece from ``src``."""
     send_splits = [sum(p.numel() for p in parts) for parts in send_parts]
     flat = [p for parts in send_parts for p in parts]
     send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
@@ -45,19 +45,14 @@ def _all_to_all(send_parts: list[list[Tensor]], recv_splits: list[int], traffic:
 def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLayout],
                      owners: Sequence[int], *, group: Any, rank: int, world_size: int,
                      dtype: torch.dtype) -> Pending:
-    """Assemble every matrix of a round, whole, on its owner, with one all-to-all.
-
-    Args:
-        local_pieces: this rank's piece ``[local rows, local cols]`` of each matrix (any dtype;
-            not mutated, free to reuse once this returns), in round order.
-        layouts: each matrix's :class:`MatrixLayout` (identical on every rank).
-        owners: each matrix's owner, a rank of ``group`` (``None``: the default group).
-        rank, world_size: this rank and the size of ``group``.
-        dtype: transport and result dtype.
+    """Assemble each matrix of a round whole on its owner (a rank of ``group``; ``None``: the
+    default group) with one all-to-all, from this rank's pieces ``[local rows, local cols]``
+    (any dtype, not mutated) laid out by ``layouts`` (identical on every rank). ``rank`` and
+    ``world_size`` are this rank's and ``group``'s; ``dtype`` is the transport and result dtype.
 
     Returns:
-        A :class:`Pending` whose ``wait()`` gives, per matrix, the full ``[rows, cols]`` tensor
-        on its owner and ``None`` elsewhere.
+        A :class:`Pending` whose ``wait()`` gives each full ``[rows, cols]`` matrix on its owner,
+        ``None`` elsewhere.
 
     Raises:
         RuntimeError: a local piece whose shape is not the layout's (names the matrix, rank and
@@ -106,16 +101,9 @@ def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLay
 def scatter_from_owners(fulls: Sequence[Tensor | None], layouts: Sequence[MatrixLayout],
                         owners: Sequence[int], *, group: Any, rank: int, world_size: int,
                         dtype: torch.dtype, device: torch.device) -> Pending:
-    """Send every rank its piece of each owner's full matrix, with one all-to-all.
-
-    Args:
-        fulls: per matrix, the full ``[rows, cols]`` update on its owner, ``None`` elsewhere.
-        layouts, owners, group, rank, world_size, dtype: as :func:`gather_to_owners`.
-        device: device of the results.
-
-    Returns:
-        A :class:`Pending` whose ``wait()`` gives this rank's piece ``[local rows, local cols]``
-        of every matrix (replicas included).
+    """Send every rank its piece ``[local rows, local cols]`` (on ``device``) of each owner's
+    full ``[rows, cols]`` matrix (``fulls``; ``None`` off the owner) with one all-to-all; the
+    other arguments as :func:`gather_to_owners`. Returns a :class:`Pending` giving the pieces.
 
     Raises:
         RuntimeError: an owner without its full matrix, a non-owner given one, or a full
@@ -165,19 +153,11 @@ def tp_layout(full_shape: tuple[int, int], shard_dim: int | None, size: int) -> 
 
 def orthogonalize_tp(updates: Sequence[Tensor], recs: Sequence[Any], group: dist.ProcessGroup,
                      orthogonalize: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
-    """Second-level ownership: each TP owner gathers its matrices' slices over the TP group,
-    orthogonalizes the full matrices and scatters the slices back, one all-to-all each way.
-
-    Args:
-        updates: this rank's slice of each matrix's Nesterov update (``[rows_t, cols]`` or
-            ``[rows, cols_t]``), or the whole update when ``rec.tp_shard_dim`` is None.
-        recs: the matrices' records (``full_shape``, ``tp_shard_dim`` 0, 1 or None, and
-            ``tp_owner``, a rank of ``group``), in plan order, identical on every rank.
-        group: the TP process group.
-        orthogonalize: Newton-Schulz over a list of full matrices.
-
-    Returns:
-        This rank's slice (or whole matrix) of each orthogonalized update, fp32.
+    """Newton-Schulz of TP-sharded updates: each TP owner (``rec.tp_owner``, a rank of the TP
+    ``group``) gathers its matrices' slices, runs ``orthogonalize`` on the full matrices and
+    scatters the slices back, one all-to-all each way. ``updates``: this rank's slice of each
+    update (``[rows_t, cols]`` / ``[rows, cols_t]`` by ``rec.tp_shard_dim``; whole when None),
+    ``recs`` in the same order on every rank. Returns this rank's slices of the results, fp32.
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     layouts = [tp_layout(tuple(rec.full_shape), rec.tp_shard_dim, size) for rec in recs]

@@ -35,14 +35,10 @@ def combine_replicas(pairs: list[tuple[DedicatedParam, torch.Tensor, float]], gr
     ``all_reduce`` of the ``"compute"`` records, then one ``reduce`` to replica 0 of the
     ``"broadcast"`` ones. A batch holding a routed expert sums presence counts as flags.
 
-    Args:
-        pairs: ``(record, average, ranks)`` per owned record with a gradient: its replica's fp32
-            ``[rows, cols]`` average and presence count, in bucket order.
-        group: the replicate process group; ``replicate_rank``: this rank's index in it.
-
-    Returns:
-        ``(record, sum over replicas, ranks)`` valid here ("broadcast" ones on replica 0 only),
-        each sum a view of its batch's buffer; ``ranks`` ``None`` in a batch without flags.
+    ``pairs``: ``(record, average, ranks)`` per owned record with a gradient (its replica's
+    fp32 ``[rows, cols]`` average and presence count), in bucket order. Returns ``(record, sum,
+    ranks)`` valid here ("broadcast" ones on replica 0 only), each sum a view of its batch's
+    buffer, ``ranks`` ``None`` in a batch without flags.
     """
     batches = []
     with label("dmuon::combine_replicas"):

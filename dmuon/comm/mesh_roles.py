@@ -119,12 +119,8 @@ def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
 def assign_roles(shape: tuple[int, ...], names: tuple[str, ...] | None
                  ) -> tuple[int, int | None, int | None, str | None]:
     """``(shard_dim, replicate_dim, tp_dim, tp_name)`` of a (stage's) mesh from its dimension
-    ``names`` (``None``: unnamed).
-
-    Raises:
-        ValueError: a mesh of more than 3 dimensions, or one whose roles cannot be told apart
-            (a 2-D or 3-D mesh without names, two TP dimensions...).
-    """
+    ``names`` (``None``: unnamed). Raises ValueError for a mesh of over 3 dimensions or one
+    whose roles cannot be told apart (no names, two TP dimensions...)."""
     described, ndim = f"shape {shape} with dims {names}", len(shape)
     names = names or ()
     if ndim == 1:
@@ -151,13 +147,9 @@ def assign_roles(shape: tuple[int, ...], names: tuple[str, ...] | None
 
 
 def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
-    """``(ep_dim, expert_shard_dim, replicate_dim)`` of a mesh with an ``"ep"`` dimension
-    (``None`` without one): ``("ep",)``, ``(shard, "ep")`` (torchtitan's ``("efsdp", "ep")``) or
-    ``("replicate", shard, "ep")``.
-
-    Raises:
-        ValueError: any other mesh with an ``"ep"`` dimension (with TP, or ``"ep"`` not last).
-    """
+    """``(ep_dim, expert_shard_dim, replicate_dim)`` of an ``("ep",)``, ``(shard, "ep")`` or
+    ``("replicate", shard, "ep")`` mesh, ``None`` without ``"ep"``; ValueError for any other
+    mesh with ``"ep"``."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     ep = [i for i, n in enumerate(names) if n in EP_NAMES]
     if not ep:
@@ -220,13 +212,8 @@ def inherited_timeout(mesh) -> timedelta | None:
 
 
 def check_mesh(mesh) -> None:
-    """Refuse, without a collective, what is not a ``DeviceMesh`` over (a sub-mesh of one
-    over) every rank of the job.
-
-    Raises:
-        TypeError: ``mesh`` is not a ``DeviceMesh``.
-        ValueError: the mesh does not hold every rank of the default group.
-    """
+    """Refuse, without a collective, what is not a ``DeviceMesh`` (TypeError) over (a sub-mesh
+    of one over) every rank of the job (ValueError)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, dist.ProcessGroup):
@@ -264,12 +251,8 @@ def is_fake_backend(backend: str) -> bool:
 def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
     """Create dmuon's groups for ``mesh`` with :func:`inherited_timeout` (collective), and the
     step check's gloo group if ``step_check`` (never on the fake backend). An expert-parallel
-    mesh is read as ``[replicas, expert shard, ep]``: ``shard`` is a replica's ranks.
-
-    Raises:
-        TypeError, ValueError: see :func:`check_mesh`, :func:`assign_roles` and
-            :func:`expert_parallel_dims`.
-    """
+    mesh is read as ``[replicas, expert shard, ep]``. Raises as :func:`check_mesh`,
+    :func:`assign_roles` and :func:`expert_parallel_dims`."""
     check_mesh(mesh)
     backend = dist.get_backend(mesh.get_group(0))
     fake = is_fake_backend(backend)

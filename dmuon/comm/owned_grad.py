@@ -105,11 +105,7 @@ def _whole_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
 
 def global_norms(grads: Sequence[OwnedGrad], p: float) -> list[torch.Tensor]:
     """The full gradients' p-norms, 0-d in each gradient's dtype, identical on every rank; one
-    all-reduce (SUM of ``|g|^p``, MAX for inf) per process group.
-
-    Raises:
-        RuntimeError: ``p`` is 0 or negative (not a norm dmuon sums across ranks).
-    """
+    all-reduce (SUM of ``|g|^p``, MAX for inf) per process group. RuntimeError if ``p <= 0``."""
     if not grads:
         return []
     if not (p > 0):
@@ -210,15 +206,9 @@ def _view(local: torch.Tensor, pieces: list[torch.Tensor], counts: bool, group: 
 def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: int, tp_rank: int,
             made_up: dict[int, OwnedGrad]) -> None:
     """End of a synchronized backward: show each reduced (``had_grad``) record's gradient as
-    an :class:`OwnedGrad`.
-
-    Args:
-        records: the model's dedicated records (a split stack's ranges in order).
-        group: the group a norm is all-reduced over (every rank of the mesh).
-        replicate_rank, tp_rank: this rank's HSDP replica and TP index (who counts equal copies).
-        made_up: ``id(parameter) -> OwnedGrad`` shown where this rank holds no gradient,
-            reused every step.
-    """
+    an :class:`OwnedGrad` whose norms reduce over ``group`` (the mesh); ``replicate_rank`` and
+    ``tp_rank`` say whether this rank's copy counts; ``made_up`` (``id(parameter) ->
+    OwnedGrad``) keeps the gradients shown where this rank holds none, reused every step."""
     by_param: dict[int, tuple[DedicatedParam, list[DedicatedParam]]] = {}
     for rec in records:
         shown = rec.stack.records[0] if rec.stack is not None else rec
