@@ -6,8 +6,9 @@ owner's fp32 ``[rows, cols]`` average, ``[0]`` on a placeholder, ``absent`` zero
 had one) whose ``__torch_function__`` answers whole-tensor norms (``vector_norm``, ``norm``,
 ``linalg.norm``, ``_foreach_norm``) with the full gradient's norm, the same on every rank (one
 all-reduce), MAX-reduces a grad scaler's non-finite flag, and runs every other op on the local
-pieces (a 0-d DTensor clip factor as its full value). So torch's, Accelerate's, transformers'
-and torchtitan's ``clip_grad_norm_`` compute the single-process norm.
+tensor (``mul_`` on every piece behind it; a 0-d DTensor clip factor as its full value). So
+torch's, Accelerate's, transformers' and torchtitan's ``clip_grad_norm_`` compute the
+single-process norm.
 """
 
 from __future__ import annotations
