@@ -1,9 +1,5 @@
-"""dmuon's collectives: each only *issues* asynchronous work and returns a :class:`Pending`
-holding the tensors that must stay alive until ``wait()``, which names dmuon on a failure.
-
-All ranks of a group must issue them in the same order, which holds because they are issued
-from module hooks that run in the same order on every rank.
-"""
+"""dmuon's collectives: each issues asynchronous work and returns a :class:`Pending`, whose
+``wait()`` names dmuon on a failure. Ranks issue them in one order (from module hooks)."""
 
 from __future__ import annotations
 
@@ -21,19 +17,16 @@ from torch.distributed.distributed_c10d import _CoalescingManager
 
 
 def label(name: str) -> contextlib.AbstractContextManager:
-    """``torch.profiler.record_function(name)`` while a profiler is running, else a no-op (an
-    unconditional one costs about 8 us on CPU, the check 0.1 us)."""
+    """``record_function(name)`` while a profiler runs, else a no-op (8 us saved on CPU)."""
     return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 @dataclass(eq=False)
 class Pending:
-    """An in-flight collective, the buffers it reads or writes, and how to unpack its result:
-    the one handle of every dmuon collective.
+    """The one handle of every dmuon collective.
 
     Attributes:
-        work: the ``dist.Work`` (or group call) to wait on; ``None`` once waited or when nothing
-            was issued.
+        work: the ``dist.Work`` (or group call) to wait on; ``None`` once waited or never issued.
         tensors: buffers that must stay alive until the wait.
         what: what the collective does, for the error text (or a callable building it).
         group: the process group it runs on (its ranks are named on failure).
@@ -48,13 +41,9 @@ class Pending:
     result: Any = field(default=None, init=False, repr=False)
 
     def wait(self) -> Any:
-        """Wait, bounded by the group's timeout (:func:`dmuon.comm.mesh_roles.inherited_timeout`);
-        return ``finish()``'s value (computed once), or ``None`` without ``finish``.
-
-        Raises:
-            RuntimeError: the collective failed or timed out, naming this rank, what dmuon was
-                waiting for, the group's ranks, and the backend's own message (chained).
-        """
+        """Wait (bounded by the group's timeout); return ``finish()``'s value, computed once.
+        Raises RuntimeError on a failure or timeout, naming this rank, ``what``, the group's
+        ranks and the backend's message (chained)."""
         if self.work is not None:
             try:
                 self.work.wait()
@@ -78,9 +67,8 @@ def wait_failure(what: str | Callable[[], str], group: dist.ProcessGroup | None,
 
 
 def is_complete(work: Any) -> bool:
-    """Whether ``work`` is known complete, by non-blocking queries (gloo reads a flag; NCCL
-    queries the work's CUDA event): ``None`` is; a coalesced group call (a ``_CoalescingManager``)
-    is when each of its works is; a work that cannot be queried never is."""
+    """Whether ``work`` (``None``, a work or a ``_CoalescingManager``) is known complete, by
+    non-blocking queries; a work that cannot be queried never is."""
     if work is None:
         return True
     works = getattr(work, "works", None)
@@ -93,10 +81,9 @@ def is_complete(work: Any) -> bool:
 @contextlib.contextmanager
 def issued_together(group: dist.ProcessGroup, device: torch.device,
                     pendings: list[Pending]) -> Iterator[None]:
-    """Issue the collectives started inside as one NCCL group call where the backend can
-    (``torch.distributed._coalescing_manager``: one ``ncclGroupStart``/``ncclGroupEnd``, one
-    launch latency); the :class:`Pending` objects appended to ``pendings`` inside then wait on
-    the whole group. Gloo cannot coalesce: it issues them one by one."""
+    """Issue the collectives started inside as one NCCL group call (``_coalescing_manager``);
+    the :class:`Pending` objects appended to ``pendings`` inside then wait on the whole group.
+    Gloo issues them one by one."""
     if device.type != "cuda" or dist.get_backend(group) != "nccl":
         yield
         return
@@ -108,21 +95,25 @@ def issued_together(group: dist.ProcessGroup, device: torch.device,
 
 
 def all_reduce(t: torch.Tensor, op: Any, group: dist.ProcessGroup, what: str) -> None:
-    """``dist.all_reduce(t, op, group)`` in place, waited through :class:`Pending` (a timeout or
-    failure names dmuon, ``what`` and the group's ranks)."""
+    """``dist.all_reduce(t, op, group)`` in place, waited through :class:`Pending`."""
     Pending(dist.all_reduce(t, op=op, group=group, async_op=True), (t,), what, group).wait()
+
+
+def all_gather_object(value: Any, group: dist.ProcessGroup | None, what: str) -> list[Any]:
+    """Every rank's ``value`` (``dist.all_gather_object``); a failure names dmuon and ``what``."""
+    values: list[Any] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(values, value, group=group)
+    except RuntimeError as err:
+        raise RuntimeError(wait_failure(what, group, err)) from err
+    return values
 
 
 def publish(tensor: torch.Tensor, owner: int, group: dist.ProcessGroup,
             names: Callable[[], list[str]] | None = None) -> Pending:
-    """Broadcast the owner's full weight into every rank's buffer (phase 1/4: publish).
-
-    Args:
-        tensor: full weight ``[rows, cols]`` in the compute dtype; read on the owner, written
-            elsewhere (its storage must be allocated).
-        owner: owner's rank within ``group``.
-        names: returns the FQNs of the matrices in ``tensor`` (called only for an error).
-    """
+    """Broadcast the owner's full weight ``tensor`` (``[rows, cols]``, compute dtype, storage
+    allocated) from ``owner`` (a rank of ``group``) into every rank's (phase 1/4); ``names()``
+    lists its matrices' FQNs for an error."""
     src = dist.get_global_rank(group, owner)
     with label("dmuon::publish"), torch.no_grad():
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
@@ -135,12 +126,12 @@ _OPS = ("all_reduce", "reduce", "broadcast")
 
 @dataclass(eq=False)
 class FlatBucket:
-    """Tensors of one dtype and device packed into one flat buffer that crosses a process group
-    as one collective (gradient buckets, the replicated parameters' all-reduce, HSDP replicas).
+    """Tensors packed into one flat buffer of one dtype and device that crosses a process group
+    as one collective (gradient buckets, replicated parameters, HSDP replicas).
 
     ``flat`` holds the segments in order: a segment's tensors, flattened, then, if flagged, one
-    flag per tensor (by default 1.0 where the tensor was given, 0.0 where zeros took its place:
-    summed over the ranks, how many had it). A ``reduce`` sends each segment to its own root.
+    flag per tensor (default 1.0 where given, 0.0 where zeros stand in: summed, how many ranks
+    had it).
 
     Attributes:
         shapes: each tensor's shape, in buffer order.
@@ -179,12 +170,9 @@ class FlatBucket:
     @classmethod
     def of(cls, tensors: Sequence[torch.Tensor], flags: Sequence[float] | None = None, *,
            pack: bool = True) -> FlatBucket:
-        """One segment of ``tensors`` (flagged with ``flags`` when given), packed now, or with
-        ``pack=False`` an uninitialized receive buffer.
-
-        Raises:
-            ValueError: ``tensors`` is empty, or mixes dtypes or devices (says which).
-        """
+        """One segment of ``tensors`` (flagged when ``flags`` is given), packed, or with
+        ``pack=False`` an uninitialized receive buffer. Raises ValueError if ``tensors`` is
+        empty or mixes dtypes or devices."""
         tensors = list(tensors)
         if not tensors:
             raise ValueError("dmuon: FlatBucket needs at least one tensor; skip empty batches")
@@ -204,9 +192,8 @@ class FlatBucket:
 
     def pack(self, tensors: Sequence[torch.Tensor | None],
              flags: Sequence[float] | None = None) -> None:
-        """Write ``tensors`` (any dtype, not mutated; ``None``: zeros) and the flagged segments'
-        ``flags`` (one per tensor; default: whether it is given) into ``flat`` with one
-        ``torch._chunk_cat`` (FSDP2's packing op)."""
+        """Write ``tensors`` (any dtype; ``None``: zeros) and the flagged segments' ``flags``
+        (one per tensor; default: whether given) into ``flat`` with one ``torch._chunk_cat``."""
         if self.flat is None:
             self.flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         if flags is None:
@@ -238,17 +225,13 @@ class FlatBucket:
 
     def issue(self, op: str, group: dist.ProcessGroup, root: int | Sequence[int] = 0,
               what: str | Callable[[], str] = "a flat collective") -> Pending:
-        """Start ``op`` on ``flat`` over ``group``, asynchronously.
+        """Start ``op`` on ``flat`` over ``group``; the :class:`Pending` holds ``flat``.
 
         Args:
             op: ``"all_reduce"`` (the sum on every rank), ``"reduce"`` (each segment's sum on
-                its root; as one NCCL group call, :func:`issued_together`) or ``"broadcast"``
-                (``root``'s ``flat`` to every rank).
+                its root, one group call) or ``"broadcast"`` (``root``'s ``flat`` to every rank).
             root: the root's rank within ``group``, or for ``"reduce"`` one per segment.
             what: what the collective does, for a failure's message.
-
-        Returns:
-            The :class:`Pending`; it holds ``flat`` until waited.
 
         Raises:
             ValueError: an unknown ``op``.
@@ -286,8 +269,7 @@ class FlatBucket:
         return [self.view(i) for i in range(len(self.shapes))]
 
     def flag_values(self) -> list[float | None]:
-        """Each tensor's flag as read from ``flat`` (``None`` in an unflagged segment); one
-        device-to-host copy."""
+        """Each tensor's flag read from ``flat`` (``None`` if unflagged); one host copy."""
         runs = [(start + numel - count, count)  # a segment's flags are its last elements
                 for (start, numel), (count, flagged) in zip(self.spans, self.segments) if flagged]
         if not runs:
@@ -309,23 +291,10 @@ _SAME_MODEL = ("Every rank must build the same model and pass the same predicate
 
 def check_same_on_all_ranks(value: str, what: str, group: dist.ProcessGroup | None,
                             fix: str = _SAME_MODEL) -> None:
-    """Raise on every rank if ``value`` (a digest string) differs between ranks of ``group``.
-
-    Args:
-        value: this rank's digest.
-        what: what the digest is of, for the message (``"owner plan digest"``).
-        group: the process group (``None``: the default group).
-        fix: the last sentence of the message: how to make the ranks agree.
-
-    Raises:
-        RuntimeError: naming each rank whose value differs from rank 0's, on every rank
-            (the exchange is one all-gather, so no rank is left waiting).
-    """
-    values: list[Any] = [None] * dist.get_world_size(group)
-    try:
-        dist.all_gather_object(values, value, group=group)
-    except RuntimeError as err:
-        raise RuntimeError(wait_failure(f"the exchange of the {what}", group, err)) from err
+    """Raise RuntimeError on every rank (one all-gather) if the digest ``value`` differs
+    between ranks of ``group``, naming the ranks that differ from rank 0; ``what`` names the
+    digest, ``fix`` ends the message."""
+    values = all_gather_object(value, group, f"the exchange of the {what}")
     bad = [r for r, v in enumerate(values) if v != values[0]]
     if bad:
         raise RuntimeError(

@@ -1,15 +1,9 @@
-"""Gradient averaging for replicated (non-FSDP2) non-dedicated parameters.
+"""DDP-style gradient averaging of replicated (non-FSDP2) non-dedicated parameters.
 
-On a plain module replicated on every rank with ``replicas="placeholder"`` (with
-``replicas="keep"`` they ride in a gradient bucket instead, :mod:`dmuon.hooks.keep`, unless
-their dtype or device differs from it), dmuon averages the gradients of the parameters AdamW
-steps in :class:`dmuon.comm.collectives.FlatBucket` all-reduces overlapped with backward, like
-DDP's reducer (Li et al., "PyTorch Distributed", VLDB 2020): buckets are filled in reverse
-registration order and launched strictly in bucket order, so every rank issues the same
-all-reduces in the same order even if a parameter is unused on some ranks.
-
-Exact under gradient accumulation: each backward's *incoming* gradient is taken by a tensor
-hook (the accumulated ``.grad`` is left as it was) and the average is added at the end.
+Bucketed :class:`~dmuon.comm.collectives.FlatBucket` all-reduces overlapped with backward, as
+DDP's reducer (Li et al., VLDB 2020): buckets are filled in reverse registration order and
+launched strictly in order. Each backward's incoming gradient is taken by a tensor hook and its
+average added at the end, so gradient accumulation stays exact.
 """
 
 from __future__ import annotations
@@ -24,15 +18,9 @@ from dmuon.comm.collectives import FlatBucket, Pending
 
 
 class ReplicatedGrads:
-    """Bucketed all-reduce of replicated parameters' gradients.
-
-    Args:
-        params: replicated parameters that require grad, in registration order.
-        group: process group over which the replicas live.
-        bucket_bytes: target size of one flat all-reduce buffer (bytes).
-        before_issue: called before each all-reduce is issued (the runtime's deferred step
-            check, :meth:`dmuon.hooks.step_check.StepCheck.settle`).
-    """
+    """Bucketed all-reduce over ``group`` of the gradients of ``params`` (replicated, trainable,
+    in registration order), in buffers of about ``bucket_bytes``; ``before_issue`` runs before
+    each all-reduce (the step check's ``settle``)."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, bucket_bytes: int,
                  before_issue: Callable[[], None] = lambda: None) -> None:
@@ -55,11 +43,8 @@ class ReplicatedGrads:
         self.pending: list[tuple[list[nn.Parameter], FlatBucket, Pending]] = []
 
     def on_grad(self, param: nn.Parameter, grad: torch.Tensor, sync: bool = True) -> torch.Tensor:
-        """Tensor hook: stash the incoming gradient, launch ready buckets, accumulate zero.
-
-        With ``sync=False`` (``no_sync`` micro-batches) the gradient is only summed locally and
-        goes out with the next synchronized backward.
-        """
+        """Tensor hook: stash the incoming gradient (with ``sync=False`` sum it locally for the
+        next synchronized backward), launch ready buckets, accumulate zero."""
         earlier = self.unsynced.pop(param, None)
         if earlier is not None:
             grad = earlier + grad
@@ -76,8 +61,7 @@ class ReplicatedGrads:
             bucket = self.buckets[len(self.pending)]
             if not final and any(p not in self.incoming for p in bucket):
                 return
-            # one flag per parameter counts the ranks that produced a gradient, so a parameter
-            # unused everywhere keeps grad=None, as in single-process training
+            # presence flags: a parameter unused everywhere keeps grad=None
             flat = FlatBucket([p.shape for p in bucket], torch.float32, bucket[0].device,
                               [(len(bucket), True)])
             flat.pack([self.incoming.get(p) for p in bucket])

@@ -1,15 +1,8 @@
-"""Batched owner exchanges: many matrices' pieces to their owners, and updates back, in one
-``all_to_all_single`` each (the ``distributed_config`` path's rounds and the TP Newton-Schulz,
-:func:`orthogonalize_tp`).
-
-This is the layer sharding of "Layer Sharding for Large-Scale Training with Muon" (2025): a
-round of matrices, each owned by one rank, is re-sharded from the training layout (pieces of
-every matrix on every rank) to whole matrices on their owners with one all-to-all, and back
-with a second one. With split sizes (``all_to_all_single``'s alltoallv form) uneven and
-strided pieces need no padding; gloo (CPU) and NCCL (GPU) both implement it asynchronously.
-
-Only one copy of a replicated piece travels to the owner, and none when the owner holds it
-(:meth:`MatrixLayout.source_for`); every rank receives its own piece of the update, replicas included.
+"""Batched owner exchanges: a round of matrices' pieces to their owners, and the updates
+back, in one ``all_to_all_single`` each (the ``distributed_config`` rounds and
+:func:`orthogonalize_tp`): the layer sharding of "Layer Sharding for Large-Scale Training with
+Muon" (2025). Split sizes need no padding; one copy of a replicated piece travels
+(:meth:`MatrixLayout.source_for`), and every rank receives its own piece back.
 """
 
 from __future__ import annotations
@@ -28,11 +21,9 @@ from dmuon.owners.slices import MatrixLayout, placement_runs, put, take
 def _all_to_all(send_parts: list[list[Tensor]], recv_splits: list[int], traffic: bool, group: Any,
                 dtype: torch.dtype, device: torch.device, what: str,
                 finish: Callable[[Callable[[int, tuple[int, int]], Tensor]], list]) -> Pending:
-    """Issue one ``all_to_all_single``: to each rank ``dst`` its ``send_parts[dst]`` (flat, in
-    order), from each rank ``src`` ``recv_splits[src]`` elements; skipped on every rank without
-    ``traffic`` (whether any rank sends anything, the same everywhere: e.g. a DDP gather, the
-    owner has it all). ``finish(received)`` builds the result, ``received(src, shape)`` being
-    the next piece of ``shape`` from ``src``."""
+    """One ``all_to_all_single`` sending ``send_parts[dst]`` to each ``dst`` and receiving
+    ``recv_splits[src]`` elements from each ``src`` (skipped everywhere without ``traffic``).
+    ``finish(received)`` builds the result; ``received(src, shape)``: the next piece from ``src``."""
     send_splits = [sum(p.numel() for p in parts) for parts in send_parts]
     flat = [p for parts in send_parts for p in parts]
     send = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
@@ -54,24 +45,18 @@ def _all_to_all(send_parts: list[list[Tensor]], recv_splits: list[int], traffic:
 def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLayout],
                      owners: Sequence[int], *, group: Any, rank: int, world_size: int,
                      dtype: torch.dtype) -> Pending:
-    """Assemble every matrix of a round, whole, on its owner, with one all-to-all.
-
-    Args:
-        local_pieces: this rank's local piece of each matrix ``[local rows, local cols]``
-            (any dtype; not mutated, free to reuse once this returns), in round order.
-        layouts: each matrix's :class:`MatrixLayout` (identical on every rank).
-        owners: each matrix's owner, a rank of ``group``.
-        group: the process group (``None``: the default group).
-        rank, world_size: this rank and the size of ``group``.
-        dtype: transport and result dtype.
+    """Assemble each matrix of a round whole on its owner (a rank of ``group``; ``None``: the
+    default group) with one all-to-all, from this rank's pieces ``[local rows, local cols]``
+    (any dtype, not mutated) laid out by ``layouts`` (identical on every rank). ``rank`` and
+    ``world_size`` are this rank's and ``group``'s; ``dtype`` is the transport and result dtype.
 
     Returns:
-        A :class:`Pending` whose ``wait()`` gives, per matrix, the full ``[rows, cols]`` tensor
-        on its owner and ``None`` elsewhere.
+        A :class:`Pending` whose ``wait()`` gives each full ``[rows, cols]`` matrix on its owner,
+        ``None`` elsewhere.
 
     Raises:
         RuntimeError: a local piece whose shape is not the layout's (names the matrix, rank and
-            both shapes). Collective errors (a dead peer, a timeout) propagate from ``wait()``.
+            both shapes).
     """
     send_parts: list[list[Tensor]] = [[] for _ in range(world_size)]
     recv_splits = [0] * world_size
@@ -116,16 +101,9 @@ def gather_to_owners(local_pieces: Sequence[Tensor], layouts: Sequence[MatrixLay
 def scatter_from_owners(fulls: Sequence[Tensor | None], layouts: Sequence[MatrixLayout],
                         owners: Sequence[int], *, group: Any, rank: int, world_size: int,
                         dtype: torch.dtype, device: torch.device) -> Pending:
-    """Send every rank its piece of each owner's full matrix, with one all-to-all.
-
-    Args:
-        fulls: per matrix, the full ``[rows, cols]`` update on its owner, ``None`` elsewhere.
-        layouts, owners, group, rank, world_size, dtype: as :func:`gather_to_owners`.
-        device: device of the results.
-
-    Returns:
-        A :class:`Pending` whose ``wait()`` gives this rank's piece ``[local rows, local cols]``
-        of every matrix (replicas included).
+    """Send every rank its piece ``[local rows, local cols]`` (on ``device``) of each owner's
+    full ``[rows, cols]`` matrix (``fulls``; ``None`` off the owner) with one all-to-all; the
+    other arguments as :func:`gather_to_owners`. Returns a :class:`Pending` giving the pieces.
 
     Raises:
         RuntimeError: an owner without its full matrix, a non-owner given one, or a full
@@ -175,21 +153,11 @@ def tp_layout(full_shape: tuple[int, int], shard_dim: int | None, size: int) -> 
 
 def orthogonalize_tp(updates: Sequence[Tensor], recs: Sequence[Any], group: dist.ProcessGroup,
                      orthogonalize: Callable[[list[Tensor]], list[Tensor]]) -> list[Tensor]:
-    """Second-level ownership: each TP owner gathers its matrices' slices over the TP group,
-    orthogonalizes the full matrices and scatters the slices back, one all-to-all each way
-    (Megatron's "duplicated" mode without the duplication; a matrix every TP rank holds whole
-    goes back whole).
-
-    Args:
-        updates: this rank's slice of each matrix's Nesterov update (``[rows_t, cols]`` or
-            ``[rows, cols_t]``), or the whole update when ``rec.tp_shard_dim`` is None.
-        recs: the matrices' records (``full_shape``, ``tp_shard_dim`` 0, 1 or None, and
-            ``tp_owner``, a rank of ``group``), in plan order, identical on every rank.
-        group: the TP process group.
-        orthogonalize: Newton-Schulz over a list of full matrices.
-
-    Returns:
-        This rank's slice (or whole matrix) of each orthogonalized update, fp32.
+    """Newton-Schulz of TP-sharded updates: each TP owner (``rec.tp_owner``, a rank of the TP
+    ``group``) gathers its matrices' slices, runs ``orthogonalize`` on the full matrices and
+    scatters the slices back, one all-to-all each way. ``updates``: this rank's slice of each
+    update (``[rows_t, cols]`` / ``[rows, cols_t]`` by ``rec.tp_shard_dim``; whole when None),
+    ``recs`` in the same order on every rank. Returns this rank's slices of the results, fp32.
     """
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     layouts = [tp_layout(tuple(rec.full_shape), rec.tp_shard_dim, size) for rec in recs]

@@ -1,24 +1,15 @@
-"""Reduce-to-owner in buckets: the gradients of one FSDP2 block's dedicated matrices travel together.
+"""Reduce-to-owner in buckets: one FSDP2 block's dedicated gradients travel together.
 
-A :class:`GradBucket` holds the local gradients of one block's dedicated matrices (one dtype,
-one device) in a :class:`dmuon.comm.collectives.FlatBucket`, one segment per owner, and goes
-out once the block's last gradient is in: ``reduce_mode="reduce"`` (default) reduces each
-segment to its owner (one NCCL group call), ``"all_reduce"`` all-reduces the whole bucket
-(twice the bytes, one collective); the owner divides the sum by the data-parallel size.
-
-In keep mode (``replicas="keep"``) one bucket also carries the *shared* parameters, the
-non-dedicated ones every rank steps with AdamW (:meth:`GradBucket.attach_shared`): their
-accumulated ``.grad`` are packed in at the end of backward, the bucket is all-reduced and each
-``.grad`` is overwritten with the average, as DDP's reducer does (Li et al., "PyTorch
-Distributed", VLDB 2020).
-
-A matrix without a gradient on a rank contributes zeros, as FSDP2 does with an unused
-parameter. A bucket holding a routed expert's matrix (``DedicatedParam.optional``) ends each
-owner's segment with one presence flag per matrix, summed with the reduce: a matrix no rank
-used stays out of the owners' gradients, as ``torch.optim.Muon`` skips a ``grad`` of ``None``.
-Other buckets keep their sizes (gloo's summation order, hence a sum's last bit, depends on a
-buffer's size). Buckets fill at different times on different ranks, so they go out in one
-rank-independent order (:class:`IssueOrder`).
+A :class:`GradBucket` packs one block's local gradients (one dtype and device) in a
+:class:`~dmuon.comm.collectives.FlatBucket`, one segment per owner, and goes out once the
+block's last gradient is in: ``reduce_mode="reduce"`` reduces each segment to its owner,
+``"all_reduce"`` all-reduces the whole bucket (twice the bytes); the owner divides the sum by
+the data-parallel size. A missing gradient contributes zeros, as in FSDP2. A bucket holding a
+routed expert (``DedicatedParam.optional``) flags each matrix's presence, so a matrix no rank
+used stays out, as ``torch.optim.Muon`` skips ``grad=None``; other buckets carry no flags (a
+gloo sum's last bit depends on the buffer's size). In keep mode one bucket also carries the
+shared parameters (:meth:`GradBucket.attach_shared`). Buckets go out in one rank-independent
+order (:class:`IssueOrder`).
 """
 
 from __future__ import annotations
@@ -46,18 +37,14 @@ class GradBucket:
         records: the block's matrices, owner-major (stable within an owner).
         owners: the owner of each segment of ``buf``.
         buf: one segment per owner (then one for ``shared``); its buffer is dropped after
-            :meth:`take` unless ``persistent`` (keep mode: a fresh multi-MB buffer per backward
-            page-faults on every first touch).
-        group: the process group of the members' owners when not :class:`IssueOrder`'s (expert
-            parallelism; the average still divides by the whole data-parallel size).
-        index: record -> its position in ``records``.
+            :meth:`take` unless ``persistent`` (keep mode: saves page faults).
+        group: the owners' process group when not :class:`IssueOrder`'s (expert parallelism).
         expected: the records that take a gradient (``compute.requires_grad``).
         active: the bucket holds gradients of this backward; ``ready``: whose.
-        grads: this backward's local gradients by position (``None``: not in), kept, not
-            copied, until :meth:`issue` packs them with one op.
-        pending: this backward's collective, once issued.
+        grads: this backward's local gradients by position, kept until :meth:`issue` packs them.
         shared: the non-dedicated parameters carried in keep mode.
-        my_owner: this rank's owner index if it owns a member.
+        my_owner: this rank's owner index if it owns a member; ``owned``: ``(record, offset,
+            numel)`` of its matrices in its ``segment`` of ``buf`` (``(start, numel)``).
         owner_avg: fp32 copy of this rank's segment, its views ``owner_views`` (:func:`owned_averages`).
         block: the FSDP2 module whose unit the bucket reduces (``None`` without FSDP2).
         divide_factor: that module's ``set_gradient_divide_factor``; ``None``: the mean.
@@ -76,6 +63,8 @@ class GradBucket:
     pending: Pending | None = None
     shared: list[torch.nn.Parameter] = field(default_factory=list)
     my_owner: int | None = None
+    owned: list[tuple[DedicatedParam, int, int]] = field(default_factory=list, init=False)
+    segment: tuple[int, int] = field(default=(0, 0), init=False)
     owner_avg: torch.Tensor | None = None
     owner_views: dict[DedicatedParam, torch.Tensor] | None = None
     block: object = None
@@ -86,6 +75,10 @@ class GradBucket:
         self.expected = frozenset(rec for rec in self.records if rec.compute.requires_grad)
         self.grads = [None] * len(self.records)
         self.my_owner = next((r.owner for r in self.records if r.is_owner), None)
+        if self.my_owner is not None:
+            self.segment = self.buf.spans[self.owners.index(self.my_owner)]
+            self.owned = [(rec, start - self.segment[0], numel)
+                          for rec, (start, numel) in zip(self.records, self.buf.slots) if rec.is_owner]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,15 +89,14 @@ class GradBucket:
         return self.buf.device
 
     def attach_shared(self, params: list[torch.nn.Parameter]) -> None:
-        """Carry ``params`` (non-dedicated, trainable, this bucket's dtype and device) in a last,
-        flagged segment (a parameter unused everywhere keeps ``grad=None``)."""
+        """Carry ``params`` (non-dedicated, this bucket's dtype and device) in a last, flagged
+        segment; after the all-reduce each ``.grad`` becomes the average, as in DDP."""
         self.shared = list(params)
         self.buf = FlatBucket(self.buf.shapes + [p.shape for p in params], self.dtype, self.device,
                               self.buf.segments + [(len(params), True)])
 
     def full(self) -> bool:
-        """Every matrix that takes a gradient has it, and no shared parameters ride along
-        (their gradients are complete only at the end of backward)."""
+        """Every matrix that takes a gradient has it, and no shared parameters ride along."""
         return len(self.ready) == len(self.expected) and not self.shared
 
     def add(self, rec: DedicatedParam, grad: torch.Tensor) -> bool:
@@ -115,8 +107,7 @@ class GradBucket:
         return self.full()
 
     def issue(self, group: dist.ProcessGroup, mode: str) -> None:
-        """Pack (zeros where a matrix has no gradient; the shared parameters' ``.grad``) and
-        start the bucket's collective."""
+        """Pack the gradients (and the shared parameters' ``.grad``) and start the collective."""
         self.active = True
         for rec in (self.records if len(self.ready) < len(self.records) else ()):
             held = rec.compute.grad
@@ -139,14 +130,12 @@ class GradBucket:
         return f"the {kind} of {[r.fqn for r in self.records][:4]}{shared} to owner rank {owners}"
 
     def take(self, world_size: int) -> Iterator[tuple[DedicatedParam, torch.Tensor | None, float]]:
-        """Wait, then yield ``(record, average, ranks)`` for every record of the bucket; the
-        bucket is empty afterwards.
+        """Wait, then yield ``(record, average, ranks)`` per record and empty the bucket.
 
-        ``average``: on the owner the fp32 ``[rows, cols]`` sum over the group divided by
-        ``world_size`` (or by ``divide_factor`` when set), ``None`` elsewhere. ``ranks``: on the
-        owner how many ranks had a gradient (the summed presence flag; 0: no rank used the
-        matrix), elsewhere whether this rank had one. Without presence flags only the records
-        with a gradient here are yielded, with 1.0.
+        ``average``: on the owner the fp32 ``[rows, cols]`` sum divided by ``world_size`` (or
+        ``divide_factor``), ``None`` elsewhere. ``ranks``: on the owner the summed presence
+        flag, elsewhere whether this rank had a gradient. Without flags only the records with a
+        gradient here are yielded, with 1.0.
         """
         self.pending.wait()
         counts = self.buf.flag_values()  # one host copy, only where the bucket has flags
@@ -175,19 +164,12 @@ def reduced(bucket: GradBucket) -> bool:
 
 def owned_averages(bucket: GradBucket, divisor: float,
                    reuse: bool = False) -> dict[DedicatedParam, torch.Tensor]:
-    """Once :func:`reduced`: this rank's owned matrices' averages, its segment cast to fp32,
-    then divided by ``divisor`` (two element-wise ops, the same bits either way), a
-    ``[rows, cols]`` view per owned matrix.
-
-    Without ``reuse`` in new tensors, the bucket untouched (``Muon(overlap="backward")``'s start
-    during backward); with it (:meth:`GradBucket.take`) in the bucket's fp32 segment kept from
-    one backward to the next, whose views become the masters' ``.grad`` (new tensors while a
-    master's ``.grad`` is still set).
+    """Once :func:`reduced`: this rank's segment cast to fp32 and divided by ``divisor``, as a
+    ``[rows, cols]`` view per owned matrix. Without ``reuse`` in new tensors; with it in the
+    bucket's fp32 buffer kept between backwards (unless a master's ``.grad`` is still set).
     """
-    seg_start, seg_numel = bucket.buf.spans[bucket.owners.index(bucket.my_owner)]
+    owned, (seg_start, seg_numel) = bucket.owned, bucket.segment
     seg = bucket.buf.flat[seg_start: seg_start + seg_numel]
-    owned = [(rec, start - seg_start, numel)
-             for rec, (start, numel) in zip(bucket.records, bucket.buf.slots) if rec.is_owner]
     if not reuse or any(rec.master.grad is not None for rec, _, _ in owned):
         fresh = seg.to(torch.float32, copy=True).div_(divisor)
         return {rec: fresh[at: at + numel].view(rec.shape) for rec, at, numel in owned}
@@ -201,8 +183,8 @@ def owned_averages(bucket: GradBucket, divisor: float,
 
 @torch.no_grad()
 def _average_shared(bucket: GradBucket, world_size: int, counts: list[float]) -> None:
-    """Keep mode, after the all-reduce: each shared parameter's ``.grad`` becomes the average
-    (one ``_foreach_copy_``); one no rank had a gradient for keeps ``grad=None``."""
+    """Keep mode, after the all-reduce: each shared ``.grad`` becomes the average (``None``
+    stays where no rank had one)."""
     first = len(bucket.records)
     start = bucket.buf.slots[first][0]
     bucket.buf.flat[start: bucket.buf.flag_at[first]].div_(world_size)
@@ -222,13 +204,8 @@ def _average_shared(bucket: GradBucket, world_size: int, counts: list[float]) ->
 
 @dataclass(eq=False)
 class IssueOrder:
-    """The one order every rank issues its gradient buckets in, within a backward.
-
-    Attributes:
-        buckets: every bucket, by its last matrix in model order, descending (backward order
-            for modules run in registration order).
-        next: position of the first bucket not yet issued in this backward.
-    """
+    """The one order every rank issues its gradient buckets in: by last matrix in model order,
+    descending (backward order); ``next`` is the first not yet issued in this backward."""
 
     buckets: list[GradBucket]
     next: int = 0
@@ -237,9 +214,8 @@ class IssueOrder:
         self.buckets = sorted(self.buckets, key=lambda b: -max(rec.order for rec in b.records))
 
     def full(self, group: dist.ProcessGroup, mode: str, final: bool = False) -> None:
-        """A bucket is full: issue every bucket from ``next`` on that is full, in order. With
-        ``final`` (end of a synced backward) issue all the rest and start over (a bucket none
-        of whose members took a gradient on this rank still goes out: other ranks may have them)."""
+        """Issue the full buckets from ``next`` on, in order; with ``final`` all the rest (other
+        ranks may hold gradients of an empty one), then start over."""
         while self.next < len(self.buckets):
             bucket = self.buckets[self.next]
             if not final and bucket.expected and not (bucket.active and bucket.full()):
@@ -253,14 +229,8 @@ class IssueOrder:
 
 def make_buckets(records: list[DedicatedParam], blocks: list[int],
                  persistent: bool = False) -> list[GradBucket]:
-    """One :class:`GradBucket` per (block, reduce dtype, device, owners' process group), in
-    first-member order.
-
-    Args:
-        records: every dedicated matrix of the model, in model order.
-        blocks: for each record, a key of its unit (its index) or, in keep mode, its bucket.
-        persistent: keep each bucket's buffer between backwards (keep mode).
-    """
+    """One :class:`GradBucket` per (``blocks`` key, reduce dtype, device, owners' group) of
+    ``records`` (model order), in first-member order; ``persistent`` in keep mode."""
     keyed: dict[tuple, list[DedicatedParam]] = {}
     for rec, block in zip(records, blocks):
         keyed.setdefault((block, rec.reduce_dtype, rec.buffer.device, rec.group), []).append(rec)

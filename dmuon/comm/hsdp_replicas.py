@@ -1,18 +1,10 @@
-"""HSDP across replicas: one collective per (mode, dtype, device), not one per matrix.
+"""Reduce-to-owner at the end of backward, and under HSDP the combine across replicas.
 
-Under HSDP (mesh ``("replicate", "shard")``) every replica has the same owner plan, so the
-owners at one shard position, one in each replica, own the same matrices in the same order.
-After reduce-to-owner inside each replica, each owner holds its replica's gradient average of
-every matrix it owns; the replicas then combine them (DESIGN.md, "Meshes"):
-
-* ``"compute"`` matrices: an ``all_reduce`` over the replicate group; every replica's owner
-  runs Newton-Schulz on the same sum.
-* ``"broadcast"`` matrices: a ``reduce`` to replica 0's owner, which runs Newton-Schulz, and
-  after the step a ``broadcast`` of its fp32 master back to the other replicas.
-
-Each is one :class:`dmuon.comm.collectives.FlatBucket` per (mode, dtype, device) present (in
-practice one of each per rank and step: averages and masters are fp32), over the same records
-in the same order on every replica, as the plan gives them.
+Every replica has the same owner plan, so after reduce-to-owner inside each replica the owners
+at one shard position hold their replicas' averages of the same matrices. ``"compute"``
+matrices are all-reduced over the replicate group (every replica runs Newton-Schulz);
+``"broadcast"`` ones are reduced to replica 0, whose fp32 masters are broadcast back after the
+step. Each is one :class:`~dmuon.comm.collectives.FlatBucket` per (mode, dtype, device).
 """
 
 from __future__ import annotations
@@ -29,8 +21,8 @@ from dmuon.owners.dedicated import DedicatedParam
 
 
 def batches_by_dtype(tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """``(indices, tensors)`` per (dtype, device) of ``tensors``, sorted by the dtype's and
-    device's names (a rank-independent order); ``indices`` are input positions, ascending."""
+    """``(indices, tensors)`` per (dtype, device) of ``tensors``, in a rank-independent order
+    (by name); ``indices`` are input positions, ascending."""
     keyed: dict[tuple[str, str], list[int]] = {}
     for i, t in enumerate(tensors):
         keyed.setdefault((str(t.dtype), str(t.device)), []).append(i)
@@ -41,21 +33,12 @@ def combine_replicas(pairs: list[tuple[DedicatedParam, torch.Tensor, float]], gr
                      replicate_rank: int) -> list[tuple[DedicatedParam, torch.Tensor, float | None]]:
     """Sum the owners' gradient averages over the replicas: per (dtype, device), one
     ``all_reduce`` of the ``"compute"`` records, then one ``reduce`` to replica 0 of the
-    ``"broadcast"`` ones, in a rank-independent order. A batch holding a routed expert carries
-    each record's presence count as a flag, so every replica agrees whether any rank of any
-    replica had a gradient.
+    ``"broadcast"`` ones. A batch holding a routed expert sums presence counts as flags.
 
-    Args:
-        pairs: ``(record, average, ranks)``: each owned record that had a gradient, its
-            replica's fp32 average ``[rows, cols]`` and how many of the replica's ranks had a
-            gradient, in bucket order (the same on every replica).
-        group: the replicate process group (one rank per replica, same shard position).
-        replicate_rank: this rank's index in ``group``.
-
-    Returns:
-        ``(record, sum over replicas, ranks)`` valid on this rank: "compute" records on every
-        replica, "broadcast" ones on replica 0 only. Each sum is a view of its batch's buffer;
-        ``ranks`` is the summed presence count (``None`` in a batch without routed experts).
+    ``pairs``: ``(record, average, ranks)`` per owned record with a gradient (its replica's
+    fp32 ``[rows, cols]`` average and presence count), in bucket order. Returns ``(record, sum,
+    ranks)`` valid here ("broadcast" ones on replica 0 only), each sum a view of its batch's
+    buffer, ``ranks`` ``None`` in a batch without flags.
     """
     batches = []
     with label("dmuon::combine_replicas"):
@@ -77,13 +60,11 @@ def combine_replicas(pairs: list[tuple[DedicatedParam, torch.Tensor, float]], gr
 
 def broadcast_masters(masters: Sequence[torch.Tensor], group: dist.ProcessGroup,
                       replicate_rank: int) -> None:
-    """Copy replica 0's ``masters`` (the owned "broadcast" records' fp32 masters, the same list
-    on every replica of ``group``; mutated on the others) to every replica: one ``broadcast``
-    per (dtype, device)."""
+    """Copy replica 0's ``masters`` (the owned "broadcast" records' fp32 masters) into the other
+    replicas': one ``broadcast`` per (dtype, device)."""
     batches = []
     with label("dmuon::broadcast_replicas"):
         for _, tensors in batches_by_dtype(list(masters)):
-            # the source sends its masters; receivers need only a buffer
             batch = FlatBucket.of(tensors, pack=replicate_rank == 0)
             what = f"the broadcast of {len(tensors)} masters from replica 0"
             batches.append((tensors, batch, batch.issue("broadcast", group, 0, what)))
@@ -95,21 +76,11 @@ def broadcast_masters(masters: Sequence[torch.Tensor], group: dist.ProcessGroup,
 
 def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, world_size: int,
                      replicate_rank: int) -> None:
-    """End of backward: issue the buckets not yet out, in ``order``, and wait for each
-    (:meth:`~dmuon.comm.grad_buckets.GradBucket.take`); owners add the average to
-    ``master.grad``. A backward that put no gradient in any bucket (``no_sync``) issues nothing.
-
-    Under HSDP (``roles.replicate_size > 1``) the owners then combine across replicas
-    (:func:`combine_replicas`); the replica sum is divided by the replica count (by nothing
-    where the bucket's FSDP2 module set a gradient divide factor: the shard-level reduce
-    divided the sum by it). Records come back in issue order, the same on every rank.
-
-    Args:
-        order: the model's gradient buckets in their one issue order.
-        roles: the mesh roles (shard group for the reduces, replicate group for the combine).
-        reduce_mode: :data:`dmuon.comm.grad_buckets.REDUCE_MODES`.
-        world_size: the divisor of the average (without a divide factor).
-        replicate_rank: this rank's index in the replicate group.
+    """End of backward: issue the buckets not yet out, in ``order``, wait for each, and add
+    the owners' averages (divided by ``world_size``) to ``master.grad``; nothing if no bucket
+    holds a gradient. Under HSDP the owners then combine across replicas
+    (:func:`combine_replicas`) and divide by the replica count (not where the bucket's FSDP2
+    module set a gradient divide factor: the shard-level reduce divided by it).
     """
     if not any(bucket.active for bucket in order.buckets):
         return
@@ -122,9 +93,7 @@ def reduce_to_owners(order: IssueOrder, roles: MeshRoles, reduce_mode: str, worl
         for rec, avg, ranks in bucket.take(world_size):
             if bucket.divide_factor is not None:
                 factored.add(rec)
-            # every record of a reduced bucket, on every replica alike ("broadcast" masters go
-            # out for all of them: one not stepped is the same on every replica)
-            rec.had_grad = True
+            rec.had_grad = True  # every record of a reduced bucket, on every replica alike
             if avg is not None and replicas > 1:  # avg: on the owner only
                 pairs.append((rec, avg, ranks))
             elif avg is not None and ranks > 0:  # no rank had a gradient: Muon skips the matrix

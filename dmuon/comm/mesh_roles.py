@@ -1,16 +1,11 @@
 """Mesh roles: which DeviceMesh dimension is data-parallel shard, replicate, or tensor-parallel.
 
-Roles come from ``mesh_dim_names``: a dimension named ``"tp"`` is tensor parallel; of the
-others, a single one is the data-parallel *shard* dimension (FSDP, or plain replicas), two are
-``(replicate, shard)`` in that order (HSDP, as ``init_device_mesh(..., ("replicate", "shard"))``
-builds them). A 1-D mesh without names is data-parallel. An ``"ep"`` dimension (torchtitan's
-name) is expert parallelism (:func:`expert_parallel_dims`); a ``"pp"`` dimension holds pipeline
-*stages*, not replicas: it is dropped and every group lives within a stage (:func:`stage_layout`).
-
-dmuon creates its own process groups along each role, so its collectives never interleave with
-FSDP2's, with the user's collective timeout (:func:`inherited_timeout`), not torch's 30-minute
-default. Every rank creates every stage's groups in the same order (``dist.new_group`` numbers
-groups by a counter), so each rank must call ``dedicate_params`` equally often.
+From ``mesh_dim_names``: ``"tp"`` is tensor parallel; of the others one is the data-parallel
+shard dimension, two are ``(replicate, shard)`` (HSDP); a 1-D unnamed mesh is data-parallel.
+``"ep"`` is expert parallelism (:func:`expert_parallel_dims`); ``"pp"`` holds pipeline stages,
+and every group lives within one (:func:`stage_layout`). dmuon creates its own groups with the
+user's timeout (:func:`inherited_timeout`), on every rank in the same order, so every rank must
+call ``dedicate_params`` equally often.
 """
 
 from __future__ import annotations
@@ -33,24 +28,20 @@ PP_NAMES = ("pp",)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshRoles:
-    """dmuon's groups for one rank.
+    """dmuon's groups for one rank (``None`` / size 1 where the role is absent).
 
     Attributes:
         shard: group over the DP shard dimension (owners live here: publish, reduce-to-owner).
-        world: group over the whole mesh, or the stage's ranks under pipeline parallelism
-            (plan agreement, gradient norm).
-        replicate: group over the HSDP replicate dimension, or ``None``.
-        tp: group over the tensor-parallel dimension, or ``None``.
-        shard_size, replicate_size, tp_size: each role's number of ranks (1 if absent).
-        replicate_dim: the (stage's) mesh dimension of the replicate role, or ``None``.
+        world: group over the whole mesh, or the stage's ranks (plan agreement, gradient norm).
+        replicate, tp: groups over the HSDP replicate and the tensor-parallel dimension.
+        shard_size, replicate_size, tp_size: each role's number of ranks.
+        replicate_dim: the (stage's) mesh dimension of the replicate role.
         tp_name: the mesh dimension name of the TP role.
-        steps: gloo group over ``world``'s ranks for the step check only
-            (:mod:`dmuon.hooks.step_check`), or ``None``.
-        fake: the mesh runs on torch's fake process group (one process plays one rank; nothing
-            that needs a live peer is created or issued).
+        steps: gloo group over ``world``'s ranks for :mod:`dmuon.hooks.step_check`.
+        fake: the mesh runs on torch's fake process group (nothing needing a live peer is issued).
         expert: expert parallelism only: the ranks sharing this rank's ``"ep"`` coordinate.
-        ep_size, ep_name: size and name of the ``"ep"`` dimension (1 / ``None`` without one).
-        pp_size: number of pipeline stages (1 without ``"pp"``).
+        ep_size, ep_name: size and name of the ``"ep"`` dimension.
+        pp_size: number of pipeline stages.
     """
 
     shard: dist.ProcessGroup
@@ -81,16 +72,12 @@ def _root_mesh(mesh):
 
 
 def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
-    """Every pipeline stage's data-parallel ranks, for the whole mesh or a stage's sub-mesh.
-
-    Args:
-        mesh: a mesh with a ``"pp"`` dimension, a stage's sub-mesh sliced from one
-            (``mesh["dp"]``), or any mesh without pipeline parallelism.
+    """Every pipeline stage's data-parallel ranks, from a mesh (with or without ``"pp"``) or
+    a stage's sub-mesh sliced from one.
 
     Returns:
-        ``(stages, names, index)``: ``stages`` ``[n_stages, *stage shape]`` int64 global ranks
-        (``n_stages`` 1 without ``"pp"``), the stage's dimension names (``None``: unnamed), and
-        this rank's stage.
+        ``(stages, names, index)``: ``[n_stages, *stage shape]`` int64 global ranks (one stage
+        without ``"pp"``), the stage's dimension names (``None``: unnamed), this rank's stage.
 
     Raises:
         ValueError: a sub-mesh that drops a parent dimension other than ``"pp"``, or more than
@@ -99,8 +86,7 @@ def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     root = _root_mesh(mesh)
     source, source_names = mesh.mesh, names
-    # A mesh holding all of its root's ranks drops nothing (torchtitan unflattens one 1-D
-    # "world" mesh into its ("fsdp",)... meshes): no stage to find, take it as it is.
+    # a mesh holding all of its root's ranks (torchtitan's unflattened ones) drops nothing
     if root is not mesh and root is not None and mesh.mesh.numel() != root.mesh.numel():
         root_names = tuple(getattr(root, "mesh_dim_names", None) or ())
         dropped = [n for n in root_names if n not in names]
@@ -132,13 +118,9 @@ def stage_layout(mesh) -> tuple[torch.Tensor, tuple[str, ...] | None, int]:
 
 def assign_roles(shape: tuple[int, ...], names: tuple[str, ...] | None
                  ) -> tuple[int, int | None, int | None, str | None]:
-    """``(shard_dim, replicate_dim, tp_dim, tp_name)`` of a (stage's) mesh of ``shape``, from
-    its dimension ``names`` (``None``: unnamed).
-
-    Raises:
-        ValueError: a mesh of more than 3 dimensions, or one whose roles cannot be told apart
-            (a 2-D or 3-D mesh without names, two TP dimensions...).
-    """
+    """``(shard_dim, replicate_dim, tp_dim, tp_name)`` of a (stage's) mesh from its dimension
+    ``names`` (``None``: unnamed). Raises ValueError for a mesh of over 3 dimensions or one
+    whose roles cannot be told apart (no names, two TP dimensions...)."""
     described, ndim = f"shape {shape} with dims {names}", len(shape)
     names = names or ()
     if ndim == 1:
@@ -165,13 +147,9 @@ def assign_roles(shape: tuple[int, ...], names: tuple[str, ...] | None
 
 
 def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
-    """``(ep_dim, expert_shard_dim, replicate_dim)`` of a mesh with an ``"ep"`` dimension
-    (``None`` without one): ``("ep",)``, ``(shard, "ep")`` (torchtitan's ``("efsdp", "ep")``) or
-    ``("replicate", shard, "ep")``.
-
-    Raises:
-        ValueError: any other mesh with an ``"ep"`` dimension (with TP, or ``"ep"`` not last).
-    """
+    """``(ep_dim, expert_shard_dim, replicate_dim)`` of an ``("ep",)``, ``(shard, "ep")`` or
+    ``("replicate", shard, "ep")`` mesh, ``None`` without ``"ep"``; ValueError for any other
+    mesh with ``"ep"``."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     ep = [i for i, n in enumerate(names) if n in EP_NAMES]
     if not ep:
@@ -195,7 +173,7 @@ def expert_parallel_dims(mesh) -> tuple[int, int | None, int | None] | None:
 
 def _groups_of(rank_lists: list[list[int]], backend: str,
                timeout: timedelta | None) -> dist.ProcessGroup | None:
-    """Create one group per rank list, in order, on every rank; return the one holding this rank."""
+    """Create one group per rank list, in order; return the one holding this rank."""
     me, mine = dist.get_rank(), None
     for ranks in rank_lists:
         group = dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
@@ -205,9 +183,8 @@ def _groups_of(rank_lists: list[list[int]], backend: str,
 
 
 def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta | None:
-    """The shortest collective timeout of ``group``'s backends (default: the default group),
-    read from the private ``ProcessGroup*.options._timeout`` (torch has no public getter), or
-    ``None`` where unreadable."""
+    """The shortest timeout of ``group``'s backends (default: WORLD), read from the private
+    ``options._timeout`` (no public getter), or ``None`` where unreadable."""
     if group is None:
         group = dist.group.WORLD
     found = []
@@ -235,13 +212,8 @@ def inherited_timeout(mesh) -> timedelta | None:
 
 
 def check_mesh(mesh) -> None:
-    """Refuse, on every rank and without a collective, what is not a ``DeviceMesh`` over every
-    rank of the job (for a pipeline stage's sub-mesh: its parent's).
-
-    Raises:
-        TypeError: ``mesh`` is not a ``DeviceMesh``.
-        ValueError: the mesh does not hold every rank of the default group.
-    """
+    """Refuse, without a collective, what is not a ``DeviceMesh`` (TypeError) over (a sub-mesh
+    of one over) every rank of the job (ValueError)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, dist.ProcessGroup):
@@ -267,8 +239,7 @@ def check_mesh(mesh) -> None:
 
 def _groups_along(ranks: torch.Tensor, dim: int, backend: str,
                   timeout: timedelta | None) -> dist.ProcessGroup | None:
-    """dmuon's own group along ``dim`` of the rank tensor ``ranks`` that holds this rank (every
-    group is created on every rank, in order)."""
+    """dmuon's own group along ``dim`` of the rank tensor ``ranks`` holding this rank."""
     return _groups_of(ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist(), backend, timeout)
 
 
@@ -278,20 +249,10 @@ def is_fake_backend(backend: str) -> bool:
 
 
 def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
-    """Create dmuon's groups for ``mesh``, with :func:`inherited_timeout` (collective).
-
-    An expert-parallel mesh (:func:`expert_parallel_dims`) is seen as ``[replicas, expert
-    shard, ep]``: ``shard`` is a replica's ranks, ``expert`` a replica's ranks of one ep
-    coordinate, ``replicate`` the ranks of one (expert shard, ep) position.
-
-    Args:
-        mesh: the ``DeviceMesh``.
-        step_check: create the step check's gloo group (never on the fake backend).
-
-    Raises:
-        TypeError, ValueError: see :func:`check_mesh`, :func:`assign_roles` and
-            :func:`expert_parallel_dims`.
-    """
+    """Create dmuon's groups for ``mesh`` with :func:`inherited_timeout` (collective), and the
+    step check's gloo group if ``step_check`` (never on the fake backend). An expert-parallel
+    mesh is read as ``[replicas, expert shard, ep]``. Raises as :func:`check_mesh`,
+    :func:`assign_roles` and :func:`expert_parallel_dims`."""
     check_mesh(mesh)
     backend = dist.get_backend(mesh.get_group(0))
     fake = is_fake_backend(backend)
@@ -309,8 +270,7 @@ def build_roles(mesh, *, step_check: bool = True) -> MeshRoles:
         if shard_dim == -1:  # TP only: the shard "dimension" is a size-1 axis in front
             stages = stages.unsqueeze(1)
             shard_dim, tp_dim = 0, 1
-    # every rank creates every stage's groups, in stage order (one stage without "pp": the
-    # groups and their order are those of a mesh without pipeline parallelism)
+    # every rank creates every stage's groups, in stage order
     every = stages.flatten(1).tolist()
     world = _groups_of(every, backend, timeout)
     # gloo even in NCCL jobs: the step check's CPU tensors never synchronize a GPU stream.

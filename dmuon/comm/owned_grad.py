@@ -1,23 +1,14 @@
 """What third-party code sees as a dedicated matrix's gradient: an :class:`OwnedGrad`.
 
-After a synchronized backward a dedicated matrix's averaged gradient lives on its owner only, so
-a clip that walks ``model.parameters()`` would see a different set of gradients on every rank.
-Outside backward, every rank therefore shows an :class:`OwnedGrad` for every dedicated parameter
-that had a gradient this step: the plain local tensor (the owner's ``[rows, cols]`` fp32 average,
-``[0]`` on a placeholder, zeros marked ``absent`` where no rank had one) as a tensor subclass whose
-``__torch_function__``
-
-* answers a whole-tensor norm (``torch.linalg.vector_norm``, ``torch.norm``, ``Tensor.norm``,
-  ``torch.linalg.norm``, ``torch._foreach_norm``) with the norm of the *full* gradient, the same
-  0-d tensor on every rank (one all-reduce over the mesh per call, counted once as DDP's are);
-* unscales a grad scaler's gradients (``torch._amp_foreach_non_finite_check_and_unscale_``) on
-  the pieces this rank holds, with the non-finite flag MAX-reduced over the mesh;
-* runs every other op on the local tensor (a clip's ``mul_``; a 0-d DTensor factor, FSDP2's clip
-  coefficient, is taken as its full value).
-
-So torch's, Accelerate's, the transformers ``Trainer``'s and torchtitan's ``clip_grad_norm_``
-compute the single-process norm (docs/history.md, "Owner-held gradients"). A slot showing one
-range of a split expert stack carries every range this rank holds (``dmuon_pieces``).
+A dedicated matrix's averaged gradient lives on its owner only. Outside backward every rank
+shows an :class:`OwnedGrad` per dedicated parameter that had a gradient: the local tensor (the
+owner's fp32 ``[rows, cols]`` average, ``[0]`` on a placeholder, ``absent`` zeros where no rank
+had one) whose ``__torch_function__`` answers whole-tensor norms (``vector_norm``, ``norm``,
+``linalg.norm``, ``_foreach_norm``) with the full gradient's norm, the same on every rank (one
+all-reduce), MAX-reduces a grad scaler's non-finite flag, and runs every other op on the local
+tensor (``mul_`` on every piece behind it; a 0-d DTensor clip factor as its full value). So
+torch's, Accelerate's, transformers' and torchtitan's ``clip_grad_norm_`` compute the
+single-process norm.
 """
 
 from __future__ import annotations
@@ -39,10 +30,8 @@ class OwnedGrad(torch.Tensor):
     """A dedicated parameter's gradient as third-party code sees it (module docstring).
 
     Attributes (set by :func:`present`):
-        dmuon_pieces: the plain local gradients this rank holds behind the parameter (the
-            owner's average; a split stack's ranges; ``[]`` on a placeholder with nothing).
-        dmuon_counts: whether this rank's pieces count in a sum (HSDP replicas and TP ranks
-            holding equal copies: one of them).
+        dmuon_pieces: the plain local gradients behind the parameter (a split stack's ranges).
+        dmuon_counts: whether this rank's pieces count in a sum (one of equal copies does).
         dmuon_group: the process group the norm is reduced over (the whole mesh).
         dmuon_absent: no rank produced a gradient (the owner's zeros stand for ``None``).
     """
@@ -116,13 +105,8 @@ def _whole_norm(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 def global_norms(grads: Sequence[OwnedGrad], p: float) -> list[torch.Tensor]:
-    """The full gradients' p-norms, one 0-d tensor each (dtype of the gradient), identical on
-    every rank. Collective: one all-reduce (SUM of ``|g|^p``, MAX for the inf-norm) per
-    process group over all ``grads`` together.
-
-    Raises:
-        RuntimeError: ``p`` is 0 or negative (not a norm dmuon sums across ranks).
-    """
+    """The full gradients' p-norms, 0-d in each gradient's dtype, identical on every rank; one
+    all-reduce (SUM of ``|g|^p``, MAX for inf) per process group. RuntimeError if ``p <= 0``."""
     if not grads:
         return []
     if not (p > 0):
@@ -193,9 +177,8 @@ def _foreach_mul_(tensors: Sequence[torch.Tensor], other: Any) -> None:
 
 
 def _amp_unscale_(grads: Sequence[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """A grad scaler's unscale of a list holding OwnedGrads: the other gradients as torch does,
-    the pieces behind the OwnedGrads times ``inv_scale``, with their non-finite flag MAX-reduced
-    over the mesh so ``found_inf`` (``[1]`` fp32) agrees on every rank."""
+    """A grad scaler's unscale of a list holding OwnedGrads; their non-finite flag is
+    MAX-reduced over the mesh so ``found_inf`` (``[1]`` fp32) agrees on every rank."""
     rest = [g for g in grads if not isinstance(g, OwnedGrad)]
     if rest:
         torch._amp_foreach_non_finite_check_and_unscale_(rest, found_inf, inv_scale)
@@ -223,18 +206,10 @@ def _view(local: torch.Tensor, pieces: list[torch.Tensor], counts: bool, group: 
 
 def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: int, tp_rank: int,
             made_up: dict[int, OwnedGrad]) -> None:
-    """End of a synchronized backward: show every dedicated parameter's gradient as an
-    :class:`OwnedGrad` (the owner's average, zeros marked absent when no rank had one, a
-    ``[0]`` gradient on a placeholder), for every record that was reduced (``had_grad``, the
-    same on every rank).
-
-    Args:
-        records: the model's dedicated records (a split stack's ranges in order).
-        group: the group a norm is all-reduced over (every rank of the mesh).
-        replicate_rank, tp_rank: this rank's HSDP replica and TP index (who counts equal copies).
-        made_up: ``id(parameter) -> OwnedGrad`` shown where this rank holds no gradient (a
-            placeholder's ``[0]``, an owner's absent zeros), built once and reused every step.
-    """
+    """End of a synchronized backward: show each reduced (``had_grad``) record's gradient as
+    an :class:`OwnedGrad` whose norms reduce over ``group`` (the mesh); ``replicate_rank`` and
+    ``tp_rank`` say whether this rank's copy counts; ``made_up`` (``id(parameter) ->
+    OwnedGrad``) keeps the gradients shown where this rank holds none, reused every step."""
     by_param: dict[int, tuple[DedicatedParam, list[DedicatedParam]]] = {}
     for rec in records:
         shown = rec.stack.records[0] if rec.stack is not None else rec
@@ -250,8 +225,7 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
             master.grad = made_up[id(master)]
             continue
         if grad is None:
-            absent = master.numel() > 0  # the owner: no rank had a gradient (or an HSDP
-            # "broadcast" matrix on a replica other than 0): zeros that take no memory
+            absent = master.numel() > 0  # an owner (or non-0 HSDP replica) without a gradient
             grad = torch.zeros((), dtype=master.dtype, device=master.device).expand(master.shape)
             master.grad = made_up[id(master)] = _view(grad, pieces, counts, group, absent)
         else:
@@ -259,9 +233,8 @@ def present(records: Sequence[DedicatedParam], *, group: Any, replicate_rank: in
 
 
 def unpresent(records: Sequence[DedicatedParam]) -> None:
-    """Before the owners accumulate (end of every backward): plain gradients again, and
-    ``None`` where :func:`present` made one up (absent zeros, placeholders), so a second
-    backward before the step adds to what the first left, as with plain tensors."""
+    """Before the owners accumulate: plain gradients again, ``None`` where :func:`present` made
+    one up, so a second backward adds to what the first left."""
     for rec in records:
         g = rec.master.grad
         if isinstance(g, OwnedGrad):

@@ -1,6 +1,5 @@
-"""``DistributedConfig``: the three functions that make Muon's step owner-centric, after the
-PyTorch design "Muon Distributed Training" (``distributed_config`` for ``torch.optim.Muon``):
-each matrix goes through Newton-Schulz exactly once per step, on the rank assigned to it."""
+"""``DistributedConfig``: the three functions that make Muon's step owner-centric (the PyTorch
+design "Muon Distributed Training"): each matrix is orthogonalized once, on its assigned rank."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ class DistributedConfig:
             optimizer is built, identically on every rank, with the Muon matrices (DTensors or
             local tensors) in param-group order. Must map every index in ``range(len(params))``
             to a rank in ``[0, world_size)`` of ``state["group"]`` (default group if absent).
-            It may be collective and may store what the other functions need in ``state``
-            (the helpers store ``"layouts"`` and ``"full_shapes"``).
+            May be collective, and may store ``"layouts"`` and ``"full_shapes"`` in ``state``.
         gather_fn: ``gather_fn(momentum_buffer, dst_rank, state) -> Tensor | None``: from this
             rank's shard or replica of one matrix's Newton-Schulz input (a DTensor when the
             parameter is one), the full ``[rows, cols]`` tensor on ``dst_rank``, ``None`` on
@@ -30,16 +28,13 @@ class DistributedConfig:
         redistribute_fn: ``redistribute_fn(update, src_rank, state) -> Tensor``: ``update`` is
             the full orthogonalized ``[rows, cols]`` matrix on ``src_rank`` and ``None``
             elsewhere; returns this rank's local shard or replica (the local shape of the
-            parameter). Collective. Called after the gathers of the matrices of a round (one
-            matrix per owner) and before the next round's gathers.
+            parameter). Collective. Called after a round's gathers, before the next round's.
         state: metadata for the three functions (process groups, meshes, layouts, ...). The
             optimizer adds ``"assignments"`` and ``"rank"``.
         async_gpu_parallelism: ranks orthogonalize their own matrices at the same time (rounds
-            of one matrix per owner). False: one matrix at a time, in parameter order, each
-            finished before the next (debugging).
-        prefetch_count: rounds whose gathers are issued ahead of the one being orthogonalized
-            (0: none; about ``prefetch_count`` extra full matrices of memory per owner). Applies
-            to the helpers' functions; functions of your own are called round by round.
+            of one matrix per owner). False: one matrix at a time, in parameter order.
+        prefetch_count: rounds whose gathers are issued ahead (0: none; each costs about a full
+            matrix per owner). Applies to the helpers' functions only.
 
     Raises:
         ValueError: a function that is not callable, a ``state`` that is not a dict, a bad
@@ -72,12 +67,8 @@ class DistributedConfig:
 
 def validate_assignments(assignments: Any, num_params: int, world_size: int) -> tuple[int, ...]:
     """Check ``assign_fn``'s result (``{param_index: rank}`` or a sequence of ranks) for
-    ``num_params`` matrices over ``world_size`` ranks; return the owners in index order.
-
-    Raises:
-        ValueError: not a mapping, missing indices, unknown indices, non-integer ranks, or
-            ranks outside ``[0, world_size)`` (each message lists the offending entries).
-    """
+    ``num_params`` matrices over ``world_size`` ranks; return the owners in index order. Raises
+    ValueError (listing the offending entries) for anything else."""
     if isinstance(assignments, (list, tuple)):
         assignments = dict(enumerate(assignments))
     if not isinstance(assignments, Mapping):

@@ -1,15 +1,8 @@
-""":class:`dmuon.Muon`'s update strategies over parameters or param groups (no hooks):
-single-device Muon, and owner-centric Muon through a
-:class:`~dmuon.distconfig.config.DistributedConfig` (the PyTorch design "Muon Distributed
-Training"): momentum on each rank's local piece, ``gather_fn`` to the matrix's owner,
-Newton-Schulz there alone, ``redistribute_fn`` back, and each rank applies its piece. The math
-is ``torch.optim.Muon``'s (:mod:`dmuon.owners.update`).
-
-Schedule: the matrices go in *rounds* of one matrix per owner (``async_gpu_parallelism``; else
-one matrix per round, finished before the next). The helpers' functions move a round in one
-``all_to_all`` each way (:mod:`dmuon.comm.exchange`), gathers ``prefetch_count`` rounds ahead:
-``G(0..p)``, then per round ``k``: ``R(k)``, ``G(k+p+1)``. Other functions are called per
-matrix, round by round.
+""":class:`dmuon.Muon`'s update strategies (no hooks): single-device Muon, and owner-centric
+Muon through a :class:`~dmuon.distconfig.config.DistributedConfig`: momentum on local pieces,
+``gather_fn`` to the owner, Newton-Schulz there, ``redistribute_fn`` back (the math of
+:mod:`dmuon.owners.update`). Matrices go in rounds of one per owner; the helpers' functions move
+a round in one ``all_to_all`` each way, gathers ``prefetch_count`` rounds ahead.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.comm.collectives import Pending, check_same_on_all_ranks, label
+from dmuon.comm.collectives import Pending, all_reduce, check_same_on_all_ranks, label
 from dmuon.distconfig import strategies
 from dmuon.distconfig.config import DistributedConfig, validate_assignments
 from dmuon.comm.exchange import gather_to_owners, scatter_from_owners
@@ -55,15 +48,10 @@ MUON_KEYS = ("lr", "weight_decay", "momentum", "ns_coefficients", "eps", "ns_ste
 
 
 def split_param_groups(params: Iterable[Any], muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
-    """Param groups for ``dmuon.Muon(params, ...)``, each marked ``use_muon`` True or False.
-
-    Args:
-        params: tensors or ``(name, tensor)`` pairs (``model.named_parameters()``: the groups
-            then carry torch's ``param_names``), or param groups (dicts with ``"params"`` of
-            either kind). A group may set ``"use_muon": False`` (AdamW) or ``True`` (Muon; every
-            tensor must be 2-D); without it, 2-D tensors go to Muon and the rest to AdamW. A
-            group's own keys override the defaults and are checked like them.
-        muon_defaults, adamw_defaults: the constructor's hyper-parameters per kind.
+    """Param groups for ``dmuon.Muon(params, ...)`` (tensors, ``(name, tensor)`` pairs or param
+    groups of either), each marked ``use_muon``: a group's own ``use_muon`` (True: every tensor
+    2-D), else 2-D tensors to Muon, the rest to AdamW. A group's keys override the defaults
+    (``muon_defaults`` / ``adamw_defaults``) and are checked like them.
 
     Raises:
         ValueError: an empty parameter list, a non-2-D tensor in a ``use_muon=True`` group, or a
@@ -108,8 +96,8 @@ def _tensor(entry: Any) -> Tensor:
 
 
 class SingleDeviceUpdate:
-    """``distributed_config=None``: Muon on plain full tensors, AdamW on the rest, over the
-    ``param_groups`` (from :func:`split_param_groups`) and ``state`` of ``opt``."""
+    """``distributed_config=None``: Muon on plain full tensors, AdamW on the rest, over
+    ``opt``'s ``param_groups`` (:func:`split_param_groups`) and ``state``."""
 
     group: Any = None  # the process group of collective helpers (none: single device)
 
@@ -151,12 +139,8 @@ class SingleDeviceUpdate:
 
 
 class ConfiguredUpdate(SingleDeviceUpdate):
-    """Owner-centric Muon through a :class:`DistributedConfig` (see the module docstring).
-    Collective at construction: ``assign_fn`` runs on every rank, which compare the results.
-
-    Args:
-        opt: the :class:`dmuon.Muon` (its ``param_groups`` from :func:`split_param_groups`).
-        config: how matrices are assigned, gathered and redistributed.
+    """Owner-centric Muon of ``opt`` through ``config`` (module docstring). Collective at
+    construction: ``assign_fn`` runs on every rank, which compare the results.
 
     Raises:
         ValueError: an ``assign_fn`` result that misses indices or names ranks out of range.
@@ -200,13 +184,9 @@ class ConfiguredUpdate(SingleDeviceUpdate):
         return [(p, g) for g in self.opt.param_groups if g["use_muon"] for p in g["params"]]
 
     def step(self) -> None:
-        """AdamW on the ``use_muon=False`` groups, then distributed Muon on the rest.
-
-        Raises:
-            RuntimeError: a matrix without a gradient, or a gathered or redistributed tensor of
-                the wrong shape (names the parameter index, rank and shapes). Collective
-                failures propagate (dmuon's own exchanges name the collective).
-        """
+        """AdamW on the ``use_muon=False`` groups, then distributed Muon on the rest. Raises
+        RuntimeError for a matrix without a gradient, or a gathered or redistributed tensor of
+        the wrong shape (naming the parameter index, rank and shapes)."""
         self.step_adamw()
         entries = self.muon_params()
         if not entries:
@@ -277,12 +257,8 @@ class ConfiguredUpdate(SingleDeviceUpdate):
 
     def _orthogonalize(self, rnd: list[int], fulls: list[Tensor | None],
                        entries: list[tuple[Tensor, dict]]) -> list[Tensor | None]:
-        """Newton-Schulz of the round's matrices this rank owns (``None`` for the others).
-
-        Raises:
-            RuntimeError: a gathered tensor other than the full matrix on its owner and
-                ``None`` elsewhere.
-        """
+        """Newton-Schulz of the round's matrices this rank owns (``None`` for the others);
+        RuntimeError unless ``gather_fn`` gave the full matrix on its owner, ``None`` elsewhere."""
         for i, full in zip(rnd, fulls):
             want = self.full_shapes[i] if self.owners[i] == self.rank else None
             got = None if full is None else tuple(full.shape)
@@ -303,11 +279,8 @@ class ConfiguredUpdate(SingleDeviceUpdate):
         return updates
 
     def _apply(self, rnd: list[int], pending: Pending, entries: list[tuple[Tensor, dict]]) -> None:
-        """Apply round ``rnd``'s redistributed update pieces to this rank's local pieces.
-
-        Raises:
-            RuntimeError: a piece that is not the shape of this rank's local piece.
-        """
+        """Apply round ``rnd``'s redistributed update pieces to this rank's local pieces
+        (RuntimeError for a piece not of the local piece's shape)."""
         for i, update in zip(rnd, pending.wait()):
             p, g = entries[i]
             local = local_tensor(p)
@@ -321,9 +294,8 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                           adjust_lr_fn=g["adjust_lr_fn"], shape=self.full_shapes[i])
 
     def _normalize_like_torch(self, entries: list[tuple[Tensor, dict]]) -> None:
-        """What torch <= 2.14 leaves in a bf16 momentum buffer with ``nesterov=False``: the
-        buffer divided by its full norm (:mod:`dmuon.owners.torch_muon`; one all-reduce, each
-        piece counted once), after every gather read it."""
+        """torch <= 2.14's bf16 ``nesterov=False`` momentum normalization
+        (:mod:`dmuon.owners.torch_muon`): one all-reduce of the full norms, after the gathers."""
         semantics = torch_muon.installed()
         todo = []
         for i, (p, g) in enumerate(entries):
@@ -334,7 +306,7 @@ class ConfiguredUpdate(SingleDeviceUpdate):
             return
         sq = torch.stack([b.float().pow(2).sum() if self._counted(entries[i][0], i)
                           else b.new_zeros((), dtype=torch.float32) for i, b in todo])
-        dist.all_reduce(sq, group=self.group)
+        all_reduce(sq, dist.ReduceOp.SUM, self.group, "the all-reduce of the momentum norms")
         for (i, b), norm in zip(todo, sq.sqrt()):
             torch_muon.normalize_momentum_(b, entries[i][1]["eps"], norm=norm)
 
@@ -355,14 +327,9 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                                    error_if_nonfinite=error_if_nonfinite, group=self.group)
 
     def _counted(self, param: Tensor, muon_index: int | None) -> bool:
-        """Whether this rank's local piece of ``param`` (or of its gradient) is the copy a sum
-        over the group counts: a DTensor's first copy (:func:`~dmuon.owners.clip.is_first_copy`),
-        a plain Muon matrix's source in ``state["layouts"]``, or group rank 0's replica.
-
-        Raises:
-            ValueError: a plain Muon matrix without a layout (a hand-made config whose
-                ``assign_fn`` stored no ``state["layouts"]``), naming the matrix.
-        """
+        """Whether this rank's piece of ``param`` is the copy a sum over the group counts: a
+        DTensor's first copy, a plain Muon matrix's layout source, or group rank 0's replica.
+        ValueError for a plain Muon matrix without ``state["layouts"]``."""
         if hasattr(param, "device_mesh"):
             return is_first_copy(param, dist.get_process_group_ranks(
                 self.group if self.group is not None else dist.group.WORLD))

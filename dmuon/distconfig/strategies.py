@@ -1,12 +1,7 @@
-"""The three config helpers and the functions they install.
-
-All three read DTensor placements (``Shard``, ``_StridedShard``, ``Replicate``) from the tensors
-themselves; they differ in how *plain* tensors are read: sharded along ``tp_shard_dim`` over
-``tp_pg``, that shard along dim 0 over ``fsdp_pg``, and replicated elsewhere
-(:func:`create_processgroup_config`; :func:`create_devicemesh_config` takes the groups from the
-mesh), or replicas (:func:`create_dtensor_config`). :func:`gather_fn` and
-:func:`redistribute_fn` are the owner exchange (:mod:`dmuon.comm.exchange`) for one matrix;
-``dmuon.Muon`` moves a whole round of them in one ``all_to_all`` each way.
+"""The three config helpers and the functions they install. DTensors are read from their
+placements; plain tensors as sharded along ``tp_shard_dim`` over ``tp_pg``, then along dim 0
+over ``fsdp_pg``, and replicated elsewhere. :func:`gather_fn` / :func:`redistribute_fn` are the
+owner exchange (:mod:`dmuon.comm.exchange`) for one matrix.
 """
 
 from __future__ import annotations
@@ -17,6 +12,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 from torch import Tensor
 
+from dmuon.comm.collectives import all_gather_object
 from dmuon.comm.mesh_roles import EP_NAMES, PP_NAMES, TP_NAMES
 from dmuon.distconfig.config import DistributedConfig
 from dmuon.comm.exchange import gather_to_owners, scatter_from_owners
@@ -35,8 +31,7 @@ def _independent_group(ep_pg: Any, pp_pg: Any) -> Any:
     """The group of ranks sharing this rank's ep and pp coordinates (collective, all ranks)."""
     key = tuple(dist.get_group_rank(pg, dist.get_rank()) if pg is not None else 0
                 for pg in (ep_pg, pp_pg))
-    keys: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, key)
+    keys = all_gather_object(key, None, "the exchange of the ranks' ep/pp coordinates")
     by_key: dict[tuple, list[int]] = {}
     for rank, k in enumerate(keys):
         by_key.setdefault(tuple(k), []).append(rank)
@@ -47,15 +42,9 @@ def _independent_group(ep_pg: Any, pp_pg: Any) -> Any:
 
 
 def _plain_layouts(tensors: Sequence[Tensor], state: dict) -> list[MatrixLayout]:
-    """Layouts of plain (non-DTensor) local tensors under the state's fsdp/tp groups.
-
-    Collective over the optimizer group: every rank shares its local shapes and its fsdp/tp
-    group memberships (one ``all_gather_object``).
-
-    Raises:
-        RuntimeError: ranks disagree on the number of tensors, or the pieces do not add up to
-            one full shape.
-    """
+    """Layouts of plain local tensors under the state's fsdp/tp groups (one all-gather of
+    shapes and group memberships). RuntimeError if ranks hold different numbers of tensors or
+    the pieces do not add up to one full shape."""
     if tensors and state.get("dp_replicas"):
         warnings.warn(
             "dmuon: create_devicemesh_config read the mesh dim 'dp' as replicas of plain "
@@ -68,8 +57,7 @@ def _plain_layouts(tensors: Sequence[Tensor], state: dict) -> list[MatrixLayout]
     me = ([tuple(t.shape) for t in tensors],
           _group_ranks(fsdp_pg) if fsdp_pg is not None else [dist.get_rank()],
           _group_ranks(tp_pg) if tp_pg is not None else [dist.get_rank()])
-    info: list[Any] = [None] * len(ranks)
-    dist.all_gather_object(info, me, group=group)
+    info = all_gather_object(me, group, "the exchange of plain matrices' local shapes")
     by_global = dict(zip(ranks, info))
     counts = {len(x[0]) for x in info}
     if len(counts) != 1:
@@ -103,13 +91,8 @@ def _plain_layouts(tensors: Sequence[Tensor], state: dict) -> list[MatrixLayout]
 
 
 def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
-    """Default ``assign_fn``: owners that balance Newton-Schulz FLOPs over the group's ranks.
-
-    Stores ``state["layouts"]`` and ``state["full_shapes"]`` for the other functions. Cost of a
-    ``[rows, cols]`` matrix: :func:`dmuon.kernels.ns_flops` with ``state["ns_method"]``
-    (default ``"gram"``) and 5 steps; owners from :func:`dmuon.owners.plan.build_plan`
-    (``method="greedy"``). Matrices are named by their index in ``params``.
-    """
+    """Default ``assign_fn``: owners balancing Newton-Schulz FLOPs (:func:`dmuon.kernels.ns_flops`,
+    ``state["ns_method"]``, 5 steps) greedily; stores ``state["layouts"]`` and ``"full_shapes"``."""
     from dmuon.kernels import ns_flops
     from dmuon.owners.plan import build_plan
 
@@ -130,12 +113,8 @@ def balanced_assign_fn(params: list[Tensor], state: dict) -> dict[int, int]:
 
 
 def gather_fn(momentum_buffer: Tensor, dst_rank: int, state: dict) -> Optional[Tensor]:
-    """Full ``[rows, cols]`` matrix on ``dst_rank``, ``None`` elsewhere (one all-to-all).
-
-    ``momentum_buffer``: this rank's shard or replica (DTensor or plain tensor; a plain one
-    costs an ``all_gather_object`` of shapes); not mutated. Remembers the matrix in
-    ``state["gathered"][dst_rank]`` for the :func:`redistribute_fn` from that rank.
-    """
+    """Full ``[rows, cols]`` matrix on ``dst_rank``, ``None`` elsewhere (one all-to-all), from
+    this rank's piece ``momentum_buffer``; remembered for :func:`redistribute_fn`."""
     if hasattr(momentum_buffer, "placements"):
         layout = dtensor_layout(momentum_buffer, state["group_ranks"])
     else:
@@ -148,12 +127,8 @@ def gather_fn(momentum_buffer: Tensor, dst_rank: int, state: dict) -> Optional[T
 
 
 def redistribute_fn(update: Optional[Tensor], src_rank: int, state: dict) -> Tensor:
-    """This rank's piece of the full ``update`` held by ``src_rank`` (``None`` elsewhere): the
-    matrix last gathered to ``src_rank`` by :func:`gather_fn`.
-
-    Raises:
-        RuntimeError: no matrix was gathered to ``src_rank``, or ``update`` has the wrong shape.
-    """
+    """This rank's piece of the full ``update`` on ``src_rank``, the matrix :func:`gather_fn`
+    last gathered there. RuntimeError without that gather or for a wrong shape."""
     gathered = state.get("gathered", {})
     if src_rank not in gathered:
         raise RuntimeError(f"dmuon: redistribute_fn from rank {src_rank} without a preceding "
@@ -208,12 +183,10 @@ def create_devicemesh_config(
 
     Args:
         device_mesh: the DeviceMesh the model was parallelized over.
-        mesh_dim_names: one role per mesh dim, as :func:`dmuon.dedicate_params` names them:
-            :data:`SHARD_NAMES` (dim-0 sharding), ``"tp"`` (:data:`~dmuon.comm.mesh_roles.
-            TP_NAMES`), :data:`REPLICATE_NAMES` (replicas), ``"ep"`` / ``"pp"``
-            (independent). ``"dp"`` beside a shard dim is the replicate dim (HSDP's ``("dp",
-            "fsdp")``); a lone ``"dp"`` is the shard dim in ``dedicate_params`` but still
-            replicas of plain tensors here, with a ``DeprecationWarning``, for one release.
+        mesh_dim_names: one role per mesh dim: :data:`SHARD_NAMES` (dim-0 sharding), ``"tp"``,
+            :data:`REPLICATE_NAMES` (replicas), ``"ep"`` / ``"pp"`` (independent). ``"dp"``
+            beside a shard dim is the replicate dim; a lone ``"dp"`` is still read as replicas
+            of plain tensors, with a ``DeprecationWarning``, for one release.
         async_gpu_parallelism, prefetch_count, tp_shard_dim: as
             :func:`create_processgroup_config`.
 
@@ -242,11 +215,7 @@ def create_devicemesh_config(
 
 def create_dtensor_config(async_gpu_parallelism: bool = True,
                           prefetch_count: int = 1) -> DistributedConfig:
-    """``DistributedConfig`` for DTensor parameters: strategy read from each placement.
-
-    ``Shard`` (FSDP2, TP), ``_StridedShard`` (FSDP x TP) and ``Replicate`` (HSDP's replicate dim)
-    are supported; plain tensors are treated as replicas. Every DTensor's mesh must span the
-    default group.
-    """
+    """``DistributedConfig`` for DTensor parameters (``Shard``, ``_StridedShard``, ``Replicate``
+    placements over meshes spanning the default group); plain tensors are replicas."""
     return create_processgroup_config(async_gpu_parallelism=async_gpu_parallelism,
                                       prefetch_count=prefetch_count)
