@@ -158,7 +158,8 @@ def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
         if not isinstance(found, Split):
             raise ValueError(f"dmuon: the split of {rec.fqn!r} must be a dmuon.Split, got "
                              f"{type(found).__name__}")
-        if rec.stack is not None or rec.experts is not None or tuple(rec.matrix_shape) != tuple(rec.full_shape):
+        if (rec.stack is not None or rec.experts is not None
+                or tuple(rec.matrix_shape) != tuple(rec.full_shape)):
             raise ValueError(
                 f"dmuon: parameter {rec.fqn!r} is an expert stack or already cut into row blocks "
                 f"(matrix {tuple(rec.matrix_shape)} of {tuple(rec.full_shape)}); a split applies to "

@@ -145,7 +145,8 @@ def make_dedicated(
             else:
                 local = storage.view(shape).copy_(full.detach())
         else:
-            master = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device), requires_grad=requires_grad)
+            master = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device),
+                                  requires_grad=requires_grad)
             if storage is None:
                 local = torch.empty(shape, dtype=compute_dtype, device=device)
                 free_storage(local)

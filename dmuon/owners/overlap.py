@@ -3,21 +3,14 @@
 ``dmuon.Muon(model, overlap=...)``:
 
 * ``"off"``: ``opt.step()`` runs the whole update (:func:`dmuon.owners.update.muon_update_`).
-* ``"forward"``: ``opt.step()`` runs the momentum step and AdamW, and *schedules* one job per
-  publish group (Newton-Schulz, master update, the owner's compute copy) in forward order
-  (:func:`step_overlapped`); a group's publication waits for its own job only. On CUDA a job
-  runs on a side stream and records an event the publication stream waits on; on CPU it runs
-  on one worker thread.
-* ``"backward"``: as ``"forward"``, and a synced backward starts momentum and Newton-Schulz on
-  *copies* (:func:`speculate`). ``opt.step()`` keeps a speculative result only if its own
-  Newton-Schulz input equals the speculation's bit for bit, with the same settings and layout
-  (:func:`take_proven`).
+* ``"forward"``: ``opt.step()`` runs the momentum step and AdamW and schedules one job per
+  publish group (Newton-Schulz, master update, compute copy; :func:`step_overlapped`), on a
+  CUDA side stream or one CPU worker thread; a publication waits for its own job only.
+* ``"backward"``: also, a synced backward starts momentum and Newton-Schulz on copies
+  (:func:`speculate`), kept only if bit-identical to the step's input (:func:`take_proven`).
 
-A job reads only a frozen :class:`dmuon.owners.update.MuonHyper`, its inputs and the tensors it
-writes. Every reader of masters or optimizer state first calls :meth:`PendingSteps.wait_all`.
-A failed job is raised, naming dmuon and the matrices, by a reader at once, and by every rank
-at the next step check when met on the way to a publication (``defer_failures``). A TP model
-steps as with ``"off"`` (its Newton-Schulz is collective over the TP group).
+Every reader of masters or optimizer state first calls :meth:`PendingSteps.wait_all`. A TP
+model steps as with ``"off"`` (its Newton-Schulz is collective over the TP group).
 """
 
 from __future__ import annotations
@@ -50,9 +43,7 @@ def check_overlap(overlap: Any) -> str:
 @dataclass(eq=False)
 class Job:
     """One scheduled piece of owner work: a worker-thread future (CPU) or a side-stream event
-    (CUDA), the tensors it reads or writes (kept alive until waited), what it does (for an
-    error message), and what issuing a CUDA job on the main thread raised (raised at
-    :meth:`wait`)."""
+    (CUDA), the tensors it uses (kept alive until waited), and an error to raise at :meth:`wait`."""
 
     what: str
     future: Future | None = None
@@ -92,15 +83,9 @@ def _rank() -> int:
 
 @dataclass(eq=False)
 class Speculation:
-    """A momentum step and Newton-Schulz of one owned master, started in a backward.
-
-    Attributes:
-        update: its Newton-Schulz input, from the gradient and a copy of the momentum buffer.
-        layout, ns: the :class:`dmuon.owners.update.MatrixLayout` and :attr:`MuonHyper.ns` used.
-        ortho: the orthogonalized update, shaped like ``update`` (filled by its job).
-        discarded: set by ``step()`` when the proof fails; a job not yet started skips it.
-        job: the :class:`Job` computing ``ortho`` (on CUDA the step's job waits for its event).
-    """
+    """A momentum step (on a copy of the buffer) and Newton-Schulz of one owned master, started
+    in a backward: ``update`` the NS input, ``ortho`` its result (filled by ``job``),
+    ``discarded`` set when the proof fails (a job not yet started skips it)."""
 
     update: torch.Tensor
     layout: Any
@@ -115,14 +100,13 @@ class PendingSteps:
     """Owner work scheduled by ``opt.step()`` (or the last backward) and not yet waited for.
 
     Attributes:
-        jobs: by publish group (any hashable key the publication names): its job.
+        jobs: by publish group: its job.
         speculations: by master: the backward's speculative result (``overlap="backward"``).
-        early: the masters whose speculation this backward started during backward.
+        early: the masters whose speculation started during this backward.
         kept, recomputed, started_early: speculative results used, discarded, and started
             during backward, summed over steps.
-        defer_failures: a failed job waited for on the way to a publication is recorded in
-            ``failure`` instead of raised, so that every rank raises together at the next step
-            check (:class:`dmuon.hooks.step_check.StepCheck`); readers always raise.
+        defer_failures: a job failing on the way to a publication is recorded in ``failure``,
+            not raised, so every rank raises together at the next step check; readers raise.
         failure: the first failed job's error message on this rank, or ``None``.
     """
 
@@ -171,11 +155,6 @@ class PendingSteps:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-overlap")
         return Job(what, future=self._executor.submit(_no_grad, fn), keep=keep)
 
-    def schedule(self, key: Any, fn: Callable[[], None], device: torch.device, what: str,
-                 keep: tuple = ()) -> None:
-        """Submit ``fn`` as the job the publication of ``key`` waits for."""
-        self.jobs[key] = self.submit(fn, device, what, keep)
-
     def pending(self, key: Any) -> bool:
         """Whether ``key`` has a job not yet waited for."""
         return key in self.jobs
@@ -187,9 +166,8 @@ class PendingSteps:
         return job is None or job.future is None or job.future.done()
 
     def stream_for(self, keys: Any) -> Any:
-        """The publication stream for the broadcasts of ``keys`` when one of them has a CUDA
-        job, or ``None``: not the jobs' side stream (a broadcast queued there would wait for
-        every earlier job), so that :meth:`wait_for` under it waits for each key's own event."""
+        """A publication stream for the broadcasts of ``keys`` when one has a CUDA job, else
+        ``None``; not the jobs' side stream, where a broadcast would wait for every earlier job."""
         for key in keys:
             job = self.jobs.get(key)
             if job is not None and job.event is not None:
@@ -231,8 +209,7 @@ class PendingSteps:
 
     def retire_speculation(self) -> None:
         """Forget the speculative jobs that have finished (re-raising a failure), without
-        waiting for the others: ``step()`` waits only for those it keeps, through the jobs that
-        read them (in submission order)."""
+        waiting for the others."""
         running = []
         for job in self.spec_jobs:
             if job.future is None:  # CUDA: ordered on the side stream; nothing to re-raise
@@ -317,10 +294,9 @@ def take_proven(pending: PendingSteps, masters: list[torch.Tensor], updates: lis
 def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
                     pubs: list[Any], scale_master: Callable[[Any, torch.Tensor], None] | None = None) -> None:
     """``opt.step()``'s Muon with ``overlap="forward"``/``"backward"``: the momentum step now,
-    then one job per publish group, in forward order: Newton-Schulz of its matrices (or a proven
-    speculation's result, :func:`take_proven`), :func:`dmuon.owners.update.muon_finish_`, the
-    QK-clip scaling, and the owner's compute copy. Only plain tensors and frozen records reach
-    a job (no param group, no DTensor dispatch off the main thread).
+    then one job per publish group, in forward order: Newton-Schulz (or a proven speculation's
+    result), :func:`dmuon.owners.update.muon_finish_`, QK-clip scaling and the compute copy.
+    Only plain tensors and frozen records reach a job (no DTensor dispatch off the main thread).
 
     Args:
         pending: the model's :class:`PendingSteps`.
@@ -366,17 +342,15 @@ def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], la
                 torch._foreach_copy_(dsts, srcs)
 
         what = f"{[items[i][3].fqn for i in mine][:4]} (owner rank {pub.owner})"
-        pending.schedule(pub, job, pub.flat.device, what, keep=tuple(work["updates"]))
+        pending.jobs[pub] = pending.submit(job, pub.flat.device, what, keep=tuple(work["updates"]))
 
 
 def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
               early: bool = False) -> None:
     """A synced backward with ``overlap="backward"``: each owned matrix's momentum step into a
-    copy of its buffer now, and one job that orthogonalizes them all (read by
-    :func:`take_proven`). With ``early``, during backward once a bucket's reduce-to-owner has
-    completed (``grad``: a copy of the owner's average); else at the end of backward, for the
-    masters not started early. ``hp`` is the Muon group's now (a later change only makes the
-    proof fail); ``items`` and ``layouts`` as in :func:`step_overlapped`."""
+    copy of its buffer, and one job orthogonalizing them all (read by :func:`take_proven`).
+    ``early``: during backward, once a bucket's reduce-to-owner is done; else at its end, for
+    the masters not started early. ``items`` and ``layouts`` as in :func:`step_overlapped`."""
     pending.wait_for(list(pending.jobs))  # the last step's (its jobs may write the buffers)
     chosen = [(item, lay) for item, lay in zip(items, layouts) if early or item[0] not in pending.early]
     if not early:
@@ -399,7 +373,8 @@ def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts:
         live = [spec for spec in specs if not spec.discarded]
         if not live:
             return  # step() has already recomputed them all
-        for spec, out in zip(live, orthogonalize_updates([s.update for s in live], [s.layout for s in live], ns)):
+        outs = orthogonalize_updates([s.update for s in live], [s.layout for s in live], ns)
+        for spec, out in zip(live, outs):
             spec.ortho = out
 
     what = f"the speculative Newton-Schulz of {[item[3].fqn for item, _ in chosen][:4]}"

@@ -1,11 +1,7 @@
-"""The shape seam: how a dedicated parameter is one matrix or a stack of them.
-
-A dedicated parameter is one matrix ``[rows, cols]`` or a stack ``[E, rows, cols]`` (more
-leading dims flattened in C order): the experts of a Mixture-of-Experts layer as Hugging Face
-``transformers`` 5.x and torchtitan store them, each orthogonalized on its own. Each stored
-matrix may be cut along its rows into ``blocks`` equal parts (a fused ``gate_up_proj``
-``[2I, H]`` as two ``[I, H]``); the Newton-Schulz input is then ``[E * blocks, rows / blocks,
-cols]``, a reshape of the stack. Selection, the plan, binding and the update read it here.
+"""How a dedicated parameter is one matrix ``[rows, cols]`` or a stack ``[E, rows, cols]`` of
+expert matrices (leading dims flattened in C order; HF ``transformers`` 5.x, torchtitan), each
+optionally cut into ``blocks`` equal row blocks: Newton-Schulz input ``[E * blocks, rows /
+blocks, cols]``.
 """
 
 from __future__ import annotations
@@ -122,13 +118,12 @@ def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> Non
 
 def expert_module_names(model: nn.Module) -> set[str]:
     """Names of the experts kept as separate modules: the children of an ``nn.ModuleList``
-    held under an attribute named ``experts`` or by a module that declares an expert count. A
-    routed expert may take no gradient on some ranks of a step (its gradient buckets carry
-    presence flags, :mod:`dmuon.comm.grad_buckets`)."""
+    held under an attribute named ``experts`` or by a module that declares an expert count."""
     names: set[str] = set()
     for name, module in model.named_modules():
         for attr, child in module.named_children():
-            if isinstance(child, nn.ModuleList) and (attr == "experts" or declared_experts(module) is not None):
+            declares = attr == "experts" or declared_experts(module) is not None
+            if isinstance(child, nn.ModuleList) and declares:
                 prefix = f"{name}.{attr}" if name else attr
                 names.update(f"{prefix}.{i}" for i in range(len(child)))
     return names
@@ -148,9 +143,8 @@ EP_NAMES = ("ep",)
 def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_size: int) -> int:
     """How many expert-parallel ranks split a selected parameter's experts: 1 off the ``"ep"``
     mesh dimension, ``ep_size`` for an expert stack ``Shard(0)`` over it (torchtitan's
-    ``ExpertParallel``). ``param`` is the module's (a DTensor or a plain tensor); ``ep_name``,
-    ``ep_size``: ``dedicate_params``' mesh's ``"ep"`` dimension (``None``, 1 without one).
-    Every rank raises alike, before any collective.
+    ``ExpertParallel``). ``ep_name``, ``ep_size``: ``dedicate_params``' mesh's ``"ep"``
+    dimension (``None``, 1 without one).
 
     Raises:
         ValueError: a parameter on an ``"ep"`` mesh when the given mesh has none, another
@@ -268,20 +262,11 @@ def collapse_ranges(items: Sequence[OwnerItem], owners: Sequence[int],
     return ranges
 
 
-def as_matrices(t: torch.Tensor, matrix_shape: Sequence[int]) -> torch.Tensor:
-    """A record's tensor (a 2-D matrix, or a range of a stack) as ``[n, rows, cols]``
-    Newton-Schulz matrices of ``matrix_shape`` (a view of a contiguous ``t``)."""
-    return t.reshape(-1, int(matrix_shape[0]), int(matrix_shape[1]))
-
-
 @dataclass(eq=False)
 class StackSlot:
     """The module slot of a stack split over several owner ranges, each a record of its own.
-
-    ``show("compute")`` registers the concatenation of the ranges' compute weights, shaped as
-    the parameter (autograd splits the gradient back into the ranges; one copy per show, as the
-    ranges live in different owners' publish buffers). ``show("master")`` registers the first
-    range's master; the others are reached through dmuon (the optimizer, ``dmuon.state_dict``).
+    ``show("compute")`` registers the concatenation of the ranges' compute weights (autograd
+    splits the gradient back); ``show("master")`` the first range's master.
 
     Attributes:
         module: the module holding the parameter.
@@ -301,10 +286,8 @@ class StackSlot:
 
     def show(self, which: str) -> None:
         if which == "compute":
-            # Shown again at the unit's pre-backward, inside the autograd engine, where grad
-            # mode is off: a forward that activation checkpointing recomputes there without
-            # re-running the module hooks (transformers checkpoints ``forward``, outside the
-            # hooks) computes with this very tensor, so it must carry the graph to the ranges.
+            # Inside the autograd engine (pre-backward) grad mode is off, but a forward that
+            # activation checkpointing recomputes there uses this tensor: it must keep the graph.
             in_backward = torch._C._current_graph_task_id() != -1
             with torch.set_grad_enabled(torch.is_grad_enabled() or in_backward):
                 whole = torch.cat([rec.compute for rec in self.records]).view(self.shape)
