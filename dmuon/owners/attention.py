@@ -1,20 +1,9 @@
-"""Attention modules dmuon recognizes, and where their heads live in the projection weights.
-
-The one place per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`)
-read which weight rows belong to which head. Layouts recognized:
-
-* Hugging Face ``transformers`` (``*Attention`` with ``q_proj`` / ``k_proj`` / ``v_proj``): head
-  counts from the module (``num_heads``, ``num_key_value_heads``, ``head_dim``) or its ``config``;
-* ``torch.nn.MultiheadAttention`` with one ``in_proj_weight`` ``[3E, E]`` (``[q; k; v]``);
-* torchtitan's llama3 (``wq`` / ``wk`` / ``wv`` with ``n_heads`` / ``n_kv_heads`` / ``head_dim``)
-  and its ``FusedQKVLinear`` (``wqkv`` KV-group-major, ``[n_kv, heads_per_kv + 2, head_dim, dim]``:
-  each group's query heads, key head, value head; ``FusedQKVLinear._split_qkv_on_save``);
-* a ``qkv`` ``Linear`` ``[q; k; v]`` with ``num_heads`` / ``heads`` (timm's ViT ``Attention``),
-  and ``q`` + ``kv`` (``[k; v]``) ``Linear`` pairs (dmuon.train's blocks).
-
-Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (``transformers``'
-``repeat_kv``). ``q_norm`` / ``k_norm`` children (Qwen3, Gemma 3, OLMo 2) are recorded on the
-layout (``nn.Identity`` counts as none).
+"""Attention modules dmuon recognizes, and which projection-weight rows hold each head, for
+per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`): Hugging Face
+``q_proj``/``k_proj``/``v_proj``, ``nn.MultiheadAttention``'s ``in_proj_weight`` ``[q; k; v]``,
+torchtitan's ``wq``/``wk``/``wv`` and KV-group-major ``wqkv`` (``[n_kv, heads_per_kv + 2,
+head_dim, dim]``, ``FusedQKVLinear._split_qkv_on_save``), timm's ``qkv`` and ``q`` + ``kv``
+pairs. Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (``repeat_kv``).
 """
 
 from __future__ import annotations
@@ -202,8 +191,8 @@ def _projections(name: str, module: nn.Module, full_rows: dict) -> AttentionLayo
 
 
 def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]:
-    """Every attention module of ``model`` dmuon recognizes, in module order (an outer match
-    hides nothing inside it: its projections are its own).
+    """Every attention module of ``model`` dmuon recognizes, in module order (no match inside a
+    match), with its ``q_norm`` / ``k_norm`` children (``nn.Identity`` counts as none).
 
     Args:
         records: the model's dedicated records: their ``full_shape`` gives a weight's rows (a

@@ -1,11 +1,7 @@
-"""The global gradient-norm clip behind :func:`dmuon.clip_grad_norm_`, on every path.
-
-Each rank holds pieces of the gradients (owners' full matrices, FSDP2 shards, TP slices,
-replicas); the norm single-process ``torch.nn.utils.clip_grad_norm_`` would compute over the
-full gradients is the p-norm of the pieces, each distinct piece counted once: every rank sums
-``|g|^p`` over the pieces it *counts*, one all-reduce (SUM, or MAX for the inf-norm) adds the
-ranks, and every piece it holds is scaled by ``min(1, max_norm / (norm + 1e-6))`` (torch's
-formula, ``torch/nn/utils/clip_grad.py``).
+"""The global gradient-norm clip behind :func:`dmuon.clip_grad_norm_`: the p-norm of the
+gradient pieces, each distinct piece counted on one rank, one all-reduce (SUM, or MAX for the
+inf-norm), every held piece scaled by ``min(1, max_norm / (norm + 1e-6))``
+(``torch/nn/utils/clip_grad.py``).
 """
 
 from __future__ import annotations

@@ -130,9 +130,9 @@ class PendingSteps:
 
     def submit(self, fn: Callable[[], None], device: torch.device, what: str, keep: tuple = (),
                speculative: bool = False) -> Job:
-        """Run ``fn`` (no autograd) behind the main thread: on CUDA on a side stream that first
-        waits for the current stream (``speculative`` work on a stream of its own, so that a
-        step's jobs never queue behind a discarded speculation); elsewhere on one worker thread."""
+        """Run ``fn`` (no autograd) behind the main thread: on CUDA on a side stream after the
+        current stream's work (``speculative`` on its own stream, so that a step's jobs never
+        queue behind a discarded speculation); elsewhere on one worker thread."""
         if device.type == "cuda":
             streams = self._spec_streams if speculative else self._streams
             stream = streams.get(device)
@@ -153,7 +153,8 @@ class PendingSteps:
             return Job(what, event=event, device=device, keep=keep, error=error)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-overlap")
-        return Job(what, future=self._executor.submit(_no_grad, fn), keep=keep)
+        # torch.no_grad() as a decorator: grad mode is thread-local, set in the worker thread
+        return Job(what, future=self._executor.submit(torch.no_grad()(fn)), keep=keep)
 
     def pending(self, key: Any) -> bool:
         """Whether ``key`` has a job not yet waited for."""
@@ -188,9 +189,8 @@ class PendingSteps:
                 self._wait(job, defer=self.defer_failures)
 
     def _wait(self, job: Job, defer: bool) -> None:
-        """Wait for ``job``; keep the first failure, raised now unless ``defer``, when its
-        message goes to the job's c10d store (``dmuon/failure/<rank>``) for the other ranks'
-        step-check error to quote."""
+        """Wait for ``job``; keep the first failure, raised now unless ``defer`` (then posted to
+        the c10d store as ``dmuon/failure/<rank>`` for the other ranks' step-check error)."""
         try:
             job.wait()
         except RuntimeError as exc:
@@ -248,12 +248,6 @@ class PendingSteps:
             self._executor = None
 
 
-def _no_grad(fn: Callable[[], None]) -> None:
-    """Grad mode is thread-local: the worker thread turns it off itself."""
-    with torch.no_grad():
-        fn()
-
-
 def same_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
     """For each ``(a, b)``: whether they have the same shape, dtype and bits (``-0.0`` is not
     ``0.0``, a NaN equals only the same NaN), with one host synchronisation for all pairs."""
@@ -271,9 +265,8 @@ def same_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
 
 def take_proven(pending: PendingSteps, masters: list[torch.Tensor], updates: list[torch.Tensor],
                 layouts: list[Any], hp: MuonHyper) -> dict[int, Speculation]:
-    """The speculations ``step()`` may keep, by index into ``masters``: the Newton-Schulz input
-    it just computed equals the speculation's bit for bit, with the same settings and layout.
-    Every other speculation is discarded (its job skipped if not started)."""
+    """The speculations ``step()`` keeps, by index into ``masters``: same Newton-Schulz input bit
+    for bit, same settings and layout. The others are discarded."""
     found = [(i, pending.speculations.pop(m, None)) for i, m in enumerate(masters)]
     found = [(i, spec) for i, spec in found if spec is not None]
     pending.clear_speculations()  # the rest: speculated, but no gradient at the step

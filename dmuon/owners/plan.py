@@ -458,9 +458,8 @@ def build_plan(
 
     Args:
         named_shapes: ``(fqn, shape)`` per dedicated parameter, in model order: ``(rows,
-            cols)`` for a matrix, ``(*lead, rows, cols)`` for a stack of matrices (experts),
-            which the balancer sees expert by expert and the plan records as expert ranges,
-            one per owner (:mod:`dmuon.owners.stacks`).
+            cols)``, or ``(*lead, rows, cols)`` for a stack of experts, balanced expert by
+            expert and recorded as one expert range per owner.
         world_size: number of ranks to spread owners over (the data-parallel shard group).
         costs: per-parameter cost (a stack's shared evenly by its experts); default the Gram
             Newton-Schulz FLOPs (:func:`dmuon.kernels.ns_flops`). With ``batch_overhead``, the
@@ -478,13 +477,10 @@ def build_plan(
             Ignored with ``tp_size > 1`` (publications go per DP owner).
         layout: ``(nodes, gpus_per_node)`` covering ``world_size * tp_size`` ranks: owners
             follow the XOR layout at equal per-rank loads (:mod:`dmuon.balance.layout`).
-        memory_cap_bytes: bytes of masters, momenta and gradients allowed per rank
-            (:func:`dmuon.balance.cost.owner_memory`), or ``None``.
+        memory_cap_bytes: bytes of masters, momenta and gradients allowed per rank, or ``None``.
         batch_overhead: per-shape cost paid once per rank owning any matrix of that shape
             (:func:`dmuon.balance.cost.fit_batch_costs`); ``MatrixSpec.cost`` then includes it.
-        replicate_mode, replica_cost: HSDP replicate mode per matrix and the cost model of
-            ``"auto"`` (:meth:`OwnerPlan.with_replicate_modes`); ``None`` without a replicate
-            dimension.
+        replicate_mode, replica_cost: as :meth:`OwnerPlan.with_replicate_modes` takes them.
         solver_report: record the solver's ``proven_bound``, ``optimal``, ``detail``,
             ``milp_status``, ``solve_s``, the layout and ``memory_by_rank`` (bytes) in
             ``extra`` (``milp_status`` is always there when CBC failed).

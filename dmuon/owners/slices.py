@@ -1,17 +1,9 @@
-"""Which slice of a matrix each rank holds: the one place of index math for Shard,
-``_StridedShard`` and Replicate.
-
-A :class:`MatrixLayout` says which rows and columns of the full ``[rows, cols]`` matrix each
-rank of a process group holds (its local tensor is ``full[rows][:, cols]``), as *runs*: tuples
-of half-open ``(start, stop)`` intervals. The math follows DTensor's splitting
-(``torch/distributed/tensor/placement_types.py``), placements applied in mesh-dimension order:
-
-* ``Shard(d)`` over a mesh dim of size ``n``: dim ``d``'s current index sequence is cut into
-  ``n`` chunks of ``ceil(len / n)`` (``torch.chunk``; trailing chunks possibly empty);
-  coordinate ``c`` keeps chunk ``c``.
-* ``_StridedShard(d)`` (FSDP2 over a TP-sharded dim) is applied last, as a plain ``Shard``:
-  FSDP2 shards the TP-local shard. For even sizes this equals DTensor's
-  ``_StridedShard._split_tensor``; for uneven ones it is what FSDP2 stores (tested).
+"""Which rows and columns of a full ``[rows, cols]`` matrix each rank holds, as *runs* (tuples
+of half-open ``(start, stop)`` intervals), following DTensor's splitting
+(``torch/distributed/tensor/placement_types.py``) in mesh-dimension order: ``Shard(d)`` over
+``n`` ranks cuts dim ``d``'s indices into ``torch.chunk``'s ``n`` chunks of ``ceil(len / n)``;
+``_StridedShard(d)`` (FSDP2 over a TP-sharded dim) is applied last as a plain ``Shard``, which
+is what FSDP2 stores.
 """
 
 from __future__ import annotations
@@ -174,12 +166,8 @@ def put(full: Tensor, piece: tuple[Runs, Runs], value: Tensor) -> None:
 
 
 def local_rows(t: Tensor) -> Tensor:
-    """Indices, along dim 0 of the full tensor, of the rows this rank's local piece of ``t``
-    holds, in local order (int64 CPU ``[local rows]``).
-
-    ``t``: a DTensor of any rank >= 1 (FSDP2's ``Shard(0)``, a TP slice, ``_StridedShard`` under
-    FSDP x TP, a replica; :func:`placement_runs`), or a plain tensor (every row).
-    """
+    """Indices, along dim 0 of the full tensor, of the rows this rank's local piece of ``t`` (a
+    DTensor, or a plain tensor: every row) holds, in local order (int64 CPU ``[local rows]``)."""
     mesh = getattr(t, "device_mesh", None)
     if mesh is None:
         return torch.arange(int(t.shape[0]))

@@ -1,20 +1,12 @@
-"""What the installed ``torch.optim.Muon`` does where torch versions differ: the one place that asks.
-
-dmuon's update equals a single-process ``torch.optim.Muon`` step of the installed torch
-(``torch>=2.11``). ``torch/optim/_muon.py`` of 2.11.0, 2.13.0, 2.14.1 and 2.15.0 differ in two ways
-(and ``adam.py`` in no AdamW arithmetic):
+"""What the installed ``torch.optim.Muon`` does where torch versions differ, found by asking it
+(not its version string) once per process: :func:`installed`. ``torch/optim/_muon.py`` of
+2.11 to 2.15 differ in two ways:
 
 * ``adjust_lr_fn="spectral_unclamped"`` (``lr * sqrt(rows / cols)``, Bernstein, "Deriving
-  Muon") exists from 2.14; before, ``Muon`` refuses the name.
-* Up to 2.14, ``_zeropower_via_newtonschulz`` casts its input with ``grad.bfloat16()``, which
-  returns the tensor itself when it is already bf16, and then divides it by its norm *in place*.
-  With ``nesterov=False`` that input is the momentum buffer, so for a bf16 buffer (a bf16
-  parameter) torch <= 2.14 leaves the buffer normalized, ``buf / max(||buf||_F, eps)``, after
-  every step. 2.15 copies (``grad.to(dtype=torch.bfloat16, copy=True)``) and the buffer keeps its
-  scale. Newton-Schulz output and every fp32/fp16 buffer are the same in all versions.
-
-Both are found by asking the installed torch (not its version string), once per process:
-:func:`installed`.
+  Muon") exists from 2.14.
+* Up to 2.14, ``_zeropower_via_newtonschulz`` casts with ``grad.bfloat16()`` (the tensor itself
+  when bf16) and divides it by its norm in place: with ``nesterov=False`` a bf16 momentum buffer
+  is left as ``buf / max(||buf||_F, eps)`` after every step. 2.15 copies first.
 """
 
 from __future__ import annotations
@@ -75,9 +67,8 @@ def _accepts(adjust_lr_fn: str | None) -> bool:
 
 
 def _normalizes_bf16_input() -> bool:
-    """Whether torch's Newton-Schulz divides a bf16 input in place (a 3x2 input of 0.2s, one
-    iteration: it then holds 1/sqrt(6) = 0.408). Through the private function (20 ms); where
-    torch renamed it, one public ``Muon`` step on a bf16 parameter (seconds: it imports dynamo)."""
+    """Whether torch's Newton-Schulz divides a bf16 input in place (a 3x2 input of 0.2s then
+    holds 1/sqrt(6) = 0.408): through the private function, else one public ``Muon`` step."""
     probe = torch.full((3, 2), 0.2, dtype=torch.bfloat16)
     ns = getattr(torch.optim._muon, "_zeropower_via_newtonschulz", None)
     try:

@@ -157,10 +157,6 @@ class MuonHyper:
                    adjust_lr_fn=group["adjust_lr_fn"], ns=tuple(sorted(ns.items())),
                    max_batch_bytes=max_batch_bytes)
 
-    @property
-    def eps(self) -> float:
-        return dict(self.ns)["eps"]
-
     def orthogonalizer(self) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
         """:func:`dmuon.kernels.orthogonalize_by_shape` with these settings."""
         from dmuon.kernels import orthogonalize_by_shape
@@ -200,12 +196,6 @@ class MatrixLayout:
     tp_shard_dim: int | None = None
     tp_rank: int = 0
     tp_size: int = 1
-
-    @classmethod
-    def whole(cls, param: torch.Tensor) -> "MatrixLayout":
-        """A master that is one plain ``[rows, cols]`` matrix."""
-        shape = tuple(param.shape)
-        return cls(full_shape=shape, matrix_shape=shape[-2:])
 
     @property
     def lr_shape(self) -> tuple[int, ...]:
@@ -290,7 +280,7 @@ def muon_finish_(params: Sequence[torch.Tensor], orthos: Sequence[torch.Tensor],
     """Phase 3c, after Newton-Schulz has read its inputs: :func:`normalize_like_torch_` on
     ``bufs``, then :func:`apply_update_` (or per block of a split) of the fp32 masters ``params``
     (full, a stack or a TP slice; in place) by ``orthos`` (shaped like them)."""
-    normalize_like_torch_(bufs, layouts, nesterov=hp.nesterov, eps=hp.eps)
+    normalize_like_torch_(bufs, layouts, nesterov=hp.nesterov, eps=dict(hp.ns)["eps"])
     for param, ortho, lay in zip(params, orthos, layouts):
         if lay.split is None:
             apply_update_(param, ortho, lr=hp.lr, weight_decay=hp.weight_decay,
@@ -320,7 +310,9 @@ def muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum
     """
     if not params:
         return
-    layouts = list(layouts) if layouts is not None else [MatrixLayout.whole(p) for p in params]
+    if layouts is None:  # every master one whole matrix
+        layouts = [MatrixLayout(full_shape=tuple(p.shape), matrix_shape=tuple(p.shape[-2:]))
+                   for p in params]
     updates = muon_momentum_(grads, momentum_bufs, hp)
     if orthogonalize is None:
         orthos = orthogonalize_updates(updates, layouts, hp.orthogonalizer())
