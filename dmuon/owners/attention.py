@@ -19,15 +19,9 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_heads
 
 @dataclass(frozen=True, slots=True)
 class WeightRef:
-    """A projection weight ``module._parameters[attr]`` and its heads' rows.
-
-    Attributes:
-        module, attr: where the weight lives (a ``Linear``, or the attention module itself).
-        rows: rows of the full weight (a dedicated record's ``full_shape[0]``).
-        head_rows: first row of each head's ``head_dim`` rows, in head order.
-        head_dim: rows per head.
-        bias: the attribute of the projection's bias on ``module`` (the weight's rows), or ``None``.
-    """
+    """A projection weight ``module._parameters[attr]`` of ``rows`` full rows: ``head_rows`` the
+    first of each head's ``head_dim`` rows, in head order; ``bias`` the attribute of its bias on
+    ``module``, or ``None``."""
 
     module: nn.Module
     attr: str
@@ -39,16 +33,8 @@ class WeightRef:
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayout:
-    """One attention module and its projections.
-
-    Attributes:
-        name: the module's name in the model.
-        module: the module whose forward computes the attention (hooks go here).
-        num_heads, num_kv_heads: query heads, key/value heads.
-        head_dim: query/key rows per head.
-        q, k, v: the projections.
-        q_norm, k_norm: the module's QK-norm children, ``None`` where it has none.
-    """
+    """One attention module (``name`` in the model; hooks go on ``module``), its head counts,
+    query/key rows per head, projections ``q``/``k``/``v`` and QK-norm children (or ``None``)."""
 
     name: str
     module: nn.Module
@@ -194,12 +180,8 @@ def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]
     """Every attention module of ``model`` dmuon recognizes, in module order (no match inside a
     match), with its ``q_norm`` / ``k_norm`` children (``nn.Identity`` counts as none).
 
-    Args:
-        records: the model's dedicated records: their ``full_shape`` gives a weight's rows (a
-            TP rank's module holds a slice, a non-owner's a placeholder).
-
-    Raises:
-        ValueError: a recognized module whose head counts do not match its weights' rows.
+    ``records``: the dedicated records, whose ``full_shape`` gives a weight's rows (a module
+    holds a TP slice or a placeholder). ValueError for head counts that do not match the rows.
     """
     full_rows = {(id(r.module), r.attr): r.full_shape[0] for r in records}
     found: list[AttentionLayout] = []

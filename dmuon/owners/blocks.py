@@ -98,14 +98,9 @@ def per_head_splits(model: nn.Module, records: Sequence[Any] = ()) -> dict[tuple
 def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
                    split: Mapping[Any, Split] | Callable[[str, tuple[int, ...]], Split | None] | None
                    ) -> dict[int, Split]:
-    """The split of every dedicated record that has one, keyed by ``id(record)``.
-
-    Args:
-        model: the model passed to ``dedicate_params``.
-        records: its dedicated records (:class:`dmuon.owners.dedicated.DedicatedParam`).
-        per_head: split the recognized attention projections per head.
-        split: ``{fqn or parameter: Split}`` (explicit entries win over ``per_head``), or a
-            callable ``(fqn, full_shape) -> Split | None``.
+    """The split of every dedicated record that has one, keyed by ``id(record)``, from
+    ``dedicate_params``' ``per_head`` and ``split`` (``{fqn or parameter: Split}``, winning over
+    ``per_head``, or a callable ``(fqn, full_shape) -> Split | None``).
 
     Raises:
         ValueError: ``per_head`` on a model with no attention module dmuon recognizes, a
@@ -193,9 +188,8 @@ def tp_orthogonalizer(recs: Sequence[Any], splits: Sequence[Split | None], group
     matrix by its TP owner through ``exchange`` (:func:`dmuon.comm.exchange.orthogonalize_tp`).
     ``recs``: the owned records in plan order (alike on the TP ``group``), ``splits`` theirs.
 
-    Returns:
-        A function from the slices' updates to their orthogonalized slices, same order and
-        shapes; collective over ``group``.
+    Returns a function from the slices' updates to their orthogonalized slices (same order and
+    shapes), collective over ``group``.
     """
     rank, size = tp_rank_size(group)
     local = [_local_split(r, s, rank, size) for r, s in zip(recs, splits)]

@@ -36,8 +36,7 @@ class DedicatedParam:
     """Runtime state of one dedicated matrix on one rank.
 
     Attributes:
-        fqn, module, attr: the parameter's name, and the module whose ``_parameters[attr]``
-            holds it.
+        fqn, module, attr: the parameter's name; ``module._parameters[attr]`` holds it.
         shape: this rank's matrix ``(rows, cols)`` (a TP slice), or expert range ``[k, rows,
             cols]``; ``full_shape``: the whole matrix's ``(rows, cols)``.
         owner, is_owner: the owner's rank within ``group`` (default the shard group), and
@@ -55,8 +54,8 @@ class DedicatedParam:
         stack: the :class:`dmuon.owners.stacks.StackSlot` of a stack split into several
             ranges; ``None`` otherwise.
         optional: a routed expert's matrix: it may take no gradient on some ranks of a step.
-        sd_layout: ``(mesh, placements, shape, stride)`` of FSDP2's sharded parameter, which
-            ``model.state_dict()`` shows in its place; ``None`` without FSDP2.
+        sd_layout: ``(mesh, placements, shape, stride)`` of FSDP2's sharded parameter (shown by
+            ``model.state_dict()``), or ``None``.
     """
 
     fqn: str

@@ -28,11 +28,7 @@ OVERLAP_MODES = ("off", "forward", "backward")
 
 
 def check_overlap(overlap: Any) -> str:
-    """Return ``overlap`` if it is one of :data:`OVERLAP_MODES`.
-
-    Raises:
-        ValueError: naming the value and the choices.
-    """
+    """Return ``overlap`` if it is one of :data:`OVERLAP_MODES`, else raise ValueError."""
     if overlap not in OVERLAP_MODES:
         raise ValueError(f"dmuon: Muon(overlap={overlap!r}): overlap must be one of {OVERLAP_MODES} "
                          f"('off': Newton-Schulz inside opt.step(); 'forward': behind the next "
@@ -53,11 +49,8 @@ class Job:
     error: BaseException | None = None
 
     def wait(self) -> None:
-        """Block until done (CPU), or make the current stream wait on it (CUDA).
-
-        Raises:
-            RuntimeError: the job raised (chained), naming dmuon and the matrices.
-        """
+        """Block until done (CPU), or make the current stream wait on it (CUDA); a RuntimeError
+        naming the matrices (chained) if the job raised."""
         error = self.error
         self.error = None
         if self.future is not None:
@@ -228,11 +221,8 @@ class PendingSteps:
         self.early.clear()
 
     def wait_all(self) -> None:
-        """Wait for every scheduled job (a reader of masters or optimizer state is next).
-
-        Raises:
-            RuntimeError: a job failed, now or earlier (its masters may be half updated).
-        """
+        """Wait for every scheduled job (a reader of masters or optimizer state is next); a
+        RuntimeError if a job failed, now or earlier."""
         while self.spec_jobs:
             self._wait(self.spec_jobs.pop(0), defer=False)
         while self.jobs:
@@ -291,16 +281,10 @@ def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], la
     result), :func:`dmuon.owners.update.muon_finish_`, QK-clip scaling and the compute copy.
     Only plain tensors and frozen records reach a job (no DTensor dispatch off the main thread).
 
-    Args:
-        pending: the model's :class:`PendingSteps`.
-        hp: the step's frozen hyper-parameters.
-        items: ``(master, grad, momentum buffer, record)`` of every owned matrix with a
-            gradient; masters ``[rows, cols]`` (or a stack ``[k, rows, cols]``) fp32, full.
-        layouts: each item's :class:`dmuon.owners.update.MatrixLayout`.
-        pubs: this rank's owner publish groups, in forward order; each has ``members``
-            (records), ``flat`` and ``owner``.
-        scale_master: ``(record, master)`` after the update, before the compute copy (QK-clip's
-            frozen plan, :mod:`dmuon.qk_clip`), or ``None``.
+    ``items``: ``(master, grad, momentum buffer, record)`` of every owned matrix with a
+    gradient, masters fp32 ``[rows, cols]`` or ``[k, rows, cols]``; ``layouts`` their
+    :class:`dmuon.owners.update.MatrixLayout`; ``pubs`` this rank's owner publish groups in
+    forward order; ``scale_master(record, master)``: QK-clip's, before the compute copy, or None.
     """
     masters = [item[0] for item in items]
     bufs = [item[2] for item in items]

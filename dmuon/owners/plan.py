@@ -644,12 +644,8 @@ def _expert_parallel_plan(named_shapes: list, world_size: int, expert_parallel: 
                           costs, groups, blocks, options: dict) -> OwnerPlan:
     """:func:`build_plan` with expert parallelism: dense matrices over ``world_size`` ranks and
     the stacks' local experts over an expert group (the same for every group), two solves
-    merged in model order.
-
-    Raises:
-        ValueError: an ``ep_size`` that does not divide ``world_size``, an unknown FQN in
-            ``expert_parallel``, or an expert-parallel parameter that is not a stack whose
-            experts ``ep_size`` divides.
+    merged in model order. ValueError for an ``ep_size`` not dividing ``world_size``, an unknown
+    FQN in ``expert_parallel``, or one that is not a stack whose experts ``ep_size`` divides.
     """
     from dmuon.owners.stacks import param_layout
 

@@ -61,11 +61,7 @@ def sub_runs(runs: Runs, start: int, stop: int) -> Runs:
 def placement_runs(shape: Sequence[int], placements: Sequence[object], mesh_shape: Sequence[int],
                    coords: Sequence[int]) -> list[Runs]:
     """The indices, per dim, of the piece of a DTensor of global ``shape`` held at mesh
-    coordinates ``coords`` (the module docstring's rules; ``_StridedShard`` applied last).
-
-    Raises:
-        ValueError: an unknown placement type.
-    """
+    coordinates ``coords`` (the module docstring's rules); ValueError for an unknown placement."""
     dims = [((0, int(n)),) if n else () for n in shape]
     for placement, size, coord in sorted(zip(placements, mesh_shape, coords),
                                          key=lambda x: type(x[0]).__name__ == "_StridedShard"):
@@ -96,11 +92,7 @@ class MatrixLayout:
 
     @staticmethod
     def build(full_shape: Sequence[int], slices: Sequence[tuple[Runs, Runs]]) -> "MatrixLayout":
-        """Layout from per-rank slices; checks that the pieces cover the whole matrix.
-
-        Raises:
-            RuntimeError: some element of the matrix is held by no rank (names the shape).
-        """
+        """Layout from per-rank slices; RuntimeError if some element is held by no rank."""
         first: dict[tuple[Runs, Runs], int] = {}
         sources = []
         for r, s in enumerate(slices):
@@ -178,13 +170,9 @@ def local_rows(t: Tensor) -> Tensor:
 
 
 def dtensor_layout(t: Tensor, group_ranks: Sequence[int]) -> MatrixLayout:
-    """Layout of a 2-D DTensor ``t`` (only its metadata is read) whose mesh holds exactly the
-    global ranks ``group_ranks`` (in group-rank order).
-
-    Raises:
-        ValueError: the DTensor's mesh does not hold exactly the group's ranks (names both), or
-            a placement sharding a dim other than 0 or 1, or an unknown placement.
-    """
+    """Layout of a 2-D DTensor ``t`` (metadata only) whose mesh holds exactly the global ranks
+    ``group_ranks`` (in group-rank order); ValueError if it does not, or for a placement
+    sharding a dim other than 0 or 1 or an unknown one."""
     mesh = t.device_mesh
     grid = mesh.mesh
     mesh_ranks = sorted(int(r) for r in grid.flatten().tolist())

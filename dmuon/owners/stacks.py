@@ -58,12 +58,8 @@ class ParamLayout:
 
 
 def param_layout(fqn: str, shape: Sequence[int], blocks: int = 1) -> ParamLayout:
-    """Validate a selected parameter's shape and return its layout.
-
-    Raises:
-        ValueError: a parameter of fewer than 2 dims, an empty matrix dim, or ``blocks`` that
-            does not divide the rows; naming the parameter, the values and the fix.
-    """
+    """Validate a selected parameter's shape and return its layout; ValueError for fewer than 2
+    dims or ``blocks`` that do not divide the rows."""
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:
         raise ValueError(
@@ -87,13 +83,9 @@ def declared_experts(module: nn.Module) -> int | None:
 
 
 def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> None:
-    """Refuse a >2-D parameter whose leading dims are not experts: those of a module that
-    declares an expert count (:data:`EXPERT_COUNT_ATTRS`) equal to their product or to the
-    first leading dim are; a convolution's weight never is. Every rank raises alike.
-
-    Raises:
-        ValueError: naming the parameter, its shape, what was found and the fix.
-    """
+    """ValueError for a >2-D parameter whose leading dims are not experts: experts need a module
+    declaring an expert count (:data:`EXPERT_COUNT_ATTRS`) equal to their product or to the
+    first leading dim; a convolution's weight never is."""
     shape = tuple(int(s) for s in shape)
     if len(shape) <= 2:
         return
@@ -146,10 +138,8 @@ def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_
     ``ExpertParallel``). ``ep_name``, ``ep_size``: ``dedicate_params``' mesh's ``"ep"``
     dimension (``None``, 1 without one).
 
-    Raises:
-        ValueError: a parameter on an ``"ep"`` mesh when the given mesh has none, another
-            ``"ep"`` size, a placement other than ``Shard(0)`` or a tensor that is not a stack
-            on ``"ep"``, or an ``"ep"`` size that does not divide the experts.
+    Raises ValueError for a parameter on an ``"ep"`` mesh when the given mesh has none, another
+    ``"ep"`` size, anything but a stack ``Shard(0)`` on ``"ep"``, or experts ``ep`` does not divide.
     """
     mesh = getattr(param, "device_mesh", None)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
@@ -268,14 +258,9 @@ class StackSlot:
     ``show("compute")`` registers the concatenation of the ranges' compute weights (autograd
     splits the gradient back); ``show("master")`` the first range's master.
 
-    Attributes:
-        module: the module holding the parameter.
-        attr: its attribute name.
-        shape: the full parameter shape (under expert parallelism, this rank's local experts).
-        records: the ranges' records, in expert order.
-        wrap: what the module computes with, from the concatenated stack (expert parallelism:
-            the DTensor ``Shard(0)`` over ``"ep"`` the parameter was,
-            :func:`dmuon.hooks.tp_placements.as_compute_param`); ``None``: the stack itself.
+    ``shape``: the full parameter shape (this rank's local experts under expert parallelism);
+    ``records``: the ranges', in expert order; ``wrap``: the concatenated stack to what the
+    module computes with (the ``"ep"`` DTensor, :func:`dmuon.hooks.tp_placements.as_compute_param`).
     """
 
     module: nn.Module

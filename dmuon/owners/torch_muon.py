@@ -37,12 +37,8 @@ class TorchMuon:
     normalizes_bf16_momentum: bool
 
     def check_adjust_lr_fn(self, adjust_lr_fn: object, where: str = "") -> None:
-        """Raise unless ``torch.optim.Muon`` of the installed torch takes ``adjust_lr_fn``.
-
-        Raises:
-            ValueError: a name dmuon does not know, or one the installed torch lacks (naming
-                the torch release that has it).
-        """
+        """Raise ValueError unless the installed ``torch.optim.Muon`` takes ``adjust_lr_fn``
+        (naming the torch release that has it)."""
         if adjust_lr_fn in self.adjust_lr_fns:
             return
         if adjust_lr_fn in TORCH_SINCE:
@@ -97,11 +93,8 @@ def normalize_momentum_(buf: torch.Tensor, eps: float, norm: torch.Tensor | None
     """``buf /= max(||buf||_F, eps)`` in place, op for op as torch <= 2.14's Newton-Schulz does
     to its bf16 input (on the transposed view when ``rows > cols``, norm and division in bf16).
 
-    Args:
-        buf: a full ``[rows, cols]`` bf16 momentum buffer (mutated); a local piece of one when
-            ``norm`` is given.
-        eps: the group's ``eps`` (the norm's floor).
-        norm: the full matrix's Frobenius norm, 0-d (a piece cannot compute it alone).
+    ``buf``: a full ``[rows, cols]`` bf16 buffer, or a local piece of one with ``norm`` (the
+    full matrix's Frobenius norm, 0-d); ``eps``: the group's (the norm's floor).
     """
     view = buf.T if buf.dim() == 2 and buf.size(0) > buf.size(1) else buf
     if norm is None:

@@ -131,11 +131,8 @@ class MuonHyper:
     """A param group's Muon hyper-parameters, frozen when ``opt.step()`` runs (a job running
     after ``step()`` must not see what a scheduler set since).
 
-    Attributes:
-        lr, weight_decay, momentum, nesterov, adjust_lr_fn: as ``torch.optim.Muon``'s.
-        ns: the Newton-Schulz settings as sorted ``(name, value)`` pairs (steps, coefficients,
-            method, dtype, eps, backend); lists frozen to tuples, so two records compare by value.
-        max_batch_bytes: cap (bytes) on one same-shape Newton-Schulz batch, or ``None``.
+    ``ns``: the Newton-Schulz settings as sorted ``(name, value)`` pairs, lists as tuples (two
+    records compare by value); ``max_batch_bytes``: cap on one same-shape batch, or ``None``.
     """
 
     lr: float
@@ -297,16 +294,10 @@ def muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum
     matrices one rank owns: :func:`muon_momentum_`, Newton-Schulz, :func:`muon_finish_` (the
     overlapped paths, :mod:`dmuon.owners.overlap`, run the same three split in time).
 
-    Args:
-        params: fp32 masters ``[rows, cols]`` (or a stack ``[k, rows, cols]``, or a TP slice),
-            updated in place.
-        grads: their averaged gradients, same shapes and order.
-        momentum_bufs: fp32 (or the parameter's dtype) momentum, updated in place.
-        hp: the step's frozen hyper-parameters.
-        layouts: each master's :class:`MatrixLayout` (default: every param one whole matrix).
-        orthogonalize: Newton-Schulz over the updates, each result shaped like its update;
-            default :func:`orthogonalize_updates` on this rank (tensor parallelism passes
-            :func:`dmuon.owners.blocks.tp_orthogonalizer`).
+    ``params``: fp32 masters ``[rows, cols]`` (or ``[k, rows, cols]``, or a TP slice) and
+    ``momentum_bufs`` (fp32 or the parameter's dtype), updated in place; ``grads`` their averaged
+    gradients; ``layouts`` default every param one whole matrix; ``orthogonalize`` default
+    :func:`orthogonalize_updates` (TP passes :func:`dmuon.owners.blocks.tp_orthogonalizer`).
     """
     if not params:
         return
@@ -336,9 +327,7 @@ def normalize_like_torch_(bufs: Sequence[torch.Tensor], layouts: Sequence[Matrix
     (:mod:`dmuon.owners.torch_muon`: torch <= 2.14 divides a bf16 buffer by its norm with
     ``nesterov=False``), per Newton-Schulz matrix.
 
-    Raises:
-        RuntimeError: such a buffer that is a tensor-parallel slice: its norm is the full
-            matrix's. Unreachable through dmuon's paths (their TP buffers are fp32).
+    RuntimeError for such a buffer that is a TP slice (unreachable: dmuon's TP buffers are fp32).
     """
     semantics = torch_muon.installed()
     for buf, lay in zip(bufs, layouts):
