@@ -41,8 +41,7 @@ class DedicatedParam:
             cols]``; ``full_shape``: the whole matrix's ``(rows, cols)``.
         owner, is_owner: the owner's rank within ``group`` (default the shard group), and
             whether it is this one.
-        master: fp32 master on the owner, zero-size placeholder elsewhere.
-        compute: the weight in the compute dtype; storage freed on non-owners while not in use.
+        master, compute: see the module docstring.
         reduce_dtype: dtype gradients are summed in on their way to the owner.
         order: index in forward order (publication order and prefetch).
         tp_shard_dim, tp_owner: the dim TP splits (0/1, or ``None``) and the TP rank that runs
