@@ -54,21 +54,20 @@ def slow_jobs(delay_s: float = 0.02, fail: bool = False, only: str | None = None
 
 @contextlib.contextmanager
 def counted_jobs(counts: dict) -> Iterator[None]:
-    """Counts the jobs overlapped steps schedule (non-speculative submits) in
-    ``counts["scheduled"]`` (0: nothing overlapped). Restored on exit (the pool's workers are
-    reused)."""
-    submit = PendingSteps.submit
+    """Counts the jobs overlapped steps schedule in ``counts["scheduled"]`` (0: nothing
+    overlapped). Restored on exit (the pool's workers are reused)."""
+    schedule = PendingSteps.schedule
     counts["scheduled"] = 0
 
-    def counted(self, *args, speculative: bool = False, **kwargs):
-        counts["scheduled"] += not speculative
-        return submit(self, *args, speculative=speculative, **kwargs)
+    def counted(self, *args, **kwargs):
+        counts["scheduled"] += 1
+        return schedule(self, *args, **kwargs)
 
-    PendingSteps.submit = counted
+    PendingSteps.schedule = counted
     try:
         yield
     finally:
-        PendingSteps.submit = submit
+        PendingSteps.schedule = schedule
 
 
 @contextlib.contextmanager

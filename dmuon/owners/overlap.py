@@ -149,6 +149,12 @@ class PendingSteps:
         # torch.no_grad() as a decorator: grad mode is thread-local, set in the worker thread
         return Job(what, future=self._executor.submit(torch.no_grad()(fn)), keep=keep)
 
+    def schedule(self, key: Any, fn: Callable[[], None], device: torch.device, what: str,
+                 keep: tuple = ()) -> None:
+        """Submit ``fn`` as the job the publication of ``key`` waits for (bench/stream_recorder.py
+        wraps it)."""
+        self.jobs[key] = self.submit(fn, device, what, keep)
+
     def pending(self, key: Any) -> bool:
         """Whether ``key`` has a job not yet waited for."""
         return key in self.jobs
@@ -229,13 +235,6 @@ class PendingSteps:
             self._wait(self.jobs.pop(next(iter(self.jobs))), defer=False)
         if self.failure is not None:
             raise RuntimeError(self.failure)
-
-    def close(self) -> None:
-        """Wait for everything, then stop the worker thread."""
-        self.wait_all()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
 
 
 def same_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
@@ -319,7 +318,7 @@ def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], la
                 torch._foreach_copy_(dsts, srcs)
 
         what = f"{[items[i][3].fqn for i in mine][:4]} (owner rank {pub.owner})"
-        pending.jobs[pub] = pending.submit(job, pub.flat.device, what, keep=tuple(work["updates"]))
+        pending.schedule(pub, job, pub.flat.device, what, keep=tuple(work["updates"]))
 
 
 def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
