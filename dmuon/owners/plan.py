@@ -38,10 +38,10 @@ class MatrixSpec:
 
     Attributes:
         fqn: fully qualified parameter name, as ``model.named_parameters()`` gives it.
-        shape: ``(rows, cols)`` of the full (unsharded) matrix, or of one Newton-Schulz matrix
-            of a stack (``experts`` set) or of a matrix cut into ``blocks > 1`` row blocks.
-        experts: the range ``(start, stop)`` of a stack's flattened leading dims (experts) the
-            entry covers; ``None`` for a 2-D parameter (:mod:`dmuon.owners.stacks`).
+        shape: ``(rows, cols)`` of one full (unsharded) Newton-Schulz matrix.
+        experts: the range ``(start, stop)`` of a stack's experts (flattened leading dims) the
+            entry covers; ``None`` for a 2-D parameter.
+        blocks: row blocks each stored matrix is cut into.
         owner: data-parallel shard rank that holds the fp32 master and momentum and runs
             Newton-Schulz (under TP, the DP owner of every TP slice).
         cost: Newton-Schulz cost the balancer used (unit in ``OwnerPlan.cost_unit``).
@@ -177,8 +177,7 @@ class OwnerPlan:
 
     @property
     def owner_by_fqn(self) -> dict[str, int]:
-        """Owner per entry key (:attr:`MatrixSpec.key`: the FQN, ``fqn[start:stop]`` for an
-        expert range)."""
+        """Owner per entry key (:attr:`MatrixSpec.key`)."""
         return {m.key: m.owner for m in self.matrices}
 
     def specs_by_fqn(self) -> dict[str, list[MatrixSpec]]:
@@ -218,9 +217,8 @@ class OwnerPlan:
                 ``shape_by_fqn`` entry is one rank's local stack, ``[E / ep_size, rows, cols]``).
 
         Raises:
-            ValueError: naming the first mismatch (world size, TP size, missing or extra
-                matrix, shape, expert ranges, ep size, a stack expert-parallel in the model and
-                not in the plan or the other way round) and the fix: re-solve the plan.
+            ValueError: naming the first mismatch (world, TP or ep size, a missing or extra
+                matrix, shape, expert ranges, expert parallelism) and the fix: re-solve the plan.
         """
         from dmuon.owners.stacks import ParamLayout
 
@@ -395,8 +393,8 @@ class OwnerPlan:
 
         Args:
             mode: ``None`` (no replicate dimension: the plan as it is), ``"compute"`` or
-                ``"broadcast"`` (every matrix), or ``"auto"``: matrices whose mode is still
-                ``None`` get the cheaper one by ``cost`` (default :class:`ReplicaCost`).
+                ``"broadcast"`` (every matrix), or ``"auto"``: matrices without a mode get the
+                cheaper one by ``cost`` (default :class:`ReplicaCost`).
 
         Raises:
             ValueError: ``mode`` is not ``None``, ``"auto"``, ``"compute"`` or ``"broadcast"``.

@@ -20,12 +20,8 @@ EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "n
 
 @dataclass(frozen=True, slots=True)
 class ParamLayout:
-    """How one dedicated parameter splits into Newton-Schulz matrices.
-
-    Attributes:
-        shape: the full (unsharded) parameter shape: ``(rows, cols)`` or ``(*lead, rows, cols)``.
-        blocks: row blocks per stored matrix (``rows % blocks == 0``), each orthogonalized alone.
-    """
+    """How one dedicated parameter of full ``shape`` (``(rows, cols)`` or ``(*lead, rows,
+    cols)``) splits into Newton-Schulz matrices: ``blocks`` row blocks per stored matrix."""
 
     shape: tuple[int, ...]
     blocks: int = 1
@@ -220,9 +216,8 @@ class OwnerRange:
 
 def collapse_ranges(items: Sequence[OwnerItem], owners: Sequence[int],
                     buckets: Sequence[int] | None = None) -> list[OwnerRange]:
-    """Solved items back to plan entries. Without ``buckets``, one contiguous expert range per
-    owner of a stack, in the order owners first appear (its experts cost the same, so the
-    renumbering changes no rank's load); with ``buckets`` (the DDP-style path) only
+    """Solved items back to plan entries: one expert range per owner of a stack, in the order
+    owners first appear (its experts cost alike: no load changes); with ``buckets`` only
     neighbouring items with the same owner and bucket merge."""
     ranges: list[OwnerRange] = []
     i = 0

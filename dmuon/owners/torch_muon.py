@@ -23,14 +23,9 @@ TORCH_SINCE = {None: "2.9", "original": "2.9", "match_rms_adamw": "2.9", "spectr
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TorchMuon:
-    """The installed ``torch.optim.Muon``'s version-dependent behaviour.
-
-    Attributes:
-        version: ``torch.__version__`` (for messages only).
-        adjust_lr_fns: the :data:`TORCH_SINCE` names its constructor accepts.
-        normalizes_bf16_momentum: whether a step with ``nesterov=False`` leaves a bf16 momentum
-            buffer divided by its bf16 Frobenius norm (torch <= 2.14).
-    """
+    """The installed ``torch.optim.Muon``'s version-dependent behaviour: the :data:`TORCH_SINCE`
+    names it accepts, and whether a ``nesterov=False`` step leaves a bf16 momentum buffer
+    divided by its norm (torch <= 2.14); ``version`` for messages."""
 
     version: str
     adjust_lr_fns: tuple
