@@ -102,6 +102,7 @@ def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, mom
         raise ValueError(f"dmuon: {where}ns_dtype must be a float dtype or None (by device), got {ns_dtype}")
     resolve_coefficients(ns_coefficients, ns_steps)
 
+
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
     """Muon's shape-dependent learning rate (``torch.optim.Muon``'s ``_adjust_lr``).
 
