@@ -619,7 +619,7 @@ def _bucket_plan(items, layouts, world_size, costs, cost_unit, bucket_bytes, ele
     from dmuon.balance.buckets import assign_buckets
     from dmuon.owners.stacks import collapse_ranges
 
-    nbytes = [it.numel * element_size for it in items]
+    nbytes = [it.matrices * it.matrix_shape[0] * it.matrix_shape[1] * element_size for it in items]
     result = assign_buckets(costs, nbytes, world_size, bucket_bytes)
     owners = [result.owner_of_bucket[b] for b in result.bucket]
     block_of = {fqn: layout.blocks for fqn, layout in layouts}

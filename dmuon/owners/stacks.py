@@ -185,10 +185,6 @@ class OwnerItem:
     matrix_shape: tuple[int, int]
     matrices: int = 1
 
-    @property
-    def numel(self) -> int:
-        return self.matrices * self.matrix_shape[0] * self.matrix_shape[1]
-
 
 def owner_items(layouts: Iterable[tuple[str, ParamLayout]]) -> list[OwnerItem]:
     """Every parameter's owner items, in model order (a stack's experts in index order)."""
