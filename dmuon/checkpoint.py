@@ -45,8 +45,9 @@ from torch import nn
 
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state import DedicateState
-from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of, momentum_replica, zero_state
+from dmuon.hooks.state_dict import agree, canonical_fqn, entries, layout_of, momentum_replica
 from dmuon.optim import OwnerUpdate, unwrap_optimizer
+from dmuon.owners.update import first_step_state
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
                     f"Make the parameters DTensors (fully_shard, distribute_tensor) to checkpoint them.")
             # zero state where none exists yet, for dcp.load to fill (not on a placeholder)
             if p.requires_grad and (ctx is None or not muon or p.numel()):
-                state = zero_state(opt, p, muon)
+                state = first_step_state(opt.state[p], p, muon)
                 if ctx is None:
                     optim_state[canonical_fqn(names[id(p)])] = {
                         k: _laid_out_like(p, v) for k, v in state.items()}

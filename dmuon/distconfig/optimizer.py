@@ -24,7 +24,6 @@ from dmuon.hooks.state_dict import (
     OptimizerStateHooks,
     init_state,
     local_state,
-    zero_state,
 )
 from dmuon.kernels import default_ns_dtype
 from dmuon.owners import torch_muon
@@ -34,6 +33,7 @@ from dmuon.owners.update import (
     MuonHyper,
     adamw_update_,
     apply_update_,
+    first_step_state,
     momentum_update_,
     muon_update_,
     parse_dtype,
@@ -111,14 +111,14 @@ class SingleDeviceUpdate:
         for group in self.opt.param_groups:
             if group["use_muon"]:
                 ps = [p for p in group["params"] if p.grad is not None]
-                bufs = [zero_state(self.opt, p, use_muon=True)["momentum_buffer"] for p in ps]
+                bufs = [first_step_state(self.opt.state[p], p, use_muon=True)["momentum_buffer"] for p in ps]
                 muon_update_(ps, [p.grad for p in ps], bufs, self.hyper(group))
 
     def step_adamw(self) -> None:
         """AdamW on every ``use_muon=False`` group, element-wise on local shards."""
         for group in (g for g in self.opt.param_groups if not g["use_muon"]):
             ps = [p for p in group["params"] if p.grad is not None]
-            states = [zero_state(self.opt, p, use_muon=False) for p in ps]
+            states = [first_step_state(self.opt.state[p], p, use_muon=False) for p in ps]
             for p, st in zip(ps, states):
                 for name in ("exp_avg", "exp_avg_sq"):
                     local_state(st[name], local_tensor(p.grad).shape, name,
@@ -219,8 +219,9 @@ class ConfiguredUpdate(SingleDeviceUpdate):
                                    f"gradient on rank {self.rank}; with a distributed_config every "
                                    f"matrix takes part in every step (use zeros, or a use_muon=False group)")
             grad = local_tensor(p.grad)
-            buf = local_state(zero_state(self.opt, p, use_muon=True)["momentum_buffer"], grad.shape,
-                              "momentum_buffer", f"Muon matrix {i} (shape {self.full_shapes[i]})")
+            buf = first_step_state(self.opt.state[p], p, use_muon=True)["momentum_buffer"]
+            buf = local_state(buf, grad.shape, "momentum_buffer",
+                              f"Muon matrix {i} (shape {self.full_shapes[i]})")
             inputs.append(momentum_update_(grad, buf, momentum=g["momentum"], nesterov=g["nesterov"]))
         return inputs
 

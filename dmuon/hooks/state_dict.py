@@ -438,19 +438,13 @@ class OptimizerStateHooks:
         return out
 
 
-def zero_state(opt: torch.optim.Optimizer, param: torch.Tensor, use_muon: bool) -> dict[str, Any]:
-    """``opt.state[param]``, with the state the first step would create added where missing
-    (:func:`dmuon.owners.update.first_step_state`, zeros like ``param``)."""
-    return first_step_state(opt.state[param], param, use_muon)
-
-
 def init_state(opt: torch.optim.Optimizer) -> None:
     """Create every trainable parameter's state now (see the module docstring); frozen
     parameters get none, as in torch's optimizers. Local: no collective."""
     for group in opt.param_groups:
         for p in group["params"]:
             if p.requires_grad:
-                zero_state(opt, p, group["use_muon"])
+                first_step_state(opt.state[p], p, group["use_muon"])
 
 
 def local_state(value: torch.Tensor, shape: torch.Size, name: str, where: str) -> torch.Tensor:

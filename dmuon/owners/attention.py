@@ -1,20 +1,9 @@
-"""Attention modules dmuon recognizes, and where their heads live in the projection weights.
-
-The one place per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`)
-read which weight rows belong to which head. Layouts recognized:
-
-* Hugging Face ``transformers`` (``*Attention`` with ``q_proj`` / ``k_proj`` / ``v_proj``): head
-  counts from the module (``num_heads``, ``num_key_value_heads``, ``head_dim``) or its ``config``;
-* ``torch.nn.MultiheadAttention`` with one ``in_proj_weight`` ``[3E, E]`` (``[q; k; v]``);
-* torchtitan's llama3 (``wq`` / ``wk`` / ``wv`` with ``n_heads`` / ``n_kv_heads`` / ``head_dim``)
-  and its ``FusedQKVLinear`` (``wqkv`` KV-group-major, ``[n_kv, heads_per_kv + 2, head_dim, dim]``:
-  each group's query heads, key head, value head; ``FusedQKVLinear._split_qkv_on_save``);
-* a ``qkv`` ``Linear`` ``[q; k; v]`` with ``num_heads`` / ``heads`` (timm's ViT ``Attention``),
-  and ``q`` + ``kv`` (``[k; v]``) ``Linear`` pairs (dmuon.train's blocks).
-
-Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (``transformers``'
-``repeat_kv``). ``q_norm`` / ``k_norm`` children (Qwen3, Gemma 3, OLMo 2) are recorded on the
-layout (``nn.Identity`` counts as none).
+"""Attention modules dmuon recognizes, and which projection-weight rows hold each head, for
+per-head Muon (:mod:`dmuon.owners.blocks`) and QK-clip (:mod:`dmuon.qk_clip`): Hugging Face
+``q_proj``/``k_proj``/``v_proj``, ``nn.MultiheadAttention``'s ``in_proj_weight`` ``[q; k; v]``,
+torchtitan's ``wq``/``wk``/``wv`` and KV-group-major ``wqkv`` (``[n_kv, heads_per_kv + 2,
+head_dim, dim]``, ``FusedQKVLinear._split_qkv_on_save``), timm's ``qkv`` and ``q`` + ``kv``
+pairs. Query head ``h`` uses key head ``h // (num_heads / num_kv_heads)`` (``repeat_kv``).
 """
 
 from __future__ import annotations
@@ -30,15 +19,9 @@ _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_local_heads
 
 @dataclass(frozen=True, slots=True)
 class WeightRef:
-    """A projection weight ``module._parameters[attr]`` and its heads' rows.
-
-    Attributes:
-        module, attr: where the weight lives (a ``Linear``, or the attention module itself).
-        rows: rows of the full weight (a dedicated record's ``full_shape[0]``).
-        head_rows: first row of each head's ``head_dim`` rows, in head order.
-        head_dim: rows per head.
-        bias: the attribute of the projection's bias on ``module`` (the weight's rows), or ``None``.
-    """
+    """A projection weight ``module._parameters[attr]`` of ``rows`` full rows: ``head_rows`` the
+    first of each head's ``head_dim`` rows, in head order; ``bias`` the attribute of its bias on
+    ``module``, or ``None``."""
 
     module: nn.Module
     attr: str
@@ -50,16 +33,8 @@ class WeightRef:
 
 @dataclass(frozen=True, slots=True)
 class AttentionLayout:
-    """One attention module and its projections.
-
-    Attributes:
-        name: the module's name in the model.
-        module: the module whose forward computes the attention (hooks go here).
-        num_heads, num_kv_heads: query heads, key/value heads.
-        head_dim: query/key rows per head.
-        q, k, v: the projections.
-        q_norm, k_norm: the module's QK-norm children, ``None`` where it has none.
-    """
+    """One attention module (``name`` in the model; hooks go on ``module``), its head counts,
+    query/key rows per head, projections ``q``/``k``/``v`` and QK-norm children (or ``None``)."""
 
     name: str
     module: nn.Module
@@ -202,15 +177,11 @@ def _projections(name: str, module: nn.Module, full_rows: dict) -> AttentionLayo
 
 
 def find_attention(model: nn.Module, records: Any = ()) -> list[AttentionLayout]:
-    """Every attention module of ``model`` dmuon recognizes, in module order (an outer match
-    hides nothing inside it: its projections are its own).
+    """Every attention module of ``model`` dmuon recognizes, in module order (no match inside a
+    match), with its ``q_norm`` / ``k_norm`` children (``nn.Identity`` counts as none).
 
-    Args:
-        records: the model's dedicated records: their ``full_shape`` gives a weight's rows (a
-            TP rank's module holds a slice, a non-owner's a placeholder).
-
-    Raises:
-        ValueError: a recognized module whose head counts do not match its weights' rows.
+    ``records``: the dedicated records, whose ``full_shape`` gives a weight's rows (a module
+    holds a TP slice or a placeholder). ValueError for head counts that do not match the rows.
     """
     full_rows = {(id(r.module), r.attr): r.full_shape[0] for r in records}
     found: list[AttentionLayout] = []

@@ -1,11 +1,6 @@
-"""Split Muon: a matrix orthogonalized block by block (per-head Muon).
-
-A :class:`Split` cuts one dedicated matrix into blocks along a dimension, each a Newton-Schulz
-matrix of its own. The owner forms the momentum update of the whole matrix, orthogonalizes
-every block, and applies each with the learning rate adjusted by *the block's* shape:
-``torch.optim.Muon`` run on every block as a parameter of its own, the rule of torchtitan's
-per-head Muon (``_adjust_muon_learning_rate`` on the ``[num_heads, head_dim, dim]`` view, PR
-#4078).
+"""Split Muon (per-head Muon): a :class:`Split` cuts a matrix into blocks, each orthogonalized
+and lr-adjusted by its own shape, as ``torch.optim.Muon`` on every block (torchtitan's per-head
+Muon, ``_adjust_muon_learning_rate`` on the ``[num_heads, head_dim, dim]`` view, PR #4078).
 """
 
 from __future__ import annotations
@@ -103,14 +98,9 @@ def per_head_splits(model: nn.Module, records: Sequence[Any] = ()) -> dict[tuple
 def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
                    split: Mapping[Any, Split] | Callable[[str, tuple[int, ...]], Split | None] | None
                    ) -> dict[int, Split]:
-    """The split of every dedicated record that has one, keyed by ``id(record)``.
-
-    Args:
-        model: the model passed to ``dedicate_params``.
-        records: its dedicated records (:class:`dmuon.owners.dedicated.DedicatedParam`).
-        per_head: split the recognized attention projections per head.
-        split: ``{fqn or parameter: Split}`` (explicit entries win over ``per_head``), or a
-            callable ``(fqn, full_shape) -> Split | None``.
+    """The split of every dedicated record that has one, keyed by ``id(record)``, from
+    ``dedicate_params``' ``per_head`` and ``split`` (``{fqn or parameter: Split}``, winning over
+    ``per_head``, or a callable ``(fqn, full_shape) -> Split | None``).
 
     Raises:
         ValueError: ``per_head`` on a model with no attention module dmuon recognizes, a
@@ -158,7 +148,8 @@ def resolve_splits(model: nn.Module, records: Sequence[Any], *, per_head: bool,
         if not isinstance(found, Split):
             raise ValueError(f"dmuon: the split of {rec.fqn!r} must be a dmuon.Split, got "
                              f"{type(found).__name__}")
-        if rec.stack is not None or rec.experts is not None or tuple(rec.matrix_shape) != tuple(rec.full_shape):
+        if (rec.stack is not None or rec.experts is not None
+                or tuple(rec.matrix_shape) != tuple(rec.full_shape)):
             raise ValueError(
                 f"dmuon: parameter {rec.fqn!r} is an expert stack or already cut into row blocks "
                 f"(matrix {tuple(rec.matrix_shape)} of {tuple(rec.full_shape)}); a split applies to "
@@ -177,8 +168,7 @@ def tp_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _local_split(rec: Any, split: Split | None, rank: int, size: int) -> Split | None:
     """The blocks of this TP rank's slice when every TP slice of ``rec`` holds whole blocks
-    (a colwise-sharded q/k/v split by heads); ``None`` otherwise. Depends on shapes only, so
-    every TP rank decides alike."""
+    (a colwise-sharded q/k/v split by heads); ``None`` otherwise (shapes only: ranks agree)."""
     if split is None or rec.tp_shard_dim != split.dim or size == 1:
         return None
     spans = [chunk_span(int(rec.full_shape[split.dim]), size, r) for r in range(size)]
@@ -193,16 +183,13 @@ def tp_orthogonalizer(recs: Sequence[Any], splits: Sequence[Split | None], group
                       ns: Callable[[list[torch.Tensor]], list[torch.Tensor]],
                       exchange: Callable[..., list[torch.Tensor]]
                       ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """Newton-Schulz of tensor-parallel slices, for :func:`dmuon.owners.update.muon_update_`:
-    a slice holding whole blocks (:func:`_local_split`) is orthogonalized block by block on its
-    own TP rank; every other matrix goes through ``exchange`` (``exchange(updates, recs, group,
-    orthogonalize)``, :func:`dmuon.comm.exchange.orthogonalize_tp`) to its TP owner, which cuts
-    the full update into its blocks. ``recs``: the owned records in plan order (the same on
-    every rank of the TP ``group``), ``splits`` theirs, ``ns`` batched Newton-Schulz.
+    """Newton-Schulz of tensor-parallel slices, for :func:`dmuon.owners.update.muon_update_`: a
+    slice holding whole blocks (:func:`_local_split`) is done on its own TP rank, every other
+    matrix by its TP owner through ``exchange`` (:func:`dmuon.comm.exchange.orthogonalize_tp`).
+    ``recs``: the owned records in plan order (alike on the TP ``group``), ``splits`` theirs.
 
-    Returns:
-        A function from the slices' updates to their orthogonalized slices, same order and
-        shapes; collective over ``group``.
+    Returns a function from the slices' updates to their orthogonalized slices (same order and
+    shapes), collective over ``group``.
     """
     rank, size = tp_rank_size(group)
     local = [_local_split(r, s, rank, size) for r, s in zip(recs, splits)]

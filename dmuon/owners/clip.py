@@ -1,11 +1,7 @@
-"""The global gradient-norm clip behind :func:`dmuon.clip_grad_norm_`, on every path.
-
-Each rank holds pieces of the gradients (owners' full matrices, FSDP2 shards, TP slices,
-replicas); the norm single-process ``torch.nn.utils.clip_grad_norm_`` would compute over the
-full gradients is the p-norm of the pieces, each distinct piece counted once: every rank sums
-``|g|^p`` over the pieces it *counts*, one all-reduce (SUM, or MAX for the inf-norm) adds the
-ranks, and every piece it holds is scaled by ``min(1, max_norm / (norm + 1e-6))`` (torch's
-formula, ``torch/nn/utils/clip_grad.py``).
+"""The global gradient-norm clip behind :func:`dmuon.clip_grad_norm_`: the p-norm of the
+gradient pieces, each distinct piece counted on one rank, one all-reduce (SUM, or MAX for the
+inf-norm), every held piece scaled by ``min(1, max_norm / (norm + 1e-6))``
+(``torch/nn/utils/clip_grad.py``).
 """
 
 from __future__ import annotations
@@ -34,26 +30,12 @@ def clip_by_total_norm_(counted: Sequence[torch.Tensor], clipped: Sequence[torch
                         max_norm: float, norm_type: float, error_if_nonfinite: bool, group: Any,
                         replicated: Sequence[torch.Tensor] = (), count_replicated: bool = False
                         ) -> torch.Tensor:
-    """Scale ``clipped`` in place by the clip coefficient of the total norm; return the norm.
-    Collective over ``group`` (an all-reduce) when torch.distributed is initialized.
-
-    Args:
-        counted: the pieces this rank counts (each distinct piece on exactly one rank), any
-            shape and float dtype.
-        clipped: every gradient piece this rank holds; multiplied in place.
-        max_norm: largest allowed norm (the gradients' unit).
-        norm_type: p of the p-norm; ``float("inf")`` for the max norm.
-        error_if_nonfinite: raise instead of clipping by a nan/inf norm.
-        group: the process group (``None``: the default group).
-        replicated: pieces every rank holds equal copies of; added to this rank's sum when
-            ``count_replicated`` (and always to the max).
-        count_replicated: whether this rank counts ``replicated`` (true on exactly one rank).
-
-    Returns:
-        The total norm before clipping, a 0-d fp32 tensor, identical on every rank.
-
-    Raises:
-        RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf.
+    """Scale every piece of ``clipped`` in place by the clip coefficient of the total norm and
+    return the norm before clipping (0-d fp32, alike on every rank); an all-reduce over ``group``
+    when torch.distributed is initialized. ``counted``: the pieces this rank counts (each
+    distinct piece on one rank); ``replicated``: pieces every rank holds alike, summed where
+    ``count_replicated`` (one rank) and always in the max. Raises RuntimeError on a nan/inf norm
+    with ``error_if_nonfinite``.
     """
     norm_type = float(norm_type)
     device = next((g.device for g in clipped), torch.device("cpu"))
@@ -79,8 +61,7 @@ def clip_by_total_norm_(counted: Sequence[torch.Tensor], clipped: Sequence[torch
         if collective:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         total = total.pow(1.0 / norm_type)
-    # Host sync on CUDA only with error_if_nonfinite=True (not a hook: the user's call between
-    # backward and step), as torch.nn.utils.clip_grad_norm_ does for the same check.
+    # a host sync on CUDA, as torch.nn.utils.clip_grad_norm_ does for the same check
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"dmuon: the total gradient norm is {total.item()}; refusing to clip")
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)

@@ -1,14 +1,8 @@
-"""Per-matrix runtime record: the owner's fp32 master, everyone's compute copy, placeholders.
-
-Each dedicated matrix ``W`` (``[rows, cols]``) is represented by two ``nn.Parameter`` objects:
-
-* ``master``: what ``model.parameters()`` lists outside forward/backward and what the optimizer
-  steps. On the owner it is the full fp32 master weight ``[rows, cols]``; on every other rank it
-  is a zero-size placeholder (``[0]``), so parameter-walking code keeps working without memory.
-* ``compute``: the full weight in the compute dtype (``[rows, cols]``), swapped onto the module
-  for the duration of its forward (as FSDP2 swaps its unsharded parameter). Autograd
-  accumulates the local gradient into ``compute.grad``. On non-owners its storage is freed
-  (resized to zero bytes) whenever it is not needed and refilled by the owner's broadcast.
+"""Per-matrix runtime record. Each dedicated matrix has two ``nn.Parameter`` objects:
+``master`` (shown outside forward/backward, stepped by the optimizer: the fp32 ``[rows, cols]``
+on the owner, a ``[0]`` placeholder elsewhere) and ``compute`` (the weight in the compute
+dtype, swapped onto the module during its forward as FSDP2 does; on non-owners its storage is
+freed when not needed and refilled by the owner's broadcast).
 """
 
 from __future__ import annotations
@@ -42,29 +36,25 @@ class DedicatedParam:
     """Runtime state of one dedicated matrix on one rank.
 
     Attributes:
-        fqn, module, attr: the parameter's name, and the module whose ``_parameters[attr]``
-            holds it.
+        fqn, module, attr: the parameter's name; ``module._parameters[attr]`` holds it.
         shape: this rank's matrix ``(rows, cols)`` (a TP slice), or expert range ``[k, rows,
             cols]``; ``full_shape``: the whole matrix's ``(rows, cols)``.
-        owner, is_owner: the owner's rank within ``group`` (default dmuon's shard group;
-            expert parallelism: the ranks holding the same experts), and whether it is this one.
-        master: fp32 master on the owner, zero-size placeholder elsewhere.
-        compute: the weight in the compute dtype; storage freed on non-owners while not in use.
+        owner, is_owner: the owner's rank within ``group`` (default the shard group), and
+            whether it is this one.
+        master, compute: see the module docstring.
         reduce_dtype: dtype gradients are summed in on their way to the owner.
         order: index in forward order (publication order and prefetch).
         tp_shard_dim, tp_owner: the dim TP splits (0/1, or ``None``) and the TP rank that runs
             Newton-Schulz.
-        replicate_mode: HSDP only: ``"compute"`` or ``"broadcast"``
-            (:attr:`dmuon.owners.plan.MatrixSpec.replicate_mode`).
+        replicate_mode: HSDP only (:attr:`dmuon.owners.plan.MatrixSpec.replicate_mode`).
         matrix_shape: ``(rows, cols)`` of one Newton-Schulz matrix (:mod:`dmuon.owners.stacks`).
         key, experts: the plan entry's name and expert range (:attr:`MatrixSpec.key`); under
-            expert parallelism over the stack's *global* experts, so each expert group's ranges
-            have their own names (a checkpoint key is written once per name).
+            expert parallelism over the stack's global experts (one checkpoint key per name).
         stack: the :class:`dmuon.owners.stacks.StackSlot` of a stack split into several
             ranges; ``None`` otherwise.
         optional: a routed expert's matrix: it may take no gradient on some ranks of a step.
-        sd_layout: ``(mesh, placements, shape, stride)`` of FSDP2's sharded parameter, which
-            ``model.state_dict()`` shows in its place; ``None`` without FSDP2.
+        sd_layout: ``(mesh, placements, shape, stride)`` of FSDP2's sharded parameter (shown by
+            ``model.state_dict()``), or ``None``.
     """
 
     fqn: str
@@ -124,14 +114,14 @@ def make_dedicated(
     """Build the record from the full initial weight and register the master on the module.
 
     Args:
-        full: the full matrix ``[rows, cols]`` (any float dtype; this rank's TP slice under
-            tensor parallelism); only read on the owner.
-        owner: owner's rank in the dmuon group; ``rank`` is this rank in it.
-        wrap: turns the local compute tensor into what the module computes with (a DTensor on
-            the TP mesh); identity when ``None``.
-        storage: a view (of a publish group's flat buffer) to hold the compute weight; the
-            group, not this function, frees it on non-owners.
-        extra: further :class:`DedicatedParam` fields (TP and HSDP attributes).
+        full: the full matrix ``[rows, cols]`` (any float dtype; the TP slice under TP); only
+            read on the owner.
+        owner, rank: the owner's and this rank's rank in the dmuon group.
+        wrap: the local compute tensor to what the module computes with (a DTensor on the TP
+            mesh); identity when ``None``.
+        storage: a view of a publish group's flat buffer to hold the compute weight (the
+            group frees it on non-owners).
+        extra: further :class:`DedicatedParam` fields.
     """
     shape = tuple(int(s) for s in full.shape)  # a matrix, or an expert range [k, rows, cols]
     is_owner = owner == rank
@@ -145,7 +135,8 @@ def make_dedicated(
             else:
                 local = storage.view(shape).copy_(full.detach())
         else:
-            master = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device), requires_grad=requires_grad)
+            master = nn.Parameter(torch.empty(0, dtype=torch.float32, device=device),
+                                  requires_grad=requires_grad)
             if storage is None:
                 local = torch.empty(shape, dtype=compute_dtype, device=device)
                 free_storage(local)

@@ -3,21 +3,14 @@
 ``dmuon.Muon(model, overlap=...)``:
 
 * ``"off"``: ``opt.step()`` runs the whole update (:func:`dmuon.owners.update.muon_update_`).
-* ``"forward"``: ``opt.step()`` runs the momentum step and AdamW, and *schedules* one job per
-  publish group (Newton-Schulz, master update, the owner's compute copy) in forward order
-  (:func:`step_overlapped`); a group's publication waits for its own job only. On CUDA a job
-  runs on a side stream and records an event the publication stream waits on; on CPU it runs
-  on one worker thread.
-* ``"backward"``: as ``"forward"``, and a synced backward starts momentum and Newton-Schulz on
-  *copies* (:func:`speculate`). ``opt.step()`` keeps a speculative result only if its own
-  Newton-Schulz input equals the speculation's bit for bit, with the same settings and layout
-  (:func:`take_proven`).
+* ``"forward"``: ``opt.step()`` runs the momentum step and AdamW and schedules one job per
+  publish group (Newton-Schulz, master update, compute copy; :func:`step_overlapped`), on a
+  CUDA side stream or one CPU worker thread; a publication waits for its own job only.
+* ``"backward"``: also, a synced backward starts momentum and Newton-Schulz on copies
+  (:func:`speculate`), kept only if bit-identical to the step's input (:func:`take_proven`).
 
-A job reads only a frozen :class:`dmuon.owners.update.MuonHyper`, its inputs and the tensors it
-writes. Every reader of masters or optimizer state first calls :meth:`PendingSteps.wait_all`.
-A failed job is raised, naming dmuon and the matrices, by a reader at once, and by every rank
-at the next step check when met on the way to a publication (``defer_failures``). A TP model
-steps as with ``"off"`` (its Newton-Schulz is collective over the TP group).
+Every reader of masters or optimizer state first calls :meth:`PendingSteps.wait_all`. A TP
+model steps as with ``"off"`` (its Newton-Schulz is collective over the TP group).
 """
 
 from __future__ import annotations
@@ -35,11 +28,7 @@ OVERLAP_MODES = ("off", "forward", "backward")
 
 
 def check_overlap(overlap: Any) -> str:
-    """Return ``overlap`` if it is one of :data:`OVERLAP_MODES`.
-
-    Raises:
-        ValueError: naming the value and the choices.
-    """
+    """Return ``overlap`` if it is one of :data:`OVERLAP_MODES`, else raise ValueError."""
     if overlap not in OVERLAP_MODES:
         raise ValueError(f"dmuon: Muon(overlap={overlap!r}): overlap must be one of {OVERLAP_MODES} "
                          f"('off': Newton-Schulz inside opt.step(); 'forward': behind the next "
@@ -50,9 +39,7 @@ def check_overlap(overlap: Any) -> str:
 @dataclass(eq=False)
 class Job:
     """One scheduled piece of owner work: a worker-thread future (CPU) or a side-stream event
-    (CUDA), the tensors it reads or writes (kept alive until waited), what it does (for an
-    error message), and what issuing a CUDA job on the main thread raised (raised at
-    :meth:`wait`)."""
+    (CUDA), the tensors it uses (kept alive until waited), and an error to raise at :meth:`wait`."""
 
     what: str
     future: Future | None = None
@@ -62,11 +49,8 @@ class Job:
     error: BaseException | None = None
 
     def wait(self) -> None:
-        """Block until done (CPU), or make the current stream wait on it (CUDA).
-
-        Raises:
-            RuntimeError: the job raised (chained), naming dmuon and the matrices.
-        """
+        """Block until done (CPU), or make the current stream wait on it (CUDA); a RuntimeError
+        naming the matrices (chained) if the job raised."""
         error = self.error
         self.error = None
         if self.future is not None:
@@ -92,15 +76,9 @@ def _rank() -> int:
 
 @dataclass(eq=False)
 class Speculation:
-    """A momentum step and Newton-Schulz of one owned master, started in a backward.
-
-    Attributes:
-        update: its Newton-Schulz input, from the gradient and a copy of the momentum buffer.
-        layout, ns: the :class:`dmuon.owners.update.MatrixLayout` and :attr:`MuonHyper.ns` used.
-        ortho: the orthogonalized update, shaped like ``update`` (filled by its job).
-        discarded: set by ``step()`` when the proof fails; a job not yet started skips it.
-        job: the :class:`Job` computing ``ortho`` (on CUDA the step's job waits for its event).
-    """
+    """A momentum step (on a copy of the buffer) and Newton-Schulz of one owned master, started
+    in a backward: ``update`` the NS input, ``ortho`` its result (filled by ``job``),
+    ``discarded`` set when the proof fails (a job not yet started skips it)."""
 
     update: torch.Tensor
     layout: Any
@@ -115,14 +93,13 @@ class PendingSteps:
     """Owner work scheduled by ``opt.step()`` (or the last backward) and not yet waited for.
 
     Attributes:
-        jobs: by publish group (any hashable key the publication names): its job.
+        jobs: by publish group: its job.
         speculations: by master: the backward's speculative result (``overlap="backward"``).
-        early: the masters whose speculation this backward started during backward.
+        early: the masters whose speculation started during this backward.
         kept, recomputed, started_early: speculative results used, discarded, and started
             during backward, summed over steps.
-        defer_failures: a failed job waited for on the way to a publication is recorded in
-            ``failure`` instead of raised, so that every rank raises together at the next step
-            check (:class:`dmuon.hooks.step_check.StepCheck`); readers always raise.
+        defer_failures: a job failing on the way to a publication is recorded in ``failure``,
+            not raised, so every rank raises together at the next step check; readers raise.
         failure: the first failed job's error message on this rank, or ``None``.
     """
 
@@ -146,9 +123,9 @@ class PendingSteps:
 
     def submit(self, fn: Callable[[], None], device: torch.device, what: str, keep: tuple = (),
                speculative: bool = False) -> Job:
-        """Run ``fn`` (no autograd) behind the main thread: on CUDA on a side stream that first
-        waits for the current stream (``speculative`` work on a stream of its own, so that a
-        step's jobs never queue behind a discarded speculation); elsewhere on one worker thread."""
+        """Run ``fn`` (no autograd) behind the main thread: on CUDA on a side stream after the
+        current stream's work (``speculative`` on its own stream, so that a step's jobs never
+        queue behind a discarded speculation); elsewhere on one worker thread."""
         if device.type == "cuda":
             streams = self._spec_streams if speculative else self._streams
             stream = streams.get(device)
@@ -169,11 +146,13 @@ class PendingSteps:
             return Job(what, event=event, device=device, keep=keep, error=error)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dmuon-overlap")
-        return Job(what, future=self._executor.submit(_no_grad, fn), keep=keep)
+        # torch.no_grad() as a decorator: grad mode is thread-local, set in the worker thread
+        return Job(what, future=self._executor.submit(torch.no_grad()(fn)), keep=keep)
 
     def schedule(self, key: Any, fn: Callable[[], None], device: torch.device, what: str,
                  keep: tuple = ()) -> None:
-        """Submit ``fn`` as the job the publication of ``key`` waits for."""
+        """Submit ``fn`` as the job the publication of ``key`` waits for (bench/stream_recorder.py
+        wraps it)."""
         self.jobs[key] = self.submit(fn, device, what, keep)
 
     def pending(self, key: Any) -> bool:
@@ -187,9 +166,8 @@ class PendingSteps:
         return job is None or job.future is None or job.future.done()
 
     def stream_for(self, keys: Any) -> Any:
-        """The publication stream for the broadcasts of ``keys`` when one of them has a CUDA
-        job, or ``None``: not the jobs' side stream (a broadcast queued there would wait for
-        every earlier job), so that :meth:`wait_for` under it waits for each key's own event."""
+        """A publication stream for the broadcasts of ``keys`` when one has a CUDA job, else
+        ``None``; not the jobs' side stream, where a broadcast would wait for every earlier job."""
         for key in keys:
             job = self.jobs.get(key)
             if job is not None and job.event is not None:
@@ -210,9 +188,8 @@ class PendingSteps:
                 self._wait(job, defer=self.defer_failures)
 
     def _wait(self, job: Job, defer: bool) -> None:
-        """Wait for ``job``; keep the first failure, raised now unless ``defer``, when its
-        message goes to the job's c10d store (``dmuon/failure/<rank>``) for the other ranks'
-        step-check error to quote."""
+        """Wait for ``job``; keep the first failure, raised now unless ``defer`` (then posted to
+        the c10d store as ``dmuon/failure/<rank>`` for the other ranks' step-check error)."""
         try:
             job.wait()
         except RuntimeError as exc:
@@ -231,8 +208,7 @@ class PendingSteps:
 
     def retire_speculation(self) -> None:
         """Forget the speculative jobs that have finished (re-raising a failure), without
-        waiting for the others: ``step()`` waits only for those it keeps, through the jobs that
-        read them (in submission order)."""
+        waiting for the others."""
         running = []
         for job in self.spec_jobs:
             if job.future is None:  # CUDA: ordered on the side stream; nothing to re-raise
@@ -251,30 +227,14 @@ class PendingSteps:
         self.early.clear()
 
     def wait_all(self) -> None:
-        """Wait for every scheduled job (a reader of masters or optimizer state is next).
-
-        Raises:
-            RuntimeError: a job failed, now or earlier (its masters may be half updated).
-        """
+        """Wait for every scheduled job (a reader of masters or optimizer state is next); a
+        RuntimeError if a job failed, now or earlier."""
         while self.spec_jobs:
             self._wait(self.spec_jobs.pop(0), defer=False)
         while self.jobs:
             self._wait(self.jobs.pop(next(iter(self.jobs))), defer=False)
         if self.failure is not None:
             raise RuntimeError(self.failure)
-
-    def close(self) -> None:
-        """Wait for everything, then stop the worker thread."""
-        self.wait_all()
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
-
-
-def _no_grad(fn: Callable[[], None]) -> None:
-    """Grad mode is thread-local: the worker thread turns it off itself."""
-    with torch.no_grad():
-        fn()
 
 
 def same_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
@@ -294,9 +254,8 @@ def same_bits(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
 
 def take_proven(pending: PendingSteps, masters: list[torch.Tensor], updates: list[torch.Tensor],
                 layouts: list[Any], hp: MuonHyper) -> dict[int, Speculation]:
-    """The speculations ``step()`` may keep, by index into ``masters``: the Newton-Schulz input
-    it just computed equals the speculation's bit for bit, with the same settings and layout.
-    Every other speculation is discarded (its job skipped if not started)."""
+    """The speculations ``step()`` keeps, by index into ``masters``: same Newton-Schulz input bit
+    for bit, same settings and layout. The others are discarded."""
     found = [(i, pending.speculations.pop(m, None)) for i, m in enumerate(masters)]
     found = [(i, spec) for i, spec in found if spec is not None]
     pending.clear_speculations()  # the rest: speculated, but no gradient at the step
@@ -317,21 +276,14 @@ def take_proven(pending: PendingSteps, masters: list[torch.Tensor], updates: lis
 def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
                     pubs: list[Any], scale_master: Callable[[Any, torch.Tensor], None] | None = None) -> None:
     """``opt.step()``'s Muon with ``overlap="forward"``/``"backward"``: the momentum step now,
-    then one job per publish group, in forward order: Newton-Schulz of its matrices (or a proven
-    speculation's result, :func:`take_proven`), :func:`dmuon.owners.update.muon_finish_`, the
-    QK-clip scaling, and the owner's compute copy. Only plain tensors and frozen records reach
-    a job (no param group, no DTensor dispatch off the main thread).
+    then one job per publish group, in forward order: Newton-Schulz (or a proven speculation's
+    result), :func:`dmuon.owners.update.muon_finish_`, QK-clip scaling and the compute copy.
+    Only plain tensors and frozen records reach a job (no DTensor dispatch off the main thread).
 
-    Args:
-        pending: the model's :class:`PendingSteps`.
-        hp: the step's frozen hyper-parameters.
-        items: ``(master, grad, momentum buffer, record)`` of every owned matrix with a
-            gradient; masters ``[rows, cols]`` (or a stack ``[k, rows, cols]``) fp32, full.
-        layouts: each item's :class:`dmuon.owners.update.MatrixLayout`.
-        pubs: this rank's owner publish groups, in forward order; each has ``members``
-            (records), ``flat`` and ``owner``.
-        scale_master: ``(record, master)`` after the update, before the compute copy (QK-clip's
-            frozen plan, :mod:`dmuon.qk_clip`), or ``None``.
+    ``items``: ``(master, grad, momentum buffer, record)`` of every owned matrix with a
+    gradient, masters fp32 ``[rows, cols]`` or ``[k, rows, cols]``; ``layouts`` their
+    :class:`dmuon.owners.update.MatrixLayout`; ``pubs`` this rank's owner publish groups in
+    forward order; ``scale_master(record, master)``: QK-clip's, before the compute copy, or None.
     """
     masters = [item[0] for item in items]
     bufs = [item[2] for item in items]
@@ -372,11 +324,9 @@ def step_overlapped(pending: PendingSteps, hp: MuonHyper, items: list[tuple], la
 def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts: list[Any],
               early: bool = False) -> None:
     """A synced backward with ``overlap="backward"``: each owned matrix's momentum step into a
-    copy of its buffer now, and one job that orthogonalizes them all (read by
-    :func:`take_proven`). With ``early``, during backward once a bucket's reduce-to-owner has
-    completed (``grad``: a copy of the owner's average); else at the end of backward, for the
-    masters not started early. ``hp`` is the Muon group's now (a later change only makes the
-    proof fail); ``items`` and ``layouts`` as in :func:`step_overlapped`."""
+    copy of its buffer, and one job orthogonalizing them all (read by :func:`take_proven`).
+    ``early``: during backward, once a bucket's reduce-to-owner is done; else at its end, for
+    the masters not started early. ``items`` and ``layouts`` as in :func:`step_overlapped`."""
     pending.wait_for(list(pending.jobs))  # the last step's (its jobs may write the buffers)
     chosen = [(item, lay) for item, lay in zip(items, layouts) if early or item[0] not in pending.early]
     if not early:
@@ -399,7 +349,8 @@ def speculate(pending: PendingSteps, hp: MuonHyper, items: list[tuple], layouts:
         live = [spec for spec in specs if not spec.discarded]
         if not live:
             return  # step() has already recomputed them all
-        for spec, out in zip(live, orthogonalize_updates([s.update for s in live], [s.layout for s in live], ns)):
+        outs = orthogonalize_updates([s.update for s in live], [s.layout for s in live], ns)
+        for spec, out in zip(live, outs):
             spec.ortho = out
 
     what = f"the speculative Newton-Schulz of {[item[3].fqn for item, _ in chosen][:4]}"

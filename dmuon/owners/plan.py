@@ -1,12 +1,7 @@
-"""Owner plans: which rank owns which dedicated matrix, as data, and solved from shapes.
+"""Owner plans: which rank owns which dedicated matrix, solved from shapes by :func:`build_plan`.
 
-A plan is computed once from parameter shapes (they never change during training), is
-identical on every rank (ranks compare :meth:`OwnerPlan.digest` before the first step), and
-round-trips through JSON so that ``python -m dmuon.profile`` can solve it offline and
-``dedicate_params(model, mesh, plan="plan.json")`` can load it. :func:`build_plan` is its one
-author: it prices every matrix (or expert of a stack) by its Newton-Schulz cost and balances
-them over the ranks (:func:`dmuon.balance.solve`); :meth:`OwnerPlan.check_matches` refuses a
-plan solved for another model or mesh.
+A plan is the same on every rank (checked by :meth:`OwnerPlan.digest`) and round-trips through
+JSON (``python -m dmuon.profile --out``, ``dedicate_params(..., plan="plan.json")``).
 """
 
 from __future__ import annotations
@@ -43,25 +38,21 @@ class MatrixSpec:
 
     Attributes:
         fqn: fully qualified parameter name, as ``model.named_parameters()`` gives it.
-        shape: ``(rows, cols)`` of the full (unsharded) matrix, or of one Newton-Schulz matrix
-            of a stack (``experts`` set) or of a matrix cut into ``blocks > 1`` row blocks.
-        experts: the range ``(start, stop)`` of a stack's flattened leading dims (experts) the
-            entry covers; ``None`` for a 2-D parameter (:mod:`dmuon.owners.stacks`).
-        owner: rank (in the data-parallel shard dimension) that holds the fp32 master and
-            momentum, receives the reduced gradient and runs Newton-Schulz; under tensor
-            parallelism, the DP owner of every TP slice.
+        shape: ``(rows, cols)`` of one full (unsharded) Newton-Schulz matrix.
+        experts: the range ``(start, stop)`` of a stack's experts (flattened leading dims) the
+            entry covers; ``None`` for a 2-D parameter.
+        blocks: row blocks each stored matrix is cut into.
+        owner: data-parallel shard rank that holds the fp32 master and momentum and runs
+            Newton-Schulz (under TP, the DP owner of every TP slice).
         cost: Newton-Schulz cost the balancer used (unit in ``OwnerPlan.cost_unit``).
-        tp_owner: TP rank (in the DP owner's TP group) that runs Newton-Schulz on the full
-            matrix; 0 without tensor parallelism.
+        tp_owner: TP rank that runs Newton-Schulz on the full matrix; 0 without TP.
         bucket: DDP-style path (``replicas="keep"``) only: the bucket the matrix travels in (0 =
             the first reduced in backward); ``None`` elsewhere.
-        replicate_mode: HSDP only: ``"compute"`` (every replica's owner runs Newton-Schulz on
-            the all-reduced gradient) or ``"broadcast"`` (replica 0's owner runs it and
-            broadcasts the fp32 master); ``None`` without a replicate dimension.
-        ep: expert parallelism: ``experts`` ranges over the ``E / ep_size`` experts each rank
-            holds of a stack split ``Shard(0)`` over ``"ep"``, and ``owner`` is a rank of the
-            *expert group* (the ``world_size / ep_size`` ranks holding the same experts); the
-            entry serves every ``"ep"`` coordinate alike.
+        replicate_mode: HSDP only: ``"compute"`` (every replica runs Newton-Schulz) or
+            ``"broadcast"`` (replica 0 runs it and broadcasts the master); else ``None``.
+        ep: expert parallelism: ``experts`` ranges over one rank's ``E / ep_size`` local
+            experts and ``owner`` is a rank of the expert group (``world_size / ep_size``
+            ranks holding the same experts).
     """
 
     fqn: str
@@ -186,8 +177,7 @@ class OwnerPlan:
 
     @property
     def owner_by_fqn(self) -> dict[str, int]:
-        """Owner per entry key (:attr:`MatrixSpec.key`: the FQN, ``fqn[start:stop]`` for an
-        expert range)."""
+        """Owner per entry key (:attr:`MatrixSpec.key`)."""
         return {m.key: m.owner for m in self.matrices}
 
     def specs_by_fqn(self) -> dict[str, list[MatrixSpec]]:
@@ -200,10 +190,9 @@ class OwnerPlan:
         return out
 
     def loads(self) -> list[float]:
-        """Per-rank sum of ``MatrixSpec.cost`` (unit ``cost_unit``), over the DP x TP grid
-        (index ``owner * tp_size + tp_owner``). An expert-parallel entry's owner ``x`` stands
-        for the ranks ``x * ep_size + c`` of every ``"ep"`` coordinate ``c`` (the mesh's
-        row-major order, ``(expert shard, ep)``): each holds its own experts of that cost."""
+        """Per-rank sum of ``MatrixSpec.cost``, index ``owner * tp_size + tp_owner``; an
+        expert-parallel entry's owner ``x`` loads ranks ``x * ep_size + c`` for every ``"ep"``
+        coordinate ``c`` (the mesh's row-major ``(expert shard, ep)`` order)."""
         loads = [0.0] * (self.world_size * self.tp_size)
         for m in self.matrices:
             if m.ep:
@@ -228,9 +217,8 @@ class OwnerPlan:
                 ``shape_by_fqn`` entry is one rank's local stack, ``[E / ep_size, rows, cols]``).
 
         Raises:
-            ValueError: naming the first mismatch (world size, TP size, missing or extra
-                matrix, shape, expert ranges, ep size, a stack expert-parallel in the model and
-                not in the plan or the other way round) and the fix: re-solve the plan.
+            ValueError: naming the first mismatch (world, TP or ep size, a missing or extra
+                matrix, shape, expert ranges, expert parallelism) and the fix: re-solve the plan.
         """
         from dmuon.owners.stacks import ParamLayout
 
@@ -405,8 +393,8 @@ class OwnerPlan:
 
         Args:
             mode: ``None`` (no replicate dimension: the plan as it is), ``"compute"`` or
-                ``"broadcast"`` (every matrix), or ``"auto"``: matrices whose mode is still
-                ``None`` get the cheaper one by ``cost`` (default :class:`ReplicaCost`).
+                ``"broadcast"`` (every matrix), or ``"auto"``: matrices without a mode get the
+                cheaper one by ``cost`` (default :class:`ReplicaCost`).
 
         Raises:
             ValueError: ``mode`` is not ``None``, ``"auto"``, ``"compute"`` or ``"broadcast"``.
@@ -462,28 +450,22 @@ def build_plan(
     deadlines: Sequence[float] | None = None,
     makespan_slack: float | None = None,
 ) -> OwnerPlan:
-    """Every per-matrix decision of an owner plan, from a model's matrices or an inventory.
-
-    ``dedicate_params``, ``python -m dmuon.profile`` and the ``distributed_config`` path all
-    call it. It decides the owner (balancing Newton-Schulz cost with
-    :func:`dmuon.balance.solve`), the TP owner, the owners' spread over the node x GPU grid and
-    within each publish group, and the HSDP replicate mode. Three paths take only some of the
-    options (:data:`_REFUSED`): ``deadlines``, ``expert_parallel`` and ``bucket_bytes``.
+    """Owner (and TP owner, bucket, HSDP replicate mode) of every matrix, balancing
+    Newton-Schulz cost with :func:`dmuon.balance.solve`. The ``deadlines``, ``expert_parallel``
+    and ``bucket_bytes`` paths refuse some options (:data:`_REFUSED`).
 
     Args:
         named_shapes: ``(fqn, shape)`` per dedicated parameter, in model order: ``(rows,
-            cols)`` for a matrix, ``(*lead, rows, cols)`` for a stack of matrices (experts),
-            which the balancer sees expert by expert and the plan records as expert ranges,
-            one per owner (:mod:`dmuon.owners.stacks`).
+            cols)``, or ``(*lead, rows, cols)`` for a stack of experts, balanced expert by
+            expert and recorded as one expert range per owner.
         world_size: number of ranks to spread owners over (the data-parallel shard group).
-        costs: per-parameter cost (a stack's is shared evenly by its experts); default the
-            Gram Newton-Schulz FLOP model (:func:`dmuon.kernels.ns_flops`) per matrix. With
-            ``batch_overhead``, the marginal part.
+        costs: per-parameter cost (a stack's shared evenly by its experts); default the Gram
+            Newton-Schulz FLOPs (:func:`dmuon.kernels.ns_flops`). With ``batch_overhead``, the
+            marginal part.
         cost_unit: unit of ``costs`` (``"flops"`` or ``"ms"``).
         blocks: row blocks per stored matrix, by FQN (default 1: each matrix whole).
         method: :func:`dmuon.balance.solve`'s (``"greedy"``, ``"milp"``, ``"auto"``); the MILP
-            may stop at ``time_limit_s`` (seconds), so its plan can depend on timing: solve on
-            one rank and broadcast (``dedicate_params`` does).
+            stops at ``time_limit_s`` (seconds), so solve on one rank and broadcast.
         tp_size: TP group size: the balancer spreads costs over ``world_size * tp_size``
             ranks (solver rank ``owner * tp_size + tp_owner``).
         groups: publish group per matrix (its FSDP2 block), for ``group_cost``, ``layout`` and
@@ -493,42 +475,31 @@ def build_plan(
             Ignored with ``tp_size > 1`` (publications go per DP owner).
         layout: ``(nodes, gpus_per_node)`` covering ``world_size * tp_size`` ranks: owners
             follow the XOR layout at equal per-rank loads (:mod:`dmuon.balance.layout`).
-        memory_cap_bytes: bytes of masters, momenta and gradients allowed per rank
-            (:func:`dmuon.balance.cost.owner_memory`), or ``None``.
+        memory_cap_bytes: bytes of masters, momenta and gradients allowed per rank, or ``None``.
         batch_overhead: per-shape cost paid once per rank owning any matrix of that shape
             (:func:`dmuon.balance.cost.fit_batch_costs`); ``MatrixSpec.cost`` then includes it.
-        replicate_mode, replica_cost: HSDP replicate mode per matrix and the cost model of
-            ``"auto"`` (:meth:`OwnerPlan.with_replicate_modes`); ``None`` without a replicate
-            dimension.
+        replicate_mode, replica_cost: as :meth:`OwnerPlan.with_replicate_modes` takes them.
         solver_report: record the solver's ``proven_bound``, ``optimal``, ``detail``,
             ``milp_status``, ``solve_s``, the layout and ``memory_by_rank`` (bytes) in
-            ``extra``. Without it, ``extra["milp_status"]`` is still set when CBC failed and
-            the plan is the heuristic fallback.
-        bucket_bytes, element_size: the DDP-style path (``replicas="keep"``): matrices cut
-            into contiguous buckets in backward order, each closed once it holds
-            ``bucket_bytes`` (> 0) of gradients of ``element_size`` bytes per element, at least
-            ``world_size`` of them, one owner each (:func:`dmuon.balance.buckets.assign_buckets`);
-            ``MatrixSpec.bucket`` records it.
+            ``extra`` (``milp_status`` is always there when CBC failed).
+        bucket_bytes, element_size: the DDP-style path (``replicas="keep"``): contiguous
+            buckets in backward order of about ``bucket_bytes`` (> 0) of gradients of
+            ``element_size`` bytes per element, at least ``world_size``, one owner each
+            (:func:`dmuon.balance.buckets.assign_buckets`).
         expert_parallel, ep_size: FQNs of the expert stacks split ``Shard(0)`` over the
-            mesh's ``"ep"`` dimension of ``ep_size`` ranks (``named_shapes`` gives their global
-            shape). Their local experts are balanced over the ``world_size / ep_size`` ranks
-            holding the same experts, the other matrices over all ranks, in two solves; the
-            plan's makespan and lower bound cover both (:meth:`OwnerPlan.loads`) and
-            ``extra["expert_parallel"]`` holds the expert solve's.
+            ``"ep"`` mesh dimension of ``ep_size`` ranks (global shapes in ``named_shapes``):
+            their local experts are balanced over an expert group, the rest over all ranks;
+            ``extra["expert_parallel"]`` holds the expert solve's figures.
         deadlines: forward start of each publish group in ``cost_unit`` (ids in forward
-            order): minimize the Newton-Schulz time the next forward waits for under overlap
-            instead of the makespan, without the XOR layout; ``extra`` records
-            ``objective="exposed"``, ``exposed`` and ``exposed_bound``.
-        makespan_slack: with ``deadlines``, the runtime's objective
-            (:func:`dmuon.balance.solve` with ``makespan_slack``): the least exposed time among
-            plans within ``1 + makespan_slack`` of the makespan plan's makespan (and its
-            publish pairs, with ``group_cost``, then allowed); ``extra`` records
-            ``objective="overlap"`` and the makespan plan's figures.
+            order): minimize the Newton-Schulz time the next forward waits for instead of the
+            makespan; ``extra`` records ``objective="exposed"``, ``exposed``, ``exposed_bound``.
+        makespan_slack: with ``deadlines``, the least exposed time among plans within ``1 +
+            makespan_slack`` of the makespan plan's makespan (:func:`dmuon.balance.solve`);
+            ``extra`` records ``objective="overlap"`` and the makespan plan's figures.
 
     Returns:
-        The plan, with makespan and lower bound from the solver; ``extra`` records
-        ``group_cost`` and ``publish_pairs`` when a group cost was used (and the report above);
-        on the bucket path ``buckets``, ``bucket_cap_bytes``, ``ns_share`` and ``bytes_share``.
+        The plan; ``extra`` records ``group_cost`` and ``publish_pairs`` when a group cost was
+        used, and on the bucket path ``buckets``, ``bucket_cap_bytes``, ``ns_share``, ``bytes_share``.
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (bad costs, an infeasible memory cap),
@@ -643,12 +614,12 @@ def build_plan(
 
 
 def _bucket_plan(items, layouts, world_size, costs, cost_unit, bucket_bytes, element_size) -> OwnerPlan:
-    """:func:`build_plan`'s DDP-style path: size-capped buckets in backward order, one owner each
-    (:func:`dmuon.balance.buckets.assign_buckets`); a stack's experts split at bucket edges."""
+    """:func:`build_plan`'s DDP-style path; a stack's experts split at bucket edges."""
+    from dmuon.balance.assignment import trivial_lower_bound
     from dmuon.balance.buckets import assign_buckets
     from dmuon.owners.stacks import collapse_ranges
 
-    nbytes = [it.numel * element_size for it in items]
+    nbytes = [it.matrices * it.matrix_shape[0] * it.matrix_shape[1] * element_size for it in items]
     result = assign_buckets(costs, nbytes, world_size, bucket_bytes)
     owners = [result.owner_of_bucket[b] for b in result.bucket]
     block_of = {fqn: layout.blocks for fqn, layout in layouts}
@@ -658,29 +629,21 @@ def _bucket_plan(items, layouts, world_size, costs, cost_unit, bucket_bytes, ele
                    blocks=block_of[r.fqn])
         for r in collapse_ranges(items, owners, list(result.bucket))
     )
-    loads = [0.0] * world_size
-    for m in matrices:
-        loads[m.owner] += m.cost
-    return OwnerPlan(
+    plan = OwnerPlan(
         world_size=world_size, matrices=matrices, method="buckets", cost_unit=cost_unit,
-        makespan=max(loads, default=0.0),
-        lower_bound=max(sum(costs) / world_size, max(costs, default=0.0)),
+        lower_bound=trivial_lower_bound(costs, world_size),
         extra={"buckets": len(result.owner_of_bucket), "bucket_cap_bytes": result.cap_bytes,
                "ns_share": list(result.ns_share), "bytes_share": list(result.bytes_share)},
     )
+    return replace(plan, makespan=max(plan.loads(), default=0.0))
 
 
 def _expert_parallel_plan(named_shapes: list, world_size: int, expert_parallel: set[str], ep_size: int, *,
                           costs, groups, blocks, options: dict) -> OwnerPlan:
-    """:func:`build_plan` with expert parallelism: the dense matrices over ``world_size`` ranks,
-    the expert-parallel stacks' local experts over the ``world_size / ep_size`` ranks of an
-    expert group (one plan serves every group: their local stacks have the same shapes), in two
-    solves merged in model order (``ep_size`` set, ``MatrixSpec.ep`` on the expert entries).
-
-    Raises:
-        ValueError: an ``ep_size`` that does not divide ``world_size``, an unknown FQN in
-            ``expert_parallel``, or an expert-parallel parameter that is not a stack whose
-            experts ``ep_size`` divides.
+    """:func:`build_plan` with expert parallelism: dense matrices over ``world_size`` ranks and
+    the stacks' local experts over an expert group (the same for every group), two solves
+    merged in model order. ValueError for an ``ep_size`` not dividing ``world_size``, an unknown
+    FQN in ``expert_parallel``, or one that is not a stack whose experts ``ep_size`` divides.
     """
     from dmuon.owners.stacks import param_layout
 

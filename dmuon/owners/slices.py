@@ -1,17 +1,9 @@
-"""Which slice of a matrix each rank holds: the one place of index math for Shard,
-``_StridedShard`` and Replicate.
-
-A :class:`MatrixLayout` says which rows and columns of the full ``[rows, cols]`` matrix each
-rank of a process group holds (its local tensor is ``full[rows][:, cols]``), as *runs*: tuples
-of half-open ``(start, stop)`` intervals. The math follows DTensor's splitting
-(``torch/distributed/tensor/placement_types.py``), placements applied in mesh-dimension order:
-
-* ``Shard(d)`` over a mesh dim of size ``n``: dim ``d``'s current index sequence is cut into
-  ``n`` chunks of ``ceil(len / n)`` (``torch.chunk``; trailing chunks possibly empty);
-  coordinate ``c`` keeps chunk ``c``.
-* ``_StridedShard(d)`` (FSDP2 over a TP-sharded dim) is applied last, as a plain ``Shard``:
-  FSDP2 shards the TP-local shard. For even sizes this equals DTensor's
-  ``_StridedShard._split_tensor``; for uneven ones it is what FSDP2 stores (tested).
+"""Which rows and columns of a full ``[rows, cols]`` matrix each rank holds, as *runs* (tuples
+of half-open ``(start, stop)`` intervals), following DTensor's splitting
+(``torch/distributed/tensor/placement_types.py``) in mesh-dimension order: ``Shard(d)`` over
+``n`` ranks cuts dim ``d``'s indices into ``torch.chunk``'s ``n`` chunks of ``ceil(len / n)``;
+``_StridedShard(d)`` (FSDP2 over a TP-sharded dim) is applied last as a plain ``Shard``, which
+is what FSDP2 stores.
 """
 
 from __future__ import annotations
@@ -69,11 +61,7 @@ def sub_runs(runs: Runs, start: int, stop: int) -> Runs:
 def placement_runs(shape: Sequence[int], placements: Sequence[object], mesh_shape: Sequence[int],
                    coords: Sequence[int]) -> list[Runs]:
     """The indices, per dim, of the piece of a DTensor of global ``shape`` held at mesh
-    coordinates ``coords`` (the module docstring's rules; ``_StridedShard`` applied last).
-
-    Raises:
-        ValueError: an unknown placement type.
-    """
+    coordinates ``coords`` (the module docstring's rules); ValueError for an unknown placement."""
     dims = [((0, int(n)),) if n else () for n in shape]
     for placement, size, coord in sorted(zip(placements, mesh_shape, coords),
                                          key=lambda x: type(x[0]).__name__ == "_StridedShard"):
@@ -104,11 +92,7 @@ class MatrixLayout:
 
     @staticmethod
     def build(full_shape: Sequence[int], slices: Sequence[tuple[Runs, Runs]]) -> "MatrixLayout":
-        """Layout from per-rank slices; checks that the pieces cover the whole matrix.
-
-        Raises:
-            RuntimeError: some element of the matrix is held by no rank (names the shape).
-        """
+        """Layout from per-rank slices; RuntimeError if some element is held by no rank."""
         first: dict[tuple[Runs, Runs], int] = {}
         sources = []
         for r, s in enumerate(slices):
@@ -174,12 +158,8 @@ def put(full: Tensor, piece: tuple[Runs, Runs], value: Tensor) -> None:
 
 
 def local_rows(t: Tensor) -> Tensor:
-    """Indices, along dim 0 of the full tensor, of the rows this rank's local piece of ``t``
-    holds, in local order (int64 CPU ``[local rows]``).
-
-    ``t``: a DTensor of any rank >= 1 (FSDP2's ``Shard(0)``, a TP slice, ``_StridedShard`` under
-    FSDP x TP, a replica; :func:`placement_runs`), or a plain tensor (every row).
-    """
+    """Indices, along dim 0 of the full tensor, of the rows this rank's local piece of ``t`` (a
+    DTensor, or a plain tensor: every row) holds, in local order (int64 CPU ``[local rows]``)."""
     mesh = getattr(t, "device_mesh", None)
     if mesh is None:
         return torch.arange(int(t.shape[0]))
@@ -190,13 +170,9 @@ def local_rows(t: Tensor) -> Tensor:
 
 
 def dtensor_layout(t: Tensor, group_ranks: Sequence[int]) -> MatrixLayout:
-    """Layout of a 2-D DTensor ``t`` (only its metadata is read) whose mesh holds exactly the
-    global ranks ``group_ranks`` (in group-rank order).
-
-    Raises:
-        ValueError: the DTensor's mesh does not hold exactly the group's ranks (names both), or
-            a placement sharding a dim other than 0 or 1, or an unknown placement.
-    """
+    """Layout of a 2-D DTensor ``t`` (metadata only) whose mesh holds exactly the global ranks
+    ``group_ranks`` (in group-rank order); ValueError if it does not, or for a placement
+    sharding a dim other than 0 or 1 or an unknown one."""
     mesh = t.device_mesh
     grid = mesh.mesh
     mesh_ranks = sorted(int(r) for r in grid.flatten().tolist())

@@ -1,11 +1,7 @@
-"""The shape seam: how a dedicated parameter is one matrix or a stack of them.
-
-A dedicated parameter is one matrix ``[rows, cols]`` or a stack ``[E, rows, cols]`` (more
-leading dims flattened in C order): the experts of a Mixture-of-Experts layer as Hugging Face
-``transformers`` 5.x and torchtitan store them, each orthogonalized on its own. Each stored
-matrix may be cut along its rows into ``blocks`` equal parts (a fused ``gate_up_proj``
-``[2I, H]`` as two ``[I, H]``); the Newton-Schulz input is then ``[E * blocks, rows / blocks,
-cols]``, a reshape of the stack. Selection, the plan, binding and the update read it here.
+"""How a dedicated parameter is one matrix ``[rows, cols]`` or a stack ``[E, rows, cols]`` of
+expert matrices (leading dims flattened in C order; HF ``transformers`` 5.x, torchtitan), each
+optionally cut into ``blocks`` equal row blocks: Newton-Schulz input ``[E * blocks, rows /
+blocks, cols]``.
 """
 
 from __future__ import annotations
@@ -24,12 +20,8 @@ EXPERT_COUNT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "n
 
 @dataclass(frozen=True, slots=True)
 class ParamLayout:
-    """How one dedicated parameter splits into Newton-Schulz matrices.
-
-    Attributes:
-        shape: the full (unsharded) parameter shape: ``(rows, cols)`` or ``(*lead, rows, cols)``.
-        blocks: row blocks per stored matrix (``rows % blocks == 0``), each orthogonalized alone.
-    """
+    """How one dedicated parameter of full ``shape`` (``(rows, cols)`` or ``(*lead, rows,
+    cols)``) splits into Newton-Schulz matrices: ``blocks`` row blocks per stored matrix."""
 
     shape: tuple[int, ...]
     blocks: int = 1
@@ -62,12 +54,8 @@ class ParamLayout:
 
 
 def param_layout(fqn: str, shape: Sequence[int], blocks: int = 1) -> ParamLayout:
-    """Validate a selected parameter's shape and return its layout.
-
-    Raises:
-        ValueError: a parameter of fewer than 2 dims, an empty matrix dim, or ``blocks`` that
-            does not divide the rows; naming the parameter, the values and the fix.
-    """
+    """Validate a selected parameter's shape and return its layout; ValueError for fewer than 2
+    dims or ``blocks`` that do not divide the rows."""
     shape = tuple(int(s) for s in shape)
     if len(shape) < 2:
         raise ValueError(
@@ -91,13 +79,9 @@ def declared_experts(module: nn.Module) -> int | None:
 
 
 def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> None:
-    """Refuse a >2-D parameter whose leading dims are not experts: those of a module that
-    declares an expert count (:data:`EXPERT_COUNT_ATTRS`) equal to their product or to the
-    first leading dim are; a convolution's weight never is. Every rank raises alike.
-
-    Raises:
-        ValueError: naming the parameter, its shape, what was found and the fix.
-    """
+    """ValueError for a >2-D parameter whose leading dims are not experts: experts need a module
+    declaring an expert count (:data:`EXPERT_COUNT_ATTRS`) equal to their product or to the
+    first leading dim; a convolution's weight never is."""
     shape = tuple(int(s) for s in shape)
     if len(shape) <= 2:
         return
@@ -122,13 +106,12 @@ def check_expert_stack(fqn: str, module: nn.Module, shape: Sequence[int]) -> Non
 
 def expert_module_names(model: nn.Module) -> set[str]:
     """Names of the experts kept as separate modules: the children of an ``nn.ModuleList``
-    held under an attribute named ``experts`` or by a module that declares an expert count. A
-    routed expert may take no gradient on some ranks of a step (its gradient buckets carry
-    presence flags, :mod:`dmuon.comm.grad_buckets`)."""
+    held under an attribute named ``experts`` or by a module that declares an expert count."""
     names: set[str] = set()
     for name, module in model.named_modules():
         for attr, child in module.named_children():
-            if isinstance(child, nn.ModuleList) and (attr == "experts" or declared_experts(module) is not None):
+            declares = attr == "experts" or declared_experts(module) is not None
+            if isinstance(child, nn.ModuleList) and declares:
                 prefix = f"{name}.{attr}" if name else attr
                 names.update(f"{prefix}.{i}" for i in range(len(child)))
     return names
@@ -148,14 +131,11 @@ EP_NAMES = ("ep",)
 def expert_parallel_size(fqn: str, param: torch.Tensor, ep_name: str | None, ep_size: int) -> int:
     """How many expert-parallel ranks split a selected parameter's experts: 1 off the ``"ep"``
     mesh dimension, ``ep_size`` for an expert stack ``Shard(0)`` over it (torchtitan's
-    ``ExpertParallel``). ``param`` is the module's (a DTensor or a plain tensor); ``ep_name``,
-    ``ep_size``: ``dedicate_params``' mesh's ``"ep"`` dimension (``None``, 1 without one).
-    Every rank raises alike, before any collective.
+    ``ExpertParallel``). ``ep_name``, ``ep_size``: ``dedicate_params``' mesh's ``"ep"``
+    dimension (``None``, 1 without one).
 
-    Raises:
-        ValueError: a parameter on an ``"ep"`` mesh when the given mesh has none, another
-            ``"ep"`` size, a placement other than ``Shard(0)`` or a tensor that is not a stack
-            on ``"ep"``, or an ``"ep"`` size that does not divide the experts.
+    Raises ValueError for a parameter on an ``"ep"`` mesh when the given mesh has none, another
+    ``"ep"`` size, anything but a stack ``Shard(0)`` on ``"ep"``, or experts ``ep`` does not divide.
     """
     mesh = getattr(param, "device_mesh", None)
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ()) if mesh is not None else ()
@@ -205,10 +185,6 @@ class OwnerItem:
     matrix_shape: tuple[int, int]
     matrices: int = 1
 
-    @property
-    def numel(self) -> int:
-        return self.matrices * self.matrix_shape[0] * self.matrix_shape[1]
-
 
 def owner_items(layouts: Iterable[tuple[str, ParamLayout]]) -> list[OwnerItem]:
     """Every parameter's owner items, in model order (a stack's experts in index order)."""
@@ -236,9 +212,8 @@ class OwnerRange:
 
 def collapse_ranges(items: Sequence[OwnerItem], owners: Sequence[int],
                     buckets: Sequence[int] | None = None) -> list[OwnerRange]:
-    """Solved items back to plan entries. Without ``buckets``, one contiguous expert range per
-    owner of a stack, in the order owners first appear (its experts cost the same, so the
-    renumbering changes no rank's load); with ``buckets`` (the DDP-style path) only
+    """Solved items back to plan entries: one expert range per owner of a stack, in the order
+    owners first appear (its experts cost alike: no load changes); with ``buckets`` only
     neighbouring items with the same owner and bucket merge."""
     ranges: list[OwnerRange] = []
     i = 0
@@ -268,29 +243,15 @@ def collapse_ranges(items: Sequence[OwnerItem], owners: Sequence[int],
     return ranges
 
 
-def as_matrices(t: torch.Tensor, matrix_shape: Sequence[int]) -> torch.Tensor:
-    """A record's tensor (a 2-D matrix, or a range of a stack) as ``[n, rows, cols]``
-    Newton-Schulz matrices of ``matrix_shape`` (a view of a contiguous ``t``)."""
-    return t.reshape(-1, int(matrix_shape[0]), int(matrix_shape[1]))
-
-
 @dataclass(eq=False)
 class StackSlot:
     """The module slot of a stack split over several owner ranges, each a record of its own.
+    ``show("compute")`` registers the concatenation of the ranges' compute weights (autograd
+    splits the gradient back); ``show("master")`` the first range's master.
 
-    ``show("compute")`` registers the concatenation of the ranges' compute weights, shaped as
-    the parameter (autograd splits the gradient back into the ranges; one copy per show, as the
-    ranges live in different owners' publish buffers). ``show("master")`` registers the first
-    range's master; the others are reached through dmuon (the optimizer, ``dmuon.state_dict``).
-
-    Attributes:
-        module: the module holding the parameter.
-        attr: its attribute name.
-        shape: the full parameter shape (under expert parallelism, this rank's local experts).
-        records: the ranges' records, in expert order.
-        wrap: what the module computes with, from the concatenated stack (expert parallelism:
-            the DTensor ``Shard(0)`` over ``"ep"`` the parameter was,
-            :func:`dmuon.hooks.tp_placements.as_compute_param`); ``None``: the stack itself.
+    ``shape``: the full parameter shape (this rank's local experts under expert parallelism);
+    ``records``: the ranges', in expert order; ``wrap``: the concatenated stack to what the
+    module computes with (the ``"ep"`` DTensor, :func:`dmuon.hooks.tp_placements.as_compute_param`).
     """
 
     module: nn.Module
@@ -301,10 +262,8 @@ class StackSlot:
 
     def show(self, which: str) -> None:
         if which == "compute":
-            # Shown again at the unit's pre-backward, inside the autograd engine, where grad
-            # mode is off: a forward that activation checkpointing recomputes there without
-            # re-running the module hooks (transformers checkpoints ``forward``, outside the
-            # hooks) computes with this very tensor, so it must carry the graph to the ranges.
+            # Inside the autograd engine (pre-backward) grad mode is off, but a forward that
+            # activation checkpointing recomputes there uses this tensor: it must keep the graph.
             in_backward = torch._C._current_graph_task_id() != -1
             with torch.set_grad_enabled(torch.is_grad_enabled() or in_backward):
                 whole = torch.cat([rec.compute for rec in self.records]).view(self.shape)

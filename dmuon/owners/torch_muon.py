@@ -1,20 +1,12 @@
-"""What the installed ``torch.optim.Muon`` does where torch versions differ: the one place that asks.
-
-dmuon's update equals a single-process ``torch.optim.Muon`` step of the installed torch
-(``torch>=2.11``). ``torch/optim/_muon.py`` of 2.11.0, 2.13.0, 2.14.1 and 2.15.0 differ in two ways
-(and ``adam.py`` in no AdamW arithmetic):
+"""What the installed ``torch.optim.Muon`` does where torch versions differ, found by asking it
+(not its version string) once per process: :func:`installed`. ``torch/optim/_muon.py`` of
+2.11 to 2.15 differ in two ways:
 
 * ``adjust_lr_fn="spectral_unclamped"`` (``lr * sqrt(rows / cols)``, Bernstein, "Deriving
-  Muon") exists from 2.14; before, ``Muon`` refuses the name.
-* Up to 2.14, ``_zeropower_via_newtonschulz`` casts its input with ``grad.bfloat16()``, which
-  returns the tensor itself when it is already bf16, and then divides it by its norm *in place*.
-  With ``nesterov=False`` that input is the momentum buffer, so for a bf16 buffer (a bf16
-  parameter) torch <= 2.14 leaves the buffer normalized, ``buf / max(||buf||_F, eps)``, after
-  every step. 2.15 copies (``grad.to(dtype=torch.bfloat16, copy=True)``) and the buffer keeps its
-  scale. Newton-Schulz output and every fp32/fp16 buffer are the same in all versions.
-
-Both are found by asking the installed torch (not its version string), once per process:
-:func:`installed`.
+  Muon") exists from 2.14.
+* Up to 2.14, ``_zeropower_via_newtonschulz`` casts with ``grad.bfloat16()`` (the tensor itself
+  when bf16) and divides it by its norm in place: with ``nesterov=False`` a bf16 momentum buffer
+  is left as ``buf / max(||buf||_F, eps)`` after every step. 2.15 copies first.
 """
 
 from __future__ import annotations
@@ -31,26 +23,17 @@ TORCH_SINCE = {None: "2.9", "original": "2.9", "match_rms_adamw": "2.9", "spectr
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TorchMuon:
-    """The installed ``torch.optim.Muon``'s version-dependent behaviour.
-
-    Attributes:
-        version: ``torch.__version__`` (for messages only).
-        adjust_lr_fns: the :data:`TORCH_SINCE` names its constructor accepts.
-        normalizes_bf16_momentum: whether a step with ``nesterov=False`` leaves a bf16 momentum
-            buffer divided by its bf16 Frobenius norm (torch <= 2.14).
-    """
+    """The installed ``torch.optim.Muon``'s version-dependent behaviour: the :data:`TORCH_SINCE`
+    names it accepts, and whether a ``nesterov=False`` step leaves a bf16 momentum buffer
+    divided by its norm (torch <= 2.14); ``version`` for messages."""
 
     version: str
     adjust_lr_fns: tuple
     normalizes_bf16_momentum: bool
 
     def check_adjust_lr_fn(self, adjust_lr_fn: object, where: str = "") -> None:
-        """Raise unless ``torch.optim.Muon`` of the installed torch takes ``adjust_lr_fn``.
-
-        Raises:
-            ValueError: a name dmuon does not know, or one the installed torch lacks (naming
-                the torch release that has it).
-        """
+        """Raise ValueError unless the installed ``torch.optim.Muon`` takes ``adjust_lr_fn``
+        (naming the torch release that has it)."""
         if adjust_lr_fn in self.adjust_lr_fns:
             return
         if adjust_lr_fn in TORCH_SINCE:
@@ -75,9 +58,8 @@ def _accepts(adjust_lr_fn: str | None) -> bool:
 
 
 def _normalizes_bf16_input() -> bool:
-    """Whether torch's Newton-Schulz divides a bf16 input in place (a 3x2 input of 0.2s, one
-    iteration: it then holds 1/sqrt(6) = 0.408). Through the private function (20 ms); where
-    torch renamed it, one public ``Muon`` step on a bf16 parameter (seconds: it imports dynamo)."""
+    """Whether torch's Newton-Schulz divides a bf16 input in place (a 3x2 input of 0.2s then
+    holds 1/sqrt(6) = 0.408): through the private function, else one public ``Muon`` step."""
     probe = torch.full((3, 2), 0.2, dtype=torch.bfloat16)
     ns = getattr(torch.optim._muon, "_zeropower_via_newtonschulz", None)
     try:
@@ -106,11 +88,8 @@ def normalize_momentum_(buf: torch.Tensor, eps: float, norm: torch.Tensor | None
     """``buf /= max(||buf||_F, eps)`` in place, op for op as torch <= 2.14's Newton-Schulz does
     to its bf16 input (on the transposed view when ``rows > cols``, norm and division in bf16).
 
-    Args:
-        buf: a full ``[rows, cols]`` bf16 momentum buffer (mutated); a local piece of one when
-            ``norm`` is given.
-        eps: the group's ``eps`` (the norm's floor).
-        norm: the full matrix's Frobenius norm, 0-d (a piece cannot compute it alone).
+    ``buf``: a full ``[rows, cols]`` bf16 buffer, or a local piece of one with ``norm`` (the
+    full matrix's Frobenius norm, 0-d); ``eps``: the group's (the norm's floor).
     """
     view = buf.T if buf.dim() == 2 and buf.size(0) > buf.size(1) else buf
     if norm is None:

@@ -59,13 +59,9 @@ def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, mom
                              ns_coefficients: Any = "polar_express", ns_steps: int = 5,
                              eps: float = 1e-7, adamw_eps: float = 1e-8,
                              adamw_weight_decay: float | None = None, where: str = "") -> None:
-    """Check Muon's and AdamW's hyper-parameters once, at construction (every :class:`dmuon.Muon`
-    path, per param group, and the baselines). As strict as ``torch.optim.Muon`` and
-    ``torch.optim.AdamW`` (``>= 0``, ``betas`` in [0, 1)), and stricter where torch lets a NaN
-    through: every number finite, ``momentum`` in [0, 1), ``ns_steps`` an integer >= 1.
-
-    The arguments are :class:`dmuon.Muon`'s; ``where`` names the param group in the message
-    (``"param group 2: "``), or is ``""``.
+    """Check :class:`dmuon.Muon`'s hyper-parameters as ``torch.optim.Muon`` / ``AdamW`` do, and
+    also that every number is finite, ``momentum`` in [0, 1) and ``ns_steps`` an integer >= 1.
+    ``where`` prefixes the message (``"param group 2: "``).
 
     Raises:
         ValueError: naming the hyper-parameter, its value and the accepted range.
@@ -106,6 +102,7 @@ def validate_hyperparameters(*, lr: float = 1e-3, weight_decay: float = 0.1, mom
         raise ValueError(f"dmuon: {where}ns_dtype must be a float dtype or None (by device), got {ns_dtype}")
     resolve_coefficients(ns_coefficients, ns_steps)
 
+
 def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
     """Muon's shape-dependent learning rate (``torch.optim.Muon``'s ``_adjust_lr``).
 
@@ -132,15 +129,11 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, shape: Sequence[int]) -> floa
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MuonHyper:
-    """What one Muon step of a param group reads, frozen when ``opt.step()`` runs: every path of
-    the update takes its hyper-parameters from one of these, never from the live param group
-    (a job that runs after ``step()`` must not see what a scheduler set in the meantime).
+    """A param group's Muon hyper-parameters, frozen when ``opt.step()`` runs (a job running
+    after ``step()`` must not see what a scheduler set since).
 
-    Attributes:
-        lr, weight_decay, momentum, nesterov, adjust_lr_fn: as ``torch.optim.Muon``'s.
-        ns: the Newton-Schulz settings as sorted ``(name, value)`` pairs (steps, coefficients,
-            method, dtype, eps, backend); lists frozen to tuples, so two records compare by value.
-        max_batch_bytes: cap (bytes) on one same-shape Newton-Schulz batch, or ``None``.
+    ``ns``: the Newton-Schulz settings as sorted ``(name, value)`` pairs, lists as tuples (two
+    records compare by value); ``max_batch_bytes``: cap on one same-shape batch, or ``None``.
     """
 
     lr: float
@@ -162,13 +155,8 @@ class MuonHyper:
                    adjust_lr_fn=group["adjust_lr_fn"], ns=tuple(sorted(ns.items())),
                    max_batch_bytes=max_batch_bytes)
 
-    @property
-    def eps(self) -> float:
-        return dict(self.ns)["eps"]
-
     def orthogonalizer(self) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-        """Newton-Schulz over a list of full matrices with these settings, batched by shape
-        (:func:`dmuon.kernels.orthogonalize_by_shape`)."""
+        """:func:`dmuon.kernels.orthogonalize_by_shape` with these settings."""
         from dmuon.kernels import orthogonalize_by_shape
 
         kwargs = dict(self.ns)
@@ -207,12 +195,6 @@ class MatrixLayout:
     tp_rank: int = 0
     tp_size: int = 1
 
-    @classmethod
-    def whole(cls, param: torch.Tensor) -> "MatrixLayout":
-        """A master that is one plain ``[rows, cols]`` matrix."""
-        shape = tuple(param.shape)
-        return cls(full_shape=shape, matrix_shape=shape[-2:])
-
     @property
     def lr_shape(self) -> tuple[int, ...]:
         """The shape :func:`adjust_lr` reads: the whole matrix of a TP slice, else one
@@ -223,21 +205,18 @@ class MatrixLayout:
 def _ns_matrices(t: torch.Tensor, split: Any, matrix_shape: Sequence[int] | None) -> list[torch.Tensor]:
     """Views of ``t``'s Newton-Schulz matrices: the blocks of ``split``, else ``t`` whole when it
     is one matrix of ``matrix_shape`` (or that is ``None``), else a stack's matrices."""
-    from dmuon.owners.stacks import as_matrices
-
     if split is not None:
         return [t.narrow(split.dim, a, b - a) for a, b in split.bounds()]
     if matrix_shape is None or tuple(t.shape) == tuple(matrix_shape):
         return [t]
-    return list(as_matrices(t, matrix_shape).unbind(0))
+    return list(t.reshape(-1, int(matrix_shape[0]), int(matrix_shape[1])).unbind(0))
 
 
 def split_orthogonalize(splits: Sequence[Any], matrix_shapes: Sequence[tuple[int, int]] | None,
                         ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]
                         ) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
-    """Newton-Schulz over full updates (one per entry of ``splits``), each cut into its blocks
-    (``None``: whole, or a stack's matrices of ``matrix_shapes[i]``), all blocks in one
-    ``ns`` call (batched by shape), each result shaped like its update again."""
+    """A function: Newton-Schulz of full updates, each cut into the blocks of ``splits[i]`` (or
+    the matrices of ``matrix_shapes[i]``), all in one ``ns`` call, results shaped as the updates."""
     def run(updates: list[torch.Tensor]) -> list[torch.Tensor]:
         flat: list[torch.Tensor] = []
         spans = []
@@ -264,9 +243,8 @@ def split_orthogonalize(splits: Sequence[Any], matrix_shapes: Sequence[tuple[int
 
 def _apply_split_update_(param: torch.Tensor, update: torch.Tensor, lay: MatrixLayout,
                          hp: MuonHyper) -> None:
-    """Decoupled weight decay, then ``param[block] -= adjust_lr(lr, block) * update[block]`` for
-    every block of ``lay.split`` (``torch.optim.Muon``'s ``_single_tensor_muon`` on each block);
-    ``param`` is the fp32 master or this rank's TP slice of it, ``update`` shaped like it."""
+    """Decoupled weight decay, then ``param[block] -= adjust_lr(lr, block) * update[block]`` per
+    block of ``lay.split``; ``param`` the fp32 master or its TP slice, ``update`` shaped like it."""
     param.mul_(1 - hp.lr * hp.weight_decay)
     dim = lay.split.dim
     offset = 0
@@ -284,28 +262,23 @@ def _apply_split_update_(param: torch.Tensor, update: torch.Tensor, lay: MatrixL
 
 def muon_momentum_(grads: Sequence[torch.Tensor], bufs: Sequence[torch.Tensor],
                    hp: MuonHyper) -> list[torch.Tensor]:
-    """Phase 3a: the momentum step of every matrix (``bufs`` updated in place) and its
-    Newton-Schulz input (:func:`momentum_update_`; element-wise, any shape)."""
+    """Phase 3a: :func:`momentum_update_` of every matrix; returns the Newton-Schulz inputs."""
     return [momentum_update_(g, b, momentum=hp.momentum, nesterov=hp.nesterov) for g, b in zip(grads, bufs)]
 
 
 def orthogonalize_updates(updates: list[torch.Tensor], layouts: Sequence[MatrixLayout],
                           ns: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Phase 3b, on one rank: Newton-Schulz of every matrix of ``updates`` (whole, each expert of
-    a stack, or each block of a split), all in one ``ns`` call batched by shape, each result
-    shaped like its update (:func:`split_orthogonalize`)."""
+    """Phase 3b, on one rank: :func:`split_orthogonalize` by ``layouts``."""
     return split_orthogonalize([lay.split for lay in layouts], [lay.matrix_shape for lay in layouts],
                                ns)(updates)
 
 
 def muon_finish_(params: Sequence[torch.Tensor], orthos: Sequence[torch.Tensor],
                  bufs: Sequence[torch.Tensor], layouts: Sequence[MatrixLayout], hp: MuonHyper) -> None:
-    """Phase 3c: after Newton-Schulz has read its inputs, what the installed torch leaves in the
-    momentum buffers ``bufs`` (:func:`normalize_like_torch_`), then the update of the fp32
-    masters ``params`` (full, a stack, or a TP slice; in place) by ``orthos`` (shaped like
-    them): decoupled weight decay and ``param -= adjust_lr(lr, shape) * ortho``
-    (:func:`apply_update_`, or per block of a split)."""
-    normalize_like_torch_(bufs, layouts, nesterov=hp.nesterov, eps=hp.eps)
+    """Phase 3c, after Newton-Schulz has read its inputs: :func:`normalize_like_torch_` on
+    ``bufs``, then :func:`apply_update_` (or per block of a split) of the fp32 masters ``params``
+    (full, a stack or a TP slice; in place) by ``orthos`` (shaped like them)."""
+    normalize_like_torch_(bufs, layouts, nesterov=hp.nesterov, eps=dict(hp.ns)["eps"])
     for param, ortho, lay in zip(params, orthos, layouts):
         if lay.split is None:
             apply_update_(param, ortho, lr=hp.lr, weight_decay=hp.weight_decay,
@@ -319,24 +292,19 @@ def muon_update_(params: list[torch.Tensor], grads: list[torch.Tensor], momentum
                  hp: MuonHyper, layouts: Sequence[MatrixLayout] | None = None,
                  orthogonalize: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> None:
     """One Muon step (``torch.optim.Muon``'s ``_single_tensor_muon``, Jordan et al. 2024) on the
-    matrices one rank owns: :func:`muon_momentum_`, Newton-Schulz batched by shape, then
-    :func:`muon_finish_` (the overlapped paths, :mod:`dmuon.owners.overlap`, run the same three,
-    split in time).
+    matrices one rank owns: :func:`muon_momentum_`, Newton-Schulz, :func:`muon_finish_` (the
+    overlapped paths, :mod:`dmuon.owners.overlap`, run the same three split in time).
 
-    Args:
-        params: fp32 masters ``[rows, cols]`` (or a stack ``[k, rows, cols]``, or a TP slice),
-            updated in place.
-        grads: their averaged gradients, same shapes and order.
-        momentum_bufs: fp32 (or the parameter's dtype) momentum, updated in place.
-        hp: the step's frozen hyper-parameters.
-        layouts: each master's :class:`MatrixLayout` (default: every param one whole matrix).
-        orthogonalize: Newton-Schulz over the updates, each result shaped like its update;
-            default :func:`orthogonalize_updates` on this rank (tensor parallelism passes
-            :func:`dmuon.owners.blocks.tp_orthogonalizer`).
+    ``params``: fp32 masters ``[rows, cols]`` (or ``[k, rows, cols]``, or a TP slice) and
+    ``momentum_bufs`` (fp32 or the parameter's dtype), updated in place; ``grads`` their averaged
+    gradients; ``layouts`` default every param one whole matrix; ``orthogonalize`` default
+    :func:`orthogonalize_updates` (TP passes :func:`dmuon.owners.blocks.tp_orthogonalizer`).
     """
     if not params:
         return
-    layouts = list(layouts) if layouts is not None else [MatrixLayout.whole(p) for p in params]
+    if layouts is None:  # every master one whole matrix
+        layouts = [MatrixLayout(full_shape=tuple(p.shape), matrix_shape=tuple(p.shape[-2:]))
+                   for p in params]
     updates = muon_momentum_(grads, momentum_bufs, hp)
     if orthogonalize is None:
         orthos = orthogonalize_updates(updates, layouts, hp.orthogonalizer())
@@ -356,14 +324,11 @@ def momentum_update_(grad: torch.Tensor, buf: torch.Tensor, *, momentum: float,
 
 def normalize_like_torch_(bufs: Sequence[torch.Tensor], layouts: Sequence[MatrixLayout], *,
                           nesterov: bool, eps: float) -> None:
-    """After Newton-Schulz has read them: what the installed torch's step leaves in the momentum
-    buffers besides the lerp (:mod:`dmuon.owners.torch_muon`: torch <= 2.14 divides a bf16
-    buffer by its norm with ``nesterov=False``), per Newton-Schulz matrix, as torch per
-    parameter.
+    """What the installed torch's step leaves in the momentum buffers besides the lerp
+    (:mod:`dmuon.owners.torch_muon`: torch <= 2.14 divides a bf16 buffer by its norm with
+    ``nesterov=False``), per Newton-Schulz matrix.
 
-    Raises:
-        RuntimeError: such a buffer that is a tensor-parallel slice: its norm is the full
-            matrix's. Unreachable through dmuon's paths (their TP buffers are fp32).
+    RuntimeError for such a buffer that is a TP slice (unreachable: dmuon's TP buffers are fp32).
     """
     semantics = torch_muon.installed()
     for buf, lay in zip(bufs, layouts):
@@ -396,10 +361,9 @@ def adamw_update_(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW step, element-wise, on whatever each tensor is (full, local shard or DTensor),
-    with ``states[i]`` as ``torch.optim.AdamW``'s (:func:`first_step_state`). The math is
-    ``_single_tensor_adam``'s, op for op, as one ``torch._foreach_*`` call per op over the local
-    tensors (``to_local()`` aliases a DTensor's storage: no DTensor dispatch)."""
+    """One AdamW step, element-wise, on full, local-shard or DTensor tensors, ``states[i]`` as
+    ``torch.optim.AdamW``'s: ``_single_tensor_adam``'s math op for op, one ``torch._foreach_*``
+    call per op over the local tensors (no DTensor dispatch)."""
     if not params:
         return
     beta1, beta2 = betas
