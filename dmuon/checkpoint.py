@@ -49,12 +49,8 @@ _SKIP_GROUP_KEYS = ("params", "kind", "param_names")
 
 
 def _fqns(model: nn.Module, opt: torch.optim.Optimizer, kind: str | None = None) -> dict[int, str]:
-    """``{id(param): fqn}`` of ``model``, checked to hold ``opt``'s parameters (of ``kind``'s
-    groups, if given).
-
-    Raises:
-        ValueError: a parameter of ``opt`` that is not in ``model.named_parameters()``.
-    """
+    """``{id(param): fqn}`` of ``model``; ``ValueError`` if it lacks a parameter of ``opt``
+    (of ``kind``'s groups, if given)."""
     names = {id(p): n for n, p in model.named_parameters()}
     for gi, group in enumerate(opt.param_groups):
         for p in group["params"] if kind in (None, group.get("kind")) else ():
@@ -89,9 +85,7 @@ def live_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     (tied parameters under each name): ``nn.Module.state_dict`` before its post-hooks, which may
     return copies (torchtitan's fused-QKV split) that ``dcp.load`` would not write through, or
     be collective (dmuon's). The pre-hooks run (FSDP2's reshards its parameters).
-
-    Raises:
-        ValueError: a module defines ``get_extra_state`` (torch's state-dict API saves it).
+    ``ValueError`` if a module has ``get_extra_state`` (torch's API saves it).
     """
     out: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -168,12 +162,8 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 
 
 def _configured_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """:func:`state_dict` of a ``dmuon.Muon(params, ...)``: each state tensor laid out like its
-    parameter, param groups keyed by index.
-
-    Raises:
-        ValueError: a Muon matrix is a plain tensor sharded over ranks.
-    """
+    """:func:`state_dict` of a ``dmuon.Muon(params, ...)``: state tensors laid out like their
+    parameter, param groups keyed by index."""
     names = _fqns(model, opt)
     config = getattr(opt.strategy, "config", None)
     layouts = iter((config and config.state.get("layouts")) or ())
@@ -284,8 +274,8 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
 
 
 def _first_error(err: BaseException) -> str:
-    """``"Type: first line"`` of an error; for DCP's ``CheckpointException`` (which gathers
-    every rank's failure) the failure of this rank, else of the first rank that failed."""
+    """``"Type: first line"`` of an error (of a ``CheckpointException``: this rank's failure,
+    else the first rank's)."""
     import torch.distributed as dist
 
     failures = getattr(err, "failures", None)
@@ -328,11 +318,10 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
 
     Args:
         model, opt: as for :func:`state_dict`.
-        checkpoint_id: the checkpoint directory written by ``dcp.save`` (of
-            ``dmuon.state_dict(model, opt)``, with ``extra``'s keys beside ``"model"`` and
-            ``"optim"``).
+        checkpoint_id: the directory ``dcp.save`` wrote ``dmuon.state_dict(model, opt)`` to
+            (with ``extra``'s keys beside ``"model"`` and ``"optim"``).
         extra: other state saved beside it, e.g. ``{"sched": sched.state_dict()}``; filled in
-            place on success (then call ``sched.load_state_dict(extra["sched"])``).
+            place on success.
         dcp_kwargs: passed to ``dcp.load`` (``storage_reader``, ``planner``, ``process_group``).
 
     Returns:
@@ -340,9 +329,9 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
 
     Raises:
         RuntimeError: on every rank, if ``dcp.load`` failed on any rank, naming the ranks and
-            the first line of each error (DCP's exception chained); nothing changed.
+            their first error line (DCP's exception chained); nothing changed.
         ValueError: ``extra`` uses the keys ``"model"`` or ``"optim"``, or the loaded state does
-            not fit the model (see :func:`load_state_dict`); nothing changed.
+            not fit the model (:func:`load_state_dict`); nothing changed.
     """
     opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
     import torch.distributed.checkpoint as dcp  # not at import: `import dmuon` changes nothing in torch
