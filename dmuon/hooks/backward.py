@@ -24,9 +24,7 @@ class ReduceToOwners:
     Attributes:
         sync_enabled: ``False`` inside :func:`dmuon.no_sync`.
         sync_this_backward: this backward reduces to the owners (decided at its first hook).
-        made_up_grads: :func:`dmuon.comm.owned_grad.present`'s gradients for "none here".
-        speculator: ``Muon(overlap="backward")``'s :class:`dmuon.optim.OwnerUpdate`, told
-            ``speculate_early({record: average})`` per reduced bucket, ``speculate()`` at the end.
+        speculator: ``Muon(overlap="backward")``'s :class:`dmuon.optim.OwnerUpdate`.
     """
 
     def __init__(self, state: Any) -> None:

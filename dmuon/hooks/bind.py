@@ -17,7 +17,7 @@ from torch import nn
 from dmuon.hooks import fsdp_adapter as fsdp
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
 from dmuon.comm.grad_buckets import GradBucket, IssueOrder, make_buckets
-from dmuon.hooks.keep import bucket_keys, resolve_replicas
+from dmuon.hooks.keep import bucket_keys, keeps_replicas
 from dmuon.hooks.state_dict import layout_of
 from dmuon.hooks.tp_placements import as_compute_param, local_slice
 from dmuon.hooks.unit import PublishGroup, Unit
@@ -70,9 +70,7 @@ def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucke
     TP mesh without FSDP2."""
     selected, model, roles = state.selected, state.model, state.roles
     fsdp_states = state.fsdp_states = fsdp.fsdp_states(model)
-    plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
-    keep = state.keep = resolve_replicas(state.replicas, fsdp_wrapped=bool(fsdp_states),
-                                         plain_1d=plain_1d) == "keep"
+    keep = state.keep = keeps_replicas(state.replicas, fsdp_wrapped=bool(fsdp_states), roles=roles)
     specs_of = state.plan.specs_by_fqn()
     parents = fsdp.parent_map(model)
     policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))

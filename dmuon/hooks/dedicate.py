@@ -17,7 +17,7 @@ from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.comm.grad_buckets import REDUCE_MODES
 from dmuon.comm.mesh_roles import build_roles
 from dmuon.hooks import fsdp_adapter as fsdp
-from dmuon.hooks.keep import resolve_replicas
+from dmuon.hooks.keep import keeps_replicas
 from dmuon.hooks.bind import Selected
 from dmuon.hooks.state import DedicateState
 from dmuon.hooks.state_dict import StateDictHooks
@@ -48,9 +48,8 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
 
     Args:
         model: the model whose parameters the predicate will be asked about.
-        fused_blocks: ``{attribute name: k}`` cuts each stored matrix of a selected parameter
-            whose name ends so (e.g. ``{"gate_up_proj": 2}``) into ``k`` equal row blocks, each
-            its own Newton-Schulz matrix, as unfused ``nn.Linear`` would be. Default: whole.
+        fused_blocks: ``{attribute name: k}`` cuts each matrix of a parameter so named (e.g.
+            ``{"gate_up_proj": 2}``) into ``k`` row blocks, each its own Newton-Schulz matrix.
 
     Returns:
         ``predicate(fqn, param) -> bool | int``: false to leave the parameter to AdamW, true
@@ -247,8 +246,7 @@ def dedicate_params(
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
     roles = build_roles(mesh, step_check=step_check)
-    plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
-    keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
+    keep = keeps_replicas(replicas, fsdp_wrapped=bool(fsdp.fsdp_states(model)), roles=roles)
     if predicate is None:
         predicate = getattr(model, PREDICATE_ATTR, None) or default_predicate(model)
     selected = select_matrices(model, predicate, ep_name=roles.ep_name, ep_size=roles.ep_size)
@@ -368,5 +366,5 @@ class no_sync:
 
     def _sync(self, enabled: bool) -> None:
         self.state.backward.sync_enabled = enabled
-        if fsdp.is_fsdp_wrapped(self.model):
+        if fsdp.fsdp_states(self.model):
             fsdp.set_gradient_sync(self.model, enabled)

@@ -93,10 +93,6 @@ def fsdp_states(model: nn.Module) -> list[Any]:
     return states
 
 
-def is_fsdp_wrapped(model: nn.Module) -> bool:
-    return bool(fsdp_states(model))
-
-
 def parent_map(model: nn.Module) -> dict[int, nn.Module]:
     """``id(child) -> parent`` for every submodule of ``model`` (build once, pass around)."""
     parents: dict[int, nn.Module] = {}

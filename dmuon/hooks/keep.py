@@ -9,17 +9,19 @@ by bucket (:func:`bucket_keys`); this module decides the mode and the buckets.
 
 from __future__ import annotations
 
+from typing import Any
+
 REPLICAS = ("keep", "placeholder")
 
 
-def resolve_replicas(replicas: str | None, *, fsdp_wrapped: bool, plain_1d: bool) -> str | None:
-    """``"keep"``, ``"placeholder"`` or ``None`` (FSDP2 / HSDP / TP) from the user's
-    ``replicas`` (``None``: the default). ``ValueError``: an unknown value, or one given for a
-    model that is not a plain replicated module on a 1-D mesh."""
+def keeps_replicas(replicas: str | None, *, fsdp_wrapped: bool, roles: Any) -> bool:
+    """Whether every rank keeps every matrix whole: ``replicas`` ``"keep"`` or ``None`` (the
+    default) on a plain replicated module on a 1-D mesh. ``ValueError``: an unknown value, or
+    one given for another model or mesh."""
     if replicas is not None and replicas not in REPLICAS:
         raise ValueError(f"dmuon: replicas must be 'keep' or 'placeholder' (or None for the default), "
                          f"got {replicas!r}")
-    if fsdp_wrapped or not plain_1d:
+    if fsdp_wrapped or roles.tp is not None or roles.replicate is not None or roles.expert is not None:
         if replicas is not None:
             where = "an FSDP2 (fully_shard) model" if fsdp_wrapped else "an HSDP or tensor-parallel mesh"
             raise ValueError(
@@ -27,8 +29,8 @@ def resolve_replicas(replicas: str | None, *, fsdp_wrapped: bool, plain_1d: bool
                 f"but dedicate_params got {where}; there FSDP2 decides what each rank holds. Drop "
                 f"replicas=..., or call dedicate_params on the module without fully_shard."
             )
-        return None
-    return replicas or "keep"
+        return False
+    return replicas != "placeholder"
 
 
 def bucket_keys(plan, specs, bucket_bytes: int) -> list[int]:

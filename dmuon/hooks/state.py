@@ -81,9 +81,7 @@ class DedicateState:
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
         self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}
         self._sharding_checked = False  # check_not_sharded_since_binding ran
-        # the owners' updates an overlapped step scheduled (Muon(overlap=...))
-        self.pending = PendingSteps()
-        # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
+        self.pending = PendingSteps()  # Muon(overlap=...)'s scheduled owner updates
         self.step_check = StepCheck(roles.steps if step_check else None, self.pending)
         self.publisher = Publisher(self)  # phases 1 and 4
         self.backward = ReduceToOwners(self)  # phase 2
@@ -173,7 +171,7 @@ class DedicateState:
         if self.fsdp_wrapped or self._sharding_checked:
             return
         self._sharding_checked = True
-        if fsdp.is_fsdp_wrapped(self.model):
+        if fsdp.fsdp_states(self.model):
             raise RuntimeError(
                 f"dmuon: rank {dist.get_rank()}: the model was wrapped by FSDP2's fully_shard (for "
                 f"instance by accelerator.prepare) after dmuon bound its {len(self.records)} "

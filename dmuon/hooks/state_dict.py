@@ -69,14 +69,10 @@ def layout_of(tensor: Any, fsdp: bool = True) -> Layout | None:
 
 def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) -> list[tuple[str, Any]]:
     """``(canonical key, tensor)`` entries of ``rec``'s master or momentum ``local`` (fp32
-    ``rec.shape`` on the owner; unused elsewhere).
-
-    ``state`` ``None``: dmuon's view (owner only; aliases, no collective) under ``rec.key``; a
-    TP slice as a DTensor ``Shard(tp_shard_dim)`` of ``rec.full_shape`` on the TP mesh; an
-    expert range as ``"fqn[e]"`` -> ``[rows, cols]`` views. ``state`` the
-    :class:`dmuon.hooks.state.DedicateState`: torch's view (every shard rank; one broadcast from
-    the owner; new tensors) under ``rec.fqn``, laid out as ``rec.sd_layout`` (FSDP2's
-    ``torch.chunk`` rows of the TP slice); the full tensor on a plain replica.
+    ``rec.shape`` on the owner; unused elsewhere). ``state`` ``None``: dmuon's view (owner only,
+    aliases) under ``rec.key``: a TP slice as a DTensor on the TP mesh, an expert range as
+    ``"fqn[e]"`` -> ``[rows, cols]`` views. ``state`` the model's ``DedicateState``: torch's
+    view (every shard rank, one broadcast) under ``rec.fqn``, laid out as ``rec.sd_layout``.
     """
     if state is not None:
         if rec.is_owner:
@@ -174,18 +170,15 @@ class StateDictHooks:
         """Register the hooks; returns their handles. A module's state_dict post-hook goes
         first (a parent's hook, torchtitan's fused-QKV split, must see FSDP2's view); its load
         pre-hook runs after the module's own (torchtitan's QKV merge)."""
-        model = self.state.model
+        model, cls, hook = self.state.model, StateDictHooks, functools.partial
         # partials: torch marks a public hook with an attribute, which a bound method refuses
-        cls = StateDictHooks
-        save, load, loaded = (functools.partial(f, self) for f in (
-            cls.on_module_state_dict, cls.on_module_load, cls.after_module_load))
-        handles = [model.register_load_state_dict_pre_hook(functools.partial(cls.on_load, self)),
-                   model.register_load_state_dict_post_hook(functools.partial(cls.after_load, self))]
+        handles = [model.register_load_state_dict_pre_hook(hook(cls.on_load, self)),
+                   model.register_load_state_dict_post_hook(hook(cls.after_load, self))]
         for module in dict.fromkeys(sel.module for sel in self.state.selected):
-            handle = module.register_state_dict_post_hook(functools.partial(save))
+            handle = module.register_state_dict_post_hook(hook(cls.on_module_state_dict, self))
             module._state_dict_hooks.move_to_end(handle.id, last=False)
-            handles += [handle, module.register_load_state_dict_pre_hook(functools.partial(load)),
-                        module.register_load_state_dict_post_hook(functools.partial(loaded))]
+            handles += [handle, module.register_load_state_dict_pre_hook(hook(cls.on_module_load, self)),
+                        module.register_load_state_dict_post_hook(hook(cls.after_module_load, self))]
         return handles
 
     def records(self) -> list[DedicatedParam]:
@@ -344,8 +337,6 @@ class OptimizerStateHooks:
         if not records:
             return out
         ctx, state = self.state, dict(sd["state"])
-        # whether any owner holds a momentum buffer (a fresh optimizer shows none, so torch's
-        # get_optimizer_state_dict initialises the whole state; collective)
         held = torch.tensor([float(any(rec.is_owner and "momentum_buffer" in opt.state.get(rec.master, {})
                                        for _, _, rec in records))],
                             device=records[0][2].master.device)  # NCCL reduces on the GPU
