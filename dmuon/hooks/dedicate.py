@@ -38,13 +38,8 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
     """Muon's usual scope: every trainable 2-D parameter except embedding weights (and a head
     tied to one), and every trainable expert stack (>= 3 dims, its module's ``num_experts``
     equal to its leading dim(s); one Muon matrix per expert). The rest go to AdamW. Stable
-    across ``fully_shard`` (embeddings and stacks are recognised by name).
-
-    To leave one more parameter on AdamW, wrap it::
-
-        pick = dmuon.default_predicate(model)
-        dmuon.dedicate_params(model, mesh, predicate=lambda name, p: pick(name, p)
-                              and not name.startswith("lm_head"))
+    across ``fully_shard`` (embeddings and stacks are recognised by name). To leave one more
+    parameter on AdamW, wrap it: ``lambda name, p: pick(name, p) and name != "lm_head.weight"``.
 
     Args:
         model: the model whose parameters the predicate will be asked about.

@@ -296,11 +296,7 @@ def param_names(model: torch.nn.Module, params: list[torch.Tensor], state: Any =
 
 def _ns_dtypes(groups: list[dict[str, Any]], convert: Any) -> list[dict[str, Any]]:
     """Copies of ``groups`` with ``convert`` applied to each ``ns_dtype``."""
-    groups = [dict(g) for g in groups]
-    for g in groups:
-        if "ns_dtype" in g:
-            g["ns_dtype"] = convert(g["ns_dtype"])
-    return groups
+    return [{**g, "ns_dtype": convert(g["ns_dtype"])} if "ns_dtype" in g else dict(g) for g in groups]
 
 
 class OptimizerStateHooks:

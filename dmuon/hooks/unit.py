@@ -26,8 +26,8 @@ from dmuon.comm.mesh_roles import is_fake_backend
 from dmuon.hooks.step_check import in_autograd_backward
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
 
-
 logger = logging.getLogger(__name__)
+
 
 @dataclass(eq=False)
 class PublishGroup:
