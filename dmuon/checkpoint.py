@@ -1,34 +1,27 @@
 """Sharded checkpoints of a dmuon model and optimizer with ``torch.distributed.checkpoint``.
 
-:func:`state_dict` returns a nested dict of the live tensors (detached aliases, no collective,
-no copy) that ``dcp.save`` writes and ``dcp.load`` fills *in place*; :func:`load_state_dict`
-then applies what was loaded (hyper-parameters, the owners' compute copies); :func:`load` does
-both all-or-nothing. Layout (keys: :func:`dmuon.hooks.state_dict.canonical_fqn`, so a
-checkpoint survives a change of world size, owner plan, mesh, FSDP2 wrapping or activation
-checkpointing)::
+:func:`state_dict` returns the live tensors (detached aliases, no collective, no copy) that
+``dcp.save`` writes and ``dcp.load`` fills in place; :func:`load_state_dict` applies what was
+loaded; :func:`load` does both all-or-nothing. Keys are canonical FQNs
+(:func:`dmuon.hooks.state_dict.canonical_fqn`), so a checkpoint survives a change of world
+size, owner plan, mesh, FSDP2 wrapping or activation checkpointing::
 
     {"model": {fqn: tensor},
      "optim": {"state": {fqn: {"momentum_buffer": ...} | {"step", "exp_avg", "exp_avg_sq"}},
                "param_groups": {"muon": {...}, "adamw": {...}}}}
 
-* FSDP2 parameters and their AdamW state are DTensors; DCP reshards them natively.
-* A dedicated matrix's master and ``momentum_buffer`` enter only on its owner
-  (:func:`dmuon.hooks.state_dict.entries`, dmuon's view): DCP merges the ranks' plans, so a key
-  offered by one rank is written once, and on load only the new owner requests it. A TP slice
-  is a DTensor on the TP mesh (DCP records its offset); an expert range is one ``"fqn[e]"``
-  entry per expert, whatever ranges the plan cut.
-* HSDP: every replica's owner offers the master; in ``"broadcast"`` mode only replica 0 offers
-  the momentum (the others never step the matrix and hold stale zeros).
-* Replicated tensors (buffers, plain replicated parameters, AdamW ``step``) are plain on every
-  rank; DCP's planner writes one copy. Hyper-parameters are byte items, one dict per group kind.
-* ``dmuon.Muon(params, distributed_config=...)`` (and single-device ``Muon(params)``): each
-  optimizer state tensor is laid out like its parameter; param groups are keyed by index
-  (``"0"``, ``"1"``, ...). Plain sharded Muon matrices cannot be described to DCP (``ValueError``).
+* FSDP2 parameters and their AdamW state are DTensors; DCP reshards them.
+* A dedicated matrix's master and momentum enter only on its owner
+  (:func:`dmuon.hooks.state_dict.entries`): DCP writes a key once and loads it where asked.
+  A TP slice is a DTensor on the TP mesh; an expert range is one ``"fqn[e]"`` entry per expert.
+* HSDP ``"broadcast"`` mode: only replica 0 offers the momentum (the others hold stale zeros).
+* Replicated tensors are plain on every rank (DCP writes one copy); hyper-parameters are byte
+  items, one dict per group kind.
+* ``dmuon.Muon(params, distributed_config=...)`` and single-device ``Muon(params)``: state
+  tensors laid out like their parameter; param groups keyed by index (``"0"``, ``"1"``, ...).
+  Plain sharded Muon matrices cannot be described to DCP (``ValueError``).
 
-torch's own state-dict API works on the same models (:mod:`dmuon.hooks.state_dict`); this
-module adds checkpoints without a collective or a copy
-and the layouts torch's path refuses (split or expert-parallel stacks). Save each checkpoint
-to a new directory: DCP writes ``.metadata`` last. Typical use::
+Save each checkpoint to a new directory (DCP writes ``.metadata`` last)::
 
     dcp.save(dmuon.state_dict(model, opt), checkpoint_id=f"ckpt/step{step}")
     dmuon.load(model, opt, "ckpt/step100")   # any world size or mesh
@@ -57,12 +50,8 @@ _SKIP_GROUP_KEYS = ("params", "kind", "param_names")
 
 
 def _fqns(model: nn.Module, opt: torch.optim.Optimizer, kind: str | None = None) -> dict[int, str]:
-    """``{id(param): fqn}`` for every parameter of ``model``, checked to hold every parameter of
-    ``opt``'s groups (of ``kind`` only, if given).
-
-    Raises:
-        ValueError: a parameter of ``opt`` that is not in ``model.named_parameters()``.
-    """
+    """``{id(param): fqn}`` of ``model``; ``ValueError`` if it lacks a parameter of ``opt``
+    (of ``kind``'s groups, if given)."""
     names = {id(p): n for n, p in model.named_parameters()}
     for gi, group in enumerate(opt.param_groups):
         for p in group["params"] if kind in (None, group.get("kind")) else ():
@@ -75,12 +64,8 @@ def _fqns(model: nn.Module, opt: torch.optim.Optimizer, kind: str | None = None)
 
 
 def _checked(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[DedicateState | None, Any]:
-    """``(the model's dmuon state, the process group whose ranks agree on a load)`` once ``opt``
-    is checked to be built over ``model``; the state is ``None`` for ``dmuon.Muon(params, ...)``.
-
-    Raises:
-        ValueError: ``dedicate_params`` was not called on ``model``, ``opt`` is another model's
-            optimizer, or a parameter of ``opt`` is not in ``model``.
+    """``(the model's dmuon state or None for Muon(params, ...), the group that agrees on a
+    load)``, once ``opt`` is checked to be built over ``model`` (``ValueError`` otherwise).
     """
     strategy = getattr(opt, "strategy", None)
     if strategy is not None and not isinstance(strategy, OwnerUpdate):
@@ -97,15 +82,11 @@ def _checked(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[DedicateStat
 
 
 def live_entries(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer of ``model`` as a detached alias of the live tensor,
-    keyed by its canonical FQN (tied parameters under each of their names): what
-    ``nn.Module.state_dict`` shows before any state-dict post-hook runs. Not
-    ``model.state_dict()``: a post-hook may replace entries by copies (torchtitan's fused-QKV
-    split), which ``dcp.load`` would fill without writing through, and dmuon's own hooks are
-    collective. The modules' state-dict *pre*-hooks do run (FSDP2's reshards its parameters).
-
-    Raises:
-        ValueError: a module defines ``get_extra_state`` (torch's state-dict API saves it).
+    """Every parameter and persistent buffer of ``model`` as a detached alias, by canonical FQN
+    (tied parameters under each name): ``nn.Module.state_dict`` before its post-hooks, which may
+    return copies (torchtitan's fused-QKV split) that ``dcp.load`` would not write through, or
+    be collective (dmuon's). The pre-hooks run (FSDP2's reshards its parameters).
+    ``ValueError`` if a module has ``get_extra_state`` (torch's API saves it).
     """
     out: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -128,8 +109,8 @@ def live_entries(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
-    """``local`` (a state tensor shaped like ``param``'s local piece) as a DTensor aliasing it,
-    laid out like ``param``; other values (a DTensor already, a plain parameter's) unchanged."""
+    """``local`` (shaped like DTensor ``param``'s local piece) as a DTensor laid out like
+    ``param``, aliasing it; other values unchanged."""
     if not hasattr(param, "device_mesh") or not isinstance(local, torch.Tensor) \
             or hasattr(local, "device_mesh") or tuple(local.shape) != tuple(param.to_local().shape):
         return local
@@ -138,9 +119,9 @@ def _laid_out_like(param: torch.Tensor, local: Any) -> Any:
 
 def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The model and optimizer state for ``dcp.save`` / ``dcp.load``, laid out as the module
-    docstring says. Local (no collective, no copy): the values are detached aliases of the live
-    tensors, so ``dcp.load`` writes straight into the model and the optimizer. Missing optimizer
-    state is created as the first step would (zeros, ``step`` 0), so a fresh job can load into it.
+    docstring says: detached aliases of the live tensors (no collective, no copy), so
+    ``dcp.load`` writes straight into the model and the optimizer. Missing optimizer state is
+    created as the first step would (zeros, ``step`` 0), so a fresh job can load into it.
 
     Args:
         model: a model passed to :func:`dmuon.dedicate_params`; or, for a
@@ -154,32 +135,21 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """
     opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
     ctx, _ = _checked(model, opt)
-    if ctx is not None:
-        ctx.ensure_bound()
-    names = _fqns(model, opt, "adamw" if ctx is not None else None)
-    config = getattr(opt.strategy, "config", None) if ctx is None else None
-    layouts = iter((config and config.state.get("layouts")) or ())
+    if ctx is None:
+        return _configured_state_dict(model, opt)
+    ctx.ensure_bound()
+    names = _fqns(model, opt, "adamw")
     optim_state: dict[str, dict[str, Any]] = {}
     adamw_state: dict[str, dict[str, Any]] = {}
     for group in opt.param_groups:
-        muon = group["use_muon"] if ctx is None else group["kind"] == "muon"
+        muon = group["kind"] == "muon"
         for p in group["params"]:
-            layout = next(layouts, None) if muon else None
-            if layout is not None and not hasattr(p, "device_mesh") and len(layout.representatives()) > 1:
-                raise ValueError(
-                    f"dmuon: Muon matrix {names[id(p)]!r} is a plain tensor sharded over ranks (local "
-                    f"shape {tuple(p.shape)} of {layout.full_shape}); DCP cannot place plain shards. "
-                    f"Make the parameters DTensors (fully_shard, distribute_tensor) to checkpoint them.")
-            # zero state where none exists yet, for dcp.load to fill (not on a placeholder)
-            if p.requires_grad and (ctx is None or not muon or p.numel()):
-                state = first_step_state(opt.state[p], p, muon)
-                if ctx is None:
-                    optim_state[canonical_fqn(names[id(p)])] = {
-                        k: _laid_out_like(p, v) for k, v in state.items()}
-            if ctx is not None and not muon:
+            if p.requires_grad and (not muon or p.numel()):  # not on a placeholder
+                first_step_state(opt.state[p], p, muon)
+            if not muon:
                 adamw_state[canonical_fqn(names[id(p)])] = dict(opt.state[p])
     model_sd = live_entries(model)
-    for rec in ctx.records if ctx is not None else ():
+    for rec in ctx.records:
         model_sd.pop(canonical_fqn(rec.fqn), None)  # the live master or placeholder: entries() shows it
         if not rec.is_owner:
             continue
@@ -188,11 +158,30 @@ def state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
         if buf is not None and momentum_replica(rec, ctx) in (None, ctx.replicate_rank):
             optim_state.update({key: {"momentum_buffer": t} for key, t in entries(rec, buf)})
     optim_state.update(adamw_state)
-    skip = _SKIP_GROUP_KEYS if ctx is not None else ("params",)
-    # by kind on the owner runtime, else by index
-    groups = {g["kind"] if ctx is not None else str(gi): {k: v for k, v in g.items() if k not in skip}
-              for gi, g in enumerate(opt.param_groups)}
+    groups = {g["kind"]: {k: v for k, v in g.items() if k not in _SKIP_GROUP_KEYS} for g in opt.param_groups}
     return {MODEL_KEY: model_sd, OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
+
+
+def _configured_state_dict(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """:func:`state_dict` of a ``dmuon.Muon(params, ...)``: state tensors laid out like their
+    parameter, param groups keyed by index."""
+    names = _fqns(model, opt)
+    config = getattr(opt.strategy, "config", None)
+    layouts = iter((config and config.state.get("layouts")) or ())
+    optim_state: dict[str, dict[str, Any]] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            layout = next(layouts, None) if group["use_muon"] else None
+            if layout is not None and not hasattr(p, "device_mesh") and len(layout.representatives()) > 1:
+                raise ValueError(
+                    f"dmuon: Muon matrix {names[id(p)]!r} is a plain tensor sharded over ranks (local "
+                    f"shape {tuple(p.shape)} of {layout.full_shape}); DCP cannot place plain shards. "
+                    f"Make the parameters DTensors (fully_shard, distribute_tensor) to checkpoint them.")
+            if p.requires_grad:  # zero state where none exists yet, for dcp.load to fill
+                state = first_step_state(opt.state[p], p, group["use_muon"])
+                optim_state[canonical_fqn(names[id(p)])] = {k: _laid_out_like(p, v) for k, v in state.items()}
+    groups = {str(gi): {k: v for k, v in g.items() if k != "params"} for gi, g in enumerate(opt.param_groups)}
+    return {MODEL_KEY: live_entries(model), OPTIM_KEY: {"state": optim_state, "param_groups": groups}}
 
 
 def _problem(target: torch.Tensor, value: Any, where: str) -> str | None:
@@ -240,12 +229,11 @@ def _pairs(expected: dict[str, Any], sd: dict[str, Any]) -> list[tuple[torch.Ten
 def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """Apply a state dict from :func:`state_dict` (typically after ``dcp.load`` filled it).
 
-    All or nothing: every key, tensor type, shape (global and local shard) and dtype is checked
-    on every rank and the ranks agree (one ``all_gather_object``) before anything is written;
-    tensors ``dcp.load`` wrote in place are left alone, others copied in. Then the saved
-    hyper-parameters are set and the owners refresh their compute copies. Collective. (An
-    in-place ``dcp.load`` that fails half-way leaves the live tensors half-written; :func:`load`
-    does not.) ``model`` and ``opt`` as for :func:`state_dict`; ``sd`` its dict on this rank.
+    All or nothing: every key, tensor type, shape (global and local) and dtype is checked and
+    the ranks agree (one ``all_gather_object``) before anything is written; tensors ``dcp.load``
+    wrote in place are left alone, others copied in. Then the saved hyper-parameters are set
+    and the owners refresh their compute copies. Collective. ``model`` and ``opt`` as for
+    :func:`state_dict`; ``sd`` its dict on this rank.
 
     Raises:
         ValueError: on every rank, if on any rank ``sd`` lacks a key that rank needs or holds a
@@ -287,8 +275,8 @@ def load_state_dict(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, 
 
 
 def _first_error(err: BaseException) -> str:
-    """``"Type: first line"`` of an error; for DCP's ``CheckpointException`` (which gathers
-    every rank's failure) the failure of this rank, else of the first rank that failed."""
+    """``"Type: first line"`` of an error (of a ``CheckpointException``: this rank's failure,
+    else the first rank's)."""
     import torch.distributed as dist
 
     failures = getattr(err, "failures", None)
@@ -300,8 +288,7 @@ def _first_error(err: BaseException) -> str:
 
 
 def _staged(value: Any) -> Any:
-    """A structure like ``value`` with every tensor replaced by a new uninitialized one of the
-    same kind, shape, dtype and placements (DTensors stay DTensors); other leaves are kept."""
+    """``value`` with every tensor replaced by an uninitialized one like it (DTensors too)."""
     if isinstance(value, dict):
         return {k: _staged(v) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
@@ -325,20 +312,17 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
          extra: dict[str, Any] | None = None, **dcp_kwargs: Any) -> dict[str, Any]:
     """Load a DCP checkpoint all-or-nothing: the live state changes only if every rank succeeded.
 
-    ``dcp.load`` reads into *staging* tensors shaped like :func:`state_dict`'s; if it raised on
-    any rank, every rank raises and the model, the optimizer and ``extra`` are unchanged.
-    Otherwise :func:`load_state_dict` checks and copies the staged values in. Collective.
-    Memory: one extra copy of the tensors this rank checkpoints, plus ``extra``'s, until it
-    returns (the in-place path, ``dcp.load(dmuon.state_dict(...))`` + :func:`load_state_dict`,
-    needs none).
+    ``dcp.load`` reads into staging tensors like :func:`state_dict`'s; if it raised on any
+    rank, every rank raises. Otherwise :func:`load_state_dict` checks and copies them in.
+    Collective. Memory: one extra copy of this rank's checkpointed tensors and ``extra``'s
+    (``dcp.load(dmuon.state_dict(...))`` + :func:`load_state_dict` loads in place).
 
     Args:
         model, opt: as for :func:`state_dict`.
-        checkpoint_id: the checkpoint directory written by ``dcp.save`` (of
-            ``dmuon.state_dict(model, opt)``, with ``extra``'s keys beside ``"model"`` and
-            ``"optim"``).
+        checkpoint_id: the directory ``dcp.save`` wrote ``dmuon.state_dict(model, opt)`` to
+            (with ``extra``'s keys beside ``"model"`` and ``"optim"``).
         extra: other state saved beside it, e.g. ``{"sched": sched.state_dict()}``; filled in
-            place on success (then call ``sched.load_state_dict(extra["sched"])``).
+            place on success.
         dcp_kwargs: passed to ``dcp.load`` (``storage_reader``, ``planner``, ``process_group``).
 
     Returns:
@@ -346,9 +330,9 @@ def load(model: nn.Module, opt: torch.optim.Optimizer, checkpoint_id: str | os.P
 
     Raises:
         RuntimeError: on every rank, if ``dcp.load`` failed on any rank, naming the ranks and
-            the first line of each error (DCP's exception chained); nothing changed.
+            their first error line (DCP's exception chained); nothing changed.
         ValueError: ``extra`` uses the keys ``"model"`` or ``"optim"``, or the loaded state does
-            not fit the model (see :func:`load_state_dict`); nothing changed.
+            not fit the model (:func:`load_state_dict`); nothing changed.
     """
     opt = unwrap_optimizer(opt)  # Accelerate's AcceleratedOptimizer and the like
     import torch.distributed.checkpoint as dcp  # not at import: `import dmuon` changes nothing in torch

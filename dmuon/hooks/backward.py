@@ -19,15 +19,12 @@ from dmuon.hooks import fsdp_adapter as fsdp
 
 
 class ReduceToOwners:
-    """The reduce-to-owner phase of one model's runtime (reads its
-    :class:`dmuon.hooks.state.DedicateState`'s bound units, buckets, groups and step check).
+    """The reduce-to-owner phase of one model's runtime.
 
     Attributes:
         sync_enabled: ``False`` inside :func:`dmuon.no_sync`.
         sync_this_backward: this backward reduces to the owners (decided at its first hook).
-        made_up_grads: :func:`dmuon.comm.owned_grad.present`'s gradients for "none here".
-        speculator: ``Muon(overlap="backward")``'s :class:`dmuon.optim.OwnerUpdate`, told
-            ``speculate_early({record: average})`` per reduced bucket, ``speculate()`` at the end.
+        speculator: ``Muon(overlap="backward")``'s :class:`dmuon.optim.OwnerUpdate`.
     """
 
     def __init__(self, state: Any) -> None:
@@ -69,10 +66,9 @@ class ReduceToOwners:
             unit.grad_in(rec)
 
     def poll_reduced(self) -> None:
-        """A gradient hook of a synced backward (``Muon(overlap="backward")``): hand each bucket
-        whose reduce-to-owner has completed (a non-blocking query) to :attr:`speculator` with
-        this rank's averages, once per backward, so its owner's Newton-Schulz starts while the
-        backward goes on. Not under HSDP (the replica combine comes at the end of backward)."""
+        """``Muon(overlap="backward")``: hand each bucket whose reduce has completed to
+        :attr:`speculator` with this rank's averages, once per backward (not under HSDP, whose
+        replica combine comes at the end)."""
         s = self.state
         if self.speculator is None or s.roles.replicate_size > 1:
             return
@@ -92,11 +88,8 @@ class ReduceToOwners:
         return self.state.replicated.on_grad(param, grad, sync=self.sync_this_backward)
 
     def reduce_outside_backward(self) -> None:
-        """FSDP2's final callback ran outside a backward, with gradient sync on
-        (``torch.distributed.pipelining``'s ``PipelineStage.perform_reduce_grad``, before its
-        ``scale_grads``): reduce to the owners every gradient accumulated locally since the
-        last reduce, as FSDP2 reduce-scatters its own. Inside a backward it does nothing
-        (:meth:`finish_backward` reduces). Collective over the shard (and replicate) group.
+        """FSDP2's final callback ran outside a backward (pipelining's ``perform_reduce_grad``):
+        reduce every gradient accumulated since the last reduce, as FSDP2 does. Collective.
         """
         if (not self.state.bound or self._final_callback_queued or not self.sync_enabled
                 or not fsdp.gradient_sync_enabled(self.state.fsdp_states)):
@@ -114,12 +107,8 @@ class ReduceToOwners:
             self._reduce_and_present()
 
     def check_reduced(self) -> None:
-        """Before a step: no matrix may hold a gradient that never reached its owner (a
-        backward with gradient sync off keeps it local; the step would skip the matrix).
-
-        Raises:
-            RuntimeError: naming the matrices and the fix, on every rank that computed them.
-        """
+        """Before a step: ``RuntimeError`` if a matrix holds a gradient that never reached its
+        owner (a backward with gradient sync off; the step would skip it)."""
         unreduced = [rec.fqn for rec in self.state.records if rec.compute.grad is not None]
         if unreduced:
             raise RuntimeError(
@@ -149,10 +138,9 @@ class ReduceToOwners:
                 s.replicated.finish()
 
     def _reduce_and_present(self) -> None:
-        """Reduce every bucket to its owners, divided by its FSDP2 block's gradient divide
-        factor (``None``: the mean), and combine HSDP replicas; then show the gradients as
-        clipping by third-party code sees them (:mod:`dmuon.comm.owned_grad`), every rank
-        alike; then the :attr:`speculator`, if any."""
+        """Reduce every bucket to its owners (divided by its FSDP2 divide factor, else the mean),
+        combine HSDP replicas, present the gradients (:mod:`dmuon.comm.owned_grad`), then call
+        the :attr:`speculator`."""
         s = self.state
         for bucket in s.buckets:  # FSDP2's set_gradient_divide_factor, read now
             if bucket.block is not None:

@@ -1,10 +1,7 @@
 """Binding: from the selected matrices to owners' masters, placeholders, units and buckets.
 
-Runs once per model, at ``dmuon.Muon`` construction or at the first forward, once the user's
-``fully_shard`` calls have made the FSDP2 blocks known. Collective, in the same order on every
-rank: the matrices are taken from FSDP2 and, on a plain replicated module, the other parameters
-are broadcast from rank 0. :func:`bind` fills the runtime state in place; the state registers
-the hooks.
+Runs once per model, at ``dmuon.Muon`` construction or the first forward (after the user's
+``fully_shard``). Collective, in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ from torch import nn
 from dmuon.hooks import fsdp_adapter as fsdp
 from dmuon.comm.ddp_allreduce import ReplicatedGrads
 from dmuon.comm.grad_buckets import GradBucket, IssueOrder, make_buckets
-from dmuon.hooks.keep import bucket_keys, resolve_replicas
+from dmuon.hooks.keep import bucket_keys, keeps_replicas
 from dmuon.hooks.state_dict import layout_of
 from dmuon.hooks.tp_placements import as_compute_param, local_slice
 from dmuon.hooks.unit import PublishGroup, Unit
@@ -30,8 +27,7 @@ from dmuon.owners.stacks import ParamLayout, StackSlot
 
 @dataclass(eq=False)
 class Selected:
-    """A dedicated parameter found at ``dedicate_params`` time, before binding: a matrix, or
-    a stack of them (:mod:`dmuon.owners.stacks`)."""
+    """A dedicated parameter (a matrix or a stack of them) before binding."""
 
     fqn: str
     module: nn.Module
@@ -43,8 +39,7 @@ class Selected:
 
     @property
     def layout(self) -> ParamLayout:
-        """How this rank's part of the parameter (under expert parallelism its ``E / ep`` local
-        experts) splits into Newton-Schulz matrices."""
+        """How this rank's part (its ``E / ep`` local experts) splits into matrices."""
         return ParamLayout(shape=tuple(self.shape), blocks=self.blocks).local(self.ep)
 
     @property
@@ -54,12 +49,7 @@ class Selected:
 
 
 def check_materialized(selected: list[Selected]) -> None:
-    """Refuse to bind matrices that still live on the meta device (binding copies each
-    current value into its owner's master), on every rank alike, before any collective.
-
-    Raises:
-        RuntimeError: naming the first meta parameters and the order of calls that works.
-    """
+    """``RuntimeError`` for matrices still on the meta device (binding copies their values)."""
     on_meta = [sel.fqn for sel in selected if sel.param.is_meta]
     if on_meta:
         shown = ", ".join(repr(n) for n in on_meta[:3])
@@ -74,24 +64,13 @@ def check_materialized(selected: list[Selected]) -> None:
 
 
 def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucket]]:
-    """Take the selected matrices from the model (FSDP2 or plain) and fill ``state`` in place:
-    its ``records``, ``units``, ``groups``, ``buckets``, ``issue_order``, ``keep``,
-    ``fsdp_states``, ``record_of_master``, ``replicated`` and ``shared_bucket``, from its model,
-    roles, plan, selection and options. The caller runs :func:`check_materialized` first.
-
-    Returns:
-        For each record whose compute weight takes a gradient: ``(record, unit, publish group,
-        gradient bucket)``, where its gradient hook sends it.
-
-    Raises:
-        ValueError: an FSDP2 ``param_dtype`` dmuon cannot publish, an unknown ``replicas``
-            or one given where it does not apply, an HSDP or TP mesh without FSDP2.
-    """
+    """Take the selected matrices from the model and fill ``state``'s runtime fields in place;
+    returns ``(record, unit, publish group, gradient bucket)`` per record that takes a gradient.
+    ``ValueError``: an FSDP2 ``param_dtype`` dmuon cannot publish, bad ``replicas``, an HSDP or
+    TP mesh without FSDP2."""
     selected, model, roles = state.selected, state.model, state.roles
     fsdp_states = state.fsdp_states = fsdp.fsdp_states(model)
-    plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
-    keep = state.keep = resolve_replicas(state.replicas, fsdp_wrapped=bool(fsdp_states),
-                                         plain_1d=plain_1d) == "keep"
+    keep = state.keep = keeps_replicas(state.replicas, fsdp_wrapped=bool(fsdp_states), roles=roles)
     specs_of = state.plan.specs_by_fqn()
     parents = fsdp.parent_map(model)
     policies = [fsdp.mixed_precision_dtypes(fsdp.enclosing_fsdp_module(sel.module, parents))
@@ -208,14 +187,9 @@ def bind(state: Any) -> list[tuple[DedicatedParam, Unit, PublishGroup, GradBucke
 
 def publish_units(model: nn.Module, selected: list[Selected],
                   parents: dict[int, nn.Module]) -> tuple[list[int], list[nn.Module]]:
-    """The unit (:func:`dmuon.hooks.fsdp_adapter.publish_block`) of each selected matrix.
-
-    Returns:
-        ``(unit id per selected matrix, module per unit id)``; ids count up in the order the
-        units' forward pre-hooks fire when modules run in registration order
-        (``model.modules()``, an enclosing unit such as the FSDP2 root before the units inside
-        it): the runtime's initial unit order.
-    """
+    """``(unit id per selected matrix, module per unit id)``
+    (:func:`dmuon.hooks.fsdp_adapter.publish_block`), ids in ``model.modules()`` order: the
+    runtime's initial unit order."""
     blocks = [fsdp.publish_block(sel.module, parents) for sel in selected]
     wanted = {id(b) for b in blocks}  # modules compared by identity, as FSDP2 does
     modules = [m for m in model.modules() if id(m) in wanted]
@@ -225,16 +199,9 @@ def publish_units(model: nn.Module, selected: list[Selected],
 
 def make_groups(entries: list[tuple], keys: list, ranks: list[int],
                 keep: bool, pgs: list) -> list[tuple[PublishGroup, torch.Tensor]]:
-    """One :class:`PublishGroup` per (unit or bucket key, process group, owner, dtype, device);
-    returns each entry's group and its view of the group's flat buffer, in entry order.
-
-    Args:
-        entries: :func:`bind`'s ``(selected index, spec, slice, requires_grad, compute dtype,
-            reduce dtype)`` per plan entry.
-        ranks: per entry, this rank's index in the process group its owner is a rank of.
-        pgs: per entry, that process group (``None``: the shard group; expert parallelism:
-            the expert group).
-    """
+    """One :class:`PublishGroup` per (key, process group, owner, dtype, device); returns each
+    of :func:`bind`'s ``entries``' group and view of its flat buffer. ``pgs``: per entry, the
+    owner's process group (``None``: the shard group); ``ranks``: this rank's index in it."""
     keyed: dict[tuple, list[int]] = {}
     for i, (_, spec, sl, _, dtype, _) in enumerate(entries):
         keyed.setdefault((keys[i], pgs[i], spec.owner, dtype, sl.local.device), []).append(i)
@@ -249,12 +216,8 @@ def make_groups(entries: list[tuple], keys: list, ranks: list[int],
 
 
 def replicate_others(state: Any, records: list[DedicatedParam]) -> list[nn.Parameter]:
-    """Plain replicated module: start every other parameter from rank 0's values, as DDP does
-    (collective), and return the trainable ones (their gradients are averaged DDP-style).
-
-    Raises:
-        ValueError: on an HSDP or tensor-parallel mesh (those need FSDP2).
-    """
+    """Plain replicated module on a 1-D mesh (else ``ValueError``): broadcast every other
+    parameter from rank 0, as DDP does, and return the trainable ones."""
     roles = state.roles
     if roles.tp is not None or roles.replicate is not None or roles.expert is not None:
         raise ValueError(

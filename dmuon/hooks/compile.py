@@ -14,14 +14,8 @@ _F = TypeVar("_F", bound=Callable)
 
 
 def dynamo_disable(fn: _F) -> _F:
-    """``torch._dynamo.disable(fn, recursive=True)``: ``torch.compile`` runs the hook ``fn``
-    eagerly; same signature.
-
-    Apply it where a hook is created (so ``import dmuon`` does not import ``torch._dynamo``),
-    to every function dmuon registers as a module or autograd hook, and register the result
-    itself: a Python wrapper around it would share one code object across units, which dynamo
-    would recompile per unit until its recompile limit.
-    """
+    """``torch._dynamo.disable(fn, recursive=True)``. Register the result itself: a Python
+    wrapper would share one code object across units, which dynamo recompiles per unit."""
     import torch._dynamo
 
     return torch._dynamo.disable(fn, recursive=True, reason="dmuon hook: runs eagerly, as FSDP2's hooks")

@@ -17,7 +17,7 @@ from dmuon.comm.collectives import check_same_on_all_ranks
 from dmuon.comm.grad_buckets import REDUCE_MODES
 from dmuon.comm.mesh_roles import build_roles
 from dmuon.hooks import fsdp_adapter as fsdp
-from dmuon.hooks.keep import resolve_replicas
+from dmuon.hooks.keep import keeps_replicas
 from dmuon.hooks.bind import Selected
 from dmuon.hooks.state import DedicateState
 from dmuon.hooks.state_dict import StateDictHooks
@@ -35,27 +35,16 @@ Predicate = Callable[[str, nn.Parameter], "bool | int"]
 
 
 def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | None = None) -> Predicate:
-    """Muon's usual scope: 2-D trainable parameters that are not an embedding's weight, and
-    Mixture-of-Experts expert stacks.
-
-    Selected: every 2-D parameter with ``requires_grad``, and every trainable expert stack: a
-    parameter of 3 or more dims whose module declares ``num_experts`` equal to its leading
-    dim(s) (:func:`dmuon.owners.stacks.check_expert_stack`), one Muon matrix per expert. Left
-    to AdamW: ``nn.Embedding`` / ``nn.EmbeddingBag`` weights (and a head tied to one), biases,
-    norms, convolutions, other tensors of 3 or more dims, frozen parameters. Stable across
-    ``fully_shard`` (embeddings are recognised by name, or by identity when called).
-
-    To leave one more parameter on AdamW, wrap it::
-
-        pick = dmuon.default_predicate(model)
-        dmuon.dedicate_params(model, mesh, predicate=lambda name, p: pick(name, p)
-                              and not name.startswith("lm_head"))
+    """Muon's usual scope: every trainable 2-D parameter except embedding weights (and a head
+    tied to one), and every trainable expert stack (>= 3 dims, its module's ``num_experts``
+    equal to its leading dim(s); one Muon matrix per expert). The rest go to AdamW. Stable
+    across ``fully_shard`` (embeddings and stacks are recognised by name). To leave one more
+    parameter on AdamW, wrap it: ``lambda name, p: pick(name, p) and name != "lm_head.weight"``.
 
     Args:
         model: the model whose parameters the predicate will be asked about.
-        fused_blocks: ``{attribute name: k}`` cuts each stored matrix of a selected parameter
-            whose name ends so (e.g. ``{"gate_up_proj": 2}``) into ``k`` equal row blocks, each
-            its own Newton-Schulz matrix, as unfused ``nn.Linear`` would be. Default: whole.
+        fused_blocks: ``{attribute name: k}`` cuts each matrix of a parameter so named (e.g.
+            ``{"gate_up_proj": 2}``) into ``k`` row blocks, each its own Newton-Schulz matrix.
 
     Returns:
         ``predicate(fqn, param) -> bool | int``: false to leave the parameter to AdamW, true
@@ -95,13 +84,12 @@ def default_predicate(model: nn.Module, *, fused_blocks: Mapping[str, int] | Non
 
 def declare_predicate(model: nn.Module, predicate: Predicate) -> None:
     """Make ``predicate`` the one :func:`dedicate_params` uses for ``model`` when the caller
-    passes none (a predicate passed explicitly still wins). For code that prepares a model and
-    knows which matrices Muon must not take (the LeRobot integration's unused ``lm_head``).
+    passes none (e.g. the LeRobot integration's, which leaves the unused ``lm_head`` out).
 
     Args:
-        model: the model later passed to :func:`dedicate_params` (the same object).
-        predicate: ``predicate(fqn, param) -> bool | int``, as :func:`dedicate_params` takes it;
-            the same answer before and after ``fully_shard``.
+        model: the model later passed to :func:`dedicate_params`.
+        predicate: ``predicate(fqn, param) -> bool | int``, the same answer before and after
+            ``fully_shard``.
 
     Raises:
         TypeError: ``predicate`` is not callable.
@@ -114,18 +102,9 @@ def declare_predicate(model: nn.Module, predicate: Predicate) -> None:
 
 def select_matrices(model: nn.Module, predicate: Predicate, *, ep_name: str | None = None,
                     ep_size: int = 1) -> list[Selected]:
-    """The dedicated parameters (matrices and stacks of them) in model order.
-
-    Args:
-        model, predicate: the model and :func:`default_predicate` or the user's.
-        ep_name, ep_size: the mesh's expert-parallel dimension and size (``None``, 1 without
-            one), for ``Selected.ep`` (:func:`dmuon.owners.stacks.expert_parallel_size`).
-
-    Raises:
-        ValueError: on every rank alike, for a selected tensor of fewer than 2 dims, a >2-D
-            one that is no expert stack, row blocks that do not divide the rows, tied weights,
-            or an expert-parallel stack dmuon cannot take.
-    """
+    """The dedicated parameters (matrices and stacks of them) in model order. ``ValueError``,
+    on every rank alike: a selected tensor under 2-D, a >2-D one that is no expert stack, row
+    blocks that do not divide the rows, tied weights, an expert-parallel stack dmuon refuses."""
     experts = expert_module_names(model)
     names_by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -175,14 +154,13 @@ def dedicate_params(
 ) -> OwnerPlan:
     """Give every dedicated matrix of ``model`` one owner rank and install dmuon's hooks.
 
-    Call it on every rank, after or before the user's ``fully_shard`` calls; then build
-    :class:`dmuon.Muon` over the model. Collective over ``mesh``.
+    Call it on every rank, before or after ``fully_shard``; then build :class:`dmuon.Muon`
+    over the model. Collective over ``mesh``.
 
     Args:
-        model: an ``nn.Module`` wrapped by FSDP2 ``fully_shard`` (per block and root; HSDP
-            and FSDP x TP included), a tensor-parallel module (``parallelize_module``), or a
-            plain module replicated on every rank of a 1-D mesh (dmuon then also averages the
-            other parameters' gradients, DDP-style; pass the module, not a DDP wrapper).
+        model: an ``nn.Module`` wrapped by FSDP2 ``fully_shard`` (HSDP and FSDP x TP
+            included), a tensor-parallel module, or a plain module replicated on a 1-D mesh
+            (dmuon then averages the other gradients DDP-style; not a DDP wrapper).
         mesh: the ``DeviceMesh``, roles by dimension name (:mod:`dmuon.comm.mesh_roles`): 1-D
             data parallel; ``("replicate", "shard")`` HSDP; ``("dp", "tp")`` FSDP x TP;
             ``("replicate", "shard", "tp")``; ``("tp",)``; expert parallelism's
@@ -191,13 +169,12 @@ def dedicate_params(
         predicate: ``predicate(fqn, param) -> bool | int`` picks the Muon matrices (an int
             ``k``: cut each stored matrix into ``k`` row blocks); default: the one declared on
             the model (:func:`declare_predicate`), else :func:`default_predicate`.
-        plan: an :class:`OwnerPlan` or a path to its JSON (from ``python -m dmuon.profile``);
-            default: solved on rank 0 and broadcast (:mod:`dmuon.hooks.default_plan`).
+        plan: an :class:`OwnerPlan` or its JSON path (``python -m dmuon.profile``); default:
+            solved on rank 0 and broadcast (:mod:`dmuon.hooks.default_plan`).
         prefetch: units whose publication is issued ahead of the one running (>= 1).
-        reshard_after_forward: free non-owners' full weights between forward and backward.
-            ``None`` (default): as FSDP2 does with each block (without FSDP2, free).
-        bucket_cap_mb: plain replicated module only: cap (MiB, > 0) of one gradient bucket, as
-            DDP's ``bucket_cap_mb``.
+        reshard_after_forward: free non-owners' full weights between forward and backward;
+            ``None``: as FSDP2 does with each block (without FSDP2, free).
+        bucket_cap_mb: plain replicated module only: DDP's gradient bucket cap (MiB, > 0).
         replicate_mode: HSDP: ``"compute"`` (every replica's owner runs Newton-Schulz),
             ``"broadcast"`` (replica 0's owner runs it and broadcasts) or ``"auto"`` (per
             matrix, the cheaper by ``replica_cost``; keeps a given plan's modes); all exact.
@@ -205,8 +182,8 @@ def dedicate_params(
             (one all-reduce, twice the bytes); both exact (:mod:`dmuon.comm.grad_buckets`).
         group_cost: default plan only: the cost (FLOP-model units) of one more owner in an
             FSDP2 block; ``"auto"``: by backend (:func:`dmuon.balance.cost.default_group_cost`).
-        step_check: compare every rank's ``opt.step()`` and backward counts at each forward
-            and backward (:mod:`dmuon.hooks.step_check`); off on torch's fake process group.
+        step_check: compare every rank's step and backward counts at each forward and
+            backward (:mod:`dmuon.hooks.step_check`).
         replicas: plain replicated module on a 1-D mesh only: ``"keep"`` (default there):
             every rank keeps every matrix whole; ``"placeholder"``: non-owners hold zero-size
             placeholders (:mod:`dmuon.hooks.keep`).
@@ -264,12 +241,10 @@ def dedicate_params(
         raise RuntimeError("dmuon: torch.distributed is not initialized; call init_process_group first")
     # Groups of our own keep dmuon's broadcasts and reduces out of FSDP2's collective order.
     roles = build_roles(mesh, step_check=step_check)
-    plain_1d = roles.tp is None and roles.replicate is None and roles.expert is None
-    keep = resolve_replicas(replicas, fsdp_wrapped=fsdp.is_fsdp_wrapped(model), plain_1d=plain_1d) == "keep"
+    keep = keeps_replicas(replicas, fsdp_wrapped=bool(fsdp.fsdp_states(model)), roles=roles)
     if predicate is None:
         predicate = getattr(model, PREDICATE_ATTR, None) or default_predicate(model)
-    selected = select_matrices(model, predicate, ep_name=roles.ep_name,
-                               ep_size=roles.ep_size)
+    selected = select_matrices(model, predicate, ep_name=roles.ep_name, ep_size=roles.ep_size)
     shapes = {s.fqn: s.layout for s in selected}  # under expert parallelism, this rank's local stacks
     expert_parallel = [s.fqn for s in selected if s.ep > 1]
     blocks = {s.fqn: s.blocks for s in selected if s.blocks != 1}
@@ -352,11 +327,7 @@ def dedicate_params(
 
 
 def get_state(model: nn.Module) -> DedicateState:
-    """The :class:`DedicateState` of a model passed to ``dedicate_params``.
-
-    Raises:
-        ValueError: if ``dedicate_params`` was not called on ``model``.
-    """
+    """The :class:`DedicateState` of a model passed to ``dedicate_params`` (else ``ValueError``)."""
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise ValueError(
@@ -369,10 +340,9 @@ def get_state(model: nn.Module) -> DedicateState:
 class no_sync:
     """Context manager: backward passes inside accumulate gradients locally, no communication.
 
-    The next backward outside the context reduces the accumulated gradients to their owners
-    (and, on FSDP2, reduce-scatters the rest), as FSDP2's ``set_requires_gradient_sync(False)``,
-    which is honored the same way. Memory: a full-size gradient per dedicated matrix on every
-    rank while accumulating.
+    The next backward outside reduces them to their owners (and, on FSDP2, reduce-scatters the
+    rest); FSDP2's ``set_requires_gradient_sync(False)`` is honored the same way. Memory: a
+    full-size gradient per dedicated matrix on every rank while accumulating.
 
     Args:
         model: the model given to ``dedicate_params``.
@@ -391,5 +361,5 @@ class no_sync:
 
     def _sync(self, enabled: bool) -> None:
         self.state.backward.sync_enabled = enabled
-        if fsdp.is_fsdp_wrapped(self.model):
+        if fsdp.fsdp_states(self.model):
             fsdp.set_gradient_sync(self.model, enabled)

@@ -1,16 +1,11 @@
-"""The owner plan ``dedicate_params`` solves without a plan file: deadline-aware, from shapes.
+"""The owner plan ``dedicate_params`` solves without a plan file, from shapes.
 
-With ``Muon(overlap="forward"|"backward")`` the step pays the Newton-Schulz (NS) that finishes
-after its unit's forward starts (the exposed time, :mod:`dmuon.balance.deadline`); with
-``overlap="off"`` it pays the makespan. The plan is solved before ``Muon`` exists, so it serves
-both (:func:`dmuon.balance.solve` with ``makespan_slack``): the least exposed time among plans
-within :data:`dmuon.balance.deadline.MAKESPAN_SLACK` of the makespan plan's makespan.
-
-Per-unit forward times are estimated from shapes (:func:`default_plan`), in the NS FLOP
-model's unit. The estimate counts only the dedicated matrices and takes units in registration
-order (:func:`dmuon.hooks.bind.publish_units`): deadlines come early, and the exposed time is
-overestimated. For a model that interleaves its units (pi0, SmolVLA), a plan from ``python -m
-dmuon.profile --objective exposed`` does better. The makespan bound holds whatever the error.
+It is solved before ``Muon`` knows its ``overlap``, so it serves both: the least exposed time
+(:mod:`dmuon.balance.deadline`) among plans within
+:data:`dmuon.balance.deadline.MAKESPAN_SLACK` of the best makespan. Forward times are
+estimated from the dedicated matrices' shapes, units in registration order (deadlines come
+early); for models that interleave units (pi0), ``python -m dmuon.profile --objective
+exposed`` does better.
 """
 
 from __future__ import annotations
@@ -45,17 +40,10 @@ SOLVERS = ("heuristic", "milp")
 def default_plan(model: nn.Module, selected: list[Selected], world_size: int, *, tp_size: int,
                  blocks: Mapping[str, int], expert_parallel: Sequence[str], ep_size: int,
                  group_cost: float, forward_tokens: int, solver: str = "heuristic") -> OwnerPlan:
-    """The plan of the module docstring, or, where the exposed-time objective does not apply
-    (tensor or expert parallelism, :func:`dmuon.owners.plan.build_plan`), the makespan plan.
-
-    Each unit's forward FLOPs: ``2 * forward_tokens * rows * cols`` per dedicated matrix (an
-    expert stack as one matrix: a token passes few experts), 0 for a unit that holds another
-    (the FSDP2 root: its own matrices run inside or after its children)
-    (:func:`dmuon.balance.profiler.unit_times`).
-
-    Raises:
-        ValueError: ``solver`` not in :data:`SOLVERS`.
-    """
+    """The plan of the module docstring; the makespan plan under tensor or expert parallelism.
+    A unit's forward FLOPs: ``2 * forward_tokens * rows * cols`` per matrix (a stack as one),
+    0 for a unit holding another (the FSDP2 root). ``ValueError``: ``solver`` not in
+    :data:`SOLVERS`."""
     if solver not in SOLVERS:
         raise ValueError(f"dmuon: solver must be one of {SOLVERS}, got {solver!r}")
     limit = RUNTIME_MILP_TIME_LIMIT_S if solver == "milp" else RUNTIME_TIME_LIMIT_S

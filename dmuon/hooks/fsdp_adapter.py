@@ -1,9 +1,6 @@
-"""The FSDP2 adapter: the one place in dmuon that touches FSDP2's private state.
-
-dmuon takes each dedicated matrix away from FSDP2 (so FSDP2 neither all-gathers nor
-reduce-scatters it) and registers its own parameters in its place. Everything here is read
-at call time from the module's FSDP2 state; nothing about FSDP2's internals is cached.
-Tested against torch 2.11 (one ``_fsdp_param_group``) and 2.13 (a list, ``_fsdp_param_groups``).
+"""The one place in dmuon that touches FSDP2's private state: dedicated matrices are taken
+from FSDP2's parameter groups, and FSDP2's settings read at call time (nothing cached). Tested
+against torch 2.11 (one ``_fsdp_param_group``) and 2.13 (a list, ``_fsdp_param_groups``).
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ _DIVIDE_FACTOR_NAMES = ("gradient_divide_factor", "_gradient_divide_factor")
 
 
 def _follow_divide_factor(module: nn.Module, taken: list[Any]) -> None:
-    """Make ``module.set_gradient_divide_factor`` (FSDP2's, per module) also set it on the
-    groups dmuon removed from the module's state."""
+    """Make ``module.set_gradient_divide_factor`` also reach the groups dmuon removed."""
     original = getattr(module, "set_gradient_divide_factor", None)
     if original is None or getattr(original, "_dmuon_follows", False):
         return
@@ -72,14 +68,8 @@ def _follow_divide_factor(module: nn.Module, taken: list[Any]) -> None:
 
 def gradient_divide_factor(block: nn.Module) -> float | None:
     """FSDP2's gradient divide factor of ``block`` (``set_gradient_divide_factor``), or ``None``
-    when unset (FSDP2 then averages over its data-parallel ranks).
-
-    FSDP2 divides the sum of a gradient over every data-parallel rank (reduce-scatter group
-    times HSDP all-reduce group) by this factor, whatever reduce op carries it (``AVG``,
-    ``PREMUL_SUM(1/factor)``, or ``SUM`` with pre/post division,
-    ``_fsdp_collectives._get_gradient_divide_factors``). Read from the module's parameter
-    groups, those dmuon removed included; torch 2.11 and 2.13 name it
-    ``gradient_divide_factor``.
+    when unset (FSDP2 then averages over its data-parallel ranks): the divisor of a gradient's
+    sum over every data-parallel rank (``_fsdp_collectives._get_gradient_divide_factors``).
     """
     state = _fsdp_state(block)
     if state is None:
@@ -101,10 +91,6 @@ def fsdp_states(model: nn.Module) -> list[Any]:
             seen.add(id(state))
             states.append(state)
     return states
-
-
-def is_fsdp_wrapped(model: nn.Module) -> bool:
-    return bool(fsdp_states(model))
 
 
 def parent_map(model: nn.Module) -> dict[int, nn.Module]:
@@ -133,14 +119,10 @@ READS_CHILD_WEIGHTS = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Tra
 
 
 def publish_block(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module:
-    """The unit a dedicated matrix of ``module`` is published for and reduced with (the
-    balancer's groups and the runtime's units).
-
-    Under FSDP2: the enclosing ``fully_shard`` module, the unit FSDP2 all-gathers, so all code
-    that may read the weight in forward runs inside it. Without FSDP2: ``module``, or its
-    outermost ancestor among :data:`READS_CHILD_WEIGHTS`. Not every parent: a parent need not
-    run at all (a container whose children a grandparent calls); a weight read outside its own
-    module's forward is covered under FSDP2 only (or leave it to AdamW with a predicate).
+    """The unit a dedicated matrix of ``module`` is published for and reduced with: the
+    enclosing ``fully_shard`` module (all code that may read the weight runs inside it); without
+    FSDP2, ``module`` or its outermost ancestor among :data:`READS_CHILD_WEIGHTS` (not any
+    parent: a container's forward may never run).
     """
     block = enclosing_fsdp_module(module, parents)
     if block is not None:
@@ -154,12 +136,9 @@ def publish_block(module: nn.Module, parents: dict[int, nn.Module]) -> nn.Module
 
 
 def reshards_after_forward(block: nn.Module | None, parents: dict[int, nn.Module]) -> bool:
-    """FSDP2's own post-forward choice for ``block``: does it free the unsharded parameters?
-
-    A block follows its ``fully_shard(..., reshard_after_forward=...)`` (an int counts as
-    freeing); the root block keeps its parameters unless the user set the flag on it
-    (``FSDPState._lazy_init``). True without FSDP2 (``block`` None). Read it before dmuon takes
-    the block's matrices: a block left with none loses its parameter group.
+    """Whether FSDP2 frees ``block``'s unsharded parameters after forward (its
+    ``reshard_after_forward``; the root keeps them unless set, ``FSDPState._lazy_init``); True
+    without FSDP2. Read it before dmuon takes the block's matrices (its group may go).
     """
     state = _fsdp_state(block) if block is not None else None
     if state is None:
@@ -182,25 +161,14 @@ def mixed_precision_dtypes(block: nn.Module | None) -> tuple[torch.dtype | None,
 
 
 def take_from_fsdp(model: nn.Module, module: nn.Module, attr: str) -> torch.Tensor | None:
-    """Remove ``module.<attr>`` from FSDP2's management; returns FSDP2's sharded DTensor (undo
-    its sharding with :func:`dmuon.hooks.tp_placements.local_slice`), or ``None`` when FSDP2
-    does not manage the parameter.
-
-    Raises:
-        ValueError: the parameter is shared with other modules (tied weights).
-    """
+    """Remove ``module.<attr>`` from FSDP2's management; returns its sharded DTensor, or
+    ``None`` when FSDP2 does not manage it (tied weights were refused at selection)."""
     for state in fsdp_states(model):
         for group in _param_groups(state):
             for fsdp_param in list(group.fsdp_params):
                 info = fsdp_param._module_info
                 if info.module is not module or info.param_name != attr:
                     continue
-                if getattr(info, "shared_modules", None):
-                    raise ValueError(
-                        f"dmuon: parameter {attr!r} of {type(module).__name__} is shared with other "
-                        f"modules (tied weights); dedicated matrices cannot be tied. Pass "
-                        f"predicate=... to leave it on AdamW."
-                    )
                 sharded = fsdp_param.sharded_param
                 group.fsdp_params.remove(fsdp_param)
                 # FSDPParam re-shards "its" parameter after load_state_dict; it is ours now.
@@ -223,9 +191,7 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def gradient_sync_enabled(states: list[Any]) -> bool:
-    """False when the user turned FSDP2's gradient sync off (``set_requires_gradient_sync``),
-    read now from the parameter groups of ``states`` (:func:`fsdp_states`); states whose groups
-    dmuon took all report nothing (dmuon's own ``no_sync`` covers them)."""
+    """False when the user turned FSDP2's gradient sync off on a group of ``states``."""
     for state in states:
         for group in _param_groups(state):
             if not getattr(group, "reduce_grads", True):
@@ -234,9 +200,7 @@ def gradient_sync_enabled(states: list[Any]) -> bool:
 
 
 class _Restore:
-    """Puts back what :func:`wrap_final_callback` or :func:`wrap_pre_forward` replaced: entry
-    ``key`` of ``table`` (a state's ``__dict__``, a module's ``_forward_pre_hooks``) becomes
-    ``original`` again, or is removed when ``original`` is ``None`` (the class's method shows)."""
+    """A handle whose ``remove()`` puts ``table[key]`` back to ``original`` (``None``: pops it)."""
 
     def __init__(self, table: dict, key: Any, original: Any = None) -> None:
         self.table, self.key, self.original = table, key, original
@@ -250,14 +214,9 @@ class _Restore:
 
 def wrap_final_callback(states: list[Any], after: Any) -> list[_Restore]:
     """Call ``after()`` whenever FSDP2 has finished a backward's gradient reduction, whoever
-    made it finish.
-
-    torch 2.11 and 2.13: FSDP2 queues ``_root_post_backward_final_callback`` at the end of each
-    backward (looked up on the state, so an instance attribute takes the method's place), and
-    ``torch.distributed.pipelining`` calls it itself after the last micro-batch. torch 2.15:
-    every finalization goes through ``FSDPState.wait_for_gradient_reduction``, which is wrapped
-    instead. A state with neither is left alone, with a debug log. ``states``:
-    :func:`fsdp_states`; returns handles whose ``remove()`` puts FSDP2's method back.
+    made it finish (``torch.distributed.pipelining`` calls it itself): wraps, as an instance
+    attribute, ``FSDPState.wait_for_gradient_reduction`` (torch 2.15) or
+    ``_root_post_backward_final_callback`` (2.11, 2.13). Returns the restoring handles.
     """
     handles = []
     for state in states:
@@ -291,15 +250,10 @@ def _wraps(hook: Any, target: Any, depth: int = 8) -> bool:
 
 
 def wrap_pre_forward(states: list[Any], wrap: Any) -> list[_Restore]:
-    """Replace FSDP2's forward pre-hook on each module of ``states`` by ``wrap(hook)``.
-
-    The wrapper takes the original's place in the module's ``_forward_pre_hooks`` (same hook
-    id: same position, ``with_kwargs`` flag and FSDP2's own handle). FSDP2's hook is
-    ``FSDPState._pre_forward`` itself, or for grouped ``fully_shard([a, b])`` a
-    ``functools.wraps`` wrapper of it (wrapped once more in ``_dynamo_disable`` on torch 2.13):
-    recognised by that bound method at any depth of ``__wrapped__``. A state whose hook is not
-    found is left alone. ``wrap(hook) -> hook`` keeps the signature; returns handles whose
-    ``remove()`` puts FSDP2's hooks back.
+    """Replace FSDP2's forward pre-hook on each module of ``states`` by ``wrap(hook)``, under
+    the same hook id (same position, flags and handle). FSDP2's hook is
+    ``FSDPState._pre_forward`` or a ``functools.wraps`` chain around it (grouped
+    ``fully_shard([a, b])``, ``_dynamo_disable``). Returns the restoring handles.
     """
     handles = []
     for state in states:

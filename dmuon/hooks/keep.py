@@ -1,38 +1,27 @@
 """``replicas="keep"``: the DDP-style path, full weights on every rank, collectives in buckets.
 
-On a plain replicated module (no FSDP2) every rank keeps every dedicated matrix whole in its
-compute dtype. A step is DDP's all-reduce cut in two halves (Li et al., "PyTorch Distributed",
-VLDB 2020): in backward, gradients go to their owners in size-capped buckets (one owner and one
-``reduce`` per bucket), each issued once full; after ``step()``, each bucket's updated matrices
-are broadcast from their owner, and a unit's forward waits only for its own buckets. The other
-parameters ride in the bucket of the model's first matrix as one ``all_reduce``
-(:meth:`dmuon.comm.grad_buckets.GradBucket.attach_shared`). The runtime's publication machinery
-runs it, with publish groups keyed by bucket (:func:`bucket_keys`) and never freed; this module
-only decides the mode and the buckets.
+On a plain replicated module every rank keeps every dedicated matrix whole. A step is DDP's
+all-reduce cut in two (Li et al., "PyTorch Distributed", VLDB 2020): in backward, gradients
+go to their owner in size-capped buckets (one ``reduce`` each); after ``step()``, each bucket is
+broadcast from its owner. The runtime's publication machinery runs it with publish groups keyed
+by bucket (:func:`bucket_keys`); this module decides the mode and the buckets.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 REPLICAS = ("keep", "placeholder")
 
 
-def resolve_replicas(replicas: str | None, *, fsdp_wrapped: bool, plain_1d: bool) -> str | None:
-    """``"keep"``, ``"placeholder"`` or ``None`` (the FSDP2 / HSDP / TP paths) for one model.
-
-    Args:
-        replicas: the user's ``dedicate_params(replicas=...)``; ``None`` means the default
-            (``"keep"`` on a plain replicated module).
-        fsdp_wrapped: whether the model carries FSDP2 state.
-        plain_1d: whether the mesh is 1-D data parallel (no TP, no replicate dimension).
-
-    Raises:
-        ValueError: an unknown value, or ``replicas`` given for a model that is not a plain
-            replicated module on a 1-D mesh.
-    """
+def keeps_replicas(replicas: str | None, *, fsdp_wrapped: bool, roles: Any) -> bool:
+    """Whether every rank keeps every matrix whole: ``replicas`` ``"keep"`` or ``None`` (the
+    default) on a plain replicated module on a 1-D mesh. ``ValueError``: an unknown value, or
+    one given for another model or mesh."""
     if replicas is not None and replicas not in REPLICAS:
         raise ValueError(f"dmuon: replicas must be 'keep' or 'placeholder' (or None for the default), "
                          f"got {replicas!r}")
-    if fsdp_wrapped or not plain_1d:
+    if fsdp_wrapped or roles.tp is not None or roles.replicate is not None or roles.expert is not None:
         if replicas is not None:
             where = "an FSDP2 (fully_shard) model" if fsdp_wrapped else "an HSDP or tensor-parallel mesh"
             raise ValueError(
@@ -40,15 +29,13 @@ def resolve_replicas(replicas: str | None, *, fsdp_wrapped: bool, plain_1d: bool
                 f"but dedicate_params got {where}; there FSDP2 decides what each rank holds. Drop "
                 f"replicas=..., or call dedicate_params on the module without fully_shard."
             )
-        return None
-    return replicas or "keep"
+        return False
+    return replicas != "placeholder"
 
 
 def bucket_keys(plan, specs, bucket_bytes: int) -> list[int]:
-    """Each plan entry's bucket (``specs``: :class:`dmuon.owners.plan.MatrixSpec`, a matrix or
-    an expert range, in binding order), which keys its publish group and gradient bucket: the
-    plan's (``build_plan(bucket_bytes=...)``), or, for a plan without buckets (a
-    file solved for another path), buckets cut here by the same cap (fp32 bytes)."""
+    """Each plan entry's bucket (``specs`` in binding order): the plan's, or for a plan
+    without buckets, cut here by the same cap (fp32 bytes)."""
     if all(spec.bucket is not None for spec in specs):
         return [spec.bucket for spec in specs]
     from dmuon.balance.buckets import cut_buckets

@@ -1,12 +1,9 @@
-"""The per-model runtime state: hooks for the four phases of a dmuon step, in FSDP2's shape.
-
-As FSDP2 has one ``FSDPState`` per module, dmuon has one :class:`DedicateState` per model: it
-registers every hook and holds what the phases share; :func:`dmuon.hooks.bind.bind` fills it in
-place. The phases are objects of their own: publish (:class:`dmuon.hooks.unit.Publisher`, per
-unit :class:`dmuon.hooks.unit.Unit`), reduce-to-owner (:class:`dmuon.hooks.backward.ReduceToOwners`),
-update (:class:`dmuon.optim.OwnerUpdate`) and overlap (:class:`dmuon.owners.overlap.PendingSteps`).
-What each rank holds follows from one rank-independent flag per publish group, ``live``, so
-every rank issues the same collectives in the same order.
+"""One :class:`DedicateState` per model, as FSDP2 has one ``FSDPState`` per module: it holds
+what the phases share and registers every hook; :func:`dmuon.hooks.bind.bind` fills it. The
+phases: publish (:class:`dmuon.hooks.unit.Publisher`), reduce-to-owner
+(:class:`dmuon.hooks.backward.ReduceToOwners`), update (:class:`dmuon.optim.OwnerUpdate`),
+overlap (:class:`dmuon.owners.overlap.PendingSteps`). What each rank holds follows from one
+rank-independent flag per publish group, ``live``, so every rank issues the same collectives.
 """
 
 from __future__ import annotations
@@ -39,14 +36,8 @@ logger = logging.getLogger(__name__)
 
 
 class DedicateState:
-    """Everything dmuon keeps for one model on one rank; registers every hook.
-
-    Args:
-        model, roles, plan, selected: the user's model, dmuon's process groups, the owner plan
-            (identical on every rank) and the dedicated matrices in model order.
-        prefetch, reshard_after_forward, reduce_mode, replicas, step_check: as
-            :func:`dmuon.dedicate_params` takes them; ``bucket_bytes``: ``bucket_cap_mb`` in bytes.
-    """
+    """Everything dmuon keeps for one model on one rank; registers every hook. The options
+    are :func:`dmuon.dedicate_params`'s (``bucket_bytes``: ``bucket_cap_mb`` in bytes)."""
 
     def __init__(
         self,
@@ -90,9 +81,7 @@ class DedicateState:
         # torch.optim hands back parameters (the masters): the one lookup by object we keep
         self.record_of_master: dict[nn.Parameter, DedicatedParam] = {}
         self._sharding_checked = False  # check_not_sharded_since_binding ran
-        # the owners' updates an overlapped step scheduled (Muon(overlap=...))
-        self.pending = PendingSteps()
-        # ranks agree on steps and backwards (dedicate_params(step_check=False): no check)
+        self.pending = PendingSteps()  # Muon(overlap=...)'s scheduled owner updates
         self.step_check = StepCheck(roles.steps if step_check else None, self.pending)
         self.publisher = Publisher(self)  # phases 1 and 4
         self.backward = ReduceToOwners(self)  # phase 2
@@ -111,8 +100,7 @@ class DedicateState:
         return bool(self.fsdp_states)
 
     def _register_hooks(self, wiring: list[tuple]) -> None:
-        """The hooks of the bound runtime: units (FSDP2 blocks, known once ``fully_shard`` has
-        run) and gradients (``wiring``, :func:`dmuon.hooks.bind.bind`'s)."""
+        """The hooks of the bound runtime: units, gradients (``wiring``, from ``bind``), loads."""
         for rec, *where in wiring:  # where each gradient goes
             self.handles.append(rec.compute.register_post_accumulate_grad_hook(
                 functools.partial(self.backward.on_grad, rec, *where)))
@@ -143,8 +131,7 @@ class DedicateState:
         self.handles.clear()
 
     def ensure_bound(self) -> None:
-        """Create masters and placeholders (collective; idempotent), at optimizer construction
-        or the first forward, so ``dedicate_params`` may run before or after ``fully_shard``."""
+        """Bind (collective; idempotent) at optimizer construction or the first forward."""
         if self.bound:
             return
         check_materialized(self.selected)
@@ -179,16 +166,12 @@ class DedicateState:
                      len(self.records), len(self.units))
 
     def check_not_sharded_since_binding(self, where: str) -> None:
-        """Raise if the model, bound without FSDP2, is FSDP2-wrapped now (checked once).
-
-        Raises:
-            RuntimeError: ``fully_shard`` ran on the model or a submodule after
-                ``dmuon.Muon(model)`` (or the first forward) bound its dedicated matrices.
-        """
+        """``RuntimeError`` if the model, bound without FSDP2, is FSDP2-wrapped now (checked
+        once)."""
         if self.fsdp_wrapped or self._sharding_checked:
             return
         self._sharding_checked = True
-        if fsdp.is_fsdp_wrapped(self.model):
+        if fsdp.fsdp_states(self.model):
             raise RuntimeError(
                 f"dmuon: rank {dist.get_rank()}: the model was wrapped by FSDP2's fully_shard (for "
                 f"instance by accelerator.prepare) after dmuon bound its {len(self.records)} "
@@ -206,18 +189,13 @@ class DedicateState:
             root.pre_forward(module, args)
 
     def settle_pending(self) -> None:
-        """Every overlapped update done and what this rank held back published
-        (:meth:`Publisher.flush`): before a reader, or another collective on that group."""
+        """Finish every overlapped update and publish what was held back (before a reader)."""
         self.pending.wait_all()
         self.publisher.flush()
 
     def publish_after_step(self, issue: bool = True) -> None:
-        """Phase 4: owners refresh their compute copy; the first units' broadcasts go out.
-
-        Args:
-            issue: issue the first ``prefetch`` units' broadcasts now (after a step); ``False``
-                only invalidates (after loading a state dict).
-        """
+        """Phase 4: owners refresh their compute copy; with ``issue`` (after a step, not a load),
+        the first ``prefetch`` units' broadcasts go out."""
         if issue:
             self.step_check.settle()
         with label("dmuon::publish_after_step"), torch.no_grad():

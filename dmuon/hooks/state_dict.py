@@ -2,30 +2,18 @@
 hooks that make ``model.state_dict()`` / ``opt.state_dict()`` and their loads show what FSDP2
 and a torch optimizer show (what torch's state-dict utilities and ``dcp.save`` expect).
 
-A dedicated matrix is the owner's fp32 master ``[rows, cols]`` (this TP rank's slice under TP;
-``[k, rows, cols]`` for an expert range) and a ``[0]`` placeholder elsewhere. Its record
-carries its layout from bind time: ``rec.sd_layout`` (:class:`Layout`), ``rec.tp_shard_dim``,
-``rec.key`` / ``rec.experts``.
-
-* Model (:class:`StateDictHooks`): a state_dict post-hook first on each module holding a
-  dedicated matrix (a parent's hook that rewrites entries, torchtitan's fused-QKV split, sees
-  FSDP2's view); a root load pre-hook stages every present entry as the owner's TP slice and
-  has the ranks agree before anything is written; each module's load pre-hook hands torch the
-  staged tensor on the owner and the placeholder elsewhere (an entry a load hook made, or
-  ``submodule.load_state_dict``'s, is staged as its module loads).
+* Model (:class:`StateDictHooks`): a post-hook, first on each module holding a dedicated
+  matrix, shows the owner's master in FSDP2's layout (``rec.sd_layout``); on load the root
+  pre-hook stages and checks every entry on every rank before anything is written, and each
+  module's pre-hook hands torch the staged tensor on the owner, the placeholder elsewhere.
 * Optimizer (:class:`OptimizerStateHooks`): ``ns_dtype`` as a string (torch's utilities refuse
-  a ``torch.dtype``), parsed back on load; each ``momentum_buffer`` in torch's view of its
-  parameter (HSDP ``"broadcast"``: replica 0's; zeros on an owner that has not stepped, unless
-  no owner holds one: a fresh optimizer shows no Muon state), staged on load like the model's
-  and given to its owner. ``get_optimizer_state_dict`` steps a stateless optimizer with zero
-  gradients and ``lr = 0`` (``_init_optim_state``), which changes no parameter.
-* ``dmuon.Muon(params, ...)``: its state tensors are laid out like their parameter (zeros like a
-  DTensor parameter are a DTensor; the step updates the local pieces), so DCP reshards them as
-  it does the parameter, and exist from construction (:func:`init_state`), so
-  ``_init_optim_state`` finds state and does not step.
+  a ``torch.dtype``); each ``momentum_buffer`` in torch's view of its parameter, staged on load
+  like the model's and given to its owner.
+* ``dmuon.Muon(params, ...)``: state tensors laid out like their parameter and created at
+  construction (:func:`init_state`), so ``get_optimizer_state_dict`` finds state and does not
+  step.
 
-A bad entry raises ``ValueError`` naming dmuon on every rank before anything is written. Split
-and expert-parallel stacks have no torch view (``RuntimeError``; :func:`dmuon.state_dict`
+Split and expert-parallel stacks have no torch view (``RuntimeError``; :func:`dmuon.state_dict`
 saves them).
 """
 
@@ -81,15 +69,10 @@ def layout_of(tensor: Any, fsdp: bool = True) -> Layout | None:
 
 def entries(rec: DedicatedParam, local: torch.Tensor | None, state: Any = None) -> list[tuple[str, Any]]:
     """``(canonical key, tensor)`` entries of ``rec``'s master or momentum ``local`` (fp32
-    ``rec.shape`` on the owner; unused elsewhere).
-
-    ``state`` ``None``: dmuon's view (on the owner only; aliases, no collective): under
-    ``rec.key``; a TP slice as a DTensor on the TP mesh (``Shard(tp_shard_dim)``, global
-    ``rec.full_shape``: DCP records its offset); an expert range as ``"fqn[e]"`` ->
-    ``[rows, cols]`` views. ``state`` the :class:`dmuon.hooks.state.DedicateState`: torch's
-    view (every shard rank; one broadcast from the owner; new tensors) under ``rec.fqn``, laid
-    out as ``rec.sd_layout`` (FSDP2's ``torch.chunk`` rows of the TP slice; the TP DTensor
-    without FSDP2); the full tensor on a plain replica.
+    ``rec.shape`` on the owner; unused elsewhere). ``state`` ``None``: dmuon's view (owner only,
+    aliases) under ``rec.key``: a TP slice as a DTensor on the TP mesh, an expert range as
+    ``"fqn[e]"`` -> ``[rows, cols]`` views. ``state`` the model's ``DedicateState``: torch's
+    view (every shard rank, one broadcast) under ``rec.fqn``, laid out as ``rec.sd_layout``.
     """
     if state is not None:
         if rec.is_owner:
@@ -124,10 +107,9 @@ def momentum_replica(rec: DedicatedParam, state: Any) -> int | None:
 
 def staged_tp_local(value: Any, rec: DedicatedParam, where: str,
                     state: Any) -> tuple[torch.Tensor | None, str | None]:
-    """A loaded entry as this rank's TP slice (``rec.shape``; the whole matrix without TP):
-    ``(tensor, None)``, or ``(None, why it cannot be one)``. A DTensor laid out as
-    :func:`entries`' torch view: the shard ranks' rows, gathered over the shard group; another
-    DTensor: ``full_tensor()`` (collective over its mesh), sliced; a plain tensor: sliced."""
+    """A loaded entry as this rank's TP slice (``rec.shape``): ``(tensor, None)``, or ``(None,
+    why not)``. Collective for a DTensor: all-gathered over the shard group when laid out as
+    :func:`entries`' torch view, else ``full_tensor()``."""
     if not isinstance(value, torch.Tensor):
         return None, f"{where} should be a tensor, got {type(value).__name__}"
     full_shape = tuple(rec.full_shape) if rec.tp_shard_dim is not None else tuple(rec.shape)
@@ -152,10 +134,9 @@ def staged_tp_local(value: Any, rec: DedicatedParam, where: str,
 
 def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING_LOADED,
           error: type[Exception] = ValueError, cause: BaseException | None = None) -> None:
-    """Raise ``error`` on every rank of ``group`` if any rank has problems (one
-    ``all_gather_object``; ``None``: the default group; local only when torch.distributed is
-    not initialized). Each rank with problems is named with its first three (ranks with the
-    same ones listed together); ``consequence`` ends the message; ``cause`` is chained."""
+    """Raise ``error`` on every rank of ``group`` (``None``: the default group) if any rank has
+    problems (one ``all_gather_object``; local without torch.distributed), naming each rank's
+    first three; ``consequence`` ends the message; ``cause`` is chained."""
     if dist.is_available() and dist.is_initialized():
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, problems, group=group)
@@ -173,8 +154,7 @@ def agree(problems: list[str], group: Any, what: str, consequence: str = NOTHING
 
 
 class StateDictHooks:
-    """The model's state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`; the
-    optimizer's (:class:`OptimizerStateHooks`) use :meth:`records` and :meth:`stage_all`."""
+    """The model's state-dict hooks of one :class:`dmuon.hooks.state.DedicateState`."""
 
     def __init__(self, state: Any) -> None:
         self.state = state
@@ -187,29 +167,23 @@ class StateDictHooks:
         self._by_module: dict[int, list[DedicatedParam]] = {}
 
     def install(self) -> list[Any]:
-        """Register the hooks of the module docstring; returns their handles. A module's
-        state_dict post-hook is moved to the front (``register_state_dict_post_hook`` has no
-        ``prepend``); its load pre-hook runs after the module's own (torchtitan's QKV merge)."""
-        model = self.state.model
+        """Register the hooks; returns their handles. A module's state_dict post-hook goes
+        first (a parent's hook, torchtitan's fused-QKV split, must see FSDP2's view); its load
+        pre-hook runs after the module's own (torchtitan's QKV merge)."""
+        model, cls, hook = self.state.model, StateDictHooks, functools.partial
         # partials: torch marks a public hook with an attribute, which a bound method refuses
-        cls = StateDictHooks
-        save, load, loaded = (functools.partial(f, self) for f in (
-            cls.on_module_state_dict, cls.on_module_load, cls.after_module_load))
-        handles = [model.register_load_state_dict_pre_hook(functools.partial(cls.on_load, self)),
-                   model.register_load_state_dict_post_hook(functools.partial(cls.after_load, self))]
+        handles = [model.register_load_state_dict_pre_hook(hook(cls.on_load, self)),
+                   model.register_load_state_dict_post_hook(hook(cls.after_load, self))]
         for module in dict.fromkeys(sel.module for sel in self.state.selected):
-            handle = module.register_state_dict_post_hook(functools.partial(save))
+            handle = module.register_state_dict_post_hook(hook(cls.on_module_state_dict, self))
             module._state_dict_hooks.move_to_end(handle.id, last=False)
-            handles += [handle, module.register_load_state_dict_pre_hook(functools.partial(load)),
-                        module.register_load_state_dict_post_hook(functools.partial(loaded))]
+            handles += [handle, module.register_load_state_dict_pre_hook(hook(cls.on_module_load, self)),
+                        module.register_load_state_dict_post_hook(hook(cls.after_module_load, self))]
         return handles
 
     def records(self) -> list[DedicatedParam]:
-        """The dedicated matrices torch's view translates (``[]`` before binding).
-
-        Raises:
-            RuntimeError: a split or expert-parallel stack, which has no torch view.
-        """
+        """The dedicated matrices torch's view translates (``[]`` before binding);
+        ``RuntimeError`` for a split or expert-parallel stack, which has none."""
         state = self.state
         if not state.bound:
             return []
@@ -235,8 +209,7 @@ class StateDictHooks:
 
     @torch.no_grad()
     def on_module_state_dict(self, module: Any, sd: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        """Post-hook of a module holding dedicated matrices: their entries in torch's view of the
-        owners' masters. Collective (one broadcast per matrix, in model order)."""
+        """Post-hook: the module's masters in torch's view (one broadcast per matrix)."""
         for rec in self._module_records(module):
             if prefix + rec.attr in sd:
                 sd[prefix + rec.attr] = entries(rec, rec.master, self.state)[0][1]
@@ -244,13 +217,7 @@ class StateDictHooks:
     def stage_all(self, entries: list[tuple[DedicatedParam, str, Any]], consequence: str,
                   source: str = "the state dict", target: str = "this model") -> list[torch.Tensor]:
         """Stage every ``(rec, where, value)`` as this rank's TP slice (:func:`staged_tp_local`),
-        check, agree; returns the staged tensors in order. Collective over the world, every rank
-        passing the same entries; ``where``, ``source`` and ``target`` name them in errors.
-
-        Raises:
-            ValueError: on every rank, if the ranks' entries differ in kind or an entry does
-                not fit on any rank; ``consequence`` ends the message.
-        """
+        check, agree (else ``ValueError`` on every rank); returns the staged tensors. Collective."""
         world = self.state.roles.world
         kinds = [(where, hasattr(value, "full_tensor")) for _, where, value in entries]
         everyone: list[Any] = [None] * dist.get_world_size(world)
@@ -267,8 +234,8 @@ class StateDictHooks:
 
     @torch.no_grad()
     def on_load(self, module: Any, sd: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Root pre-hook: stage, check and agree on every dedicated entry present under its
-        canonical key before anything is written; the entries stay as they are. Collective."""
+        """Root pre-hook: stage, check and agree on every dedicated entry before anything is
+        written. Collective."""
         self._staged.clear()
         records = self.records()
         if not records:
@@ -288,9 +255,8 @@ class StateDictHooks:
 
     @torch.no_grad()
     def on_module_load(self, module: Any, sd: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Pre-hook of a module holding dedicated matrices: torch gets the staged tensor on the
-        owner, the placeholder elsewhere. An entry the root did not stage, or that a hook
-        replaced since, is staged, checked and agreed on now (collective)."""
+        """Pre-hook: torch gets the staged tensor on the owner, the placeholder elsewhere; an
+        entry the root did not stage (a hook made it) is staged now (collective)."""
         present, pending = [], []
         for rec in self._module_records(module):
             key = prefix + rec.attr
@@ -313,8 +279,8 @@ class StateDictHooks:
             sd[key] = full if rec.is_owner else rec.master.detach()
 
     def after_module_load(self, module: Any, incompatible_keys: Any) -> None:
-        """Post-hook of a module holding dedicated matrices: outside a root load (a submodule's
-        own ``load_state_dict``), the written masters' published copies are refreshed."""
+        """Post-hook: outside a root load (``submodule.load_state_dict``), refresh the
+        published copies."""
         if self._refresh and not self._in_root_load:
             self._refresh = False
             self.state.publish_after_step(issue=False)
@@ -330,17 +296,12 @@ def param_names(model: torch.nn.Module, params: list[torch.Tensor], state: Any =
 
 def _ns_dtypes(groups: list[dict[str, Any]], convert: Any) -> list[dict[str, Any]]:
     """Copies of ``groups`` with ``convert`` applied to each ``ns_dtype``."""
-    groups = [dict(g) for g in groups]
-    for g in groups:
-        if "ns_dtype" in g:
-            g["ns_dtype"] = convert(g["ns_dtype"])
-    return groups
+    return [{**g, "ns_dtype": convert(g["ns_dtype"])} if "ns_dtype" in g else dict(g) for g in groups]
 
 
 class OptimizerStateHooks:
-    """The state-dict hooks of :class:`dmuon.Muon` ``opt`` (see the module docstring); ``state``
-    is the model's :class:`dmuon.hooks.state.DedicateState`, or ``None`` (only ``param_groups``
-    are translated)."""
+    """The state-dict hooks of :class:`dmuon.Muon` ``opt``; ``state``: the model's
+    :class:`dmuon.hooks.state.DedicateState`, or ``None`` (only ``param_groups`` translated)."""
 
     def __init__(self, opt: torch.optim.Optimizer, state: Any = None) -> None:
         self.opt, self.state = opt, state
@@ -353,11 +314,7 @@ class OptimizerStateHooks:
 
     def _muon_records(self) -> list[tuple[int, int, Any]]:
         """``(group index, position, record)`` of every trainable dedicated matrix (``[]``
-        without a model state or before binding).
-
-        Raises:
-            RuntimeError: a matrix torch's view cannot show (:meth:`StateDictHooks.records`).
-        """
+        before binding); ``RuntimeError`` as :meth:`StateDictHooks.records`."""
         if self.state is None or not self.state.state_dict_hooks.records():
             return []
         return [(gi, pos, self.state.record_of_master[master])
@@ -366,8 +323,9 @@ class OptimizerStateHooks:
 
     @torch.no_grad()
     def on_state_dict(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-        """Post-hook: ``ns_dtype`` as a string, momentum in torch's view (collective on the owner
-        runtime: one all_reduce, then one broadcast per matrix)."""
+        """Post-hook: ``ns_dtype`` as a string, momentum in torch's view (collective: one
+        all_reduce, one broadcast per matrix). Zeros on an owner that has not stepped, unless
+        no owner has (a fresh optimizer shows no Muon state)."""
         groups = _ns_dtypes(sd["param_groups"],
                             lambda v: dtype_name(v) if isinstance(v, torch.dtype) else v)
         out = {**sd, "param_groups": groups}
@@ -375,8 +333,6 @@ class OptimizerStateHooks:
         if not records:
             return out
         ctx, state = self.state, dict(sd["state"])
-        # whether any owner holds a momentum buffer (a fresh optimizer shows none, so torch's
-        # get_optimizer_state_dict initialises the whole state; collective)
         held = torch.tensor([float(any(rec.is_owner and "momentum_buffer" in opt.state.get(rec.master, {})
                                        for _, _, rec in records))],
                             device=records[0][2].master.device)  # NCCL reduces on the GPU
@@ -403,14 +359,8 @@ class OptimizerStateHooks:
 
     @torch.no_grad()
     def on_load(self, opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
-        """Pre-hook: ``ns_dtype`` parsed back (``None`` kept: a Muon group needs the key); each
-        momentum staged, checked, agreed on, then given to its owner only (collective on the
-        owner runtime).
-
-        Raises:
-            ValueError: on every rank, if on any rank an entry has the wrong shape, or the
-                ranks' entries differ in kind; nothing is written.
-        """
+        """Pre-hook: ``ns_dtype`` parsed back; each momentum staged, checked, agreed on
+        (:meth:`StateDictHooks.stage_all`), then given to its owner only."""
         groups = _ns_dtypes(sd["param_groups"], parse_dtype)
         out = {**sd, "param_groups": groups}
         records = self._muon_records()
@@ -439,8 +389,7 @@ class OptimizerStateHooks:
 
 
 def init_state(opt: torch.optim.Optimizer) -> None:
-    """Create every trainable parameter's state now (see the module docstring); frozen
-    parameters get none, as in torch's optimizers. Local: no collective."""
+    """Create every trainable parameter's state now (frozen ones get none, as in torch)."""
     for group in opt.param_groups:
         for p in group["params"]:
             if p.requires_grad:
@@ -448,14 +397,8 @@ def init_state(opt: torch.optim.Optimizer) -> None:
 
 
 def local_state(value: torch.Tensor, shape: torch.Size, name: str, where: str) -> torch.Tensor:
-    """This rank's piece of state tensor ``name`` (a DTensor laid out like its parameter, or a
-    plain tensor shaped like its local piece), checked against ``shape``, the local piece's
-    (parameter's or gradient's); ``where`` names the parameter.
-
-    Raises:
-        RuntimeError: the shapes differ (a state dict from another layout given to
-            ``opt.load_state_dict``), naming the fix.
-    """
+    """This rank's piece of state tensor ``name`` (a DTensor or a plain local piece); a
+    ``RuntimeError`` naming the fix if it is not ``shape`` (another layout's state dict)."""
     local = local_tensor(value)
     if local.shape != shape:
         raise RuntimeError(

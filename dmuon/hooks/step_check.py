@@ -1,16 +1,11 @@
 """Step agreement: a rank that skips or repeats ``opt.step()`` or ``backward()`` fails loudly.
 
-Every rank counts its optimizer steps and backward passes; the counts are compared at the start
-of every forward (the model's forward pre-hook, placed first) and every backward (the first
-gradient of the model's output): one all-reduce of a ``[world, 4]`` int64 tensor (phase, steps,
-backwards, failure flag) on a gloo group of its own, so it never synchronizes a GPU stream. A
-rank that runs more steps than the others waits at its next check until the group's timeout
-(:func:`dmuon.comm.mesh_roles.inherited_timeout`) ends it with a named error.
-
-Modes, set at binding: ``deferred`` (no FSDP2) waits for the check in :meth:`StepCheck.settle`,
-right before dmuon's next collective; ``issue_at_step`` (FSDP2) issues the forward check at the
-end of ``opt.step()`` and settles it in front of FSDP2's root pre-forward
-(:meth:`StepCheck.guard_fsdp_pre_forward`). The backward check blocks (docs/history.md).
+Every rank's step and backward counts are compared at the start of every forward and backward:
+one all-reduce of a ``[world, 4]`` int64 tensor (phase, steps, backwards, failure flag) on a
+gloo group of its own (no GPU stream sync). A rank ahead of the others fails by name at the
+group's timeout. Modes, set at binding: ``deferred`` (no FSDP2) waits in
+:meth:`StepCheck.settle`, before dmuon's next collective; ``issue_at_step`` (FSDP2) issues the
+forward check at the end of ``opt.step()`` and settles it before FSDP2's root pre-forward.
 """
 
 from __future__ import annotations
@@ -34,21 +29,14 @@ PHASES = ("forward", "backward")
 
 
 def in_autograd_backward() -> bool:
-    """True while the autograd engine runs a backward pass (activation checkpointing re-runs
-    forwards there)."""
+    """True while the autograd engine runs a backward pass."""
     return torch._C._current_graph_task_id() != -1
 
 
 class StepCheck:
-    """Per-rank step and backward counts, compared across ranks at each forward and backward.
-
-    Args:
-        group: the check's own process group over every rank of the mesh, or ``None`` (no
-            check: a single rank, or no gloo).
-        pending: the overlapped updates (:class:`dmuon.owners.overlap.PendingSteps`) whose
-            failure flag travels in every check, so every rank raises at the same point; with
-            peers, ``pending`` defers its failures to it.
-    """
+    """Per-rank step and backward counts, compared over ``group`` (``None``: no check). The
+    failure flag of ``pending`` (:class:`dmuon.owners.overlap.PendingSteps`) travels in every
+    check, so every rank raises at the same point."""
 
     def __init__(self, group: dist.ProcessGroup | None, pending: Any) -> None:
         self.group = group
@@ -81,16 +69,14 @@ class StepCheck:
                 model.register_forward_hook(dynamo_disable(post_forward), prepend=True)]
 
     def to_front(self, model: nn.Module) -> list:
-        """Put the forward pre-hook back in front of FSDP2's root pre-forward (``fully_shard``
-        prepends its hook too); returns the new handle."""
+        """Put the forward pre-hook back in front of FSDP2's; returns the new handle."""
         self._pre_forward_handle.remove()
         self._pre_forward_handle = model.register_forward_pre_hook(self._pre_forward, prepend=True)
         return [self._pre_forward_handle]
 
     def guard_fsdp_pre_forward(self, fsdp_pre_forward: Callable[..., Any]) -> Callable[..., Any]:
-        """FSDP2's forward pre-hook (``FSDPState._pre_forward``) wrapped so that its failure
-        after a passed forward check (a rank the others have left) raises :meth:`waited_in_vain`
-        (not inside backward, nor out of memory)."""
+        """FSDP2's forward pre-hook, its failure after a passed forward check (a rank the others
+        left) raised as :meth:`waited_in_vain`."""
         def pre_forward(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fsdp_pre_forward(*args, **kwargs)
@@ -147,12 +133,8 @@ class StepCheck:
             self.settle()
 
     def settle(self) -> None:
-        """Wait for the check in flight, if any, and raise if the ranks disagree.
-
-        Raises:
-            RuntimeError: the ranks are out of step (:meth:`describe`), or the check timed out
-                or failed (naming this rank, its phase and counts, and the check's ranks).
-        """
+        """Wait for the check in flight, if any; ``RuntimeError`` if the ranks are out of step,
+        an overlapped update failed, or the check timed out."""
         if self._pending is None:
             return
         work, rows, phase, steps, backwards = self._pending
@@ -186,8 +168,8 @@ class StepCheck:
         )
 
     def describe_failure(self, failed: list[int], phase: int, steps: int, backwards: int) -> str:
-        """The error text when the ranks at ``failed`` (indices in the check's group) recorded a
-        failed overlapped owner update, quoting the first one's message from the c10d store."""
+        """The error text for a failed overlapped update on ranks ``failed`` (group indices),
+        quoting the first one's message from the c10d store."""
         ranks = dist.get_process_group_ranks(self.group)
         names = [ranks[i] for i in failed]
         if self.pending.failure is not None:

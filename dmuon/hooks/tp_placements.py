@@ -1,9 +1,5 @@
-"""Tensor-parallel slices of dedicated matrices, read from DTensor placements at bind time.
-
-A dedicated matrix that is a DTensor keeps its tensor-parallel placement (``Shard(0)`` for
-``ColwiseParallel``, ``Shard(1)`` for ``RowwiseParallel``, or ``Replicate()``); every
-data-parallel placement (FSDP2's ``Shard(0)``, ``_StridedShard`` under FSDP x TP, HSDP's
-``Replicate``) is undone, leaving this rank's TP slice in full along the data-parallel axes.
+"""Tensor-parallel slices of dedicated matrices: a DTensor keeps its TP placement (``Shard(0)``,
+``Shard(1)`` or ``Replicate()``); every data-parallel placement is undone.
 """
 
 from __future__ import annotations
@@ -18,13 +14,10 @@ class TPSlice:
     """This rank's piece of a dedicated matrix.
 
     Attributes:
-        local: the TP slice, full over data-parallel dims: ``[rows / T, cols]`` for
-            ``Shard(0)``, ``[rows, cols / T]`` for ``Shard(1)`` (torch.chunk sizes), the whole
-            matrix otherwise. Detached; original dtype and device.
-        shard_dim: 0 or 1 when the matrix is split over TP ranks, ``None`` when every TP rank
-            holds it whole (or there is no TP).
-        tp_mesh: the 1-D DeviceMesh the module computes on: the TP mesh, or under expert
-            parallelism the ``"ep"`` mesh (``None`` for plain tensors and FSDP2-only DTensors).
+        local: the TP slice, detached, full over data-parallel dims: ``[rows / T, cols]`` for
+            ``Shard(0)``, ``[rows, cols / T]`` for ``Shard(1)`` (torch.chunk sizes), else whole.
+        shard_dim: 0 or 1 when split over TP ranks, else ``None``.
+        tp_mesh: the 1-D mesh the module computes on (TP, or ``"ep"``); ``None`` without one.
         placement: the TP (or ``"ep"``) placement to rebuild the compute DTensor with.
     """
 
@@ -35,17 +28,10 @@ class TPSlice:
 
 
 def local_slice(tensor: torch.Tensor, fqn: str, tp_name: str | None, ep_name: str | None = None) -> TPSlice:
-    """Undo data-parallel sharding of ``tensor`` and return this rank's TP slice; collective
-    over the DTensor's mesh when it has data-parallel shards (a redistribute).
-
-    With ``ep_name`` (an expert stack ``Shard(0)`` over the mesh's expert-parallel dimension)
-    the ``"ep"`` placement is kept like a TP one: ``local`` is this rank's experts
-    ``[E / ep, rows, cols]``, whole, and ``shard_dim`` is ``None``.
-
-    Raises:
-        ValueError: for a placement dmuon cannot own (``Partial``, a strided shard on the TP
-            dimension, a shard on a dimension other than 0/1), naming the parameter.
-    """
+    """Undo data-parallel sharding of ``tensor`` (a redistribute: collective) and return this
+    rank's TP slice; with ``ep_name`` the ``"ep"`` placement is kept like a TP one (``local``:
+    this rank's ``[E / ep, rows, cols]`` experts). ``ValueError`` for a ``Partial`` or a TP
+    shard other than ``Shard(0)``/``Shard(1)``."""
     if not hasattr(tensor, "placements"):
         return TPSlice(tensor.detach(), None, None, None)
     from torch.distributed.tensor import Replicate, Shard

@@ -1,12 +1,11 @@
-"""One unit of publication: FSDP2's ``FSDPParamGroup`` for dmuon's dedicated matrices.
+"""Phase 1, publish: dmuon's ``FSDPParamGroup``.
 
-A :class:`Unit` is what is published together before one module runs (an FSDP2 block, or
-without FSDP2 :func:`dmuon.hooks.fsdp_adapter.publish_block`'s); its matrices travel in
-:class:`PublishGroup` buffers, one broadcast per owner and compute dtype, as FSDP2 all-gathers a
-group into one buffer. The :class:`Publisher` issues them in the one order every rank shares.
-Like ``FSDPParamGroup``, a unit keeps its full weights from its pre-backward until its last
-gradient is in, and its forward hooks do nothing while autograd runs (activation checkpointing
-re-runs forwards inside backward and may cut them short).
+A :class:`Unit` is what is published before one module runs
+(:func:`dmuon.hooks.fsdp_adapter.publish_block`); its matrices travel in :class:`PublishGroup`
+buffers, one broadcast per owner and compute dtype; the :class:`Publisher` issues them in the
+one order every rank shares. Like ``FSDPParamGroup``, a unit keeps its full weights from its
+pre-backward until its last gradient is in, and its forward hooks do nothing while autograd
+runs (activation checkpointing re-runs forwards inside backward).
 """
 
 from __future__ import annotations
@@ -27,25 +26,21 @@ from dmuon.comm.mesh_roles import is_fake_backend
 from dmuon.hooks.step_check import in_autograd_backward
 from dmuon.owners.dedicated import DedicatedParam, alloc_storage, free_storage
 
-
 logger = logging.getLogger(__name__)
+
 
 @dataclass(eq=False)
 class PublishGroup:
     """Dedicated matrices of one unit with the same owner, published by one broadcast.
 
     Attributes:
-        owner: the rank (in the dmuon group) that holds the masters and broadcasts.
-        is_owner: whether this rank is ``owner``.
-        flat: ``[sum of numels]`` compute-dtype buffer, of which the members' compute weights
-            are views; storage freed on non-owners while not live (never in keep mode).
-        keep: ``replicas="keep"``: every rank keeps ``flat``; release only ends ``live``.
-        members: the matrices whose compute weights are views of ``flat``, in model order.
-        grad_count: how many members take a gradient (the group is freed when ``bwd_done``,
-            the members whose gradient is in since it went live, holds that many).
+        owner: the broadcasting rank (in ``pg``, else the dmuon group).
+        flat: ``[sum of numels]`` compute-dtype buffer; the members' compute weights are views
+            of it; freed on non-owners while not live (never in keep mode).
+        keep: ``replicas="keep"``: every rank keeps ``flat``.
+        grad_count: members that take a gradient; freed once ``bwd_done`` holds that many.
         live: the current weights are published or being published (rank-independent).
-        pg: the process group ``owner`` is a rank of and the broadcast runs on, when not the
-            units' shared one (expert parallelism: the ranks holding the same experts).
+        pg: the broadcast's process group when not the units' (expert parallelism).
     """
 
     owner: int
@@ -74,8 +69,7 @@ class PublishGroup:
         return self.work is not None and not is_complete(self.work.work)
 
     def wait(self) -> None:
-        """Wait for this group's broadcast, if one is in flight (on NCCL the current stream
-        waits; the host does not)."""
+        """Wait for this group's broadcast, if in flight (on NCCL: the current stream waits)."""
         if self.work is not None:
             self.work.wait()
             self.work = None
@@ -99,9 +93,8 @@ class PublishGroup:
             self.release()
 
     def refresh(self, copy: bool = True) -> None:
-        """After a step: the owner copies its stepped masters into its compute copy
-        (``copy=False``: an overlapped step's job does it); the others free theirs. Either way
-        the group is no longer live."""
+        """After a step: the owner copies its masters into its compute copy (``copy=False``: an
+        overlapped job does it); the others free theirs. The group is no longer live."""
         if not self.is_owner:
             self.release()
             return
@@ -118,7 +111,7 @@ class PublishGroup:
 
 def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
     """Publish ``groups`` (each once, in order), one NCCL group call per (device, process
-    group) if possible; a publish group with its own ``pg`` (expert parallelism) goes out on it."""
+    group); a group with its own ``pg`` goes out on it."""
     by_device: dict[tuple, list[PublishGroup]] = {}
     for pub in dict.fromkeys(groups):  # in keep mode a group (a bucket) may span several units
         by_device.setdefault((pub.flat.device, pub.pg or group), []).append(pub)
@@ -131,8 +124,7 @@ def issue_groups(groups: list[PublishGroup], group: dist.ProcessGroup) -> None:
 
 class Publisher:
     """The publish phase of one model: issues the units' publications in the one order every
-    rank shares (reads its :class:`dmuon.hooks.state.DedicateState`'s process group, units,
-    keep mode and pending updates).
+    rank shares.
 
     Attributes:
         deferred: publish groups this rank held back at its last :meth:`issue`.
@@ -146,16 +138,14 @@ class Publisher:
         self.seen: list[Unit] | None = []
 
     def issue(self, units: list[Unit], need: Unit | None = None) -> None:
-        """Publish the groups of ``units`` not yet live, in order, as one NCCL group call if
-        possible. With overlapped owner updates pending, a group goes out after its own update:
-        the groups up to ``need``'s wait for theirs; a later group whose update is not done is
-        held back with those after it (:attr:`deferred`), so a forward never waits on a later
-        unit's Newton-Schulz. On CUDA they go out on :meth:`PendingSteps.stream_for`'s stream.
+        """Publish the groups of ``units`` not yet live, in order. With overlapped updates
+        pending, a group goes out after its own update: those up to ``need``'s wait; a later
+        group whose update is not done is held back with those after it (:attr:`deferred`), so
+        a forward never waits on a later unit's Newton-Schulz.
 
         Args:
             units: the units to publish, in forward (or backward prefetch) order.
-            need: the unit whose forward or backward is next (its groups must go out now);
-                ``None``: everything here is a prefetch (after a step).
+            need: the unit that runs next (its groups go out now); ``None``: all prefetch.
         """
         groups = [g for unit in units for g in unit.groups if not g.live]
         if self.deferred:  # what this rank held back last time goes first: one order on all ranks
@@ -195,10 +185,9 @@ class Publisher:
             issue_groups(batch, pg)
 
     def adopt_forward_order(self) -> None:
-        """Once, at the first step: reorder the units (and their ``index``) as the first
-        forward ran them (units it did not run after those), so prefetch and the overlapped
-        jobs follow execution order, as FSDP2's prefetch does. Collective over the
-        publications' group: adopted only if every rank saw the same order."""
+        """Once, at the first step: reorder the units as the first forward ran them (those it
+        did not run last), as FSDP2's prefetch follows execution order. Collective: adopted only
+        if every rank saw the same order."""
         if self.seen is None:
             return
         self.flush()  # nothing held back may cross the all_gather below
@@ -223,9 +212,7 @@ class Publisher:
             unit.index = index
 
     def flush(self) -> None:
-        """Publish what :meth:`issue` held back (waiting for those owners' updates): before any
-        other collective on the publications' process group, which the other ranks issue after
-        them."""
+        """Publish what :meth:`issue` held back, before any other collective on its group."""
         if not self.deferred:
             return
         groups = [g for g in self.deferred if not g.live]
@@ -239,17 +226,13 @@ class Unit:
     """The dedicated matrices published together before one module runs, and their hooks.
 
     Attributes:
-        state: the model's :class:`dmuon.hooks.state.DedicateState`.
-        index: position in forward order (the order units are prefetched in).
-        module: the module whose hooks publish it (FSDP2's block, or
-            :func:`dmuon.hooks.fsdp_adapter.publish_block`'s).
-        reshard: free non-owners' copies after forward (set at bind, FSDP2's rule).
-        in_backward: between the unit's pre-backward and its post-backward (forward hooks of a
-            recomputation then leave the full weights alone).
-        grads_done: records whose gradient is in during this backward; the backward is over
-            when it holds ``grad_count`` (the records that take one).
-        backward_finished: every gradient of the unit is in during this backward (an
-            enclosing unit may finish before the units it encloses): backward prefetch skips it.
+        index: position in forward order (the prefetch order).
+        module: the module whose hooks publish it (:func:`dmuon.hooks.fsdp_adapter.publish_block`).
+        reshard: free non-owners' copies after forward (FSDP2's rule, set at bind).
+        in_backward: between its pre-backward and post-backward (a recomputation's forward
+            hooks then leave the full weights alone).
+        grads_done: records whose gradient is in; the backward is over at ``grad_count``.
+        backward_finished: every gradient is in during this backward; backward prefetch skips it.
     """
 
     state: Any
