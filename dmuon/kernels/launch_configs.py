@@ -1,10 +1,8 @@
-"""Launch configs for the Triton symmetric-product kernels: tuned offline, looked up at run time.
-
-``bench/tune_kernels.py`` writes the table ``dmuon/kernels/configs/launch_configs.json``
-(package data): per GPU name (``torch.cuda.get_device_name()``) an ordered list of shape
-buckets; the first whose ``max_m``/``max_k`` (``null``: unbounded) hold the output side ``m``
-and the reduction length ``k`` wins. Other GPUs use ``"default"``, CPU tensors (under
-``TRITON_INTERPRET=1``) ``"interpreter"``. No autotuning: every rank launches the same config.
+"""Launch configs of the Triton symmetric-product kernel, tuned offline by
+``bench/tune_kernels.py`` into ``configs/launch_configs.json``: per GPU name an ordered list of
+buckets, the first whose ``max_m``/``max_k`` (``null``: unbounded) hold the output side ``m`` and
+reduction length ``k`` wins; other GPUs use ``"default"``, CPU (``TRITON_INTERPRET=1``)
+``"interpreter"``. No autotuning, so every rank launches the same config.
 
 Schema (version 1)::
 
@@ -126,7 +124,7 @@ def _parse_entry(raw: Any, where: str) -> _DeviceEntry:
 
 @functools.lru_cache(maxsize=4)
 def load_launch_table(path: Optional[str] = None) -> LaunchTable:
-    """Load, validate and parse the launch table (cached; immutable).
+    """Load, validate and parse the launch table (cached).
 
     Args:
         path: a JSON file; ``None`` reads the table shipped in ``dmuon/kernels/configs/``.

@@ -1,23 +1,20 @@
 """Newton-Schulz orthogonalization: the standard and the Gram-space iteration, their FLOPs, and
 same-shape batching under a memory cap.
 
-Both algorithms are written once over a small op set (:class:`NSOps`: ``sym_mm``, ``mm``,
-``add_diag``), so backends cannot drift: the torch op set is the spec, the Triton op set
-(:mod:`dmuon.kernels.triton_syrk`) a faster backend (the pattern of Dao-AILab/gram-newton-schulz's
-``_TORCH_BE``/``_TRITON_BE`` and microsoft/dion).
+Both algorithms are written once over a small op set (:class:`NSOps`); the torch op set is the
+spec, the Triton one (:mod:`dmuon.kernels.triton_syrk`) a faster backend.
 
-Math (DESIGN.md "Newton-Schulz"). Input ``M`` of shape ``m x n``, transposed so ``m <= n``,
-``X_0 = M / max(||M||_F, eps)``, and per step ``(a, b, c)``:
+Math (DESIGN.md "Newton-Schulz"). ``M`` ``m x n``, transposed so ``m <= n``,
+``X_0 = M / max(||M||_F, eps)``, per step ``(a, b, c)``:
 
-* Standard (Muon): ``A = X X^T; B = b A + c A^2; X <- a X + B X``.
+* Standard (K. Jordan, Muon): ``A = X X^T; B = b A + c A^2; X <- a X + B X``.
 * Gram space (J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz", 2026,
-  https://github.com/Dao-AILab/gram-newton-schulz): every iterate is ``X_t = Q_t X_0`` with
-  ``Q_t`` a polynomial in ``R_0 = X_0 X_0^T``, so iterate on ``m x m`` matrices only:
-  ``Z = b R + c R^2; Q <- Q (Z + a I); R <- (Z + a I) R (Z + a I)`` and form ``Q X`` once at the
-  end. ``Q`` grows like ``1/sigma`` on small singular values, which amplifies the rounding of
-  ``R`` in half precision; a restart (``X <- Q X; R <- X X^T; Q <- I``) before the steps chosen
-  by :func:`~dmuon.kernels.coefficients.choose_gram_restarts` bounds it. Square matrices use the
-  standard iteration (no FLOP saving; see :func:`ns_flops`).
+  https://github.com/Dao-AILab/gram-newton-schulz): ``X_t = Q_t X_0`` with ``Q_t`` a polynomial
+  in ``R_0 = X_0 X_0^T``, so iterate on ``m x m`` matrices: ``Z = b R + c R^2;
+  Q <- Q (Z + a I); R <- (Z + a I) R (Z + a I)``, and form ``Q X`` at the end. Restarts
+  (``X <- Q X; R <- X X^T; Q <- I``, :func:`~dmuon.kernels.coefficients.choose_gram_restarts`)
+  bound ``Q``'s growth on small singular values in half precision. Square matrices use the
+  standard iteration.
 """
 
 from __future__ import annotations
@@ -42,22 +39,21 @@ _METHODS = ("standard", "gram")
 _BACKENDS = ("auto", "torch", "triton")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-#: Default cap on the bytes of one stacked ``[batch, m, n]`` input in the iteration dtype (the
-#: peak is a small multiple of it).
+#: Default cap on the bytes of one stacked ``[batch, m, n]`` input in the iteration dtype.
 DEFAULT_MAX_BATCH_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class NSOps:
-    """A backend for the Newton-Schulz algorithms: three ops on ``[m, k]`` or ``[batch, m, k]``
-    operands of one floating dtype, returning that dtype.
+    """A Newton-Schulz backend: ops on ``[m, k]`` or ``[batch, m, k]`` operands of one floating
+    dtype, returning that dtype.
 
     Attributes:
-        name: backend name, ``"torch"`` or ``"triton"``.
+        name: ``"torch"`` or ``"triton"``.
         sym_mm: ``(A, B, C=None, alpha=1.0, beta=0.0) -> alpha*A@B + beta*C`` for a result the
-            caller promises symmetric (``A A^T``, or a product of two commuting symmetric
-            matrices, as every Gram-polynomial product is): a kernel may compute one triangle.
-        mm: ``(A, B, C=None, alpha=1.0, beta=0.0) -> alpha*A@B + beta*C``.
+            caller promises symmetric (``A A^T`` or a product of commuting symmetric matrices):
+            a kernel may compute one triangle.
+        mm: the same signature, any result.
         add_diag: ``(A, value) -> A + value * I`` (a new tensor).
     """
 
@@ -70,10 +66,9 @@ class NSOps:
 def torch_mm(
     A: Tensor, B: Tensor, C: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 0.0
 ) -> Tensor:
-    """``alpha * A @ B + beta * C`` (``A`` ``[m, k]`` or ``[batch, m, k]``, ``B`` ``[.., k, n]``,
-    ``C`` ``None`` or ``[.., m, n]``, one dtype) with the calls ``torch.optim.Muon`` issues
-    (``A @ B``, ``torch.addmm``; ``baddbmm`` for 3-D), so the bf16 standard iteration is bitwise
-    identical to it. Also the reference ``sym_mm``: torch computes all of a symmetric result."""
+    """``alpha * A @ B + beta * C`` (``A`` ``[.., m, k]``, ``B`` ``[.., k, n]``, ``C`` ``None`` or
+    ``[.., m, n]``, one dtype) with ``torch.optim.Muon``'s calls (``@``, ``addmm``, ``baddbmm``), so
+    the bf16 standard iteration is bitwise ``torch.optim.Muon``. Also the reference ``sym_mm``."""
     if C is None:
         if alpha == 1.0:
             return A @ B
@@ -84,7 +79,7 @@ def torch_mm(
 
 
 def torch_add_diag(A: Tensor, value: float) -> Tensor:
-    """Return ``A + value * I`` for ``A`` of shape ``[m, m]`` or ``[batch, m, m]`` (new tensor)."""
+    """``A + value * I`` for ``A`` ``[.., m, m]`` (a new tensor)."""
     out = A.clone()
     out.diagonal(dim1=-2, dim2=-1).add_(value)
     return out
@@ -109,11 +104,8 @@ def _gram_iteration(
     restarts: Sequence[int],
     ops: NSOps,
 ) -> Tensor:
-    """Gram-space Newton-Schulz on ``X`` of shape ``[.., m, n]`` (``m < n``).
-
-    Follows Dao-AILab/gram-newton-schulz ``GramNewtonSchulz._gram_newton_schulz``: ``R`` is not
-    updated after a step that is followed by a restart or is the last one (it would be unused).
-    """
+    """Gram-space Newton-Schulz on ``X`` ``[.., m, n]`` (``m < n``), as Dao-AILab's
+    ``GramNewtonSchulz._gram_newton_schulz``: ``R`` is not updated when it would be unused."""
     last = len(coefficients) - 1
     R = ops.sym_mm(X, X.mT)
     Q: Optional[Tensor] = None
@@ -153,17 +145,16 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
 
 @functools.cache
 def _triton_ops() -> NSOps:
-    """The Triton op set, built once (its module imports only after ``_select_ops`` checked it)."""
+    """The Triton op set, built once."""
     from dmuon.kernels import triton_syrk
 
     return NSOps(name="triton", sym_mm=triton_syrk.triton_sym_mm, mm=torch_mm, add_diag=torch_add_diag)
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
-    """The Newton-Schulz iteration dtype on ``device`` when none is given: ``torch.float32`` on
-    CPU (half precision converts to fp32 around every product there, so it is slower:
-    ``bench/results/ns_dtype_cpu.json``), else ``torch.float16`` (the bf16 tensor-core rate with
-    3 more mantissa bits)."""
+    """The default Newton-Schulz dtype on ``device``: ``torch.float32`` on CPU (half precision is
+    slower there: ``bench/results/ns_dtype_cpu.json``), else ``torch.float16`` (bf16's
+    tensor-core rate, 3 more mantissa bits)."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.float16
 
 
@@ -271,23 +262,16 @@ def ns_flops(
     batch: int = 1,
     symmetric: bool = False,
 ) -> float:
-    """FLOPs of one Newton-Schulz call, counting ``2 * M * N * K`` per ``[M, K] @ [K, N]`` product.
+    """FLOPs of one Newton-Schulz call, ``2 * M * N * K`` per ``[M, K] @ [K, N]`` product
+    (elementwise work not counted). With ``p = min(m, n)``, ``q = max(m, n)``:
 
-    With ``p = min(m, n)``, ``q = max(m, n)`` and ``symmetric=False`` (every product at full
-    cost, as torch computes it):
+    * standard: ``steps * (4 p^2 q + 2 p^3)`` (``X X^T``, ``A^2``, ``B X``).
+    * gram (one restart, the algorithm's schedule): 5 steps ``8 p^2 q + 28 p^3``; square
+      matrices take the standard count, as :func:`newton_schulz` does.
 
-    * standard: ``steps * (4 p^2 q + 2 p^3)`` (``X X^T``, ``A^2``, ``B X``); 5 steps:
-      ``20 p^2 q + 10 p^3``.
-    * gram: ``2 p^2 q`` per ``X X^T`` and per ``Q X`` (one each at the start/end, plus one pair
-      per restart) and ``2 p^3`` per ``p x p`` product, following the schedule of the algorithm
-      (``Z``: every step; ``Q Z``: steps not starting a block; the two ``R`` updates: steps not
-      followed by a restart or the end). 5 steps, 1 restart: ``8 p^2 q + 28 p^3``.
-
-    With ``symmetric=True`` the symmetric products (``X X^T`` and all ``p x p`` products in
-    Gram space, ``X X^T`` and ``A^2`` in standard) count half, as a one-triangle kernel computes
-    them: standard ``steps * (3 p^2 q + p^3)``, gram (5 steps) ``6 p^2 q + 14 p^3``. Square
-    matrices (``m == n``) use the standard count for ``method="gram"``, as
-    :func:`newton_schulz` does. Elementwise work (normalization, additions) is not counted.
+    ``symmetric=True`` counts the symmetric products (``X X^T``, ``A^2``, every ``p x p`` Gram
+    product) at half, as a one-triangle kernel: standard ``steps * (3 p^2 q + p^3)``, gram
+    (5 steps) ``6 p^2 q + 14 p^3``.
 
     Args:
         m, n: matrix shape (rows, cols).
@@ -336,12 +320,9 @@ def orthogonalize_by_shape(
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     **newton_schulz_kwargs: Any,
 ) -> list[Tensor]:
-    """Run :func:`newton_schulz` over many matrices, batching equal shapes.
-
-    Matrices are grouped by ``(shape, dtype, device)`` in order of first appearance, stacked into
-    ``[batch, m, n]`` chunks whose size in the iteration dtype stays under ``max_batch_bytes``
-    (a single matrix larger than the cap goes alone), and each chunk is one ``newton_schulz``
-    call. Batching does not change the math: each matrix is normalized by its own norm.
+    """Run :func:`newton_schulz` over many matrices: equal ``(shape, dtype, device)`` are stacked
+    into ``[batch, m, n]`` chunks of at most ``max_batch_bytes`` in the iteration dtype (a larger
+    matrix goes alone), one call per chunk; each matrix is still normalized by its own norm.
 
     Args:
         tensors: 2-D tensors ``[m, n]``, full (not shards), any floating dtype; not mutated.
