@@ -20,7 +20,6 @@ Math (DESIGN.md "Newton-Schulz"). ``M`` ``m x n``, transposed so ``m <= n``,
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -140,14 +139,6 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
         return TORCH_OPS
     if backend == "triton":
         triton_syrk.check_supported(X)
-    return _triton_ops()
-
-
-@functools.cache
-def _triton_ops() -> NSOps:
-    """The Triton op set, built once."""
-    from dmuon.kernels import triton_syrk
-
     return NSOps(name="triton", sym_mm=triton_syrk.triton_sym_mm, mm=torch_mm, add_diag=torch_add_diag)
 
 
@@ -171,10 +162,8 @@ def newton_schulz(
 ) -> Tensor:
     """Approximate the orthogonal polar factor ``U V^T`` of ``G`` by Newton-Schulz.
 
-    Normalization: ``X = G / max(||G||_F, eps)`` per matrix, in bf16 op for op as
-    ``torch.optim.Muon`` does for ``dtype=torch.bfloat16`` (``method="standard",
-    coefficients="muon", backend="torch"`` on a 2-D ``G`` is then bitwise ``torch.optim.Muon``),
-    else in float32 (float64 for float64) before the cast, since fp16 overflows above 65504.
+    ``X = G / max(||G||_F, eps)`` per matrix; with ``dtype=torch.bfloat16, method="standard",
+    coefficients="muon", backend="torch"`` a 2-D ``G`` gives bitwise ``torch.optim.Muon``.
 
     Args:
         G: ``[m, n]`` or ``[batch, m, n]``, any floating dtype, any device; not mutated.
@@ -185,8 +174,8 @@ def newton_schulz(
         dtype: iteration dtype (float16, bfloat16, float32 or float64); ``None``:
             :func:`default_ns_dtype` of ``G``'s device.
         eps: floor of the Frobenius norm (same units as ``G``); a zero ``G`` maps to zero.
-        backend: ``"torch"`` (the reference), ``"triton"`` (CUDA, fp16/bf16), or ``"auto"``
-            (Triton on CUDA when importable and the shape is large enough, else torch).
+        backend: ``"torch"`` (the reference), ``"triton"`` (CUDA), or ``"auto"`` (Triton on
+            CUDA when importable and the shape is large enough).
         restarts: Gram restart steps; ``None`` chooses them with
             :func:`~dmuon.kernels.coefficients.choose_gram_restarts`. Ignored for ``"standard"``.
 
@@ -220,19 +209,15 @@ def newton_schulz(
     transpose = G.size(-2) > G.size(-1)
     if G.numel() == 0:
         return torch.zeros(G.shape, dtype=dtype, device=G.device)
-    if dtype == torch.bfloat16:
-        # Op for op torch.optim.Muon: cast, transpose, divide by the norm of the transposed view.
-        X = G.to(dtype)
-        if transpose:
-            X = X.mT
-        norm = X.norm() if X.dim() == 2 else X.norm(dim=(-2, -1), keepdim=True)
-        X = X.div(norm.clamp(min=eps))
+    # fp16 normalizes in fp32 (it overflows above 65504); bf16 op for op as torch.optim.Muon.
+    X = G.to(torch.float32 if dtype == torch.float16 else dtype)
+    if transpose:
+        X = X.mT
+    if dtype == torch.bfloat16 and X.dim() == 2:
+        norm = X.norm()
     else:
-        norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        X = G.to(norm_dtype)
-        if transpose:
-            X = X.mT
-        X = (X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)).to(dtype)
+        norm = X.norm(dim=(-2, -1), keepdim=True)
+    X = X.div(norm.clamp(min=eps)).to(dtype)
 
     m, n = X.shape[-2:]
     ops = _select_ops(backend, X)
@@ -266,8 +251,8 @@ def ns_flops(
     (elementwise work not counted). With ``p = min(m, n)``, ``q = max(m, n)``:
 
     * standard: ``steps * (4 p^2 q + 2 p^3)`` (``X X^T``, ``A^2``, ``B X``).
-    * gram (one restart, the algorithm's schedule): 5 steps ``8 p^2 q + 28 p^3``; square
-      matrices take the standard count, as :func:`newton_schulz` does.
+    * gram (one restart): ``8 p^2 q + (8 steps - 12) p^3``; the standard count for square
+      matrices (which :func:`newton_schulz` runs standard) and for ``steps=1`` (equal).
 
     ``symmetric=True`` counts the symmetric products (``X X^T``, ``A^2``, every ``p x p`` Gram
     product) at half, as a one-triangle kernel: standard ``steps * (3 p^2 q + p^3)``, gram
@@ -294,24 +279,11 @@ def ns_flops(
         raise ValueError(f"dmuon: unknown Newton-Schulz method {method!r}; choose one of {_METHODS}.")
     p, q = min(m, n), max(m, n)
     half = 0.5 if symmetric else 1.0
-    syrk, gemm_pq, cube = 2.0 * p * p * q * half, 2.0 * p * p * q, 2.0 * p**3
-    if method == "standard" or p == q:
-        return float(batch * steps * (syrk + cube * half + gemm_pq))
-    restarts = (1,) if steps >= 2 else ()  # one restart (its placement does not change the FLOPs)
-    total = syrk
-    fresh = True
-    for i in range(steps):
-        if i in restarts and not fresh:
-            total += gemm_pq + syrk
-            fresh = True
-        total += cube * half  # Z = b R + c R^2
-        if not fresh:
-            total += cube * half  # Q <- Q Z + a Q
-        fresh = False
-        if i < steps - 1 and (i + 1) not in restarts:
-            total += 2 * cube * half  # RZ and R updates
-    total += gemm_pq  # final Q X
-    return float(batch * total)
+    syrk, gemm_pq, cube = 2.0 * p * p * q * half, 2.0 * p * p * q, 2.0 * p**3 * half
+    if method == "standard" or p == q or steps == 1:
+        return float(batch * steps * (syrk + cube + gemm_pq))
+    # One restart (anywhere): X X^T and Q X twice; Z every step, Q Z on steps 2.., R on 1..steps-2.
+    return float(batch * (2 * (syrk + gemm_pq) + (4 * steps - 6) * cube))
 
 
 def orthogonalize_by_shape(
@@ -327,15 +299,13 @@ def orthogonalize_by_shape(
     Args:
         tensors: 2-D tensors ``[m, n]``, full (not shards), any floating dtype; not mutated.
         max_batch_bytes: cap on one chunk's stacked input, in bytes (>= 1).
-        **newton_schulz_kwargs: passed to ``newton_schulz`` (``steps``, ``coefficients``,
-            ``method``, ``dtype``, ``eps``, ``backend``, ``restarts``).
+        **newton_schulz_kwargs: passed to :func:`newton_schulz`.
 
     Returns:
-        One tensor per input, in input order, each of its input's shape in the iteration dtype.
+        One tensor per input, in order, of its input's shape in the iteration dtype.
 
     Raises:
-        ValueError: a tensor that is not 2-D (naming its index and shape), a non-positive cap,
-            or a bad ``newton_schulz`` argument.
+        ValueError: a tensor not 2-D, a non-positive cap, or a bad ``newton_schulz`` argument.
     """
     if not isinstance(max_batch_bytes, int) or max_batch_bytes < 1:
         raise ValueError(f"dmuon: max_batch_bytes must be a positive int; got {max_batch_bytes!r}.")
