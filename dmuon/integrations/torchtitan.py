@@ -28,16 +28,16 @@ class DmuonOptimizersContainer(OptimizersContainer):
     Collective.
 
     Args:
-        config: :class:`DmuonOptimizersContainer.Config`; ``param_groups`` and
-            ``implementation`` are ignored (dmuon assigns Muon and AdamW itself).
-        model_parts: torchtitan's model parts (one without pipeline parallelism).
+        config: :class:`DmuonOptimizersContainer.Config` (its ``param_groups`` and
+            ``implementation`` are ignored).
+        model_parts: torchtitan's model parts.
 
     Raises:
-        ValueError: ``config.path`` is not one of :data:`PATHS`; hooks path: a model part with
-            no FSDP2 parameter and no ``mesh``; ``distributed_config`` path: ``dedicate_kwargs``
-            other than ``predicate``, a predicate asking for row blocks or picking a non-2-D
-            parameter, or a ``distributed_config`` that is not a :class:`dmuon.DistributedConfig`;
-            or what :func:`dmuon.dedicate_params` / :class:`dmuon.Muon` raise.
+        ValueError: ``config.path`` not in :data:`PATHS`; hooks path: a part with no FSDP2
+            parameter and no ``mesh``; ``distributed_config`` path: ``dedicate_kwargs`` other
+            than ``predicate``, a predicate asking for row blocks or a non-2-D parameter, or a
+            ``distributed_config`` not a :class:`dmuon.DistributedConfig`; or what
+            :func:`dmuon.dedicate_params` / :class:`dmuon.Muon` raise.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -154,8 +154,7 @@ def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersCo
     Returns:
         The :class:`DmuonOptimizersContainer.Config` torchtitan builds in its place.
     """
-    container_fields = {f.name for f in fields(DmuonOptimizersContainer.Config)}
-    container_fields -= {"muon_kwargs"}
+    container_fields = {f.name for f in fields(DmuonOptimizersContainer.Config)} - {"muon_kwargs"}
     container = {k: v for k, v in kwargs.items() if k in container_fields}
     muon_kwargs = dict(getattr(config, "muon_kwargs", {}))
     adamw = next((dict(g.optimizer_kwargs) for g in getattr(config, "param_groups", [])

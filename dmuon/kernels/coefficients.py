@@ -95,8 +95,8 @@ def resolve_coefficients(
         A list of ``steps`` tuples of Python floats.
 
     Raises:
-        ValueError: unknown preset name, a triple that is not three finite numbers, a per-step
-            list whose length differs from ``steps``, or ``steps`` not a positive integer.
+        ValueError: unknown preset, a triple not three finite numbers, a per-step list whose
+            length is not ``steps``, or ``steps`` not a positive integer.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"dmuon: Newton-Schulz steps must be an integer >= 1; got {steps!r}.")

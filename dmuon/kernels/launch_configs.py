@@ -83,13 +83,8 @@ class _DeviceEntry:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchTable:
-    """The parsed launch-config table.
-
-    Attributes:
-        default: entry for GPUs not listed in ``gpus``.
-        interpreter: entry for CPU tensors under ``TRITON_INTERPRET=1``.
-        gpus: entries by exact GPU name, as ``(name, entry)`` pairs.
-    """
+    """The parsed launch-config table: ``default`` (unlisted GPUs), ``interpreter`` (CPU under
+    ``TRITON_INTERPRET=1``), ``gpus`` (``(exact GPU name, entry)`` pairs)."""
 
     default: _DeviceEntry
     interpreter: _DeviceEntry
@@ -149,14 +144,8 @@ def load_launch_table(path: Optional[str] = None) -> LaunchTable:
 
 def lookup_launch_config(device: torch.device, m: int, k: int,
                          table: Optional[LaunchTable] = None) -> LaunchConfig:
-    """Launch config for an ``[m, k] @ [k, m]`` symmetric product on ``device``.
-
-    Args:
-        device: where the kernel runs (``cuda`` or ``cpu`` under the interpreter).
-        m: output side (rows of ``A``).
-        k: reduction length.
-        table: a parsed table; ``None`` uses the shipped one.
-    """
+    """Launch config for an ``[m, k] @ [k, m]`` symmetric product on ``device`` (``cuda``, or
+    ``cpu`` under the interpreter), from ``table`` (``None``: the shipped one)."""
     buckets = (table or load_launch_table()).entry(device).buckets
     return next(b.config for b in buckets if b.matches(m, k))  # the last one is unbounded
 

@@ -1,11 +1,5 @@
-"""LeRobot training with dmuon under FSDP2: ``lerobot-train``'s arguments plus ``--dmuon.*``.
-
-::
-
-    torchrun --nproc-per-node 8 -m dmuon.integrations.lerobot.train \\
-        --dataset.repo_id=lerobot/pusht --policy.type=pi0 --policy.dtype=float32 \\
-        --steps=30000 --batch_size=8 --output_dir=outputs/pi0_dmuon \\
-        --dmuon.lr=0.02 --dmuon.param_dtype=bfloat16
+"""LeRobot training with dmuon under FSDP2: ``torchrun ... -m dmuon.integrations.lerobot.train``
+with ``lerobot-train``'s arguments plus ``--dmuon.*`` (docs/integrations.md).
 
 LeRobot's own parser, factories, processors, scheduler, clipping and checkpoint layout, with
 the policy sharded and dedicated, :class:`dmuon.Muon` (AdamW at LeRobot's ``optimizer.*`` for
