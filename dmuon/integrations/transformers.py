@@ -20,13 +20,11 @@ class DmuonTrainer(transformers.Trainer):
 
     Args:
         *args: as ``transformers.Trainer``.
-        muon_kwargs: keyword arguments for :class:`dmuon.Muon`. Defaults taken from
-            ``TrainingArguments`` where not given: ``lr`` = ``learning_rate``, ``weight_decay``,
-            ``adamw_betas`` = ``(adam_beta1, adam_beta2)``, ``adamw_eps`` = ``adam_epsilon``.
+        muon_kwargs: keyword arguments for :class:`dmuon.Muon`; ``lr``, ``weight_decay``,
+            ``adamw_betas`` and ``adamw_eps`` default to ``TrainingArguments``'.
         dedicate_kwargs: keyword arguments for :func:`dmuon.dedicate_params` (``mesh``
             default: the one FSDP2 sharded the model over).
-        **kwargs: as ``transformers.Trainer``; ``optimizers`` and
-            ``optimizer_cls_and_kwargs`` are refused (dmuon builds the optimizer).
+        **kwargs: as ``transformers.Trainer`` but ``optimizers`` / ``optimizer_cls_and_kwargs``.
 
     Raises:
         ValueError: ``optimizers`` or ``optimizer_cls_and_kwargs`` given; at ``train()``,

@@ -174,10 +174,10 @@ def choose_gram_restarts(
         gram_perturbation: the modeled most-negative Gram eigenvalue (dimensionless, <= 0).
 
     Returns:
-        Sorted step indices ``i`` (``1 <= i < steps``); the restart happens before step ``i``.
+        Sorted step indices ``1 <= i < steps``, each restart happening before step ``i``.
 
     Raises:
-        ValueError: if ``num_restarts`` is negative or exceeds ``steps - 1``.
+        ValueError: ``num_restarts`` outside ``0..steps-1``, or every placement overflows.
     """
     steps = len(coefficients)
     if num_restarts is None:

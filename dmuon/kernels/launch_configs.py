@@ -119,15 +119,9 @@ def _parse_entry(raw: Any, where: str) -> _DeviceEntry:
 
 @functools.lru_cache(maxsize=4)
 def load_launch_table(path: Optional[str] = None) -> LaunchTable:
-    """Load, validate and parse the launch table (cached).
-
-    Args:
-        path: a JSON file; ``None`` reads the table shipped in ``dmuon/kernels/configs/``.
-
-    Raises:
-        ValueError: wrong schema version or a malformed entry (naming it).
-        FileNotFoundError: ``path`` does not exist.
-    """
+    """Load, validate and parse the launch table from the JSON file ``path`` (``None``: the one
+    shipped in ``dmuon/kernels/configs/``); cached. ``ValueError`` names a wrong schema or a
+    malformed entry; ``FileNotFoundError`` if ``path`` does not exist."""
     if path is None:
         text = resources.files("dmuon.kernels").joinpath("configs", _TABLE_FILE).read_text()
     else:

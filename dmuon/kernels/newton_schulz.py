@@ -20,7 +20,6 @@ Math (DESIGN.md "Newton-Schulz"). ``M`` ``m x n``, transposed so ``m <= n``,
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -28,8 +27,6 @@ import torch
 from torch import Tensor
 
 from dmuon.kernels.coefficients import choose_gram_restarts, resolve_coefficients
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_BATCH_BYTES", "NSOps", "TORCH_OPS", "default_ns_dtype", "newton_schulz",
            "ns_flops", "orthogonalize_by_shape", "torch_add_diag", "torch_mm"]
@@ -44,16 +41,11 @@ DEFAULT_MAX_BATCH_BYTES = 1 << 30
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class NSOps:
-    """A Newton-Schulz backend: ops on ``[m, k]`` or ``[batch, m, k]`` operands of one floating
-    dtype, returning that dtype.
-
-    Attributes:
-        name: ``"torch"`` or ``"triton"``.
-        sym_mm: ``(A, B, C=None, alpha=1.0, beta=0.0) -> alpha*A@B + beta*C`` for a result the
-            caller promises symmetric (``A A^T`` or a product of commuting symmetric matrices):
-            a kernel may compute one triangle.
-        mm: the same signature, any result.
-        add_diag: ``(A, value) -> A + value * I`` (a new tensor).
+    """A Newton-Schulz backend (``name``: ``"torch"`` or ``"triton"``): ops on ``[m, k]`` or
+    ``[batch, m, k]`` operands of one floating dtype, returning that dtype. ``mm(A, B, C=None,
+    alpha=1.0, beta=0.0)`` is ``alpha*A@B + beta*C``; ``sym_mm``, the same for a result the caller
+    promises symmetric (a kernel may compute one triangle); ``add_diag(A, value)``,
+    ``A + value * I`` (a new tensor).
     """
 
     name: str
@@ -256,17 +248,7 @@ def ns_flops(
 
     ``symmetric=True`` counts the symmetric products (``X X^T``, ``A^2``, every ``p x p`` Gram
     product) at half, as a one-triangle kernel: standard ``steps * (3 p^2 q + p^3)``, gram
-    (5 steps) ``6 p^2 q + 14 p^3``.
-
-    Args:
-        m, n: matrix shape (rows, cols).
-        steps: number of iterations.
-        method: ``"standard"`` or ``"gram"``.
-        batch: number of matrices of this shape.
-        symmetric: count symmetric products at half cost.
-
-    Returns:
-        FLOPs as a float (not FLOP/s).
+    (5 steps) ``6 p^2 q + 14 p^3``. ``batch`` matrices of shape ``[m, n]``; returns a float.
 
     Raises:
         ValueError: negative sizes, ``steps < 1`` or an unknown ``method``.
@@ -332,5 +314,4 @@ def orthogonalize_by_shape(
                 results = list(newton_schulz(stacked, **newton_schulz_kwargs).unbind(0))
             for i, r in zip(part, results):
                 out[i] = r
-        logger.debug("orthogonalize_by_shape: %d x %s in chunks of %d", len(indices), shape, chunk)
     return out  # type: ignore[return-value]
