@@ -34,9 +34,8 @@ def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
         ``AcceleratedOptimizer`` wrapping its :class:`dmuon.Muon`.
 
     Raises:
-        ValueError: the accelerator is not FSDP2, it already prepared a model, or ``model``
-            was already passed to ``dedicate_params``; or what ``dedicate_params`` /
-            ``dmuon.Muon`` raise.
+        ValueError: the accelerator is not FSDP2 or already prepared a model, or ``model`` was
+            already dedicated; or what ``dedicate_params`` / ``dmuon.Muon`` raise.
     """
     if not getattr(accelerator, "is_fsdp2", False):
         raise ValueError(

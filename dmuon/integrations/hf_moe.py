@@ -27,8 +27,7 @@ def ep_dispatch(routed: torch.Tensor, counts: torch.Tensor, group: dist.ProcessG
     (torchtitan's ``ExpertParallel`` dispatch and combine; autograd all-to-all).
 
     Args:
-        routed: ``[rows, hidden]``, any float dtype, rows sorted by global expert index (not
-            mutated).
+        routed: ``[rows, hidden]``, any float dtype, sorted by global expert index; not mutated.
         counts: ``[E]`` int64, rows per global expert on this rank (``counts.sum() == rows``).
             Rank ``r`` of ``group`` holds experts ``r * E / ep`` to ``(r + 1) * E / ep - 1``.
         group: the ``"ep"`` process group, or ``None`` when every expert is local.
@@ -36,7 +35,7 @@ def ep_dispatch(routed: torch.Tensor, counts: torch.Tensor, group: dist.ProcessG
             by local expert; it must keep the row order.
 
     Returns:
-        ``[rows, out]``: ``compute``'s output for each row of ``routed``, in ``routed``'s order.
+        ``[rows, out]``: ``compute``'s output for each row, in ``routed``'s order.
 
     Raises:
         ValueError: ``counts`` has a number of experts the group size does not divide.
@@ -110,8 +109,7 @@ def shard_experts(experts: nn.Module, ep_mesh: Any) -> nn.Module:
             and equal on every rank (they are cut, not broadcast).
         ep_mesh: a 1-D ``DeviceMesh`` over the expert-parallel ranks (``mesh["ep"]``).
 
-    Returns:
-        ``experts``.
+    Returns ``experts``.
 
     Raises:
         ValueError: ``experts`` lacks a stack, ``act_fn`` or ``num_experts``; a stack is not

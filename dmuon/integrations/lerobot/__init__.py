@@ -86,10 +86,9 @@ def fsdp_units(policy: nn.Module) -> list[nn.Module]:
 
 def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, Any] | None = None,
                        **fully_shard_kwargs: Any) -> nn.Module:
-    """FSDP2 ``fully_shard`` on :func:`fsdp_units`, then on the policy. Declares :func:`predicate`
-    as the policy's default for :func:`dmuon.dedicate_params` and records the decoder attention's
-    logits for QK-clip (:func:`record_attention`). Train with ``policy(batch)``, not
-    ``policy.forward(batch)`` (which skips FSDP2's root hooks).
+    """FSDP2 ``fully_shard`` on :func:`fsdp_units`, then on the policy; declares :func:`predicate`
+    the policy's default for :func:`dmuon.dedicate_params` and calls :func:`record_attention`.
+    Train with ``policy(batch)``: ``policy.forward(batch)`` skips FSDP2's root hooks.
 
     Args:
         policy: a LeRobot policy of a type in :data:`POLICY_TYPES`, all parameters of one
@@ -103,7 +102,7 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, A
         fully_shard_kwargs: passed to every unit's ``fully_shard`` call.
 
     Returns:
-        ``policy``, sharded in place (its class is now FSDP2's subclass of it).
+        ``policy``, sharded in place (its class now FSDP2's subclass of it).
 
     Raises:
         ValueError: an unknown policy type, or a policy already sharded.

@@ -156,7 +156,7 @@ def save(checkpoint_dir: Path, step: int, cfg: Any, policy: Any, opt: Any, sched
 
 
 def resume(checkpoint_dir: Path, policy: Any, opt: Any, scheduler: Any) -> int:
-    """The step, scheduler, optimizer, model and this rank's RNG from :func:`save`'s files."""
+    """Restore the step, scheduler, optimizer, model and this rank's RNG saved by :func:`save`."""
     from lerobot.common.train_utils import load_training_state
 
     step, _, _ = load_training_state(checkpoint_dir, None, scheduler, load_optimizer=False)
