@@ -211,9 +211,8 @@ def newton_schulz(
         norm = X.norm(dim=(-2, -1), keepdim=True)
     X = X.div(norm.clamp(min=eps)).to(dtype)
 
-    m, n = X.shape[-2:]
     ops = _select_ops(backend, X)
-    if method == "gram" and m != n:
+    if method == "gram" and X.size(-2) != X.size(-1):
         if restarts is None:
             chosen = choose_gram_restarts(tuple(coeffs))
         else:
@@ -225,9 +224,7 @@ def newton_schulz(
         X = _gram_iteration(X, coeffs, chosen, ops)
     else:
         X = _standard_iteration(X, coeffs, ops)
-    if transpose:
-        X = X.mT
-    return X
+    return X.mT if transpose else X
 
 
 def ns_flops(
