@@ -1,18 +1,9 @@
-"""dmuon under 🤗 Accelerate's FSDP2 (the trainer of LeRobot's training script).
+"""dmuon under 🤗 Accelerate's FSDP2 (recipe: docs/integrations.md).
 
-One call replaces ``accelerator.prepare(model, optimizer)``::
-
-    from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    import dmuon.integrations.accelerate
-
-    accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
-                              gradient_accumulation_steps=2)
-    model, optimizer = dmuon.integrations.accelerate.prepare(accelerator, model, lr=0.02)
-    loader, scheduler = accelerator.prepare(loader, scheduler)    # as usual
-
-and the stock Accelerate 1.15 loop runs unchanged (``accumulate``, ``backward``,
-``clip_grad_norm_``: the global norm, ``get_state_dict``: full weights, ``save_state`` /
-``load_state``: exact resume); nothing of the accelerator is overridden.
+``model, optimizer = prepare(accelerator, model, lr=0.02)`` replaces
+``accelerator.prepare(model, optimizer)``; the stock Accelerate loop (``accumulate``,
+``backward``, ``clip_grad_norm_``, ``get_state_dict``, ``save_state`` / ``load_state``) runs
+unchanged.
 """
 
 from __future__ import annotations
@@ -32,24 +23,19 @@ def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
     :class:`dmuon.Muon`. Collective.
 
     Args:
-        accelerator: an ``accelerate.Accelerator`` whose state is FSDP2
-            (``FullyShardedDataParallelPlugin(fsdp_version=2)`` or ``accelerate launch`` with
-            ``fsdp_version: 2``).
+        accelerator: an ``accelerate.Accelerator`` whose state is FSDP2 (``fsdp_version=2``).
         model: the unwrapped model (not yet prepared).
-        mesh: the mesh to pass to :func:`dmuon.dedicate_params`; ``None``: the mesh FSDP2
-            sharded the model's parameters over.
+        mesh: the mesh for :func:`dmuon.dedicate_params`; ``None``: the one FSDP2 sharded over.
         dedicate_kwargs: extra keyword arguments for :func:`dmuon.dedicate_params`.
-        muon_kwargs: keyword arguments for :class:`dmuon.Muon` (``lr``, ``weight_decay``,
-            ``adamw_lr``, ...).
+        muon_kwargs: keyword arguments for :class:`dmuon.Muon`.
 
     Returns:
         ``(model, optimizer)``: the FSDP2 model (sharded in place) and the
         ``AcceleratedOptimizer`` wrapping its :class:`dmuon.Muon`.
 
     Raises:
-        ValueError: the accelerator is not FSDP2, it already prepared a model, or ``model``
-            was already passed to ``dedicate_params``; or what ``dedicate_params`` /
-            ``dmuon.Muon`` raise.
+        ValueError: the accelerator is not FSDP2 or already prepared a model, or ``model`` was
+            already dedicated; or what ``dedicate_params`` / ``dmuon.Muon`` raise.
     """
     if not getattr(accelerator, "is_fsdp2", False):
         raise ValueError(
@@ -68,8 +54,8 @@ def prepare(accelerator: Any, model: nn.Module, *, mesh: Any = None,
 
 def replace_stand_in(accelerator: Any, model: nn.Module, stand_in: Any,
                      dedicate_kwargs: dict[str, Any], muon_kwargs: dict[str, Any]) -> Any:
-    """:func:`dedicate` the FSDP2-sharded ``model``, then the accelerator's prepared
-    :class:`dmuon.Muon` in place of the prepared ``stand_in`` (collective)."""
+    """:func:`dedicate` the sharded ``model`` and prepare a :class:`dmuon.Muon` in place of
+    ``stand_in`` (collective)."""
     if stand_in in accelerator._optimizers:
         accelerator._optimizers.remove(stand_in)  # save_state pairs _optimizers[i] with _models[i]
     dedicate(model, dedicate_kwargs)
@@ -77,22 +63,21 @@ def replace_stand_in(accelerator: Any, model: nn.Module, stand_in: Any,
 
 
 def stand_in_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """A throwaway ``SGD(lr=0)`` over ``model``'s trainable parameters: Accelerate's FSDP2
-    ``prepare`` needs an optimizer beside the model, and :class:`dmuon.Muon` the sharded model."""
+    """A throwaway ``SGD(lr=0)``: Accelerate's FSDP2 ``prepare`` needs an optimizer beside the
+    model, and :class:`dmuon.Muon` needs the sharded model."""
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.SGD(params or [nn.Parameter(torch.zeros(1))], lr=0.0)
 
 
 def dedicate(model: nn.Module, dedicate_kwargs: dict[str, Any]) -> None:
-    """:func:`dmuon.dedicate_params` with ``dedicate_kwargs``, whose ``mesh`` defaults to
-    :func:`fsdp_mesh` (collective)."""
+    """:func:`dmuon.dedicate_params` with ``dedicate_kwargs`` (``mesh`` default :func:`fsdp_mesh`)."""
     kwargs = dict(dedicate_kwargs)
     mesh = kwargs.pop("mesh", None)
     dmuon.dedicate_params(model, mesh if mesh is not None else fsdp_mesh(model), **kwargs)
 
 
 def fsdp_mesh(model: nn.Module) -> Any:
-    """The device mesh FSDP2 sharded ``model``'s parameters over (the first DTensor's).
+    """The mesh of ``model``'s first DTensor parameter.
 
     Raises:
         ValueError: no parameter of ``model`` is a DTensor (FSDP2 did not shard it).

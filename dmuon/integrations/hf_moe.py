@@ -1,21 +1,10 @@
-"""Expert parallelism for Hugging Face Mixture-of-Experts models.
+"""Expert parallelism for Hugging Face MoE models (recipe: docs/usage.md).
 
-transformers 5 stores a MoE layer's experts (Qwen3-MoE, Mixtral, DeepSeek-V3, ...) as two
-stacks, ``gate_up_proj`` ``[E, 2 * I, H]`` and ``down_proj`` ``[E, H, I]``, with a forward that
-assumes every expert is local. :func:`shard_experts` lays them out as torchtitan's
-``ExpertParallel`` does (``Shard(0)`` over ``"ep"``, all-to-all dispatch and combine,
-:func:`ep_dispatch`) and installs :func:`experts_forward`. :func:`dmuon.dedicate_params` then
-finds the stacks on the ``("efsdp", "ep")`` mesh.
-
-Example (after building the model, before ``fully_shard``)::
-
-    mesh = init_device_mesh("cuda", (dp // ep, ep), mesh_dim_names=("efsdp", "ep"))
-    for layer in model.model.layers:
-        shard_experts(layer.mlp.experts, mesh["ep"])
-        fully_shard(layer.mlp.experts, mesh=mesh["efsdp"])
-        fully_shard(layer, mesh=mesh._flatten("dp"))
-    fully_shard(model, mesh=mesh["dp"])
-    dmuon.dedicate_params(model, mesh)
+transformers 5 keeps a MoE layer's experts as two stacks, ``gate_up_proj`` ``[E, 2 * I, H]`` and
+``down_proj`` ``[E, H, I]``, with a forward over all experts. :func:`shard_experts` cuts them as
+torchtitan's ``ExpertParallel`` does (``Shard(0)`` over ``"ep"``, all-to-all dispatch and
+combine: :func:`ep_dispatch`) before ``fully_shard``; :func:`dmuon.dedicate_params` then finds
+the stacks on the ``("efsdp", "ep")`` mesh.
 """
 
 from __future__ import annotations
@@ -34,22 +23,19 @@ _STACKS = ("gate_up_proj", "down_proj")
 
 def ep_dispatch(routed: torch.Tensor, counts: torch.Tensor, group: dist.ProcessGroup | None,
                 compute: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
-    """Send each row to the rank holding its expert, run ``compute`` there, bring the rows back:
-    torchtitan's ``ExpertParallel`` dispatch and combine, with torch's autograd all-to-all, so
-    gradients flow back along the same route.
+    """Send each row to the rank holding its expert, run ``compute`` there, bring the rows back
+    (torchtitan's ``ExpertParallel`` dispatch and combine; autograd all-to-all).
 
     Args:
-        routed: ``[rows, hidden]``, any float dtype, rows sorted by global expert index (not
-            mutated).
+        routed: ``[rows, hidden]``, any float dtype, sorted by global expert index; not mutated.
         counts: ``[E]`` int64, rows per global expert on this rank (``counts.sum() == rows``).
             Rank ``r`` of ``group`` holds experts ``r * E / ep`` to ``(r + 1) * E / ep - 1``.
-        group: the ``"ep"`` process group, or ``None`` when every expert is local (then
-            ``compute`` runs on ``routed`` as given).
+        group: the ``"ep"`` process group, or ``None`` when every expert is local.
         compute: ``compute(rows, rows_per_local_expert) -> [rows, out]``, with ``rows`` sorted
             by local expert; it must keep the row order.
 
     Returns:
-        ``[rows, out]``: ``compute``'s output for each row of ``routed``, in ``routed``'s order.
+        ``[rows, out]``: ``compute``'s output for each row, in ``routed``'s order.
 
     Raises:
         ValueError: ``counts`` has a number of experts the group size does not divide.
@@ -79,10 +65,9 @@ def ep_dispatch(routed: torch.Tensor, counts: torch.Tensor, group: dist.ProcessG
 
 def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """A Hugging Face experts module's forward with expert parallelism: transformers 5's
-    ``Qwen3MoeExperts.forward``, ``sum_k w_k * down[e_k] (act(gate[e_k] x) * up[e_k] x)``
-    (``gate_up_proj[e]`` holds ``gate`` above ``up``), each (token, expert) pair sent by
-    :func:`ep_dispatch` over ``experts.ep_group`` (``None``: every expert local).
+    """transformers 5's ``Qwen3MoeExperts.forward``, ``sum_k w_k * down[e_k] (act(gate[e_k] x) *
+    up[e_k] x)`` (``gate_up_proj[e]`` is ``gate`` above ``up``), each (token, expert) pair sent
+    by :func:`ep_dispatch` over ``experts.ep_group``.
 
     Args:
         experts: the experts module (``gate_up_proj`` ``[E, 2 * I, H]``, ``down_proj``
@@ -116,21 +101,19 @@ def experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index
 
 def shard_experts(experts: nn.Module, ep_mesh: Any) -> nn.Module:
     """Lay a Hugging Face experts module out for expert parallelism, in place, before
-    ``fully_shard`` and :func:`dmuon.dedicate_params`: each stack becomes a DTensor ``Shard(0)``
-    over ``ep_mesh``, ``experts.ep_group`` is set and ``experts.forward`` is :func:`experts_forward`.
+    ``fully_shard``: each stack becomes a DTensor ``Shard(0)`` over ``ep_mesh``, and
+    ``experts.ep_group`` and ``experts.forward`` (:func:`experts_forward`) are set.
 
     Args:
-        experts: a transformers 5 experts module (``layer.mlp.experts``), parameters full on
-            every rank (same values everywhere: the stacks are cut, not broadcast).
+        experts: a transformers 5 experts module (``layer.mlp.experts``), its parameters full
+            and equal on every rank (they are cut, not broadcast).
         ep_mesh: a 1-D ``DeviceMesh`` over the expert-parallel ranks (``mesh["ep"]``).
 
-    Returns:
-        ``experts``.
+    Returns ``experts``.
 
     Raises:
-        ValueError: ``experts`` lacks a stack, ``act_fn`` or ``num_experts``; a stack's first
-            dimension is not ``num_experts``; ``ep_mesh`` is not 1-D; or its size does not
-            divide ``num_experts``.
+        ValueError: ``experts`` lacks a stack, ``act_fn`` or ``num_experts``; a stack is not
+            ``[num_experts, rows, cols]``; ``ep_mesh`` is not 1-D or does not divide ``num_experts``.
     """
     from torch.distributed.tensor import Shard, distribute_tensor
 

@@ -1,19 +1,10 @@
-"""dmuon as torchtitan's optimizer (torchtitan 0.3.0), on either of dmuon's paths.
+"""dmuon as torchtitan's optimizer (torchtitan 0.3.0; recipe: docs/integrations.md).
 
 torchtitan builds its optimizer after ``parallelize`` and ``init_weights``, the moment
-:func:`dmuon.dedicate_params` needs. :class:`DmuonOptimizersContainer` holds one
-:class:`dmuon.Muon` per model part. In a torchtitan config::
-
-    from dmuon.integrations.torchtitan import DmuonOptimizersContainer
-
-    config.optimizer = DmuonOptimizersContainer.Config(
-        muon_kwargs=dict(lr=0.02, adamw_lr=3e-4, weight_decay=0.1),
-        path="hooks")               # or "distributed_config"
-
-``path="hooks"`` (default) dedicates each matrix to one owner rank; ``path="distributed_config"``
-keeps FSDP2's sharding and gives ``dmuon.Muon`` a :class:`dmuon.DistributedConfig`. Or, with no
-config change: ``--override.imports dmuon.integrations.torchtitan.muon`` (:func:`muon`).
-Everything else (schedulers, ``step`` / ``zero_grad``, checkpointing) is torchtitan's.
+:func:`dmuon.dedicate_params` needs: set ``config.optimizer =
+DmuonOptimizersContainer.Config(muon_kwargs=..., path="hooks" | "distributed_config")``, or pass
+``--override.imports dmuon.integrations.torchtitan.muon`` (:func:`muon`). Schedulers, ``step``
+and checkpointing stay torchtitan's.
 """
 
 from __future__ import annotations
@@ -33,20 +24,20 @@ PATHS = ("hooks", "distributed_config")
 
 
 class DmuonOptimizersContainer(OptimizersContainer):
-    """torchtitan's ``OptimizersContainer`` holding one :class:`dmuon.Muon` per model part
-    (Muon on the matrices :func:`dmuon.default_predicate` picks, AdamW on the rest). Collective.
+    """torchtitan's ``OptimizersContainer`` holding one :class:`dmuon.Muon` per model part.
+    Collective.
 
     Args:
-        config: :class:`DmuonOptimizersContainer.Config`; ``param_groups`` and
-            ``implementation`` are ignored (dmuon assigns Muon and AdamW itself).
-        model_parts: torchtitan's model parts (one without pipeline parallelism).
+        config: :class:`DmuonOptimizersContainer.Config` (its ``param_groups`` and
+            ``implementation`` are ignored).
+        model_parts: torchtitan's model parts.
 
     Raises:
-        ValueError: ``config.path`` is not one of :data:`PATHS`; hooks path: a model part with
-            no FSDP2 parameter and no ``mesh``; ``distributed_config`` path: ``dedicate_kwargs``
-            other than ``predicate``, a predicate asking for row blocks or picking a non-2-D
-            parameter, or a ``distributed_config`` that is not a :class:`dmuon.DistributedConfig`;
-            or what :func:`dmuon.dedicate_params` / :class:`dmuon.Muon` raise.
+        ValueError: ``config.path`` not in :data:`PATHS`; hooks path: a part with no FSDP2
+            parameter and no ``mesh``; ``distributed_config`` path: ``dedicate_kwargs`` other
+            than ``predicate``, a predicate asking for row blocks or a non-2-D parameter, or a
+            ``distributed_config`` not a :class:`dmuon.DistributedConfig`; or what
+            :func:`dmuon.dedicate_params` / :class:`dmuon.Muon` raise.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -60,14 +51,12 @@ class DmuonOptimizersContainer(OptimizersContainer):
         distributed_config=...)``)."""
 
         dedicate_kwargs: dict[str, Any] = field(default_factory=dict)
-        """Hooks path: keyword arguments for :func:`dmuon.dedicate_params`; ``mesh``: the mesh
-        to dedicate over (default: the one FSDP2 sharded the part over). ``distributed_config``
-        path: only ``predicate`` (which parameters Muon takes; default
-        :func:`dmuon.default_predicate`)."""
+        """Hooks path: keyword arguments for :func:`dmuon.dedicate_params` (``mesh`` default: the
+        one FSDP2 sharded the part over). ``distributed_config`` path: only ``predicate``."""
 
         distributed_config: Any = None
-        """``distributed_config`` path: the :class:`dmuon.DistributedConfig` (default
-        :func:`dmuon.create_dtensor_config`, the strategy read from each DTensor's placements)."""
+        """``distributed_config`` path: a :class:`dmuon.DistributedConfig` (default
+        :func:`dmuon.create_dtensor_config`)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if config.path not in PATHS:
@@ -88,14 +77,12 @@ class DmuonOptimizersContainer(OptimizersContainer):
         self._post_init(all_params)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load torchtitan's flat, FQN-keyed optimizer state dict as
-        ``OptimizersContainer.load_state_dict`` does, handing every Muon matrix's
-        ``momentum_buffer`` to :class:`dmuon.Muon` on every rank (torchtitan's unflattening
-        keeps only the state this rank's optimizer holds: the owner's). Collective.
+        """``OptimizersContainer.load_state_dict``, but every Muon matrix's ``momentum_buffer``
+        goes to :class:`dmuon.Muon` on every rank (torchtitan's unflattening keeps only the
+        owner's). Collective.
 
         Raises:
-            ValueError: what :class:`dmuon.Muon`'s ``load_state_dict`` raises (an entry that
-                does not fit, on every rank, before anything is written).
+            ValueError: what :class:`dmuon.Muon`'s ``load_state_dict`` raises.
         """
         from torchtitan.components.optimizer.utils import _unflatten_optim_state_dict, init_optim_state
 
@@ -114,9 +101,8 @@ class DmuonOptimizersContainer(OptimizersContainer):
 
 def _distributed_config_optimizer(model: nn.Module,
                                   config: DmuonOptimizersContainer.Config) -> dmuon.Muon:
-    """``dmuon.Muon`` over ``model``'s trainable parameters as FSDP2 left them: the matrices
-    ``predicate`` picks in a Muon group, the rest in an AdamW group, both named
-    (``param_names``, torchtitan's canonical FQNs as its own container records them)."""
+    """``dmuon.Muon`` over ``model``'s trainable parameters as FSDP2 left them: a Muon group (the
+    ``predicate``'s matrices) and an AdamW group, named by torchtitan's canonical FQNs."""
     extra = sorted(set(config.dedicate_kwargs) - {"predicate"})
     if extra:
         raise ValueError(f"dmuon: DmuonOptimizersContainer.Config.dedicate_kwargs has {extra}, "
@@ -153,15 +139,11 @@ def _distributed_config_optimizer(model: nn.Module,
 @override(target=OptimizersContainer.Config,
           description="dmuon.Muon: Muon on the matrices, AdamW on the rest")
 def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersContainer.Config:
-    """torchtitan override: the trainer's optimizer becomes :class:`DmuonOptimizersContainer`::
-
-        --override.imports dmuon.integrations.torchtitan.muon
-        --override.imports 'dmuon.integrations.torchtitan.muon={"lr": 0.02, "adamw_lr": 8e-4}'
-
-    Without ``lr``, Muon takes the replaced AdamW's ``lr`` and ``weight_decay`` with
-    ``adjust_lr_fn="match_rms_adamw"``; the other parameters' AdamW keeps the replaced one's
-    ``lr``, ``betas``, ``eps`` and ``weight_decay`` (the config's first ``AdamW`` / ``Adam``
-    param group; without one, dmuon.Muon's defaults).
+    """torchtitan override (``--override.imports dmuon.integrations.torchtitan.muon[={...}]``):
+    the optimizer becomes :class:`DmuonOptimizersContainer`. Without ``lr``, Muon takes the
+    replaced AdamW's ``lr`` and ``weight_decay`` with ``adjust_lr_fn="match_rms_adamw"``; the
+    other parameters' AdamW keeps its ``lr``, ``betas``, ``eps`` and ``weight_decay`` (the
+    config's first ``AdamW`` / ``Adam`` param group).
 
     Args:
         config: the ``OptimizersContainer.Config`` being replaced (torchtitan passes it).
@@ -172,8 +154,7 @@ def muon(config: OptimizersContainer.Config, **kwargs: Any) -> DmuonOptimizersCo
     Returns:
         The :class:`DmuonOptimizersContainer.Config` torchtitan builds in its place.
     """
-    container_fields = {f.name for f in fields(DmuonOptimizersContainer.Config)}
-    container_fields -= {"muon_kwargs"}
+    container_fields = {f.name for f in fields(DmuonOptimizersContainer.Config)} - {"muon_kwargs"}
     container = {k: v for k, v in kwargs.items() if k in container_fields}
     muon_kwargs = dict(getattr(config, "muon_kwargs", {}))
     adamw = next((dict(g.optimizer_kwargs) for g in getattr(config, "param_groups", [])

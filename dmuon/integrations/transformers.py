@@ -1,22 +1,6 @@
-"""dmuon in the transformers ``Trainer`` under FSDP2.
-
-``DmuonTrainer`` is a ``transformers.Trainer`` that trains with :class:`dmuon.Muon`::
-
-    from transformers import TrainingArguments
-    from dmuon.integrations.transformers import DmuonTrainer
-
-    args = TrainingArguments(output_dir, fsdp="full_shard",
-                             fsdp_config={"fsdp_version": 2,
-                                          "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
-                             max_grad_norm=1.0, gradient_accumulation_steps=2, save_steps=500)
-    trainer = DmuonTrainer(model=model, args=args, train_dataset=ds,
-                           muon_kwargs=dict(lr=0.02, adamw_lr=3e-4))
-    trainer.train()                       # or train(resume_from_checkpoint=True)
-    trainer.save_model()                  # full weights, save_pretrained / push_to_hub ready
-
-A subclass, because the Trainer refuses ``optimizers=`` under FSDP and shards the model only
-between ``create_optimizer`` and ``create_scheduler``. Clipping, ``save_model`` and checkpoints /
-resume are the stock Trainer's.
+"""``DmuonTrainer``: the transformers ``Trainer`` with :class:`dmuon.Muon` under FSDP2 (recipe:
+docs/integrations.md). A subclass, because the Trainer refuses ``optimizers=`` under FSDP and
+shards the model only between ``create_optimizer`` and ``create_scheduler``.
 """
 
 from __future__ import annotations
@@ -31,18 +15,16 @@ from dmuon.integrations.accelerate import replace_stand_in, stand_in_optimizer
 
 
 class DmuonTrainer(transformers.Trainer):
-    """``transformers.Trainer`` with :class:`dmuon.Muon` (Muon on the matrices, AdamW on the
-    rest) under FSDP2 (``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})``).
+    """``transformers.Trainer`` with :class:`dmuon.Muon` under FSDP2
+    (``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})``).
 
     Args:
         *args: as ``transformers.Trainer``.
-        muon_kwargs: keyword arguments for :class:`dmuon.Muon`. Defaults taken from
-            ``TrainingArguments`` where not given: ``lr`` = ``learning_rate``, ``weight_decay``,
-            ``adamw_betas`` = ``(adam_beta1, adam_beta2)``, ``adamw_eps`` = ``adam_epsilon``.
-        dedicate_kwargs: keyword arguments for :func:`dmuon.dedicate_params` (``mesh``: the
-            mesh to dedicate over; default the one FSDP2 sharded the model over).
-        **kwargs: as ``transformers.Trainer``; ``optimizers`` and
-            ``optimizer_cls_and_kwargs`` are refused (dmuon builds the optimizer).
+        muon_kwargs: keyword arguments for :class:`dmuon.Muon`; ``lr``, ``weight_decay``,
+            ``adamw_betas`` and ``adamw_eps`` default to ``TrainingArguments``'.
+        dedicate_kwargs: keyword arguments for :func:`dmuon.dedicate_params` (``mesh``
+            default: the one FSDP2 sharded the model over).
+        **kwargs: as ``transformers.Trainer`` but ``optimizers`` / ``optimizer_cls_and_kwargs``.
 
     Raises:
         ValueError: ``optimizers`` or ``optimizer_cls_and_kwargs`` given; at ``train()``,
@@ -51,7 +33,8 @@ class DmuonTrainer(transformers.Trainer):
 
     def __init__(self, *args: Any, muon_kwargs: dict[str, Any] | None = None,
                  dedicate_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        given = [k for k in ("optimizers", "optimizer_cls_and_kwargs") if kwargs.get(k) not in (None, (None, None))]
+        given = [k for k in ("optimizers", "optimizer_cls_and_kwargs")
+                 if kwargs.get(k) not in (None, (None, None))]
         if given:
             raise ValueError(f"dmuon: DmuonTrainer builds dmuon.Muon itself; drop {given} and pass "
                              f"its hyper-parameters as muon_kwargs=dict(...)")
@@ -60,16 +43,15 @@ class DmuonTrainer(transformers.Trainer):
         self.dedicate_kwargs = dict(dedicate_kwargs or {})
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
-        """A stand-in until :meth:`create_scheduler`: Accelerate's FSDP2 ``prepare`` needs an
-        optimizer beside the model, and ``dmuon.Muon`` needs the sharded model."""
+        """A stand-in until :meth:`create_scheduler` (see ``accelerate.stand_in_optimizer``)."""
         if self.optimizer is None:
             self.optimizer = stand_in_optimizer(self.model if model is None else model)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int,
                          optimizer: torch.optim.Optimizer | None = None) -> Any:
-        """The first hook after FSDP2 sharded the model: ``dedicate_params``, ``dmuon.Muon``
-        (prepared by the accelerator in place of the stand-in), then the stock scheduler.
+        """The first hook after FSDP2 sharded the model: ``dedicate_params`` and ``dmuon.Muon``
+        in place of the stand-in, then the stock scheduler.
 
         Raises:
             ValueError: the Trainer is not on FSDP2 (``fsdp_config={"fsdp_version": 2}``).

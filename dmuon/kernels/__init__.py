@@ -1,7 +1,5 @@
 """Newton-Schulz kernels: reference, Gram-space iteration, Triton SYRK, batching, launch configs.
-
-Triton is imported lazily (only for ``backend="triton"``/``"auto"`` on CUDA), so this package
-imports without it.
+Triton is imported only for ``backend="triton"``/``"auto"`` on CUDA.
 """
 
 from dmuon.kernels.coefficients import choose_gram_restarts, resolve_coefficients

@@ -1,14 +1,10 @@
-"""Newton-Schulz polynomial coefficients and Gram restart placement.
-
-Each Newton-Schulz step applies the odd quintic ``p(x) = a x + b x^3 + c x^5`` to every singular
-value of the iterate. This module turns the user's ``coefficients`` argument into one ``(a, b, c)``
-per step and chooses where the Gram-space iteration restarts.
+"""Newton-Schulz coefficients (one odd quintic ``p(x) = a x + b x^3 + c x^5`` per step, applied
+to every singular value) and Gram restart placement.
 
 Sources:
     * Polar Express: N. Amsel, D. Persson, C. Musco, R. M. Gower, "The Polar Express: Optimal
-      Matrix Sign Methods and Their Application to the Muon Algorithm", arXiv:2505.16932 (2025).
-      The per-step list below is the one published with the paper's code; the code divides
-      ``(a, b, c)`` by ``(1.01, 1.01**3, 1.01**5)`` for every step except the final fixed point.
+      Matrix Sign Methods and Their Application to the Muon Algorithm", arXiv:2505.16932 (2025),
+      the per-step list published with the paper's code, and its 1.01 safety factor.
     * Muon: K. Jordan, https://kellerjordan.github.io/posts/muon/ (``torch.optim.Muon`` defaults).
     * Restart placement: J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz" (2026),
       https://github.com/Dao-AILab/gram-newton-schulz, ``gram_newton_schulz/restart_autotune.py``.
@@ -51,11 +47,9 @@ _POLAR_EXPRESS_RAW: tuple[tuple[float, float, float], ...] = (
     (1.875, -1.25, 0.375),
 )
 
-#: Safety factor of the Polar Express code. ``(a/s, b/s^3, c/s^5)`` is ``x -> p(x / s)``: the
-#: polynomial designed for singular values in ``[l, 1]`` is stretched to ``[s*l, s]``, so a
-#: singular value pushed slightly above 1 by low-precision rounding (bf16 unit roundoff is
-#: 2^-8 = 0.39%, below the 1% margin) stays in the region where ``p`` maps it back near 1
-#: instead of the steep tail where an optimal polynomial can overshoot and diverge.
+#: Safety factor of the Polar Express code: ``(a/s, b/s^3, c/s^5)`` is ``x -> p(x / s)``, which
+#: stretches ``p``'s design interval ``[l, 1]`` to ``[s*l, s]`` so that a singular value rounded
+#: slightly above 1 (bf16: 0.39%) is still mapped back near 1 rather than diverging.
 POLAR_EXPRESS_SAFETY: float = 1.01
 
 #: The published list with the safety factor applied (all but the final fixed point).
@@ -101,8 +95,8 @@ def resolve_coefficients(
         A list of ``steps`` tuples of Python floats.
 
     Raises:
-        ValueError: unknown preset name, a triple that is not three finite numbers, a per-step
-            list whose length differs from ``steps``, or ``steps`` not a positive integer.
+        ValueError: unknown preset, a triple not three finite numbers, a per-step list whose
+            length is not ``steps``, or ``steps`` not a positive integer.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"dmuon: Newton-Schulz steps must be an integer >= 1; got {steps!r}.")
@@ -137,10 +131,9 @@ def _max_q_magnitude(
     singular_values: np.ndarray,
     gram_perturbation: float,
 ) -> float:
-    """Largest ``|Q_t(x)|`` of the scalar Gram iteration over all steps and singular values:
-    ``z = a + b r + c r^2``, ``q <- q z``, ``r <- r z^2`` from ``r_0 = x^2 + delta`` (``delta < 0``
-    models the Gram matrix's rounding), reset at each restart. Dao-AILab
-    ``restart_autotune.run_gram_newton_schulz``'s model, in float64 instead of mpmath."""
+    """Largest ``|Q_t(x)|`` of the scalar Gram iteration (``z = a + b r + c r^2``, ``q <- q z``,
+    ``r <- r z^2`` from ``r_0 = x^2 + delta``, reset at restarts) over steps and singular values:
+    Dao-AILab ``restart_autotune.run_gram_newton_schulz``'s model, in float64."""
     x = singular_values.astype(np.float64)
     q = np.ones_like(x)
     r = x * x + gram_perturbation
@@ -170,24 +163,21 @@ def choose_gram_restarts(
     """Choose the step indices at which the Gram-space iteration restarts.
 
     Tries every placement of ``num_restarts`` restarts in steps ``1..steps-1`` and keeps the one
-    minimizing the largest ``|Q|`` over singular values ``logspace(0, -10, 10000)`` with a Gram
-    eigenvalue perturbation of ``gram_perturbation`` (fp16 unit roundoff is 2^-11 = 4.9e-4, hence
-    the default -4e-4). This is the conditioning argument and grid of the Gram Newton-Schulz
-    authors (Dao-AILab/gram-newton-schulz, ``autotune_restarts.py`` and
-    ``restart_autotune.find_best_restarts``); for the 5-step Polar Express list it returns
-    ``(2,)``, their shipped default.
+    minimizing the largest ``|Q|`` over singular values ``logspace(0, -10, 10000)`` with Gram
+    eigenvalues perturbed by ``gram_perturbation`` (fp16 unit roundoff 4.9e-4): the argument and
+    grid of Dao-AILab/gram-newton-schulz ``restart_autotune.find_best_restarts``. For the 5-step
+    Polar Express list it returns ``(2,)``, their shipped default.
 
     Args:
         coefficients: one ``(a, b, c)`` per step (hashable tuple of tuples).
-        num_restarts: how many restarts; ``None`` means one per 5 steps (at least 1 when
-            ``steps >= 2``; the authors recommend one restart for 5 steps).
+        num_restarts: how many; ``None``: one per 5 steps (at least 1 when ``steps >= 2``).
         gram_perturbation: the modeled most-negative Gram eigenvalue (dimensionless, <= 0).
 
     Returns:
-        Sorted step indices ``i`` (``1 <= i < steps``); the restart happens before step ``i``.
+        Sorted step indices ``1 <= i < steps``, each restart happening before step ``i``.
 
     Raises:
-        ValueError: if ``num_restarts`` is negative or exceeds ``steps - 1``.
+        ValueError: ``num_restarts`` outside ``0..steps-1``, or every placement overflows.
     """
     steps = len(coefficients)
     if num_restarts is None:

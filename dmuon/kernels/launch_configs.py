@@ -1,10 +1,8 @@
-"""Launch configs for the Triton symmetric-product kernels: tuned offline, looked up at run time.
-
-``bench/tune_kernels.py`` writes the table ``dmuon/kernels/configs/launch_configs.json``
-(package data): per GPU name (``torch.cuda.get_device_name()``) an ordered list of shape
-buckets; the first whose ``max_m``/``max_k`` (``null``: unbounded) hold the output side ``m``
-and the reduction length ``k`` wins. Other GPUs use ``"default"``, CPU tensors (under
-``TRITON_INTERPRET=1``) ``"interpreter"``. No autotuning: every rank launches the same config.
+"""Launch configs of the Triton symmetric-product kernel, tuned offline by
+``bench/tune_kernels.py`` into ``configs/launch_configs.json``: per GPU name an ordered list of
+buckets, the first whose ``max_m``/``max_k`` (``null``: unbounded) hold the output side ``m`` and
+reduction length ``k`` wins; other GPUs use ``"default"``, CPU (``TRITON_INTERPRET=1``)
+``"interpreter"``. No autotuning, so every rank launches the same config.
 
 Schema (version 1)::
 
@@ -85,13 +83,8 @@ class _DeviceEntry:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchTable:
-    """The parsed launch-config table.
-
-    Attributes:
-        default: entry for GPUs not listed in ``gpus``.
-        interpreter: entry for CPU tensors under ``TRITON_INTERPRET=1``.
-        gpus: entries by exact GPU name, as ``(name, entry)`` pairs.
-    """
+    """The parsed launch-config table: ``default`` (unlisted GPUs), ``interpreter`` (CPU under
+    ``TRITON_INTERPRET=1``), ``gpus`` (``(exact GPU name, entry)`` pairs)."""
 
     default: _DeviceEntry
     interpreter: _DeviceEntry
@@ -126,15 +119,9 @@ def _parse_entry(raw: Any, where: str) -> _DeviceEntry:
 
 @functools.lru_cache(maxsize=4)
 def load_launch_table(path: Optional[str] = None) -> LaunchTable:
-    """Load, validate and parse the launch table (cached; immutable).
-
-    Args:
-        path: a JSON file; ``None`` reads the table shipped in ``dmuon/kernels/configs/``.
-
-    Raises:
-        ValueError: wrong schema version or a malformed entry (naming it).
-        FileNotFoundError: ``path`` does not exist.
-    """
+    """Load, validate and parse the launch table from the JSON file ``path`` (``None``: the one
+    shipped in ``dmuon/kernels/configs/``); cached. ``ValueError`` names a wrong schema or a
+    malformed entry; ``FileNotFoundError`` if ``path`` does not exist."""
     if path is None:
         text = resources.files("dmuon.kernels").joinpath("configs", _TABLE_FILE).read_text()
     else:
@@ -151,14 +138,8 @@ def load_launch_table(path: Optional[str] = None) -> LaunchTable:
 
 def lookup_launch_config(device: torch.device, m: int, k: int,
                          table: Optional[LaunchTable] = None) -> LaunchConfig:
-    """Launch config for an ``[m, k] @ [k, m]`` symmetric product on ``device``.
-
-    Args:
-        device: where the kernel runs (``cuda`` or ``cpu`` under the interpreter).
-        m: output side (rows of ``A``).
-        k: reduction length.
-        table: a parsed table; ``None`` uses the shipped one.
-    """
+    """Launch config for an ``[m, k] @ [k, m]`` symmetric product on ``device`` (``cuda``, or
+    ``cpu`` under the interpreter), from ``table`` (``None``: the shipped one)."""
     buckets = (table or load_launch_table()).entry(device).buckets
     return next(b.config for b in buckets if b.matches(m, k))  # the last one is unbounded
 

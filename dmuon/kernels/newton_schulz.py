@@ -1,30 +1,25 @@
 """Newton-Schulz orthogonalization: the standard and the Gram-space iteration, their FLOPs, and
 same-shape batching under a memory cap.
 
-Both algorithms are written once over a small op set (:class:`NSOps`: ``sym_mm``, ``mm``,
-``add_diag``), so backends cannot drift: the torch op set is the spec, the Triton op set
-(:mod:`dmuon.kernels.triton_syrk`) a faster backend (the pattern of Dao-AILab/gram-newton-schulz's
-``_TORCH_BE``/``_TRITON_BE`` and microsoft/dion).
+Both algorithms are written once over a small op set (:class:`NSOps`); the torch op set is the
+spec, the Triton one (:mod:`dmuon.kernels.triton_syrk`) a faster backend.
 
-Math (DESIGN.md "Newton-Schulz"). Input ``M`` of shape ``m x n``, transposed so ``m <= n``,
-``X_0 = M / max(||M||_F, eps)``, and per step ``(a, b, c)``:
+Math (DESIGN.md "Newton-Schulz"). ``M`` ``m x n``, transposed so ``m <= n``,
+``X_0 = M / max(||M||_F, eps)``, per step ``(a, b, c)``:
 
-* Standard (Muon): ``A = X X^T; B = b A + c A^2; X <- a X + B X``.
+* Standard (K. Jordan, Muon): ``A = X X^T; B = b A + c A^2; X <- a X + B X``.
 * Gram space (J. Zhang, N. Amsel, B. Chen, T. Dao, "Gram Newton-Schulz", 2026,
-  https://github.com/Dao-AILab/gram-newton-schulz): every iterate is ``X_t = Q_t X_0`` with
-  ``Q_t`` a polynomial in ``R_0 = X_0 X_0^T``, so iterate on ``m x m`` matrices only:
-  ``Z = b R + c R^2; Q <- Q (Z + a I); R <- (Z + a I) R (Z + a I)`` and form ``Q X`` once at the
-  end. ``Q`` grows like ``1/sigma`` on small singular values, which amplifies the rounding of
-  ``R`` in half precision; a restart (``X <- Q X; R <- X X^T; Q <- I``) before the steps chosen
-  by :func:`~dmuon.kernels.coefficients.choose_gram_restarts` bounds it. Square matrices use the
-  standard iteration (no FLOP saving; see :func:`ns_flops`).
+  https://github.com/Dao-AILab/gram-newton-schulz): ``X_t = Q_t X_0`` with ``Q_t`` a polynomial
+  in ``R_0 = X_0 X_0^T``, so iterate on ``m x m`` matrices: ``Z = b R + c R^2;
+  Q <- Q (Z + a I); R <- (Z + a I) R (Z + a I)``, and form ``Q X`` at the end. Restarts
+  (``X <- Q X; R <- X X^T; Q <- I``, :func:`~dmuon.kernels.coefficients.choose_gram_restarts`)
+  bound ``Q``'s growth on small singular values in half precision. Square matrices use the
+  standard iteration.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -33,8 +28,6 @@ from torch import Tensor
 
 from dmuon.kernels.coefficients import choose_gram_restarts, resolve_coefficients
 
-logger = logging.getLogger(__name__)
-
 __all__ = ["DEFAULT_MAX_BATCH_BYTES", "NSOps", "TORCH_OPS", "default_ns_dtype", "newton_schulz",
            "ns_flops", "orthogonalize_by_shape", "torch_add_diag", "torch_mm"]
 
@@ -42,23 +35,17 @@ _METHODS = ("standard", "gram")
 _BACKENDS = ("auto", "torch", "triton")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-#: Default cap on the bytes of one stacked ``[batch, m, n]`` input in the iteration dtype (the
-#: peak is a small multiple of it).
+#: Default cap on the bytes of one stacked ``[batch, m, n]`` input in the iteration dtype.
 DEFAULT_MAX_BATCH_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class NSOps:
-    """A backend for the Newton-Schulz algorithms: three ops on ``[m, k]`` or ``[batch, m, k]``
-    operands of one floating dtype, returning that dtype.
-
-    Attributes:
-        name: backend name, ``"torch"`` or ``"triton"``.
-        sym_mm: ``(A, B, C=None, alpha=1.0, beta=0.0) -> alpha*A@B + beta*C`` for a result the
-            caller promises symmetric (``A A^T``, or a product of two commuting symmetric
-            matrices, as every Gram-polynomial product is): a kernel may compute one triangle.
-        mm: ``(A, B, C=None, alpha=1.0, beta=0.0) -> alpha*A@B + beta*C``.
-        add_diag: ``(A, value) -> A + value * I`` (a new tensor).
+    """A Newton-Schulz backend (``name``: ``"torch"`` or ``"triton"``): ops on ``[m, k]`` or
+    ``[batch, m, k]`` operands of one floating dtype, returning that dtype. ``mm(A, B, C=None,
+    alpha=1.0, beta=0.0)`` is ``alpha*A@B + beta*C``; ``sym_mm``, the same for a result the caller
+    promises symmetric (a kernel may compute one triangle); ``add_diag(A, value)``,
+    ``A + value * I`` (a new tensor).
     """
 
     name: str
@@ -70,10 +57,9 @@ class NSOps:
 def torch_mm(
     A: Tensor, B: Tensor, C: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 0.0
 ) -> Tensor:
-    """``alpha * A @ B + beta * C`` (``A`` ``[m, k]`` or ``[batch, m, k]``, ``B`` ``[.., k, n]``,
-    ``C`` ``None`` or ``[.., m, n]``, one dtype) with the calls ``torch.optim.Muon`` issues
-    (``A @ B``, ``torch.addmm``; ``baddbmm`` for 3-D), so the bf16 standard iteration is bitwise
-    identical to it. Also the reference ``sym_mm``: torch computes all of a symmetric result."""
+    """``alpha * A @ B + beta * C`` (``A`` ``[.., m, k]``, ``B`` ``[.., k, n]``, ``C`` ``None`` or
+    ``[.., m, n]``, one dtype) with ``torch.optim.Muon``'s calls (``@``, ``addmm``, ``baddbmm``), so
+    the bf16 standard iteration is bitwise ``torch.optim.Muon``. Also the reference ``sym_mm``."""
     if C is None:
         if alpha == 1.0:
             return A @ B
@@ -84,7 +70,7 @@ def torch_mm(
 
 
 def torch_add_diag(A: Tensor, value: float) -> Tensor:
-    """Return ``A + value * I`` for ``A`` of shape ``[m, m]`` or ``[batch, m, m]`` (new tensor)."""
+    """``A + value * I`` for ``A`` ``[.., m, m]`` (a new tensor)."""
     out = A.clone()
     out.diagonal(dim1=-2, dim2=-1).add_(value)
     return out
@@ -109,11 +95,8 @@ def _gram_iteration(
     restarts: Sequence[int],
     ops: NSOps,
 ) -> Tensor:
-    """Gram-space Newton-Schulz on ``X`` of shape ``[.., m, n]`` (``m < n``).
-
-    Follows Dao-AILab/gram-newton-schulz ``GramNewtonSchulz._gram_newton_schulz``: ``R`` is not
-    updated after a step that is followed by a restart or is the last one (it would be unused).
-    """
+    """Gram-space Newton-Schulz on ``X`` ``[.., m, n]`` (``m < n``), as Dao-AILab's
+    ``GramNewtonSchulz._gram_newton_schulz``: ``R`` is not updated when it would be unused."""
     last = len(coefficients) - 1
     R = ops.sym_mm(X, X.mT)
     Q: Optional[Tensor] = None
@@ -148,22 +131,13 @@ def _select_ops(backend: str, X: Tensor) -> NSOps:
         return TORCH_OPS
     if backend == "triton":
         triton_syrk.check_supported(X)
-    return _triton_ops()
-
-
-@functools.cache
-def _triton_ops() -> NSOps:
-    """The Triton op set, built once (its module imports only after ``_select_ops`` checked it)."""
-    from dmuon.kernels import triton_syrk
-
     return NSOps(name="triton", sym_mm=triton_syrk.triton_sym_mm, mm=torch_mm, add_diag=torch_add_diag)
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
-    """The Newton-Schulz iteration dtype on ``device`` when none is given: ``torch.float32`` on
-    CPU (half precision converts to fp32 around every product there, so it is slower:
-    ``bench/results/ns_dtype_cpu.json``), else ``torch.float16`` (the bf16 tensor-core rate with
-    3 more mantissa bits)."""
+    """The default Newton-Schulz dtype on ``device``: ``torch.float32`` on CPU (half precision is
+    slower there: ``bench/results/ns_dtype_cpu.json``), else ``torch.float16`` (bf16's
+    tensor-core rate, 3 more mantissa bits)."""
     return torch.float32 if torch.device(device).type == "cpu" else torch.float16
 
 
@@ -180,10 +154,8 @@ def newton_schulz(
 ) -> Tensor:
     """Approximate the orthogonal polar factor ``U V^T`` of ``G`` by Newton-Schulz.
 
-    Normalization: ``X = G / max(||G||_F, eps)`` per matrix, in bf16 op for op as
-    ``torch.optim.Muon`` does for ``dtype=torch.bfloat16`` (``method="standard",
-    coefficients="muon", backend="torch"`` on a 2-D ``G`` is then bitwise ``torch.optim.Muon``),
-    else in float32 (float64 for float64) before the cast, since fp16 overflows above 65504.
+    ``X = G / max(||G||_F, eps)`` per matrix; with ``dtype=torch.bfloat16, method="standard",
+    coefficients="muon", backend="torch"`` a 2-D ``G`` gives bitwise ``torch.optim.Muon``.
 
     Args:
         G: ``[m, n]`` or ``[batch, m, n]``, any floating dtype, any device; not mutated.
@@ -194,8 +166,8 @@ def newton_schulz(
         dtype: iteration dtype (float16, bfloat16, float32 or float64); ``None``:
             :func:`default_ns_dtype` of ``G``'s device.
         eps: floor of the Frobenius norm (same units as ``G``); a zero ``G`` maps to zero.
-        backend: ``"torch"`` (the reference), ``"triton"`` (CUDA, fp16/bf16), or ``"auto"``
-            (Triton on CUDA when importable and the shape is large enough, else torch).
+        backend: ``"torch"`` (the reference), ``"triton"`` (CUDA), or ``"auto"`` (Triton on
+            CUDA when importable and the shape is large enough).
         restarts: Gram restart steps; ``None`` chooses them with
             :func:`~dmuon.kernels.coefficients.choose_gram_restarts`. Ignored for ``"standard"``.
 
@@ -229,23 +201,18 @@ def newton_schulz(
     transpose = G.size(-2) > G.size(-1)
     if G.numel() == 0:
         return torch.zeros(G.shape, dtype=dtype, device=G.device)
-    if dtype == torch.bfloat16:
-        # Op for op torch.optim.Muon: cast, transpose, divide by the norm of the transposed view.
-        X = G.to(dtype)
-        if transpose:
-            X = X.mT
-        norm = X.norm() if X.dim() == 2 else X.norm(dim=(-2, -1), keepdim=True)
-        X = X.div(norm.clamp(min=eps))
+    # fp16 normalizes in fp32 (it overflows above 65504); bf16 op for op as torch.optim.Muon.
+    X = G.to(torch.float32 if dtype == torch.float16 else dtype)
+    if transpose:
+        X = X.mT
+    if dtype == torch.bfloat16 and X.dim() == 2:
+        norm = X.norm()
     else:
-        norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        X = G.to(norm_dtype)
-        if transpose:
-            X = X.mT
-        X = (X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)).to(dtype)
+        norm = X.norm(dim=(-2, -1), keepdim=True)
+    X = X.div(norm.clamp(min=eps)).to(dtype)
 
-    m, n = X.shape[-2:]
     ops = _select_ops(backend, X)
-    if method == "gram" and m != n:
+    if method == "gram" and X.size(-2) != X.size(-1):
         if restarts is None:
             chosen = choose_gram_restarts(tuple(coeffs))
         else:
@@ -257,9 +224,7 @@ def newton_schulz(
         X = _gram_iteration(X, coeffs, chosen, ops)
     else:
         X = _standard_iteration(X, coeffs, ops)
-    if transpose:
-        X = X.mT
-    return X
+    return X.mT if transpose else X
 
 
 def ns_flops(
@@ -271,33 +236,16 @@ def ns_flops(
     batch: int = 1,
     symmetric: bool = False,
 ) -> float:
-    """FLOPs of one Newton-Schulz call, counting ``2 * M * N * K`` per ``[M, K] @ [K, N]`` product.
+    """FLOPs of one Newton-Schulz call, ``2 * M * N * K`` per ``[M, K] @ [K, N]`` product
+    (elementwise work not counted). With ``p = min(m, n)``, ``q = max(m, n)``:
 
-    With ``p = min(m, n)``, ``q = max(m, n)`` and ``symmetric=False`` (every product at full
-    cost, as torch computes it):
+    * standard: ``steps * (4 p^2 q + 2 p^3)`` (``X X^T``, ``A^2``, ``B X``).
+    * gram (one restart): ``8 p^2 q + (8 steps - 12) p^3``; the standard count for square
+      matrices (which :func:`newton_schulz` runs standard) and for ``steps=1`` (equal).
 
-    * standard: ``steps * (4 p^2 q + 2 p^3)`` (``X X^T``, ``A^2``, ``B X``); 5 steps:
-      ``20 p^2 q + 10 p^3``.
-    * gram: ``2 p^2 q`` per ``X X^T`` and per ``Q X`` (one each at the start/end, plus one pair
-      per restart) and ``2 p^3`` per ``p x p`` product, following the schedule of the algorithm
-      (``Z``: every step; ``Q Z``: steps not starting a block; the two ``R`` updates: steps not
-      followed by a restart or the end). 5 steps, 1 restart: ``8 p^2 q + 28 p^3``.
-
-    With ``symmetric=True`` the symmetric products (``X X^T`` and all ``p x p`` products in
-    Gram space, ``X X^T`` and ``A^2`` in standard) count half, as a one-triangle kernel computes
-    them: standard ``steps * (3 p^2 q + p^3)``, gram (5 steps) ``6 p^2 q + 14 p^3``. Square
-    matrices (``m == n``) use the standard count for ``method="gram"``, as
-    :func:`newton_schulz` does. Elementwise work (normalization, additions) is not counted.
-
-    Args:
-        m, n: matrix shape (rows, cols).
-        steps: number of iterations.
-        method: ``"standard"`` or ``"gram"``.
-        batch: number of matrices of this shape.
-        symmetric: count symmetric products at half cost.
-
-    Returns:
-        FLOPs as a float (not FLOP/s).
+    ``symmetric=True`` counts the symmetric products (``X X^T``, ``A^2``, every ``p x p`` Gram
+    product) at half, as a one-triangle kernel: standard ``steps * (3 p^2 q + p^3)``, gram
+    (5 steps) ``6 p^2 q + 14 p^3``. ``batch`` matrices of shape ``[m, n]``; returns a float.
 
     Raises:
         ValueError: negative sizes, ``steps < 1`` or an unknown ``method``.
@@ -310,24 +258,11 @@ def ns_flops(
         raise ValueError(f"dmuon: unknown Newton-Schulz method {method!r}; choose one of {_METHODS}.")
     p, q = min(m, n), max(m, n)
     half = 0.5 if symmetric else 1.0
-    syrk, gemm_pq, cube = 2.0 * p * p * q * half, 2.0 * p * p * q, 2.0 * p**3
-    if method == "standard" or p == q:
-        return float(batch * steps * (syrk + cube * half + gemm_pq))
-    restarts = (1,) if steps >= 2 else ()  # one restart (its placement does not change the FLOPs)
-    total = syrk
-    fresh = True
-    for i in range(steps):
-        if i in restarts and not fresh:
-            total += gemm_pq + syrk
-            fresh = True
-        total += cube * half  # Z = b R + c R^2
-        if not fresh:
-            total += cube * half  # Q <- Q Z + a Q
-        fresh = False
-        if i < steps - 1 and (i + 1) not in restarts:
-            total += 2 * cube * half  # RZ and R updates
-    total += gemm_pq  # final Q X
-    return float(batch * total)
+    syrk, gemm_pq, cube = 2.0 * p * p * q * half, 2.0 * p * p * q, 2.0 * p**3 * half
+    if method == "standard" or p == q or steps == 1:
+        return float(batch * steps * (syrk + cube + gemm_pq))
+    # One restart (anywhere): X X^T and Q X twice; Z every step, Q Z on steps 2.., R on 1..steps-2.
+    return float(batch * (2 * (syrk + gemm_pq) + (4 * steps - 6) * cube))
 
 
 def orthogonalize_by_shape(
@@ -336,25 +271,20 @@ def orthogonalize_by_shape(
     max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES,
     **newton_schulz_kwargs: Any,
 ) -> list[Tensor]:
-    """Run :func:`newton_schulz` over many matrices, batching equal shapes.
-
-    Matrices are grouped by ``(shape, dtype, device)`` in order of first appearance, stacked into
-    ``[batch, m, n]`` chunks whose size in the iteration dtype stays under ``max_batch_bytes``
-    (a single matrix larger than the cap goes alone), and each chunk is one ``newton_schulz``
-    call. Batching does not change the math: each matrix is normalized by its own norm.
+    """Run :func:`newton_schulz` over many matrices: equal ``(shape, dtype, device)`` are stacked
+    into ``[batch, m, n]`` chunks of at most ``max_batch_bytes`` in the iteration dtype (a larger
+    matrix goes alone), one call per chunk; each matrix is still normalized by its own norm.
 
     Args:
         tensors: 2-D tensors ``[m, n]``, full (not shards), any floating dtype; not mutated.
         max_batch_bytes: cap on one chunk's stacked input, in bytes (>= 1).
-        **newton_schulz_kwargs: passed to ``newton_schulz`` (``steps``, ``coefficients``,
-            ``method``, ``dtype``, ``eps``, ``backend``, ``restarts``).
+        **newton_schulz_kwargs: passed to :func:`newton_schulz`.
 
     Returns:
-        One tensor per input, in input order, each of its input's shape in the iteration dtype.
+        One tensor per input, in order, of its input's shape in the iteration dtype.
 
     Raises:
-        ValueError: a tensor that is not 2-D (naming its index and shape), a non-positive cap,
-            or a bad ``newton_schulz`` argument.
+        ValueError: a tensor not 2-D, a non-positive cap, or a bad ``newton_schulz`` argument.
     """
     if not isinstance(max_batch_bytes, int) or max_batch_bytes < 1:
         raise ValueError(f"dmuon: max_batch_bytes must be a positive int; got {max_batch_bytes!r}.")
@@ -381,5 +311,4 @@ def orthogonalize_by_shape(
                 results = list(newton_schulz(stacked, **newton_schulz_kwargs).unbind(0))
             for i, r in zip(part, results):
                 out[i] = r
-        logger.debug("orthogonalize_by_shape: %d x %s in chunks of %d", len(indices), shape, chunk)
     return out  # type: ignore[return-value]

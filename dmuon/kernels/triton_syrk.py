@@ -1,16 +1,12 @@
-"""The Triton backend of Newton-Schulz: a symmetric-product kernel (batched SYRK ``X X^T`` and
-``alpha A B + beta C``), and when ``backend="auto"`` uses it; ``mm`` and ``add_diag`` stay on
-torch (cuBLAS runs a general GEMM at peak; :func:`dmuon.kernels.newton_schulz._select_ops`).
+"""The Triton backend of Newton-Schulz: a batched symmetric-product kernel (``X X^T`` and
+``alpha A B + beta C``, symmetric since Gram-polynomial products commute), and when
+``backend="auto"`` uses it (``mm`` and ``add_diag`` stay on torch).
 
-Every Gram-space product is symmetric: ``X X^T``, and products of two polynomials in the same
-Gram matrix (``R R``, ``R Z``, ``Z (RZ)``, ``Q Z`` commute). The kernel computes only the
-``T (T + 1) / 2`` output tiles on or below the diagonal (of ``T^2``) and writes each
-off-diagonal tile to its mirror too, roughly halving the FLOPs; a diagonal tile keeps its lower
-triangle and mirrors it, so the output is exactly symmetric. Inputs fp16/bf16/fp32, fp32
-accumulator, output in the input dtype; launch configs from :mod:`dmuon.kernels.launch_configs`
-(no autotuning: every rank picks the same config). The torch reference is
-:func:`dmuon.kernels.newton_schulz.torch_mm`. Importing this module imports triton; triton's
-``TRITON_INTERPRET`` switch is read here and nowhere else in dmuon.
+The kernel computes the ``T (T + 1) / 2`` tiles on or below the diagonal and mirrors them
+(about half the FLOPs; exactly symmetric output). fp16/bf16/fp32 in and out, fp32 accumulator,
+launch configs from :mod:`dmuon.kernels.launch_configs`. Reference:
+:func:`dmuon.kernels.newton_schulz.torch_mm`. Imports triton; the only reader of
+``TRITON_INTERPRET`` in dmuon.
 """
 
 from __future__ import annotations
@@ -47,12 +43,10 @@ def _sym_mm_kernel(
     BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """One ``BLOCK x BLOCK`` lower-triangle tile of ``alpha * A @ B + beta * C`` and its mirror.
-
-    Program ``(t, batch)``: ``t`` enumerates lower tiles row by row, ``t = i (i + 1) / 2 + j``
-    with ``j <= i``. ``A`` is ``[M, K]``, ``B`` is ``[K, M]`` (``A^T`` for a SYRK, via strides),
-    ``C`` and the output ``[M, M]``. ``UPCAST`` (bf16 under the CPU interpreter) converts the
-    operand tiles to fp32 before ``tl.dot``: exact for bf16 products, as the GPU's dot.
+    """One ``BLOCK x BLOCK`` lower tile of ``alpha * A @ B + beta * C`` (``A`` ``[M, K]``, ``B``
+    ``[K, M]``, ``C`` and output ``[M, M]``) and its mirror. Program ``(t, batch)``, lower tiles
+    row by row: ``t = i (i + 1) / 2 + j``, ``j <= i``. ``UPCAST`` (bf16 under the CPU
+    interpreter) converts operand tiles to fp32 before ``tl.dot``, exact for bf16 products.
     """
     t = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -111,8 +105,8 @@ def triton_sym_mm(
     *,
     config: Optional[LaunchConfig] = None,
 ) -> Tensor:
-    """``alpha * A @ B + beta * C`` for a result the caller knows is symmetric: only the lower
-    tiles are computed (fp32 accumulation) and mirrored.
+    """``alpha * A @ B + beta * C`` for a result the caller knows is symmetric (lower tiles
+    computed with fp32 accumulation, then mirrored).
 
     Args:
         A: ``[m, k]`` or ``[batch, m, k]``, fp16/bf16/fp32, any strides.
@@ -145,10 +139,8 @@ def triton_sym_mm(
             f"dmuon: triton_sym_mm batch {batch} exceeds {_MAX_GRID_BATCH}; split the batch "
             "(orthogonalize_by_shape's max_batch_bytes does)."
         )
-    # Under the CPU interpreter (triton 3.9) bf16 support is incomplete: tl.dot reads bf16 bit
-    # patterns as integers and fp32 -> bf16 conversion truncates instead of rounding to nearest.
-    # There the kernel upcasts operands and writes fp32, and torch rounds to bf16 afterwards,
-    # which is what the GPU kernel computes. CUDA launches never take this path.
+    # The CPU interpreter (triton 3.9) mishandles bf16 (tl.dot, fp32 -> bf16 rounding): there the
+    # kernel upcasts, writes fp32 and torch rounds to bf16, as the GPU kernel does.
     emulate_bf16 = A3.device.type != "cuda" and A3.dtype == torch.bfloat16
     out = torch.empty((batch, m, m), dtype=torch.float32 if emulate_bf16 else A3.dtype, device=A3.device)
     if batch == 0 or m == 0:
@@ -178,11 +170,8 @@ def triton_sym_mm(
     return out[0] if squeeze else out
 
 
-
 def check_supported(X: Tensor) -> None:
-    """Raise ``RuntimeError`` if the Triton kernels cannot run on ``X`` (``[m, n]`` or
-    ``[batch, m, n]``): a dtype other than fp16/bf16/fp32, or not CUDA (CPU only under
-    ``TRITON_INTERPRET=1``)."""
+    """``RuntimeError`` unless ``X`` is fp16/bf16/fp32 on CUDA (or CPU under ``TRITON_INTERPRET=1``)."""
     if X.dtype not in _TRITON_DTYPES:
         raise RuntimeError(
             f"dmuon: the Triton Newton-Schulz backend runs {_TRITON_DTYPES}; got {X.dtype}. "
@@ -199,8 +188,8 @@ def check_supported(X: Tensor) -> None:
 
 
 def auto_prefers_triton(X: Tensor) -> bool:
-    """``backend="auto"``: Triton on CUDA in fp16/bf16 when ``m`` reaches the table's
-    ``min_rows_for_triton`` (256 by default: below, tile waste and launches eat the saving)."""
+    """``backend="auto"``: Triton on CUDA in fp16/bf16 when ``m`` reaches the launch table's
+    ``min_rows_for_triton`` (below it tile waste and launches eat the saving)."""
     if X.device.type != "cuda" or X.dtype not in (torch.float16, torch.bfloat16):
         return False
     return X.size(-2) >= min_rows_for_triton(X.device)

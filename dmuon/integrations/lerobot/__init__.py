@@ -1,23 +1,13 @@
-"""dmuon for LeRobot's policies (pi0, pi05, SmolVLA, ACT, diffusion) under FSDP2.
+"""dmuon for LeRobot's policies (pi0, pi05, SmolVLA, ACT, diffusion) under FSDP2 (recipe:
+docs/integrations.md): :func:`fully_shard_policy`, ``dmuon.dedicate_params(policy, mesh)``,
+``dmuon.Muon(policy, ...)``, then train with ``policy(batch)``; :mod:`.train` runs LeRobot's
+own training script this way.
 
-Three calls, on every rank, after the policy is built and before the optimizer::
-
-    from dmuon.integrations import lerobot as dl
-
-    dl.fully_shard_policy(policy, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-    dmuon.dedicate_params(policy, mesh)
-    optimizer = dmuon.Muon(policy, lr=0.02)
-
-then train with ``loss, _ = policy(batch)`` (not ``policy.forward(batch)``, which skips
-FSDP2's root hooks). :mod:`dmuon.integrations.lerobot.train` runs LeRobot's own training
-script this way.
-
-**Units** are the modules LeRobot's code *calls* (FSDP2 gathers in a unit's forward pre-hook):
-pi0, pi05 and SmolVLA call a decoder layer's parts directly (``modeling_pi0.
-compute_layer_complete``, ``SmolVLMWithExpertModel.forward_attn_layer``), so their units are each
-decoder layer's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``mlp``, and each vision-encoder
-layer; ACT's are its encoder / decoder layers and ResNet blocks, diffusion's its residual and
-ResNet blocks. :func:`predicate` leaves every ``lm_head`` (never read in training) to FSDP2.
+The FSDP2 units are the modules LeRobot's code *calls* (FSDP2 gathers in a unit's forward
+pre-hook): pi0, pi05 and SmolVLA call a decoder layer's parts directly, so their units are each
+decoder layer's ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` and ``mlp``, and each
+vision-encoder layer; ACT's are its encoder / decoder layers and ResNet blocks, diffusion's its
+residual and ResNet blocks.
 """
 
 from __future__ import annotations
@@ -96,27 +86,23 @@ def fsdp_units(policy: nn.Module) -> list[nn.Module]:
 
 def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, Any] | None = None,
                        **fully_shard_kwargs: Any) -> nn.Module:
-    """FSDP2 ``fully_shard`` on the units LeRobot's code calls (:func:`fsdp_units`), then on
-    the policy (the root unit). Declares :func:`predicate` as the policy's default for
-    :func:`dmuon.dedicate_params` and records the decoder attention's logits for QK-clip
-    (:func:`record_attention`). Train with ``policy(batch)``, not ``policy.forward(batch)``.
+    """FSDP2 ``fully_shard`` on :func:`fsdp_units`, then on the policy; declares :func:`predicate`
+    the policy's default for :func:`dmuon.dedicate_params` and calls :func:`record_attention`.
+    Train with ``policy(batch)``: ``policy.forward(batch)`` skips FSDP2's root hooks.
 
     Args:
         policy: a LeRobot policy of a type in :data:`POLICY_TYPES`, all parameters of one
-            dtype (build pi0 / pi05 with ``dtype="float32"`` and pass ``mp_policy=
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` for bf16 compute: FSDP2 takes
-            one original dtype per unit, and LeRobot's ``dtype="bfloat16"`` keeps the vision
-            tower and norms in fp32).
+            dtype (FSDP2 takes one per unit: build pi0 / pi05 in float32 and use ``mp_policy``
+            for bf16 compute).
         mesh: a 1-D ``DeviceMesh`` (FSDP) or a 2-D ``("replicate", "shard")`` one (HSDP).
         root_kwargs: the root's ``fully_shard`` keyword arguments; default
             ``fully_shard_kwargs``. For bf16 give the units ``MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)``
-            and the root ``{}``: pi0's fp32 flow-matching noise meets the root's own layers.
-        fully_shard_kwargs: passed to every unit's ``fully_shard`` call (``mp_policy``,
-            ``reshard_after_forward``, ``offload_policy``...).
+            and the root ``{}`` (pi0's fp32 flow-matching noise meets the root's own layers).
+        fully_shard_kwargs: passed to every unit's ``fully_shard`` call.
 
     Returns:
-        ``policy``, sharded in place (its class is now FSDP2's subclass of it).
+        ``policy``, sharded in place (its class now FSDP2's subclass of it).
 
     Raises:
         ValueError: an unknown policy type, or a policy already sharded.
@@ -136,8 +122,8 @@ def fully_shard_policy(policy: nn.Module, mesh: Any, *, root_kwargs: dict[str, A
 
 
 def predicate(policy: nn.Module) -> dmuon.hooks.dedicate.Predicate:
-    """:func:`dmuon.default_predicate` without the ``lm_head`` matrices, which LeRobot's
-    pi0 / pi05 / SmolVLA training never reads (they stay FSDP2-sharded on AdamW)."""
+    """:func:`dmuon.default_predicate` without the ``lm_head`` matrices, which LeRobot's training
+    never reads (they stay FSDP2-sharded on AdamW)."""
     base = dmuon.default_predicate(policy)
 
     def pick(fqn: str, param: nn.Parameter) -> bool | int:

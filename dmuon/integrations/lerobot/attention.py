@@ -1,20 +1,16 @@
-"""QK-clip's logits for LeRobot's pi0 / pi05 / SmolVLA: recorded where LeRobot computes them.
+"""QK-clip's logits for LeRobot's pi0 / pi05 / SmolVLA, recorded where LeRobot computes them.
 
-These policies run their decoder attention outside the attention modules' ``forward``: pi0 /
-pi05 in ``modeling_pi0.compute_layer_complete`` (one *joint* ``eager_attention_forward`` over
-the VLM's and the action expert's tokens), SmolVLA in ``SmolVLMWithExpertModel.
-forward_attn_layer`` (joint) and ``forward_cross_attn_layer`` (the expert's keys are its
-``k_proj`` of the VLM's keys). :func:`record_attention` reads each such call's softmax input
-(the scaled, masked logits after RoPE) under a :class:`dmuon.qk_clip.LogitMode` and passes the
-per-head maxima to :func:`dmuon.qk_clip.observe`:
+These policies run decoder attention outside the attention modules' ``forward``: pi0 / pi05 in
+``modeling_pi0.compute_layer_complete`` (one joint attention over the VLM's and the action
+expert's tokens), SmolVLA in ``SmolVLMWithExpertModel.forward_attn_layer`` (joint) and
+``forward_cross_attn_layer``. :func:`record_attention` reads each call's softmax input under a
+:class:`dmuon.qk_clip.LogitMode` and passes per-head maxima to :func:`dmuon.qk_clip.observe`:
 
-* joint attention of trained models: the whole call's maxima for both modules, so every block
-  of the joint logits shrinks by the same ``eta``;
-* joint attention next to a frozen model: each module the maxima of its own query rows (the
-  frozen keys are not scaled: only ``qk_clip_alpha=1`` bounds those logits in one step);
-* SmolVLA's cross-attention: the expert's maxima for the expert; for the VLM's module, its
-  largest head for every head (one factor on all the VLM's key rows scales the expert's keys
-  uniformly, so the expert's own clip bounds them).
+* joint attention of trained models: the whole call's maxima for both modules (one ``eta`` for
+  every block of the joint logits);
+* next to a frozen model: each module the maxima of its own query rows;
+* SmolVLA's cross-attention: the expert its own maxima; the VLM's module its largest head for
+  every head (one factor on the VLM's keys scales the expert's keys uniformly).
 """
 
 from __future__ import annotations
@@ -35,11 +31,10 @@ _ATTR = "_dmuon_attention_recording"
 
 def _run_and_record(fn: Callable[..., Any], pending: list[tuple[nn.Module, int]], uniform: Any,
                     args: tuple, kwargs: dict) -> Any:
-    """``fn(*args, **kwargs)``, an eager attention call over the query rows of the members
-    ``pending`` noted (``(attention module, rows)`` in LeRobot's order; emptied), with its
-    softmax's per-head maxima observed for each module (module doc; ``uniform``: ids of modules
-    whose heads all take their largest). A call whose softmax cannot be read records nothing
-    (QK-clip then reports the layer)."""
+    """``fn(*args, **kwargs)``, an eager attention call over the query rows ``pending`` noted
+    (``(module, rows)``; emptied), observing its per-head maxima for each module (module doc;
+    ``uniform``: ids of modules whose heads all take their largest). A call whose softmax cannot
+    be read records nothing (QK-clip then reports the layer)."""
     members = list(pending)
     pending.clear()
     if not members or not torch.is_grad_enabled() or not any(watched(m) for m, _ in members):
@@ -61,8 +56,7 @@ def _run_and_record(fn: Callable[..., Any], pending: list[tuple[nn.Module, int]]
 
 
 def _pending_hook(pending: list[tuple[nn.Module, int]], attn: nn.Module) -> Callable[..., None]:
-    """A forward pre-hook for ``attn.q_proj``: note ``attn`` and its query rows (tokens) in
-    ``pending``, the members of the next attention call."""
+    """A forward pre-hook for ``attn.q_proj``: note ``attn`` and its query rows in ``pending``."""
     def hook(_module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
             if any(m is attn for m, _ in pending):  # a call that never reached attention
@@ -165,10 +159,8 @@ class AttentionRecording:
 
 def record_attention(policy: nn.Module) -> AttentionRecording | None:
     """Record the decoder attention logits of a LeRobot pi0 / pi05 / SmolVLA policy for QK-clip
-    (``dmuon.Muon(..., qk_clip_threshold=tau)``), where LeRobot computes them (module doc).
-
-    :func:`dmuon.integrations.lerobot.fully_shard_policy` calls it. Idempotent. Costs one
-    ``amax`` over each decoder layer's logits per training forward while QK-clip reads it.
+    (module doc). Idempotent; :func:`~dmuon.integrations.lerobot.fully_shard_policy` calls it.
+    Costs one ``amax`` per decoder layer and training forward while QK-clip reads it.
 
     Args:
         policy: a LeRobot policy (``policy.name`` ``"pi0"``, ``"pi05"`` or ``"smolvla"``;

@@ -1,18 +1,10 @@
-"""LeRobot training with dmuon under FSDP2: ``lerobot-train``'s arguments plus ``--dmuon.*``.
+"""LeRobot training with dmuon under FSDP2: ``torchrun ... -m dmuon.integrations.lerobot.train``
+with ``lerobot-train``'s arguments plus ``--dmuon.*`` (docs/integrations.md).
 
-::
-
-    torchrun --nproc-per-node 8 -m dmuon.integrations.lerobot.train \\
-        --dataset.repo_id=lerobot/pusht --policy.type=pi0 --policy.dtype=float32 \\
-        --steps=30000 --batch_size=8 --output_dir=outputs/pi0_dmuon \\
-        --dmuon.lr=0.02 --dmuon.param_dtype=bfloat16
-
-LeRobot's own config parser, factories, processors, LR scheduler, clip norm and checkpoint
-layout, with the policy sharded by :func:`dmuon.integrations.lerobot.fully_shard_policy` and
-dedicated, :class:`dmuon.Muon` (matrices at ``--dmuon.lr``, the rest AdamW at LeRobot's
-``optimizer.*``), the optimizer state in a DCP checkpoint (``training_state/dmuon``) with every
-rank's RNG, and global batch ``k`` a function of the seed and ``k``, so a resumed run continues
-exactly.
+LeRobot's own parser, factories, processors, scheduler, clipping and checkpoint layout, with
+the policy sharded and dedicated, :class:`dmuon.Muon` (AdamW at LeRobot's ``optimizer.*`` for
+the non-matrices), the optimizer state and every rank's RNG in ``training_state/dmuon``, and
+global batch ``k`` a function of ``(seed, k)``, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -100,9 +92,9 @@ def _init_distributed(device: str) -> Any:
 
 def batches(dataset: Any, batch_size: int, seed: int, start_step: int, rank: int,
             world_size: int, num_workers: int = 0) -> Iterator[dict[str, Any]]:
-    """Rank ``rank``'s share (``batch_size`` samples) of global batch ``k = start_step, ...``:
-    epoch ``e`` shuffles all frames with ``Generator(seed + e)`` and deals global batches of
-    ``batch_size * world_size`` frames (dropping an epoch's tail); a function of ``(seed, k)``."""
+    """Rank ``rank``'s ``batch_size`` samples of global batch ``k = start_step, ...``: epoch ``e``
+    shuffles the frames with ``Generator(seed + e)`` and deals ``batch_size * world_size`` per
+    global batch (dropping an epoch's tail)."""
     from lerobot.utils.collate import lerobot_collate_fn
 
     n, per_step = len(dataset), batch_size * world_size
@@ -136,8 +128,8 @@ def _state_paths(checkpoint_dir: Path, rank: int) -> tuple[Path, Path]:
 def save(checkpoint_dir: Path, step: int, cfg: Any, policy: Any, opt: Any, scheduler: Any,
          preprocessor: Any, postprocessor: Any) -> None:
     """LeRobot's checkpoint layout, collective: rank 0 writes ``pretrained_model/`` (full
-    weights through torch's full state dict, config, train config, processors) and LeRobot's
-    ``training_state`` files; every rank writes its part of the DCP optimizer state and its RNG."""
+    weights, configs, processors) and LeRobot's ``training_state``; every rank its part of the
+    DCP optimizer state and its RNG."""
     import torch.distributed.checkpoint as dcp
     from lerobot.common.train_utils import save_training_state
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -164,7 +156,7 @@ def save(checkpoint_dir: Path, step: int, cfg: Any, policy: Any, opt: Any, sched
 
 
 def resume(checkpoint_dir: Path, policy: Any, opt: Any, scheduler: Any) -> int:
-    """The step, scheduler, optimizer, model and this rank's RNG from :func:`save`'s files."""
+    """Restore the step, scheduler, optimizer, model and this rank's RNG saved by :func:`save`."""
     from lerobot.common.train_utils import load_training_state
 
     step, _, _ = load_training_state(checkpoint_dir, None, scheduler, load_optimizer=False)
@@ -189,9 +181,8 @@ def _build_optimizer(cfg: Any, policy: Any, mesh: Any, args: DmuonArgs) -> Any:
                                  if pick(n, p)], mesh.size(), method=args.solver)
     kwargs: dict[str, Any] = {}
     if args.param_dtype == "bfloat16":
-        # bf16 compute in the units (the decoder projections and MLPs, the vision layers),
-        # fp32 outputs and a fp32 root: LeRobot's forward mixes the units' outputs with fp32
-        # tensors it makes itself (the flow-matching noise, masks), as with --policy.dtype=float32
+        # bf16 units with fp32 outputs and a fp32 root: LeRobot mixes the units' outputs with
+        # fp32 tensors it makes itself (the flow-matching noise, masks)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32,
                                                    output_dtype=torch.float32)
