@@ -6,16 +6,11 @@ Example::
         --memory-cap-gb 20 --out plan.json
 
 ``--model`` is a named inventory (:mod:`dmuon.balance.inventories`) or ``MODULE:FACTORY``, a
-zero-argument callable returning an ``nn.Module``, built on the meta device (its matrices are
-those ``dedicate_params`` selects). On a GPU the NS times are measured
-(:mod:`dmuon.balance.profiler`); on CPU the FLOP model stands in. The plan JSON
-(:class:`dmuon.owners.plan.OwnerPlan`) is what ``dedicate_params(model, mesh, plan=...)``
-loads; owners are global ranks ``node * gpus_per_node + gpu`` in the XOR layout
-(:mod:`dmuon.balance.layout`). A per-rank table goes to stdout, a bar chart to ``<out>.png``
-(with ``dmuon[plot]``). The summary gives the plan's *exposed time* too
-(:mod:`dmuon.balance.deadline`, forward times at ``--tokens`` per GPU per micro-batch);
-``--objective exposed`` minimizes it, ``--objective overlap`` builds the plan ``dedicate_params``
-solves without a plan file (both without the XOR layout).
+zero-argument callable returning an ``nn.Module``, built on the meta device. On a GPU the NS
+times are measured (:mod:`dmuon.balance.profiler`), else the FLOP model stands in. The plan JSON
+(:class:`dmuon.owners.plan.OwnerPlan`) is what ``dedicate_params(model, mesh, plan=...)`` loads;
+owners are global ranks in the XOR layout (:mod:`dmuon.balance.layout`). A per-rank table goes
+to stdout, a bar chart to ``<out>.png`` (with ``dmuon[plot]``).
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ OBJECTIVES = ("makespan", "exposed", "overlap")
 
 
 def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
-    """Named inventory, or the dedicated matrices of ``MODULE:FACTORY`` built on ``meta``.
+    """Named inventory, or the matrices ``dedicate_params`` selects in ``MODULE:FACTORY``'s model.
 
     Raises:
         ValueError: when ``spec`` is neither a known name nor ``MODULE:FACTORY``, or the model
@@ -57,7 +52,6 @@ def model_inventory(spec: str) -> list[tuple[str, tuple[int, int]]]:
         raise ValueError(f"dmuon: --model {spec!r}: {mod_name} has no callable {factory_name!r}")
     with torch.device("meta"):
         model = factory()
-    # dedicate_params' own selection rule (stacks too), so the plan names what it dedicates
     out = [(sel.fqn, sel.shape) for sel in select_matrices(model, default_predicate(model))]
     if not out:
         raise ValueError(f"dmuon: --model {spec!r} has no 2-D non-embedding parameter or expert "
@@ -88,8 +82,8 @@ def rank_table(plan, memory_by_rank: Sequence[float], nodes: int, gpus_per_node:
 
 
 def solver_summary(plan) -> list[str]:
-    """The makespan against both bounds with the proven gap; the method and what the MILP did;
-    the exposed time where recorded. Needs a plan built with ``solver_report=True``."""
+    """Summary lines of a plan built with ``solver_report=True``: makespan, bounds, proven gap,
+    method, MILP status and the exposed time where recorded."""
     unit = plan.cost_unit
     scale, label = (1e12, "TFLOP") if unit == "flops" else (1.0, "ms")
     extra = plan.extra
@@ -139,18 +133,16 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
                      time_limit_s: float = 10.0, cache_path=DEFAULT_CACHE, progress: bool = True,
                      group_cost: float = 0.0, ep: int = 1, objective: str = "makespan",
                      tokens: int = 4096):
-    """Profile Newton-Schulz costs, then :func:`dmuon.owners.plan.build_plan` inside the XOR
-    layout (not with ``group_cost > 0``, ``ep > 1`` or ``objective`` ``"exposed"`` /
-    ``"overlap"``); returns ``(OwnerPlan, per-rank memory bytes)``. Without expert parallelism
-    ``extra`` records the plan's ``exposed`` time and its bound whatever the objective.
+    """Profile Newton-Schulz costs, then :func:`dmuon.owners.plan.build_plan` (in the XOR layout
+    unless ``group_cost > 0``, ``ep > 1`` or another ``objective``); ``(OwnerPlan, per-rank
+    memory bytes)``. With ``ep == 1``, ``extra`` records the plan's exposed time and its bound.
 
     Raises:
         ValueError: from :func:`dmuon.balance.solve` (e.g. an infeasible memory cap).
     """
     import dataclasses
 
-    from dmuon.balance.deadline import (MAKESPAN_SLACK, deadlines_from_forward,
-                                        exposed_lower_bound, exposed_time)
+    from dmuon.balance import deadline as dl
     from dmuon.balance.profiler import unit_times
     from dmuon.owners.plan import build_plan
     from dmuon.owners.stacks import param_layout
@@ -170,7 +162,7 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
         unit_shapes[g].append(lay.matrix_shape)
     forward, _, _ = unit_times(unit_shapes, tokens=tokens, measure=measure, device=device,
                                cache_path=cache_path)  # in ``unit`` too: both follow ``measure``
-    deadlines = deadlines_from_forward(forward)
+    deadlines = dl.deadlines_from_forward(forward)
     plan = build_plan(named_shapes, nodes * gpus_per_node, costs=costs, cost_unit=unit,
                       method=method, time_limit_s=time_limit_s,
                       groups=groups, group_cost=group_cost,
@@ -178,7 +170,7 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
                       memory_cap_bytes=memory_cap_bytes,
                       batch_overhead=overhead, solver_report=True,
                       deadlines=deadlines if objective != "makespan" else None,
-                      makespan_slack=MAKESPAN_SLACK if objective == "overlap" else None,
+                      makespan_slack=dl.MAKESPAN_SLACK if objective == "overlap" else None,
                       **({"expert_parallel": stacks, "ep_size": ep} if ep > 1 else {}))
     if ep == 1:  # the exposed time of whichever plan, in the deadline model's own terms
         unit_of = dict(zip((f for f, _ in named_shapes), groups))
@@ -186,10 +178,10 @@ def build_owner_plan(named_shapes, nodes: int, gpus_per_node: int, *, memory_cap
         marginal = [m.cost - float(overhead.get(m.shape, 0.0)) for m in specs]
         kw = dict(classes=[m.shape for m in specs], batch_overhead=overhead or None)
         units = [unit_of[m.fqn] for m in specs]
-        extra = {**plan.extra, "exposed": exposed_time([m.owner for m in specs], marginal, units,
-                                                       deadlines, plan.world_size, **kw),
-                 "exposed_bound": exposed_lower_bound(marginal, units, deadlines,
-                                                      plan.world_size, **kw),
+        extra = {**plan.extra, "exposed": dl.measure([m.owner for m in specs], marginal, units,
+                                                     deadlines, plan.world_size, **kw)[0],
+                 "exposed_bound": dl.exposed_lower_bound(marginal, units, deadlines,
+                                                         plan.world_size, **kw),
                  "forward_total": float(sum(forward)), "units": len(forward),
                  "forward_source": (f"timed matmuls of {tokens} tokens" if measure else
                                     f"FLOP model 2 x {tokens} tokens x rows x cols")}

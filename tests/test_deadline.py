@@ -85,8 +85,8 @@ def test_exposed_time_formula_matches_the_replayed_schedule(seed):
     costs, classes, units, forward, over = random_instance(seed, n=9, num_ranks=4,
                                                            num_units=4, overhead=True)
     owners = [rng.randrange(4) for _ in costs]
-    got = dl.exposed_time(owners, costs, units, dl.deadlines_from_forward(forward), 4,
-                          classes=classes, batch_overhead=over)
+    got, _ = dl.measure(owners, costs, units, dl.deadlines_from_forward(forward), 4,
+                        classes=classes, batch_overhead=over)
     assert got == pytest.approx(replay_delay(owners, costs, units, forward, 4, classes=classes,
                                              overhead=over))
 

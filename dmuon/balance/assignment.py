@@ -1,8 +1,5 @@
-"""What every owner-assignment solver shares: the greedy, the per-rank load of a plan, and the
-makespan's lower bounds.
-
-Imports in ``balance/`` run one way: ``solver`` -> ``milp``/``grouping``/``local_search``/
-``deadline``/``layout`` -> ``assignment``.
+"""What every owner-assignment solver shares: the greedy, a plan's per-rank loads and the
+makespan's lower bounds (imported by every other ``balance`` module, importing none).
 """
 
 from __future__ import annotations
@@ -23,23 +20,13 @@ def greedy(
     memory: Sequence[float] | None = None,
     memory_cap: float | None = None,
 ) -> tuple[int, ...] | None:
-    """Longest-processing-time first (LPT, Graham 1969), deterministic.
+    """Longest-processing-time first (LPT, Graham 1969), deterministic; arguments as
+    :func:`dmuon.balance.solve`'s.
 
     Matrices are taken by unit (forward order), then by decreasing cost plus batch overhead
-    (equal ones in input order); each goes to the rank whose NS of everything so far ends first
-    with it, among the ranks with ``memory_cap`` room (ties: the less loaded, then the lower
-    rank). A batch overhead is paid once per (rank, unit, class). Without ``units`` (one unit)
-    and overheads that is plain LPT, at most ``4/3 - 1/(3 D)`` times the optimal makespan;
-    with them it is the deadline greedy of :mod:`dmuon.balance.deadline`.
-
-    Args:
-        costs: per-matrix cost, any unit, ``>= 0``.
-        num_ranks: number of ranks ``D >= 1``.
-        units: per-matrix unit id ``0..K-1`` in forward order, or None (one unit).
-        classes: per-matrix class; needed with ``batch_overhead``.
-        batch_overhead: per-class cost paid once per (rank, unit) owning that class.
-        memory: per-matrix bytes on its owner, or None.
-        memory_cap: bytes per rank, or None for no cap.
+    (ties: input order); each goes to the rank with ``memory_cap`` room whose NS ends first
+    with it (ties: the less loaded, then the lower rank). Without ``units`` and overheads that
+    is plain LPT, at most ``4/3 - 1/(3 D)`` times the optimal makespan.
 
     Returns:
         Owner rank per matrix in input order, or None when no rank has room for some matrix
@@ -86,9 +73,8 @@ def evaluate(
     classes: Sequence[Hashable] | None = None,
     batch_overhead: Mapping[Hashable, float] | None = None,
 ) -> list[float]:
-    """Per-rank load of a plan: a rank that owns ``k >= 1`` matrices of class ``s`` pays
-    ``batch_overhead[s]`` once plus the ``k`` per-matrix costs (same-shape NS runs as one batch);
-    :func:`completion_times` with one unit."""
+    """Per-rank load of a plan: :func:`completion_times` with one unit (a class's batch overhead
+    paid once per owning rank)."""
     c = completion_times(owners, costs, [0] * len(owners), num_ranks, 1, classes=classes,
                          batch_overhead=batch_overhead)
     return [float(x) for x in c[:, 0]]
@@ -103,9 +89,9 @@ def class_overheads(classes, batch_overhead, n) -> list[float]:
 
 def completion_times(owners, costs, units, num_ranks, num_units, *, classes=None,
                      batch_overhead=None) -> np.ndarray:
-    """``C[r, k]``, ``[num_ranks, num_units]`` float64: when rank ``r`` has finished the NS of
-    everything it owns in units ``0..k`` (:mod:`dmuon.balance.deadline`), its per-unit loads
-    summed, each with the batch overhead of every class it owns in that unit."""
+    """``C[r, k]``, ``[num_ranks, num_units]`` float64: rank ``r``'s NS of units ``0..k``, each
+    unit's load with the batch overhead of every class it owns there
+    (:mod:`dmuon.balance.deadline`)."""
     per = np.zeros((num_ranks, num_units))
     seen = set()
     over = class_overheads(classes, batch_overhead, len(costs))
@@ -118,8 +104,7 @@ def completion_times(owners, costs, units, num_ranks, num_units, *, classes=None
 
 
 def effective_costs(costs, classes, batch_overhead):
-    """Per-matrix costs for the bounds: the batch overhead is paid at least once per class,
-    so adding it to one matrix of each class keeps ``total`` a valid lower bound."""
+    """Per-matrix costs for the bounds: each class's batch overhead added to its first matrix."""
     if not batch_overhead:
         return list(costs)
     eff = list(costs)
@@ -139,15 +124,10 @@ def trivial_lower_bound(costs: Sequence[float], num_ranks: int) -> float:
 
 
 def makespan_lower_bound(costs: Sequence[float], num_ranks: int) -> float:
-    """The strongest of the trivial bound and the pigeonhole bounds on ``P || C_max``.
-
-    Pigeonhole bound (Dell'Amico & Martello 1995, bound L1, generalized): with costs sorted
-    decreasing ``c_1 >= c_2 >= ...``, among the ``k D + 1`` largest matrices some rank owns at
-    least ``k + 1``, so its load is at least ``c_{kD+1-k} + ... + c_{kD+1}``, for every ``k >=
-    1`` with ``k D + 1 <= n``.
-
-    Returns:
-        A value no plan's makespan can be below (same unit as ``costs``).
+    """A lower bound on the makespan: the trivial bound and the pigeonhole bounds on
+    ``P || C_max`` (Dell'Amico & Martello 1995, L1 generalized): with costs sorted decreasing,
+    some rank owns ``k + 1`` of the ``k D + 1`` largest, so a load is at least
+    ``c_{kD+1-k} + ... + c_{kD+1}``, for every ``k >= 1`` with ``k D + 1 <= n``.
     """
     if not costs:
         return 0.0

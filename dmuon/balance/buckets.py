@@ -1,17 +1,10 @@
-"""Owners for the DDP-style path: size-capped buckets in backward order, one owner per bucket.
-
-With ``replicas="keep"`` (:mod:`dmuon.hooks.keep`) every rank holds the full matrices; a step
-moves each gradient to its owner (``reduce``) and each updated matrix back (``broadcast``), one
-collective per bucket as DDP's reducer cuts them (Li et al., "PyTorch Distributed", VLDB 2020:
-reverse registration order, a size cap).
+"""Owners for the DDP-style path (``replicas="keep"``, :mod:`dmuon.hooks.keep`): size-capped
+buckets in backward order as DDP's reducer cuts them (Li et al., VLDB 2020), one owner each.
 
 A bucket's owner pays its Newton-Schulz time and sends its bytes, so a matrix's load is
-``ns / sum(ns) + nbytes / sum(nbytes)`` (bytes alone do not balance: NS cost per byte grows
-with a matrix's smaller side). The buckets are the contiguous partition (backward order) into
-as many buckets as DDP's rule makes, at least ``world_size`` (so every rank owns one), that
-minimizes the largest bucket load, each also closed at the cap (the linear-partition problem,
-by bisection on the largest load with a greedy check; Skiena, "The Algorithm Design Manual",
-8.5). Buckets then go to owners by LPT (:func:`dmuon.balance.assignment.greedy`).
+``ns / sum(ns) + nbytes / sum(nbytes)``. The buckets are the contiguous partition into at least
+``world_size`` buckets minimizing the largest load (linear partition by bisection, Skiena, "The
+Algorithm Design Manual", 8.5); they go to owners by LPT.
 """
 
 from __future__ import annotations
@@ -27,13 +20,11 @@ class BucketAssignment:
     """Result of :func:`assign_buckets`.
 
     Attributes:
-        bucket: bucket index of every matrix, in input (model) order; bucket 0 holds the
-            matrices whose gradients are ready first (the end of the model).
-        owner_of_bucket: owner rank of every bucket.
-        cap_bytes: the cap the buckets were cut with (bytes): the user's.
-        loads: per-rank combined load (dimensionless, sums to 2 over the ranks).
-        ns_share: per-rank share of the Newton-Schulz cost (sums to 1).
-        bytes_share: per-rank share of the broadcast bytes (sums to 1).
+        bucket: bucket index per matrix, model order; bucket 0 is the end of the model.
+        owner_of_bucket: owner rank per bucket.
+        cap_bytes: the user's cap the buckets were cut with, bytes.
+        loads: per-rank combined load (dimensionless, sums to 2).
+        ns_share, bytes_share: per-rank shares of the NS cost and of the bytes (each sums to 1).
     """
 
     bucket: tuple[int, ...]
@@ -45,12 +36,8 @@ class BucketAssignment:
 
 
 def cut_buckets(nbytes: Sequence[int], cap_bytes: int) -> list[int]:
-    """Bucket index per matrix: walk the matrices in reverse (backward) order and close a
-    bucket once it holds ``cap_bytes`` or more, as DDP's reducer does.
-
-    Args:
-        nbytes: size of each matrix's gradient in bytes, in model (forward) order.
-        cap_bytes: bucket size cap in bytes (> 0).
+    """Bucket index per matrix (``nbytes``: gradient bytes, model order): walking backward, a
+    bucket closes once it holds ``cap_bytes`` or more, as DDP's reducer does.
 
     Raises:
         ValueError: if ``cap_bytes <= 0``.
@@ -69,22 +56,13 @@ def cut_buckets(nbytes: Sequence[int], cap_bytes: int) -> list[int]:
 
 def partition_buckets(loads: Sequence[float], nbytes: Sequence[int], parts: int,
                       cap_bytes: int) -> list[int]:
-    """Contiguous buckets in backward order, as few as ``parts`` allows, minimizing the largest load.
+    """Bucket index per matrix (model order; 0 is the end of the model): ``parts`` contiguous
+    buckets (more if the cap forces them) minimizing the largest load.
 
-    Walking the matrices in reverse (backward) order, a bucket closes before a matrix that would
-    lift its load over a threshold, or once it holds ``cap_bytes``; the smallest threshold that
-    needs at most ``parts`` buckets is found by bisection (the greedy count is monotone in it).
-    The cap may force more than ``parts`` buckets; fewer than ``parts`` only with fewer
-    matrices. A shortfall is made up by splitting the largest multi-matrix bucket.
-
-    Args:
-        loads: each matrix's load (>= 0, any unit), model (forward) order.
-        nbytes: each matrix's gradient bytes, same order.
-        parts: the number of buckets wanted (>= 1).
-        cap_bytes: DDP-style bucket cap in bytes (> 0).
-
-    Returns:
-        Bucket index of every matrix, model order; bucket 0 is the end of the model.
+    Walking backward, a bucket closes before a matrix that would lift its load over a
+    threshold, or once it holds ``cap_bytes``; the smallest threshold needing at most ``parts``
+    buckets is found by bisection. A shortfall is made up by splitting the heaviest bucket.
+    ``loads`` (>= 0, any unit) and ``nbytes`` are per matrix, model order.
     """
     n = len(loads)
 
@@ -135,10 +113,9 @@ def assign_buckets(ns_costs: Sequence[float], nbytes: Sequence[int], world_size:
     """Cut the matrices into load-balanced buckets and give each the least loaded owner (LPT).
 
     Args:
-        ns_costs: Newton-Schulz cost of each matrix (any unit), model order.
-        nbytes: gradient/broadcast bytes of each matrix, model order.
+        ns_costs, nbytes: NS cost (any unit) and gradient bytes per matrix, model order.
         world_size: ranks to spread owners over (>= 1).
-        cap_bytes: the user's bucket cap in bytes (``bucket_cap_mb * 2**20``).
+        cap_bytes: the user's bucket cap in bytes.
 
     Raises:
         ValueError: on mismatched lengths, ``world_size < 1`` or ``cap_bytes <= 0``

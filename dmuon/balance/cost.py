@@ -1,9 +1,5 @@
 """Cost model: Newton-Schulz FLOPs, owner memory, batched-NS cost fits, publication and HSDP
 replica costs. Every cost constant of dmuon lives here.
-
-Without a device the FLOP model stands in for time; with one, :mod:`dmuon.balance.profiler`
-measures milliseconds per shape and batch size and :func:`fit_batch_costs` turns them into the
-solver's ``fixed + k * marginal`` batching model.
 """
 
 from __future__ import annotations
@@ -15,28 +11,22 @@ from typing import Mapping, Sequence
 #: + fp32 reduced gradient (4).
 OWNER_BYTES_PER_ELEMENT = 12
 
-#: Step time (s) one more publish (group, owner) pair costs on gloo: its forward and backward
-#: broadcasts and its reduce, on every rank. Measured on the 2-core CPU, 4 ranks, default
-#: ``dmuon.train`` model: 1.3 to 2.7 ms per pair over four runs
+#: Step time (s) one more publish (group, owner) pair costs on gloo (its broadcasts and reduce,
+#: on every rank): 1.3 to 2.7 ms measured on 2 CPU cores, 4 ranks, the ``dmuon.train`` model
 #: (bench/results/history/step_cpu_4r_grouped_owners*.json).
 GLOO_PAIR_COST_S = 2.5e-3
-#: fp32 Newton-Schulz throughput (FLOP/s) of one CPU thread on the same model's shapes: the
-#: same run's calibration gives 3.4e10-8.3e10 for shapes of >= 1e7 FLOPs; this is about their
-#: median. Converts :data:`GLOO_PAIR_COST_S` into the FLOP model's unit.
+#: fp32 Newton-Schulz FLOP/s of one CPU thread on that model's shapes (median of 3.4e10-8.3e10):
+#: converts :data:`GLOO_PAIR_COST_S` into the FLOP model's unit.
 CPU_NS_FLOP_PER_S = 6e10
-#: What one more matrix costs a CPU owner's step beyond its own Newton-Schulz FLOPs, in FLOPs:
-#: its share of its shape's batched NS call (~25 small ops) and its element-wise update. Fitted
-#: on ``dmuon.train``'s default policy, one thread: ``t = FLOPs / 8.6e10 s + 0.19 ms per
-#: matrix`` (so 1.6e7 FLOPs). Used by the DDP-style path's bucket cuts on CPU
-#: (:func:`matrix_costs`); on GPU the FLOP model stands alone.
+#: FLOPs one more matrix costs a CPU owner beyond its NS FLOPs (its share of a batched NS call
+#: and its element-wise update), fitted on ``dmuon.train``'s policy: ``t = FLOPs / 8.6e10 s +
+#: 0.19 ms`` per matrix. Used on CPU by :func:`matrix_costs`.
 CPU_MATRIX_OVERHEAD_FLOPS = 1.6e7
 
-# HSDP replicate mode (:class:`ReplicaCost`): with an H100 at ~400 TFLOP/s effective fp16 and
-# 25 GB/s per-GPU InfiniBand (200 Gb/s; the DMuon paper's cluster), broadcasting the fp32 master
-# wins for square matrices above ~2,150 rows and for a [p, q] matrix with q >> p above p ~ 8,000.
-#: Newton-Schulz throughput (FLOP/s) of one owner, for :class:`ReplicaCost`.
+#: NS throughput (FLOP/s) of one owner, for :class:`ReplicaCost` (H100, effective fp16).
 NS_FLOPS_PER_S = 400e12
-#: Bandwidth (bytes/s) of one fp32 master's broadcast across HSDP replicas, for :class:`ReplicaCost`.
+#: Bytes/s of one fp32 master's broadcast across HSDP replicas, for :class:`ReplicaCost` (200 Gb/s
+#: InfiniBand, the DMuon paper's cluster): broadcasting wins for squares above ~2,150 rows.
 REPLICA_BYTES_PER_S = 25e9
 #: The HSDP replicate modes a plan may hold (:attr:`dmuon.owners.plan.MatrixSpec.replicate_mode`).
 REPLICATE_MODES = ("compute", "broadcast")
@@ -70,19 +60,9 @@ def owner_memory(shapes: Sequence[tuple[int, int]]) -> list[float]:
 
 
 def default_group_cost(backend: str, cost_unit: str) -> float:
-    """The ``group_cost`` for :func:`dmuon.balance.solve` on a process-group backend.
-
-    NCCL issues the broadcasts of several owners as one group call, so another owner in a group
-    costs microseconds and spreads bandwidth: 0, the pure makespan plan. Gloo cannot coalesce
-    and each collective costs the CPU about a millisecond: :data:`GLOO_PAIR_COST_S`.
-
-    Args:
-        backend: ``torch.distributed.get_backend`` of dmuon's group, e.g. ``"gloo"``,
-            ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``.
-        cost_unit: the plan's unit, ``"flops"`` (FLOP model) or ``"ms"`` (profiled).
-
-    Returns:
-        The cost of one (group, owner) pair in ``cost_unit``.
+    """The ``group_cost`` of :func:`dmuon.balance.solve` for a backend (e.g. ``"gloo"`` or
+    ``"cpu:gloo,cuda:nccl"``), in ``cost_unit`` ``"flops"`` or ``"ms"``: 0 where NCCL groups
+    several owners' broadcasts into one call, :data:`GLOO_PAIR_COST_S` on gloo alone.
 
     Raises:
         ValueError: on another ``cost_unit``.
@@ -96,11 +76,9 @@ def default_group_cost(backend: str, cost_unit: str) -> float:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReplicaCost:
-    """The cost model behind ``replicate_mode="auto"`` on an HSDP mesh.
-
-    Every replica's owner runs Newton-Schulz on the all-reduced gradient (``"compute"``), or
-    replica 0's owner runs it and broadcasts the fp32 master to the other replicas
-    (``"broadcast"``); both are exact, and :meth:`mode` picks the cheaper per matrix.
+    """The cost model behind ``replicate_mode="auto"`` on an HSDP mesh: every replica's owner
+    runs Newton-Schulz (``"compute"``), or replica 0's runs it and broadcasts the fp32 master
+    (``"broadcast"``); :meth:`mode` picks the cheaper per matrix.
 
     Attributes:
         ns_flops_per_s: Newton-Schulz throughput of one owner, FLOP/s (> 0).
@@ -129,16 +107,9 @@ class ReplicaCost:
 
 
 def fit_batch_costs(timings_ms: Mapping[int, float]) -> tuple[float, float]:
-    """Fit ``t(k) = fixed + k * marginal`` to batched NS timings of one shape.
-
-    Least squares over the measured batch sizes, clipped so both parts are ``>= 0`` (a batch
-    never costs less than nothing, and a fixed launch overhead is never negative).
-
-    Args:
-        timings_ms: ``{batch size k: ms for the whole batch}``, ``k >= 1``.
-
-    Returns:
-        ``(fixed_ms, marginal_ms)``. One timing gives ``(0, t(k) / k)``.
+    """``(fixed_ms, marginal_ms)``: the least-squares fit ``t(k) = fixed + k * marginal``, both
+    clipped to ``>= 0``, of one shape's timings ``{batch size k >= 1: ms for the batch}`` (one
+    timing gives ``(0, t(k) / k)``).
 
     Raises:
         ValueError: when empty or a batch size is < 1 or a time is negative.

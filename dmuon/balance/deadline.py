@@ -1,61 +1,41 @@
-"""Owner plans that know deadlines: minimize the Newton-Schulz time the next forward waits for.
+"""Exposed time: the Newton-Schulz time the next forward waits for, and its local search.
 
-With NS overlapped with the next forward (``Muon(overlap="forward"|"backward")``), ``opt.step()``
-schedules one job per publish group (a unit's matrices on one owner) and returns; each owner
-runs its jobs in the units' forward order, back to back, from time 0 (taken as the start of
-forward 0), and the publication of unit ``k`` waits for unit ``k``'s jobs only
-(:mod:`dmuon.owners.overlap`, :meth:`dmuon.hooks.unit.Publisher.issue`; on CUDA through events
-on the jobs' side stream).
+With NS overlapped with the next forward (:mod:`dmuon.owners.overlap`), each owner runs its
+jobs in the units' forward order, back to back from the start of forward 0, and publication
+``k`` waits for unit ``k``'s jobs only. Model (``K`` units in forward order, ``D`` ranks):
 
-Model (``K`` units in forward order, ``D`` identical ranks):
+* ``f_j``: forward time of unit ``j``; unit ``k``'s *deadline* ``d_k = f_0 + ... + f_(k-1)``.
+* ``C[r, k]``: when rank ``r`` has finished its NS of units ``0..k``: the prefix sum of its
+  per-unit loads, each with the batch overhead of every shape it owns in that unit.
+* ``P_k = max_r C[r, k]`` over unit ``k``'s owners; forward ``k`` starts at
+  ``S_k = max(S_(k-1) + f_(k-1), P_k)``.
 
-* ``f_j``: forward time of unit ``j``; unit ``k``'s *deadline* ``d_k = f_0 + ... + f_(k-1)`` is
-  when its forward starts when nothing waits (``d_0 = 0``).
-* ``C[r, k]``: when rank ``r`` has finished the NS of everything it owns in units ``0..k``: the
-  prefix sum of its per-unit loads, each plus the batch overhead ``f_s`` of every shape it owns
-  in that unit (one job batches a unit's matrices by shape).
-* ``P_k = max_r C[r, k]`` over the owners of unit ``k``: when publication ``k`` can go; forward
-  ``k`` starts at ``S_k = max(S_(k-1) + f_(k-1), P_k)``.
-
-By induction ``S_k - d_k = max_(j <= k) (P_j - d_j)^+``, so the step grows by the **exposed time**
+By induction ``S_k - d_k = max_(j <= k) (P_j - d_j)^+``, so the step grows by the exposed time
 
     E = max(0, max_k (P_k - d_k)) = max(0, max_(r, k) (C[r, k] - d_k))
 
-(a rank owning nothing of unit ``k`` adds nothing: its ``C[r, k]`` is that of an earlier unit
-with an earlier deadline). The maximum, not the sum: one late publication delays every later
-forward by the same amount.
-
-:func:`dmuon.balance.solve` with ``deadlines`` minimizes ``E + makespan_weight * makespan``:
-:func:`dmuon.balance.assignment.greedy` in unit order, refined by :func:`improve_exposed` (a
-move/swap search from the rank that sets ``E`` and the one that sets the makespan, all move
-targets at once through per-rank prefix/suffix maxima of ``C[r, k] - d_k``, swaps when no
-move helps; the best strict improvement each round), then the MILP of
-:mod:`dmuon.balance.milp` warm-started from it. Communication and SM contention are not in
-``E`` (``bench/simulate.py`` adds the broadcasts).
+(a rank owning nothing of unit ``k`` adds nothing: its ``C[r, k]`` is an earlier unit's, with
+an earlier deadline). Communication and SM contention are not in ``E``.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Hashable, Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from dmuon.balance.assignment import class_overheads, completion_times
 
 #: The makespan the runtime plan may add to the makespan plan's, as a fraction of it
-#: (:func:`dmuon.balance.solve`'s ``makespan_slack``): the deadline plan's extra makespan was
-#: 0.1-1.3% on Pi0 and Qwen2.5-7B, below the FLOP model's error; with NS at 15-30% of a VLA
-#: step, 2% is at most 0.6% of the step with ``overlap="off"``.
+#: (:func:`dmuon.balance.solve`'s ``makespan_slack``): below the FLOP model's error; with NS at
+#: 15-30% of a VLA step, at most 0.6% of the step with ``overlap="off"``.
 MAKESPAN_SLACK = 0.02
 
 
 def deadlines_from_forward(forward: Sequence[float]) -> list[float]:
-    """``d_k = forward[0] + ... + forward[k-1]``: when each unit's forward starts.
-
-    Args:
-        forward: forward time per unit, forward order, ``>= 0`` (any unit, that of the costs).
-    """
+    """``d_k = forward[0] + ... + forward[k-1]`` from forward times per unit (forward order,
+    ``>= 0``, unit of the costs): when each unit's forward starts."""
     out, t = [], 0.0
     for f in forward:
         out.append(t)
@@ -65,38 +45,18 @@ def deadlines_from_forward(forward: Sequence[float]) -> list[float]:
 
 def measure(owners, costs, units, deadlines, num_ranks, *, classes=None,
             batch_overhead=None) -> tuple[float, np.ndarray]:
-    """``(E, loads)`` of a plan: its exposed time (module docstring) and per-rank loads
-    ``C[:, -1]`` (``[num_ranks]`` float64), in the unit of ``costs``.
-
-    Args:
-        owners: owner rank per matrix.
-        costs: NS cost per matrix (marginal when ``batch_overhead`` is given).
-        units: unit id per matrix, ``0..K-1`` in forward order.
-        deadlines: ``d_k`` per unit (:func:`deadlines_from_forward`).
-        num_ranks: ranks ``D``.
-        classes, batch_overhead: per-matrix class and per-class cost paid once per (rank,
-            unit) owning any matrix of that class (the NS runs unit by unit).
+    """``(E, loads)`` of a plan: its exposed time and per-rank loads ``C[:, -1]``
+    (``[num_ranks]`` float64), unit of ``costs``; arguments as :func:`dmuon.balance.solve`'s.
     """
     c = completion_times(owners, [float(x) for x in costs], units, num_ranks, len(deadlines),
                          classes=classes, batch_overhead=batch_overhead)
     return max(0.0, float((c - np.asarray(deadlines, dtype=float)[None, :]).max())), c[:, -1]
 
 
-def exposed_time(owners: Sequence[int], costs: Sequence[float], units: Sequence[int],
-                 deadlines: Sequence[float], num_ranks: int, *, classes=None,
-                 batch_overhead: Mapping[Hashable, float] | None = None) -> float:
-    """Exposed NS time ``E`` of a plan (:func:`measure`)."""
-    if not len(costs):
-        return 0.0
-    return measure(owners, costs, units, deadlines, num_ranks, classes=classes,
-                   batch_overhead=batch_overhead)[0]
-
-
 def exposed_lower_bound(costs: Sequence[float], units: Sequence[int], deadlines: Sequence[float],
                         num_ranks: int, *, classes=None, batch_overhead=None) -> float:
-    """A bound no plan's ``E`` is below: every matrix finishes no earlier than its own cost
-    after 0 (``c_i + f_i - d_(unit i)``), and units ``0..k`` hold ``W_k`` of work that ``D``
-    ranks finish no earlier than ``W_k / D`` (``W_k / D - d_k``)."""
+    """A lower bound on ``E``: each matrix finishes no earlier than ``c_i + f_i``, and units
+    ``0..k`` hold work ``W_k`` that ``D`` ranks finish no earlier than ``W_k / D``."""
     over = class_overheads(classes, batch_overhead, len(costs))
     best = 0.0
     work = np.zeros(len(deadlines))
@@ -113,7 +73,7 @@ _NEG = -np.inf
 
 
 class _State:
-    """Owners plus per-(rank, unit) counts of each class and the per-(rank, unit) loads."""
+    """Owners, per-(rank, unit, class) counts and per-(rank, unit) loads ``per``."""
 
     def __init__(self, owners, costs, units, deadlines, num_ranks, classes, over):
         self.owners = list(owners)
@@ -144,8 +104,7 @@ class _State:
         return sum(1 for n in self.in_unit.values() if n > 0)
 
     def pair_delta(self, moves) -> int:
-        """Change in :attr:`pairs` when the matrices ``i`` of ``moves`` ((i, rank) pairs, each
-        from its current owner) move at once."""
+        """Change in :attr:`pairs` when every ``(i, rank)`` of ``moves`` is applied at once."""
         change: dict[tuple, int] = {}
         for i, r in moves:
             k = self.units[i]
@@ -182,14 +141,16 @@ class _State:
 def improve_exposed(owners, costs, units, deadlines, num_ranks, *, classes, batch_overhead=None,
                     makespan_weight=1e-3, time_limit_s=5.0, load_cap=None,
                     pair_cap=None) -> list[int]:
-    """The local search of the module docstring; returns improved owners (never worse).
+    """Owners whose ``E + makespan_weight * makespan`` is at most that of ``owners``.
+
+    Each round applies the best strict improvement among the moves of a matrix off the rank
+    that sets ``E`` or the makespan (all targets at once, through per-rank prefix/suffix maxima
+    of ``C[r, k] - d_k``), or, when no move helps, among the swaps with another rank.
 
     Args:
-        load_cap: no move or swap takes a rank's load (batch overheads included) above this,
-            in the unit of ``costs`` (``None``: no cap); owners that start above it may only
-            shed load.
-        pair_cap: no move or swap takes the distinct (rank, unit) pairs (publish pairs) above
-            this (``None``: no cap).
+        load_cap: no step takes a rank's load (overheads included) above this (None: no cap);
+            ranks above it may only shed load.
+        pair_cap: no step takes the distinct (rank, unit) publish pairs above this.
     """
     over = class_overheads(classes, batch_overhead, len(costs))
     st = _State(owners, costs, units, deadlines, num_ranks, classes, over)
@@ -260,9 +221,8 @@ def _best_move(st, a, rowmax, loads, pre, suf, w, best):
 
 
 def _best_swap(st, a, rowmax, loads, w, best, deadline=np.inf):
-    """The best swap of one of ``a``'s matrices with another rank's; the search stops at
-    ``deadline`` (``time.perf_counter()``), each candidate costing two prefix sums (Pi0 on 8
-    ranks: ~0.3 s for all of them)."""
+    """The best swap of one of ``a``'s matrices with another rank's, until ``deadline``
+    (``time.perf_counter()``)."""
     mine = {}
     for i, r in enumerate(st.owners):
         if r == a:

@@ -1,17 +1,11 @@
 """Publish-group-aware placement: trade Newton-Schulz balance against collective count.
 
-dmuon publishes (and reduces) one flat buffer per *(group, owner)* pair, a group being an FSDP2
-block: a block whose matrices have ``k`` owners costs ``k`` broadcasts in forward, ``k`` more in
-backward (with ``reshard_after_forward``) and ``k`` reduces, on every rank. So the objective is
+dmuon publishes and reduces one flat buffer per *(group, owner)* pair (a group is an FSDP2
+block), so the objective is
 
     minimize    makespan + group_cost * pairs,      pairs = |{(g, owner(i)) : i in g}|
 
-with ``group_cost`` the step time of one pair in the unit of the NS costs (0 on NCCL, which
-groups the roots of one call; about a millisecond per collective on gloo,
-:data:`dmuon.balance.cost.GLOO_PAIR_COST_S`). Two heuristics feed the MILP
-(:func:`dmuon.balance.milp.solve_milp` with ``groups``): :func:`group_lpt` (LPT over whole
-groups) and :func:`merge_groups` (move a group's part onto another owner of the group while the
-objective drops).
+with ``group_cost`` one pair's step time (:func:`dmuon.balance.cost.default_group_cost`).
 """
 
 from __future__ import annotations
@@ -53,8 +47,7 @@ def group_lpt(
     memory: Sequence[float] | None = None,
     memory_cap: float | None = None,
 ) -> tuple[int, ...] | None:
-    """LPT over whole groups (:func:`dmuon.balance.assignment.greedy` on the groups' total
-    cost and memory): owner per matrix, or None when some group fits on no rank under the cap."""
+    """LPT over whole groups: owner per matrix, or None when a group fits no rank under the cap."""
     members: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
@@ -84,16 +77,9 @@ def merge_groups(
     memory_cap: float | None = None,
     time_limit_s: float = 5.0,
 ) -> tuple[int, ...]:
-    """Lower :func:`objective` by merging a group's parts onto one of its other owners.
-
-    A *part* is the matrices of group ``g`` owned by rank ``r``. Each pass tries, for every
-    part of every group with several owners, moving the part to each other owner of the
-    group; the move that lowers the objective most is applied (ties: first found, scanning
-    groups, parts and targets in ascending order), until no move helps or the time is up.
-    Every accepted move removes one pair, so at most ``pairs - groups`` moves are made.
-
-    Returns:
-        Owner per matrix whose objective is at most that of ``owners``.
+    """Owners whose :func:`objective` is at most that of ``owners``: each pass moves the part
+    (a group's matrices on one rank) to another owner of its group that lowers the objective
+    most (ties: first in ascending group, part, target), until none helps or time is up.
     """
     owners = list(owners)
     cap = float("inf") if memory_cap is None else float(memory_cap)

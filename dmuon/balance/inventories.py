@@ -1,11 +1,9 @@
 """Canonical Muon matrix inventories of the models dmuon is measured on.
 
-Each inventory lists the 2-D weights Muon takes (the dedicated matrices) as
-``(fqn, (out_features, in_features))``: the shape of an ``nn.Linear.weight``, which is stored
-``[out, in]``. Embeddings, the (tied or untied) LM head, norms, biases and conv patch
-embeddings are left out: they stay on AdamW, as in Muon practice. Names follow the Hugging Face
-module names; order is forward order. ``bench/`` should import from here so benchmarks and the
-profile CLI use the same shapes.
+Each inventory lists the dedicated matrices as ``(fqn, (out_features, in_features))`` (an
+``nn.Linear.weight``'s shape), or ``(fqn, (experts, rows, cols))`` for an expert stack, in
+forward order with Hugging Face names. Embeddings, LM head, norms, biases and conv patch
+embeddings stay on AdamW, as in Muon practice.
 
 Sources (public configs):
     * Pi0 (Physical Intelligence, openpi): PaliGemma = SigLIP So400m/14 vision tower (width
@@ -30,9 +28,6 @@ Sources (public configs):
       61 layers (layer 0 dense, intermediate 18432), MLA with 64 heads, q_lora_rank 1536,
       kv_lora_rank 512, qk nope/rope 128/64, v 128; 384 routed experts (8 active) of
       moe_intermediate 2048 and 1 shared expert.
-
-An expert stack is listed as ``(fqn, (experts, rows, cols))``; the plan balances it expert by
-expert and records one expert range per owner.
 """
 
 from __future__ import annotations
@@ -45,8 +40,7 @@ Inventory = list[tuple[str, tuple[int, ...]]]  # (rows, cols), or (experts, rows
 
 
 def _gqa_attention(p: str, width: int, heads: int, kv_heads: int, head_dim: int) -> Inventory:
-    """The four projections of a grouped-query attention layer at prefix ``p`` (Llama/Gemma/Qwen
-    naming, ``nn.Linear`` weights ``[out, in]``)."""
+    """The four projections of a grouped-query attention layer at prefix ``p``."""
     return [
         (f"{p}.self_attn.q_proj.weight", (heads * head_dim, width)),
         (f"{p}.self_attn.k_proj.weight", (kv_heads * head_dim, width)),
@@ -184,11 +178,7 @@ INVENTORIES: dict[str, Callable[[], Inventory]] = {
 
 
 def inventory(name: str) -> Inventory:
-    """The named inventory as ``[(fqn, (out, in)), ...]`` in forward order.
-
-    Raises:
-        ValueError: for an unknown name (the message lists the known ones).
-    """
+    """The named inventory; ValueError for an unknown name (listing the known ones)."""
     try:
         return INVENTORIES[name]()
     except KeyError:
@@ -201,11 +191,10 @@ _LAYER = re.compile(r"^(.*?\.\d+)\.")
 
 
 def layer_groups(fqns: list[str]) -> list[int]:
-    """Publish-group id per matrix name (forward order), as the usual FSDP2 wrapping makes them
-    (``fully_shard`` on each numbered layer, then on the root): one id per numbered module
-    (``...layers.7.``), counting up from 0 in order of first appearance, and one for every
-    matrix outside them (the root block). The inventory-side twin of
-    :func:`dmuon.hooks.fsdp_adapter.publish_block`, which reads the blocks off a wrapped model.
+    """Publish-group id per matrix name (forward order) under the usual FSDP2 wrapping (each
+    numbered layer, then the root): one id per numbered module (``...layers.7.``) from 0 in
+    order of first appearance, one for the root block. The inventory-side twin of
+    :func:`dmuon.hooks.fsdp_adapter.publish_block`.
     """
     ids: dict[str, int] = {}
     out = []

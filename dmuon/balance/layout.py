@@ -6,14 +6,9 @@ forward order) of layer ``l`` ideally lives on
     gpu(l, j)  = (j mod G) (+) (l mod G)
     node(l, j) = (floor(j / G) mod N) (+) (l mod N)
 
-where ``(+)`` is XOR when the size (``G`` or ``N``) is a power of two, else addition modulo the
-size. Both are group operations, so for a fixed ``l`` the map ``j -> rank`` is a bijection on
-the first ``N*G`` matrices (a layer spreads over distinct ranks), and layers ``l`` and ``l + 1``
-put matrix ``j`` on a different GPU index and node whenever ``G, N >= 2``: neighbouring layers'
-collectives leave from different GPUs and cross different NICs.
-
-The solver fixes how many matrices of each class every rank owns (that alone sets the loads);
-:func:`apply_layout` then chooses which matrices of a class go to which of those ranks.
+where ``(+)`` is XOR when the size is a power of two, else addition modulo the size. Both are
+group operations, so a layer's first ``N*G`` matrices go to distinct ranks, and layers ``l`` and
+``l + 1`` put matrix ``j`` on a different GPU index and node whenever ``G, N >= 2``.
 """
 
 from __future__ import annotations
@@ -41,23 +36,13 @@ def apply_layout(
     nodes: int,
     gpus_per_node: int,
 ) -> tuple[int, ...]:
-    """Rearrange owners inside each class to follow the XOR layout, keeping every rank's
-    per-class counts (hence its load and memory) exactly.
+    """New owners per matrix: ``owners`` rearranged inside each class to follow the XOR layout,
+    every rank's per-class counts (hence load and memory) kept.
 
-    Matrices are placed in input (forward) order; each takes, among the ranks that still hold a
-    slot of its class, the one that minimizes, in this order: reusing a rank already owning a
-    matrix of the same group; sharing the node, then the GPU index, with the same-index matrix
-    of the previous group; differing from :func:`xor_owner`; the rank number.
-
-    Args:
-        owners: owner per matrix from the solver.
-        classes: per-matrix class (matrices of one class are interchangeable).
-        groups: per-matrix layer id, increasing in forward order.
-        nodes: number of nodes ``N``.
-        gpus_per_node: GPUs per node ``G``; every owner is in ``range(N * G)``.
-
-    Returns:
-        New owner per matrix, input order.
+    In forward order, each matrix takes, among the ranks with a slot of its class left, the one
+    that minimizes, in order: reusing a rank already owning its group; sharing the node, then
+    the GPU index, with the same-index matrix of the previous group; differing from
+    :func:`xor_owner`; the rank number. ``groups`` are layer ids increasing in forward order.
     """
     world = nodes * gpus_per_node
     slots: dict[Hashable, list[int]] = {}

@@ -1,12 +1,4 @@
-"""Makespan local search (a refinement of LPT) and MULTIFIT.
-
-:func:`improve`: repeatedly take the most loaded rank ``a`` (lowest index among ties) and apply
-the first move that lowers its load without raising any other rank to the old makespan: move a
-matrix ``c`` to ``b`` when ``load_b + c < load_a``, or swap ``c_a > c_b`` with ``b`` when
-``load_b - c_b + c_a < load_a``. Each step lowers the (makespan, ranks at it) pair, so the
-search terminates; the scan order (ranks by index, matrices by class) makes it deterministic.
-The classic 2-exchange neighbourhood for ``P || C_max`` (Finn & Horowitz 1979).
-"""
+"""Makespan local search (the 2-exchange neighbourhood, Finn & Horowitz 1979) and MULTIFIT."""
 
 from __future__ import annotations
 
@@ -29,6 +21,11 @@ def improve(
 ) -> tuple[int, ...]:
     """A plan whose makespan is at most that of ``owners``, owner per matrix in input order.
 
+    Repeatedly takes the most loaded rank ``a`` (lowest index among ties) and applies the first
+    step, scanning ranks by index and classes by cost, that lowers its load without raising
+    another rank to it: move ``c`` to ``b`` when ``load_b + c < load_a``, or swap ``c_a > c_b``
+    with ``b`` when ``load_b - c_b + c_a < load_a``.
+
     Args:
         owners: initial owner per matrix.
         costs, memory: per-matrix cost and bytes (or None), equal within a class.
@@ -38,7 +35,8 @@ def improve(
         time_limit_s: wall-clock seconds after which the current plan is returned.
     """
     deadline = time.perf_counter() + time_limit_s
-    keys = sorted(set(classes), key=lambda s: (-_cost_of(s, classes, costs), repr(s)))
+    first = {s: float(costs[i]) for i, s in reversed(list(enumerate(classes)))}
+    keys = sorted(first, key=lambda s: (-first[s], repr(s)))
     kid = {s: k for k, s in enumerate(keys)}
     cost = [0.0] * len(keys)
     mem = [0.0] * len(keys)
@@ -85,10 +83,6 @@ def improve(
     return tuple(out)
 
 
-def _cost_of(s, classes, costs):
-    return float(costs[list(classes).index(s)])
-
-
 def _find_step(a, top, counts, load, used, cost, mem, cap, num_ranks):
     """First improving (rank b, class moved a->b, class moved b->a or None) in scan order."""
     mine = [k for k, n in enumerate(counts[a]) if n]
@@ -120,7 +114,6 @@ def multifit(
 ) -> tuple[int, ...] | None:
     """MULTIFIT (Coffman, Garey & Johnson 1978): binary-search a capacity ``T`` and pack with
     first-fit decreasing (equal costs in input order) into ``num_ranks`` bins of capacity ``T``.
-    On Pi0 at 64 ranks it takes LPT + local search from 2% over the MILP's makespan to 0.
 
     Returns:
         Owner per matrix at the smallest feasible ``T`` found, or None when no packing was

@@ -1,11 +1,9 @@
 """The owner MILP: exposed Newton-Schulz time, with the makespan as its one-unit case, by CBC.
 
-Matrices of one unit and one *class* are interchangeable, so instead of one binary per
-(matrix, rank) the model counts them: ``x[q, r]`` is the number of matrices of key ``q =
-(unit, group, class)`` rank ``r`` owns. A class is one (cost, memory) pair, so a shape and its
-transpose share one; only a shape with a batch overhead ``f_s > 0`` stays a class of its own,
-as it pays ``f_s`` once per (rank, unit). For Qwen2.5-7B (196 matrices, 3 classes) at 256 ranks
-that is 768 integers instead of 50,176 binaries.
+Matrices of one key ``q = (unit, group, class)`` are interchangeable, so the model counts them:
+``x[q, r]`` is how many rank ``r`` owns (Qwen2.5-7B at 256 ranks: 768 integers, not 50,176
+binaries). A class is a (cost, memory) pair (:func:`milp_class`), or the shape where it pays a
+batch overhead ``f_s > 0`` once per (rank, unit).
 
     minimize    E + w M + group_cost * sum y
     subject to  sum_r x[q, r] = n_q                                        for every key q
@@ -19,20 +17,14 @@ that is 768 integers instead of 50,176 binaries.
                 E >= a proven lower bound                                (lets CBC stop early)
 
 ``E`` is the exposed time of :mod:`dmuon.balance.deadline`; with one unit and ``d_0 = 0`` it
-is the makespan (``P || C_max``). The publish-group binaries ``y``
-(:mod:`dmuon.balance.grouping`) enter only with ``group_cost > 0``. ``c`` is the marginal NS
-cost of one matrix, ``f`` the fixed cost of a batch (:func:`dmuon.balance.cost.fit_batch_costs`),
-``m`` its bytes.
+is the makespan (``P || C_max``). The publish-group binaries ``y`` (:mod:`dmuon.balance.grouping`)
+enter only with ``group_cost > 0``. ``c`` is a matrix's marginal NS cost, ``f`` a batch's fixed
+cost (:func:`dmuon.balance.cost.fit_batch_costs`), ``m`` its bytes.
 
-CBC comes with PuLP 3 (``PULP_CBC_CMD``) or, on PuLP 4 (Python >= 3.12; ``solve`` returns an
-``LpSolveStats``), from the ``cbcbox`` package (``pulp[cbc]``) or ``PATH`` (``COIN_CMD``); the
-functions under "PuLP" below are the only calls that differ (read in PuLP 3.3.2 and 4.0.0 /
-4.2.0; variables come from ``LpProblem.add_variable``, which both have).
-
-Every way the solver path can fail (PuLP cannot be imported or finds no CBC binary, building
-the model raises, CBC crashes, hangs or returns no plan, its values are not a plan) raises
-:class:`MilpFailure` with the reason; :func:`milp_fallback` then retries once without the
-warm start (not for :class:`PulpUnusable`) and falls back to the heuristic plan with a warning.
+CBC comes with PuLP 3 (``PULP_CBC_CMD``) or, on PuLP 4, from ``pulp[cbc]`` or ``PATH``
+(``COIN_CMD``); the functions under "PuLP" below are the only calls that differ. Every failure
+of the solver path raises :class:`MilpFailure`; :func:`milp_fallback` retries once without the
+warm start and falls back to the heuristic plan with a warning.
 """
 
 from __future__ import annotations
@@ -53,8 +45,7 @@ logger = logging.getLogger(__name__)
 
 
 class MilpFailure(RuntimeError):
-    """CBC gave no usable plan; the message says why (PuLP missing or unusable, model build,
-    crash, status, bad solution values)."""
+    """CBC gave no usable plan; the message says why."""
 
 
 class PulpUnusable(MilpFailure):
@@ -62,8 +53,7 @@ class PulpUnusable(MilpFailure):
 
 
 def milp_class(shape: Hashable, cost: float, memory: float, overhead: float) -> tuple:
-    """The MILP class of a matrix: its (cost, memory), or its shape where it pays a batch
-    overhead (matrices of one class are interchangeable)."""
+    """A matrix's MILP class: its (cost, memory), or its shape where it pays a batch overhead."""
     return ("shape", shape) if overhead > 0 else ("cost", cost, memory)
 
 
@@ -84,40 +74,29 @@ def solve_milp(
     makespan_weight: float = 0.0,
     bound: float = 0.0,
 ) -> tuple[tuple[int, ...], bool]:
-    """Solve the MILP above with CBC.
+    """Solve the MILP above with CBC (arguments as :func:`dmuon.balance.solve`'s).
 
     Args:
-        costs: per-matrix marginal cost, ``>= 0``; equal within a class.
-        num_ranks: number of ranks ``D``.
-        classes: per-matrix class key (the shape).
-        units: per-matrix unit id ``0..K-1`` in forward order (default: all in unit 0).
-        deadlines: ``d_k`` per unit, unit of ``costs`` (default ``[0]``: the makespan).
-        memory: per-matrix bytes on the owner, equal within a class, or None.
-        memory_cap: bytes per rank, or None.
-        batch_overhead: per-class fixed cost of owning any matrix of that class in a unit.
-        warm_start: an initial plan (owners per matrix) for CBC, e.g. the heuristic's.
-        time_limit_s: CBC wall-clock limit, seconds.
-        groups: per-matrix publish-group id; used only with ``group_cost > 0``.
-        group_cost: step time of one (group, owner) pair, in the unit of ``costs``.
-        makespan_weight: ``w``, the makespan's weight beside ``E``.
-        bound: a proven lower bound on ``E``, unit of ``costs``.
+        units: default all in unit 0; ``deadlines`` default ``[0]``: the makespan.
+        warm_start: an initial plan (owners per matrix), e.g. the heuristic's.
+        groups: used only with ``group_cost > 0``.
+        makespan_weight: ``w``; ``bound``: a proven lower bound on ``E``.
 
     Returns:
-        ``(owners, optimal)``: owners per matrix in input order, ``optimal`` True when CBC
-        proved it (False: CBC's incumbent at the time limit).
+        ``(owners, optimal)``: owners per matrix, ``optimal`` False for CBC's incumbent at the
+        time limit.
 
     Raises:
         ValueError: when matrices of one class differ in cost or memory.
         PulpUnusable: PuLP cannot be imported or finds no CBC (a retry fails the same way).
-        MilpFailure: the model cannot be built, CBC gives no plan (crash, status, time limit,
-            no return), or its values cannot be read; the message names the stage.
+        MilpFailure: the model cannot be built, CBC gives no plan, or its values cannot be
+            read; the message names the stage.
     """
     n = len(costs)
     units = [0] * n if units is None else [int(u) for u in units]
     overhead = {s: float((batch_overhead or {}).get(s, 0.0)) for s in classes}
-    # Several units: costs in units of the largest (on raw FLOPs, deadlines ~1e13, CBC returned
-    # counts that were all 0). One unit (the makespan): raw costs, which CBC proves optimal
-    # faster (Pi0 on 8 ranks: 0.1 s raw, not within 5 s scaled).
+    # Several units: costs scaled by the largest (raw FLOP deadlines ~1e13 made CBC return all
+    # zeros); one unit: raw costs, which CBC proves optimal faster.
     scale = max([float(c) for c in costs] + list(overhead.values()) + [0.0]) or 1.0
     scale = scale if len(deadlines) > 1 else 1.0
     mem = [0.0] * n if memory is None else [float(m) for m in memory]
@@ -153,11 +132,8 @@ def solve_milp(
                              w=float(makespan_weight), group_cost=float(group_cost) / scale,
                              bound=float(bound) / scale, warm_start=warm_start,
                              overhead={s: f / scale for s, f in overhead.items()})
-            # No ``threads`` option: with ``threads=1`` CBC starts one worker thread that,
-            # about once in 200 solves, never starts and the solve stops at the time limit.
-            # ``rins off``: CBC 2.10.3 (PuLP 3.3's binary) aborts with an uncaught CoinError in
-            # its RINS heuristic on warm-started models (issue 28); our warm start is already a
-            # local-search optimum, the neighbourhood RINS searches.
+            # No ``threads``: with threads=1 CBC's worker sometimes never starts. ``rins off``:
+            # CBC 2.10.3's RINS aborts on warm-started models (issue 28).
             solver = cbc(pulp, time_limit_s=max(1, int(round(time_limit_s))),
                          warm_start=warm_start is not None, options=["rins off"])
         except Exception as e:  # a PuLP whose modelling API this code does not know
@@ -166,8 +142,7 @@ def solve_milp(
         missing = cbc_available(pulp, solver)
         if missing is not None:
             raise PulpUnusable(missing)
-        # PuLP deletes its model, warm-start and solution files only after a solve that
-        # returned: a directory of our own is removed whatever happened.
+        # PuLP deletes its files only after a solve that returned; our directory always goes
         with tempfile.TemporaryDirectory(prefix="dmuon-cbc-", ignore_cleanup_errors=True) as tmp:
             solver.tmpDir = tmp
             has_plan, optimal, status = _solve_with_deadline(pulp, prob, solver, time_limit_s)
@@ -276,11 +251,11 @@ def _warm(owners, keys, order, table, batches, deadlines, overhead, num_ranks, x
 
 
 def _read(x, table, num_ranks, n):
-    """Owners per matrix from CBC's counts ``x[k, r]``, checked: every value a non-negative
-    integer (within 1e-6) and every key's counts summing to its size.
+    """Owners per matrix from CBC's counts ``x[k, r]``.
 
     Raises:
-        MilpFailure: naming the first variable or key whose values are not a plan.
+        MilpFailure: naming the first count that is not a non-negative integer (within 1e-6)
+            or the first key whose counts do not sum to its size.
     """
     owners = [0] * n
     for k, key in enumerate(table):
@@ -305,22 +280,18 @@ def _read(x, table, num_ranks, n):
     return owners
 
 
-#: Seconds past twice CBC's own time limit after which a CBC that has not returned counts as
-#: hung: it is killed and the solve fails (CBC stops itself at the limit; reading the model and
-#: writing the solution took under 1 s for Pi0 at 256 ranks, and a loaded 2-core machine can
-#: stretch the wall clock 2-3x).
+#: Seconds past twice CBC's time limit after which a CBC that has not returned is killed as hung
+#: (reading and writing took under 1 s for Pi0 at 256 ranks; load can stretch wall time 2-3x).
 HANG_MARGIN_S = 30.0
 
 
 def _solve_with_deadline(pulp, prob, solver, time_limit_s: float) -> tuple[bool, bool, str]:
     """:func:`_solve_pulp` in a worker thread, waited on for ``2 * time_limit_s +``
-    :data:`HANG_MARGIN_S` seconds. PuLP waits on CBC's process without a timeout, so a CBC that
-    never returns would hang the caller (on ``dedicate_params``' rank 0: the whole job).
+    :data:`HANG_MARGIN_S` seconds (PuLP waits on CBC without a timeout).
 
     Raises:
-        MilpFailure: when CBC raised (``PulpSolverError``: it aborted or wrote no solution;
-            ``OSError``...), or did not return in time (its processes, children of this one
-            named like the solver binary, are then killed where ``/proc`` exists).
+        MilpFailure: when CBC raised, or did not return in time (its processes are then
+            killed where ``/proc`` exists).
     """
     box: dict[str, object] = {}
 
@@ -341,16 +312,14 @@ def _solve_with_deadline(pulp, prob, solver, time_limit_s: float) -> tuple[bool,
             f"hung; killed {killed} process(es)")
     if "error" in box:
         e = box["error"]
-        # PuLP raises PulpSolverError when CBC exits non-zero or leaves no solution file; any
-        # other error came from running CBC (OSError) or reading its solution (ValueError...).
+        # PulpSolverError: CBC exited non-zero or wrote no solution
         what = "crashed" if type(e).__name__ == "PulpSolverError" else "failed"
         raise MilpFailure(f"CBC {what}: {type(e).__name__}: {_first_line(e)}") from e
     return box["outcome"]
 
 
 def _kill_child_processes(name: str) -> int:
-    """SIGKILL this process's children whose command name is ``name`` (Linux ``/proc``; 0
-    elsewhere). Returns how many were signalled."""
+    """SIGKILL this process's children named ``name`` (Linux ``/proc``); how many."""
     killed = 0
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
@@ -414,15 +383,11 @@ def cbc_available(pulp: ModuleType, solver) -> str | None:
 
 
 def _solve_pulp(pulp: ModuleType, prob, solver) -> tuple[bool, bool, str]:
-    """``prob.solve(solver)``: ``(has_plan, optimal, status)``, ``status`` in PuLP's words.
-
-    PuLP 3 records the outcome on the problem (``sol_status``: ``LpSolutionOptimal``, or
-    ``LpSolutionIntegerFeasible`` for an incumbent at the time limit); PuLP 4 returns an
-    ``LpSolveStats`` (``status``, ``has_solution``).
+    """``prob.solve(solver)``: ``(has_plan, optimal, status)``, ``status`` in PuLP's words, from
+    PuLP 3's ``prob.sol_status`` or PuLP 4's returned ``LpSolveStats``.
 
     Raises:
-        whatever ``prob.solve`` raises (``PulpSolverError`` when CBC exits non-zero or writes
-        no solution file), and ``TypeError`` when it returns neither PuLP's result.
+        whatever ``prob.solve`` raises, and ``TypeError`` when it returns neither PuLP's result.
     """
     result = prob.solve(solver)
     if hasattr(result, "has_solution"):  # PuLP 4's LpSolveStats
@@ -443,22 +408,20 @@ def _solve_pulp(pulp: ModuleType, prob, solver) -> tuple[bool, bool, str]:
 def milp_fallback(costs, num_ranks, *, warm_start, fallback, score, what="owner", **milp_args):
     """:func:`solve_milp` that never raises for a solver failure: CBC with the warm start, then
     once more without it (not for :class:`PulpUnusable`); after two failures, one warning line
-    says why and names the plan kept instead.
+    says why and names the plan kept.
 
     Args:
-        costs, num_ranks, milp_args: passed to :func:`solve_milp`.
-        warm_start: the heuristic plan (owners per matrix), or None.
-        fallback: the heuristic's name for the warning, or None when there is no plan to fall
-            back to (the caller then raises).
-        score: ``owners -> str``: how good a plan is against its bound, for the warning.
+        warm_start: the heuristic plan, or None.
+        fallback: the heuristic's name for the warning (None: no plan to fall back to).
+        score: ``owners -> str``, how good a plan is, for the warning.
         what: the objective's name in the warning (``"owner"``, ``"deadline"``).
 
     Returns:
-        ``(result, status)``: ``solve_milp``'s ``(owners, optimal)``, or None after two
-        failures; ``status`` is :attr:`dmuon.balance.solver.Assignment.milp_status`.
+        ``(result, status)``: ``solve_milp``'s ``(owners, optimal)`` or None, and
+        :attr:`dmuon.balance.solver.Assignment.milp_status`.
 
     Raises:
-        ValueError: from ``solve_milp`` on inconsistent classes (a caller's bug, not CBC's).
+        ValueError: from ``solve_milp`` on inconsistent classes (a caller's bug).
     """
 
     def ok(res, note=""):

@@ -1,11 +1,8 @@
 """Measure Newton-Schulz and forward matmul times per shape, cached on disk.
 
-NS goes through the optimizer's own path (:func:`dmuon.kernels.newton_schulz`, Gram method,
-fp16, default backend) on a ``[batch, rows, cols]`` random fp32 input; times are the median of
-``repeats`` runs after ``warmup`` (CUDA events on GPU, a wall clock otherwise). The cache is a
-JSON file keyed by ``device name | torch version | shape | batch or tokens``, so a new GPU or
-torch version measures again. On CPU the FLOP model stands in (``measure=False``): CPU times
-say nothing about the GPUs a plan is for.
+Times are medians in ms (CUDA events on GPU, a wall clock otherwise). The JSON cache is keyed by
+``device name | torch version | shape | batch or tokens``, so a new GPU or torch measures again.
+With ``measure=False`` (CPU) the FLOP model stands in.
 """
 
 from __future__ import annotations
@@ -22,7 +19,7 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "dmuon", "ns_pro
 
 
 def device_name(device) -> str:
-    """Human-readable device name used in the cache key (GPU model, or ``cpu``)."""
+    """The device's name in the cache key (GPU model, or ``cpu``)."""
     import torch
 
     device = torch.device(device)
@@ -38,8 +35,7 @@ def _key(dev: str, shape: tuple[int, int], batch: int, steps: int) -> str:
 
 
 def _median_ms(run, device, warmup: int, repeats: int) -> float:
-    """Median milliseconds of ``run()`` over ``repeats`` timed calls after ``warmup`` untimed
-    ones (CUDA events on GPU, a wall clock otherwise)."""
+    """Median ms of ``run()`` over ``repeats`` timed calls after ``warmup`` untimed ones."""
     import torch
 
     cuda = torch.device(device).type == "cuda"
@@ -63,7 +59,7 @@ def _median_ms(run, device, warmup: int, repeats: int) -> float:
 
 def _cached(cache_path, measure: dict, desc: str | None = None) -> dict[str, float]:
     """The cache with every key of ``measure`` (``{key: () -> ms}``) in it: missing ones are
-    measured and the file rewritten (atomically: concurrent ranks never read half a file)."""
+    measured and the file replaced atomically (concurrent ranks never read half a file)."""
     cache: dict[str, float] = {}
     if cache_path is not None and os.path.exists(cache_path):
         with open(cache_path) as f:
@@ -85,7 +81,8 @@ def _cached(cache_path, measure: dict, desc: str | None = None) -> dict[str, flo
 
 def time_ns(shape: tuple[int, int], batch: int, *, device, steps: int = 5, warmup: int = 2,
             repeats: int = 5, seed: int = 0) -> float:
-    """Median milliseconds of one batched NS of ``batch`` matrices ``[rows, cols]`` (fp32 in)."""
+    """Median ms of one :func:`dmuon.kernels.newton_schulz` of a random fp32 ``[batch, rows,
+    cols]``."""
     import torch
 
     from dmuon.kernels import newton_schulz
@@ -104,19 +101,9 @@ def profile_shapes(
     cache_path: str | os.PathLike | None = DEFAULT_CACHE,
     progress: bool = True,
 ) -> dict[tuple[int, int], dict[int, float]]:
-    """Measured ms per distinct shape and batch size, reading and extending the disk cache.
-
-    Args:
-        shapes: ``(rows, cols)`` shapes (duplicates are measured once).
-        device: torch device to time on.
-        batch_sizes: batch sizes to time per shape (for the batching model).
-        steps: NS steps.
-        cache_path: JSON cache file, or None for no cache.
-        progress: show a tqdm progress bar.
-
-    Returns:
-        ``{shape: {batch: ms}}``.
-    """
+    """``{shape: {batch: ms}}`` of NS per distinct ``(rows, cols)`` shape and batch size on
+    ``device``, read from and added to the JSON cache ``cache_path`` (None: no cache);
+    ``progress`` shows a tqdm bar."""
     dev = device_name(device)
     distinct = sorted({(int(r), int(c)) for r, c in shapes})
     todo = {_key(dev, s, b, steps): (lambda s=s, b=b: time_ns(s, b, device=device, steps=steps))
@@ -134,13 +121,10 @@ def profile_costs(
     cache_path: str | os.PathLike | None = DEFAULT_CACHE,
     progress: bool = True,
 ) -> tuple[list[float], dict[tuple[int, int], float], str]:
-    """Solver inputs for a list of matrix shapes.
-
-    Returns:
-        ``(costs, batch_overhead, unit)``: per-matrix marginal cost, per-shape fixed batch cost
-        (empty for FLOPs) and the unit, ``"ms"`` when ``measure`` else ``"flops"`` (Gram FLOP
-        model, :func:`dmuon.balance.cost.ns_flops`).
-    """
+    """Solver inputs ``(costs, batch_overhead, unit)`` for matrix shapes: per-matrix marginal
+    cost, per-shape fixed batch cost (:func:`dmuon.balance.cost.fit_batch_costs`) and ``"ms"``
+    when ``measure``, else the FLOP model (:func:`dmuon.balance.cost.flop_costs`), ``{}`` and
+    ``"flops"``."""
     shapes = [(int(r), int(c)) for r, c in shapes]
     if not measure:
         return flop_costs(shapes, steps=steps), {}, "flops"
@@ -152,8 +136,8 @@ def profile_costs(
 
 def time_matmul(shape: tuple[int, int], tokens: int, *, device, warmup: int = 2, repeats: int = 5,
                 seed: int = 0) -> float:
-    """Median milliseconds of one forward matmul ``x[tokens, cols] @ W[rows, cols].T`` (bf16 on
-    CUDA, fp32 elsewhere): the linear layer a dedicated matrix runs in forward."""
+    """Median ms of the forward matmul ``x[tokens, cols] @ W[rows, cols].T`` (bf16 on CUDA,
+    fp32 elsewhere)."""
     import torch
 
     cuda = torch.device(device).type == "cuda"
@@ -172,24 +156,16 @@ def unit_times(
     device="cpu",
     cache_path: str | os.PathLike | None = DEFAULT_CACHE,
 ) -> tuple[list[float], list[float], str]:
-    """Forward and backward time per unit (FSDP2 block), the deadlines of the overlap plan
-    (:mod:`dmuon.balance.deadline`).
-
-    Only the units' dedicated matrices count: each a linear layer over ``tokens`` tokens, so
-    attention scores, norms, activations and the embedding are left out and the times are
-    lower bounds (the deadlines come earlier than in a real forward: the exposed time is
-    overestimated, never hidden by the model). Backward is twice forward (input and weight
-    gradients, two matmuls of the forward's size).
+    """Forward and backward (twice forward) time per unit (FSDP2 block), for the deadlines of
+    :mod:`dmuon.balance.deadline`. Only the dedicated matrices count, each a linear layer over
+    ``tokens`` tokens: lower bounds, so the exposed time is overestimated, never hidden.
 
     Args:
         unit_shapes: per unit, forward order, the ``(rows, cols)`` of its matrices (an expert
-            stack counts as one matrix: a token passes through few experts).
+            stack counts as one matrix).
         tokens: tokens through each matrix per micro-batch on one GPU.
-        measure: time each distinct shape's matmul on ``device`` (median of 5, cached in
-            ``cache_path`` beside the NS times) and return ms; else the FLOP model
-            ``2 tokens rows cols`` per matrix, in FLOPs (the NS FLOP model's unit, so NS and
-            forward then run at one throughput).
-        device, cache_path: as :func:`profile_shapes`.
+        measure: time each distinct shape's matmul on ``device`` (cached in ``cache_path``),
+            in ms; else the FLOP model ``2 tokens rows cols`` per matrix, in FLOPs.
 
     Returns:
         ``(forward, backward, unit)``: per-unit times, ``"ms"`` or ``"flops"``.

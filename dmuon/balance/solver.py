@@ -1,24 +1,16 @@
 """Owner assignment: one :func:`solve` for the makespan, the exposed time and the runtime plan.
 
-Every dedicated matrix needs one owner rank that runs its Newton-Schulz (NS). Run after
-backward, the step waits for the most loaded rank: the objective is the *makespan* ``max_r
-load_r`` (``P || C_max``, Graham 1969; NP-hard, Garey & Johnson 1979). Overlapped with the next
-forward, the step pays the *exposed time* ``E`` of :mod:`dmuon.balance.deadline` instead, of
-which the makespan is the one-unit, zero-deadline case. :func:`solve` serves three objectives:
-
-* makespan (no ``deadlines``): LPT (:func:`dmuon.balance.assignment.greedy`), MULTIFIT and
+* makespan ``max_r load_r`` (``P || C_max``, Graham 1969; no ``deadlines``): LPT, MULTIFIT and
   move/swap local search (:mod:`dmuon.balance.local_search`), then, with ``group_cost``,
   publish-group merging (:mod:`dmuon.balance.grouping`);
-* exposed time (``units`` and ``deadlines``): the greedy in unit order and
-  :func:`dmuon.balance.deadline.improve_exposed`;
-* the runtime's plan (``deadlines`` and ``makespan_slack``): the makespan plan, then the least
-  exposed time among plans within ``1 + makespan_slack`` of its makespan (:func:`_overlap`).
+* exposed time ``E`` (``units`` and ``deadlines``, :mod:`dmuon.balance.deadline`): the greedy in
+  unit order and :func:`dmuon.balance.deadline.improve_exposed`;
+* the runtime plan (``deadlines`` and ``makespan_slack``): the least ``E`` among plans within
+  ``1 + makespan_slack`` of the makespan plan's makespan (:func:`_overlap`).
 
-Each heuristic plan then warm-starts the MILP (:mod:`dmuon.balance.milp`, one model for all
-three) when ``method`` asks for it, so ``"milp"`` is never worse than ``"heuristic"``. On the
-shipped inventories at 8-256 ranks the heuristics' plans are within 1% of the MILP's on both
-objectives (``bench/bench_solvers.py``, docs/performance.md), so the runtime uses
-``"heuristic"``.
+Where ``method`` asks for it, each heuristic plan warm-starts the MILP (:mod:`dmuon.balance.milp`),
+so ``"milp"`` is never worse than ``"heuristic"``. The heuristics are within 1% of the MILP on the
+shipped inventories at 8-256 ranks (docs/performance.md), so the runtime uses ``"heuristic"``.
 """
 
 from __future__ import annotations
@@ -40,17 +32,13 @@ from dmuon.balance.milp import milp_fallback
 
 logger = logging.getLogger(__name__)
 
-#: ``auto`` solves the makespan MILP when (distinct given classes, i.e. shapes) x (ranks) is at
-#: most this. Pi0 (16 shapes, 11 MILP classes) and Qwen2.5-7B (4 shapes, 3 classes) at 256
-#: ranks count 4096 and 1024 here and finish in a few seconds on the 2-core dev machine.
+#: ``auto`` solves the makespan MILP up to this many (distinct classes) x (ranks): Pi0 at 256
+#: ranks counts 4096 and solves in a few seconds on 2 CPU cores.
 AUTO_MAX_INTEGER_VARS = 8192
-
-#: ``auto`` solves the publish-group MILP when (distinct (group, shape) pairs) x (ranks) is at
-#: most this: its root LP is harder (Qwen2.5-7B at 64 ranks, 7168, overran a 2 s limit to 9 s).
+#: ... the publish-group MILP up to this many (distinct (group, class) pairs) x (ranks): its
+#: root LP is harder.
 AUTO_MAX_GROUP_VARS = 2048
-
-#: ``auto`` solves the exposed-time MILP when (distinct (unit, class) keys) x (ranks) is at most
-#: this (Qwen2.5-7B: 28 units x 3 classes = 84 keys, so up to 48 ranks).
+#: ... the exposed-time MILP up to this many (distinct (unit, class) keys) x (ranks).
 AUTO_MAX_DEADLINE_VARS = 4096
 
 _METHODS = ("auto", "greedy", "milp", "heuristic")
@@ -58,39 +46,35 @@ _METHODS = ("auto", "greedy", "milp", "heuristic")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Assignment:
-    """Result of :func:`solve`.
+    """Result of :func:`solve`; loads and times in the unit of the costs.
 
     Attributes:
         owners: owner rank of every matrix, in input order.
-        loads: per-rank cost (unit of the costs), batching included (with ``deadlines``: a
-            batch overhead per (rank, unit, class), as NS runs unit by unit).
-        memory: per-rank memory in bytes (zeros when no memory was given).
+        loads: per-rank cost, batching included (with ``deadlines``: an overhead per (rank, unit,
+            class)).
+        memory: per-rank bytes (zeros without ``memory``).
         makespan: ``max(loads)``.
         lower_bound: ``max(total / num_ranks, largest cost)``.
         proven_bound: :func:`dmuon.balance.assignment.makespan_lower_bound`, or the makespan
-            itself when ``optimal``.
+            when ``optimal``.
         method: ``"milp"`` when CBC's plan is returned (whenever it is at least as good as the
-            heuristic's, even the warm start itself), else ``"greedy"``.
-        optimal: True only where the makespan is proven optimal (MILP optimal, or makespan
-            equal to a lower bound); False for the exposed-time objective.
+            heuristic's), else ``"greedy"``.
+        optimal: the makespan is proven optimal (always False for the exposed time).
         solve_s: wall-clock seconds spent solving.
-        detail: the algorithm behind the plan: ``"lpt"``, ``"lpt+local_search"``,
-            ``"multifit+local_search"``, ``"deadline_greedy+local_search"`` or ``"cbc"``;
-            with a group cost, ``"+merge_groups"`` or ``"group_lpt+merge_groups"``; for the
-            runtime plan, ``"; <candidate>"`` when another candidate than the makespan plan won.
-        group_cost: step time of one publish (group, owner) pair, in the cost unit.
+        detail: the algorithm: ``"lpt"``, ``"lpt+local_search"``, ``"multifit+local_search"``,
+            ``"deadline_greedy+local_search"`` or ``"cbc"``; ``"+merge_groups"`` or
+            ``"group_lpt+merge_groups"`` with a group cost; ``"; <candidate>"`` when the
+            runtime plan is not the makespan plan.
+        group_cost: step time of one publish (group, owner) pair.
         publish_pairs: distinct (group, owner) pairs (0 without ``groups``).
-        milp_status: ``"optimal"``, ``"time limit"`` (CBC's best plan, not proven optimal),
-            ``"not run: <why>"``, ``"failed: <why>; retry without warm start failed: <why>"``
-            (the heuristic plan kept, :func:`dmuon.balance.milp.milp_fallback`) or
-            ``"optimal (retried ...)"``.
+        milp_status: ``"optimal"``, ``"time limit"`` (CBC's incumbent), ``"not run: <why>"``,
+            ``"failed: <why>..."`` (heuristic plan kept,
+            :func:`dmuon.balance.milp.milp_fallback`) or ``"optimal (retried ...)"``.
         problem: ``"makespan"``, ``"exposed"`` or ``"overlap"`` (the runtime plan).
-        exposed: the plan's exposed time ``E`` with ``deadlines`` (else 0), unit of the costs.
-        exposed_bound: :func:`dmuon.balance.deadline.exposed_lower_bound` (else 0).
-        candidate: ``"overlap"`` only: the winning candidate of :func:`_overlap`.
-        makespan_plan_exposed: ``"overlap"`` only: ``E`` of the makespan plan.
-        makespan_plan_makespan: ``"overlap"`` only: the makespan plan's makespan, batch
-            overheads per (rank, unit, class).
+        exposed: exposed time ``E`` with ``deadlines``, else 0.
+        exposed_bound: :func:`dmuon.balance.deadline.exposed_lower_bound`, else 0.
+        candidate, makespan_plan_exposed, makespan_plan_makespan: ``"overlap"`` only: the
+            winning candidate of :func:`_overlap`, and ``E`` and makespan of the makespan plan.
     """
 
     owners: tuple[int, ...]
@@ -211,44 +195,36 @@ def solve(
     Args:
         costs: per-matrix NS cost (ms when profiled, FLOPs from the FLOP model), ``>= 0``.
         num_ranks: number of ranks ``D``.
-        units: with ``deadlines``: unit (FSDP2 block) per matrix, ids ``0..K-1`` in forward
-            order.
+        units: with ``deadlines``: unit (FSDP2 block) id per matrix, ``0..K-1`` in forward order.
         deadlines: forward start ``d_k`` per unit, unit of ``costs``
-            (:func:`dmuon.balance.deadline.deadlines_from_forward`): minimize the exposed time
-            ``E + makespan_weight * makespan`` (or, with ``makespan_slack``, the runtime plan).
-            Takes none of ``memory_cap``, ``group_cost``, ``layout`` without ``makespan_slack``.
+            (:func:`dmuon.balance.deadline.deadlines_from_forward`): minimize
+            ``E + makespan_weight * makespan`` (or the runtime plan, with ``makespan_slack``).
+            Without ``makespan_slack`` takes none of ``memory_cap``, ``group_cost``, ``layout``.
         memory: bytes each matrix costs its owner (fp32 master + momentum + gradient).
         memory_cap: bytes allowed per rank (needs ``memory``).
-        groups: per-matrix group id (one layer = one group, ids increasing in forward order);
+        groups: per-matrix group id (one layer = one group, increasing in forward order);
             with ``layout``, :func:`dmuon.balance.layout.apply_layout` spreads each group.
-        classes: per-matrix class (the shape); matrices of one class are interchangeable and
-            batch together. Default: matrices with equal ``(cost, memory)`` form a class.
-        batch_overhead: per-class cost paid once per rank (and unit, with ``deadlines``)
-            owning any matrix of that class (the fixed part of a batched NS, from
-            :func:`dmuon.balance.cost.fit_batch_costs`); ``costs`` then hold the marginal part.
+        classes: per-matrix class (the shape): interchangeable matrices that batch together.
+            Default: equal ``(cost, memory)``.
+        batch_overhead: per-class cost paid once per rank (and unit, with ``deadlines``) owning
+            that class (:func:`dmuon.balance.cost.fit_batch_costs`); ``costs`` are then marginal.
         layout: ``(nodes, gpus_per_node)`` with ``nodes * gpus_per_node == num_ranks``.
         method: ``"greedy"`` (plain LPT; for the exposed time as ``"heuristic"``),
-            ``"heuristic"`` (the module docstring's heuristics, no CBC: the runtime's),
-            ``"milp"`` (then CBC warm-started from the heuristic plan) or ``"auto"`` (``"milp"``
-            up to :data:`AUTO_MAX_INTEGER_VARS`, :data:`AUTO_MAX_GROUP_VARS` or
-            :data:`AUTO_MAX_DEADLINE_VARS` integer variables, and not once the heuristic plan
-            meets the lower bound). The runtime plan's refinement never runs CBC.
-        time_limit_s: CBC wall-clock limit, seconds (the best plan found is kept); the local
-            searches get part of it.
-        group_cost: step time one (group, owner) pair costs (its broadcasts and reduce), in the
-            unit of ``costs``; with ``groups``, the objective becomes ``makespan + group_cost *
-            pairs``. 0 (default) minimizes the makespan alone.
-        makespan_weight: exposed time only: the makespan's weight beside ``E``, so that among
-            plans of one ``E`` the smaller makespan wins; 0 minimizes ``E`` alone.
+            ``"heuristic"`` (no CBC: the runtime's), ``"milp"`` (then CBC warm-started from the
+            heuristic plan) or ``"auto"`` (``"milp"`` up to :data:`AUTO_MAX_INTEGER_VARS`,
+            :data:`AUTO_MAX_GROUP_VARS` or :data:`AUTO_MAX_DEADLINE_VARS`, unless the heuristic
+            plan meets the lower bound). The runtime plan's refinement never runs CBC.
+        time_limit_s: CBC wall-clock limit, seconds; the local searches get part of it.
+        group_cost: step time of one (group, owner) pair (broadcasts and reduce), unit of
+            ``costs``: the objective becomes ``makespan + group_cost * pairs`` (needs ``groups``).
+        makespan_weight: exposed time only: the makespan's weight beside ``E`` (0: ``E`` alone).
         makespan_slack: with ``deadlines``: the runtime plan, the least ``E`` among plans whose
-            makespan is at most ``1 + makespan_slack`` (``>= 0``) times the makespan plan's
-            (:func:`_overlap`).
+            makespan is at most ``1 + makespan_slack`` (``>= 0``) times the makespan plan's.
 
     Returns:
-        The :class:`Assignment`, the same on every run unless the MILP hits its time limit
-        (then solve once and share the plan file). A CBC failure is no error: the heuristic
-        plan is returned with one warning naming the cause
-        (:func:`dmuon.balance.milp.milp_fallback`).
+        The :class:`Assignment`, the same on every run unless the MILP hits its time limit. A
+        CBC failure is no error: the heuristic plan is returned with one warning naming the
+        cause (:func:`dmuon.balance.milp.milp_fallback`).
 
     Raises:
         ValueError: on bad arguments (named in the message), or when ``memory_cap`` is
@@ -334,18 +310,13 @@ def _solve_exposed(costs, num_ranks, start, *, units, deadlines, classes, batch_
 
 def _overlap(result, costs, units, deadlines, classes, batch_overhead, memory, slack, time_limit_s,
              start):
-    """The runtime's plan from the makespan plan ``result``: among the candidates below whose
-    makespan is at most ``1 + slack`` times its makespan (and, with a group cost, whose publish
-    (unit, owner) pairs are no more than its), the one with the least ``E`` (ties: the smaller
-    makespan). The makespan plan is a candidate itself, so neither its ``E`` nor the slack is
-    ever exceeded.
-
-    Candidates: ``"makespan"``, the makespan plan; ``"makespan+exposed_search"``, it refined by
-    :func:`dmuon.balance.deadline.improve_exposed` with every rank's load capped at the allowed
-    makespan (and the pairs capped); without a group cost, ``"deadline"``: the greedy in unit
-    order refined by the uncapped search. Both searches are needed: the capped one gets stuck
-    far from the bound on Qwen2.5-7B at 8 ranks (FLOP model), the deadline plan alone costs Pi0
-    at 64 ranks 16% more makespan. The searches share ``time_limit_s``.
+    """The runtime's plan from the makespan plan ``result``: the least ``E`` (ties: smaller
+    makespan) among candidates within ``1 + slack`` of its makespan (and, with a group cost,
+    its publish pairs): ``"makespan"`` itself, ``"makespan+exposed_search"`` (it refined by
+    :func:`dmuon.balance.deadline.improve_exposed` under those caps) and, without a group cost,
+    ``"deadline"`` (the unit-order greedy, refined uncapped). Both searches are needed: the
+    capped one stalls on Qwen2.5-7B at 8 ranks, the deadline plan alone costs Pi0 at 64 ranks
+    16% more makespan.
     """
     num_ranks = len(result.loads)
     kw = dict(classes=classes, batch_overhead=batch_overhead or None)
@@ -356,8 +327,7 @@ def _overlap(result, costs, units, deadlines, classes, batch_overhead, memory, s
     base = [int(r) for r in result.owners]
     base_exposed, base_loads = measure(base)
     base_makespan = float(base_loads.max())
-    # the makespan in the deadline model's terms (a batch overhead per (rank, unit, class), as
-    # the NS runs unit by unit), so that the makespan plan itself is always allowed
+    # in the deadline model's terms (overheads per (rank, unit, class)): the base is allowed
     cap = base_makespan * (1 + float(slack))
     keep_pairs = result.group_cost > 0
     pair_cap = publish_pairs(base, units) if keep_pairs else None
@@ -403,11 +373,9 @@ def _solve_makespan(costs, num_ranks, start, *, memory, memory_cap, groups, clas
                           optimal=True, solve_s=0.0)
     if memory_cap is not None:
         check_memory_cap(memory, num_ranks, float(memory_cap), time_limit_s=time_limit_s / 2)
-
     eff = effective_costs(costs, classes, batch_overhead)
-    lower = max(sum(eff) / num_ranks, max(eff))
+    lower = trivial_lower_bound(eff, num_ranks)
     bound = makespan_lower_bound(eff, num_ranks)
-
     owners = greedy(costs, num_ranks, memory=memory, memory_cap=memory_cap)
     used = "greedy"
     optimal = False
@@ -416,9 +384,7 @@ def _solve_makespan(costs, num_ranks, start, *, memory, memory_cap, groups, clas
     want_milp = status is None
     status = status or "not run"
     heuristic = "lpt"
-    if method == "greedy":
-        pass  # plain LPT, as documented
-    elif not batch_overhead:
+    if method != "greedy" and not batch_overhead:  # "greedy" is plain LPT
         packed = multifit(costs, num_ranks, memory=memory, memory_cap=memory_cap)
         if packed is not None and (owners is None or max(evaluate(packed, costs, num_ranks))
                                    < max(evaluate(owners, costs, num_ranks))):
@@ -428,7 +394,7 @@ def _solve_makespan(costs, num_ranks, start, *, memory, memory_cap, groups, clas
             owners = improve(owners, costs, num_ranks, classes=classes, memory=memory,
                              memory_cap=memory_cap, time_limit_s=time_limit_s / 2)
     if owners is not None:
-        loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
+        loads = evaluate(owners, costs, num_ranks, **batching)
         if max(loads) <= bound * (1 + 1e-12):
             optimal, want_milp = True, False  # greedy met a lower bound: nothing to improve
             status = "not run: the heuristic plan meets the lower bound"
@@ -443,8 +409,7 @@ def _solve_makespan(costs, num_ranks, start, *, memory, memory_cap, groups, clas
             batch_overhead=batch_overhead, time_limit_s=time_limit_s)
         if res is not None:
             m_owners, m_optimal = res
-            m_loads = evaluate(m_owners, costs, num_ranks, classes=classes,
-                               batch_overhead=batch_overhead)
+            m_loads = evaluate(m_owners, costs, num_ranks, **batching)
             # CBC's plan whenever it is at least as good: at the time limit its incumbent may
             # be the warm start itself, and the plan is then still the MILP's answer.
             if owners is None or max(m_loads) <= max(loads) * (1 + 1e-12):
@@ -455,30 +420,25 @@ def _solve_makespan(costs, num_ranks, start, *, memory, memory_cap, groups, clas
             f"memory_cap={memory_cap:.0f} bytes within time_limit_s={time_limit_s} (MILP: "
             f"{status}); raise the cap or the time limit"
         )
-    pairs = 0
     if group_cost > 0:
         owners, used, optimal, heuristic, status = _place_groups(
             owners, heuristic, costs, num_ranks, groups=groups, group_cost=group_cost,
             classes=classes, batch_overhead=batch_overhead, memory=memory,
             memory_cap=memory_cap, method=method, time_limit_s=time_limit_s)
-    if groups is not None:
-        pairs = publish_pairs(owners, groups)
+    pairs = 0 if groups is None else publish_pairs(owners, groups)
     if layout is not None and groups is not None:
         owners = apply_layout(owners, classes, groups, *layout)
-    loads = evaluate(owners, costs, num_ranks, classes=classes, batch_overhead=batch_overhead)
+    loads = evaluate(owners, costs, num_ranks, **batching)
     makespan = max(loads)
-    if group_cost > 0:  # optimal only if both terms are at their minimum (or CBC proved it)
-        optimal = optimal or (makespan <= bound * (1 + 1e-12) and pairs == len(set(groups)))
-    else:
-        optimal = optimal or makespan <= bound * (1 + 1e-12)
+    # optimal where CBC proved it, or where both terms are at their minimum
+    optimal = optimal or (makespan <= bound * (1 + 1e-12)
+                          and (group_cost <= 0 or pairs == len(set(groups))))
     result = Assignment(
         owners=tuple(int(r) for r in owners), loads=tuple(loads),
-        memory=_per_rank(owners, memory, num_ranks),
-        makespan=makespan, lower_bound=lower,
+        memory=_per_rank(owners, memory, num_ranks), makespan=makespan, lower_bound=lower,
         proven_bound=makespan if optimal else bound, method=used, optimal=optimal,
         detail=heuristic, group_cost=float(group_cost), publish_pairs=pairs,
-        solve_s=time.perf_counter() - start, milp_status=status,
-    )
+        solve_s=time.perf_counter() - start, milp_status=status)
     logger.debug("dmuon: solve(%d matrices, %d ranks) -> %s makespan %.4g, bound %.4g",
                  n, num_ranks, used, makespan, result.proven_bound)
     return result
@@ -486,9 +446,8 @@ def _solve_makespan(costs, num_ranks, start, *, memory, memory_cap, groups, clas
 
 def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, classes,
                   batch_overhead, memory, memory_cap, method, time_limit_s):
-    """The best of: ``owners`` and group-LPT, each refined by merge_groups, then the group
-    MILP warm-started from it (when ``method`` allows it at this size). Returns ``(owners,
-    method, optimal, detail, milp_status)``."""
+    """The better of ``owners`` and group-LPT, each refined by merge_groups, then the group MILP
+    warm-started from it; ``(owners, method, optimal, detail, milp_status)``."""
     score = dict(groups=groups, group_cost=group_cost, classes=classes,
                  batch_overhead=batch_overhead)
     common = dict(score, memory=memory, memory_cap=memory_cap, time_limit_s=time_limit_s / 4)
@@ -518,10 +477,8 @@ def _place_groups(owners, heuristic, costs, num_ranks, *, groups, group_cost, cl
 def check_memory_cap(
     memory: Sequence[float], num_ranks: int, memory_cap: float, *, time_limit_s: float = 10.0
 ) -> None:
-    """Raise ValueError when no plan can keep every rank within ``memory_cap`` bytes.
-
-    The smallest feasible cap is itself a makespan problem (memory as cost): a cap at or above
-    greedy's memory makespan is feasible; below it the MILP decides.
+    """Raise ValueError when no plan keeps every rank within ``memory_cap`` bytes: the smallest
+    feasible cap is the makespan with memory as cost (greedy's is feasible; below, the MILP).
 
     Raises:
         ValueError: naming the smallest feasible cap (exact when CBC proves it, else the best
