@@ -168,11 +168,9 @@ def _records_now() -> bool:
 
 
 def observe(module: nn.Module, max_logits: Tensor) -> None:
-    """Record ``module``'s per-head max attention logits for the next QK-clip.
-
-    For attention computed outside the module's forward (a fused kernel, LeRobot's pi0); calls
-    accumulate a running max until ``opt.step()`` consumes them. Calls during a pipelining
-    stage's shape inference are ignored.
+    """Record ``module``'s per-head max attention logits for the next QK-clip, where attention
+    runs outside the module's forward (a fused kernel, LeRobot's pi0). Calls accumulate a running
+    max until ``opt.step()``; calls during a pipelining stage's shape inference are ignored.
 
     Args:
         module: the attention module (as :func:`dmuon.owners.attention.find_attention` finds it).
@@ -336,16 +334,10 @@ _TIMES_WEIGHT = re.compile(r"\bself\.weight\b")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Gain:
-    """What multiplies a QK-norm's normalized output, for QK-clip to scale.
-
-    Attributes:
-        module: the norm.
-        attrs: its parameters to scale: ``("weight",)``, or ``("weight", "bias")`` for a
-            ``LayerNorm`` with a bias (``y = n(x) * w + b`` scales by ``c`` when both do).
-        per_head: the weight is ``[heads * head_dim]`` (one slice per head); ``False``: one
-            ``[head_dim]`` weight shared by all heads.
-        offset: 1.0 where the gain is ``1 + weight`` (Gemma's RMSNorm), else 0.0.
-    """
+    """What multiplies a QK-norm's normalized output: ``module``'s ``attrs`` (``("weight",
+    "bias")`` for a ``LayerNorm`` with a bias: ``n(x) * w + b`` scales by ``c`` when both do),
+    ``[heads * head_dim]`` if ``per_head`` else ``[head_dim]``; ``offset`` 1.0 for a ``1 + weight``
+    gain (Gemma's RMSNorm)."""
 
     module: nn.Module
     attrs: tuple[str, ...]
