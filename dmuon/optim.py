@@ -59,7 +59,8 @@ class Muon(torch.optim.Optimizer):
             (torch>=2.14), as the installed ``torch.optim.Muon`` (:mod:`dmuon.owners.torch_muon`).
         ns_method: ``"gram"`` (Gram-space, default) or ``"standard"``.
         ns_dtype: iteration dtype: ``None`` (:func:`dmuon.kernels.default_ns_dtype`: fp16 on
-            CUDA, fp32 on CPU), ``torch.float16``, ``torch.bfloat16`` or ``torch.float32``.
+            CUDA, fp32 on CPU), ``torch.float16``, ``torch.bfloat16`` (with ``"standard"`` and
+            ``"muon"``: ``torch.optim.Muon``'s iteration) or ``torch.float32`` (exact math).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's hyper-parameters for the
             other parameters; ``adamw_lr``/``adamw_weight_decay`` default to ``lr``/``weight_decay``.
         ns_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`dmuon.kernels.newton_schulz`).
