@@ -1,16 +1,12 @@
 """Lost-rank detection: heartbeats through the c10d store, errors that name the lost rank.
 
-Each rank bumps ``beat/<rank>`` in the c10d store every ``interval_s`` and watches the next
-rank of the group (a ring); a counter still for ``timeout_s`` is published under ``lost``.
-:meth:`Heartbeat.guard` raises ``RuntimeError("dmuon: rank K ... lost ...")`` on entry, or turns
-a broken collective's error into it; a survivor blocked in a collective that never errors exits
-with :data:`EXIT_CODE_LOST`, as NCCL's watchdog does, so ``torchrun`` can restart.
+Each rank bumps ``beat/<rank>`` in the c10d store every ``interval_s`` and watches the next rank
+of the group (a ring); a counter still for ``timeout_s`` is published under ``lost``. A survivor
+blocked in a collective that never errors exits with :data:`EXIT_CODE_LOST`, as NCCL's watchdog.
 
 Bounds after a rank dies (``h = interval_s``, ``T = timeout_s``, ``P = probe_s``,
-``G = exit_grace_s``; defaults 0.5, 5, 1.5, 5 s): a survivor whose collective errors raises
-within ``P`` plus one store round trip; every other one within ``T + 2h + G`` (11 s). A rank
-deadlocked in user code keeps beating (the process-group timeout covers it). Under ``env://``
-the store lives in rank 0, whose death makes it unreachable (the error says so).
+``G = exit_grace_s``): a survivor whose collective errors raises within ``P`` plus one store round
+trip; every other one within ``T + 2h + G`` (11 s by default).
 """
 
 from __future__ import annotations
@@ -32,10 +28,8 @@ EXIT_CODE_LOST = 75  # EX_TEMPFAIL: a peer was lost; restarting from a checkpoin
 
 
 class Heartbeat:
-    """Per-rank heartbeat and lost-rank watchdog over the default c10d store.
-
-    Constructing it is collective over ``group`` (one broadcast of a fresh key prefix); use it
-    as a context manager or call :meth:`start` / :meth:`stop`.
+    """Per-rank heartbeat and lost-rank watchdog over the default c10d store; a context manager,
+    or :meth:`start` / :meth:`stop`. Constructing it is collective over ``group``.
 
     Args:
         group: process group whose ranks watch each other (default: the world).
@@ -81,7 +75,6 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    # ----------------------------------------------------------------- store keys
     def _read_beat(self, rank: int) -> int:
         return int(self.store.add(f"beat/{rank}", 0))  # add(0) reads without blocking
 
@@ -91,7 +84,6 @@ class Heartbeat:
         text = self.store.get("lost").decode()
         return sorted({int(r) for r in text.split(",") if r})
 
-    # ------------------------------------------------------------------ lifecycle
     def start(self) -> Heartbeat:
         """Start the watchdog thread (idempotent). Returns ``self``."""
         if self._thread is None:
@@ -149,7 +141,6 @@ class Heartbeat:
                     sys.stderr.flush()
                     os._exit(EXIT_CODE_LOST)
 
-    # ------------------------------------------------------------------ diagnosis
     def probe(self) -> list[int]:
         """Global ranks whose heartbeat does not move for ``probe_s`` (blocks up to ``probe_s``),
         or the published ``lost`` ranks as soon as a watcher has named some.

@@ -1,8 +1,5 @@
-"""``dmuon.Muon``: Muon on the matrices, AdamW on everything else, through one of three update
-strategies held as ``opt.strategy``: :class:`OwnerUpdate` (``Muon(model)``, the owner runtime of
-:func:`dmuon.dedicate_params`), :class:`~dmuon.distconfig.optimizer.ConfiguredUpdate`
-(``Muon(params, distributed_config=...)``) and
-:class:`~dmuon.distconfig.optimizer.SingleDeviceUpdate` (``Muon(params)``)."""
+"""``dmuon.Muon`` (Muon on the matrices, AdamW on the rest), its owner-runtime strategy
+:class:`OwnerUpdate`, and ``dmuon.clip_grad_norm_``."""
 
 from __future__ import annotations
 
@@ -10,6 +7,7 @@ import warnings
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dmuon.comm.collectives import label
@@ -20,7 +18,7 @@ from dmuon.distconfig.optimizer import MUON_KEYS, ConfiguredUpdate, SingleDevice
 from dmuon.hooks.dedicate import get_state
 from dmuon.hooks.state_dict import OptimizerStateHooks, param_names
 from dmuon.owners.blocks import resolve_splits, tp_orthogonalizer, tp_rank_size
-from dmuon.owners.clip import clip_by_total_norm_
+from dmuon.owners.clip import clip_by_total_norm_, is_first_copy
 from dmuon.owners.overlap import check_overlap, speculate, step_overlapped
 from dmuon.owners.update import (
     MatrixLayout,
@@ -34,15 +32,13 @@ from dmuon.qk_clip import QKClip, validate_qk_clip
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon for the matrices and AdamW for the rest, on the owner runtime, a
-    ``distributed_config`` or a single device; the update equals ``torch.optim.Muon`` +
+    """Muon for the matrices and AdamW for the rest; the update equals ``torch.optim.Muon`` +
     ``torch.optim.AdamW`` on the global batch (Jordan et al. 2024; Loshchilov & Hutter 2019;
     :mod:`dmuon.owners.update`).
 
-    With a model (:class:`OwnerUpdate`), ``param_groups[0]`` holds every dedicated matrix (its
-    fp32 master on the owner, a zero-size placeholder elsewhere: the same group layout on every
-    rank, so LR schedulers work) and ``param_groups[1]`` every other trainable parameter. With
-    parameters or param groups, each group is marked ``use_muon``
+    With a model, ``param_groups[0]`` holds every dedicated matrix (the fp32 master on its owner,
+    a zero-size placeholder elsewhere) and ``param_groups[1]`` every other trainable parameter.
+    With parameters, each group is marked ``use_muon``
     (:func:`~dmuon.distconfig.optimizer.split_param_groups`).
 
     Args:
@@ -60,13 +56,11 @@ class Muon(torch.optim.Optimizer):
         eps: Frobenius-norm floor of the Newton-Schulz normalization.
         ns_steps: Newton-Schulz iterations.
         adjust_lr_fn: ``None``/``"original"``, ``"match_rms_adamw"`` or ``"spectral_unclamped"``
-            (as ``torch.optim.Muon``; the last needs torch>=2.14). Where torch versions' Muon
-            differ, dmuon follows the installed one (:mod:`dmuon.owners.torch_muon`).
+            (torch>=2.14), as the installed ``torch.optim.Muon`` (:mod:`dmuon.owners.torch_muon`).
         ns_method: ``"gram"`` (Gram-space, default) or ``"standard"``.
-        ns_dtype: iteration dtype: ``None`` (default: :func:`dmuon.kernels.default_ns_dtype` of
-            the owner's device, fp16 on CUDA, fp32 on CPU), ``torch.float16``, ``torch.bfloat16``
-            (with ``"standard"`` and ``"muon"``: ``torch.optim.Muon``'s iteration) or
-            ``torch.float32`` (exact-math mode).
+        ns_dtype: iteration dtype: ``None`` (:func:`dmuon.kernels.default_ns_dtype`: fp16 on
+            CUDA, fp32 on CPU), ``torch.float16``, ``torch.bfloat16`` (with ``"standard"`` and
+            ``"muon"``: ``torch.optim.Muon``'s iteration) or ``torch.float32`` (exact math).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW's hyper-parameters for the
             other parameters; ``adamw_lr``/``adamw_weight_decay`` default to ``lr``/``weight_decay``.
         ns_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`dmuon.kernels.newton_schulz`).
@@ -76,24 +70,22 @@ class Muon(torch.optim.Optimizer):
         split: ``{fqn or parameter: dmuon.Split}`` or a callable ``(fqn, shape) -> Split | None``:
             matrices cut into blocks Newton-Schulz treats separately (wins over ``per_head``).
         qk_clip_threshold: QK-clip (MuonClip) threshold ``tau`` on the per-head max attention
-            logit, applied by the owners after each step (:mod:`dmuon.qk_clip`); ``None``: off.
-            A param-group hyper-parameter (saved in state dicts); model only.
+            logit (:mod:`dmuon.qk_clip`); ``None``: off. A param-group hyper-parameter; model only.
         qk_clip_alpha: the query's share of the clip (``eta ** alpha`` on q, ``eta ** (1 - alpha)``
             on k).
-        overlap: owner runtime only: ``"off"`` (Newton-Schulz inside ``step()``), ``"forward"``
-            (behind the next forward, in forward order) or ``"backward"`` (also started at the
-            end of the last backward, kept only when bit-for-bit valid); see
-            :mod:`dmuon.owners.overlap` and docs/performance.md.
+        overlap: model only: ``"off"`` (Newton-Schulz inside ``step()``), ``"forward"`` (behind
+            the next forward) or ``"backward"`` (also speculated at the end of backward, kept only
+            when bit-for-bit valid); see :mod:`dmuon.owners.overlap`.
 
     Attributes:
-        strategy: the update strategy (:class:`OwnerUpdate`, ``ConfiguredUpdate`` or
-            ``SingleDeviceUpdate``).
+        strategy: :class:`OwnerUpdate` (a model), ``ConfiguredUpdate`` (``distributed_config``) or
+            ``SingleDeviceUpdate``.
 
     Raises:
         ValueError: bad hyper-parameters (:func:`validate_hyperparameters`, also per param
             group), ``dedicate_params`` not called on the model, a model with a
-            ``distributed_config``, a ``distributed_config`` that is not a ``DistributedConfig``,
-            an empty parameter list, or a bad ``assign_fn`` result.
+            ``distributed_config``, a bad ``distributed_config``, no parameters, or a bad
+            ``assign_fn`` result.
         TypeError: a hyper-parameter that is not a number, or ``params`` of neither kind.
         RuntimeError: ranks computed different ``assign_fn`` assignments.
     """
@@ -126,6 +118,7 @@ class Muon(torch.optim.Optimizer):
         overlap: str = "off",
     ) -> None:
         validate_qk_clip(qk_clip_threshold, qk_clip_alpha)
+        check_overlap(overlap)
         muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                              ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                              adjust_lr_fn=adjust_lr_fn, ns_method=ns_method, ns_dtype=ns_dtype)
@@ -143,12 +136,12 @@ class Muon(torch.optim.Optimizer):
                     f"Pass the model alone, or its parameters with the distributed_config.")
             muon_defaults.update(qk_clip_threshold=qk_clip_threshold, qk_clip_alpha=qk_clip_alpha)
             groups = OwnerUpdate.param_groups(params, muon_defaults, adamw_defaults)
-        elif per_head or split is not None or qk_clip_threshold is not None:
+        elif per_head or split is not None or qk_clip_threshold is not None or overlap != "off":
             raise ValueError(
-                "dmuon: per_head, split and qk_clip_threshold need the model passed to "
-                "dedicate_params (dmuon.Muon(model, ...)): they find the attention modules and the "
-                "owners of their weights. The parameter / distributed_config path does not support "
-                "them; pass the model, or leave them off.")
+                "dmuon: per_head, split, qk_clip_threshold and overlap need the owner runtime (the "
+                "model passed to dedicate_params: dmuon.Muon(model, ...)); the parameter / "
+                "distributed_config path does not support them. Pass the model, or leave them off "
+                "(overlap='off').")
         elif params is None or isinstance(params, (str, bytes)):
             raise TypeError(f"dmuon: Muon takes the model passed to dedicate_params, or parameters "
                             f"/ param groups; got {type(params).__name__}")
@@ -157,11 +150,6 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"dmuon: distributed_config must be a DistributedConfig or None; "
                                  f"got {type(distributed_config).__name__}")
             groups = split_param_groups(params, muon_defaults, adamw_defaults)
-        check_overlap(overlap)
-        if overlap != "off" and not isinstance(params, nn.Module):
-            raise ValueError(f"dmuon: Muon(overlap={overlap!r}) needs the owner runtime (the model "
-                             f"passed to dedicate_params); with parameters (single device or "
-                             f"distributed_config) pass overlap='off'.")
         self.overlap = overlap
         self.ns_backend = ns_backend
         self.max_batch_bytes = max_batch_bytes
@@ -206,10 +194,8 @@ class Muon(torch.optim.Optimizer):
         return {"kept": 0, "recomputed": 0}
 
     def wait_pending(self) -> None:
-        """Block until every owner update an overlapped ``step()`` scheduled has finished (a
-        no-op with ``overlap="off"`` and other strategies). State-dict and DCP APIs,
-        ``dmuon.clip_grad_norm_``, the next forward and the next ``step()`` wait by themselves;
-        call this only to read a dedicated master directly between ``step()`` and the next forward.
+        """Block until every owner update an overlapped ``step()`` scheduled has finished; needed
+        only to read a master directly before the next forward (dmuon's own APIs wait).
 
         Raises:
             RuntimeError: an update failed on dmuon's worker thread (naming the matrices).
@@ -219,24 +205,15 @@ class Muon(torch.optim.Optimizer):
 
 
 class OwnerUpdate:
-    """The owner runtime's update: Muon on the masters this rank owns (TP matrices through
-    their TP owner), AdamW on the other parameters, then the publication of the new weights.
-    Every path of the Muon step (synchronous, per-head / split, overlapped, speculative) runs
-    :mod:`dmuon.owners.update` with a :class:`~dmuon.owners.update.MuonHyper` frozen at ``step()``.
-
-    Args:
-        opt: the :class:`Muon` built over ``model`` (groups from :meth:`param_groups`).
-        model: the model passed to :func:`dmuon.dedicate_params`.
-        per_head, split: resolved into ``splits`` (:func:`dmuon.owners.blocks.resolve_splits`).
-        qk_clip: install QK-clip's logit recording (:class:`dmuon.qk_clip.QKClip`).
-    """
+    """The owner runtime's update: Muon on the masters this rank owns (TP matrices through their
+    TP owner), AdamW on the other parameters, then the publication of the new weights. ``per_head``
+    / ``split`` go through :func:`dmuon.owners.blocks.resolve_splits`; ``qk_clip`` installs a
+    :class:`dmuon.qk_clip.QKClip`."""
 
     def __init__(self, opt: torch.optim.Optimizer, model: nn.Module, *, per_head: bool = False,
                  split: Any = None, qk_clip: bool = False) -> None:
         self.opt, self.model = opt, model
         self.state = state = get_state(model)
-        self.splits: dict[int, Any] = {}  # id(record) -> Split
-        self.qk_clip: Any = None
         self.overlap = getattr(opt, "overlap", "off")
         pending = state.pending
 
@@ -258,15 +235,15 @@ class OwnerUpdate:
                 stacklevel=3)
         if self.overlap == "backward":
             state.backward.speculator = self
+        self.splits: dict[int, Any] = {}  # id(record) -> Split
         if per_head or split is not None:
             self.splits = resolve_splits(model, state.records, per_head=per_head, split=split)
-        if qk_clip:
-            self.qk_clip = QKClip(model, state)
+        self.qk_clip = QKClip(model, state) if qk_clip else None
 
     @staticmethod
     def param_groups(model: nn.Module, muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
-        """``[muon group (every dedicated master), adamw group (every other trainable
-        parameter)]``, keyed ``kind``; binds the model's matrices if not done yet.
+        """``[muon group (every dedicated master), adamw group (every other trainable parameter)]``,
+        keyed ``kind``; binds the model's matrices if not done yet.
 
         Raises:
             ValueError: ``dedicate_params`` was not called on ``model``.
@@ -313,15 +290,12 @@ class OwnerUpdate:
 
     @property
     def overlaps(self) -> bool:
-        """Whether this step's Newton-Schulz runs behind the next forward: ``overlap`` is not
-        ``"off"`` and the model has no tensor parallelism (its Newton-Schulz is collective;
-        warned once at construction)."""
+        """Whether Newton-Schulz runs behind the next forward (not under TP: it is collective there)."""
         return self.overlap != "off" and self.state.roles.tp is None
 
     def _owned(self, group: dict) -> list[tuple]:
-        """``(master, grad, momentum buffer, record)`` of every master of ``group`` this rank
-        owns that has a gradient (placeholders are skipped; so is a matrix no rank had a
-        gradient for, as ``torch.optim.Muon`` skips ``grad=None``)."""
+        """``(master, grad, momentum buffer, record)`` of every master of ``group`` this rank owns
+        that has a gradient (as ``torch.optim.Muon`` skips ``grad=None``)."""
         items = []
         for p in group["params"]:
             if p.grad is None or p.numel() == 0 or getattr(p.grad, "dmuon_absent", False):
@@ -332,14 +306,11 @@ class OwnerUpdate:
 
     def layout(self, rec: Any) -> MatrixLayout:
         """``rec``'s Newton-Schulz matrix shape, split and tensor-parallel slice."""
-        split = self.splits.get(id(rec))
         tp = self.state.roles.tp
-        if tp is None:
-            return MatrixLayout(full_shape=tuple(rec.full_shape), matrix_shape=tuple(rec.matrix_shape),
-                                split=split)
-        rank, size = tp_rank_size(tp)
-        return MatrixLayout(full_shape=tuple(rec.full_shape), matrix_shape=tuple(rec.full_shape), split=split,
-                            tp_shard_dim=rec.tp_shard_dim, tp_rank=rank, tp_size=size)
+        rank, size = tp_rank_size(tp)  # (0, 1) without TP
+        return MatrixLayout(full_shape=tuple(rec.full_shape), split=self.splits.get(id(rec)),
+                            matrix_shape=tuple(rec.matrix_shape if tp is None else rec.full_shape),
+                            tp_shard_dim=None if tp is None else rec.tp_shard_dim, tp_rank=rank, tp_size=size)
 
     def hyper(self, group: dict) -> MuonHyper:
         """The Muon group's hyper-parameters, frozen now."""
@@ -347,8 +318,7 @@ class OwnerUpdate:
 
     @torch.no_grad()
     def speculate(self) -> None:
-        """End of a synced backward with ``overlap="backward"``:
-        :func:`dmuon.owners.overlap.speculate` on the owned matrices."""
+        """:func:`dmuon.owners.overlap.speculate` on the owned matrices (end of a synced backward)."""
         if not self.overlaps:
             return
         for group in self.opt.param_groups:
@@ -358,9 +328,8 @@ class OwnerUpdate:
 
     @torch.no_grad()
     def speculate_early(self, averages: dict) -> None:
-        """During a synced backward with ``overlap="backward"``, once a bucket's reduce-to-owner
-        completed: speculate from ``averages`` (``{record: fp32 average}``), for the matrices
-        that have a momentum buffer (the others wait for the end of backward)."""
+        """Speculate from ``averages`` (``{record: fp32 average}``) once a bucket's reduce-to-owner
+        completed, for the matrices that have a momentum buffer."""
         if not self.overlaps:
             return
         group = next(g for g in self.opt.param_groups if g["kind"] == "muon")
@@ -371,8 +340,7 @@ class OwnerUpdate:
                       early=True)
 
     def step_muon(self, group: dict, clip: Any = None) -> None:
-        """Muon on the masters of ``group`` this rank owns (placeholders are skipped), then
-        QK-clip's scaling of their rows (``clip``: the step's frozen plan, or ``None``)."""
+        """Muon on the masters of ``group`` this rank owns, then ``clip``'s scaling of their rows."""
         state = self.state
         hp = self.hyper(group)
         items = self._owned(group)
@@ -419,10 +387,8 @@ def unwrap_optimizer(opt: Any) -> Any:
 
 def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
-    """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute,
-    between ``backward()`` and ``step()`` (before Newton-Schulz, as for ``torch.optim.Muon``).
-    Collective over the mesh or the ``distributed_config``'s group; the math is
-    :func:`dmuon.owners.clip.clip_by_total_norm_`.
+    """Clip gradients by the global norm single-process ``clip_grad_norm_`` would compute (between
+    ``backward()`` and ``step()``). Collective; the math is :func:`dmuon.owners.clip.clip_by_total_norm_`.
 
     Args:
         model_or_optimizer: the model given to ``dedicate_params``, or a :class:`Muon` (any
@@ -465,6 +431,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
             f"all-reduced within the stage's data-parallel group) and combine them over the 'pp' "
             f"group, as torchtitan's dist_utils.clip_grad_norm_ does.")
     counted, clipped, replicated = [], [], []  # counted: held by exactly one rank
+    world = dist.get_process_group_ranks(state.roles.world)
     for rec in state.records:
         grad = plain(rec.master.grad)  # the local tensor: a shown grad's pieces are records too
         if grad is None or getattr(rec.master.grad, "dmuon_absent", False):  # absent: None
@@ -479,7 +446,7 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
         g = p.grad
         if hasattr(g, "to_local"):
             clipped.append(g.to_local())
-            if _first_replica(g, state):
+            if is_first_copy(g, world):
                 counted.append(g.to_local())
         else:
             replicated.append(g)
@@ -488,17 +455,3 @@ def clip_grad_norm_(model_or_optimizer: nn.Module | Muon, max_norm: float, norm_
                                error_if_nonfinite=error_if_nonfinite, group=state.roles.world,
                                replicated=replicated, count_replicated=state.rank == 0)
 
-
-def _first_replica(dtensor_grad: torch.Tensor, state) -> bool:
-    """Whether this rank's local piece of a DTensor is the one to count: coordinate 0 along
-    every mesh dimension on which the tensor is replicated, and along the TP / replicate
-    dimensions its mesh does not have (an FSDP2 shard on the DP sub-mesh of an FSDP x TP
-    model is the same on every TP rank)."""
-    mesh = dtensor_grad.device_mesh
-    coord = mesh.get_coordinate() or []
-    if not all(c == 0 for c, p in zip(coord, dtensor_grad.placements) if p.is_replicate()):
-        return False
-    names = set(mesh.mesh_dim_names or ())
-    if state.roles.tp is not None and state.roles.tp_name not in names and state.tp_rank != 0:
-        return False
-    return not (state.roles.replicate is not None and mesh.ndim == 1 and state.replicate_rank != 0)

@@ -1,29 +1,20 @@
 """QK-clip (MuonClip): after each Muon step, scale the query and key heads whose attention logits
 exceeded a threshold ``tau``.
 
-The rule (Kimi Team, "Kimi K2: Open Agentic Intelligence", 2025, MuonClip; with grouped-query
-attention as Megatron-LM's ``SelfAttention.clip_qk``, ``megatron/core/transformer/attention.py``):
-for each key/value group ``g`` of an attention module, ``S_g`` is the largest scaled logit
-``q_i . k_j * scale`` its query heads computed over the step's global batch. Only a group with
-``S_g`` finite and ``> tau`` is clipped: ``eta_g = tau / S_g``, its query heads' queries are
-scaled by ``eta_g ** alpha`` and its key head's keys by ``eta_g ** (1 - alpha)``, so each of its
-logits shrinks by exactly ``eta_g``; a group at ``-inf`` / ``inf`` / NaN is skipped and logged.
+The rule (Kimi Team, "Kimi K2: Open Agentic Intelligence", 2025, MuonClip; grouped-query attention
+as Megatron-LM's ``SelfAttention.clip_qk``): ``S_g`` is the largest scaled logit ``q . k * scale``
+of key/value group ``g``'s query heads over the step's global batch. A group with ``S_g`` finite
+and ``> tau`` has ``eta_g = tau / S_g``; its queries are scaled by ``eta_g ** alpha`` and its keys
+by ``eta_g ** (1 - alpha)``, so each of its logits shrinks by exactly ``eta_g``. A group at
+``-inf`` / ``inf`` / NaN is skipped and logged.
 
-What "scale the queries" touches (RoPE is linear per head, so it commutes with the scaling):
+Scaling the queries (RoPE commutes with it) scales the head's rows of ``W`` and of its bias, or
+after a QK-norm the gain instead: the head's slice of a per-head gain, or for a gain shared by the
+heads the layer's smallest ``eta``. A gain ``1 + weight`` (Gemma's RMSNorm) is scaled as
+``weight <- c * (1 + weight) - 1``.
 
-* nothing, or a bias (``q = W x + b``): the head's rows of ``W`` *and* of ``b``;
-* a QK-norm (``q = g * norm(W x)``: Qwen3, Gemma 3, OLMo 2): the gain ``g`` instead, the head's
-  slice of a per-head gain (``[heads * head_dim]``, OLMo 2), or for a gain shared by the heads
-  (``[head_dim]``, Qwen3, Gemma 3) the layer's smallest ``eta`` (``eta_min ** alpha`` on
-  ``q_norm``, ``eta_min ** (1 - alpha)`` on ``k_norm``: every head shrinks by at least its own
-  ``eta``). A gain ``1 + weight`` (Gemma's RMSNorm) is scaled as ``weight <- c * (1 + weight) - 1``.
-
-Each attention module's per-head max logit over the step's micro-batches is recorded in forward
-(:class:`LogitRecorder`, or :func:`observe` where attention runs outside the module; under tensor
-parallelism a rank's own heads). :meth:`QKClip.prepare` MAX-reduces the maxima over the mesh at the
-start of ``opt.step()`` and returns the step's frozen :class:`ClipPlan`: owners scale their fp32
-masters (:meth:`ClipPlan.scale_master`, safe on a worker thread), every rank its local piece of the
-other tensors (:meth:`ClipPlan.scale_others`).
+Maxima are recorded in forward (:class:`LogitRecorder`, or :func:`observe`), MAX-reduced over the
+mesh by :meth:`QKClip.prepare`, and applied through the step's frozen :class:`ClipPlan`.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ import logging
 import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
@@ -45,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from dmuon.comm.collectives import all_reduce, label
 from dmuon.owners.attention import AttentionLayout, find_attention
-from dmuon.owners.slices import chunk_sizes, local_rows, local_tensor
+from dmuon.owners.slices import chunk_span, local_rows, local_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +78,7 @@ def _masked_max_(scores: Tensor, start: int, attn_mask: Tensor | None, is_causal
 def max_logits(query: Tensor, key: Tensor, *, scale: float | None = None, attn_mask: Tensor | None = None,
                is_causal: bool = False, mask_true_keeps: bool = True) -> Tensor:
     """Per-query-head max of ``query @ key^T * scale`` over the kept positions, recomputed in
-    fp32, a few batch elements (or rows) at a time into one cache-sized buffer (docs/history.md,
-    "QK-clip recording cost").
+    fp32, a few batch elements (or rows) at a time into one cache-sized buffer.
 
     Args:
         query: ``[batch, heads, rows, dim]`` (or without ``batch``), any float dtype. Not mutated.
@@ -120,38 +110,38 @@ def max_logits(query: Tensor, key: Tensor, *, scale: float | None = None, attn_m
     best = torch.full((heads,), float("-inf"), device=query.device)
     if not batch * rows * keys:  # nothing attended
         return best
+    # chunks of `per` batch elements and `step` rows: a cache-sized buffer of logits, or where one
+    # batch element's exceed _CHUNK_ELEMENTS, the whole batch a few rows at a time
     if heads * rows * keys <= _CHUNK_ELEMENTS:
-        per = max(1, min(batch, _CACHE_ELEMENTS // max(1, heads * rows * keys)))
-        buffer = torch.empty(per, kv, group * rows, keys, device=query.device)
-        for first in range(0, batch, per):
-            count = min(per, batch - first)
+        per, step = max(1, min(batch, _CACHE_ELEMENTS // max(1, heads * rows * keys))), rows
+    else:
+        per, step = batch, max(1, _CHUNK_ELEMENTS // max(1, batch * heads * keys))
+    buffer = torch.empty(per * heads * step * keys, device=query.device)
+    for first in range(0, batch, per):
+        count = min(per, batch - first)
+        mask = attn_mask  # a per-batch mask: this chunk's batch elements
+        if mask is not None and mask.dim() >= 4 and mask.shape[0] != 1 and count != batch:
+            mask = mask[first: first + count]
+        for start in range(0, rows, step):
+            n = min(step, rows - start)
             # grouped-query attention: each key head's query heads in one product, no copy of
             # the keys per query head (query head h reads key head h // group)
-            chunk = query[first: first + count].float().reshape(count, kv, group * rows, dim)
-            scores = torch.matmul(chunk, key_t[first: first + count], out=buffer[:count])
-            scores = scores.view(count, heads, rows, keys)
+            chunk = query[first: first + count, :, start: start + n].float()
+            chunk = chunk.reshape(count, kv, group * n, dim)
+            out = buffer[: count * heads * n * keys].view(count, kv, group * n, keys)
+            scores = torch.matmul(chunk, key_t[first: first + count], out=out)
+            scores = scores.view(count, heads, n, keys)
             if not late:
                 scores.mul_(scale)
-            mask = attn_mask  # a per-batch mask: this chunk's batch elements
-            if mask is not None and mask.dim() >= 4 and mask.shape[0] != 1 and count != batch:
-                mask = mask[first: first + count]
-            best = torch.maximum(best, _masked_max_(scores, 0, mask, is_causal, mask_true_keeps))
-        return best * scale if late else best
-    step = max(1, _CHUNK_ELEMENTS // max(1, batch * heads * keys))
-    for start in range(0, rows, step):
-        chunk = query[:, :, start: start + step].float()
-        count = chunk.shape[2]
-        scores = torch.matmul(chunk.reshape(batch, kv, group * count, dim), key_t)
-        scores = scores.view(batch, heads, count, keys)
-        if not late:
-            scores.mul_(scale)
-        best = torch.maximum(best, _masked_max_(scores, start, attn_mask, is_causal, mask_true_keeps))
+            best = torch.maximum(best, _masked_max_(scores, start, mask, is_causal, mask_true_keeps))
     return best * scale if late else best
 
 
 def in_metadata_inference(depth: int = 64) -> bool:
     """Whether the caller runs inside a pipelining stage's metadata inference (a frame named in
     :data:`_METADATA_INFERENCE` within ``depth`` frames up the stack)."""
+    if "torch.distributed.pipelining" not in sys.modules:  # no stage ever ran: skip the stack walk
+        return False
     frame = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
@@ -178,11 +168,9 @@ def _records_now() -> bool:
 
 
 def observe(module: nn.Module, max_logits: Tensor) -> None:
-    """Record ``module``'s per-head max attention logits for the next QK-clip.
-
-    For attention computed outside the module's forward (a fused kernel, LeRobot's pi0); calls
-    accumulate a running max until ``opt.step()`` consumes them. Calls during a pipelining
-    stage's shape inference are ignored.
+    """Record ``module``'s per-head max attention logits for the next QK-clip, where attention
+    runs outside the module's forward (a fused kernel, LeRobot's pi0). Calls accumulate a running
+    max until ``opt.step()``; calls during a pipelining stage's shape inference are ignored.
 
     Args:
         module: the attention module (as :func:`dmuon.owners.attention.find_attention` finds it).
@@ -234,8 +222,7 @@ class LogitMode(TorchFunctionMode):
         self.rows: list[Tensor] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        # every torch call of the forward passes here: keep the common case to two identity
-        # tests (docs/history.md, "QK-clip recording cost")
+        # every torch call of the forward passes here: keep the common case to two identity tests
         if func is _SDPA and self.module is not None:
             kwargs = kwargs or {}
             names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
@@ -258,11 +245,7 @@ class LogitRecorder:
     """Forward hooks that record the per-head max logits of ``layouts``' modules when
     :func:`_records_now`: for ``nn.MultiheadAttention`` a pre-hook recomputes ``q k^T / sqrt(d)``
     from its inputs and ``in_proj_*``; other modules run their forward under a :class:`LogitMode`.
-
-    Args:
-        layouts: the model's attention modules.
-        local_heads: per layout, the number of query heads this rank's forward computes (its TP
-            slice's); ``None``: every layout's ``num_heads``.
+    ``local_heads``: per layout, the query heads this rank's forward computes (default: all).
     """
 
     def __init__(self, layouts: Sequence[AttentionLayout], local_heads: Sequence[int] | None = None) -> None:
@@ -351,16 +334,10 @@ _TIMES_WEIGHT = re.compile(r"\bself\.weight\b")
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Gain:
-    """What multiplies a QK-norm's normalized output, for QK-clip to scale.
-
-    Attributes:
-        module: the norm.
-        attrs: its parameters to scale: ``("weight",)``, or ``("weight", "bias")`` for a
-            ``LayerNorm`` with a bias (``y = n(x) * w + b`` scales by ``c`` when both do).
-        per_head: the weight is ``[heads * head_dim]`` (one slice per head); ``False``: one
-            ``[head_dim]`` weight shared by all heads.
-        offset: 1.0 where the gain is ``1 + weight`` (Gemma's RMSNorm), else 0.0.
-    """
+    """What multiplies a QK-norm's normalized output: ``module``'s ``attrs`` (``("weight",
+    "bias")`` for a ``LayerNorm`` with a bias: ``n(x) * w + b`` scales by ``c`` when both do),
+    ``[heads * head_dim]`` if ``per_head`` else ``[head_dim]``; ``offset`` 1.0 for a ``1 + weight``
+    gain (Gemma's RMSNorm)."""
 
     module: nn.Module
     attrs: tuple[str, ...]
@@ -416,30 +393,24 @@ class ClipPlan:
     """What one step's QK-clip scales (built by :meth:`QKClip.prepare`).
 
     Attributes:
-        tau: the threshold (a logit).
         masters: ``{id(record): [rows of this rank's master] fp32}`` on the master's device,
             for every dedicated matrix this rank owns that has rows to scale.
         others: ``(module, attr, factors, offset)`` per other tensor (a bias, a gain, a
             projection left to AdamW: ``module._parameters[attr]``), scaled by every rank on
             its local piece: ``x <- factor * (x + offset) - offset``, ``factors`` ``[full rows]``
             fp32 CPU (``offset`` 1.0 for a ``1 + weight`` gain).
-        clipped_heads: query heads in clipped groups.
     """
 
-    tau: float
-    masters: Mapping[int, Tensor] = field(default_factory=lambda: MappingProxyType({}))
-    others: tuple[tuple[nn.Module, str, Tensor, float], ...] = ()
-    clipped_heads: int = 0
+    masters: Mapping[int, Tensor]
+    others: tuple[tuple[nn.Module, str, Tensor, float], ...]
 
     @torch.no_grad()
-    def scale_master(self, rec: Any, master: Tensor) -> bool:
+    def scale_master(self, rec: Any, master: Tensor) -> None:
         """Scale ``master`` (``rec``'s fp32 ``[rows, cols]``, or this TP rank's rows; mutated) by
-        the plan's row factors; ``False`` when the plan has none for ``rec``."""
+        the plan's row factors, if it has some for ``rec``."""
         rows = self.masters.get(id(rec))
-        if rows is None or master.numel() == 0:
-            return False
-        master.mul_(rows.to(master.device, master.dtype).view(-1, *([1] * (master.dim() - 1))))
-        return True
+        if rows is not None and master.numel():
+            master.mul_(rows.to(master.device, master.dtype).view(-1, *([1] * (master.dim() - 1))))
 
     @torch.no_grad()
     def scale_others(self) -> None:
@@ -459,18 +430,9 @@ class ClipPlan:
 
 
 def group_etas(maxima: Tensor, nan: Tensor, num_kv_heads: int, tau: float) -> tuple[Tensor, Tensor]:
-    """Per key/value group ``eta`` and whether the group was skipped.
-
-    Args:
-        maxima: ``[heads]`` fp32 reduced per-query-head max logits (``-inf``: none seen).
-        nan: ``[heads]`` bool: some rank saw a NaN max for the head.
-        num_kv_heads: groups (query head ``h`` is in group ``h // (heads / num_kv_heads)``).
-        tau: the threshold.
-
-    Returns:
-        ``eta`` ``[num_kv_heads]`` fp64 (``tau / S_g`` where ``S_g`` is finite and ``> tau``,
-        else 1) and ``skipped`` ``[num_kv_heads]`` bool (``S_g`` is ``-inf``, ``+inf`` or NaN).
-    """
+    """``(eta, skipped)`` per key/value group, both ``[num_kv_heads]``, from ``maxima`` ``[heads]``
+    fp32 (``-inf``: unseen) and ``nan`` ``[heads]`` bool: ``eta`` fp64 is ``tau / S_g`` where
+    ``S_g`` is finite and ``> tau``, else 1; ``skipped`` where ``S_g`` is ``+-inf`` or NaN."""
     s = maxima.double().view(num_kv_heads, -1).amax(dim=1)
     skipped = nan.view(num_kv_heads, -1).any(dim=1) | ~torch.isfinite(s)
     clip = ~skipped & (s > tau)
@@ -508,11 +470,8 @@ def plan_rows(layout: AttentionLayout, eta: Tensor, alpha: float, gains: Sequenc
 
 
 class QKClip:
-    """The clip of one model's attention heads on the owner runtime.
-
-    Args:
-        model: the model passed to ``dedicate_params``.
-        ctx: its :class:`dmuon.hooks.state.DedicateState` (records, roles).
+    """The clip of one model's attention heads on the owner runtime (``ctx``: the model's
+    :class:`dmuon.hooks.state.DedicateState`).
 
     Attributes:
         clipped_heads: query heads in the groups the last step clipped.
@@ -546,16 +505,13 @@ class QKClip:
         self.clipped_heads = 0
         self.max_logit = float("-inf")
 
-    def _tp_rows(self, rec: Any) -> tuple[int, int]:
-        """``(first row, rows)`` of this TP rank's slice of ``rec`` (the whole matrix unless TP
-        shards its rows: ``Shard(0)``, sized as ``torch.chunk``)."""
+    def _tp_span(self, rec: Any) -> tuple[int, int]:
+        """``[start, stop)`` of this TP rank's rows of ``rec`` (all of them unless TP shards its rows)."""
         full = int(rec.full_shape[0])
         tp = self.ctx.roles.tp
         if tp is None or rec.tp_shard_dim != 0:
             return 0, full
-        rank, size = dist.get_rank(tp), dist.get_world_size(tp)
-        sizes = chunk_sizes(full, size)
-        return sum(sizes[:rank]), sizes[rank]
+        return chunk_span(full, dist.get_world_size(tp), dist.get_rank(tp))
 
     def _local_heads(self, layout: AttentionLayout) -> tuple[int, ...]:
         """Global indices of the query heads this rank's forward of ``layout`` computes, in order
@@ -578,14 +534,14 @@ class QKClip:
                 f"{rec.fqn!r} of {layout.name!r} sharded by rows on head boundaries "
                 f"(ColwiseParallel); it is sharded along dim {rec.tp_shard_dim} of "
                 f"{type(layout.module).__name__}. Leave qk_clip_threshold=None for this mesh.")
-        start, rows = self._tp_rows(rec)
+        start, stop = self._tp_span(rec)
         heads = []
         for h, first in enumerate(ref.head_rows):
-            inside = start <= first < start + rows
-            if inside != (start < first + ref.head_dim <= start + rows):
+            inside = start <= first < stop
+            if inside != (start < first + ref.head_dim <= stop):
                 raise ValueError(
                     f"dmuon: qk_clip_threshold under tensor parallelism: the TP slice (rows "
-                    f"{start}:{start + rows}) of {rec.fqn!r} cuts query head {h} of {layout.name!r} "
+                    f"{start}:{stop}) of {rec.fqn!r} cuts query head {h} of {layout.name!r} "
                     f"(rows {first}:{first + ref.head_dim}); shard on head boundaries (heads "
                     f"divisible by the TP size) or leave qk_clip_threshold=None.")
             if inside:
@@ -640,28 +596,23 @@ class QKClip:
             raise RuntimeError(
                 f"dmuon: qk_clip_threshold is set, but no rank recorded attention logits of "
                 f"{missing} in the first optimizer step, so QK-clip could never act on them: their "
-                f"attention is computed outside the module's own forward (LeRobot's pi0 / pi05 / "
-                f"SmolVLA compute it in functions of their own) or the modules did not run. Where "
-                f"the logits are computed, call dmuon.qk_clip.observe(module, max_logits) with the "
-                f"attention module and its per-head maxima ([num_heads]; "
-                f"dmuon.qk_clip.max_logits(query, key, ...) computes them), or leave "
+                f"attention is computed outside the module's forward, or they did not run. Where the "
+                f"logits are computed, call dmuon.qk_clip.observe(module, max_logits) (per-head maxima, "
+                f"[num_heads]: dmuon.qk_clip.max_logits(query, key, ...)), or leave "
                 f"qk_clip_threshold=None. Nothing was updated in this step.")
         if missing:
             logger.debug("dmuon: QK-clip: no logits of %s this step (not run); not clipped", missing)
 
     @torch.no_grad()
     def prepare(self, group: dict) -> ClipPlan | None:
-        """Reduce this step's maxima and decide the clip, before any parameter moves.
-
-        Call at the start of ``opt.step()`` on every rank of the mesh (collective when
-        ``group["qk_clip_threshold"]`` is set; the recorded maxima are reset either way).
+        """Reduce this step's maxima (collective when ``group["qk_clip_threshold"]`` is set) and
+        reset them, at the start of ``opt.step()`` before any parameter moves.
 
         Args:
             group: the Muon param group (``qk_clip_threshold`` ``tau``, ``qk_clip_alpha``).
 
         Returns:
-            The frozen :class:`ClipPlan` of this step, or ``None`` when no
-            group clips (or the threshold is ``None``).
+            The step's frozen :class:`ClipPlan`, or ``None`` when no group clips (or ``tau`` is ``None``).
 
         Raises:
             RuntimeError: on every rank, a module that recorded no logits in the first step, or
@@ -709,7 +660,6 @@ class QKClip:
                 if param is not None and param.requires_grad:  # frozen: no step moves it, nor its clip
                     others.append((module, attr, factors.float(), shift))
             elif rec.is_owner and rec.master.numel():
-                first, count = self._tp_rows(rec)  # the master is this TP rank's slice of the rows
-                masters[id(rec)] = factors[first: first + count].float().to(rec.master.device)
-        return ClipPlan(tau=float(tau), masters=MappingProxyType(masters), others=tuple(others),
-                        clipped_heads=self.clipped_heads)
+                start, stop = self._tp_span(rec)  # the master is this TP rank's slice of the rows
+                masters[id(rec)] = factors[start:stop].float().to(rec.master.device)
+        return ClipPlan(masters=MappingProxyType(masters), others=tuple(others))

@@ -507,7 +507,7 @@ def plan_is_frozen(rank: int, world_size: int) -> dict:
     plan = clip.prepare(group)
     frozen = False
     try:
-        plan.tau = 0.0
+        plan.others = ()
     except dataclasses.FrozenInstanceError:
         frozen = True
     group["qk_clip_threshold"] = 1e-3  # read at prepare, never again
@@ -520,7 +520,7 @@ def plan_is_frozen(rank: int, world_size: int) -> dict:
         plan.scale_master(r, r.master.data)
     plan.scale_others()
     want = expected_clip(before, maxima, tau, 0.3)
-    return dict(frozen=frozen, tau=plan.tau, clipped=plan.clipped_heads, thread=copy.numpy(),
+    return dict(frozen=frozen, clipped=clip.clipped_heads, thread=copy.numpy(),
                 live=rec.master.detach().numpy().copy(), full=_full(model)["layers.0.self_attn.q_proj.bias"].numpy(),
                 want=want["layers.0.self_attn.q_proj.weight"].numpy(),
                 want_bias=want["layers.0.self_attn.q_proj.bias"].numpy())

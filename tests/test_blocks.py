@@ -224,6 +224,8 @@ def test_qk_clip_records_nothing_during_pipelining_metadata_inference():
     random, NaN at times). Inside a frame of that name nothing is recorded; outside, the same
     forward records finite maxima (their values are checked against the reference by the
     pipeline and mesh tests above)."""
+    import torch.distributed.pipelining  # noqa: F401  (a stage runs only once it is imported)
+
     from dmuon.qk_clip import _ATTR, LogitRecorder, observe
 
     model = am.make_model(gain=3.0)
